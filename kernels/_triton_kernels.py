@@ -1,0 +1,405 @@
+"""Triton kernel bodies of `kvmesh.kernels` (launched only through `kvmesh.kernels.ops`).
+
+This file is imported twice by `ops`: once as a normal module whose kernels are
+compiled with ``triton.jit`` (CUDA), and once, lazily, with the global
+``_FORCE_INTERPRET`` set, so that every kernel is a Triton *interpreter* function
+that runs on CPU tensors. Triton otherwise decides interpreter-or-compiler once, at
+decoration time, from ``TRITON_INTERPRET``; loading the module twice makes the
+choice per call instead, so tests can run the interpreter in-process no matter who
+imported triton first, and a test that sets ``TRITON_INTERPRET`` does not turn the
+engine's CPU path into the (very slow) interpreter for the rest of the session.
+
+Index arithmetic that can exceed 2**31 (block index times block stride of the
+engine's all-layer KV tensor) is done in int64.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def _fix_interpreter() -> None:
+    """Work around two Triton 3.6 interpreter bugs (interpreter only; idempotent).
+
+    1. Scalars are 1-element arrays converted with ``int(array)``, which numpy
+       >= 2.4 refuses, so ``range(scalar_tensor)`` fails: re-patch ``__index__``.
+    2. ``tl.dot`` on bfloat16 runs ``np.matmul`` on the raw uint16 bit patterns
+       (numpy has no bf16): widen bf16 operands to fp32 first, which is exact and
+       is what the tensor cores do before accumulating in fp32.
+
+    Known remaining difference: the interpreter rounds fp32 -> bf16 casts toward
+    zero where the GPU rounds to nearest even, so interpreted bf16 outputs may be 1
+    ulp off the GPU's; the tests' bf16 tolerances allow for that."""
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    orig = interp._patch_lang_tensor
+    if not getattr(orig, "_kvmesh_patched", False):
+        try:
+            int(np.zeros(1, dtype=np.int32))
+        except TypeError:
+            def patched(tensor, scope):
+                orig(tensor, scope)
+                scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+            patched._kvmesh_patched = True
+            interp._patch_lang_tensor = patched
+
+    builder = interp.InterpreterBuilder
+    orig_dot = builder.create_dot
+    if not getattr(orig_dot, "_kvmesh_patched", False):
+        def widen(h):
+            if h.dtype == tl.bfloat16:
+                data = interp._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32)
+                return interp.TensorHandle(data, tl.float32)
+            return h
+
+        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            return orig_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+        create_dot._kvmesh_patched = True
+        builder.create_dot = create_dot
+
+
+if globals().get("_FORCE_INTERPRET", False):
+    from triton.runtime.interpreter import InterpretedFunction as _jit
+
+    _fix_interpreter()
+else:
+    _jit = triton.jit
+
+
+# --------------------------------------------------------------------------- KV write
+@_jit
+def write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    HKV: tl.constexpr, HKV_PAD: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """One program per token: copy its [Hkv, D] key and value into the slot's page.
+
+    Padding slots (-1) return before touching memory, which is what lets the
+    runner pad a batch to a CUDA-graph size without a scratch block."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, HKV_PAD)
+    d = tl.arange(0, D_PAD)
+    mask = (h[:, None] < HKV) & (d[None, :] < HEAD_D)
+    t64 = t.to(tl.int64)
+    k = tl.load(key_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(value_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
+    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
+    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------- attention
+@_jit
+def paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
+    bt_ptr, qsl_ptr, seqlen_ptr,
+    scale_log2, num_seqs, num_q_blocks,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh, stride_os,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_ms, stride_mt,
+    QPK: tl.constexpr, QPK_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SEG: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Unified causal paged attention (decode, prefill, chunked prefill, mixed).
+
+    Grid ``(num_q_blocks, Hkv, NUM_SEG)``. A q block is BLOCK_Q consecutive query
+    tokens of one sequence times the QPK query heads that share one KV head, packed
+    into BLOCK_M = BLOCK_Q * QPK_PAD rows, so each K/V tile is read once for the
+    whole GQA group and the QK^T / PV products are real matrix products even for
+    decode. ``num_q_blocks = T // BLOCK_Q + num_seqs`` is a bound computed from
+    shapes only: each program finds its sequence by binary search over
+    ``query_start_loc`` on the device, so nothing syncs with the host and the launch
+    can be captured in a CUDA graph. Programs are taken heaviest-first (reverse
+    order: late q blocks of a causal sequence see the most keys), which trims the
+    tail of long prefills.
+
+    Keys are streamed in TILE_N tiles gathered through the block table (a tile may
+    span several pages). Tiles that every row of the q block may see run without the
+    causal mask; only the last few (diagonal) tiles pay for it. With NUM_SEG > 1
+    (split-KV / flash-decoding) each program handles one contiguous slice of the key
+    tiles and writes an unnormalised partial result plus its row max and sum (log2
+    domain) for `reduce_segments_kernel`; that keeps the GPU full when there are few
+    sequences with long contexts.
+    """
+    pid = num_q_blocks - 1 - tl.program_id(0)
+    kvh = tl.program_id(1)
+    seg = tl.program_id(2)
+
+    # Sequence of this q block: last b with qsl[b] // BLOCK_Q + b <= pid.
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start_blk = tl.load(qsl_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+        if start_blk <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    b = lo - 1
+    q_start = tl.load(qsl_ptr + b).to(tl.int32)
+    q_len = tl.load(qsl_ptr + b + 1).to(tl.int32) - q_start
+    qb = pid - (q_start // BLOCK_Q + b)
+    if qb * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seqlen_ptr + b).to(tl.int32)
+    ctx = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok_local = qb * BLOCK_Q + offs_m // QPK_PAD
+    head = kvh * QPK + offs_m % QPK_PAD
+    row_ok = (tok_local < q_len) & (offs_m % QPK_PAD < QPK)
+    tok = (q_start + tok_local).to(tl.int64)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_D
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Keys [0, kv_end) are needed; keys [0, nomask_end) are visible to every row.
+    kv_end = ctx + tl.minimum((qb + 1) * BLOCK_Q, q_len)
+    nomask_end = ctx + qb * BLOCK_Q + 1
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    nomask_tiles = nomask_end // TILE_N
+    if NUM_SEG > 1:
+        per_seg = tl.cdiv(num_tiles, NUM_SEG)
+        t_begin = seg * per_seg
+        t_end = tl.minimum(t_begin + per_seg, num_tiles)
+    else:
+        t_begin = 0
+        t_end = num_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, TILE_N)
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+    qk_dtype = q_ptr.dtype.element_ty
+
+    # Full tiles below the diagonal: no masks at all.
+    for t in range(t_begin, tl.minimum(t_end, nomask_tiles)):
+        n = t * TILE_N + offs_n
+        blk = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
+        slot_k = blk * stride_kb + (n % BLOCK_SIZE) * stride_ks
+        slot_v = blk * stride_vb + (n % BLOCK_SIZE) * stride_vs
+        k = tl.load(k_base + slot_k[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, k.to(qk_dtype), input_precision="ieee")
+        else:
+            s = tl.dot(q, k.to(qk_dtype))
+        s = s * scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slot_v[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(qk_dtype), v.to(qk_dtype), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(qk_dtype), v.to(qk_dtype))
+        m_i = m_new
+
+    # Diagonal / ragged tiles: causal mask and key-range mask.
+    q_pos = ctx + tok_local
+    for t in range(tl.maximum(t_begin, nomask_tiles), t_end):
+        n = t * TILE_N + offs_n
+        n_ok = n < kv_end
+        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot_k = blk * stride_kb + (n % BLOCK_SIZE) * stride_ks
+        slot_v = blk * stride_vb + (n % BLOCK_SIZE) * stride_vs
+        k = tl.load(k_base + slot_k[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, k.to(qk_dtype), input_precision="ieee")
+        else:
+            s = tl.dot(q, k.to(qk_dtype))
+        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slot_v[:, None] + offs_d[None, :], mask=d_ok[None, :] & n_ok[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(qk_dtype), v.to(qk_dtype), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(qk_dtype), v.to(qk_dtype))
+        m_i = m_new
+
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SEG > 1:
+        # Partial result for this key slice (fp32, unnormalised) + row stats.
+        po = o_ptr + seg.to(tl.int64) * stride_os + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(po, acc, mask=out_mask)
+        stat = seg.to(tl.int64) * stride_ms + tok * stride_mt + head
+        tl.store(m_ptr + stat, m_i, mask=row_ok)
+        tl.store(l_ptr + stat, l_i, mask=row_ok)
+    else:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        po = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(po, o.to(o_ptr.dtype.element_ty), mask=out_mask)
+
+
+@_jit
+def reduce_segments_kernel(
+    po_ptr, m_ptr, l_ptr, o_ptr, qsl_ptr, num_seqs,
+    stride_pos, stride_pot, stride_poh,
+    stride_ms, stride_mt,
+    stride_ot, stride_oh,
+    HQ: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SEG: tl.constexpr, H_BLOCK: tl.constexpr,
+):
+    """Merge NUM_SEG split-KV partials of one token (H_BLOCK heads per program).
+
+    Each segment's sum and output are rescaled to the global row max; segments that
+    saw no keys carry m = -inf, l = 0 and drop out. Tokens past
+    ``query_start_loc[-1]`` (padding of a graph-sized batch) are skipped, read from
+    the device so the launch needs no host value."""
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    total = tl.load(qsl_ptr + num_seqs).to(tl.int32)
+    if t >= total:
+        return
+    t64 = t.to(tl.int64)
+    segs = tl.arange(0, NUM_SEG)
+    hs = hb * H_BLOCK + tl.arange(0, H_BLOCK)
+    h_ok = hs < HQ
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_D
+    stat = segs[:, None] * stride_ms + t64 * stride_mt + hs[None, :]  # [S, H]
+    m = tl.load(m_ptr + stat, mask=h_ok[None, :], other=float("-inf"))
+    l = tl.load(l_ptr + stat, mask=h_ok[None, :], other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max[None, :])  # [S, H]
+    denom = tl.sum(l * w, 0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    acc = tl.zeros([H_BLOCK, D_PAD], tl.float32)
+    for s in range(NUM_SEG):
+        ws = tl.sum(tl.where(segs[:, None] == s, w, 0.0), 0)  # [H]
+        p = tl.load(po_ptr + s * stride_pos + t64 * stride_pot + hs[:, None] * stride_poh + offs_d[None, :],
+                    mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += p * ws[:, None]
+    o = acc / denom[:, None]
+    tl.store(o_ptr + t64 * stride_ot + hs[:, None] * stride_oh + offs_d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+
+
+# --------------------------------------------------------------------------- block moves
+@_jit
+def block_copy_kernel(
+    src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr,
+    stride_src, stride_dst, numel,
+    SRC_INDEXED: tl.constexpr, DST_INDEXED: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Copy one CHUNK of block ``i``: ``dst[dst_ids[i]] = src[src_ids[i]]``.
+
+    Serves copy_blocks (both sides indexed), gather (dst packed) and scatter (src
+    packed); a block of the all-layer KV tensor is one contiguous byte range, so
+    this is a plain vectorised memcpy per block."""
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    if SRC_INDEXED:
+        s = tl.load(src_ids_ptr + i).to(tl.int64)
+    else:
+        s = i.to(tl.int64)
+    if DST_INDEXED:
+        d = tl.load(dst_ids_ptr + i).to(tl.int64)
+    else:
+        d = i.to(tl.int64)
+    offs = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < numel
+    x = tl.load(src_ptr + s * stride_src + offs, mask=mask)
+    tl.store(dst_ptr + d * stride_dst + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------- fused elementwise
+@_jit
+def rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr,
+    stride_x, stride_r, stride_y, stride_ro, eps, hidden,
+    HAS_RES: tl.constexpr, W_SAME: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One row per program: (x + residual) in x's dtype, then RMS in fp32.
+
+    Rounding follows the reference exactly: the residual sum is rounded to x's
+    dtype before it is normalised (that rounded sum is also what is returned), and
+    the weight multiply happens in fp32 when weight and x share a dtype, else after
+    rounding, in the promoted dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(ro_ptr + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / hidden
+    y = xf * tl.math.rsqrt(var + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    if W_SAME:
+        y = y * w.to(tl.float32)
+    else:
+        y = y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty) * w.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def rope_kernel(
+    pos_ptr, x_ptr, y_ptr, cs_ptr,
+    stride_xt, stride_xh, stride_yt, stride_yh, stride_cs, num_heads,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, H_BLOCK: tl.constexpr,
+):
+    """Rotate-half RoPE of one token's heads; cos/sin read once per token, fp32 math."""
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.arange(0, HALF_PAD)
+    j_ok = j < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + j, mask=j_ok, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
+    h = hb * H_BLOCK + tl.arange(0, H_BLOCK)
+    mask = (h[:, None] < num_heads) & j_ok[None, :]
+    base = x_ptr + t * stride_xt + h[:, None] * stride_xh + j[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * cos[None, :] - x2 * sin[None, :]
+    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    ob = y_ptr + t * stride_yt + h[:, None] * stride_yh + j[None, :]
+    tl.store(ob, o1.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(ob + HALF, o2.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def silu_and_mul_kernel(
+    x_ptr, y_ptr, stride_x, stride_y, d,
+    BLOCK: tl.constexpr,
+):
+    """``silu(gate) * up``; silu rounded to the dtype before the multiply, as torch does."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < d
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0)
+    s = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, (s * u.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)

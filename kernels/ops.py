@@ -1,0 +1,565 @@
+"""Public kernel entry points: argument checks, launch configuration, dispatch.
+
+Every function here has the semantics of its ``*_reference`` twin in
+`kvmesh.kernels.reference` and picks its implementation per call:
+
+* CUDA tensors: the Triton kernel, compiled;
+* CPU tensors with ``TRITON_INTERPRET=1`` in the environment (at call time): the
+  same Triton kernel under Triton's interpreter (tests, CI);
+* otherwise: the torch reference (the engine's CPU path).
+
+So the engine can call `kvmesh.kernels.paged_attention` everywhere. The checks run
+on shapes, dtypes, devices and strides only, never on tensor values: nothing here
+synchronises with the device, so the GPU paths can be captured in CUDA graphs.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import os
+import sys
+
+import torch
+
+from . import reference as _ref
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_INTS = (torch.int32, torch.int64)
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(interpret: bool):
+    """The kernel module, compiled (``interpret=False``) or interpreted.
+
+    The interpreted copy is a second import of the same file with
+    ``_FORCE_INTERPRET`` set before it executes (see `_triton_kernels`)."""
+    if not interpret:
+        from . import _triton_kernels
+
+        return _triton_kernels
+    path = os.path.join(os.path.dirname(__file__), "_triton_kernels.py")
+    name = __package__ + "._triton_kernels_interp"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__dict__["_FORCE_INTERPRET"] = True
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def backend(t: torch.Tensor) -> str:
+    """``"triton"``, ``"interpret"`` or ``"reference"`` for a call on ``t``'s device."""
+    if t.is_cuda:
+        return "triton"
+    if _interpret_requested():
+        return "interpret"
+    return "reference"
+
+
+def _k(t: torch.Tensor):
+    return _kernels(not t.is_cuda)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _p2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _fail(fn: str, msg: str):
+    raise ValueError(f"{fn}: {msg}")
+
+
+def _check_dim(fn, name, t, ndim):
+    if not isinstance(t, torch.Tensor):
+        _fail(fn, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        _fail(fn, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+
+
+def _check_dtype(fn, name, t, allowed):
+    if t.dtype not in allowed:
+        _fail(fn, f"{name} has dtype {t.dtype}, expected one of {[str(d) for d in allowed]}")
+
+
+def _check_device(fn, ref_name, ref, **others):
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            _fail(fn, f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
+def _check_last_contig(fn, name, t):
+    if t.numel() > 0 and t.stride(-1) != 1:
+        _fail(fn, f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+
+
+def _check_cache_pair(fn, k_cache, v_cache):
+    _check_dim(fn, "k_cache", k_cache, 4)
+    _check_dim(fn, "v_cache", v_cache, 4)
+    if k_cache.shape != v_cache.shape:
+        _fail(fn, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
+    if k_cache.dtype != v_cache.dtype:
+        _fail(fn, f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) differ in dtype")
+    _check_dtype(fn, "k_cache", k_cache, _FLOATS)
+    _check_last_contig(fn, "k_cache", k_cache)
+    _check_last_contig(fn, "v_cache", v_cache)
+    _check_device(fn, "k_cache", k_cache, v_cache=v_cache)
+
+
+# --------------------------------------------------------------------------- write_kv
+
+
+def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Write new keys/values ``[T, Hkv, D]`` into their cache slots; slot -1 is skipped.
+
+    The caches are per-layer strided views of the engine's KV tensor, so their
+    block stride is passed to the kernel rather than assumed."""
+    fn = "write_kv"
+    _check_dim(fn, "key", key, 3)
+    _check_dim(fn, "value", value, 3)
+    _check_cache_pair(fn, k_cache, v_cache)
+    _check_dim(fn, "slot_mapping", slot_mapping, 1)
+    _check_dtype(fn, "slot_mapping", slot_mapping, _INTS)
+    _check_dtype(fn, "key", key, _FLOATS)
+    _check_dtype(fn, "value", value, _FLOATS)
+    if key.shape != value.shape:
+        _fail(fn, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ in shape")
+    T, Hkv, D = key.shape
+    if (Hkv, D) != tuple(k_cache.shape[2:]):
+        _fail(fn, f"key heads/head size {(Hkv, D)} do not match the cache's {tuple(k_cache.shape[2:])}")
+    if slot_mapping.shape[0] != T:
+        _fail(fn, f"slot_mapping has {slot_mapping.shape[0]} entries for {T} tokens")
+    _check_last_contig(fn, "key", key)
+    _check_last_contig(fn, "value", value)
+    _check_device(fn, "key", key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    be = backend(key)
+    if be == "reference":
+        return _ref.write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+    if T == 0:
+        return None
+    _k(key).write_kv_kernel[(T,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HKV=Hkv, HKV_PAD=_p2(Hkv), HEAD_D=D, D_PAD=_p2(D), BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4 if Hkv * D >= 1024 else 1,
+    )
+    return None
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def attention_config(
+    num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: int,
+    max_query_len: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
+) -> dict:
+    """Launch configuration from host-side sizes only (no tensor values).
+
+    Decode-like batches (``max_query_len`` small) use 16-row q blocks: the whole
+    GQA group of a token or a few tokens, the smallest tile `tl.dot` takes, since
+    decode is bound by reading K/V. Longer queries use 128-row (64 for fp32) q
+    blocks, which make prefill compute-bound. Split-KV (flash-decoding) is chosen
+    when decode-like work has too few (q block, KV head) programs to fill the GPU
+    and the contexts are long enough to split.
+    """
+    qpk = num_q_heads // num_kv_heads
+    qpk_pad = _p2(qpk)
+    d_pad = _p2(max(head_size, 16))
+    fp32 = dtype == torch.float32
+    if max_query_len * qpk_pad <= 16:
+        block_m = max(16, qpk_pad)
+        tile_n, num_warps, num_stages = 64, 4, 3
+    else:
+        block_m = max(64 if (fp32 or d_pad > 128) else 128, qpk_pad)
+        tile_n, num_warps, num_stages = (32, 4, 2) if (fp32 or d_pad > 128) else (64, 8, 3)
+    block_q = block_m // qpk_pad
+    num_segments = 1
+    if max_query_len <= block_q:
+        programs = num_seqs * num_kv_heads
+        target = 3 * _num_sms(device)
+        if programs < target:
+            want = _p2(math.ceil(target / max(programs, 1)))
+            max_useful = max_seq_len // (4 * tile_n)  # keep >= 4 key tiles per segment
+            if max_useful >= 2:
+                num_segments = min(16, want, 1 << (max_useful.bit_length() - 1))
+    return dict(block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
+                num_segments=num_segments)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_segments: int | None = None,
+    block_m: int | None = None,
+    tile_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed variable-length queries over the paged KV cache.
+
+    Same contract as `paged_attention_reference` (decode, prefill, chunked prefill
+    over a cached prefix, mixed batches; GQA). ``max_query_len`` / ``max_seq_len``
+    are optional *host* hints used only to choose the launch configuration (never
+    for correctness); the runner should pass them, as Python ints, since it knows
+    them. Without them the wrapper assumes decode when there is one token per
+    sequence and takes the block table width as the longest context. Tokens after
+    ``query_start_loc[-1]`` (padding) are left untouched in ``out``.
+    ``num_segments``, ``block_m``, ``tile_n``, ``num_warps``, ``num_stages``
+    override the heuristic (benchmarks and tests).
+    """
+    fn = "paged_attention"
+    _check_dim(fn, "query", query, 3)
+    _check_cache_pair(fn, k_cache, v_cache)
+    _check_dim(fn, "block_tables", block_tables, 2)
+    _check_dim(fn, "query_start_loc", query_start_loc, 1)
+    _check_dim(fn, "seq_lens", seq_lens, 1)
+    _check_dtype(fn, "query", query, _FLOATS)
+    for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+        _check_dtype(fn, name, t, _INTS)
+    T, Hq, D = query.shape
+    N, bs, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        _fail(fn, f"query head size {D} != cache head size {Dk}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        _fail(fn, f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    B = seq_lens.shape[0]
+    if query_start_loc.shape[0] != B + 1:
+        _fail(fn, f"query_start_loc must have num_seqs + 1 = {B + 1} entries, got {query_start_loc.shape[0]}")
+    if block_tables.shape[0] != B:
+        _fail(fn, f"block_tables has {block_tables.shape[0]} rows for {B} sequences")
+    if block_tables.numel() > 0 and block_tables.stride(-1) != 1:
+        _fail(fn, f"block_tables rows must be contiguous, got strides {block_tables.stride()}")
+    _check_last_contig(fn, "query", query)
+    if out is None:
+        out = torch.empty_like(query)
+    else:
+        if out.shape != query.shape or out.dtype != query.dtype:
+            _fail(fn, f"out must match query ({tuple(query.shape)}, {query.dtype}); got {tuple(out.shape)}, {out.dtype}")
+        _check_last_contig(fn, "out", out)
+    _check_device(fn, "query", query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                  query_start_loc=query_start_loc, seq_lens=seq_lens, out=out)
+    if not math.isfinite(scale):
+        _fail(fn, f"scale must be finite, got {scale}")
+    be = backend(query)
+    if be == "reference":
+        return _ref.paged_attention_reference(query, k_cache, v_cache, block_tables, query_start_loc,
+                                              seq_lens, scale, out=out)
+    if B == 0 or T == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = 1 if T <= B else T
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * bs
+    cfg = attention_config(T, B, Hq, Hkv, D, max_query_len, max_seq_len, query.device, query.dtype)
+    for key, val in (("num_segments", num_segments), ("block_m", block_m), ("tile_n", tile_n),
+                     ("num_warps", num_warps), ("num_stages", num_stages)):
+        if val is not None:
+            cfg[key] = int(val)
+    qpk = Hq // Hkv
+    qpk_pad = _p2(qpk)
+    bm = cfg["block_m"]
+    if bm < 16 or bm & (bm - 1) or bm < qpk_pad:
+        _fail(fn, f"block_m must be a power of two >= max(16, {qpk_pad}), got {bm}")
+    tn = cfg["tile_n"]
+    if tn < 16 or tn & (tn - 1):
+        _fail(fn, f"tile_n must be a power of two >= 16, got {tn}")
+    nseg = cfg["num_segments"]
+    if nseg < 1 or nseg & (nseg - 1):
+        _fail(fn, f"num_segments must be a power of two >= 1, got {nseg}")
+    block_q = bm // qpk_pad
+    num_q_blocks = T // block_q + B
+    kern = _k(query)
+    dpad = _p2(max(D, 16))
+    scale_log2 = float(scale) * 1.4426950408889634
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    consts = dict(QPK=qpk, QPK_PAD=qpk_pad, BLOCK_Q=block_q, BLOCK_M=bm, HEAD_D=D, D_PAD=dpad,
+                  BLOCK_SIZE=bs, TILE_N=tn, NUM_SEG=nseg, IEEE=query.dtype == torch.float32)
+    grid = (num_q_blocks, Hkv, nseg)
+    if nseg == 1:
+        kern.paged_attention_kernel[grid](
+            query, k_cache, v_cache, out, out, out,
+            block_tables, query_start_loc, seq_lens,
+            scale_log2, B, num_q_blocks,
+            query.stride(0), query.stride(1),
+            out.stride(0), out.stride(1), 0,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0),
+            0, 0,
+            **consts, **launch,
+        )
+        return out
+    part = torch.empty((nseg, T, Hq, D), dtype=torch.float32, device=query.device)
+    m = torch.empty((nseg, T, Hq), dtype=torch.float32, device=query.device)
+    l = torch.empty_like(m)
+    kern.paged_attention_kernel[grid](
+        query, k_cache, v_cache, part, m, l,
+        block_tables, query_start_loc, seq_lens,
+        scale_log2, B, num_q_blocks,
+        query.stride(0), query.stride(1),
+        part.stride(1), part.stride(2), part.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        m.stride(0), m.stride(1),
+        **consts, **launch,
+    )
+    h_block = min(_p2(Hq), max(1, 4096 // (dpad * nseg)))
+    kern.reduce_segments_kernel[(T, triton_cdiv(Hq, h_block))](
+        part, m, l, out, query_start_loc, B,
+        part.stride(0), part.stride(1), part.stride(2),
+        m.stride(0), m.stride(1),
+        out.stride(0), out.stride(1),
+        HQ=Hq, HEAD_D=D, D_PAD=dpad, NUM_SEG=nseg, H_BLOCK=h_block,
+        num_warps=4,
+    )
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------- block moves
+
+
+def _check_kv_tensor(fn, kv_cache):
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() < 2:
+        _fail(fn, "kv_cache must be a tensor [num_blocks, ...]")
+    if kv_cache.numel() > 0 and not kv_cache[0].is_contiguous():
+        _fail(fn, f"each block of kv_cache must be contiguous (strides {kv_cache.stride()})")
+
+
+def _check_ids(fn, name, ids, device):
+    _check_dim(fn, name, ids, 1)
+    _check_dtype(fn, name, ids, _INTS)
+    if ids.device != device:
+        _fail(fn, f"{name} is on {ids.device} but kv_cache is on {device}")
+
+
+_CHUNK = 2048
+
+
+def _launch_block_copy(src, dst, src_ids, dst_ids, n):
+    numel = math.prod(src.shape[1:])
+    chunk = min(_CHUNK, _p2(max(numel, 16)))
+    grid = (n, triton_cdiv(numel, chunk))
+    dummy = src_ids if src_ids is not None else dst_ids
+    _k(src).block_copy_kernel[grid](
+        src, dst, src_ids if src_ids is not None else dummy, dst_ids if dst_ids is not None else dummy,
+        src.stride(0), dst.stride(0), numel,
+        SRC_INDEXED=src_ids is not None, DST_INDEXED=dst_ids is not None, CHUNK=chunk, num_warps=4,
+    )
+
+
+def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy whole blocks (every layer, K and V) ``src[i] -> dst[i]`` (copy-on-write).
+
+    ``dst`` must not repeat and must not overlap ``src``: the copies run in
+    parallel (the reference reads all sources first; a parallel copy cannot, and
+    checking would need the values on the host)."""
+    fn = "copy_blocks"
+    _check_kv_tensor(fn, kv_cache)
+    _check_ids(fn, "src", src, kv_cache.device)
+    _check_ids(fn, "dst", dst, kv_cache.device)
+    if src.shape != dst.shape:
+        _fail(fn, f"src {tuple(src.shape)} and dst {tuple(dst.shape)} differ in length")
+    be = backend(kv_cache)
+    if be == "reference":
+        return _ref.copy_blocks_reference(kv_cache, src, dst)
+    if src.numel() == 0:
+        return None
+    _launch_block_copy(kv_cache, kv_cache, src, dst, src.shape[0])
+    return None
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Pack blocks into a new contiguous ``[n, *block_shape]`` buffer (KV send side)."""
+    fn = "gather_blocks"
+    _check_kv_tensor(fn, kv_cache)
+    _check_ids(fn, "block_ids", block_ids, kv_cache.device)
+    be = backend(kv_cache)
+    if be == "reference":
+        return _ref.gather_blocks_reference(kv_cache, block_ids)
+    out = torch.empty((block_ids.shape[0], *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
+    if block_ids.numel() == 0:
+        return out
+    _launch_block_copy(kv_cache, out, block_ids, None, block_ids.shape[0])
+    return out
+
+
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
+    """Unpack a ``[n, *block_shape]`` buffer into the given blocks (KV receive side)."""
+    fn = "scatter_blocks"
+    _check_kv_tensor(fn, kv_cache)
+    _check_ids(fn, "block_ids", block_ids, kv_cache.device)
+    if not isinstance(packed, torch.Tensor) or tuple(packed.shape) != (block_ids.shape[0], *kv_cache.shape[1:]):
+        _fail(fn, f"packed must have shape {(block_ids.shape[0], *kv_cache.shape[1:])}, "
+                  f"got {tuple(getattr(packed, 'shape', ()))}")
+    _check_dtype(fn, "packed", packed, _FLOATS + (kv_cache.dtype,))
+    if packed.device != kv_cache.device:
+        _fail(fn, f"packed is on {packed.device} but kv_cache is on {kv_cache.device}")
+    be = backend(kv_cache)
+    if be == "reference":
+        return _ref.scatter_blocks_reference(kv_cache, block_ids, packed)
+    if block_ids.numel() == 0:
+        return None
+    if packed.numel() > 0 and not packed[0].is_contiguous():
+        packed = packed.contiguous()
+    _launch_block_copy(packed, kv_cache, None, block_ids, block_ids.shape[0])
+    return None
+
+
+# --------------------------------------------------------------------------- fused elementwise
+
+
+def _rows(fn, name, x):
+    """2-D view [rows, hidden] without copying when the rows are evenly strided."""
+    _check_last_contig(fn, name, x)
+    if x.dim() == 2:
+        return x
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return x.reshape(-1, x.shape[-1])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm in fp32 over the last dim, optionally fused with the residual add.
+
+    Returns ``normed`` or ``(normed, x + residual)`` like the reference (new
+    tensors; inputs are not modified)."""
+    fn = "rms_norm"
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        _fail(fn, "x must be a tensor with at least one dim")
+    _check_dtype(fn, "x", x, _FLOATS)
+    _check_dim(fn, "weight", weight, 1)
+    _check_dtype(fn, "weight", weight, _FLOATS)
+    H = x.shape[-1]
+    if weight.shape[0] != H:
+        _fail(fn, f"weight has {weight.shape[0]} entries for hidden size {H}")
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            _fail(fn, f"residual must match x ({tuple(x.shape)}, {x.dtype}); got "
+                      f"{tuple(residual.shape)}, {residual.dtype}")
+    _check_device(fn, "x", x, weight=weight, residual=residual)
+    be = backend(x)
+    if be == "reference":
+        return _ref.rms_norm_reference(x, weight, eps, residual)
+    out_dtype = x.dtype if weight.dtype == x.dtype else torch.promote_types(x.dtype, weight.dtype)
+    weight = weight.contiguous()
+    x2 = _rows(fn, "x", x)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    y2 = y.view(-1, H)
+    if residual is not None:
+        r2 = _rows(fn, "residual", residual)
+        ro = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        ro2 = ro.view(-1, H)
+    else:
+        r2, ro2 = x2, y2
+    rows = x2.shape[0]
+    if rows == 0 or H == 0:
+        return (y, ro) if residual is not None else y
+    block = _p2(H)
+    _k(x).rms_norm_kernel[(rows,)](
+        x2, r2, weight, y2, ro2,
+        x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0), float(eps), H,
+        HAS_RES=residual is not None, W_SAME=weight.dtype == x.dtype, BLOCK=block,
+        num_warps=min(16, max(1, block // 512)),
+    )
+    return (y, ro) if residual is not None else y
+
+
+def rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """Rotate-half (NeoX / Llama) rotary embedding; returns new ``(query, key)``."""
+    fn = "rope"
+    _check_dim(fn, "positions", positions, 1)
+    _check_dtype(fn, "positions", positions, _INTS)
+    _check_dim(fn, "query", query, 3)
+    _check_dim(fn, "key", key, 3)
+    _check_dim(fn, "cos_sin_cache", cos_sin_cache, 2)
+    _check_dtype(fn, "query", query, _FLOATS)
+    _check_dtype(fn, "key", key, _FLOATS)
+    _check_dtype(fn, "cos_sin_cache", cos_sin_cache, _FLOATS)
+    T, _, D = query.shape
+    if key.shape[0] != T or key.shape[2] != D or positions.shape[0] != T:
+        _fail(fn, f"positions {tuple(positions.shape)}, query {tuple(query.shape)} and key "
+                  f"{tuple(key.shape)} disagree on tokens / head size")
+    if cos_sin_cache.shape[1] != D or D % 2:
+        _fail(fn, f"cos_sin_cache must be [max_pos, head_size={D}] (even), got {tuple(cos_sin_cache.shape)}")
+    _check_last_contig(fn, "query", query)
+    _check_last_contig(fn, "key", key)
+    _check_last_contig(fn, "cos_sin_cache", cos_sin_cache)
+    _check_device(fn, "query", query, key=key, positions=positions, cos_sin_cache=cos_sin_cache)
+    be = backend(query)
+    if be == "reference":
+        return _ref.rope_reference(positions, query, key, cos_sin_cache)
+    qo = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    ko = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    if T == 0:
+        return qo, ko
+    half = D // 2
+    kern = _k(query)
+    for x, y in ((query, qo), (key, ko)):
+        H = x.shape[1]
+        hb = min(_p2(H), max(1, 2048 // _p2(half)))
+        kern.rope_kernel[(T, triton_cdiv(H, hb))](
+            positions, x, y, cos_sin_cache,
+            x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos_sin_cache.stride(0), H,
+            HALF=half, HALF_PAD=_p2(half), H_BLOCK=hb, num_warps=4,
+        )
+    return qo, ko
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for a fused gate/up projection of width ``2d``."""
+    fn = "silu_and_mul"
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        _fail(fn, "x must be a tensor with at least one dim")
+    _check_dtype(fn, "x", x, _FLOATS)
+    if x.shape[-1] % 2:
+        _fail(fn, f"last dim must be even (gate | up), got {x.shape[-1]}")
+    be = backend(x)
+    if be == "reference":
+        return _ref.silu_and_mul_reference(x)
+    d = x.shape[-1] // 2
+    x2 = _rows(fn, "x", x)
+    y = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, d)
+    if y2.shape[0] == 0 or d == 0:
+        return y
+    block = min(1024, _p2(d))
+    _k(x).silu_and_mul_kernel[(x2.shape[0], triton_cdiv(d, block))](
+        x2, y2, x2.stride(0), y2.stride(0), d, BLOCK=block, num_warps=4,
+    )
+    return y
