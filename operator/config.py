@@ -1,0 +1,36 @@
+"""Operator settings, read once from the environment (prefix KVMESH_OPERATOR_).
+
+Why frozen: handlers run concurrently in threads; an immutable config can be shared freely.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    resync_seconds: float = 10.0  # timer interval for drift correction and status refresh
+    max_backoff_seconds: float = 60.0  # cap on the retry delay after transient API errors
+    watch_children: bool = True  # reconcile the owner when an owned Deployment changes
+
+    def __post_init__(self) -> None:
+        if self.resync_seconds <= 0:
+            raise ValueError("resync_seconds must be > 0")
+        if self.max_backoff_seconds < 1:
+            raise ValueError("max_backoff_seconds must be >= 1")
+
+    def backoff(self, retry: int) -> float:
+        """Exponential backoff for the kopf retry counter: 1, 2, 4 ... capped."""
+        return float(min(self.max_backoff_seconds, 2 ** max(0, retry)))
+
+    @staticmethod
+    def from_env(env: dict[str, str] | None = None) -> "OperatorConfig":
+        e = os.environ if env is None else env
+        p = "KVMESH_OPERATOR_"
+        return OperatorConfig(
+            resync_seconds=float(e.get(p + "RESYNC_SECONDS", 10.0)),
+            max_backoff_seconds=float(e.get(p + "MAX_BACKOFF_SECONDS", 60.0)),
+            watch_children=e.get(p + "WATCH_CHILDREN", "1") not in ("0", "false", "False"),
+        )

@@ -1,0 +1,135 @@
+"""Thin, typed access to the API for the handful of kinds the operator owns.
+
+Why not the dynamic client: it runs discovery on start and hides the request; the operator only
+needs apply / get / delete / list-by-label on a fixed set of kinds, and explicit REST paths keep
+the RBAC story obvious (every verb used here is one the chart grants).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+from .render import MANAGER
+
+
+@dataclass(frozen=True)
+class Kind:
+    api_version: str
+    kind: str
+    plural: str
+
+    def collection(self, namespace: str) -> str:
+        base = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
+        return f"{base}/namespaces/{namespace}/{self.plural}"
+
+
+KINDS: dict[tuple[str, str], Kind] = {
+    (k.api_version, k.kind): k
+    for k in (
+        Kind("v1", "ConfigMap", "configmaps"),
+        Kind("v1", "Service", "services"),
+        Kind("v1", "ServiceAccount", "serviceaccounts"),
+        Kind("apps/v1", "Deployment", "deployments"),
+        Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+        Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
+        Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
+        Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
+    )
+}
+INFERENCE_SERVICES = Kind("serving.kvmesh.io/v1alpha1", "InferenceService", "inferenceservices")
+
+# Status codes worth retrying: throttling, server-side trouble, and conflicts from racing writers.
+TRANSIENT_STATUS = frozenset({409, 429, 500, 502, 503, 504})
+
+
+class TransientError(Exception):
+    """The API call may succeed later (network trouble, 5xx, 429, conflicts)."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, ApiException):
+        return exc.status in TRANSIENT_STATUS or exc.status == 0
+    return isinstance(exc, (ConnectionError, TimeoutError, OSError))
+
+
+def load_config() -> None:
+    """In-cluster service account first, then KUBECONFIG (local runs and e2e tests)."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+
+
+class Kube:
+    """One ApiClient; every write is server-side apply with the operator's field manager."""
+
+    def __init__(self, api: client.ApiClient | None = None) -> None:
+        self.api = api or client.ApiClient()
+
+    def _call(self, method: str, path: str, *, body: Any = None,
+              query: list[tuple[str, Any]] | None = None,
+              content_type: str = "application/json") -> Any:
+        try:
+            data, _, _ = self.api.call_api(
+                path, method, query_params=query or [], body=body,
+                header_params={"Accept": "application/json", "Content-Type": content_type},
+                auth_settings=["BearerToken"], response_type=None, _preload_content=False,
+                _request_timeout=30,
+            )
+        except ApiException as e:
+            if is_transient(e):
+                raise TransientError(f"{method} {path}: {e.status} {e.reason}") from e
+            raise
+        except (ConnectionError, TimeoutError, OSError) as e:
+            raise TransientError(f"{method} {path}: {e}") from e
+        raw = data.data
+        return json.loads(raw) if raw else None
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply. force=True: our manager owns the fields it renders, so a hand edit
+        of one of them is reverted (drift correction) rather than reported as a conflict."""
+        k = KINDS[(obj["apiVersion"], obj["kind"])]
+        path = f"{k.collection(obj['metadata']['namespace'])}/{obj['metadata']['name']}"
+        return self._call("PATCH", path, body=obj,
+                          query=[("fieldManager", MANAGER), ("force", "true")],
+                          content_type="application/apply-patch+yaml")
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        k = KINDS[(api_version, kind)] if (api_version, kind) in KINDS else INFERENCE_SERVICES
+        try:
+            return self._call("GET", f"{k.collection(namespace)}/{name}")
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict]:
+        k = KINDS[(api_version, kind)]
+        out = self._call("GET", k.collection(namespace),
+                         query=[("labelSelector", label_selector)])
+        return list(out.get("items") or [])
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> None:
+        """Delete with a uid precondition so we never remove a same-named replacement."""
+        k = KINDS[(api_version, kind)]
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid},
+                "propagationPolicy": "Background"}
+        try:
+            self._call("DELETE", f"{k.collection(namespace)}/{name}", body=body)
+        except ApiException as e:
+            if e.status not in (404, 409):
+                raise
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        path = f"{INFERENCE_SERVICES.collection(namespace)}/{name}/status"
+        try:
+            self._call("PATCH", path, body={"status": status},
+                       content_type="application/merge-patch+json")
+        except ApiException as e:
+            if e.status != 404:  # the object went away: nothing to report on
+                raise

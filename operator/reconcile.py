@@ -1,0 +1,180 @@
+"""Level-based reconcile of one InferenceService: render, check ownership, apply, prune, report.
+
+Why level-based: the same function runs on create, update, resume, every resync tick and every
+event of an owned Deployment, and always drives the children to render(spec). That is what makes
+drift correction, operator restarts mid-way and lost events harmless: the next pass converges.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import conditions as cond
+from .conditions import Condition
+from .kube import KINDS, Kube, TransientError
+from .render import LABEL_MANAGED_BY, LABEL_OWNER, MANAGER, child_key, render
+from .spec import ROLES, InferenceServiceSpec, ObjectMeta
+from .validate import problems
+
+log = logging.getLogger(__name__)
+
+_locks: dict[tuple[str, str], threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _lock(namespace: str, name: str) -> threading.Lock:
+    """Serialize passes over one object: handlers, timers and child events run in parallel."""
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
+
+
+@dataclass
+class Outcome:
+    """What one pass found; turned into status by status_for()."""
+
+    generation: int
+    invalid: list[str] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
+    apply_errors: list[str] = field(default_factory=list)
+    roles: dict[str, dict[str, int]] = field(default_factory=dict)
+    not_ready: list[str] = field(default_factory=list)
+
+
+def controlled_by(obj: dict[str, Any], uid: str) -> bool:
+    return any(r.get("uid") == uid and r.get("controller")
+               for r in obj.get("metadata", {}).get("ownerReferences") or ())
+
+
+def _deployment_progress(dep: dict[str, Any]) -> tuple[int, int, bool]:
+    """(desired, ready, rolled_out) for a Deployment as the API server reports it."""
+    spec, st = dep.get("spec") or {}, dep.get("status") or {}
+    desired = int(spec.get("replicas", 1))
+    ready = int(st.get("readyReplicas") or 0)
+    settled = (
+        int(st.get("observedGeneration") or 0) >= int(dep["metadata"].get("generation") or 0)
+        and int(st.get("updatedReplicas") or 0) >= desired
+        and int(st.get("replicas") or 0) == desired
+        and ready >= desired
+    )
+    return desired, ready, settled
+
+
+def reconcile(kube: Kube, body: dict[str, Any]) -> Outcome:
+    """One pass. Raises TransientError when the API should be retried later."""
+    meta = ObjectMeta.parse(body["metadata"])
+    with _lock(meta.namespace, meta.name):
+        # Re-read: the body may be stale when we waited for the lock or come from a child event.
+        fresh = kube.get(
+            "serving.kvmesh.io/v1alpha1", "InferenceService", meta.namespace, meta.name)
+        if fresh is None or fresh["metadata"].get("deletionTimestamp"):
+            return Outcome(generation=meta.generation)
+        meta = ObjectMeta.parse(fresh["metadata"])
+        out = Outcome(generation=meta.generation)
+        spec = InferenceServiceSpec.parse(fresh.get("spec") or {})
+        out.invalid = problems(spec)
+        if out.invalid:
+            write_status(kube, fresh, out)
+            return out
+        desired = render(spec, meta)
+        try:
+            _apply_all(kube, meta, desired, out)
+            _prune(kube, meta, desired)
+        except TransientError:
+            out.apply_errors.append("API temporarily unavailable; retrying")
+            _safe_write_status(kube, fresh, out)
+            raise
+        write_status(kube, fresh, out)
+        return out
+
+
+def _apply_all(kube: Kube, meta: ObjectMeta, desired: list[dict], out: Outcome) -> None:
+    from kubernetes.client.rest import ApiException
+
+    for obj in desired:
+        api_version, kind, name = child_key(obj)
+        existing = kube.get(api_version, kind, meta.namespace, name)
+        if existing is not None and not controlled_by(existing, meta.uid):
+            # Never adopt: the object belongs to someone else (or to an older owner).
+            out.conflicts.append(f"{kind} {name} exists and is not owned by this InferenceService")
+            continue
+        try:
+            applied = kube.apply(obj)
+        except ApiException as e:
+            out.apply_errors.append(f"{kind} {name}: {e.status} {e.reason}")
+            log.warning("apply %s %s/%s failed: %s", kind, meta.namespace, name, e.body)
+            continue
+        if kind == "Deployment":
+            component = name[len(meta.name) + 1:]
+            d, r, settled = _deployment_progress(applied)
+            if component in ROLES:
+                out.roles[component] = {"replicas": d, "readyReplicas": r}
+            if not settled:
+                out.not_ready.append(f"{component} {r}/{d}")
+
+
+def _prune(kube: Kube, meta: ObjectMeta, desired: list[dict]) -> None:
+    """Delete children we own that render() no longer produces (e.g. HPAs after autoscaling is
+    switched off, a managed Redis after a connector change)."""
+    keep = {child_key(o) for o in desired}
+    sel = f"{LABEL_OWNER}={meta.name},{LABEL_MANAGED_BY}={MANAGER}"
+    for (api_version, kind) in KINDS:
+        for item in kube.list(api_version, kind, meta.namespace, sel):
+            if (api_version, kind, item["metadata"]["name"]) in keep:
+                continue
+            if controlled_by(item, meta.uid):
+                log.info("pruning %s %s/%s", kind, meta.namespace, item["metadata"]["name"])
+                kube.delete(api_version, kind, meta.namespace, item["metadata"]["name"],
+                            item["metadata"]["uid"])
+
+
+def status_for(body: dict[str, Any], out: Outcome) -> dict[str, Any]:
+    """Status subresource body for this outcome (pure; unit-tested)."""
+    gen = out.generation
+    if out.invalid:
+        msg = "; ".join(out.invalid)
+        new = [Condition(cond.READY, "False", "InvalidSpec", msg),
+               Condition(cond.PROGRESSING, "False", "InvalidSpec", msg),
+               Condition(cond.DEGRADED, "True", "InvalidSpec", msg)]
+    else:
+        problems_ = out.conflicts + out.apply_errors
+        ready = not problems_ and not out.not_ready and len(out.roles) == len(ROLES)
+        if ready:
+            new = [Condition(cond.READY, "True", "AllReplicasReady",
+                             "all prefill, decode and router replicas are ready")]
+        elif problems_:
+            new = [Condition(cond.READY, "False", "ReconcileFailed", "; ".join(problems_))]
+        else:
+            new = [Condition(cond.READY, "False", "ReplicasNotReady",
+                             "waiting for " + ", ".join(out.not_ready or ["children"]))]
+        if out.not_ready:
+            new.append(Condition(cond.PROGRESSING, "True", "RollingOut",
+                                 "rolling out: " + ", ".join(out.not_ready)))
+        else:
+            new.append(Condition(cond.PROGRESSING, "False", "Complete", "rollout complete"))
+        if out.conflicts:
+            new.append(Condition(cond.DEGRADED, "True", "ChildConflict", "; ".join(out.conflicts)))
+        elif out.apply_errors:
+            new.append(Condition(cond.DEGRADED, "True", "ApplyFailed", "; ".join(out.apply_errors)))
+        else:
+            new.append(Condition(cond.DEGRADED, "False", "AsExpected", "no problems found"))
+    old = (body.get("status") or {}).get("conditions")
+    status: dict[str, Any] = {"observedGeneration": gen,
+                              "conditions": cond.merge(old, new, gen)}
+    for role, counts in out.roles.items():
+        status[role] = {**counts, "summary": f"{counts['readyReplicas']}/{counts['replicas']}"}
+    return status
+
+
+def write_status(kube: Kube, body: dict[str, Any], out: Outcome) -> None:
+    kube.patch_status(body["metadata"]["namespace"], body["metadata"]["name"],
+                      status_for(body, out))
+
+
+def _safe_write_status(kube: Kube, body: dict[str, Any], out: Outcome) -> None:
+    try:
+        write_status(kube, body, out)
+    except Exception:  # the API is already failing; the retry will report properly
+        log.debug("status write failed during transient error", exc_info=True)

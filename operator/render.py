@@ -1,0 +1,430 @@
+"""Pure rendering: InferenceService spec -> the Kubernetes objects that serve it.
+
+Why pure: reconcile is level-based, so the whole desired state must be computable from the
+spec alone. Keeping it free of API calls makes it trivially unit-testable (the manifests for
+each example are pinned in tests) and lets reconcile apply the result with one field manager.
+
+Object layout for an InferenceService NAME:
+
+    NAME-prefill, NAME-decode, NAME-router   Deployments
+    NAME                                     ClusterIP Service in front of the router
+    NAME-workers                             headless Service over prefill+decode pods, exposing
+                                             http 8000, KV events 5557 and NIXL side channel 5600
+    NAME-config                              ConfigMap with the engine settings
+    NAME-{prefill,decode,router}             PodDisruptionBudgets
+    NAME-{prefill,decode}                    HPAs, only when autoscaling is enabled
+    NAME-router                              ServiceAccount/Role/RoleBinding (pod discovery)
+    NAME-redis                               Deployment + Service, only for a managed Redis
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Mapping
+
+from .spec import InferenceServiceSpec, ObjectMeta, RoleSpec
+
+API_GROUP = "serving.kvmesh.io"
+API_VERSION = f"{API_GROUP}/v1alpha1"
+KIND = "InferenceService"
+MANAGER = "kvmesh-operator"
+
+HTTP_PORT = 8000
+KV_EVENTS_PORT = 5557
+NIXL_SIDE_CHANNEL_PORT = 5600
+REDIS_PORT = 6379
+GPU_RESOURCE = "nvidia.com/gpu"
+MODEL_MOUNT = "/models"
+CONFIG_MOUNT = "/etc/kvmesh"
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_OWNER = f"{API_GROUP}/inferenceservice"
+LABEL_WORKER = f"{API_GROUP}/worker"
+ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
+
+Manifest = dict[str, Any]
+
+
+def labels(meta: ObjectMeta, component: str) -> dict[str, str]:
+    """Labels on every child; the first three form the (immutable) Deployment selectors."""
+    return {
+        LABEL_NAME: "kvmesh",
+        LABEL_INSTANCE: meta.name,
+        LABEL_COMPONENT: component,
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_PART_OF: "kvmesh",
+        LABEL_OWNER: meta.name,
+    }
+
+
+def selector(meta: ObjectMeta, component: str) -> dict[str, str]:
+    return {LABEL_NAME: "kvmesh", LABEL_INSTANCE: meta.name, LABEL_COMPONENT: component}
+
+
+def owner_reference(meta: ObjectMeta) -> dict[str, Any]:
+    """Controller owner reference: GC deletes children with the InferenceService."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": meta.name,
+        "uid": meta.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _object(api_version: str, kind: str, name: str, meta: ObjectMeta, component: str) -> Manifest:
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": {
+            "name": name,
+            "namespace": meta.namespace,
+            "labels": labels(meta, component),
+            "ownerReferences": [owner_reference(meta)],
+        },
+    }
+
+
+def engine_config(spec: InferenceServiceSpec, meta: ObjectMeta) -> dict[str, Any]:
+    """What the ConfigMap carries: settings without a CLI flag of their own, plus a record of
+    the ones passed as flags so a pod's config is inspectable in one place."""
+    e = spec.engine
+    return {
+        "model": {"source": spec.model.source, "name": spec.model.name or meta.name,
+                  "path": model_path(spec)},
+        "engine": {"blockSize": e.block_size, "maxNumBatchedTokens": e.max_num_batched_tokens,
+                   "maxNumSeqs": e.max_num_seqs, "dtype": e.dtype,
+                   "gpuMemoryUtilization": e.gpu_memory_utilization},
+        "kvConnector": {"type": spec.connector.type, "redisUrl": redis_url(spec, meta)},
+        "ports": {"http": HTTP_PORT, "kvEvents": KV_EVENTS_PORT,
+                  "nixlSideChannel": NIXL_SIDE_CHANNEL_PORT},
+    }
+
+
+def model_path(spec: InferenceServiceSpec) -> str:
+    if spec.model.source == "embedded":
+        return "embedded"
+    return f"{MODEL_MOUNT}/{(spec.model.path or '').lstrip('/')}"
+
+
+def redis_url(spec: InferenceServiceSpec, meta: ObjectMeta) -> str | None:
+    c = spec.connector
+    if c.type != "redis":
+        return None
+    if c.redis_managed:
+        return f"redis://{meta.name}-redis.{meta.namespace}.svc:{REDIS_PORT}/0"
+    return c.redis_url
+
+
+def _security_context() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _resources(role: RoleSpec, default_gpus: int) -> dict[str, Any]:
+    gpus = default_gpus if role.gpus is None else role.gpus
+    requests = {k: v for k, v in sorted(role.requests.items())}
+    limits = {k: v for k, v in sorted(role.limits.items())}
+    if gpus:
+        # Extended resources must be in limits (requests default to the same value).
+        limits[GPU_RESOURCE] = gpus
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _pod_scheduling(role: RoleSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if role.node_selector:
+        out["nodeSelector"] = dict(sorted(role.node_selector.items()))
+    if role.tolerations:
+        out["tolerations"] = [dict(t) for t in role.tolerations]
+    return out
+
+
+def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> list[str]:
+    e = spec.engine
+    args = [
+        "serve",
+        "--model", model_path(spec),
+        "--role", role,
+        "--port", str(HTTP_PORT),
+        "--kv-connector", spec.connector.type,
+    ]
+    url = redis_url(spec, meta)
+    if url:
+        args += ["--redis-url", url]
+    args += [
+        "--block-size", str(e.block_size),
+        "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+        "--max-num-seqs", str(e.max_num_seqs),
+    ]
+    return args
+
+
+def _deployment(spec: InferenceServiceSpec, meta: ObjectMeta, component: str,
+                container: dict[str, Any], pod_extra: dict[str, Any],
+                replicas: int | None, config_hash: str, extra_labels: dict[str, str]) -> Manifest:
+    obj = _object("apps/v1", "Deployment", f"{meta.name}-{component}", meta, component)
+    pod_labels = {**labels(meta, component), **extra_labels}
+    dep_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector(meta, component)},
+        "strategy": {"type": "RollingUpdate",
+                     "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "template": {
+            "metadata": {"labels": pod_labels,
+                         "annotations": {ANNOTATION_CONFIG_HASH: config_hash}},
+            "spec": {
+                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
+                                    "fsGroup": 1000,
+                                    "seccompProfile": {"type": "RuntimeDefault"}},
+                "enableServiceLinks": False,
+                "containers": [container],
+                **pod_extra,
+            },
+        },
+    }
+    if replicas is not None:
+        # Left out when an HPA owns the replica count, so the two never fight over it.
+        dep_spec = {"replicas": replicas, **dep_spec}
+    obj["spec"] = dep_spec
+    return obj
+
+
+def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash: str) -> Manifest:
+    r = spec.role(role)
+    mounts = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+              {"name": "tmp", "mountPath": "/tmp"},
+              {"name": "dshm", "mountPath": "/dev/shm"}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": f"{meta.name}-config"}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+    ]
+    if spec.model.source != "embedded" and spec.model.claim_name:
+        m: dict[str, Any] = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+        if spec.model.sub_path:
+            m["subPath"] = spec.model.sub_path
+        mounts.append(m)
+        volumes.append({"name": "model", "persistentVolumeClaim": {
+            "claimName": spec.model.claim_name, "readOnly": True}})
+    container = {
+        "name": "worker",
+        "image": r.image or spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["kvmesh"],
+        "args": _worker_args(spec, meta, role),
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "KVMESH_CONFIG", "value": f"{CONFIG_MOUNT}/engine.json"},
+            {"name": "KVMESH_MODEL_NAME", "value": spec.model.name or meta.name},
+            {"name": "KVMESH_DTYPE", "value": spec.engine.dtype},
+            {"name": "KVMESH_GPU_MEMORY_UTILIZATION",
+             "value": str(spec.engine.gpu_memory_utilization)},
+            {"name": "KVMESH_KV_EVENTS_PORT", "value": str(KV_EVENTS_PORT)},
+            {"name": "KVMESH_NIXL_SIDE_CHANNEL_PORT", "value": str(NIXL_SIDE_CHANNEL_PORT)},
+        ],
+        "ports": [
+            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+            {"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+            {"name": "nixl", "containerPort": NIXL_SIDE_CHANNEL_PORT, "protocol": "TCP"},
+        ],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
+                           "periodSeconds": 5, "failureThreshold": 3},
+        "startupProbe": {"httpGet": {"path": "/health", "port": "http"},
+                         "periodSeconds": 5, "failureThreshold": 120},
+        "resources": _resources(r, default_gpus=1),
+        "securityContext": _security_context(),
+        "volumeMounts": mounts,
+    }
+    replicas = None if spec.autoscaling.enabled else r.replicas
+    return _deployment(spec, meta, role, container,
+                       {"volumes": volumes, "terminationGracePeriodSeconds": 60,
+                        **_pod_scheduling(r)},
+                       replicas, config_hash, {LABEL_WORKER: "true"})
+
+
+def router_selector(meta: ObjectMeta) -> str:
+    return f"{LABEL_INSTANCE}={meta.name},{LABEL_WORKER}=true"
+
+
+def _router(spec: InferenceServiceSpec, meta: ObjectMeta, config_hash: str) -> Manifest:
+    r = spec.router
+    container = {
+        "name": "router",
+        "image": r.image or spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["kvmesh"],
+        "args": ["router", "--port", str(HTTP_PORT), "--discovery", "k8s",
+                 "--selector", router_selector(meta)],
+        "env": [
+            {"name": "POD_NAMESPACE",
+             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "KVMESH_CONFIG", "value": f"{CONFIG_MOUNT}/engine.json"},
+            {"name": "KVMESH_KV_EVENTS_PORT", "value": str(KV_EVENTS_PORT)},
+        ],
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "resources": _resources(r, default_gpus=0),
+        "securityContext": _security_context(),
+        "volumeMounts": [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+    }
+    pod_extra = {
+        "serviceAccountName": f"{meta.name}-router",
+        "volumes": [{"name": "config", "configMap": {"name": f"{meta.name}-config"}},
+                    {"name": "tmp", "emptyDir": {}}],
+        **_pod_scheduling(r),
+    }
+    return _deployment(spec, meta, "router", container, pod_extra, r.replicas, config_hash, {})
+
+
+def _router_rbac(meta: ObjectMeta) -> list[Manifest]:
+    """The router discovers worker pods through the API, so it gets read access to pods and
+    endpointslices in its own namespace and nothing else."""
+    name = f"{meta.name}-router"
+    sa = _object("v1", "ServiceAccount", name, meta, "router")
+    sa["automountServiceAccountToken"] = True
+    role = _object("rbac.authorization.k8s.io/v1", "Role", name, meta, "router")
+    role["rules"] = [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+         "verbs": ["get", "list", "watch"]},
+    ]
+    binding = _object("rbac.authorization.k8s.io/v1", "RoleBinding", name, meta, "router")
+    binding["roleRef"] = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}
+    binding["subjects"] = [{"kind": "ServiceAccount", "name": name, "namespace": meta.namespace}]
+    return [sa, role, binding]
+
+
+def _services(meta: ObjectMeta) -> list[Manifest]:
+    front = _object("v1", "Service", meta.name, meta, "router")
+    front["spec"] = {
+        "type": "ClusterIP",
+        "selector": selector(meta, "router"),
+        "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+    }
+    workers = _object("v1", "Service", f"{meta.name}-workers", meta, "workers")
+    workers["spec"] = {
+        "clusterIP": "None",
+        "publishNotReadyAddresses": False,
+        "selector": {LABEL_INSTANCE: meta.name, LABEL_WORKER: "true"},
+        "ports": [
+            {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+            {"name": "kv-events", "port": KV_EVENTS_PORT, "targetPort": "kv-events",
+             "protocol": "TCP"},
+            {"name": "nixl", "port": NIXL_SIDE_CHANNEL_PORT, "targetPort": "nixl",
+             "protocol": "TCP"},
+        ],
+    }
+    return [front, workers]
+
+
+def _pdb(meta: ObjectMeta, component: str) -> Manifest:
+    pdb = _object("policy/v1", "PodDisruptionBudget", f"{meta.name}-{component}", meta, component)
+    pdb["spec"] = {"maxUnavailable": 1, "selector": {"matchLabels": selector(meta, component)}}
+    return pdb
+
+
+def _hpas(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manifest]:
+    """One HPA per worker role on SLO metrics (custom pod metrics exported by the engine)."""
+    out = []
+    a = spec.autoscaling
+    for role, s, metrics in (
+        ("prefill", a.prefill, [("kvmesh_time_to_first_token_p90_seconds",
+                                 f"{a.prefill.target_ttft_ms}m")]),
+        ("decode", a.decode, [("kvmesh_inter_token_latency_p90_seconds",
+                               f"{a.decode.target_itl_ms}m"),
+                              ("kvmesh_kv_cache_usage_ratio",
+                               f"{round((a.decode.target_kv_usage or 0.8) * 1000)}m")]),
+    ):
+        hpa = _object("autoscaling/v2", "HorizontalPodAutoscaler", f"{meta.name}-{role}",
+                      meta, role)
+        hpa["spec"] = {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
+                               "name": f"{meta.name}-{role}"},
+            "minReplicas": s.min_replicas,
+            "maxReplicas": s.max_replicas,
+            "metrics": [{"type": "Pods", "pods": {
+                "metric": {"name": name},
+                "target": {"type": "AverageValue", "averageValue": value}}}
+                for name, value in metrics],
+            "behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": 0,
+                            "policies": [{"type": "Percent", "value": 100, "periodSeconds": 30}]},
+                "scaleDown": {"stabilizationWindowSeconds": s.scale_down_stabilization_s,
+                              "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}]},
+            },
+        }
+        out.append(hpa)
+    return out
+
+
+def _redis(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manifest]:
+    container = {
+        "name": "redis",
+        "image": spec.connector.redis_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "args": ["--save", "", "--appendonly", "no"],
+        "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
+        "securityContext": _security_context(),
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    }
+    dep = _deployment(spec, meta, "redis", container,
+                      {"volumes": [{"name": "data", "emptyDir": {}}]}, 1, "", {})
+    dep["spec"]["strategy"] = {"type": "Recreate"}
+    del dep["spec"]["template"]["metadata"]["annotations"]
+    svc = _object("v1", "Service", f"{meta.name}-redis", meta, "redis")
+    svc["spec"] = {"type": "ClusterIP", "selector": selector(meta, "redis"),
+                   "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": "redis",
+                              "protocol": "TCP"}]}
+    return [dep, svc]
+
+
+def render(spec: InferenceServiceSpec | Mapping[str, Any],
+           meta: ObjectMeta | Mapping[str, Any]) -> list[Manifest]:
+    """Every child object for one InferenceService, in apply order (config and RBAC first).
+
+    Accepts the plain dicts kopf hands to handlers or the typed views from spec.py.
+    """
+    if not isinstance(spec, InferenceServiceSpec):
+        spec = InferenceServiceSpec.parse(spec)
+    if not isinstance(meta, ObjectMeta):
+        meta = ObjectMeta.parse(meta)
+    cfg = engine_config(spec, meta)
+    cfg_json = json.dumps(cfg, sort_keys=True, indent=2)
+    config_hash = hashlib.sha256(cfg_json.encode()).hexdigest()[:16]
+    cm = _object("v1", "ConfigMap", f"{meta.name}-config", meta, "config")
+    cm["data"] = {"engine.json": cfg_json + "\n"}
+
+    out: list[Manifest] = [cm, *_router_rbac(meta)]
+    if spec.connector.type == "redis" and spec.connector.redis_managed:
+        out += _redis(spec, meta)
+    out += [_worker(spec, meta, "prefill", config_hash),
+            _worker(spec, meta, "decode", config_hash),
+            _router(spec, meta, config_hash)]
+    out += _services(meta)
+    out += [_pdb(meta, c) for c in ("prefill", "decode", "router")]
+    if spec.autoscaling.enabled:
+        out += _hpas(spec, meta)
+    return out
+
+
+def child_key(obj: Manifest) -> tuple[str, str, str]:
+    """(apiVersion, kind, name): identity of a child within its namespace."""
+    return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]

@@ -1,0 +1,183 @@
+"""Typed view of an InferenceService spec.
+
+Why: render() should not poke at nested dicts with ad-hoc defaults. The API server applies the
+CRD's `default:` values before the operator sees an object, but render() is also called by unit
+tests on raw example files, so every field here falls back to the same default as the CRD
+(tests/unit/test_operator_render.py checks the two agree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+ROLES = ("prefill", "decode", "router")
+DEFAULT_IMAGE = "ghcr.io/kvmesh/worker:0.1.0"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: str = "embedded"
+    name: str | None = None
+    path: str | None = None
+    claim_name: str | None = None
+    sub_path: str | None = None
+
+    @staticmethod
+    def parse(d: Mapping[str, Any]) -> "ModelSpec":
+        vol = d.get("volume") or {}
+        return ModelSpec(
+            source=d.get("source", "embedded"),
+            name=d.get("name"),
+            path=d.get("path"),
+            claim_name=vol.get("claimName"),
+            sub_path=vol.get("subPath"),
+        )
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 128
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+
+    @staticmethod
+    def parse(d: Mapping[str, Any]) -> "EngineSpec":
+        return EngineSpec(
+            block_size=int(d.get("blockSize", 16)),
+            max_num_batched_tokens=int(d.get("maxNumBatchedTokens", 8192)),
+            max_num_seqs=int(d.get("maxNumSeqs", 128)),
+            dtype=d.get("dtype", "auto"),
+            gpu_memory_utilization=float(d.get("gpuMemoryUtilization", 0.9)),
+        )
+
+
+@dataclass(frozen=True)
+class ConnectorSpec:
+    type: str = "nixl"
+    redis_url: str | None = None
+    redis_managed: bool = False
+    redis_image: str = "redis:7-alpine"
+
+    @staticmethod
+    def parse(d: Mapping[str, Any]) -> "ConnectorSpec":
+        r = d.get("redis") or {}
+        return ConnectorSpec(
+            type=d.get("type", "nixl"),
+            redis_url=r.get("url"),
+            redis_managed=bool(r.get("managed", False)),
+            redis_image=r.get("image", "redis:7-alpine"),
+        )
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    replicas: int = 1
+    image: str | None = None
+    gpus: int | None = None
+    requests: Mapping[str, Any] = field(default_factory=dict)
+    limits: Mapping[str, Any] = field(default_factory=dict)
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+
+    @staticmethod
+    def parse(d: Mapping[str, Any]) -> "RoleSpec":
+        res = d.get("resources") or {}
+        return RoleSpec(
+            replicas=int(d.get("replicas", 1)),
+            image=d.get("image"),
+            gpus=d.get("gpus"),
+            requests=dict(res.get("requests") or {}),
+            limits=dict(res.get("limits") or {}),
+            node_selector=dict(d.get("nodeSelector") or {}),
+            tolerations=tuple(dict(t) for t in d.get("tolerations") or ()),
+        )
+
+
+@dataclass(frozen=True)
+class RoleScaling:
+    min_replicas: int = 1
+    max_replicas: int = 4
+    scale_down_stabilization_s: int = 300
+    target_ttft_ms: int | None = None
+    target_itl_ms: int | None = None
+    target_kv_usage: float | None = None
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    enabled: bool = False
+    prefill: RoleScaling = RoleScaling(target_ttft_ms=500)
+    decode: RoleScaling = RoleScaling(target_itl_ms=50, target_kv_usage=0.8)
+
+    @staticmethod
+    def parse(d: Mapping[str, Any]) -> "AutoscalingSpec":
+        p = d.get("prefill") or {}
+        dc = d.get("decode") or {}
+        return AutoscalingSpec(
+            enabled=bool(d.get("enabled", False)),
+            prefill=RoleScaling(
+                min_replicas=int(p.get("minReplicas", 1)),
+                max_replicas=int(p.get("maxReplicas", 4)),
+                scale_down_stabilization_s=int(p.get("scaleDownStabilizationSeconds", 300)),
+                target_ttft_ms=int(p.get("targetTTFTMilliseconds", 500)),
+            ),
+            decode=RoleScaling(
+                min_replicas=int(dc.get("minReplicas", 1)),
+                max_replicas=int(dc.get("maxReplicas", 4)),
+                scale_down_stabilization_s=int(dc.get("scaleDownStabilizationSeconds", 300)),
+                target_itl_ms=int(dc.get("targetITLMilliseconds", 50)),
+                target_kv_usage=float(dc.get("targetKVCacheUsage", 0.8)),
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class InferenceServiceSpec:
+    image: str
+    image_pull_policy: str
+    model: ModelSpec
+    engine: EngineSpec
+    connector: ConnectorSpec
+    prefill: RoleSpec
+    decode: RoleSpec
+    router: RoleSpec
+    autoscaling: AutoscalingSpec
+
+    @staticmethod
+    def parse(spec: Mapping[str, Any]) -> "InferenceServiceSpec":
+        return InferenceServiceSpec(
+            image=spec.get("image", DEFAULT_IMAGE),
+            image_pull_policy=spec.get("imagePullPolicy", "IfNotPresent"),
+            model=ModelSpec.parse(spec.get("model") or {}),
+            engine=EngineSpec.parse(spec.get("engine") or {}),
+            connector=ConnectorSpec.parse(spec.get("kvConnector") or {}),
+            prefill=RoleSpec.parse(spec.get("prefill") or {}),
+            decode=RoleSpec.parse(spec.get("decode") or {}),
+            router=RoleSpec.parse(spec.get("router") or {}),
+            autoscaling=AutoscalingSpec.parse(spec.get("autoscaling") or {}),
+        )
+
+    def role(self, name: str) -> RoleSpec:
+        return {"prefill": self.prefill, "decode": self.decode, "router": self.router}[name]
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """The parts of the owner's metadata that render() needs (owner reference, names)."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int = 0
+
+    @staticmethod
+    def parse(meta: Mapping[str, Any]) -> "ObjectMeta":
+        return ObjectMeta(
+            name=meta["name"],
+            namespace=meta.get("namespace") or "default",
+            uid=meta.get("uid") or "",
+            generation=int(meta.get("generation") or 0),
+        )
