@@ -14,6 +14,8 @@ class OperatorConfig:
     resync_seconds: float = 10.0  # timer interval for drift correction and status refresh
     max_backoff_seconds: float = 60.0  # cap on the retry delay after transient API errors
     watch_children: bool = True  # reconcile the owner when an owned Deployment changes
+    # Test hook: pause between child applies so e2e tests can kill the operator mid-reconcile.
+    debug_apply_delay_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.resync_seconds <= 0:
@@ -33,4 +35,5 @@ class OperatorConfig:
             resync_seconds=float(e.get(p + "RESYNC_SECONDS", 10.0)),
             max_backoff_seconds=float(e.get(p + "MAX_BACKOFF_SECONDS", 60.0)),
             watch_children=e.get(p + "WATCH_CHILDREN", "1") not in ("0", "false", "False"),
+            debug_apply_delay_seconds=float(e.get(p + "DEBUG_APPLY_DELAY_SECONDS", 0.0)),
         )

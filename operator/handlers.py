@@ -40,15 +40,19 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix=API_GROUP, key="last-handled-configuration")
     settings.persistence.finalizer = f"{API_GROUP}/kopf-finalizer"
     settings.posting.level = logging.WARNING
+    # No cluster-wide watch of CRDs/namespaces: one discovery at startup is enough (the CRD is
+    # installed before the operator) and it keeps the RBAC smaller.
+    settings.scanning.disabled = True
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
     settings.networking.error_backoffs = [1, 2, 5, 10, 20]
+    settings.execution.max_workers = 16
     kube()
 
 
-def _run(body: kopf.Body, retry: int = 0) -> None:
+def _run(body: kopf.Body, retry: int = 0, wait: bool = True) -> None:
     try:
-        reconcile(kube(), dict(body))
+        reconcile(kube(), dict(body), CONFIG.debug_apply_delay_seconds, wait=wait)
     except TransientError as e:
         raise kopf.TemporaryError(str(e), delay=CONFIG.backoff(retry)) from e
 
@@ -63,7 +67,7 @@ def on_change(body: kopf.Body, retry: int, **_: Any) -> None:
 @kopf.timer(API_GROUP, "v1alpha1", PLURAL, interval=CONFIG.resync_seconds, sharp=False)
 def resync(body: kopf.Body, **_: Any) -> None:
     # Errors here are logged by kopf and the next tick retries; no backoff bookkeeping needed.
-    _run(body)
+    _run(body, wait=False)
 
 
 if CONFIG.watch_children:
@@ -79,6 +83,6 @@ if CONFIG.watch_children:
         if parent is None or parent["metadata"].get("uid") != owner.get("uid"):
             return  # orphan on its way to garbage collection
         try:
-            reconcile(kube(), parent)
+            reconcile(kube(), parent, CONFIG.debug_apply_delay_seconds, wait=False)
         except TransientError as e:
             log.info("child event reconcile deferred: %s", e)

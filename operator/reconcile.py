@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
+_dirty: set[tuple[str, str]] = set()  # objects whose running pass must go round once more
 
 
 def _lock(namespace: str, name: str) -> threading.Lock:
@@ -62,38 +64,61 @@ def _deployment_progress(dep: dict[str, Any]) -> tuple[int, int, bool]:
     return desired, ready, settled
 
 
-def reconcile(kube: Kube, body: dict[str, Any]) -> Outcome:
-    """One pass. Raises TransientError when the API should be retried later."""
+def reconcile(kube: Kube, body: dict[str, Any], apply_delay: float = 0.0,
+              wait: bool = True) -> Outcome | None:
+    """One pass (more if something asked for one meanwhile). Raises TransientError when the API
+    should be retried later.
+
+    wait=False (timers, child events): if a pass over this object is already running, ask it to
+    run once more instead of queueing a thread behind it, and return None.
+    """
     meta = ObjectMeta.parse(body["metadata"])
-    with _lock(meta.namespace, meta.name):
-        # Re-read: the body may be stale when we waited for the lock or come from a child event.
-        fresh = kube.get(
-            "serving.kvmesh.io/v1alpha1", "InferenceService", meta.namespace, meta.name)
-        if fresh is None or fresh["metadata"].get("deletionTimestamp"):
-            return Outcome(generation=meta.generation)
-        meta = ObjectMeta.parse(fresh["metadata"])
-        out = Outcome(generation=meta.generation)
-        spec = InferenceServiceSpec.parse(fresh.get("spec") or {})
-        out.invalid = problems(spec)
-        if out.invalid:
-            write_status(kube, fresh, out)
-            return out
-        desired = render(spec, meta)
-        try:
-            _apply_all(kube, meta, desired, out)
-            _prune(kube, meta, desired)
-        except TransientError:
-            out.apply_errors.append("API temporarily unavailable; retrying")
-            _safe_write_status(kube, fresh, out)
-            raise
+    key = (meta.namespace, meta.name)
+    lock = _lock(*key)
+    if not lock.acquire(blocking=wait):
+        _dirty.add(key)
+        return None
+    try:
+        while True:
+            _dirty.discard(key)
+            out = _reconcile_once(kube, meta, apply_delay)
+            if key not in _dirty:
+                return out
+    finally:
+        lock.release()
+
+
+def _reconcile_once(kube: Kube, meta: ObjectMeta, apply_delay: float) -> Outcome:
+    # Re-read: the body may be stale when we waited for the lock or come from a child event.
+    fresh = kube.get("serving.kvmesh.io/v1alpha1", "InferenceService", meta.namespace, meta.name)
+    if fresh is None or fresh["metadata"].get("deletionTimestamp"):
+        return Outcome(generation=meta.generation)
+    meta = ObjectMeta.parse(fresh["metadata"])
+    out = Outcome(generation=meta.generation)
+    spec = InferenceServiceSpec.parse(fresh.get("spec") or {})
+    out.invalid = problems(spec)
+    if out.invalid:
         write_status(kube, fresh, out)
         return out
+    desired = render(spec, meta)
+    try:
+        _apply_all(kube, meta, desired, out, apply_delay)
+        _prune(kube, meta, desired)
+    except TransientError:
+        out.apply_errors.append("API temporarily unavailable; retrying")
+        _safe_write_status(kube, fresh, out)
+        raise
+    write_status(kube, fresh, out)
+    return out
 
 
-def _apply_all(kube: Kube, meta: ObjectMeta, desired: list[dict], out: Outcome) -> None:
+def _apply_all(kube: Kube, meta: ObjectMeta, desired: list[dict], out: Outcome,
+               apply_delay: float) -> None:
     from kubernetes.client.rest import ApiException
 
     for obj in desired:
+        if apply_delay:
+            time.sleep(apply_delay)
         api_version, kind, name = child_key(obj)
         existing = kube.get(api_version, kind, meta.namespace, name)
         if existing is not None and not controlled_by(existing, meta.uid):

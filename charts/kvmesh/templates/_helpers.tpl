@@ -5,6 +5,8 @@
 {{- define "kvmesh.fullname" -}}
 {{- if .Values.fullnameOverride -}}
 {{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains (include "kvmesh.name" .) .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
 {{- printf "%s-%s" .Release.Name (include "kvmesh.name" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}

@@ -1,0 +1,169 @@
+"""render() is pure: pin its manifests for each example, and check the pieces around it.
+
+Golden files live in tests/unit/golden/operator-<example>.yaml. After an intended change to
+render(), regenerate them with KVMESH_UPDATE_GOLDEN=1 and review the diff.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvmesh.operator import conditions
+from kvmesh.operator.conditions import Condition
+from kvmesh.operator.reconcile import Outcome, status_for
+from kvmesh.operator.render import GPU_RESOURCE, render
+from kvmesh.operator.spec import InferenceServiceSpec
+from kvmesh.operator.validate import problems
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+GOLDEN = Path(__file__).parent / "golden"
+META = {"namespace": "demo", "uid": "00000000-0000-0000-0000-000000000001", "generation": 1}
+
+
+def crd_schema() -> dict[str, Any]:
+    crd = yaml.safe_load((ROOT / "crds" / "inferenceservices.yaml").read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """The API server's structural defaulting, enough for our CRD (objects and arrays)."""
+    if isinstance(value, dict) and "properties" in schema:
+        for key, sub in schema["properties"].items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = apply_defaults(sub, value[key])
+    elif isinstance(value, list) and "items" in schema:
+        return [apply_defaults(schema["items"], v) for v in value]
+    return value
+
+
+def load(example: Path) -> dict[str, Any]:
+    return yaml.safe_load(example.read_text())
+
+
+def rendered(example: Path) -> list[dict[str, Any]]:
+    obj = load(example)
+    return render(obj["spec"], {**META, "name": obj["metadata"]["name"]})
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_render_matches_golden(example: Path) -> None:
+    out = rendered(example)
+    golden = GOLDEN / f"operator-{example.stem}.yaml"
+    text = yaml.safe_dump_all(out, sort_keys=True)
+    if os.environ.get("KVMESH_UPDATE_GOLDEN") == "1":
+        golden.write_text(text)
+    assert golden.exists(), f"missing {golden}; run with KVMESH_UPDATE_GOLDEN=1"
+    assert out == list(yaml.safe_load_all(golden.read_text()))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_operator_defaults_match_crd_defaults(example: Path) -> None:
+    """render() of the raw example equals render() of what the API server stores after
+    defaulting, so the operator and the CRD agree on every default."""
+    obj = load(example)
+    defaulted = apply_defaults(crd_schema()["properties"]["spec"], copy.deepcopy(obj["spec"]))
+    meta = {**META, "name": obj["metadata"]["name"]}
+    assert render(defaulted, meta) == render(obj["spec"], meta)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_are_valid(example: Path) -> None:
+    assert problems(InferenceServiceSpec.parse(load(example)["spec"])) == []
+
+
+def by_kind(objs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def test_minimal_layout_and_ownership() -> None:
+    objs = by_kind(rendered(ROOT / "examples" / "minimal.yaml"))
+    assert sorted(objs) == sorted([
+        ("ConfigMap", "tiny-config"), ("ServiceAccount", "tiny-router"), ("Role", "tiny-router"),
+        ("RoleBinding", "tiny-router"), ("Deployment", "tiny-prefill"),
+        ("Deployment", "tiny-decode"), ("Deployment", "tiny-router"), ("Service", "tiny"),
+        ("Service", "tiny-workers"), ("PodDisruptionBudget", "tiny-prefill"),
+        ("PodDisruptionBudget", "tiny-decode"), ("PodDisruptionBudget", "tiny-router"),
+    ])
+    for o in objs.values():
+        (ref,) = o["metadata"]["ownerReferences"]
+        assert ref["uid"] == META["uid"] and ref["controller"] is True
+        assert o["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kvmesh-operator"
+    headless = objs[("Service", "tiny-workers")]["spec"]
+    assert headless["clusterIP"] == "None"
+    assert {p["port"] for p in headless["ports"]} == {8000, 5557, 5600}
+    decode = objs[("Deployment", "tiny-decode")]["spec"]["template"]["spec"]["containers"][0]
+    assert decode["command"] == ["kvmesh"]
+    assert decode["args"][:5] == ["serve", "--model", "embedded", "--role", "decode"]
+    assert decode["resources"]["limits"][GPU_RESOURCE] == 1
+    assert decode["securityContext"]["readOnlyRootFilesystem"] is True
+    router = objs[("Deployment", "tiny-router")]["spec"]["template"]["spec"]["containers"][0]
+    assert router["args"][:5] == ["router", "--port", "8000", "--discovery", "k8s"]
+    assert "resources" not in router or GPU_RESOURCE not in router["resources"].get("limits", {})
+
+
+def test_autoscaling_renders_hpas_and_leaves_replicas_to_them() -> None:
+    objs = by_kind(rendered(ROOT / "examples" / "pd-redis.yaml"))
+    hpa = objs[("HorizontalPodAutoscaler", "llama-pd-redis-decode")]["spec"]
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 6)
+    assert "replicas" not in objs[("Deployment", "llama-pd-redis-decode")]["spec"]
+    assert objs[("Deployment", "llama-pd-redis-router")]["spec"]["replicas"] == 1
+    args = objs[("Deployment", "llama-pd-redis-prefill")]["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    assert args[args.index("--redis-url") + 1] == "redis://llama-pd-redis-redis.demo.svc:6379/0"
+    assert ("Deployment", "llama-pd-redis-redis") in objs
+
+
+def test_engine_change_rolls_pods_through_config_hash() -> None:
+    spec = {"engine": {"maxNumSeqs": 64}}
+    a = by_kind(render(spec, {**META, "name": "x"}))
+    b = by_kind(render({"engine": {"maxNumSeqs": 32}}, {**META, "name": "x"}))
+    key = ("Deployment", "x-decode")
+    ann = "serving.kvmesh.io/config-hash"
+    assert (a[key]["spec"]["template"]["metadata"]["annotations"][ann]
+            != b[key]["spec"]["template"]["metadata"]["annotations"][ann])
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ({"engine": {"maxNumBatchedTokens": 32, "maxNumSeqs": 64}}, "must be >= engine.maxNumSeqs"),
+    ({"engine": {"maxNumBatchedTokens": 1000}}, "multiple of engine.blockSize"),
+    ({"kvConnector": {"type": "redis", "redis": {"url": "http://x"}}}, "not a redis://"),
+    ({"decode": {"gpus": 0}}, "decode.gpus must be at least 1"),
+])
+def test_semantic_problems(spec: dict[str, Any], fragment: str) -> None:
+    found = problems(InferenceServiceSpec.parse(spec))
+    assert any(fragment in p for p in found), found
+
+
+def test_condition_transition_time_moves_only_on_status_change() -> None:
+    first = conditions.merge(None, [Condition("Ready", "False", "A", "m")], 1, "t1")
+    same = conditions.merge(first, [Condition("Ready", "False", "B", "m2")], 2, "t2")
+    flipped = conditions.merge(same, [Condition("Ready", "True", "C", "m3")], 3, "t3")
+    assert first[0]["lastTransitionTime"] == "t1"
+    assert same[0]["lastTransitionTime"] == "t1" and same[0]["reason"] == "B"
+    assert flipped[0]["lastTransitionTime"] == "t3" and flipped[0]["observedGeneration"] == 3
+
+
+def test_status_sets_all_three_conditions_on_first_visit() -> None:
+    out = Outcome(generation=4, roles={r: {"replicas": 1, "readyReplicas": 0}
+                                       for r in ("prefill", "decode", "router")},
+                  not_ready=["prefill 0/1"])
+    st = status_for({}, out)
+    assert st["observedGeneration"] == 4
+    assert [c["type"] for c in st["conditions"]] == ["Ready", "Progressing", "Degraded"]
+    assert [c["status"] for c in st["conditions"]] == ["False", "True", "False"]
+    assert st["prefill"] == {"replicas": 1, "readyReplicas": 0, "summary": "0/1"}
+    bad = status_for({}, Outcome(generation=5, invalid=["x is wrong"]))
+    degraded = next(c for c in bad["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == (
+        "True", "InvalidSpec", "x is wrong")
