@@ -1,0 +1,41 @@
+# kvmesh: every target installs first (idempotent; pip cache lives outside the clone).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvmesh-installed
+INSTALL_INPUTS := pyproject.toml scripts/install.sh requirements/constraints.txt requirements/extra.txt
+
+.PHONY: install serve test test-unit test-integration e2e gpu-test bench-offline bench-serve cluster-up cluster-down clean
+
+install: $(STAMP)
+
+$(STAMP): $(INSTALL_INPUTS)
+	@bash scripts/install.sh $(VENV)
+	@touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/kvmesh up --port 8000
+
+test: install
+	$(PY) -m pytest -q -m "not gpu" tests
+
+test-unit: install
+	$(PY) -m pytest -q -m "unit" tests
+
+test-integration: install
+	$(PY) -m pytest -q -m "integration" tests
+
+e2e: install
+	$(PY) -m pytest -q -m "e2e" tests
+
+bench-offline: install
+	$(VENV)/bin/kvmesh bench offline
+
+clean:
+	rm -rf $(VENV) build *.egg-info
+
+cluster-up:
+	@bash tests/e2e/cluster/up.sh | tail -1 | sed 's/^/KUBECONFIG=/'
+
+cluster-down:
+	@bash tests/e2e/cluster/down.sh

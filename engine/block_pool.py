@@ -1,0 +1,212 @@
+"""The pool of KV blocks: metadata made once, ref counts, an O(1) LRU free list, the prefix-cache map.
+
+Free blocks keep their hash until they are handed out again, so a finished or
+preempted request's prefix stays reusable until memory is actually needed.
+The free list is intrusive (prev/next live on the blocks) so removing a block
+from the middle, when a cache hit revives it, is O(1).
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Iterator, Sequence
+
+from .hashing import BlockHash, external_hash
+from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks; head = least recently freed = evicted first."""
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels avoid edge cases
+        self._tail = KVCacheBlock(-2)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def popleft(self) -> KVCacheBlock:
+        first = self._head.next_free
+        if first is None or first is self._tail:
+            raise ValueError("no free blocks")
+        self.remove(first)
+        return first
+
+    def remove(self, block: KVCacheBlock) -> None:
+        if block.prev_free is None or block.next_free is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        b = self._head.next_free
+        while b is not None and b is not self._tail:
+            yield b
+            b = b.next_free
+
+    def ids(self) -> list[int]:
+        return [b.block_id for b in self]
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, emit_events: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.emit_events = emit_events
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self._events: list[KVCacheEvent] = []
+        self.num_evictions = 0
+
+    # ---- queries ------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    # ---- allocation ---------------------------------------------------------
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot get {n} blocks, only {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            b = self.free_queue.popleft()
+            self._evict(b)
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        h = block.block_hash
+        if self.cached.get(h) is block:
+            del self.cached[h]
+        block.block_hash = None
+        self.num_evictions += 1
+        if self.emit_events:
+            self._events.append(BlockRemoved(block_hashes=[external_hash(h)]))
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference; a free (cached) block leaves the free list."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+            b.ref_cnt += 1
+
+    def free_blocks(self, ordered: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching zero join the tail in the given order."""
+        for b in ordered:
+            if b.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {b}")
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_queue.append(b)
+
+    # ---- prefix cache -------------------------------------------------------
+    def cache_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        start: int,
+        end: int,
+    ) -> None:
+        """Register blocks ``[start, end)`` of a request under their hashes and emit one BlockStored."""
+        if not self.enable_caching or end <= start:
+            return
+        stored_hashes: list[int] = []
+        stored_tokens: list[int] = []
+        for i in range(start, end):
+            b, h = blocks[i], block_hashes[i]
+            if b.block_hash is not None:
+                continue  # already cached (a prefix hit or an earlier step)
+            if h in self.cached:
+                continue  # same content held by another block: keep this one private
+            b.block_hash = h
+            self.cached[h] = b
+            stored_hashes.append(external_hash(h))
+            stored_tokens.extend(token_ids[i * self.block_size : (i + 1) * self.block_size])
+        if self.emit_events and stored_hashes:
+            parent = external_hash(block_hashes[start - 1]) if start > 0 else None
+            self._events.append(
+                BlockStored(block_hashes=stored_hashes, parent_block_hash=parent,
+                            token_ids=stored_tokens, block_size=self.block_size)
+            )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only allowed when no block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for b in self.blocks:
+            b.block_hash = None
+        self.cached.clear()
+        if self.emit_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        ev, self._events = self._events, []
+        return ev
+
+    # ---- invariants ---------------------------------------------------------
+    def check_integrity(self) -> None:
+        seen: set[int] = set()
+        prev = self.free_queue._head
+        for b in self.free_queue:
+            if b.block_id in seen:
+                raise AssertionError(f"cycle or duplicate in free queue at {b}")
+            seen.add(b.block_id)
+            if b.ref_cnt != 0:
+                raise AssertionError(f"{b} in free queue with ref_cnt {b.ref_cnt}")
+            if b.prev_free is not prev:
+                raise AssertionError(f"broken back link at {b}")
+            prev = b
+        if len(seen) != self.free_queue.num_free:
+            raise AssertionError(f"free count {self.free_queue.num_free} != walked {len(seen)}")
+        for b in self.blocks:
+            if b.ref_cnt < 0:
+                raise AssertionError(f"negative ref count {b}")
+            if b.ref_cnt == 0 and b.block_id not in seen:
+                raise AssertionError(f"{b} has no references but is not free")
+            if b.ref_cnt > 0 and (b.prev_free is not None or b.next_free is not None):
+                raise AssertionError(f"{b} is referenced but linked in the free queue")
+        for h, b in self.cached.items():
+            if b.block_hash != h:
+                raise AssertionError(f"cache map entry {h.hex()[:8]} points to {b}")

@@ -1,0 +1,69 @@
+"""The KV connector interface: how blocks enter and leave an engine from outside.
+
+Two halves, as in vLLM's V1 connector API, so an implementation can live in the
+scheduler process and the worker at once:
+
+* scheduler side decides *what*: how many tokens of a request can be loaded
+  from outside, what to do after its blocks are allocated, and whether a
+  finished request's blocks must be kept (``delay_free``) for a remote reader;
+* worker side does the *moving*: load into or save from the engine's KV tensor,
+  and report transfers that finished.
+
+The engine calls these hooks at fixed points of its step; prefill and decode
+roles differ only in the connector's answers, never in scheduler code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from .request import Request
+
+
+@dataclass
+class ConnectorMetadata:
+    """What the scheduler side tells the worker side for one step."""
+
+    loads: dict[str, dict[str, Any]] = field(default_factory=dict)  # request id -> load spec
+    saves: dict[str, dict[str, Any]] = field(default_factory=dict)  # request id -> save spec
+
+
+class KVConnector:
+    """Base connector: loads nothing, keeps nothing. Subclasses override what they need."""
+
+    name = "none"
+
+    # ---- scheduler side -----------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` that can be loaded from outside, and whether the load is async."""
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+        """Called once the request's blocks exist, so a load can target them."""
+
+    def build_connector_meta(self) -> ConnectorMetadata:
+        return ConnectorMetadata()
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Return ``(delay_free, kv_transfer_params)``; with ``delay_free`` the connector frees later."""
+        return False, None
+
+    # ---- worker side --------------------------------------------------------
+    def register_kv_cache(self, kv_cache: "torch.Tensor") -> None:
+        """Receive the engine's KV tensor ``[num_blocks, num_layers, 2, block_size, Hkv, D]``."""
+
+    def start_load_kv(self, meta: ConnectorMetadata) -> None:
+        """Begin loading the blocks named in ``meta`` (before the forward pass)."""
+
+    def save_kv(self, meta: ConnectorMetadata) -> None:
+        """Save the blocks named in ``meta`` (after the forward pass wrote them)."""
+
+    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
+        """``(done_sending, done_recving, failed_recving)`` request ids since the last call."""
+        return set(), set(), set()
+
+    def close(self) -> None:
+        """Release agents, sockets and registrations."""

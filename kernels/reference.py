@@ -1,0 +1,165 @@
+"""Pure-torch reference implementations of every kernel in `kvmesh.kernels`.
+
+They define the semantics the Triton kernels must match and they are the CPU
+execution path of the engine, so they favour clarity but avoid per-token Python.
+
+KV cache layout (shared by the engine, the kernels and the KV connectors):
+the engine owns one tensor ``kv_cache[num_blocks, num_layers, 2, block_size,
+num_kv_heads, head_size]``. Putting the block index first makes one block of one
+request a single contiguous byte range across all layers, which is what the NIXL
+and Redis connectors move. Per layer, attention sees the strided views
+``k_cache = kv_cache[:, layer, 0]`` and ``v_cache = kv_cache[:, layer, 1]``,
+each ``[num_blocks, block_size, num_kv_heads, head_size]``.
+
+A *slot* is ``block_id * block_size + offset``; slot ``-1`` marks padding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_reference(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int, -1 = skip
+) -> None:
+    """Scatter new keys/values into their cache slots, skipping padding slots."""
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots % block_size
+    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
+
+
+def _gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    nblocks = (seq_len + cache.shape[1] - 1) // cache.shape[1]
+    blocks = cache[block_table_row[:nblocks].long()]  # [nb, bs, Hkv, D]
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [T, Hq, D]: all query tokens of the batch, packed
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int
+    query_start_loc: torch.Tensor,  # [B + 1] int: sequence b owns query[qsl[b]:qsl[b+1]]
+    seq_lens: torch.Tensor,  # [B] int: context + new tokens of sequence b (already written to the cache)
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed variable-length queries over paged KV.
+
+    The query tokens of sequence ``b`` are its last ``q_len`` positions, so token
+    ``i`` of the chunk (position ``seq_len - q_len + i``) attends to keys
+    ``0 .. seq_len - q_len + i``. This one definition covers decode (q_len 1),
+    prefill, chunked prefill over a cached prefix, and mixed batches. GQA maps
+    query head ``h`` to KV head ``h // (Hq // Hkv)``.
+    """
+    T, Hq, D = query.shape
+    Hkv = k_cache.shape[2]
+    if out is None:
+        out = torch.empty_like(query)
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    B = len(lens)
+    q_lens = [qsl[b + 1] - qsl[b] for b in range(B)]
+    if B > 0 and all(q == 1 for q in q_lens):
+        # Pure decode: one padded batched SDPA instead of B small ones.
+        max_len = max(lens)
+        bs = k_cache.shape[1]
+        nb = (max_len + bs - 1) // bs
+        bt = block_tables[:, :nb].long()
+        k = k_cache[bt].reshape(B, nb * bs, Hkv, D)[:, :max_len]
+        v = v_cache[bt].reshape(B, nb * bs, Hkv, D)[:, :max_len]
+        pos = torch.arange(max_len, device=query.device)
+        mask = pos[None, :] < seq_lens.to(query.device)[:, None]  # [B, L]
+        q = query[: qsl[-1]].reshape(B, 1, Hq, D).transpose(1, 2)
+        k = k.transpose(1, 2).to(query.dtype)
+        v = v.transpose(1, 2).to(query.dtype)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=(Hq != Hkv)
+        )
+        out[: qsl[-1]] = o.transpose(1, 2).reshape(B, Hq, D)
+        return out
+    for b in range(B):
+        s, e = qsl[b], qsl[b + 1]
+        q_len = e - s
+        if q_len == 0:
+            continue
+        seq_len = lens[b]
+        k = _gather_context(k_cache, block_tables[b], seq_len).to(query.dtype)
+        v = _gather_context(v_cache, block_tables[b], seq_len).to(query.dtype)
+        q = query[s:e].transpose(0, 1)  # [Hq, q_len, D]
+        k = k.transpose(0, 1)
+        v = v.transpose(0, 1)
+        ctx = seq_len - q_len
+        if ctx == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=(Hq != Hkv))
+        else:
+            qpos = torch.arange(ctx, seq_len, device=query.device)
+            kpos = torch.arange(seq_len, device=query.device)
+            mask = kpos[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=(Hq != Hkv))
+        out[s:e] = o.transpose(0, 1)
+    return out
+
+
+def copy_blocks_reference(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy whole blocks (all layers, K and V) ``src[i] -> dst[i]``; used for copy-on-write."""
+    kv_cache[dst.long()] = kv_cache[src.long()]
+
+
+def gather_blocks_reference(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Pack the given blocks into one contiguous buffer ``[n, *block_shape]`` (KV transfer send side)."""
+    return kv_cache[block_ids.long()].contiguous()
+
+
+def scatter_blocks_reference(kv_cache: torch.Tensor, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
+    """Unpack a contiguous buffer into the given blocks (KV transfer receive side)."""
+    kv_cache[block_ids.long()] = packed.to(kv_cache.dtype)
+
+
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm in float32; with ``residual`` it first adds it and returns ``(normed, x + residual)``."""
+    if residual is not None:
+        x = x + residual
+        residual_out = x
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = (y * weight.float()).to(x.dtype) if weight.dtype == x.dtype else (y.to(x.dtype) * weight)
+    if residual is not None:
+        return y, residual_out
+    return y
+
+
+def rope_reference(
+    positions: torch.Tensor,  # [T]
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] : cos in [:, :D/2], sin in [:, D/2:]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding in the Llama (rotate-half, NeoX) convention."""
+    cs = cos_sin_cache[positions.long()]
+    half = cs.shape[-1] // 2
+    cos = cs[:, None, :half].float()
+    sin = cs[:, None, half:].float()
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rot(query), rot(key)
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for a fused gate/up projection of width ``2d``."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
