@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     from . import handlers  # noqa: F401  (registers the handlers)
 
     namespaces = args.namespace
+    os.environ["KVMESH_OPERATOR_NAMESPACES"] = ",".join(namespaces)
     kopf.run(
         standalone=True,
         clusterwide=not namespaces,

@@ -1,13 +1,16 @@
 """kopf wiring: every trigger funnels into reconcile.reconcile().
 
-Triggers: create/update(spec)/resume of an InferenceService, a resync timer (drift in any child,
+Triggers: create/update(spec)/resume of an InferenceService, a resync loop (drift in any child,
 status refresh) and events of owned Deployments (a deleted or edited Deployment is put back at
 once, and readiness changes reach the status without waiting for the timer).
 """
 
 from __future__ import annotations
 
+import asyncio
+import fnmatch
 import logging
+import os
 from typing import Any
 
 import kopf
@@ -64,10 +67,42 @@ def on_change(body: kopf.Body, retry: int, **_: Any) -> None:
     _run(body, retry)
 
 
-@kopf.timer(API_GROUP, "v1alpha1", PLURAL, interval=CONFIG.resync_seconds, sharp=False)
-def resync(body: kopf.Body, **_: Any) -> None:
-    # Errors here are logged by kopf and the next tick retries; no backoff bookkeeping needed.
-    _run(body, wait=False)
+async def _resync_forever(namespaces: tuple[str, ...]) -> None:
+    """Every resync interval, reconcile every InferenceService in scope.
+
+    Why not a kopf timer: kopf puts a finalizer on every object with a timer or daemon, and a
+    finalizer makes deleting an InferenceService hang whenever the operator is not running.
+    One loop over a list call gives the same drift correction without it.
+    """
+    while True:
+        await asyncio.sleep(CONFIG.resync_seconds)
+        try:
+            items = await asyncio.to_thread(kube().list_inference_services)
+        except Exception as e:  # noqa: BLE001 (keep the loop alive whatever the API does)
+            log.warning("resync list failed: %s", e)
+            continue
+        for item in items:
+            ns = item["metadata"].get("namespace", "")
+            if namespaces and not any(fnmatch.fnmatch(ns, pat) for pat in namespaces):
+                continue
+            try:
+                await asyncio.to_thread(reconcile, kube(), item,
+                                        CONFIG.debug_apply_delay_seconds, False)
+            except Exception as e:  # noqa: BLE001
+                log.warning("resync of %s/%s failed: %s", ns, item["metadata"]["name"], e)
+
+
+@kopf.on.startup()
+async def start_resync(memo: kopf.Memo, **_: Any) -> None:
+    namespaces = tuple(n for n in os.environ.get("KVMESH_OPERATOR_NAMESPACES", "").split(",") if n)
+    memo["resync"] = asyncio.create_task(_resync_forever(namespaces))
+
+
+@kopf.on.cleanup()
+async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
+    task = memo.get("resync")
+    if task is not None:
+        task.cancel()
 
 
 if CONFIG.watch_children:

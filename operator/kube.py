@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import urllib3
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
@@ -54,7 +55,7 @@ class TransientError(Exception):
 def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, ApiException):
         return exc.status in TRANSIENT_STATUS or exc.status == 0
-    return isinstance(exc, (ConnectionError, TimeoutError, OSError))
+    return isinstance(exc, (ConnectionError, TimeoutError, OSError, urllib3.exceptions.HTTPError))
 
 
 def load_config() -> None:
@@ -75,19 +76,25 @@ class Kube:
               query: list[tuple[str, Any]] | None = None,
               content_type: str = "application/json") -> Any:
         try:
-            data, _, _ = self.api.call_api(
-                path, method, query_params=query or [], body=body,
+            params = self.api.param_serialize(
+                method=method, resource_path=path, query_params=query or [],
                 header_params={"Accept": "application/json", "Content-Type": content_type},
-                auth_settings=["BearerToken"], response_type=None, _preload_content=False,
-                _request_timeout=30,
+                body=body, auth_settings=["BearerToken"],
             )
+            resp = self.api.call_api(*params, _request_timeout=30)
+            raw = resp.read()
         except ApiException as e:
             if is_transient(e):
                 raise TransientError(f"{method} {path}: {e.status} {e.reason}") from e
             raise
-        except (ConnectionError, TimeoutError, OSError) as e:
+        except (ConnectionError, TimeoutError, OSError, urllib3.exceptions.HTTPError) as e:
             raise TransientError(f"{method} {path}: {e}") from e
-        raw = data.data
+        if not 200 <= resp.status <= 299:
+            exc = ApiException(status=resp.status, reason=resp.reason)
+            exc.body = raw.decode(errors="replace") if raw else ""
+            if is_transient(exc):
+                raise TransientError(f"{method} {path}: {resp.status} {exc.body[:200]}") from exc
+            raise exc
         return json.loads(raw) if raw else None
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
@@ -112,6 +119,11 @@ class Kube:
         k = KINDS[(api_version, kind)]
         out = self._call("GET", k.collection(namespace),
                          query=[("labelSelector", label_selector)])
+        return list(out.get("items") or [])
+
+    def list_inference_services(self) -> list[dict]:
+        """All InferenceServices the operator may see (cluster-wide list, filtered by caller)."""
+        out = self._call("GET", f"/apis/{INFERENCE_SERVICES.api_version}/{INFERENCE_SERVICES.plural}")
         return list(out.get("items") or [])
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> None:

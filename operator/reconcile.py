@@ -50,10 +50,14 @@ def controlled_by(obj: dict[str, Any], uid: str) -> bool:
                for r in obj.get("metadata", {}).get("ownerReferences") or ())
 
 
-def _deployment_progress(dep: dict[str, Any]) -> tuple[int, int, bool]:
-    """(desired, ready, rolled_out) for a Deployment as the API server reports it."""
+def _deployment_progress(dep: dict[str, Any], floor: int = 0) -> tuple[int, int, bool]:
+    """(desired, ready, rolled_out) for a Deployment as the API server reports it.
+
+    floor: an HPA's minReplicas. Until the HPA has scaled the Deployment up to it, the role is
+    not settled (otherwise Ready=True would flash before autoscaling has done its first step).
+    """
     spec, st = dep.get("spec") or {}, dep.get("status") or {}
-    desired = int(spec.get("replicas", 1))
+    desired = max(int(spec.get("replicas", 1)), floor)
     ready = int(st.get("readyReplicas") or 0)
     settled = (
         int(st.get("observedGeneration") or 0) >= int(dep["metadata"].get("generation") or 0)
@@ -102,7 +106,7 @@ def _reconcile_once(kube: Kube, meta: ObjectMeta, apply_delay: float) -> Outcome
         return out
     desired = render(spec, meta)
     try:
-        _apply_all(kube, meta, desired, out, apply_delay)
+        _apply_all(kube, meta, desired, out, apply_delay, _replica_floors(spec))
         _prune(kube, meta, desired)
     except TransientError:
         out.apply_errors.append("API temporarily unavailable; retrying")
@@ -112,8 +116,13 @@ def _reconcile_once(kube: Kube, meta: ObjectMeta, apply_delay: float) -> Outcome
     return out
 
 
+def _replica_floors(spec: InferenceServiceSpec) -> dict[str, int]:
+    a = spec.autoscaling
+    return {"prefill": a.prefill.min_replicas, "decode": a.decode.min_replicas} if a.enabled else {}
+
+
 def _apply_all(kube: Kube, meta: ObjectMeta, desired: list[dict], out: Outcome,
-               apply_delay: float) -> None:
+               apply_delay: float, floors: dict[str, int]) -> None:
     from kubernetes.client.rest import ApiException
 
     for obj in desired:
@@ -133,7 +142,7 @@ def _apply_all(kube: Kube, meta: ObjectMeta, desired: list[dict], out: Outcome,
             continue
         if kind == "Deployment":
             component = name[len(meta.name) + 1:]
-            d, r, settled = _deployment_progress(applied)
+            d, r, settled = _deployment_progress(applied, floors.get(component, 0))
             if component in ROLES:
                 out.roles[component] = {"replicas": d, "readyReplicas": r}
             if not settled:
