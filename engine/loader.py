@@ -206,7 +206,7 @@ def _load_gguf(path: str, load_weights: bool, load_tokenizer: bool) -> LoadedMod
             except Exception as e:
                 raise ModelLoadError(f"cannot dequantize tensor {t.name} in {path}: {e}") from e
             shape = tuple(int(x) for x in reversed(t.shape))
-            w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
+            w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
             name = _hf_name(t.name)
             if name is None:
                 continue

@@ -1,0 +1,1 @@
+"""KV connector implementations (NIXL, Redis) on the interface in `kvmesh.engine.connector`."""
