@@ -1,0 +1,498 @@
+"""Check and time kvmesh's Triton kernels on one GPU, in one run.
+
+    PYTHONUNBUFFERED=1 python bench/gpu_kernels.py [--quick] [--no-variants]
+
+Runs where only the working tree is present (the lent H200 gets a copy of the
+repo, not an installed package): if ``kvmesh.kernels`` does not import, the repo's
+``kernels/`` folder is loaded under that name.
+
+1. Correctness: every kernel against its torch reference on random shapes drawn
+   fresh each run (seed printed), outputs poisoned with NaN before each call. Error
+   is ||out - ref|| / ||ref|| with the reference computed in fp32 from the same
+   (rounded) inputs; bounds: fp32 1e-5, fp16 3e-3, bf16 1.5e-2 for attention
+   (bf16 P and output rounding); exact equality for KV writes and block moves;
+   elementwise kernels within 2 ulps (bf16/fp16) or 16 ulps (fp32) of the
+   reference, counted in the narrowest dtype on the path. A failed
+   check makes the exit status non-zero (benchmarks still run).
+2. Copy bandwidth: 4 GiB device-to-device copy (bytes read + written) / time.
+3. Paged decode attention, 32 q heads, 8 KV heads, head 128, block 16, bf16, at
+   (B, ctx) = (64, 2048), (128, 4096), (32, 16384): effective bandwidth = KV bytes
+   read / time, against the copy bandwidth and against torch SDPA decode over
+   contiguous KV measured here (the anchor script's call). Several launch
+   configurations are timed; the heuristic's choice is reported separately.
+4. Prefill attention, causal, 8x2048 and 1x16384 tokens, with and without a 50%
+   cached prefix (then half the tokens are new queries over a cached half):
+   TFLOP/s (4 * D * Hq * visible (q, k) pairs / time) against SDPA's flash path on
+   the same shapes (lower-right causal mask for the prefix case, KV heads expanded
+   since that is what the flash kernel takes).
+
+Times are medians of ``triton.testing.do_bench``. Prints a table last; writes
+``gpu_kernels.json`` under ``$OUT`` (or the current directory).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def import_kernels():
+    """`kvmesh.kernels`, installed or straight from this checkout's ``kernels/``."""
+    try:
+        return importlib.import_module("kvmesh.kernels")
+    except ImportError:
+        pass
+    import types
+
+    if "kvmesh" not in sys.modules:
+        pkg = types.ModuleType("kvmesh")
+        pkg.__path__ = [os.path.join(ROOT, "kvmesh")]
+        sys.modules["kvmesh"] = pkg
+    spec = importlib.util.spec_from_file_location(
+        "kvmesh.kernels", os.path.join(ROOT, "kernels", "__init__.py"),
+        submodule_search_locations=[os.path.join(ROOT, "kernels")])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["kvmesh.kernels"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+K = import_kernels()
+from triton.testing import do_bench  # noqa: E402
+
+DEV = os.environ.get("KVMESH_BENCH_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=1: smoke-test --quick
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+RESULTS: dict = {"checks": [], "decode": [], "prefill": []}
+FAILED: list[str] = []
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def ulp_err(out, ref, dtype):
+    """Max |out - ref| in units of ref's dtype spacing (1 ulp = eps * 2**floor(log2|ref|))."""
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    eps = torch.finfo(dtype).eps
+    spacing = eps * torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(torch.finfo(dtype).tiny))))
+    return ((out - ref).abs() / spacing).max().item()
+
+
+def record(name, err, bound, **info):
+    ok = err <= bound
+    RESULTS["checks"].append(dict(name=name, err=err, bound=bound, ok=ok, **info))
+    if not ok:
+        FAILED.append(name)
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}: err {err:.3g} (bound {bound:g})", flush=True)
+
+
+# --------------------------------------------------------------------------- problem builders
+
+
+def make_paged(q_lens, ctx_lens, hq, hkv, d, bs, dtype, num_layers=2, layer=1, extra_blocks=7, gen=None):
+    """Random paged KV in the engine layout + packed queries for the given lengths.
+
+    Pages are a random permutation of the pool, and the per-layer caches are the
+    strided views the engine passes (block stride spans all layers)."""
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+    nbs = [math.ceil(s / bs) for s in seq_lens]
+    n_blocks = sum(nbs) + extra_blocks
+    kv = torch.randn(n_blocks, num_layers, 2, bs, hkv, d, dtype=dtype, device=DEV, generator=gen)
+    perm = torch.randperm(n_blocks, device=DEV, generator=gen)
+    width = max(nbs) + 2
+    bt = torch.zeros(len(q_lens), width, dtype=torch.int32, device=DEV)
+    i = 0
+    for b, nb in enumerate(nbs):
+        bt[b, :nb] = perm[i:i + nb]
+        i += nb
+    T = sum(q_lens)
+    q = torch.randn(T, hq, d, dtype=dtype, device=DEV, generator=gen)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=DEV)
+    qsl[1:] = torch.tensor(q_lens, device=DEV).cumsum(0)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    return dict(q=q, kv=kv, k=kv[:, layer, 0], v=kv[:, layer, 1], bt=bt, qsl=qsl, sl=sl,
+                max_q=max(q_lens), max_s=max(seq_lens))
+
+
+# --------------------------------------------------------------------------- checks
+
+
+ATT_BOUND = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+
+
+def check_attention(gen):
+    cases = [
+        # name, q_lens, ctx_lens, hq, hkv, d, bs, dtype, overrides
+        ("decode gqa4 bs16", [1] * 9, [37, 700, 1, 16, 15, 300, 2047, 64, 129], 32, 8, 128, 16, torch.bfloat16, {}),
+        ("decode gqa1 bs32 d64", [1] * 5, [5, 100, 31, 32, 400], 8, 8, 64, 32, torch.bfloat16, {}),
+        ("decode gqa3 split4", [1] * 3, [1000, 333, 4000], 12, 4, 128, 16, torch.bfloat16, dict(num_segments=4)),
+        ("decode gqa4 split16", [1] * 2, [9000, 17], 32, 8, 128, 16, torch.bfloat16, dict(num_segments=16)),
+        ("prefill gqa4", [300, 17, 129], [0, 0, 0], 32, 8, 128, 16, torch.bfloat16, {}),
+        ("chunked prefill gqa4", [200, 64, 5], [1000, 37, 2], 32, 8, 128, 16, torch.bfloat16, {}),
+        ("mixed gqa4 bs32", [1, 150, 1, 33, 1], [500, 77, 1, 0, 4000], 32, 8, 128, 32, torch.bfloat16, {}),
+        ("mixed gqa3 split2", [1, 40, 1], [3000, 200, 17], 24, 8, 128, 16, torch.bfloat16, dict(num_segments=2)),
+        ("mixed gqa8 d64", [3, 1, 70], [10, 1000, 90], 64, 8, 64, 16, torch.bfloat16, {}),
+        ("mixed fp16", [1, 150, 1, 33], [500, 77, 1, 40], 32, 8, 128, 16, torch.float16, {}),
+        ("mixed fp32", [1, 150, 1, 33], [500, 77, 1, 40], 32, 8, 128, 16, torch.float32, {}),
+        ("mixed fp32 split4", [1, 20, 1], [900, 300, 60], 16, 4, 64, 16, torch.float32, dict(num_segments=4)),
+    ]
+    for name, q_lens, ctx, hq, hkv, d, bs, dtype, ov in cases:
+        p = make_paged(q_lens, ctx, hq, hkv, d, bs, dtype, gen=gen)
+        scale = d ** -0.5
+        T = p["q"].shape[0]
+        out = torch.full((T + 3, hq, d), float("nan"), dtype=dtype, device=DEV)  # 3 padding tokens
+        q_pad = torch.cat([p["q"], torch.randn(3, hq, d, dtype=dtype, device=DEV, generator=gen)])
+        K.paged_attention(q_pad, p["k"], p["v"], p["bt"], p["qsl"], p["sl"], scale, out=out,
+                          max_query_len=p["max_q"], max_seq_len=p["max_s"], **ov)
+        sync()
+        ref = K.paged_attention_reference(p["q"].float(), p["k"].float(), p["v"].float(), p["bt"], p["qsl"],
+                                          p["sl"], scale)
+        err = rel_err(out[:T], ref)
+        untouched = bool(torch.isnan(out[T:]).all())
+        record(f"paged_attention {name} {str(dtype)[6:]}", err if untouched else float("inf"), ATT_BOUND[dtype])
+
+
+def check_cuda_graph(gen):
+    """Decode attention captured in a CUDA graph, replayed on new values in place."""
+    p = make_paged([1] * 6, [100, 2000, 5, 900, 31, 4000], 32, 8, 128, 16, torch.bfloat16, gen=gen)
+    out = torch.empty_like(p["q"])
+    args = (p["q"], p["k"], p["v"], p["bt"], p["qsl"], p["sl"], 128 ** -0.5)
+    kw = dict(out=out, max_query_len=1, max_seq_len=4096)
+    K.paged_attention(*args, **kw)  # compile outside capture
+    sync()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        K.paged_attention(*args, **kw)
+    p["q"].copy_(torch.randn(p["q"].shape, dtype=torch.bfloat16, device=DEV, generator=gen))
+    p["sl"].copy_(torch.tensor([101, 2001, 6, 901, 32, 4001], dtype=torch.int32, device=DEV) - 1)
+    out.fill_(float("nan"))
+    g.replay()
+    sync()
+    ref = K.paged_attention_reference(p["q"].float(), p["k"].float(), p["v"].float(), p["bt"], p["qsl"],
+                                      p["sl"], 128 ** -0.5)
+    record("paged_attention decode in CUDA graph (replayed, new q and lens)", rel_err(out, ref), 1.5e-2)
+
+
+def check_write_kv(gen):
+    for dtype, bs, hkv, d in ((torch.bfloat16, 16, 8, 128), (torch.float16, 32, 3, 64), (torch.float32, 16, 1, 128)):
+        kv = torch.randn(40, 3, 2, bs, hkv, d, dtype=dtype, device=DEV, generator=gen)
+        before = kv.clone()
+        T = 50
+        slots = torch.randperm(40 * bs, device=DEV, generator=gen)[:T].to(torch.int64)
+        slots[::7] = -1
+        key = torch.randn(T, hkv, d, dtype=dtype, device=DEV, generator=gen)
+        val = torch.randn(T, hkv, d, dtype=dtype, device=DEV, generator=gen)
+        K.write_kv(key, val, kv[:, 2, 0], kv[:, 2, 1], slots)
+        K.write_kv_reference(key, val, before[:, 2, 0], before[:, 2, 1], slots)
+        record(f"write_kv {str(dtype)[6:]} bs{bs} hkv{hkv} d{d}", 0.0 if torch.equal(kv, before) else 1.0, 0.0)
+
+
+def check_blocks(gen):
+    kv = torch.randn(64, 4, 2, 16, 8, 128, dtype=torch.bfloat16, device=DEV, generator=gen)
+    perm = torch.randperm(64, device=DEV, generator=gen)
+    src, dst = perm[:10], perm[10:20]
+    ref = kv.clone()
+    K.copy_blocks_reference(ref, src, dst)
+    K.copy_blocks(kv, src, dst)
+    record("copy_blocks bf16", 0.0 if torch.equal(kv, ref) else 1.0, 0.0)
+    ids = perm[20:33].to(torch.int32)
+    packed = K.gather_blocks(kv, ids)
+    record("gather_blocks bf16", 0.0 if torch.equal(packed, K.gather_blocks_reference(kv, ids)) else 1.0, 0.0)
+    new = torch.randn_like(packed)
+    ref = kv.clone()
+    K.scatter_blocks_reference(ref, ids, new)
+    K.scatter_blocks(kv, ids, new)
+    record("scatter_blocks bf16", 0.0 if torch.equal(kv, ref) else 1.0, 0.0)
+
+
+def check_elementwise(gen):
+    # Bounds in ulps of the narrowest dtype on the path: 1 for the final rounding
+    # (the CPU interpreter truncates where the GPU rounds) + 1 for a different fp32
+    # reduction order / exp; fp32 results allow 16 ulps (~2e-6 relative) for those.
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        tag = str(dtype)[6:]
+        ub = 16.0 if dtype == torch.float32 else 2.0
+        x = torch.randn(37, 4096, dtype=dtype, device=DEV, generator=gen)
+        r = torch.randn_like(x)
+        w = torch.rand(4096, dtype=dtype, device=DEV, generator=gen) + 0.5
+        y, ro = K.rms_norm(x, w, 1e-5, residual=r)
+        yr, ror = K.rms_norm_reference(x, w, 1e-5, residual=r)
+        record(f"rms_norm+residual {tag} (ulps)", max(ulp_err(y, yr, dtype), ulp_err(ro, ror, dtype)), ub)
+        wf = w.float()
+        y = K.rms_norm(x, wf, 1e-6)
+        record(f"rms_norm fp32 weight {tag} (ulps)", ulp_err(y, K.rms_norm_reference(x, wf, 1e-6), dtype), ub)
+        T = 45
+        pos = torch.randint(0, 8192, (T,), device=DEV, generator=gen)
+        inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device=DEV).float() / 128))
+        fr = torch.outer(torch.arange(8192, device=DEV).float(), inv)
+        cs = torch.cat([fr.cos(), fr.sin()], -1)
+        q = torch.randn(T, 32, 128, dtype=dtype, device=DEV, generator=gen)
+        k = torch.randn(T, 8, 128, dtype=dtype, device=DEV, generator=gen)
+        qo, ko = K.rope(pos, q, k, cs)
+        qr, kr = K.rope_reference(pos, q, k, cs)
+        record(f"rope {tag} (ulps)", max(ulp_err(qo, qr, dtype), ulp_err(ko, kr, dtype)), ub)
+        g = torch.randn(37, 2 * 7168, dtype=dtype, device=DEV, generator=gen)
+        record(f"silu_and_mul {tag} (ulps)", ulp_err(K.silu_and_mul(g), K.silu_and_mul_reference(g), dtype), ub)
+
+
+# --------------------------------------------------------------------------- benchmarks
+
+
+def bench_ms(fn, rep=100):
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def copy_bandwidth():
+    n = 4 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=DEV)
+    a.random_()
+    b = torch.empty_like(a)
+    ms = bench_ms(lambda: b.copy_(a))
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3) / 1e12
+
+
+DECODE_SHAPES = [(64, 2048), (128, 4096), (32, 16384)]
+PREFILL_SHAPES = [(8, 2048), (1, 16384)]
+DECODE_VARIANTS = [
+    # (num_segments, tile_n, num_warps, num_stages); None = heuristic
+    None,
+    (1, 64, 4, 3), (1, 64, 4, 4), (1, 128, 4, 3), (1, 128, 8, 3), (1, 32, 4, 4), (1, 64, 8, 3),
+    (2, 64, 4, 3), (4, 64, 4, 3), (8, 64, 4, 3), (4, 128, 4, 3),
+]
+
+
+def bench_decode(gen, copy_tbps, variants):
+    hq, hkv, d, bs = 32, 8, 128, 16
+    for B, L in DECODE_SHAPES:
+        p = make_paged([1] * B, [L - 1] * B, hq, hkv, d, bs, torch.bfloat16, num_layers=2, layer=0,
+                       extra_blocks=0, gen=gen)
+        kv_bytes = 2 * B * L * hkv * d * 2
+        out = torch.empty_like(p["q"])
+        args = (p["q"], p["k"], p["v"], p["bt"], p["qsl"], p["sl"], d ** -0.5)
+        row = dict(B=B, L=L, kv_GB=kv_bytes / 1e9, variants=[])
+        best = None
+        for var in variants:
+            kw = dict(out=out, max_query_len=1, max_seq_len=L)
+            if var is not None:
+                kw.update(num_segments=var[0], tile_n=var[1], num_warps=var[2], num_stages=var[3])
+            try:
+                K.paged_attention(*args, **kw)
+                ms = bench_ms(lambda: K.paged_attention(*args, **kw))
+            except Exception as e:  # a config that does not compile must not end the run
+                print(f"  decode {B}x{L} {var}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            tbps = kv_bytes / (ms * 1e-3) / 1e12
+            name = "heuristic" if var is None else "seg%d tile%d w%d s%d" % var
+            row["variants"].append(dict(cfg=name, us=ms * 1e3, TBps=tbps))
+            print(f"  decode B={B} L={L} {name}: {ms * 1e3:.1f} us, {tbps:.2f} TB/s", flush=True)
+            if var is None:
+                row["heuristic"] = dict(cfg=K.attention_config(B, B, hq, hkv, d, 1, L, torch.device(DEV),
+                                                               torch.bfloat16), us=ms * 1e3, TBps=tbps)
+            if best is None or tbps > best["TBps"]:
+                best = dict(cfg=name, us=ms * 1e3, TBps=tbps)
+        row["best"] = best
+        del p, out
+        torch.cuda.empty_cache()
+        # SDPA decode over contiguous KV, as the anchor script calls it.
+        q = torch.randn(B, hq, 1, d, dtype=torch.bfloat16, device=DEV, generator=gen)
+        k = torch.randn(B, hkv, L, d, dtype=torch.bfloat16, device=DEV, generator=gen)
+        v = torch.randn_like(k)
+        ms = bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        row["sdpa"] = dict(us=ms * 1e3, TBps=kv_bytes / (ms * 1e-3) / 1e12)
+        print(f"  decode B={B} L={L} SDPA contiguous: {ms * 1e3:.1f} us, {row['sdpa']['TBps']:.2f} TB/s", flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+        row["vs_copy"] = row["heuristic"]["TBps"] / copy_tbps
+        row["vs_sdpa"] = row["heuristic"]["TBps"] / row["sdpa"]["TBps"]
+        RESULTS["decode"].append(row)
+
+
+PREFILL_VARIANTS = [
+    None,
+    (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2),
+    (128, 64, 4, 3),
+]
+
+
+def sdpa_flash_ms(B, q_len, seq_len, hq, hkv, d, gen):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(B, hq, q_len, d, dtype=torch.bfloat16, device=DEV, generator=gen)
+    k = torch.randn(B, hq, seq_len, d, dtype=torch.bfloat16, device=DEV, generator=gen)
+    v = torch.randn_like(k)
+    if q_len == seq_len:
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(q_len, seq_len)
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        fn()
+        ms = bench_ms(fn)
+    return ms
+
+
+def bench_prefill(gen, variants):
+    hq, hkv, d, bs = 32, 8, 128, 16
+    for B, S in PREFILL_SHAPES:
+        for cached in (0, S // 2):
+            q_len = S - cached
+            p = make_paged([q_len] * B, [cached] * B, hq, hkv, d, bs, torch.bfloat16, num_layers=1, layer=0,
+                           extra_blocks=0, gen=gen)
+            pairs = B * (q_len * cached + q_len * (q_len + 1) // 2)
+            flop = 4 * d * hq * pairs
+            out = torch.empty_like(p["q"])
+            args = (p["q"], p["k"], p["v"], p["bt"], p["qsl"], p["sl"], d ** -0.5)
+            row = dict(B=B, S=S, cached=cached, TFLOP=flop / 1e12, variants=[])
+            for var in variants:
+                kw = dict(out=out, max_query_len=q_len, max_seq_len=S)
+                if var is not None:
+                    kw.update(block_m=var[0], tile_n=var[1], num_warps=var[2], num_stages=var[3])
+                try:
+                    K.paged_attention(*args, **kw)
+                    ms = bench_ms(lambda: K.paged_attention(*args, **kw), rep=200)
+                except Exception as e:
+                    print(f"  prefill {B}x{S} {var}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                tf = flop / (ms * 1e-3) / 1e12
+                name = "heuristic" if var is None else "m%d tile%d w%d s%d" % var
+                row["variants"].append(dict(cfg=name, ms=ms, TFLOPs=tf))
+                print(f"  prefill B={B} S={S} cached={cached} {name}: {ms:.3f} ms, {tf:.0f} TFLOP/s", flush=True)
+                if var is None:
+                    row["heuristic"] = dict(ms=ms, TFLOPs=tf)
+            row["best"] = max(row["variants"], key=lambda r: r["TFLOPs"])
+            del p, out
+            torch.cuda.empty_cache()
+            try:
+                ms = sdpa_flash_ms(B, q_len, S, hq, hkv, d, gen)
+                row["sdpa_flash"] = dict(ms=ms, TFLOPs=flop / (ms * 1e-3) / 1e12)
+                print(f"  prefill B={B} S={S} cached={cached} SDPA flash: {ms:.3f} ms, "
+                      f"{row['sdpa_flash']['TFLOPs']:.0f} TFLOP/s", flush=True)
+                row["vs_sdpa"] = row["heuristic"]["TFLOPs"] / row["sdpa_flash"]["TFLOPs"]
+            except Exception as e:
+                print(f"  SDPA flash failed: {type(e).__name__}: {e}", flush=True)
+                row["sdpa_flash"] = None
+            torch.cuda.empty_cache()
+            RESULTS["prefill"].append(row)
+
+
+def bench_small_kernels(gen):
+    """Bandwidth of the memory-bound helpers at Llama-3-8B sizes (bytes moved / time)."""
+    out = {}
+    T, H = 4096, 4096
+    x = torch.randn(T, H, dtype=torch.bfloat16, device=DEV, generator=gen)
+    r = torch.randn_like(x)
+    w = torch.rand(H, dtype=torch.bfloat16, device=DEV, generator=gen)
+    ms = bench_ms(lambda: K.rms_norm(x, w, 1e-5, residual=r))
+    out["rms_norm_residual_TBps"] = 4 * x.numel() * 2 / (ms * 1e-3) / 1e12
+    g = torch.randn(T, 2 * 14336, dtype=torch.bfloat16, device=DEV, generator=gen)
+    ms = bench_ms(lambda: K.silu_and_mul(g))
+    out["silu_and_mul_TBps"] = 1.5 * g.numel() * 2 / (ms * 1e-3) / 1e12
+    kv = torch.randn(2048, 32, 2, 16, 8, 128, dtype=torch.bfloat16, device=DEV, generator=gen)
+    ids = torch.randperm(2048, device=DEV, generator=gen)[:512]
+    ms = bench_ms(lambda: K.gather_blocks(kv, ids))
+    out["gather_blocks_TBps"] = 2 * 512 * kv[0].numel() * 2 / (ms * 1e-3) / 1e12
+    key = torch.randn(T, 8, 128, dtype=torch.bfloat16, device=DEV, generator=gen)
+    slots = torch.randperm(2048 * 16, device=DEV, generator=gen)[:T]
+    ms = bench_ms(lambda: K.write_kv(key, key, kv[:, 3, 0], kv[:, 3, 1], slots))
+    out["write_kv_us_4096tok"] = ms * 1e3
+    print("  small kernels:", {k: round(v, 3) for k, v in out.items()}, flush=True)
+    RESULTS["small"] = out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="checks only")
+    ap.add_argument("--no-variants", action="store_true", help="time the heuristic configuration only")
+    args = ap.parse_args()
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator(device=DEV)
+    gen.manual_seed(seed)
+    torch.manual_seed(seed)
+    import triton
+
+    RESULTS["env"] = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)", torch=torch.__version__, triton=triton.__version__,
+                          date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), seed=seed)
+    print("env:", RESULTS["env"], flush=True)
+    t0 = time.time()
+    print("checks:", flush=True)
+    checks = [check_write_kv, check_blocks, check_elementwise, check_attention]
+    if DEV == "cuda":
+        checks.append(check_cuda_graph)
+    for fn in checks:
+        try:
+            fn(gen)
+        except Exception:
+            traceback.print_exc()
+            FAILED.append(fn.__name__ + " raised")
+    print(f"checks done in {time.time() - t0:.0f} s; failed: {FAILED}", flush=True)
+    if not args.quick:
+        copy_tbps = copy_bandwidth()
+        RESULTS["copy_TBps"] = copy_tbps
+        print(f"copy bandwidth {copy_tbps:.2f} TB/s", flush=True)
+        for fn, a in ((bench_decode, (gen, copy_tbps, [None] if args.no_variants else DECODE_VARIANTS)),
+                      (bench_prefill, (gen, [None] if args.no_variants else PREFILL_VARIANTS)),
+                      (bench_small_kernels, (gen,))):
+            try:
+                fn(*a)
+            except Exception:
+                traceback.print_exc()
+                FAILED.append(fn.__name__ + " raised")
+    RESULTS["failed"] = FAILED
+    out_dir = os.environ.get("OUT", ".")
+    with open(os.path.join(out_dir, "gpu_kernels.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    print_table()
+    sys.exit(1 if FAILED else 0)
+
+
+def print_table():
+    env = RESULTS["env"]
+    print(f"\n== kvmesh kernels on {env['gpu']} (torch {env['torch']}, triton {env['triton']}, {env['date']})")
+    print(f"checks: {sum(c['ok'] for c in RESULTS['checks'])}/{len(RESULTS['checks'])} passed; failed: {FAILED}")
+    if "copy_TBps" in RESULTS:
+        print(f"device-to-device copy: {RESULTS['copy_TBps']:.2f} TB/s")
+    if RESULTS["decode"]:
+        print("decode (32q/8kv heads, d128, block 16, bf16) | ours heuristic TB/s | best variant | SDPA TB/s | "
+              "ours/copy | ours/SDPA")
+        for r in RESULTS["decode"]:
+            print(f"  B={r['B']:4d} ctx={r['L']:6d} | {r['heuristic']['TBps']:.2f} ({r['heuristic']['us']:.0f} us) | "
+                  f"{r['best']['TBps']:.2f} {r['best']['cfg']} | {r['sdpa']['TBps']:.2f} | {r['vs_copy']:.0%} | "
+                  f"{r['vs_sdpa']:.0%}")
+    if RESULTS["prefill"]:
+        print("prefill causal (32q/8kv, d128, block 16, bf16) | ours heuristic TFLOP/s | best variant | "
+              "SDPA flash TFLOP/s | ours/SDPA")
+        for r in RESULTS["prefill"]:
+            sd = r.get("sdpa_flash")
+            print(f"  {r['B']}x{r['S']} cached={r['cached']:5d} | {r['heuristic']['TFLOPs']:.0f} "
+                  f"({r['heuristic']['ms']:.2f} ms) | {r['best']['TFLOPs']:.0f} {r['best']['cfg']} | "
+                  f"{sd['TFLOPs'] if sd else float('nan'):.0f} | {r.get('vs_sdpa', float('nan')):.0%}")
+    if "small" in RESULTS:
+        print("small kernels:", {k: round(v, 2) for k, v in RESULTS["small"].items()})
+
+
+if __name__ == "__main__":
+    main()
