@@ -1,0 +1,78 @@
+"""`kvmesh serve`: an OpenAI-compatible server (API process + engine-core process over ZMQ)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .engine_args import add_engine_args, engine_kwargs
+
+
+def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> None:
+    """Server flags, shared with the prefill/decode entry points (they differ by role and connector)."""
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--role", choices=["both", "prefill", "decode"], default=default_role)
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in `model` (default: the model's name)")
+    g.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on all endpoints but /health and /metrics "
+                        "(default: $KVMESH_API_KEY)")
+    g.add_argument("--max-waiting", type=int, default=0,
+                   help="bound on the engine's waiting queue; beyond it requests get 503 + Retry-After (0: unbounded)")
+    g.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    g.add_argument("--engine-ipc-dir", default=None, help="directory for the engine's ipc sockets (default: temp)")
+    g.add_argument("--engine-input-addr", default=None, help="ZMQ endpoint for requests (instead of ipc)")
+    g.add_argument("--engine-output-addr", default=None, help="ZMQ endpoint for outputs (instead of ipc)")
+    g.add_argument("--engine-id", default="kvmesh-0", help="this engine's id in KV events and transfer params")
+    g.add_argument("--kv-events-endpoint", default=None,
+                   help="bind a ZMQ PUB socket here for KV cache events, e.g. tcp://*:5557")
+    g.add_argument("--kv-connector", default="none",
+                   help="KV connector name, resolved by kvmesh.engine.connectors.make_connector (none: no connector)")
+    g.add_argument("--kv-connector-config", default="{}", help="JSON options for the KV connector")
+    g.add_argument("--stats-interval", type=float, default=0.5, help="seconds between engine stats snapshots")
+    g.add_argument("--log-level", default="warning", help="uvicorn's log level")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="run an OpenAI-compatible server")
+    add_server_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def configs_from_args(args: argparse.Namespace):
+    from kvmesh.services.api.config import ServerConfig
+    from kvmesh.services.api.engine_proc import EngineProcConfig
+    from kvmesh.services.api.launcher import engine_addresses
+
+    cfg = ServerConfig(host=args.host, port=args.port, role=args.role,
+                       served_model_names=tuple(args.served_model_name or ()), api_key=args.api_key or None,
+                       max_body_bytes=args.max_body_bytes, ipc_dir=args.engine_ipc_dir,
+                       engine_input_addr=args.engine_input_addr, engine_output_addr=args.engine_output_addr,
+                       uvicorn_log_level=args.log_level)
+    addrs = engine_addresses(cfg)
+    kw = engine_kwargs(args)
+    kw.update(max_waiting=args.max_waiting, engine_id=args.engine_id)
+    try:
+        connector_cfg = json.loads(args.kv_connector_config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--kv-connector-config is not JSON: {e}") from e
+    proc_cfg = EngineProcConfig(input_addr=addrs.input_addr, output_addr=addrs.output_addr, model=args.model,
+                                engine_kwargs=kw, role=args.role, kv_connector=args.kv_connector,
+                                kv_connector_config=connector_cfg, kv_events_endpoint=args.kv_events_endpoint,
+                                stats_interval=args.stats_interval, parent_pid=os.getpid())
+    return cfg, proc_cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvmesh.services.api.launcher import run as run_server
+
+    try:
+        cfg, proc_cfg = configs_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run_server(cfg, proc_cfg)

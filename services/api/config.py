@@ -1,0 +1,30 @@
+"""Frozen configuration of one API server (one pod of any role)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    role: str = "both"  # both | prefill | decode: passed to the engine, the API is the same
+    served_model_names: tuple[str, ...] = ()  # empty: the engine's model name
+    api_key: str | None = None  # every endpoint but /health and /metrics needs "Authorization: Bearer <key>"
+    max_body_bytes: int = 8 << 20  # larger bodies get 413
+    ready_timeout: float = 900.0  # seconds to wait for the engine to load the model
+    ipc_dir: str | None = None  # where the engine's ipc sockets live (default: a fresh temp dir)
+    engine_input_addr: str | None = None  # explicit ZMQ endpoints (e.g. tcp://127.0.0.1:5555) instead of ipc
+    engine_output_addr: str | None = None
+    uvicorn_log_level: str = "warning"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both|prefill|decode, got {self.role!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port out of range: {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be >= 1024")
+        if (self.engine_input_addr is None) != (self.engine_output_addr is None):
+            raise ValueError("give both engine addresses or neither")

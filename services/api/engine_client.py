@@ -1,0 +1,214 @@
+"""The API process's side of the engine boundary: spawn the engine process, send requests, route outputs.
+
+One background task reads the engine's output socket and hands each
+`EngineCoreOutput` to the queue of the request it belongs to; handlers await
+their own queue and never touch the socket. A second task watches the engine
+process: if it dies, every in-flight request receives `EngineDeadError` (so
+streams end and non-streaming calls return an error instead of hanging) and
+`healthy` turns False for ``/health``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+
+from kvmesh.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+
+from . import wire
+from .engine_proc import EngineProcConfig
+
+log = logging.getLogger("kvmesh.api.engine_client")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process exited; the request cannot complete."""
+
+
+class EngineRejectedError(Exception):
+    def __init__(self, reason: str, message: str, request_id: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason  # "invalid" | "queue_full"
+        self.request_id = request_id
+
+
+@dataclass
+class RequestStream:
+    """Where the reader task delivers one request's outputs (or its failure)."""
+
+    request_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # EngineCoreOutput | Exception
+    queue_time: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineAddresses:
+    input_addr: str
+    output_addr: str
+
+    @classmethod
+    def ipc_in(cls, directory: str | None = None) -> "EngineAddresses":
+        d = directory or tempfile.mkdtemp(prefix="kvmesh-")
+        return cls(f"ipc://{d}/engine-in.sock", f"ipc://{d}/engine-out.sock")
+
+
+class EngineClient:
+    def __init__(self, proc_cfg: EngineProcConfig, on_stats: Callable[[EngineStats], None] | None = None,
+                 on_queue_time: Callable[[float], None] | None = None) -> None:
+        self.proc_cfg = proc_cfg
+        self.on_stats = on_stats
+        self.on_queue_time = on_queue_time
+        self.ctx = zmq.asyncio.Context()
+        # The request socket is a plain (blocking-API) socket with no high-water mark, used with NOBLOCK:
+        # sends never wait, so they are safe in `finally:` blocks of cancelled handlers (client disconnects),
+        # where any `await` would be cancelled again before the abort reached the engine.
+        self._sync_ctx = zmq.Context()
+        self.push = self._sync_ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.setsockopt(zmq.SNDHWM, 0)
+        self.push.bind(proc_cfg.input_addr)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.bind(proc_cfg.output_addr)
+        self.proc: subprocess.Popen | None = None
+        self.ready: wire.Ready | None = None
+        self.stats: EngineStats = EngineStats()
+        self.dead_reason: str | None = None
+        self.streams: dict[str, RequestStream] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._ready_event = asyncio.Event()
+
+    # ---- lifecycle ----------------------------------------------------------
+    def spawn(self) -> None:
+        """Start the engine process; it connects to our sockets and sends `Ready` once loaded."""
+        cmd = [sys.executable, "-m", "kvmesh.services.api.engine_proc", self.proc_cfg.to_json()]
+        self.proc = subprocess.Popen(cmd)  # same process group: a group kill takes both down
+        log.info("engine process started, pid %d", self.proc.pid)
+
+    async def start(self, ready_timeout: float = 600.0) -> wire.Ready:
+        self._tasks = [asyncio.create_task(self._reader()), asyncio.create_task(self._watchdog())]
+        deadline = time.monotonic() + ready_timeout
+        while not self._ready_event.is_set():
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
+            if time.monotonic() > deadline:
+                raise EngineDeadError("engine did not become ready in time")
+            try:
+                await asyncio.wait_for(self._ready_event.wait(), 0.2)
+            except asyncio.TimeoutError:
+                pass
+        assert self.ready is not None
+        return self.ready
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready is not None and self.dead_reason is None
+
+    async def close(self) -> None:
+        if self.dead_reason is None and self.proc is not None and self.proc.poll() is None:
+            self._send(wire.Shutdown())
+        for t in self._tasks:
+            t.cancel()
+        if self.proc is not None:
+            try:
+                await asyncio.to_thread(self.proc.wait, 5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.push.close(0)
+        self.pull.close(0)
+        self.ctx.term()
+        self._sync_ctx.term()
+
+    # ---- requests -----------------------------------------------------------
+    def _send(self, msg) -> None:
+        try:
+            self.push.send(wire.encoder.encode(msg), zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:  # no HWM, so only a closed socket gets here
+            log.warning("cannot send %s to the engine: %s", type(msg).__name__, e)
+
+    def add(self, req: EngineCoreRequest, stream: RequestStream | None = None) -> RequestStream:
+        """Send a request; its outputs (or its rejection) arrive on ``stream.queue``.
+
+        Several requests may share one stream (a completions call with a list of prompts).
+        """
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        stream = stream or RequestStream(req.request_id)
+        self.streams[req.request_id] = stream
+        self._send(wire.AddRequest(req))
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests still running in the engine (frees their blocks); finished ones are ignored."""
+        live = [r for r in request_ids if self.streams.pop(r, None) is not None]
+        if live and self.dead_reason is None:
+            self._send(wire.Abort(live))
+
+    def release(self, request_id: str) -> None:
+        """Forget a request that finished normally (no abort needed)."""
+        self.streams.pop(request_id, None)
+
+    def abort_sequence(self, request_id: str, index: int) -> None:
+        if self.dead_reason is None:
+            self._send(wire.AbortSequence(request_id, index))
+
+    # ---- background tasks ---------------------------------------------------
+    async def _reader(self) -> None:
+        while True:
+            raw = await self.pull.recv()
+            try:
+                msg = wire.from_engine_decoder.decode(raw)
+            except Exception:
+                log.exception("undecodable message from engine")
+                continue
+            if isinstance(msg, wire.Outputs):
+                for rid, qt in msg.queue_times.items():
+                    s = self.streams.get(rid)
+                    if s is not None:
+                        s.queue_time = qt
+                    if self.on_queue_time is not None:
+                        self.on_queue_time(qt)
+                for eo in msg.outputs:
+                    s = self.streams.get(eo.request_id)
+                    if s is not None:
+                        s.queue.put_nowait(eo)
+            elif isinstance(msg, wire.Stats):
+                self.stats = msg.stats
+                if self.on_stats is not None:
+                    self.on_stats(msg.stats)
+            elif isinstance(msg, wire.Rejected):
+                s = self.streams.pop(msg.request_id, None)
+                if s is not None:
+                    s.queue.put_nowait(EngineRejectedError(msg.reason, msg.message, msg.request_id))
+            elif isinstance(msg, wire.Ready):
+                self.ready = msg
+                self._ready_event.set()
+                log.info("engine ready: %s, max_model_len %d, %d KV blocks", msg.model_name,
+                         msg.max_model_len, msg.num_kv_blocks)
+            elif isinstance(msg, wire.Fatal):
+                log.error("engine reported: %s", msg.message)
+                self._fail_all(msg.message)
+
+    async def _watchdog(self) -> None:
+        while self.dead_reason is None:
+            await asyncio.sleep(0.2)
+            if self.proc is not None and self.proc.poll() is not None:
+                self._fail_all(f"engine process exited with code {self.proc.returncode}")
+
+    def _fail_all(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            log.error("engine is dead: %s; failing %d in-flight requests", reason, len(self.streams))
+        streams, self.streams = self.streams, {}
+        for s in streams.values():
+            s.queue.put_nowait(EngineDeadError(reason))

@@ -1,0 +1,291 @@
+"""The engine-core process: owns the model and runs the busy loop behind the API server.
+
+Loop, one iteration:
+
+    drain every message already queued (never wait while work is pending)
+    step the engine once (schedule -> execute -> update)
+    send that step's outputs as ONE message, plus a stats snapshot at most every
+    ``stats_interval`` seconds
+    when idle: block on the socket (bounded, to notice a dead parent)
+
+Tokenization, detokenization, stop strings and HTTP all live in the API
+process, so this loop spends its time on the model. It never waits on a
+client: a slow reader only fills ZMQ buffers in the API process.
+
+Start it with ``python -m kvmesh.services.api.engine_proc CONFIG_JSON`` (the API
+server does this), or build an `EngineProcess` in-process for tests.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from . import wire
+
+log = logging.getLogger("kvmesh.api.engine_proc")
+
+
+@dataclass(frozen=True)
+class EngineProcConfig:
+    """Everything the engine process needs; travels to it as JSON on the command line."""
+
+    input_addr: str  # ZMQ endpoint the API binds and pushes requests to (we connect, PULL)
+    output_addr: str  # ZMQ endpoint the API binds and pulls outputs from (we connect, PUSH)
+    model: str | None = None
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # EngineCore.from_model keyword arguments
+    role: str = "both"
+    kv_connector: str = "none"
+    kv_connector_config: dict[str, Any] = field(default_factory=dict)
+    kv_events_endpoint: str | None = None  # ZMQ PUB endpoint to bind for KV events (None: events dropped)
+    kv_events_topic: str = "kv-events"
+    stats_interval: float = 0.5  # seconds between stats snapshots while busy
+    idle_poll_ms: int = 1000  # longest blocking wait when idle (bounded to notice a dead parent)
+    parent_pid: int | None = None  # exit when this process disappears
+
+    def __post_init__(self) -> None:
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both|prefill|decode, got {self.role!r}")
+        if self.stats_interval <= 0:
+            raise ValueError("stats_interval must be > 0")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "EngineProcConfig":
+        return cls(**json.loads(text))
+
+
+ConnectorFactory = Callable[[EngineProcConfig], Any]
+
+
+def default_connector_factory(cfg: EngineProcConfig):
+    """Resolve ``--kv-connector NAME`` to a connector object (None: the engine's no-op base).
+
+    Connector implementations register in `kvmesh.engine.connectors`, whose
+    ``make_connector(name, config, **opts)`` is the one lookup point; ``none``
+    never imports it, so a serve without connectors has no extra dependencies.
+    """
+    if cfg.kv_connector in ("", "none", None):
+        return None
+    from kvmesh.engine import connectors
+
+    make = getattr(connectors, "make_connector", None)
+    if make is None:
+        raise ValueError(f"--kv-connector {cfg.kv_connector!r}: no connector registry "
+                         "(kvmesh.engine.connectors.make_connector) is installed")
+    return make(cfg.kv_connector, cfg.kv_connector_config, role=cfg.role,
+                engine_id=cfg.engine_kwargs.get("engine_id", "kvmesh-0"))
+
+
+class EngineProcess:
+    """Wraps an `EngineCore` with the ZMQ side of the process boundary."""
+
+    def __init__(self, cfg: EngineProcConfig, connector_factory: ConnectorFactory = default_connector_factory,
+                 engine=None) -> None:
+        self.cfg = cfg
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.connect(cfg.input_addr)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 1000)
+        self.push.connect(cfg.output_addr)
+        self.pub = None
+        if cfg.kv_events_endpoint:
+            self.pub = self.ctx.socket(zmq.PUB)
+            self.pub.bind(cfg.kv_events_endpoint)
+        self._kv_seq = 0
+        if engine is None:
+            from kvmesh.engine.core import EngineCore
+
+            connector = connector_factory(cfg)
+            engine, _ = EngineCore.from_model(cfg.model, role=cfg.role, connector=connector, **cfg.engine_kwargs)
+            hook = getattr(connector, "on_engine_started", None)
+            if hook is not None:  # lets a connector see the built engine (KV layout, engine id) once
+                hook(engine)
+        self.engine = engine
+        # Requests not yet scheduled: we keep the engine's Request object to report its queue time once.
+        self._unscheduled: dict[str, Any] = {}
+        self._last_stats: wire.EngineStats | None = None
+        self._last_stats_time = 0.0
+        self._running = True
+
+    # ---- messages -----------------------------------------------------------
+    def _send(self, msg) -> None:
+        self.push.send(wire.encoder.encode(msg), copy=False)
+
+    def send_ready(self) -> None:
+        c = self.engine.config
+        self._send(wire.Ready(pid=os.getpid(), model_name=c.model.name, max_model_len=c.scheduler.max_model_len,
+                              block_size=c.cache.block_size, num_kv_blocks=self.engine.kv.pool.num_blocks,
+                              role=c.role))
+
+    def _handle(self, raw: bytes) -> None:
+        from kvmesh.engine.scheduler import QueueFullError
+
+        try:
+            msg = wire.to_engine_decoder.decode(raw)
+        except msgspec.ValidationError as e:
+            # A bad request struct (e.g. params that fail validation) names its id if we can find it.
+            rid = _peek_request_id(raw)
+            log.warning("undecodable message: %s", e)
+            if rid is not None:
+                self._send(wire.Rejected(rid, "invalid", str(e)))
+            return
+        if isinstance(msg, wire.AddRequest):
+            req = msg.request
+            try:
+                self.engine.add_request(req)
+            except QueueFullError as e:
+                self._send(wire.Rejected(req.request_id, "queue_full", str(e)))
+                return
+            except ValueError as e:
+                self._send(wire.Rejected(req.request_id, "invalid", str(e)))
+                return
+            r = self.engine.requests.get(req.request_id)
+            if r is not None:
+                self._unscheduled[req.request_id] = r
+        elif isinstance(msg, wire.Abort):
+            self.engine.abort(msg.request_ids)
+            for rid in msg.request_ids:
+                self._unscheduled.pop(rid, None)
+        elif isinstance(msg, wire.AbortSequence):
+            self.engine.abort_sequence(msg.request_id, msg.index)
+        elif isinstance(msg, wire.Shutdown):
+            self._running = False
+
+    def _drain(self, timeout_ms: int) -> None:
+        """Handle every queued message; wait up to ``timeout_ms`` for the first one only."""
+        if timeout_ms > 0 and not self.pull.poll(timeout_ms):
+            return
+        while True:
+            try:
+                raw = self.pull.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._handle(raw)
+
+    # ---- the loop -----------------------------------------------------------
+    def step_once(self) -> None:
+        outs = self.engine.step()
+        queue_times: dict[str, float] = {}
+        if self._unscheduled:
+            for rid, r in list(self._unscheduled.items()):
+                if r.first_scheduled_time is not None:
+                    queue_times[rid] = max(0.0, r.first_scheduled_time - r.arrival_time)
+                    del self._unscheduled[rid]
+                elif r.is_finished:
+                    del self._unscheduled[rid]
+        if outs or queue_times:
+            self._send(wire.Outputs(outputs=outs, queue_times=queue_times))
+        events = self.engine.take_kv_events()  # always drain: the pool buffers them until taken
+        if events and self.pub is not None:
+            from kvmesh.engine.kv_events import KVEventBatch, encode_batch
+
+            self._kv_seq += 1
+            self.pub.send_multipart([self.cfg.kv_events_topic.encode(), self._kv_seq.to_bytes(8, "big"),
+                                     encode_batch(KVEventBatch(ts=time.time(), events=events))])
+
+    def maybe_send_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_stats_time < self.cfg.stats_interval:
+            return
+        s = self.engine.stats()
+        if force or s != self._last_stats or now - self._last_stats_time > 5.0:
+            self._send(wire.Stats(stats=s, time=time.time()))
+            self._last_stats = s
+            self._last_stats_time = now
+
+    def run(self) -> None:
+        self.send_ready()
+        self.maybe_send_stats(force=True)
+        was_busy = False
+        while self._running:
+            busy = self.engine.has_unfinished()
+            self._drain(0 if busy else self.cfg.idle_poll_ms)
+            if self.engine.has_unfinished():
+                self.step_once()
+                was_busy = True
+                self.maybe_send_stats()
+            else:
+                # Going idle: one snapshot right away so gauges (KV usage, running) settle at idle values.
+                self.maybe_send_stats(force=was_busy)
+                was_busy = False
+                if self.cfg.parent_pid is not None and not _alive(self.cfg.parent_pid):
+                    log.warning("API server process %d is gone; engine exiting", self.cfg.parent_pid)
+                    break
+        self.close()
+
+    def close(self) -> None:
+        try:
+            self.engine.shutdown()
+        finally:
+            for s in (self.pull, self.push, self.pub):
+                if s is not None:
+                    s.close(linger=0)
+            self.ctx.term()
+
+
+def _peek_request_id(raw: bytes) -> str | None:
+    try:
+        obj = msgspec.msgpack.decode(raw)
+        return obj["request"]["request_id"]
+    except Exception:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return os.getppid() == pid
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=os.environ.get("KVMESH_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    cfg = EngineProcConfig.from_json(argv[0])
+    try:
+        proc = EngineProcess(cfg)
+    except Exception as e:  # load failures reach the API as one clear message, then we exit non-zero
+        log.exception("engine failed to start")
+        _report_fatal(cfg, f"engine failed to start: {type(e).__name__}: {e}")
+        return 1
+    try:
+        proc.run()
+    except Exception as e:
+        log.exception("engine loop crashed")
+        try:
+            proc._send(wire.Fatal(f"engine loop crashed: {type(e).__name__}: {e}"))
+        except Exception:
+            pass
+        return 1
+    return 0
+
+
+def _report_fatal(cfg: EngineProcConfig, message: str) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 2000)
+    s.connect(cfg.output_addr)
+    s.send(wire.encoder.encode(wire.Fatal(message)))
+    s.close()
+    ctx.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

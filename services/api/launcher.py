@@ -1,0 +1,66 @@
+"""Run one API server: spawn the engine process, load the tokenizer, serve HTTP until stopped.
+
+Order matters for start-up time: the engine process starts first (it loads
+the weights, the slow part), the tokenizer loads here meanwhile, and uvicorn
+binds only once the engine reported `Ready`, so a listening port means a
+working server.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import uvicorn
+
+from .config import ServerConfig
+from .engine_client import EngineAddresses, EngineClient, EngineDeadError
+from .engine_proc import EngineProcConfig
+from .metrics import ServerMetrics
+from .server import build_app
+
+log = logging.getLogger("kvmesh.api")
+
+
+async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
+    from kvmesh.engine.loader import load_model
+
+    client = EngineClient(proc_cfg)
+    client.spawn()
+    try:
+        loaded = await asyncio.to_thread(load_model, proc_cfg.model, False, True)
+        ready = await client.start(cfg.ready_timeout)
+    except (EngineDeadError, ValueError) as e:
+        log.error("engine failed: %s", e)
+        await client.close()
+        return 1
+    metrics = ServerMetrics(cfg.served_model_names[0] if cfg.served_model_names else ready.model_name)
+    client.on_stats = metrics.on_stats
+    client.on_queue_time = metrics.on_queue_time
+    metrics.on_stats(client.stats)
+    app = build_app(cfg, client, loaded.tokenizer, metrics)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.uvicorn_log_level,
+                                           timeout_graceful_shutdown=5, lifespan="off"))
+    log.info("serving %s on http://%s:%d (role %s)", ready.model_name, cfg.host, cfg.port, ready.role)
+    try:
+        await server.serve()
+    finally:
+        await client.close()
+    return 0
+
+
+def run(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
+    logging.basicConfig(level=os.environ.get("KVMESH_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s [api] %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return asyncio.run(serve(cfg, proc_cfg))
+    except KeyboardInterrupt:
+        return 0
+
+
+def engine_addresses(cfg: ServerConfig) -> EngineAddresses:
+    if cfg.engine_input_addr and cfg.engine_output_addr:
+        return EngineAddresses(cfg.engine_input_addr, cfg.engine_output_addr)
+    return EngineAddresses.ipc_in(cfg.ipc_dir)

@@ -1,0 +1,104 @@
+"""Prometheus metrics with vLLM's names and ``model_name`` label.
+
+Two sources, neither on the engine's per-token path:
+* histograms and per-request counters are observed here, in the API process,
+  from the timings it sees as outputs arrive (TTFT, ITL, E2E) and from the
+  queue time the engine reports once per request;
+* gauges and engine counters come from `EngineStats` snapshots the engine sends
+  at most every ``stats_interval``; counters advance by the snapshot's delta.
+
+Each server owns a `CollectorRegistry`, so several apps in one process (tests)
+never collide in the global registry.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvmesh.engine.messages import EngineStats
+
+# Buckets copied from vLLM so dashboards' heatmaps line up.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, L = self.registry, ["model_name"]
+        self.model_name = model_name
+        self.num_running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", L, registry=r)
+        self.num_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", L, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", L,
+                              registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.", L, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in terms of number of cached tokens.", L, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemptions.", L, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", L, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", L,
+                                         registry=r)
+        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                       L + ["finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              L, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             L, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             L, buckets=E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", L,
+                                    buckets=E2E_BUCKETS, registry=r)
+        # bound children: label lookup once, not per observation
+        m = model_name
+        self._ttft, self._itl, self._e2e, self._queue = (self.ttft.labels(m), self.itl.labels(m),
+                                                         self.e2e.labels(m), self.queue_time.labels(m))
+        self._gen, self._prompt = self.generation_tokens.labels(m), self.prompt_tokens.labels(m)
+        self._success = {reason: self.request_success.labels(m, reason) for reason in FINISH_REASONS}
+        self._last = EngineStats()
+        for g in (self.num_running, self.num_waiting, self.kv_usage):
+            g.labels(m).set(0)
+        for c in (self.prefix_queries, self.prefix_hits, self.preemptions):
+            c.labels(m)
+
+    # ---- from the engine ----------------------------------------------------
+    def on_stats(self, s: EngineStats) -> None:
+        m = self.model_name
+        self.num_running.labels(m).set(s.num_running)
+        self.num_waiting.labels(m).set(s.num_waiting)
+        self.kv_usage.labels(m).set(s.kv_cache_usage)
+        last = self._last
+        for counter, new, old in ((self.prefix_queries, s.prefix_cache_queries, last.prefix_cache_queries),
+                                  (self.prefix_hits, s.prefix_cache_hits, last.prefix_cache_hits),
+                                  (self.preemptions, s.num_preemptions, last.num_preemptions)):
+            if new > old:
+                counter.labels(m).inc(new - old)
+        self._last = s
+
+    def on_queue_time(self, seconds: float) -> None:
+        self._queue.observe(seconds)
+
+    # ---- from request timings -----------------------------------------------
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def observe_tokens(self, n: int) -> None:
+        self._gen.inc(n)
+
+    def observe_finished(self, reason: str, e2e_seconds: float) -> None:
+        self._success.get(reason, self._success["error"]).inc()
+        self._e2e.observe(e2e_seconds)
+
+    def observe_prompt(self, num_tokens: int) -> None:
+        self._prompt.inc(num_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

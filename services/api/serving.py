@@ -1,0 +1,364 @@
+"""OpenAI completions and chat completions on top of the engine client.
+
+One HTTP call becomes one or more engine requests (a completions call may carry
+a list of prompts; each becomes a request with ``n`` sequences) that share one
+output queue. `Generation` consumes that queue: detokenizes with the engine's
+`RequestState`, aborts sequences that a stop string ended, records timings for
+the metrics, and turns everything into `Event`s the two endpoints format.
+
+Whatever ends a generation early (client disconnect, cancelled task, error)
+passes through `Generation.close`, which aborts every engine request still
+running so its KV blocks are freed.
+
+``max_tokens`` follows vLLM: when given, ``prompt + max_tokens`` must fit in
+``max_model_len`` or the request is rejected with 400; when absent (chat), it
+defaults to the rest of the context.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from kvmesh.engine.messages import EngineCoreRequest
+from kvmesh.engine.output_processor import RequestState
+from kvmesh.engine.sampling_params import SamplingParams
+
+from .engine_client import EngineClient, EngineDeadError, EngineRejectedError, RequestStream
+from .errors import APIError, bad_request
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+
+RETRY_AFTER_SECONDS = "1"
+
+
+@dataclass
+class Event:
+    """What happened to one choice since the last event."""
+
+    choice: int  # index in the response's choices
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # tokens that arrived with this event
+    logprobs: list[dict] = field(default_factory=list)  # their logprob entries (RequestState format)
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+def engine_error(e: Exception) -> APIError:
+    """Map an engine-side failure to the HTTP error a client should see."""
+    if isinstance(e, EngineRejectedError):
+        if e.reason == "queue_full":
+            return APIError(503, f"server is overloaded: {e}; retry later", headers={"Retry-After": RETRY_AFTER_SECONDS})
+        return bad_request(str(e))
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"engine is not available: {e}")
+    return APIError(500, f"generation failed: {e}")
+
+
+class Generation:
+    """The engine requests of one HTTP call and their detokenization state."""
+
+    def __init__(self, client: EngineClient, metrics: ServerMetrics, tokenizer, base_id: str,
+                 prompts: list[_Prompt], params: SamplingParams, cache_salt: str | None,
+                 kv_transfer_params: dict | None) -> None:
+        self.client = client
+        self.metrics = metrics
+        self.params = params
+        self.arrival = time.monotonic()
+        self.stream = RequestStream(base_id)
+        self.ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        self.states = {rid: RequestState(rid, p.text, p.token_ids, params, tokenizer)
+                       for rid, p in zip(self.ids, prompts)}
+        self.offset = {rid: i * params.n for i, rid in enumerate(self.ids)}
+        self.prompts = prompts
+        self.cache_salt = cache_salt
+        self.kv_transfer_params = kv_transfer_params
+        self.unfinished = set(self.ids)
+        self._last_token_time: dict[tuple[str, int], float] = {}
+        self._first_token: set[str] = set()
+        self.error: APIError | None = None
+
+    def start(self) -> None:
+        try:
+            for rid, p in zip(self.ids, self.prompts):
+                self.client.add(EngineCoreRequest(
+                    request_id=rid, prompt_token_ids=p.token_ids, params=self.params, cache_salt=self.cache_salt,
+                    kv_transfer_params=self.kv_transfer_params, arrival_time=self.arrival), self.stream)
+        except EngineDeadError as e:
+            self.close()
+            raise engine_error(e) from e
+        for p in self.prompts:
+            self.metrics.observe_prompt(len(p.token_ids))
+
+    async def events(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[Event]:
+        """Yield events until every sequence finished; raise `APIError` on engine failure."""
+        q = self.stream.queue
+        while self.unfinished:
+            if is_disconnected is None:
+                item = await q.get()
+            else:
+                try:
+                    item = await asyncio.wait_for(q.get(), 0.5)
+                except asyncio.TimeoutError:
+                    if await is_disconnected():
+                        self.close()
+                        return
+                    continue
+            if isinstance(item, Exception):
+                self.close()
+                raise engine_error(item)
+            for ev in self._process(item):
+                yield ev
+
+    def _process(self, eo) -> list[Event]:
+        rid = eo.request_id
+        st = self.states.get(rid)
+        if st is None or rid not in self.unfinished:
+            return []
+        now = time.monotonic()
+        seq = st.result.outputs[eo.index]
+        was_finished = seq.finished
+        n_before = len(seq.token_ids)
+        deltas, stopped = st.process(eo)
+        if stopped:
+            self.client.abort_sequence(rid, eo.index)
+        if was_finished:
+            return []
+        if eo.error:
+            self.close()
+            raise APIError(500, f"generation failed in the engine: {eo.error}")
+        n_new = len(seq.token_ids) - n_before
+        if n_new:
+            self.metrics.observe_tokens(n_new)
+            key = (rid, eo.index)
+            last = self._last_token_time.get(key)
+            if rid not in self._first_token:
+                self._first_token.add(rid)
+                self.metrics.observe_ttft(now - self.arrival)
+            elif last is not None:
+                for _ in range(n_new):
+                    self.metrics.observe_itl((now - last) / n_new)
+            self._last_token_time[key] = now
+        ev = Event(self.offset[rid] + eo.index, "".join(d for _, d in deltas), seq.token_ids[n_before:],
+                   (seq.logprobs or [])[n_before:] if seq.logprobs is not None else [],
+                   seq.finish_reason, seq.stop_reason)
+        if st.result.finished:
+            self.unfinished.discard(rid)
+            self.client.release(rid)
+            self.metrics.observe_finished(st.result.outputs[0].finish_reason or "stop", now - self.arrival)
+        return [ev]
+
+    def close(self) -> None:
+        """Abort whatever is still running in the engine (idempotent, never awaits)."""
+        if self.unfinished:
+            live = list(self.unfinished)
+            self.unfinished.clear()
+            self.client.abort(live)
+            now = time.monotonic()
+            for _ in live:
+                self.metrics.observe_finished("abort", now - self.arrival)
+
+    # ---- results ------------------------------------------------------------
+    def usage(self) -> dict:
+        prompt = sum(len(p.token_ids) for p in self.prompts)
+        completion = sum(len(o.token_ids) for st in self.states.values() for o in st.result.outputs)
+        cached = sum(st.result.num_cached_tokens for st in self.states.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def outputs(self):
+        """``(choice index, CompletionOutput, prompt)`` in choice order."""
+        for rid, p in zip(self.ids, self.prompts):
+            for o in self.states[rid].result.outputs:
+                yield self.offset[rid] + o.index, o, p
+
+    @property
+    def kv_transfer_params_out(self) -> dict | None:
+        for st in self.states.values():
+            if st.result.kv_transfer_params is not None:
+                return st.result.kv_transfer_params
+        return None
+
+
+class Serving:
+    """Request handling shared by the completions and chat endpoints."""
+
+    def __init__(self, client: EngineClient, tokenizer, metrics: ServerMetrics, served_names: list[str],
+                 max_model_len: int, vocab_size: int | None = None) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.served_names = served_names
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size or len(tokenizer)
+        self._token_str: dict[int, str] = {}
+
+    # ---- validation ---------------------------------------------------------
+    def check_model(self, name: str | None) -> str:
+        if name is None or name in self.served_names:
+            return self.served_names[0] if name is None else name
+        raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+    def check_prompt(self, ids: list[int]) -> None:
+        n = len(ids)
+        if n == 0:
+            raise bad_request("prompt is empty", "prompt")
+        if n >= self.max_model_len:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                              f"request has {n} input tokens; the prompt must leave room for at least one "
+                              "generated token.", "prompt")
+        bad = [t for t in ids if not (0 <= t < self.vocab_size)]
+        if bad:
+            raise bad_request(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", "prompt")
+
+    def sampling_params(self, req: _Sampling, max_tokens: int | None, logprobs: int | None,
+                        prompt_lens: list[int]) -> SamplingParams:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(req, name)
+            if v not in (None, 0, 0.0):
+                raise bad_request(f"{name} is not supported (only 0)", name)
+        if req.repetition_penalty not in (None, 1, 1.0):
+            raise bad_request("repetition_penalty is not supported (only 1)", "repetition_penalty")
+        longest = max(prompt_lens)
+        if max_tokens is None:
+            max_tokens = self.max_model_len - longest
+        elif isinstance(max_tokens, int) and max_tokens > 0 and longest + max_tokens > self.max_model_len:
+            raise bad_request(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                f"context length is {self.max_model_len} tokens and your request has {longest} input tokens "
+                f"({max_tokens} > {self.max_model_len} - {longest}).", "max_tokens")
+        stop = req.stop if req.stop is not None else ()
+        try:
+            return SamplingParams(
+                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens)
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e)) from e
+
+    # ---- tokenization -------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def chat_prompt(self, messages: list, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    kwargs: dict | None = None) -> list[int]:
+        msgs = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):  # content parts: only text is supported
+                texts = []
+                for part in content:
+                    if part.get("type") != "text":
+                        raise bad_request(f"unsupported content part type {part.get('type')!r}", "messages")
+                    texts.append(str(part.get("text", "")))
+                content = "\n".join(texts)
+            msgs.append({"role": m.role, "content": content or ""})
+        try:
+            out = self.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, tokenize=True, **(kwargs or {}))
+        except Exception as e:  # jinja errors from a template that rejects the conversation
+            raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+    def token_str(self, tok: int) -> str:
+        s = self._token_str.get(tok)
+        if s is None:
+            s = self.tokenizer.decode([tok])
+            self._token_str[tok] = s
+        return s
+
+    def new_generation(self, prefix: str, prompts: list[_Prompt], params: SamplingParams,
+                       req: _Sampling) -> Generation:
+        for p in prompts:
+            self.check_prompt(p.token_ids)
+        if not self.client.healthy:
+            raise APIError(503, f"engine is not available: {self.client.dead_reason or 'starting'}")
+        return Generation(self.client, self.metrics, self.tokenizer, f"{prefix}-{uuid.uuid4().hex}", prompts,
+                          params, req.cache_salt, req.kv_transfer_params)
+
+    # ---- logprobs formats ---------------------------------------------------
+    def legacy_logprobs(self, entries: list[dict], text_offset: int, k: int) -> dict:
+        """Completions format: tokens, token_logprobs, top_logprobs (dicts), text_offset."""
+        tokens, lps, tops, offsets = [], [], [], []
+        pos = text_offset
+        for e in entries:
+            s = self.token_str(e["token_id"])
+            tokens.append(s)
+            lps.append(e["logprob"])
+            top = {self.token_str(t): lp for t, lp in e["top"][:k]}
+            top.setdefault(s, e["logprob"])
+            tops.append(top)
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, entries: list[dict], k: int) -> dict:
+        """Chat format: ``content[]`` of ``{token, logprob, bytes, top_logprobs[]}``."""
+        content = []
+        for e in entries:
+            s = self.token_str(e["token_id"])
+            content.append({
+                "token": s, "logprob": e["logprob"], "bytes": list(s.encode("utf-8")),
+                "top_logprobs": [{"token": self.token_str(t), "logprob": lp,
+                                  "bytes": list(self.token_str(t).encode("utf-8"))} for t, lp in e["top"][:k]],
+            })
+        return {"content": content}
+
+    # ---- request preparation ------------------------------------------------
+    def completion_prompts(self, req: CompletionRequest) -> list[_Prompt]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [_Prompt(p, self.encode(p))]
+        if not p:
+            raise bad_request("prompt is empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [_Prompt(None, list(p))]  # type: ignore[arg-type]
+        if all(isinstance(x, str) for x in p):
+            return [_Prompt(x, self.encode(x)) for x in p]  # type: ignore[arg-type]
+        if all(isinstance(x, list) for x in p):
+            return [_Prompt(None, list(x)) for x in p]  # type: ignore[arg-type]
+        raise bad_request("prompt must be a string, a list of strings, or token ids", "prompt")
+
+    def prepare_completion(self, req: CompletionRequest) -> tuple[str, Generation]:
+        model = self.check_model(req.model)
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of must equal n", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
+        prompts = self.completion_prompts(req)
+        for p in prompts:
+            self.check_prompt(p.token_ids)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs, [len(p.token_ids) for p in prompts])
+        return model, self.new_generation("cmpl", prompts, params, req)
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, Generation]:
+        model = self.check_model(req.model)
+        if req.tools:
+            raise bad_request("tool calling is not supported", "tools")
+        ids = self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
+                               req.chat_template_kwargs)
+        self.check_prompt(ids)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = None
+        if req.logprobs:
+            logprobs = req.top_logprobs or 0
+        elif req.top_logprobs:
+            raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+        params = self.sampling_params(req, max_tokens, logprobs, [len(ids)])
+        return model, self.new_generation("chatcmpl", [_Prompt(None, ids)], params, req)

@@ -1,0 +1,88 @@
+"""Messages between the API server process and the engine-core process (msgspec, msgpack over ZMQ).
+
+Requests and outputs reuse the engine's own structs (`EngineCoreRequest`,
+`EngineCoreOutput`, `EngineStats`) so the offline and served paths cannot
+drift; this module only adds the envelopes the process boundary needs:
+aborts, rejections, readiness and batched outputs. Every message is a tagged
+struct, so one `Decoder` per direction decodes any of them.
+
+Direction API -> engine: ``AddRequest``, ``Abort``, ``AbortSequence``, ``Shutdown``.
+Direction engine -> API: ``Ready``, ``Outputs``, ``Rejected``, ``Stats``, ``Fatal``.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from kvmesh.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+
+
+# ---- API -> engine ----------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add"):
+    request: EngineCoreRequest
+
+    def __repr__(self) -> str:  # keep prompts out of logs
+        return f"AddRequest({self.request.request_id!r}, {len(self.request.prompt_token_ids)} tokens)"
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    request_ids: list[str]  # external ids; all n sequences of each are aborted
+
+
+class AbortSequence(msgspec.Struct, tag="abort_seq"):
+    request_id: str
+    index: int  # which of the n sequences (a stop string ended it on the API side)
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ToEngine = Union[AddRequest, Abort, AbortSequence, Shutdown]
+
+
+# ---- engine -> API ----------------------------------------------------------
+class Ready(msgspec.Struct, tag="ready"):
+    """Sent once after the model is loaded; the API learns the limits it must validate against."""
+
+    pid: int
+    model_name: str  # the engine's model identity name (the served name may differ)
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    role: str
+
+
+class Outputs(msgspec.Struct, tag="outputs"):
+    """Every output of one engine step, in one message (never one message per token)."""
+
+    outputs: list[EngineCoreOutput]
+    # external request id -> seconds spent waiting before first scheduled (reported once per request)
+    queue_times: dict[str, float] = {}
+
+
+class Rejected(msgspec.Struct, tag="rejected"):
+    """The engine refused a request before it touched any state."""
+
+    request_id: str
+    reason: str  # "invalid" (bad input: HTTP 400) | "queue_full" (HTTP 503 + Retry-After)
+    message: str
+
+
+class Stats(msgspec.Struct, tag="stats"):
+    stats: EngineStats
+    time: float  # engine wall clock (time.time()) when taken
+
+
+class Fatal(msgspec.Struct, tag="fatal"):
+    """The engine loop hit an unrecoverable error and is about to exit."""
+
+    message: str
+
+
+FromEngine = Union[Ready, Outputs, Rejected, Stats, Fatal]
+
+to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
+encoder = msgspec.msgpack.Encoder()
