@@ -115,7 +115,7 @@ def paged_attention_kernel(
     stride_ms, stride_mt,
     QPK: tl.constexpr, QPK_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SEG: tl.constexpr, IEEE: tl.constexpr,
+    NUM_SEG: tl.constexpr, IEEE: tl.constexpr, K_NATURAL: tl.constexpr,
 ):
     """Unified causal paged attention (decode, prefill, chunked prefill, mixed).
 
@@ -131,7 +131,8 @@ def paged_attention_kernel(
     tail of long prefills.
 
     Keys are streamed in TILE_N tiles gathered through the block table (a tile may
-    span several pages). Tiles that every row of the q block may see run without the
+    span several pages); K_NATURAL loads a K tile as [TILE_N, D] rows (the cache's
+    own order) and transposes it for the product instead of loading it as [D, N]. Tiles that every row of the q block may see run without the
     causal mask; only the last few (diagonal) tiles pay for it. With NUM_SEG > 1
     (split-KV / flash-decoding) each program handles one contiguous slice of the key
     tiles and writes an unnormalised partial result plus its row max and sum (log2
@@ -199,7 +200,13 @@ def paged_attention_kernel(
         blk = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
         slot_k = blk * stride_kb + (n % BLOCK_SIZE) * stride_ks
         slot_v = blk * stride_vb + (n % BLOCK_SIZE) * stride_vs
-        k = tl.load(k_base + slot_k[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+        if HEAD_D == D_PAD:
+            if K_NATURAL:
+                k = tl.trans(tl.load(k_base + slot_k[:, None] + offs_d[None, :]))
+            else:
+                k = tl.load(k_base + slot_k[None, :] + offs_d[:, None])
+        else:
+            k = tl.load(k_base + slot_k[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
         if IEEE:
             s = tl.dot(q, k.to(qk_dtype), input_precision="ieee")
         else:
@@ -209,7 +216,10 @@ def paged_attention_kernel(
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slot_v[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        if HEAD_D == D_PAD:
+            v = tl.load(v_base + slot_v[:, None] + offs_d[None, :])
+        else:
+            v = tl.load(v_base + slot_v[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(qk_dtype), v.to(qk_dtype), input_precision="ieee")
         else:
@@ -224,7 +234,11 @@ def paged_attention_kernel(
         blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         slot_k = blk * stride_kb + (n % BLOCK_SIZE) * stride_ks
         slot_v = blk * stride_vb + (n % BLOCK_SIZE) * stride_vs
-        k = tl.load(k_base + slot_k[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        if K_NATURAL:
+            k = tl.trans(tl.load(k_base + slot_k[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                                 other=0.0))
+        else:
+            k = tl.load(k_base + slot_k[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         if IEEE:
             s = tl.dot(q, k.to(qk_dtype), input_precision="ieee")
         else:

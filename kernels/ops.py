@@ -189,15 +189,15 @@ def attention_config(
     fp32 = dtype == torch.float32
     if max_query_len * qpk_pad <= 16:
         block_m = max(16, qpk_pad)
-        tile_n, num_warps, num_stages = 64, 4, 3
+        tile_n, num_warps, num_stages = (64, 4, 2) if (fp32 or d_pad > 128) else (128, 4, 3)
     else:
-        block_m = max(64 if (fp32 or d_pad > 128) else 128, qpk_pad)
-        tile_n, num_warps, num_stages = (32, 4, 2) if (fp32 or d_pad > 128) else (64, 8, 3)
+        block_m = max(64, qpk_pad)
+        tile_n, num_warps, num_stages = (32, 4, 2) if (fp32 or d_pad > 128) else (64, 4, 2)
     block_q = block_m // qpk_pad
     num_segments = 1
     if max_query_len <= block_q:
         programs = num_seqs * num_kv_heads
-        target = 3 * _num_sms(device)
+        target = (3 * _num_sms(device)) // 2
         if programs < target:
             want = _p2(math.ceil(target / max(programs, 1)))
             max_useful = max_seq_len // (4 * tile_n)  # keep >= 4 key tiles per segment
@@ -224,6 +224,7 @@ def paged_attention(
     tile_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_natural: bool = False,
 ) -> torch.Tensor:
     """Causal attention of packed variable-length queries over the paged KV cache.
 
@@ -303,7 +304,8 @@ def paged_attention(
     scale_log2 = float(scale) * 1.4426950408889634
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     consts = dict(QPK=qpk, QPK_PAD=qpk_pad, BLOCK_Q=block_q, BLOCK_M=bm, HEAD_D=D, D_PAD=dpad,
-                  BLOCK_SIZE=bs, TILE_N=tn, NUM_SEG=nseg, IEEE=query.dtype == torch.float32)
+                  BLOCK_SIZE=bs, TILE_N=tn, NUM_SEG=nseg, IEEE=query.dtype == torch.float32,
+                  K_NATURAL=bool(k_natural))
     grid = (num_q_blocks, Hkv, nseg)
     if nseg == 1:
         kern.paged_attention_kernel[grid](

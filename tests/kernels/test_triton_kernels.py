@@ -1,0 +1,217 @@
+"""Triton kernels vs their torch references, under TRITON_INTERPRET=1 on the CPU.
+
+Small random shapes, fresh seeds, outputs poisoned with NaN (or random garbage for
+caches) before each call. Tolerances: exact equality for KV writes and block
+moves; attention ||out - ref|| / ||ref|| against a fp32 reference on the same
+rounded inputs, bounded by 1e-5 (fp32), 3e-3 (fp16), 1.5e-2 (bf16); elementwise
+kernels within 2 ulps (fp16) / 3 ulps (bf16: the interpreter truncates fp32->bf16
+where the GPU rounds) or 1e-6 relative norm error (fp32).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvmesh.kernels as K
+from kvmesh.kernels import ops
+
+pytestmark = pytest.mark.unit
+
+ATT_BOUND = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite values (unwritten poisoned output?)"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def ulp_err(out, ref, dtype):
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite values (unwritten poisoned output?)"
+    fi = torch.finfo(dtype)
+    spacing = fi.eps * torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(fi.tiny))))
+    return ((out - ref).abs() / spacing).max().item()
+
+
+def elem_err(out, ref, dtype):
+    return rel_err(out, ref) if dtype == torch.float32 else ulp_err(out, ref, dtype)
+
+
+# bf16: up to two roundings on a path (silu, then the product), each of which the
+# interpreter may truncate instead of rounding (+1 ulp each), plus 1 for fp32 order.
+ELEM_BOUND = {torch.float32: 1e-6, torch.float16: 2.0, torch.bfloat16: 3.0}
+
+
+def make_paged(gen, q_lens, ctx_lens, hq, hkv, d, bs, dtype, num_layers=3, layer=1):
+    """Engine-layout KV (block-major, all layers) with pages in random order."""
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+    nbs = [math.ceil(s / bs) for s in seq_lens]
+    n_blocks = sum(nbs) + 3
+    kv = torch.randn(n_blocks, num_layers, 2, bs, hkv, d, generator=gen).to(dtype)
+    perm = torch.randperm(n_blocks, generator=gen)
+    bt = torch.randint(0, n_blocks, (len(q_lens), max(nbs) + 1), generator=gen, dtype=torch.int32)
+    i = 0
+    for b, nb in enumerate(nbs):
+        bt[b, :nb] = perm[i:i + nb]
+        i += nb
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    return q, kv[:, layer, 0], kv[:, layer, 1], bt, qsl, sl
+
+
+def run_attention(gen, q_lens, ctx_lens, hq, hkv, d, bs, dtype, pad_tokens=0, **kw):
+    q, k, v, bt, qsl, sl = make_paged(gen, q_lens, ctx_lens, hq, hkv, d, bs, dtype)
+    assert not k.is_contiguous() and k.stride(0) != bs * hkv * d  # engine-style strided view
+    T = q.shape[0]
+    if pad_tokens:
+        q = torch.cat([q, torch.randn(pad_tokens, hq, d, generator=gen).to(dtype)])
+    out = torch.full_like(q, float("nan"))
+    scale = d ** -0.5
+    res = K.paged_attention(q, k, v, bt, qsl, sl, scale, out=out, **kw)
+    assert res is out
+    ref = K.paged_attention_reference(q[:T].float(), k.float(), v.float(), bt, qsl, sl, scale)
+    assert rel_err(out[:T], ref) < ATT_BOUND[dtype]
+    assert torch.isnan(out[T:]).all(), "padding tokens past query_start_loc[-1] must be left untouched"
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 2)])  # GQA ratios 1, 3, 4
+@pytest.mark.parametrize("bs", [16, 32])
+def test_decode(gen, hq, hkv, bs):
+    run_attention(gen, [1, 1, 1, 1], [0, 17, 70, bs - 1], hq, hkv, 32, bs, torch.bfloat16, pad_tokens=2,
+                  max_query_len=1, tile_n=32)
+
+
+def test_decode_no_hints_fp32(gen):
+    run_attention(gen, [1, 1, 1], [40, 3, 90], 4, 2, 16, 16, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_prefill_and_chunked_prefill(gen, dtype):
+    # fresh prompt, chunk over a cached prefix, one-token chunk over a prefix
+    run_attention(gen, [21, 13, 1], [0, 35, 50], 8, 2, 32, 16, dtype, max_query_len=21, block_m=16, tile_n=16)
+
+
+@pytest.mark.parametrize("hq,hkv,bs", [(4, 4, 16), (6, 2, 32), (8, 2, 16)])
+def test_mixed_batch(gen, hq, hkv, bs):
+    run_attention(gen, [1, 9, 1, 0, 5], [60, 20, 0, 7, 40], hq, hkv, 32, bs, torch.bfloat16, pad_tokens=3,
+                  max_query_len=9, block_m=16, tile_n=16)
+
+
+@pytest.mark.parametrize("d", [24, 32])  # non power of two head size (masked) and even
+def test_mixed_batch_k_natural_and_odd_head(gen, d):
+    run_attention(gen, [1, 7, 1], [50, 30, 3], 4, 2, d, 16, torch.float16, k_natural=True,
+                  block_m=16, tile_n=16)
+
+
+@pytest.mark.parametrize("num_segments", [2, 4])
+def test_split_kv(gen, num_segments):
+    # decode and a short chunk, long-ish contexts cut into segments; one sequence so
+    # short that some segments see no keys at all
+    run_attention(gen, [1, 1, 3, 1], [150, 3, 90, 40], 8, 2, 32, 16, torch.bfloat16, pad_tokens=2,
+                  num_segments=num_segments, tile_n=16)
+
+
+def test_split_kv_heuristic_chooses_split_for_few_long_sequences():
+    dev = torch.device("cpu")
+    few_long = ops.attention_config(2, 2, 32, 8, 128, 1, 32768, dev, torch.bfloat16)
+    many = ops.attention_config(128, 128, 32, 8, 128, 1, 4096, dev, torch.bfloat16)
+    prefill = ops.attention_config(4096, 2, 32, 8, 128, 2048, 4096, dev, torch.bfloat16)
+    assert few_long["num_segments"] > 1
+    assert many["num_segments"] == 1 and prefill["num_segments"] == 1
+    assert prefill["block_m"] > few_long["block_m"]
+
+
+@pytest.mark.parametrize("dtype,bs", [(torch.bfloat16, 16), (torch.float32, 32)])
+def test_write_kv(gen, dtype, bs):
+    kv = torch.randn(6, 2, 2, bs, 3, 16, generator=gen).to(dtype)
+    expect = kv.clone()
+    T = 11
+    slots = torch.randperm(6 * bs, generator=gen)[:T]
+    slots[[2, 7]] = -1
+    key = torch.randn(T, 3, 16, generator=gen).to(dtype)
+    val = torch.randn(T, 3, 16, generator=gen).to(dtype)
+    K.write_kv(key, val, kv[:, 1, 0], kv[:, 1, 1], slots)
+    K.write_kv_reference(key, val, expect[:, 1, 0], expect[:, 1, 1], slots)
+    assert torch.equal(kv, expect)
+
+
+def test_block_moves(gen):
+    kv = torch.randn(12, 2, 2, 16, 2, 16, generator=gen).to(torch.bfloat16)
+    perm = torch.randperm(12, generator=gen)
+    expect = kv.clone()
+    K.copy_blocks_reference(expect, perm[:3], perm[3:6])
+    K.copy_blocks(kv, perm[:3], perm[3:6])
+    assert torch.equal(kv, expect)
+    ids = perm[6:10].to(torch.int32)
+    assert torch.equal(K.gather_blocks(kv, ids), K.gather_blocks_reference(kv, ids))
+    # fp32 buffer into a bf16 cache exercises the cast; values are bf16-representable
+    # because the interpreter truncates fp32 -> bf16 where the GPU rounds.
+    packed = torch.randn(4, 2, 2, 16, 2, 16, generator=gen).to(torch.bfloat16).float()
+    K.scatter_blocks_reference(expect, ids, packed)
+    K.scatter_blocks(kv, ids, packed)
+    assert torch.equal(kv, expect)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rms_norm(gen, dtype):
+    x = torch.randn(5, 3, 96, generator=gen).to(dtype)
+    r = torch.randn(5, 3, 96, generator=gen).to(dtype)
+    w = (torch.rand(96, generator=gen) + 0.5).to(dtype)
+    y, ro = K.rms_norm(x, w, 1e-6, residual=r)
+    yr, ror = K.rms_norm_reference(x, w, 1e-6, residual=r)
+    assert y.shape == yr.shape and y.dtype == yr.dtype and ro.dtype == ror.dtype
+    assert elem_err(y, yr, dtype) <= ELEM_BOUND[dtype] and elem_err(ro, ror, dtype) <= ELEM_BOUND[dtype]
+    wf = w.float()  # mixed dtypes: promoted output, like the reference
+    y = K.rms_norm(x, wf, 1e-6)
+    yr = K.rms_norm_reference(x, wf, 1e-6)
+    assert y.dtype == yr.dtype
+    assert elem_err(y, yr, dtype) <= ELEM_BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope(gen, dtype):
+    T, D = 7, 32
+    pos = torch.randint(0, 64, (T,), generator=gen)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+    fr = torch.outer(torch.arange(64).float(), inv)
+    cs = torch.cat([fr.cos(), fr.sin()], -1)
+    q = torch.randn(T, 6, D, generator=gen).to(dtype)
+    k = torch.randn(T, 2, D, generator=gen).to(dtype)
+    qo, ko = K.rope(pos, q, k, cs)
+    qr, kr = K.rope_reference(pos, q, k, cs)
+    assert elem_err(qo, qr, dtype) <= ELEM_BOUND[dtype] and elem_err(ko, kr, dtype) <= ELEM_BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_silu_and_mul(gen, dtype):
+    x = torch.randn(3, 4, 2 * 40, generator=gen).to(dtype)
+    y = K.silu_and_mul(x)
+    assert y.shape == (3, 4, 40)
+    assert elem_err(y, K.silu_and_mul_reference(x), dtype) <= ELEM_BOUND[dtype]
+
+
+def test_dispatch_follows_env(monkeypatch):
+    x = torch.zeros(2)
+    assert K.backend(x) == "interpret"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert K.backend(x) == "reference"
+
+
+def test_argument_errors_are_clear(gen):
+    q, k, v, bt, qsl, sl = make_paged(gen, [1, 1], [5, 9], 4, 2, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        K.paged_attention(q[:, :3], k, v, bt, qsl, sl, 0.25)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        K.paged_attention(q, k, v, bt, qsl[:2], sl, 0.25)
+    with pytest.raises(ValueError, match="dtype"):
+        K.paged_attention(q, k, v, bt.float(), qsl, sl, 0.25)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        K.paged_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, bt, qsl, sl, 0.25)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        K.write_kv(q[:, :2], q[:, :2], k, v, torch.zeros(5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="differ in length"):
+        K.copy_blocks(torch.zeros(4, 8), torch.tensor([0]), torch.tensor([1, 2]))
