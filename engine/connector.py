@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from .config import EngineConfig
     from .request import Request
+    from .scheduler import SchedulerOutput
 
 
 @dataclass
@@ -35,6 +37,15 @@ class KVConnector:
     """Base connector: loads nothing, keeps nothing. Subclasses override what they need."""
 
     name = "none"
+    engine_config: "EngineConfig | None" = None
+
+    def configure(self, config: "EngineConfig") -> None:
+        """Called by the engine before ``register_kv_cache``.
+
+        Connectors are built before the engine (``from_model(connector=...)``), so this is where they
+        learn the engine's role, id, block size, dtype and model identity.
+        """
+        self.engine_config = config
 
     # ---- scheduler side -----------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -44,7 +55,8 @@ class KVConnector:
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         """Called once the request's blocks exist, so a load can target them."""
 
-    def build_connector_meta(self) -> ConnectorMetadata:
+    def build_connector_meta(self, sched_out: "SchedulerOutput | None" = None) -> ConnectorMetadata:
+        """Per-step instructions for the worker side; ``sched_out`` says which blocks this step computes."""
         return ConnectorMetadata()
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -34,6 +34,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
         self.connector = connector or KVConnector()
+        self.connector.configure(config)
         self.connector.register_kv_cache(self.runner.kv_cache)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.connector)
         self.sampler = Sampler(config.seed)
@@ -42,6 +43,7 @@ class EngineCore:
         self.model_identity = config.model.identity()
         self.eos_ids = set(config.model.eos_token_ids)
         self.num_steps = 0
+        self.num_computed_tokens = 0  # tokens run through the model (prefix hits and loaded KV excluded)
         self._pending: list[EngineCoreOutput] = []
 
     # ---- construction -------------------------------------------------------
@@ -130,12 +132,22 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._pending)
 
+    def has_pending_transfers(self) -> bool:
+        """Finished requests whose blocks a connector still holds for a remote reader (lease or pull).
+
+        A serving loop keeps calling ``step()`` while this is true even with no requests, because
+        ``step()`` is where the connector reports finished sends and expired leases.
+        """
+        return bool(self.scheduler.delayed_free)
+
     # ---- the loop -----------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._pending = self._pending, []
         self.scheduler.on_connector_finished(*self.connector.get_finished())
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if sched.connector_meta.loads:  # only async loads this step: start them, nothing to run
+                self.connector.start_load_kv(sched.connector_meta)
             return outputs
         self.num_steps += 1
         self.connector.start_load_kv(sched.connector_meta)
@@ -147,6 +159,7 @@ class EngineCore:
                 outputs.append(self._finish(s.request, RequestStatus.FINISHED_ERROR, error=str(e)))
             return outputs
         self.scheduler.advance(sched)
+        self.num_computed_tokens += sched.total_tokens
         self.connector.save_kv(sched.connector_meta)
         if not rows:
             return outputs
@@ -269,6 +282,7 @@ class EngineCore:
             prefix_cache_hits=self.kv.stats.hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
+            num_computed_tokens=self.num_computed_tokens,
         )
 
     def check_integrity(self) -> None:

@@ -53,3 +53,4 @@ class EngineStats(msgspec.Struct):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    num_computed_tokens: int = 0  # tokens the model ran (excludes prefix-cache hits and connector loads)

@@ -105,18 +105,20 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
                 hits, n_hit = ([], 0)
+                ext, load_async = 0, False
                 if req.num_computed_tokens == 0:
                     hits, n_hit = self.kv.get_computed_blocks(req)
-                ext, load_async = self.connector.get_num_new_matched_tokens(req, n_hit)
-                # Never load the last token: its logits must come from this engine.
-                max_ext = ((req.num_tokens - 1) // self.kv.block_size) * self.kv.block_size - n_hit
-                ext = max(0, min(ext, max_ext))
-                if ext == 0:
-                    load_async = False
+                    ext, load_async = self.connector.get_num_new_matched_tokens(req, n_hit)
+                    # Never load the last token: its logits must come from this engine.
+                    max_ext = ((req.num_tokens - 1) // self.kv.block_size) * self.kv.block_size - n_hit
+                    ext = max(0, min(ext, max_ext))
+                    if ext == 0:
+                        load_async = False
+                # else: back from an async load, its loaded blocks are held and count as computed.
                 if load_async:
                     n = 0
                 else:
-                    n = req.num_tokens - n_hit - ext
+                    n = req.num_tokens - req.num_computed_tokens - n_hit - ext
                     if threshold:
                         n = min(n, threshold)
                     n = min(n, budget)
@@ -129,7 +131,7 @@ class Scheduler:
                     req.num_external_tokens = ext
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()
-                req.num_computed_tokens = n_hit
+                req.num_computed_tokens += n_hit
                 self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), ext)
                 if load_async:
                     req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -144,7 +146,7 @@ class Scheduler:
         for s in out.scheduled:
             s.block_ids = self.kv.get_block_ids(s.request.request_id)
         out.block_copies = self.kv.take_copies()
-        out.connector_meta = self.connector.build_connector_meta()
+        out.connector_meta = self.connector.build_connector_meta(out)
         return out
 
     def _preempt(self, req: Request) -> None:
@@ -165,10 +167,12 @@ class Scheduler:
         """Take a request out of every queue and free (or hand over) its blocks."""
         req.status = status
         rid = req.request_id
+        loading = False
         if req in self.running:
             self.running.remove(req)
         elif rid in self.remote_waiting:
             del self.remote_waiting[rid]
+            loading = True
         else:
             try:
                 self.waiting.remove(req)
@@ -176,7 +180,9 @@ class Scheduler:
                 pass
         block_ids = self.kv.get_block_ids(rid)
         delay, params = (False, None)
-        if status != RequestStatus.FINISHED_ABORTED and block_ids:
+        # An aborted request that is still loading must be reported too: a transfer may be writing
+        # into its blocks, so the connector keeps them (delay_free) until the transfer has stopped.
+        if block_ids and (status != RequestStatus.FINISHED_ABORTED or loading):
             delay, params = self.connector.request_finished(req, block_ids)
         if delay:
             self.delayed_free[rid] = req
