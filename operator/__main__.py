@@ -25,7 +25,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    import warnings
+
     import kopf
+    import urllib3
+
+    # A kubeconfig with insecure-skip-tls-verify (test clusters) would warn on every request.
+    warnings.simplefilter("once", urllib3.exceptions.InsecureRequestWarning)
 
     from . import handlers  # noqa: F401  (registers the handlers)
 

@@ -39,7 +39,7 @@ start() {  # start NAME CMD...: own session (setsid) so down.sh can kill the who
 wait_for() {  # wait_for WHAT SECONDS CMD...
   local what="$1" secs="$2"; shift 2
   local deadline=$(( $(date +%s) + secs ))
-  until "$@"; do
+  until "$@" >&2; do
     if (( $(date +%s) > deadline )); then
       log "timed out waiting for $what; last log lines:"; tail -n 30 "$D"/logs/*.log >&2 || true
       "$HERE/down.sh" >&2 || true
