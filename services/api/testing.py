@@ -1,0 +1,100 @@
+"""Start a real `kvmesh serve` process on a free loopback port (tests, benchmarks).
+
+The server runs in its own process group with its engine child, so
+`ServerProcess.stop` takes both down with one `killpg`, whatever state they
+are in, and a test can never leak processes.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, log_path: str | None = None) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.args = args
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 600.0) -> "ServerProcess":
+        out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+               *self.args]
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.proc.returncode} (log: {self.log_path})")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy in {timeout}s (log: {self.log_path})")
+
+    def engine_pid(self) -> int | None:
+        """Pid of the engine-core child (found through /proc, so it works whatever the server reports)."""
+        assert self.proc is not None
+        for child in _children(self.proc.pid):
+            try:
+                with open(f"/proc/{child}/cmdline", "rb") as f:
+                    if b"engine_proc" in f.read():
+                        return child
+            except OSError:
+                continue
+        return None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever is left of the group (the engine child)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return out
