@@ -165,6 +165,8 @@ def check_attention(gen):
         ("mixed gqa8 d64", [3, 1, 70], [10, 1000, 90], 64, 8, 64, 16, torch.bfloat16, {}),
         ("mixed gqa4 k_natural", [1, 150, 1, 33, 1], [500, 77, 1, 0, 4000], 32, 8, 128, 16, torch.bfloat16,
          dict(k_natural=True)),
+        ("mixed gqa4 head_fastest split2", [1, 150, 1, 33, 1], [500, 77, 1, 0, 4000], 32, 8, 128, 16,
+         torch.bfloat16, dict(head_fastest=True, num_segments=2)),
         ("mixed gqa2 d96", [1, 50, 1], [300, 20, 4000], 8, 4, 96, 16, torch.bfloat16, {}),
         ("mixed fp16", [1, 150, 1, 33], [500, 77, 1, 40], 32, 8, 128, 16, torch.float16, {}),
         ("mixed fp32", [1, 150, 1, 33], [500, 77, 1, 40], 32, 8, 128, 16, torch.float32, {}),
@@ -292,14 +294,13 @@ DECODE_SHAPES = [(64, 2048), (128, 4096), (32, 16384)]
 DECODE_EXTRA_SHAPES = [(4, 32768)]
 PREFILL_SHAPES = [(8, 2048), (1, 16384)]
 DECODE_VARIANTS = [
-    # (num_segments, tile_n, num_warps, num_stages, k_natural); None = heuristic
+    # (num_segments, tile_n, num_warps, num_stages, k_natural, head_fastest); None = heuristic
     None,
-    (1, 128, 4, 2, 0), (1, 128, 4, 4, 0), (1, 256, 4, 2, 0), (1, 256, 8, 2, 0), (1, 128, 8, 2, 0),
-    (2, 128, 4, 3, 0), (1, 64, 4, 2, 0),
-    (1, 128, 4, 3, 1), (1, 64, 4, 3, 1), (1, 256, 8, 2, 1),
+    (1, 128, 4, 3, 0, 1), (1, 64, 4, 2, 0, 0), (1, 64, 4, 2, 0, 1), (1, 128, 4, 4, 0, 1), (1, 128, 8, 2, 0, 1),
+    (2, 128, 4, 3, 0, 1), (1, 32, 4, 4, 0, 1),
 ]
-DECODE_SPLIT_VARIANTS = [None, (1, 128, 4, 3, 0), (2, 128, 4, 3, 0), (4, 128, 4, 3, 0), (8, 128, 4, 3, 0),
-                         (16, 128, 4, 3, 0), (8, 64, 4, 3, 0)]
+DECODE_SPLIT_VARIANTS = [None, (4, 128, 4, 3, 0, 0), (8, 128, 4, 3, 0, 1), (4, 128, 4, 3, 0, 1),
+                         (16, 128, 4, 3, 0, 1), (8, 64, 4, 2, 0, 1), (16, 64, 4, 2, 0, 1)]
 
 
 def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode"):
@@ -316,7 +317,7 @@ def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode"):
             kw = dict(out=out, max_query_len=1, max_seq_len=L)
             if var is not None:
                 kw.update(num_segments=var[0], tile_n=var[1], num_warps=var[2], num_stages=var[3],
-                          k_natural=bool(var[4]))
+                          k_natural=bool(var[4]), head_fastest=bool(var[5]))
             try:
                 K.paged_attention(*args, **kw)
                 ms = bench_ms(lambda: K.paged_attention(*args, **kw))
@@ -324,7 +325,7 @@ def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode"):
                 print(f"  decode {B}x{L} {var}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             tbps = kv_bytes / (ms * 1e-3) / 1e12
-            name = "heuristic" if var is None else "seg%d tile%d w%d s%d kn%d" % var
+            name = "heuristic" if var is None else "seg%d tile%d w%d s%d kn%d hf%d" % var
             row["variants"].append(dict(cfg=name, us=ms * 1e3, TBps=tbps))
             print(f"  decode B={B} L={L} {name}: {ms * 1e3:.1f} us, {tbps:.2f} TB/s", flush=True)
             if var is None:
@@ -350,10 +351,9 @@ def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode"):
 
 
 PREFILL_VARIANTS = [
-    # (block_m, tile_n, num_warps, num_stages, k_natural); None = heuristic
+    # (block_m, tile_n, num_warps, num_stages, k_natural, head_fastest); None = heuristic
     None,
-    (64, 64, 4, 3, 0), (64, 128, 4, 2, 0), (64, 32, 4, 2, 0), (128, 64, 4, 2, 0), (128, 32, 4, 2, 0),
-    (128, 128, 8, 2, 0), (64, 64, 4, 2, 1), (128, 64, 8, 2, 1), (64, 64, 8, 2, 0),
+    (64, 64, 4, 2, 1, 0), (64, 64, 4, 2, 0, 1), (64, 64, 4, 2, 1, 1), (128, 32, 4, 2, 0, 0), (128, 128, 8, 2, 0, 0),
 ]
 
 
@@ -392,7 +392,7 @@ def bench_prefill(gen, variants):
                 kw = dict(out=out, max_query_len=q_len, max_seq_len=S)
                 if var is not None:
                     kw.update(block_m=var[0], tile_n=var[1], num_warps=var[2], num_stages=var[3],
-                              k_natural=bool(var[4]))
+                              k_natural=bool(var[4]), head_fastest=bool(var[5]))
                 try:
                     K.paged_attention(*args, **kw)
                     ms = bench_ms(lambda: K.paged_attention(*args, **kw), rep=200)
@@ -400,7 +400,7 @@ def bench_prefill(gen, variants):
                     print(f"  prefill {B}x{S} {var}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
                 tf = flop / (ms * 1e-3) / 1e12
-                name = "heuristic" if var is None else "m%d tile%d w%d s%d kn%d" % var
+                name = "heuristic" if var is None else "m%d tile%d w%d s%d kn%d hf%d" % var
                 row["variants"].append(dict(cfg=name, ms=ms, TFLOPs=tf))
                 print(f"  prefill B={B} S={S} cached={cached} {name}: {ms:.3f} ms, {tf:.0f} TFLOP/s", flush=True)
                 if var is None:

@@ -116,10 +116,12 @@ def paged_attention_kernel(
     QPK: tl.constexpr, QPK_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SEG: tl.constexpr, IEEE: tl.constexpr, K_NATURAL: tl.constexpr,
+    HEAD_FASTEST: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     """Unified causal paged attention (decode, prefill, chunked prefill, mixed).
 
-    Grid ``(num_q_blocks, Hkv, NUM_SEG)``. A q block is BLOCK_Q consecutive query
+    Grid ``(num_q_blocks, Hkv, NUM_SEG)``, or ``(num_q_blocks * Hkv, 1, NUM_SEG)``
+    with HEAD_FASTEST. A q block is BLOCK_Q consecutive query
     tokens of one sequence times the QPK query heads that share one KV head, packed
     into BLOCK_M = BLOCK_Q * QPK_PAD rows, so each K/V tile is read once for the
     whole GQA group and the QK^T / PV products are real matrix products even for
@@ -139,8 +141,15 @@ def paged_attention_kernel(
     domain) for `reduce_segments_kernel`; that keeps the GPU full when there are few
     sequences with long contexts.
     """
-    pid = num_q_blocks - 1 - tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEAD_FASTEST:
+        # The KV heads of one q block are neighbours in launch order, so programs
+        # running together read whole pages (all heads of a token are adjacent in
+        # the cache) instead of one 2*D-byte slice per page.
+        kvh = tl.program_id(0) % NUM_KV_HEADS
+        pid = num_q_blocks - 1 - tl.program_id(0) // NUM_KV_HEADS
+    else:
+        kvh = tl.program_id(1)
+        pid = num_q_blocks - 1 - tl.program_id(0)
     seg = tl.program_id(2)
 
     # Sequence of this q block: last b with qsl[b] // BLOCK_Q + b <= pid.

@@ -204,7 +204,7 @@ def attention_config(
             if max_useful >= 2:
                 num_segments = min(16, want, 1 << (max_useful.bit_length() - 1))
     return dict(block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
-                num_segments=num_segments)
+                num_segments=num_segments, head_fastest=False)
 
 
 def paged_attention(
@@ -225,6 +225,7 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     k_natural: bool = False,
+    head_fastest: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed variable-length queries over the paged KV cache.
 
@@ -306,7 +307,9 @@ def paged_attention(
     consts = dict(QPK=qpk, QPK_PAD=qpk_pad, BLOCK_Q=block_q, BLOCK_M=bm, HEAD_D=D, D_PAD=dpad,
                   BLOCK_SIZE=bs, TILE_N=tn, NUM_SEG=nseg, IEEE=query.dtype == torch.float32,
                   K_NATURAL=bool(k_natural))
-    grid = (num_q_blocks, Hkv, nseg)
+    hf = cfg["head_fastest"] if head_fastest is None else bool(head_fastest)
+    consts.update(HEAD_FASTEST=hf, NUM_KV_HEADS=Hkv)
+    grid = (num_q_blocks * Hkv, 1, nseg) if hf else (num_q_blocks, Hkv, nseg)
     if nseg == 1:
         kern.paged_attention_kernel[grid](
             query, k_cache, v_cache, out, out, out,

@@ -107,12 +107,17 @@ def test_mixed_batch_k_natural_and_odd_head(gen, d):
                   block_m=16, tile_n=16)
 
 
-@pytest.mark.parametrize("num_segments", [2, 4])
-def test_split_kv(gen, num_segments):
+@pytest.mark.parametrize("num_segments,head_fastest", [(2, False), (4, True)])
+def test_split_kv(gen, num_segments, head_fastest):
     # decode and a short chunk, long-ish contexts cut into segments; one sequence so
     # short that some segments see no keys at all
     run_attention(gen, [1, 1, 3, 1], [150, 3, 90, 40], 8, 2, 32, 16, torch.bfloat16, pad_tokens=2,
-                  num_segments=num_segments, tile_n=16)
+                  num_segments=num_segments, tile_n=16, head_fastest=head_fastest)
+
+
+def test_head_fastest_grid_mixed(gen):
+    run_attention(gen, [1, 9, 1, 0, 5], [60, 20, 0, 7, 40], 6, 2, 32, 16, torch.float32, pad_tokens=1,
+                  max_query_len=9, block_m=16, tile_n=16, head_fastest=True)
 
 
 def test_split_kv_heuristic_chooses_split_for_few_long_sequences():
