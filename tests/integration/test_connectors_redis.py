@@ -1,0 +1,286 @@
+"""Redis connector against a real redis-server: exact tokens, real loads, failures fall back to recompute.
+
+Engines here share one process (they share nothing but the loaded weights and the
+Redis server, exactly like two pods sharing a store). "Loaded, not recomputed" is
+proved by the engine's own counter of tokens run through the model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+import torch
+
+from kvmesh.engine.connectors import make_connector
+from kvmesh.engine.connectors.redis_connector import BlockFormatError, decode_block, encode_block
+from kvmesh.engine.core import EngineCore
+
+from connector_procs import run_request
+
+pytestmark = pytest.mark.integration
+
+BS = 16
+MAX_NEW = 8
+TEXT = ("The history of computing spans centuries, from mechanical calculators and punched cards to "
+        "vacuum tubes, transistors and integrated circuits. Each step made machines smaller, faster and "
+        "cheaper, and each opened new uses that their inventors had not imagined. ")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A throwaway redis-server: random port, no persistence, killed at teardown."""
+
+    def __init__(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.skip("redis-server is not installed (scripts/install.sh installs it)")
+        self.port = _free_port()
+        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--protected-mode", "no"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        self.client = redis.Redis(port=self.port, socket_timeout=2)
+        for _ in range(200):
+            try:
+                if self.client.ping():
+                    return
+            except Exception:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("redis-server did not start")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.client.close()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Engines in this process use one OpenMP thread (2 shared cores); restored afterwards."""
+    before_env, before_n = os.environ.get("KVMESH_CPU_THREADS"), torch.get_num_threads()
+    os.environ["KVMESH_CPU_THREADS"] = "1"
+    yield
+    torch.set_num_threads(before_n)
+    if before_env is None:
+        os.environ.pop("KVMESH_CPU_THREADS", None)
+    else:
+        os.environ["KVMESH_CPU_THREADS"] = before_env
+
+
+@pytest.fixture
+def redis_server():
+    srv = RedisServer()
+    yield srv
+    srv.stop()
+    assert srv.proc.poll() is not None  # no leaked server
+
+
+@pytest.fixture(scope="module")
+def prompts(smol):
+    ids = smol.tokenizer(TEXT * 4).input_ids
+    assert len(ids) > 140
+    return {  # disjoint slices, so no prompt is a prefix of another
+        "long": ids[:53],  # 3 full blocks + 5 tokens
+        "exact": ids[60:108],  # exactly 3 blocks: the last block is recomputed for its logits
+        "short": ids[120:131],  # less than one block: nothing to store or load
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(smol, one_thread, prompts):
+    eng, _ = EngineCore.from_model(None, num_kv_blocks=32, loaded=smol)
+    return {k: run_request(eng, f"ref-{k}", p, MAX_NEW)["tokens"] for k, p in prompts.items()}
+
+
+def _engine(smol, url, role="both", loaded=None, **opts):
+    conn = make_connector("redis", None, url=url, ttl_s=600, **opts)
+    eng, _ = EngineCore.from_model(None, num_kv_blocks=32, role=role, connector=conn, loaded=loaded or smol)
+    return eng
+
+
+def _assert_no_leak(*engines):
+    for e in engines:
+        e.check_integrity()
+        s = e.stats()
+        assert s.num_free_blocks == s.num_total_blocks, "blocks leaked"
+        assert not e.has_unfinished() and not e.has_pending_transfers()
+
+
+def _loadable(n_tokens: int) -> int:
+    return min(n_tokens // BS, (n_tokens - 1) // BS) * BS
+
+
+def test_block_format_rejects_every_kind_of_damage():
+    sig, h = b"float32|2x2x16x1x4", bytes(range(32))
+    payload = os.urandom(2 * 2 * 16 * 4 * 4)
+    v = encode_block(sig, h, payload)
+    assert bytes(decode_block(v, sig, h, len(payload))) == payload
+    flipped = bytearray(v)
+    flipped[-7] ^= 0x01
+    bad = {
+        "payload bit flip": bytes(flipped),
+        "truncated": v[:-1],
+        "empty": b"",
+        "foreign": b"not a block at all",
+    }
+    for what, val in bad.items():
+        with pytest.raises(BlockFormatError):
+            decode_block(val, sig, h, len(payload))
+    with pytest.raises(BlockFormatError):
+        decode_block(v, b"bfloat16|2x2x16x1x4", h, len(payload))  # another layout
+    with pytest.raises(BlockFormatError):
+        decode_block(v, sig, bytes(32), len(payload))  # stored under another hash
+
+
+def test_prefill_saves_decode_loads_exact_tokens(smol, one_thread, redis_server, prompts, reference):
+    prefill = _engine(smol, redis_server.url, role="prefill")
+    decode = _engine(smol, redis_server.url, role="decode")
+    for k, p in prompts.items():
+        first = run_request(prefill, f"p-{k}", p, 1, {"do_remote_decode": True})
+        assert first["tokens"] == reference[k][:1]
+    # Content addressing: one key per full prompt block, under this model's namespace only.
+    keys = redis_server.client.keys("kvmesh:*")
+    assert len(keys) == sum(len(p) // BS for p in prompts.values())
+    assert all(k.decode().startswith(prefill.connector.prefix) for k in keys)
+    ttl = redis_server.client.ttl(keys[0])
+    assert 0 < ttl <= 600
+
+    for k, p in prompts.items():
+        out = run_request(decode, f"d-{k}", p, MAX_NEW)
+        assert out["tokens"] == reference[k], k
+        # Only the tokens not loaded ran through the model: prompt tail + all but the last new token.
+        assert out["computed"] == len(p) - _loadable(len(p)) + MAX_NEW - 1, k
+    st = decode.connector.stats
+    assert st["blocks_loaded"] == sum(_loadable(len(p)) // BS for p in prompts.values())
+    assert st["loads_failed"] == 0 and st["blocks_saved"] == 0  # decode role does not write by default
+    _assert_no_leak(prefill, decode)
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def test_shared_prefix_across_instances_and_isolation(smol, one_thread, redis_server, prompts, reference):
+    a = _engine(smol, redis_server.url)
+    run_request(a, "a-long", prompts["long"], MAX_NEW)
+    # Another instance with a prompt sharing the first 2 blocks, then diverging: loads exactly those 2.
+    b = _engine(smol, redis_server.url)
+    branch = prompts["long"][: 2 * BS] + prompts["short"] + prompts["long"][:9]
+    ref_b, _ = EngineCore.from_model(None, num_kv_blocks=32, loaded=smol)
+    want = run_request(ref_b, "ref-branch", branch, MAX_NEW)["tokens"]
+    out = run_request(b, "b-branch", branch, MAX_NEW)
+    assert out["tokens"] == want
+    assert b.connector.stats["blocks_loaded"] == 2
+    assert out["computed"] == len(branch) - 2 * BS + MAX_NEW - 1
+
+    # A tenant salt changes every block hash: no hit across tenants, hits within one.
+    run_request(a, "a-salted", prompts["long"], MAX_NEW, None, "tenant-a")
+    c = _engine(smol, redis_server.url)
+    out = run_request(c, "c-other-tenant", prompts["long"], MAX_NEW, None, "tenant-b")
+    assert out["tokens"] == reference["long"]
+    assert c.connector.stats["lookup_hit_blocks"] == 0 and c.connector.stats["blocks_loaded"] == 0
+    out = run_request(c, "c-same-tenant", prompts["long"], MAX_NEW, None, "tenant-a")
+    assert out["tokens"] == reference["long"] and c.connector.stats["blocks_loaded"] == 3
+
+    # Another model on the same Redis (different identity, same shapes) never sees these blocks.
+    other = dataclasses.replace(smol, config=dataclasses.replace(smol.config, name="another-model"))
+    d = _engine(smol, redis_server.url, loaded=other)
+    assert d.connector.prefix != a.connector.prefix
+    run_request(d, "d-long", prompts["long"], MAX_NEW)
+    assert d.connector.stats["lookup_hit_blocks"] == 0 and d.connector.stats["blocks_loaded"] == 0
+    _assert_no_leak(a, b, c, d)
+    for e in (a, b, c, d, ref_b):
+        e.shutdown()
+
+
+def test_corrupt_or_missing_value_recomputes(smol, one_thread, redis_server, prompts, reference):
+    prefill = _engine(smol, redis_server.url, role="prefill")
+    p = prompts["long"]
+    run_request(prefill, "p", p, 1, {"do_remote_decode": True})
+    keys = sorted(redis_server.client.keys("kvmesh:*"))
+    assert len(keys) == 3
+    # Flip one payload byte of one block: the checksum must reject it and the decode recompute everything.
+    victim = keys[1]
+    n = redis_server.client.strlen(victim)
+    byte = redis_server.client.getrange(victim, n - 100, n - 100)
+    redis_server.client.setrange(victim, n - 100, bytes([byte[0] ^ 0xFF]))
+    decode = _engine(smol, redis_server.url, role="decode")
+    out = run_request(decode, "d", p, MAX_NEW)
+    assert out["tokens"] == reference["long"]
+    assert decode.connector.stats["corrupt_blocks"] == 1 and decode.connector.stats["loads_failed"] == 1
+    assert out["computed"] == len(p) + MAX_NEW - 1  # nothing was taken from the damaged load
+    _assert_no_leak(decode)
+
+    # A missing key in the middle of the chain: only the blocks before the gap are loadable.
+    redis_server.client.flushall()
+    prefill2 = _engine(smol, redis_server.url, role="prefill")  # the first one would hit its local cache
+    run_request(prefill2, "p2", p, 1, {"do_remote_decode": True})
+    assert len(redis_server.client.keys("kvmesh:*")) == 3
+    h1 = decode.connector.key(decode_block_hashes(smol, p)[1])
+    assert redis_server.client.delete(h1) == 1
+    fresh = _engine(smol, redis_server.url, role="decode")
+    out = run_request(fresh, "d2", p, MAX_NEW)
+    assert out["tokens"] == reference["long"]
+    assert fresh.connector.stats["blocks_loaded"] == 1
+    assert out["computed"] == len(p) - BS + MAX_NEW - 1
+    _assert_no_leak(prefill, prefill2, fresh)
+    for e in (prefill, prefill2, decode, fresh):
+        e.shutdown()
+
+
+def decode_block_hashes(smol, prompt):
+    from kvmesh.engine.hashing import block_hashes_for
+
+    return block_hashes_for(prompt, BS, smol.config.identity())
+
+
+def test_redis_stopped_mid_run_recomputes(smol, one_thread, prompts, reference):
+    srv = RedisServer()
+    try:
+        prefill = _engine(smol, srv.url, role="prefill", socket_timeout_s=1.0)
+        decode = _engine(smol, srv.url, role="decode", socket_timeout_s=1.0)
+        p = prompts["long"]
+        run_request(prefill, "p", p, 1, {"do_remote_decode": True})
+        assert decode.connector.stats["lookups"] == 0
+        # Stop redis-server right after the decode's lookup found the blocks and before it reads them.
+        lookup = decode.connector.get_num_new_matched_tokens
+
+        def lookup_then_stop(req, n):
+            res = lookup(req, n)
+            srv.stop()
+            return res
+
+        decode.connector.get_num_new_matched_tokens = lookup_then_stop
+        out = run_request(decode, "d", p, MAX_NEW)
+        assert out["tokens"] == reference["long"]
+        st = decode.connector.stats
+        assert st["lookup_hit_blocks"] == 3 and st["loads_failed"] == 1 and st["blocks_loaded"] == 0
+        assert out["computed"] == len(p) + MAX_NEW - 1
+        # With the server gone, saves fail quietly and answers stay exact.
+        out = run_request(prefill, "p-down", prompts["exact"], MAX_NEW)
+        assert out["tokens"] == reference["exact"]
+        assert prefill.connector.stats["save_errors"] >= 1
+        _assert_no_leak(prefill, decode)
+        prefill.shutdown()
+        decode.shutdown()
+    finally:
+        srv.stop()
