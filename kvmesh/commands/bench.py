@@ -1,0 +1,39 @@
+"""`kvmesh bench serve` (load a live server) and `kvmesh bench offline` (the engine in-process)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench_command")
+
+    s = bsub.add_parser("serve", help="load an OpenAI-compatible server and report latency percentiles")
+    from kvmesh import bench_serve  # light: heavy imports (httpx, tqdm, matplotlib) happen in run()
+
+    bench_serve.add_args(s)
+    s.set_defaults(func=_run_serve)
+
+    o = bsub.add_parser("offline", help="throughput of the engine in-process")
+    try:
+        bench_offline = importlib.import_module("kvmesh.bench_offline")
+    except ModuleNotFoundError as e:
+        if e.name != "kvmesh.bench_offline":
+            raise
+        o.set_defaults(func=_missing_offline)
+    else:
+        bench_offline.register_args(o)
+        o.set_defaults(func=bench_offline.run)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from kvmesh import bench_serve
+
+    return bench_serve.run(args)
+
+
+def _missing_offline(args: argparse.Namespace) -> int:
+    print("kvmesh bench offline is not available yet (kvmesh/bench_offline.py)")
+    return 2
