@@ -69,8 +69,7 @@ class KVCacheManager:
         against the free budget because touching them takes them off it.
         """
         new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        self.num_cached_blocks.setdefault(request.request_id, 0)
+        blocks = self.req_blocks.get(request.request_id, [])
         computed = request.num_computed_tokens + num_new_computed_tokens
         total = computed + num_external_tokens + num_new_tokens
         need = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
@@ -80,7 +79,9 @@ class KVCacheManager:
         cow = 0 < num_new_tokens and write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if need + int(cow) + revived > self.pool.num_free_blocks:
-            return None
+            return None  # nothing changed
+        self.req_blocks[request.request_id] = blocks
+        self.num_cached_blocks.setdefault(request.request_id, 0)
         if cow:
             old = blocks[write_idx]
             (new,) = self.pool.get_new_blocks(1)

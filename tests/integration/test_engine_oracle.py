@@ -1,0 +1,122 @@
+"""Greedy output must equal HF transformers token for token on the same SmolLM2 weights.
+
+Every engine configuration that changes *how* tokens are computed (batching,
+chunked prefill, preemption by recompute, prefix-cache hits) must leave *what*
+is computed unchanged.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh import SamplingParams
+
+pytestmark = pytest.mark.integration
+
+MAX_NEW = 10
+_PARAGRAPH = (
+    "The history of computing spans centuries, from mechanical calculators and punched cards to "
+    "vacuum tubes, transistors and integrated circuits. Each step made machines smaller, faster and "
+    "cheaper, and each opened new uses that their inventors had not imagined. "
+)
+SHORT = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "1, 2, 3, 4, 5,",
+    "Translate to French: Good morning, how are you?",
+    "The three primary colors are",
+    "import numpy as np\nimport torch\n\n",
+    "Q: What is the boiling point of water?\nA:",
+    "Roses are red,",
+    "A haiku about the sea:",
+    "The quick brown fox",
+    "SELECT name FROM users WHERE",
+    "In 1969, astronauts",
+    "Dear Sir or Madam,",
+]
+LONG = [
+    _PARAGRAPH * 26 + "In summary,",  # > 1,000 tokens
+    "Document:\n" + _PARAGRAPH * 14 + "\nQuestion: what made machines cheaper?\nAnswer:",
+]
+CHAT = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "user", "content": "Name a fruit that is yellow."}],
+    [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Color of the sky?"}],
+    [{"role": "user", "content": "Write a short greeting."}],
+]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smol):
+    tok = smol.tokenizer
+    ids = [tok(p).input_ids for p in SHORT + LONG]
+    for conv in CHAT:
+        out = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+        ids.append(list(out["input_ids"] if hasattr(out, "keys") else out))
+    assert len(ids) >= 20
+    assert max(len(x) for x in ids) > 1000
+    return ids
+
+
+@pytest.fixture(scope="module")
+def expected(hf_model, prompt_ids, smol):
+    eos = set(smol.config.eos_token_ids)
+    outs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            x = torch.tensor([ids])
+            g = hf_model.generate(x, max_new_tokens=MAX_NEW, do_sample=False, attention_mask=torch.ones_like(x),
+                                  pad_token_id=2)[0, len(ids):].tolist()
+            cut = next((i + 1 for i, t in enumerate(g) if t in eos), len(g))
+            outs.append(g[:cut])
+    return outs
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+
+
+def _assert_same(outs, expected):
+    got = [o.outputs[0].token_ids for o in outs]
+    mismatches = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
+    assert not mismatches, f"prompts {mismatches} differ: {[(got[i], expected[i]) for i in mismatches]}"
+
+
+def test_alone_matches_hf(make_llm, prompt_ids, expected):
+    llm = make_llm()
+    outs = [llm.generate([ids], GREEDY)[0] for ids in prompt_ids]
+    _assert_same(outs, expected)
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+
+
+def test_batch_matches_hf_and_prefix_cache_hits(make_llm, prompt_ids, expected):
+    llm = make_llm()
+    _assert_same(llm.generate(prompt_ids, GREEDY), expected)
+    again = llm.generate(prompt_ids, GREEDY)  # same prompts: full-block prefixes now come from the cache
+    _assert_same(again, expected)
+    assert all(o.num_cached_tokens > 0 for o, ids in zip(again, prompt_ids) if len(ids) > 16)
+    s = llm.stats()
+    assert s["prefix_cache_hits"] > 0 and s["prefix_cache_queries"] >= s["prefix_cache_hits"]
+    llm.engine.check_integrity()
+    assert s["num_free_blocks"] == s["num_total_blocks"]
+
+
+def test_chunked_prefill_matches_hf(make_llm, prompt_ids, expected):
+    llm = make_llm(max_num_batched_tokens=96, long_prefill_token_threshold=64)
+    _assert_same(llm.generate(prompt_ids, GREEDY), expected)
+    assert llm.engine.num_steps > sum(len(x) for x in prompt_ids) // 96  # the budget really cut prompts
+
+
+def test_preemption_matches_hf(make_llm, prompt_ids, expected):
+    llm = make_llm(num_kv_blocks=80, max_num_batched_tokens=512)
+    _assert_same(llm.generate(prompt_ids, GREEDY), expected)
+    s = llm.stats()
+    assert s["num_preemptions"] > 0
+    assert s["num_free_blocks"] == s["num_total_blocks"]
+    llm.engine.check_integrity()
+
+
+def test_chat_helper_uses_template(make_llm, expected, prompt_ids):
+    llm = make_llm()
+    out = llm.chat(CHAT[0], GREEDY)[0]
+    assert out.outputs[0].token_ids == expected[len(SHORT) + len(LONG)]

@@ -1,0 +1,44 @@
+"""Bad sampling parameters are rejected at construction with an error naming the field."""
+from __future__ import annotations
+
+import pytest
+
+from kvmesh import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"n": 0}, "n"),
+    ({"logprobs": 50}, "logprobs"),
+    ({"stop": [""]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+])
+def test_rejects(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_normalises_stop_to_tuple():
+    p = SamplingParams(stop="END", stop_token_ids=[5])
+    assert p.stop == ("END",) and p.stop_token_ids == (5,)
+    assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.7).greedy
+
+
+def test_roundtrips_through_msgpack():
+    import msgspec
+
+    from kvmesh.engine.messages import EngineCoreRequest
+
+    req = EngineCoreRequest("r1", [1, 2, 3], SamplingParams(n=2, stop=("x",), temperature=0.5, seed=7))
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=EngineCoreRequest)
+    assert back == req and back.params.stop == ("x",)
