@@ -1,0 +1,186 @@
+"""The FastAPI app around a fake engine client: status codes, error schema, SSE framing, metrics.
+
+No model and no engine process: a scripted client answers each request with
+fixed tokens, so these run in milliseconds and pin the HTTP contract.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvmesh.engine.messages import EngineCoreOutput, EngineStats
+from kvmesh.services.api import wire
+from kvmesh.services.api.config import ServerConfig
+from kvmesh.services.api.engine_client import EngineDeadError, EngineRejectedError, RequestStream
+from kvmesh.services.api.metrics import ServerMetrics
+from kvmesh.services.api.server import build_app
+
+pytestmark = pytest.mark.unit
+
+VOCAB = ["<eos>"] + [chr(ord("a") + i) for i in range(26)]
+
+
+class FakeTokenizer:
+    """One lowercase letter per token."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return type("E", (), {"input_ids": [VOCAB.index(c) for c in text if c in VOCAB]})()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(VOCAB[i] for i in ids if not (skip_special_tokens and i == 0))
+
+    def apply_chat_template(self, msgs, add_generation_prompt=True, tokenize=True, **kw):
+        return self("".join(m["content"] for m in msgs)).input_ids + [1]
+
+    def __len__(self):
+        return len(VOCAB)
+
+
+class FakeClient:
+    """Replies to each request with tokens b, c, d, e (or the scripted failure)."""
+
+    def __init__(self) -> None:
+        self.ready = wire.Ready(1, "fake-model", 32, 16, 64, "both")
+        self.dead_reason = None
+        self.fail: Exception | None = None
+        self.added, self.aborted, self.seq_aborts = [], [], []
+
+    @property
+    def healthy(self):
+        return self.dead_reason is None
+
+    def add(self, req, stream=None):
+        if self.dead_reason:
+            raise EngineDeadError(self.dead_reason)
+        stream = stream or RequestStream(req.request_id)
+        self.added.append(req)
+        if self.fail is not None:
+            stream.queue.put_nowait(self.fail)
+            return stream
+        toks = [2, 3, 4, 5][: req.params.max_tokens]
+        for i in range(req.params.n):
+            for k, t in enumerate(toks):
+                lp = [(-0.5, [(t, -0.5), (9, -1.5)])] if req.params.logprobs is not None else None
+                done = k == len(toks) - 1
+                stream.queue.put_nowait(EngineCoreOutput(req.request_id, i, [t], lp, "length" if done else None,
+                                                         num_prompt_tokens=len(req.prompt_token_ids),
+                                                         num_cached_tokens=16))
+        return stream
+
+    def abort(self, ids):
+        self.aborted += ids
+
+    def abort_sequence(self, rid, index):
+        self.seq_aborts.append((rid, index))
+
+    def release(self, rid):
+        pass
+
+
+@pytest.fixture
+def app_client():
+    fake = FakeClient()
+    metrics = ServerMetrics("fake")
+    cfg = ServerConfig(served_model_names=("fake",), api_key="k", max_body_bytes=2048)
+    app = build_app(cfg, fake, FakeTokenizer(), metrics)
+    with TestClient(app, headers={"Authorization": "Bearer k"}) as c:
+        yield c, fake, metrics
+
+
+def err(r, status):
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == status
+    return body["error"]
+
+
+def test_completion_and_usage(app_client):
+    c, fake, _ = app_client
+    r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, "cache_salt": "t",
+                                        "kv_transfer_params": {"do_remote_decode": True}})
+    body = r.json()
+    assert body["choices"][0]["text"] == "bcde" and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 16}}
+    assert fake.added[0].cache_salt == "t" and fake.added[0].kv_transfer_params == {"do_remote_decode": True}
+
+
+def test_stop_string_aborts_sequence(app_client):
+    c, fake, _ = app_client
+    body = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, "stop": "d"}).json()
+    assert body["choices"][0]["text"] == "bc" and body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["stop_reason"] == "d"
+    assert fake.seq_aborts == [(fake.added[0].request_id, 0)]
+
+
+def test_stream_sse_framing_n2_and_usage(app_client):
+    c, _, _ = app_client
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}], "max_tokens": 4,
+                                             "n": 2, "stream": True, "stream_options": {"include_usage": True}})
+    lines = [ln for ln in r.text.split("\n\n") if ln]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    texts = {0: "", 1: ""}
+    for ch in chunks:
+        for choice in ch["choices"]:
+            texts[choice["index"]] += choice["delta"].get("content", "")
+    assert texts == {0: "bcde", 1: "bcde"}
+    assert chunks[-1]["usage"]["completion_tokens"] == 8 and chunks[-1]["choices"] == []
+
+
+def test_logprob_formats(app_client):
+    c, _, _ = app_client
+    lp = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "logprobs": 1}).json()["choices"][0]["logprobs"]
+    assert lp == {"tokens": ["b", "c"], "token_logprobs": [-0.5, -0.5], "top_logprobs": [{"b": -0.5}, {"c": -0.5}],
+                  "text_offset": [0, 1]}
+    chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}], "max_tokens": 1,
+                                                "logprobs": True, "top_logprobs": 2}).json()
+    entry = chat["choices"][0]["logprobs"]["content"][0]
+    assert entry["token"] == "b" and entry["bytes"] == [98] and [t["token"] for t in entry["top_logprobs"]] == ["b", "i"]
+
+
+def test_errors(app_client):
+    c, fake, _ = app_client
+    assert err(c.post("/v1/completions", json={"prompt": "a", "temperature": -1}), 400)["type"] == "BadRequestError"
+    assert err(c.post("/v1/completions", json={"prompt": "a" * 40}), 400)["param"] == "prompt"  # > max_model_len 32
+    assert err(c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 30}), 400)["param"] == "max_tokens"
+    assert err(c.post("/v1/completions", json={"model": "nope", "prompt": "a"}), 404)["param"] == "model"
+    err(c.post("/v1/completions", content=b"{", headers={"content-type": "application/json"}), 400)
+    err(c.post("/v1/completions", json={"prompt": "a" * 5000}), 413)
+    err(c.post("/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer x"}), 401)
+    err(c.post("/v1/completions", json={"prompt": "a", "presence_penalty": 1.0}), 400)
+    fake.fail = EngineRejectedError("queue_full", "waiting queue is full")
+    r = c.post("/v1/completions", json={"prompt": "a"})
+    assert err(r, 503) and r.headers["retry-after"] == "1"
+    r = c.post("/v1/completions", json={"prompt": "a", "stream": True})
+    assert err(r, 503) and r.headers["retry-after"] == "1"  # streams too: status before headers are sent
+    fake.fail = EngineRejectedError("invalid", "bad prompt")
+    err(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}]}), 400)
+    fake.fail = None
+    fake.dead_reason = "engine process exited with code -9"
+    assert c.get("/health").status_code == 503
+    err(c.post("/v1/completions", json={"prompt": "a"}), 503)
+
+
+def test_health_and_metrics_open_without_key(app_client):
+    c, _, metrics = app_client
+    metrics.on_stats(EngineStats(num_running=3, kv_cache_usage=0.25, prefix_cache_queries=10, prefix_cache_hits=4))
+    assert c.get("/health", headers={"Authorization": ""}).status_code == 200
+    text = c.get("/metrics", headers={"Authorization": ""}).text
+    assert 'vllm:num_requests_running{model_name="fake"} 3.0' in text
+    assert 'vllm:prefix_cache_hits_total{model_name="fake"} 4.0' in text
+    err(c.get("/v1/models", headers={"Authorization": ""}), 401)
+
+
+def test_metrics_counters_advance_by_delta():
+    m = ServerMetrics("m")
+    m.on_stats(EngineStats(prefix_cache_queries=10, num_preemptions=1))
+    m.on_stats(EngineStats(prefix_cache_queries=15, num_preemptions=1))
+    text = m.render().decode()
+    assert 'vllm:prefix_cache_queries_total{model_name="m"} 15.0' in text
+    assert 'vllm:num_preemptions_total{model_name="m"} 1.0' in text
+    m.observe_finished("length", 0.5)
+    assert 'vllm:request_success_total{finished_reason="length",model_name="m"} 1.0' in m.render().decode()

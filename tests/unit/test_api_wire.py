@@ -1,0 +1,177 @@
+"""The API <-> engine process boundary without a model: message encoding and the engine loop's batching."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+import zmq
+
+from kvmesh.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.services.api import wire
+from kvmesh.services.api.engine_proc import EngineProcConfig, EngineProcess
+
+pytestmark = pytest.mark.unit
+
+
+def test_messages_round_trip():
+    req = EngineCoreRequest("r1", [1, 2, 3], SamplingParams(n=2, stop=("x",), seed=3, logprobs=2),
+                            cache_salt="s", kv_transfer_params={"do_remote_decode": True})
+    for msg in (wire.AddRequest(req), wire.Abort(["a", "b"]), wire.AbortSequence("a", 1), wire.Shutdown()):
+        assert wire.to_engine_decoder.decode(wire.encoder.encode(msg)) == msg
+    out = wire.Outputs([EngineCoreOutput("r1", 1, [5], [(-0.1, [(5, -0.1), (6, -2.0)])], "stop", ".")],
+                       {"r1": 0.25})
+    for msg in (out, wire.Stats(EngineStats(num_running=2), 1.0), wire.Rejected("r", "queue_full", "full"),
+                wire.Ready(1, "m", 512, 16, 100, "decode"), wire.Fatal("boom")):
+        assert wire.from_engine_decoder.decode(wire.encoder.encode(msg)) == msg
+
+
+def test_add_request_repr_hides_prompt():
+    req = EngineCoreRequest("r1", [11, 22, 33], SamplingParams())
+    assert "22" not in repr(wire.AddRequest(req))
+
+
+def test_invalid_params_rejected_at_decode():
+    bad = msgspec.msgpack.encode({"type": "add", "request": {"request_id": "r", "prompt_token_ids": [1],
+                                                              "params": {"n": 0}}})
+    with pytest.raises(msgspec.ValidationError, match="n must be"):
+        wire.to_engine_decoder.decode(bad)
+
+
+def test_config_validation_and_json():
+    cfg = EngineProcConfig("ipc://a", "ipc://b", engine_kwargs={"block_size": 16}, role="prefill")
+    assert EngineProcConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ValueError):
+        EngineProcConfig("ipc://a", "ipc://b", role="sideways")
+
+
+class FakeEngine:
+    """Two steps per request, one token each; enough to test the loop around it."""
+
+    def __init__(self, max_waiting: int = 2) -> None:
+        self.config = SimpleNamespace(model=SimpleNamespace(name="fake"), scheduler=SimpleNamespace(max_model_len=64),
+                                      cache=SimpleNamespace(block_size=16), role="both")
+        self.kv = SimpleNamespace(pool=SimpleNamespace(num_blocks=8))
+        self.requests: dict = {}
+        self.max_waiting = max_waiting
+        self.aborted: list[str] = []
+        self.steps = 0
+
+    def add_request(self, req):
+        from kvmesh.engine.scheduler import QueueFullError
+
+        if not req.prompt_token_ids:
+            raise ValueError("prompt is empty")
+        if len(self.requests) >= self.max_waiting:
+            raise QueueFullError("full")
+        self.requests[req.request_id] = SimpleNamespace(left=2, first_scheduled_time=None,
+                                                        arrival_time=time.monotonic(), is_finished=False)
+
+    def abort(self, ids):
+        for i in ids:
+            self.requests.pop(i, None)
+            self.aborted.append(i)
+
+    def abort_sequence(self, rid, index):
+        self.aborted.append(f"{rid}#{index}")
+
+    def has_unfinished(self):
+        return bool(self.requests)
+
+    def step(self):
+        self.steps += 1
+        outs = []
+        for rid, r in list(self.requests.items()):
+            r.first_scheduled_time = r.first_scheduled_time or time.monotonic()
+            r.left -= 1
+            out = EngineCoreOutput(rid, 0, [7])
+            if r.left == 0:
+                out.finish_reason = "length"
+                r.is_finished = True
+                del self.requests[rid]
+            outs.append(out)
+        return outs
+
+    def stats(self):
+        return EngineStats(num_running=len(self.requests), num_steps=self.steps)
+
+    def take_kv_events(self):
+        return []
+
+    def shutdown(self):
+        pass
+
+
+@pytest.fixture
+def loop(tmp_path):
+    ctx = zmq.Context()
+    cfg = EngineProcConfig(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", stats_interval=3600)
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    push.bind(cfg.input_addr)
+    pull.bind(cfg.output_addr)
+    proc = EngineProcess(cfg, engine=FakeEngine())
+
+    def send(msg):
+        push.send(wire.encoder.encode(msg))
+
+    def recv_all():
+        msgs = []
+        while pull.poll(200):
+            msgs.append(wire.from_engine_decoder.decode(pull.recv()))
+        return msgs
+
+    yield proc, send, recv_all
+    proc.close()
+    push.close(0)
+    pull.close(0)
+    ctx.term()
+
+
+def _req(rid, prompt=(1, 2)):
+    return wire.AddRequest(EngineCoreRequest(rid, list(prompt), SamplingParams()))
+
+
+def test_loop_batches_outputs_per_step_and_rejects(loop):
+    proc, send, recv_all = loop
+    for rid in ("a", "b"):
+        send(_req(rid))
+    send(_req("c"))  # queue full (fake max 2)
+    send(_req("d", ()))  # invalid
+    time.sleep(0.1)
+    proc._drain(100)
+    proc.step_once()
+    proc.step_once()
+    msgs = recv_all()
+    rejected = {m.request_id: m.reason for m in msgs if isinstance(m, wire.Rejected)}
+    assert rejected == {"c": "queue_full", "d": "invalid"}
+    outputs = [m for m in msgs if isinstance(m, wire.Outputs)]
+    assert len(outputs) == 2  # one message per step, carrying both requests
+    assert [sorted(o.request_id for o in m.outputs) for m in outputs] == [["a", "b"], ["a", "b"]]
+    assert set(outputs[0].queue_times) == {"a", "b"} and outputs[1].queue_times == {}
+    assert all(o.finish_reason == "length" for o in outputs[1].outputs)
+
+
+def test_loop_abort_and_stats_rate_limited(loop):
+    proc, send, recv_all = loop
+    send(_req("a"))
+    send(wire.Abort(["a"]))
+    send(wire.AbortSequence("z", 1))
+    time.sleep(0.1)
+    proc._drain(100)
+    assert proc.engine.aborted == ["a", "z#1"] and not proc.engine.has_unfinished()
+    proc.maybe_send_stats(force=True)
+    proc.maybe_send_stats()  # within stats_interval: nothing
+    stats = [m for m in recv_all() if isinstance(m, wire.Stats)]
+    assert len(stats) == 1
+
+
+def test_run_sends_ready_and_stops_on_shutdown(loop):
+    proc, send, recv_all = loop
+    send(_req("a"))
+    send(wire.Shutdown())
+    proc.run()
+    msgs = recv_all()
+    assert isinstance(msgs[0], wire.Ready) and msgs[0].max_model_len == 64
+    assert any(isinstance(m, wire.Stats) for m in msgs)
