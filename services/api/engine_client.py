@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
-from kvmesh.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+from kvmesh.engine.messages import EngineCoreRequest, EngineStats
 
 from . import wire
 from .engine_proc import EngineProcConfig

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 
 import uvicorn
@@ -34,6 +35,7 @@ async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
     except (EngineDeadError, ValueError) as e:
         log.error("engine failed: %s", e)
         await client.close()
+        _remove_ipc_dir(cfg, proc_cfg)
         return 1
     metrics = ServerMetrics(cfg.served_model_names[0] if cfg.served_model_names else ready.model_name)
     client.on_stats = metrics.on_stats
@@ -47,7 +49,16 @@ async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
         await server.serve()
     finally:
         await client.close()
+        _remove_ipc_dir(cfg, proc_cfg)
     return 0
+
+
+def _remove_ipc_dir(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> None:
+    """Remove the temp dir holding our ipc sockets, only when we created it (no --engine-ipc-dir/addresses)."""
+    if cfg.ipc_dir is None and cfg.engine_input_addr is None and proc_cfg.input_addr.startswith("ipc://"):
+        d = os.path.dirname(proc_cfg.input_addr[len("ipc://"):])
+        if os.path.basename(d).startswith("kvmesh-"):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def run(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:

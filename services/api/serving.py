@@ -56,7 +56,8 @@ def engine_error(e: Exception) -> APIError:
     """Map an engine-side failure to the HTTP error a client should see."""
     if isinstance(e, EngineRejectedError):
         if e.reason == "queue_full":
-            return APIError(503, f"server is overloaded: {e}; retry later", headers={"Retry-After": RETRY_AFTER_SECONDS})
+            return APIError(503, f"server is overloaded: {e}; retry later",
+                            headers={"Retry-After": RETRY_AFTER_SECONDS})
         return bad_request(str(e))
     if isinstance(e, EngineDeadError):
         return APIError(503, f"engine is not available: {e}")
