@@ -176,35 +176,48 @@ def attention_config(
 ) -> dict:
     """Launch configuration from host-side sizes only (no tensor values).
 
-    Decode-like batches (``max_query_len`` small) use 16-row q blocks: the whole
-    GQA group of a token or a few tokens, the smallest tile `tl.dot` takes, since
-    decode is bound by reading K/V. Longer queries use 128-row (64 for fp32) q
-    blocks, which make prefill compute-bound. Split-KV (flash-decoding) is chosen
-    when decode-like work has too few (q block, KV head) programs to fill the GPU
-    and the contexts are long enough to split.
+    Chosen from the H200 measurements in docs/kernels.md (bf16, head 128):
+
+    * decode-like batches (``max_query_len * GQA group <= 16``): 16-row q blocks
+      (the GQA group of a token, the smallest tile ``tl.dot`` takes), 128-key tiles,
+      4 warps, 3 stages, KV heads adjacent in launch order (programs running
+      together read whole pages). Decode is bound by reading K/V; this reached
+      89-101% of the copy bandwidth.
+    * split-KV (flash-decoding) only when (sequences x KV heads) is below the SM
+      count: then up to 16 segments of >= 4 tiles of 64 keys. Splitting when there
+      were already ~2 programs per SM measured 20% slower (32 x 16384), while at
+      4 x 32768 it is what keeps the GPU busy.
+    * longer queries: 64-row q blocks, 64-key tiles, 4 warps, 2 stages; this beat
+      128-row blocks and 8 warps on every prefill shape measured.
+    fp32 and head sizes over 128 use smaller tiles to stay within shared memory.
     """
     qpk = num_q_heads // num_kv_heads
     qpk_pad = _p2(qpk)
     d_pad = _p2(max(head_size, 16))
-    fp32 = dtype == torch.float32
+    small = dtype == torch.float32 or d_pad > 128
+    head_fastest = False
     if max_query_len * qpk_pad <= 16:
         block_m = max(16, qpk_pad)
-        tile_n, num_warps, num_stages = (64, 4, 2) if (fp32 or d_pad > 128) else (128, 4, 3)
+        tile_n, num_warps, num_stages = (64, 4, 2) if small else (128, 4, 3)
+        head_fastest = True
     else:
         block_m = max(64, qpk_pad)
-        tile_n, num_warps, num_stages = (32, 4, 2) if (fp32 or d_pad > 128) else (64, 4, 2)
+        tile_n, num_warps, num_stages = (32, 4, 2) if small else (64, 4, 2)
     block_q = block_m // qpk_pad
     num_segments = 1
     if max_query_len <= block_q:
         programs = num_seqs * num_kv_heads
-        target = (3 * _num_sms(device)) // 2
-        if programs < target:
-            want = _p2(math.ceil(target / max(programs, 1)))
-            max_useful = max_seq_len // (4 * tile_n)  # keep >= 4 key tiles per segment
+        sms = _num_sms(device)
+        if programs < sms:
+            split_tile = 64
+            want = _p2(math.ceil(3 * sms / max(programs, 1)))
+            max_useful = max_seq_len // (4 * split_tile)  # keep >= 4 key tiles per segment
             if max_useful >= 2:
                 num_segments = min(16, want, 1 << (max_useful.bit_length() - 1))
+                tile_n, num_warps, num_stages = split_tile, 4, 2
+                head_fastest = True
     return dict(block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
-                num_segments=num_segments, head_fastest=False)
+                num_segments=num_segments, head_fastest=head_fastest)
 
 
 def paged_attention(
