@@ -33,12 +33,13 @@ def pct(xs, p):
     return s[f] + (s[c] - s[f]) * (k - f)
 
 
-def bench_rate(base_url: str, rate: str, args, out_dir: str) -> dict:
+def bench_rate(base_url: str, rate: str, args, out_dir: str, seed: int) -> dict:
+    """One `kvmesh bench serve` run; each rate gets its own seed, so no run hits another's cached prefixes."""
     path = os.path.join(out_dir, f"serve-rate-{rate}.json")
     cmd = [sys.executable, "-m", "kvmesh.cli", "bench", "serve", "--base-url", base_url, "--dataset", "random",
            "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len), "--output-len",
            str(args.output_len), "--request-rate", rate, "--result-json", path, "--no-progress",
-           "--seed", str(args.seed)]
+           "--seed", str(seed)]
     subprocess.run(cmd, check=True, stdout=sys.stderr)
     with open(path) as f:
         return json.load(f)["summary"]
@@ -143,9 +144,10 @@ def main() -> int:
     rows, hop = {}, None
     with ServerProcess(["--num-kv-blocks", "1024", "--max-model-len", "2048"],
                        log_path=os.path.join(args.out_dir, "server.log")) as srv:
-        bench_rate(srv.base_url, "inf", argparse.Namespace(**{**vars(args), "num_prompts": 4}), args.out_dir)  # warm
-        for rate in args.rates.split(","):
-            rows[rate] = bench_rate(srv.base_url, rate, args, args.out_dir)
+        warm = argparse.Namespace(**{**vars(args), "num_prompts": 4})
+        bench_rate(srv.base_url, "inf", warm, args.out_dir, args.seed + 99)  # warm-up, distinct prompts
+        for i, rate in enumerate(args.rates.split(",")):
+            rows[rate] = bench_rate(srv.base_url, rate, args, args.out_dir, args.seed + 100 * (i + 1))
         hop = api_hop(srv.base_url, prompts, args.hop_repeat)
     hf = None if args.skip_hf else hf_baseline(prompts, args.output_len)
 
@@ -161,8 +163,8 @@ def main() -> int:
               f"{s['median_e2el_ms']:.0f} / {s['p99_e2el_ms']:.0f} |")
     if hf is not None:
         n_out = args.output_len * len(prompts)
-        for rate in args.rates.split(","):
-            lat, makespan = fifo_latencies(hf["service"], float(rate), args.seed)
+        for i, rate in enumerate(args.rates.split(",")):
+            lat, makespan = fifo_latencies(hf["service"], float(rate), args.seed + 100 * (i + 1))
             ttft_ms = [x * 1000 for x in hf["ttft"]]
             tpot = [(s - t) / (args.output_len - 1) * 1000 for s, t in zip(hf["service"], hf["ttft"])]
             wait = [(l - s) * 1000 for l, s in zip(lat, hf["service"])]

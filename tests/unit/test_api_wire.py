@@ -175,3 +175,32 @@ def test_run_sends_ready_and_stops_on_shutdown(loop):
     msgs = recv_all()
     assert isinstance(msgs[0], wire.Ready) and msgs[0].max_model_len == 64
     assert any(isinstance(m, wire.Stats) for m in msgs)
+
+
+def test_serve_flags_reach_engine_config():
+    from kvmesh.cli import build_parser
+    from kvmesh.commands.serve import configs_from_args
+
+    args = build_parser().parse_args(["serve", "--role", "decode", "--max-waiting", "3", "--port", "9001",
+                                      "--kv-connector", "nixl", "--kv-connector-config", '{"lease_s": 5}',
+                                      "--engine-input-addr", "tcp://127.0.0.1:7001",
+                                      "--engine-output-addr", "tcp://127.0.0.1:7002", "--num-kv-blocks", "64"])
+    cfg, proc = configs_from_args(args)
+    assert cfg.role == proc.role == "decode" and cfg.port == 9001
+    assert proc.engine_kwargs["max_waiting"] == 3 and proc.engine_kwargs["num_kv_blocks"] == 64
+    assert (proc.input_addr, proc.output_addr) == ("tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002")
+    assert proc.kv_connector == "nixl" and proc.kv_connector_config == {"lease_s": 5}
+
+
+def test_connector_factory_uses_registry(monkeypatch):
+    from kvmesh.engine import connectors
+    from kvmesh.services.api.engine_proc import default_connector_factory
+
+    cfg = EngineProcConfig("ipc://a", "ipc://b", role="prefill", kv_connector="redis",
+                           kv_connector_config={"url": "redis://x"}, engine_kwargs={"engine_id": "p-0"})
+    assert default_connector_factory(EngineProcConfig("ipc://a", "ipc://b")) is None  # none: no registry needed
+    calls = []
+    monkeypatch.setattr(connectors, "make_connector", lambda name, config, **kw: calls.append((name, config, kw))
+                        or "conn", raising=False)
+    assert default_connector_factory(cfg) == "conn"
+    assert calls == [("redis", {"url": "redis://x"}, {"role": "prefill", "engine_id": "p-0"})]
