@@ -69,6 +69,7 @@ class _Held:
     block_ids: list[int]
     deadline: float
     claimed: bool = False
+    since: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -254,19 +255,34 @@ class NixlConnector(KVConnector):
             return p
         return None
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def _usable_blocks(self, request: "Request") -> int | None:
+        """How many remote blocks belong to this request's prompt; None if the params cannot be used.
+
+        The chained hash of the last offered block must equal ours: it covers every
+        token before it, the model identity and the cache salt, so a mismatch means
+        the blocks hold something else and must never be loaded (nor released: the
+        transfer is not this request's to give back).
+        """
         p = self._remote_params(request)
-        if p is None or request.request_id in self._consumed or self.agent is None:
-            return 0, False
-        if check_kv_transfer_params(p) is not None:
-            return 0, False
+        if p is None or self.agent is None or check_kv_transfer_params(p) is not None:
+            return None
         ids = p["remote_block_ids"]
-        if not ids or p.get("remote_block_size", self.block_size) != self.block_size:
-            return 0, False
+        if not ids:
+            return 0
+        if p.get("remote_block_size", self.block_size) != self.block_size:
+            return None
         n = len(ids)
         want = p.get("remote_block_hash")
         if want is not None and (len(request.block_hashes) < n or request.block_hashes[n - 1].hex() != want):
-            return 0, False  # the remote blocks hold another prompt (or model, or salt): never load them
+            return None
+        return n
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        if request.request_id in self._consumed:
+            return 0, False
+        n = self._usable_blocks(request)
+        if not n:
+            return 0, False
         return max(0, n * self.block_size - num_computed_tokens), True
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
@@ -274,24 +290,25 @@ class NixlConnector(KVConnector):
         if p is None or request.request_id in self._consumed:
             return
         self._consumed.add(request.request_id)
-        err = check_kv_transfer_params(p)
-        if err is not None:
+        n = self._usable_blocks(request)
+        if n is None:
             self.stats["bad_params"] += 1
-            log.warning("request %s: ignoring kv_transfer_params (%s); computing locally", request.request_id, err)
+            log.warning("request %s: kv_transfer_params unusable (%s); computing locally", request.request_id,
+                        check_kv_transfer_params(p) or "blocks do not match this prompt, model or block size")
             return
-        if not p["remote_block_ids"]:
+        if n == 0:
             return
         if num_external_tokens <= 0:
-            # Nothing to pull (a local prefix hit covers it, or the params did not match): free the remote now.
+            # A local prefix hit already covers the offered blocks: nothing to pull, free the remote now.
             self._submit_release(p["remote_host"], p["remote_port"], p["remote_transfer_id"])
             return
         bs = self.block_size
         start = request.num_computed_tokens // bs
-        n = num_external_tokens // bs
+        k = num_external_tokens // bs
         self._to_load[request.request_id] = _Load(
             request_id=request.request_id, transfer_id=p["remote_transfer_id"],
             remote_engine_id=p["remote_engine_id"], host=p["remote_host"], port=p["remote_port"],
-            local_ids=list(block_ids[start:start + n]), remote_ids=list(p["remote_block_ids"][start:start + n]),
+            local_ids=list(block_ids[start:start + k]), remote_ids=list(p["remote_block_ids"][start:start + k]),
         )
 
     def build_connector_meta(self, sched_out: "SchedulerOutput | None" = None) -> ConnectorMetadata:
@@ -473,8 +490,10 @@ class NixlConnector(KVConnector):
                     del self._held[xid]
                     done_sending.add(held.request_id)
                     self.stats["leases_expired"] += 1
-                    log.warning("lease of request %s expired after %.1fs without a reader; freeing %d blocks",
-                                held.request_id, self.lease_s, len(held.block_ids))
+                    log.warning("lease of request %s expired after %.1fs (%s); freeing %d blocks",
+                                held.request_id, now - held.since,
+                                "its reader did not finish" if held.claimed else "no reader came",
+                                len(held.block_ids))
 
     def _poll_load(self, ld: _Load, now: float) -> bool | None:
         """True: loaded; False: failed; None: still going. Every path is bounded by ``ld.deadline``."""

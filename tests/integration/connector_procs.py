@@ -116,6 +116,13 @@ def worker(conn, spec: dict) -> None:
                     res = run_request(ref, *args)
                 elif cmd == "stats":
                     res = stats(engine)
+                elif cmd == "reset_cache":  # forget prefix-cached blocks (only possible with none in use)
+                    res = engine.kv.pool.reset_prefix_cache()
+                elif cmd == "tokenize":
+                    res = list(loaded.tokenizer(args[0]).input_ids)
+                elif cmd == "set":  # adjust a connector option at run time (e.g. a short lease)
+                    setattr(engine.connector, args[0], args[1])
+                    res = None
                 elif cmd == "drain":
                     res = drain(engine, *args)
                 else:
