@@ -321,7 +321,6 @@ def _services(meta: ObjectMeta) -> list[Manifest]:
     workers = _object("v1", "Service", f"{meta.name}-workers", meta, "workers")
     workers["spec"] = {
         "clusterIP": "None",
-        "publishNotReadyAddresses": False,
         "selector": {LABEL_INSTANCE: meta.name, LABEL_WORKER: "true"},
         "ports": [
             {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},

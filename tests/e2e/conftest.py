@@ -31,6 +31,9 @@ E2E_ENV = {
     "ETCD_PEER_PORT": "23901",
     "APISERVER_PORT": "26543",
     "KWOK_PORT": "20347",
+    # Namespaces of finished tests are deleted asynchronously; leave room for their pods' GPUs.
+    "KWOK_NODES": "4",
+    "KWOK_GPUS_PER_NODE": "16",
 }
 RELEASE = "kvmesh"
 OPERATOR_NS = "kvmesh-system"
@@ -85,7 +88,7 @@ class Cluster:
         return self.run(*args, tool="helm", **kw)
 
     def get(self, kind: str, name: str, ns: str | None = None) -> dict[str, Any] | None:
-        args = ["get", kind, name, "-o", "json", "--ignore-not-found"]
+        args = ["get", kind, name, "-o", "json", "--ignore-not-found", "--show-managed-fields"]
         if ns:
             args += ["-n", ns]
         out = self.kubectl(*args)
@@ -250,11 +253,18 @@ def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
 
 
 def wait_ready(c: Cluster, name: str, ns: str, timeout: float = 240) -> dict[str, Any]:
+    seen: list[Any] = [None]
+
     def ready() -> dict[str, Any] | None:
         obj = c.get("inferenceservice", name, ns)
+        seen[0] = (obj or {}).get("status"), (obj or {}).get("metadata", {}).get("generation")
         cond = condition(obj, "Ready")
         if (obj and cond and cond["status"] == "True"
                 and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]):
             return obj
         return None
-    return wait_for(f"{ns}/{name} Ready=True", ready, timeout)
+    try:
+        return wait_for(f"{ns}/{name} Ready=True", ready, timeout)
+    except AssertionError as e:
+        pods = c.kubectl("get", "deploy,rs,pods", "-n", ns, "-o", "wide", check=False)
+        raise AssertionError(f"{e}\nlast status/generation: {seen[0]}\n{pods}") from None

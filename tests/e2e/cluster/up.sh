@@ -100,7 +100,8 @@ start kube-scheduler "$K8S_BIN/kube-scheduler" \
   --kubeconfig="$KUBECONFIG_PATH" --leader-elect=false --secure-port=0 --profiling=false
 start kwok "$KWOK_BIN/kwok" --kubeconfig="$KUBECONFIG_PATH" \
   --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
-  --cidr=10.244.0.1/16 --node-ip=10.240.0.10 --server-address="127.0.0.1:$KWOK_PORT"
+  --cidr=10.244.0.1/16 --node-ip=10.240.0.10 --server-address="127.0.0.1:$KWOK_PORT" \
+  --node-lease-duration-seconds=40
 
 export KUBECONFIG="$KUBECONFIG_PATH"
 NODES="${KWOK_NODES:-3}"; GPUS="${KWOK_GPUS_PER_NODE:-8}"
