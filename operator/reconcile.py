@@ -7,6 +7,7 @@ drift correction, operator restarts mid-way and lost events harmless: the next p
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -116,6 +117,14 @@ def _reconcile_once(kube: Kube, meta: ObjectMeta, apply_delay: float) -> Outcome
     return out
 
 
+def _api_message(e: Exception) -> str:
+    """The API server's own explanation (Status.message), falling back to the HTTP reason."""
+    try:
+        return str(json.loads(getattr(e, "body", "") or "{}").get("message") or e)
+    except ValueError:
+        return str(getattr(e, "reason", e))
+
+
 def _replica_floors(spec: InferenceServiceSpec) -> dict[str, int]:
     a = spec.autoscaling
     return {"prefill": a.prefill.min_replicas, "decode": a.decode.min_replicas} if a.enabled else {}
@@ -137,7 +146,7 @@ def _apply_all(kube: Kube, meta: ObjectMeta, desired: list[dict], out: Outcome,
         try:
             applied = kube.apply(obj)
         except ApiException as e:
-            out.apply_errors.append(f"{kind} {name}: {e.status} {e.reason}")
+            out.apply_errors.append(f"{kind} {name}: {e.status} {_api_message(e)}")
             log.warning("apply %s %s/%s failed: %s", kind, meta.namespace, name, e.body)
             continue
         if kind == "Deployment":
@@ -186,6 +195,9 @@ def status_for(body: dict[str, Any], out: Outcome) -> dict[str, Any]:
         if out.not_ready:
             new.append(Condition(cond.PROGRESSING, "True", "RollingOut",
                                  "rolling out: " + ", ".join(out.not_ready)))
+        elif problems_:
+            new.append(Condition(cond.PROGRESSING, "False", "Blocked",
+                                 "cannot progress: " + "; ".join(problems_)))
         else:
             new.append(Condition(cond.PROGRESSING, "False", "Complete", "rollout complete"))
         if out.conflicts:

@@ -167,3 +167,12 @@ def test_status_sets_all_three_conditions_on_first_visit() -> None:
     degraded = next(c for c in bad["conditions"] if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"], degraded["message"]) == (
         "True", "InvalidSpec", "x is wrong")
+
+
+def test_status_when_applies_fail() -> None:
+    out = Outcome(generation=2, apply_errors=["Deployment x-decode: 403 forbidden"])
+    st = status_for({}, out)
+    got = {c["type"]: (c["status"], c["reason"]) for c in st["conditions"]}
+    assert got == {"Ready": ("False", "ReconcileFailed"), "Progressing": ("False", "Blocked"),
+                   "Degraded": ("True", "ApplyFailed")}
+    assert "403 forbidden" in st["conditions"][2]["message"]
