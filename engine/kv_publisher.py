@@ -1,0 +1,155 @@
+"""KV-event publisher: the engine's half of the global prefix index.
+
+The engine loop must never wait on a subscriber, so `KVEventPublisher.publish`
+only puts the step's events on a bounded queue; a daemon thread owns the ZMQ
+sockets (they are not thread-safe), numbers the batches, sends them and keeps
+the last ``buffer_steps`` of them in a ring buffer for replay.
+
+Wire (vLLM's `ZmqEventPublisher`, layout pinned in `kv_events.py`):
+
+* PUB: multipart ``(topic, seq as 8-byte big-endian, msgpack KVEventBatch)``;
+  ``seq`` starts at 0 and grows by one per batch, so a subscriber sees a gap
+  as a jump and a restart as a drop.
+* ROUTER replay: a request ``(identity, b"", start_seq 8-byte big-endian)`` gets
+  every buffered ``(identity, b"", seq, payload)`` with ``seq >= start_seq``,
+  then ``(identity, b"", -1 as signed 8 bytes, b"")``. A subscriber uses a
+  DEALER (or REQ-style envelope) to ask.
+
+Bind/connect follows vLLM: an endpoint with ``*``, ``::``, ``ipc://`` or
+``inproc://`` is bound, anything else is connected to (the subscriber binds).
+When the queue is full (subscribers cannot keep up and the thread is behind)
+batches are dropped and counted; the resulting sequence gap is exactly what the
+replay socket cannot fill, so a subscriber resyncs rather than trusting a stale
+index.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import zmq
+
+from .kv_events import KVCacheEvent, KVEventBatch, encode_batch
+
+log = logging.getLogger("kvmesh.engine.kv_publisher")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def should_bind(endpoint: str) -> bool:
+    """vLLM's rule: wildcard hosts and local transports are bound, concrete tcp addresses connected."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def make_topic(pod: str, model: str) -> str:
+    """Topic naming the pod and the model, e.g. ``kv@pod-0@SmolLM2-135M``; '@' separates because names may hold '/'."""
+    return f"kv@{pod}@{model}"
+
+
+@dataclass(frozen=True)
+class PublisherConfig:
+    endpoint: str  # e.g. tcp://*:5557
+    replay_endpoint: str | None = None  # e.g. tcp://*:5558 (None: no replay)
+    topic: str = ""
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # ZMQ send high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the thread before we drop
+
+
+class KVEventPublisher:
+    def __init__(self, cfg: PublisherConfig, ctx: zmq.Context | None = None) -> None:
+        self.cfg = cfg
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.Context()
+        self._q: queue.Queue[KVEventBatch | None] = queue.Queue(cfg.max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
+        self.next_seq = 0
+        self.dropped = 0
+        self.published = 0
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+        if self._error is not None:
+            raise RuntimeError(f"KV event publisher failed to start: {self._error}") from self._error
+
+    # ---- engine side (any thread, never blocks) -----------------------------
+    def publish(self, events: Sequence[KVCacheEvent], ts: float | None = None) -> bool:
+        if not events:
+            return True
+        try:
+            self._q.put_nowait(KVEventBatch(ts=time.time() if ts is None else ts, events=list(events)))
+            return True
+        except queue.Full:
+            self.dropped += 1
+            return False
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Flush what is queued (bounded by ``timeout``), then close the sockets."""
+        try:
+            self._q.put(None, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+        if self._own_ctx:
+            self.ctx.term()
+
+    # ---- the thread ---------------------------------------------------------
+    def _open(self, kind: int, endpoint: str) -> zmq.Socket:
+        s = self.ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, self.cfg.hwm)
+        (s.bind if should_bind(endpoint) else s.connect)(endpoint)
+        return s
+
+    def _run(self) -> None:
+        try:
+            pub = self._open(zmq.PUB, self.cfg.endpoint)
+            replay = self._open(zmq.ROUTER, self.cfg.replay_endpoint) if self.cfg.replay_endpoint else None
+        except BaseException as e:  # bad endpoint / port in use: reported to the constructor
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        topic = self.cfg.topic.encode()
+        try:
+            while True:
+                if replay is not None:
+                    while replay.poll(0):
+                        self._serve_replay(replay)
+                try:
+                    batch = self._q.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if batch is None:
+                    break
+                payload = encode_batch(batch)
+                seq = self.next_seq
+                self.next_seq += 1
+                self._buffer.append((seq, payload))
+                pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+                self.published += 1
+        except Exception:  # never take the engine down; subscribers will see the gap and resync
+            log.exception("KV event publisher thread failed")
+        finally:
+            pub.close(linger=0)
+            if replay is not None:
+                replay.close(linger=0)
+
+    def _serve_replay(self, replay: zmq.Socket) -> None:
+        frames = replay.recv_multipart()
+        if len(frames) != 3:
+            log.warning("invalid replay request with %d frames", len(frames))
+            return
+        ident, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start_seq:
+                replay.send_multipart((ident, b"", seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((ident, b"", END_SEQ, b""))
