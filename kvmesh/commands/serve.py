@@ -29,6 +29,8 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
     g.add_argument("--engine-id", default="kvmesh-0", help="this engine's id in KV events and transfer params")
     g.add_argument("--kv-events-endpoint", default=None,
                    help="bind a ZMQ PUB socket here for KV cache events, e.g. tcp://*:5557")
+    g.add_argument("--kv-events-replay-endpoint", default=None,
+                   help="bind a ZMQ ROUTER socket here that replays missed KV-event sequences, e.g. tcp://*:5558")
     g.add_argument("--kv-connector", default="none",
                    help="KV connector name, resolved by kvmesh.engine.connectors.make_connector (none: no connector)")
     g.add_argument("--kv-connector-config", default="{}", help="JSON options for the KV connector")
@@ -63,6 +65,7 @@ def configs_from_args(args: argparse.Namespace):
     proc_cfg = EngineProcConfig(input_addr=addrs.input_addr, output_addr=addrs.output_addr, model=args.model,
                                 engine_kwargs=kw, role=args.role, kv_connector=args.kv_connector,
                                 kv_connector_config=connector_cfg, kv_events_endpoint=args.kv_events_endpoint,
+                                kv_events_replay_endpoint=args.kv_events_replay_endpoint,
                                 stats_interval=args.stats_interval, parent_pid=os.getpid())
     return cfg, proc_cfg
 

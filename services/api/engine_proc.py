@@ -46,7 +46,8 @@ class EngineProcConfig:
     kv_connector: str = "none"
     kv_connector_config: dict[str, Any] = field(default_factory=dict)
     kv_events_endpoint: str | None = None  # ZMQ PUB endpoint to bind for KV events (None: events dropped)
-    kv_events_topic: str = "kv-events"
+    kv_events_replay_endpoint: str | None = None  # ZMQ ROUTER endpoint serving missed KV-event sequences
+    kv_events_topic: str | None = None  # None: kv@{pod}@{model} (pod = $POD_NAME or the engine id)
     stats_interval: float = 0.5  # seconds between stats snapshots while busy
     idle_poll_ms: int = 1000  # longest blocking wait when idle (bounded to notice a dead parent)
     parent_pid: int | None = None  # exit when this process disappears
@@ -99,11 +100,6 @@ class EngineProcess:
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 1000)
         self.push.connect(cfg.output_addr)
-        self.pub = None
-        if cfg.kv_events_endpoint:
-            self.pub = self.ctx.socket(zmq.PUB)
-            self.pub.bind(cfg.kv_events_endpoint)
-        self._kv_seq = 0
         if engine is None:
             from kvmesh.engine.core import EngineCore
 
@@ -113,6 +109,7 @@ class EngineProcess:
             if hook is not None:  # lets a connector see the built engine (KV layout, engine id) once
                 hook(engine)
         self.engine = engine
+        self.kv_publisher = _make_kv_publisher(cfg, engine, self.ctx)
         # Requests not yet scheduled: we keep the engine's Request object to report its queue time once.
         self._unscheduled: dict[str, Any] = {}
         self._last_stats: wire.EngineStats | None = None
@@ -188,12 +185,8 @@ class EngineProcess:
         if outs or queue_times:
             self._send(wire.Outputs(outputs=outs, queue_times=queue_times))
         events = self.engine.take_kv_events()  # always drain: the pool buffers them until taken
-        if events and self.pub is not None:
-            from kvmesh.engine.kv_events import KVEventBatch, encode_batch
-
-            self._kv_seq += 1
-            self.pub.send_multipart([self.cfg.kv_events_topic.encode(), self._kv_seq.to_bytes(8, "big"),
-                                     encode_batch(KVEventBatch(ts=time.time(), events=events))])
+        if events and self.kv_publisher is not None:
+            self.kv_publisher.publish(events)  # non-blocking: a queue drained by the publisher's thread
 
     def maybe_send_stats(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -229,10 +222,25 @@ class EngineProcess:
         try:
             self.engine.shutdown()
         finally:
-            for s in (self.pull, self.push, self.pub):
+            if self.kv_publisher is not None:
+                self.kv_publisher.close()
+            for s in (self.pull, self.push):
                 if s is not None:
                     s.close(linger=0)
             self.ctx.term()
+
+
+def _make_kv_publisher(cfg: EngineProcConfig, engine, ctx):
+    """The KV-event publisher (kvmesh.engine.kv_publisher), or None without --kv-events-endpoint."""
+    if not cfg.kv_events_endpoint:
+        return None
+    from kvmesh.engine.kv_publisher import KVEventPublisher, PublisherConfig, make_topic
+
+    topic = cfg.kv_events_topic
+    if topic is None:
+        pod = os.environ.get("POD_NAME") or cfg.engine_kwargs.get("engine_id", "kvmesh-0")
+        topic = make_topic(pod, engine.config.model.name)
+    return KVEventPublisher(PublisherConfig(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, topic), ctx)
 
 
 def _peek_request_id(raw: bytes) -> str | None:
