@@ -17,10 +17,9 @@ Wire (vLLM's `ZmqEventPublisher`, layout pinned in `kv_events.py`):
 
 Bind/connect follows vLLM: an endpoint with ``*``, ``::``, ``ipc://`` or
 ``inproc://`` is bound, anything else is connected to (the subscriber binds).
-When the queue is full (subscribers cannot keep up and the thread is behind)
-batches are dropped and counted; the resulting sequence gap is exactly what the
-replay socket cannot fill, so a subscriber resyncs rather than trusting a stale
-index.
+When the queue is full (the thread is behind) batches are dropped and counted,
+but they still consume sequence numbers: the resulting gap is one the replay
+socket cannot fill, so a subscriber resyncs rather than trusting a stale index.
 """
 from __future__ import annotations
 
@@ -70,6 +69,7 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self.next_seq = 0
         self.dropped = 0
+        self._lost = 0  # drops not yet turned into a sequence gap (read and reset by the thread)
         self.published = 0
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -88,6 +88,7 @@ class KVEventPublisher:
             return True
         except queue.Full:
             self.dropped += 1
+            self._lost += 1
             return False
 
     def close(self, timeout: float = 2.0) -> None:
@@ -130,6 +131,9 @@ class KVEventPublisher:
                 if batch is None:
                     break
                 payload = encode_batch(batch)
+                if self._lost:  # dropped batches still consume sequence numbers: subscribers must see the gap
+                    lost, self._lost = self._lost, 0
+                    self.next_seq += lost
                 seq = self.next_seq
                 self.next_seq += 1
                 self._buffer.append((seq, payload))

@@ -1,0 +1,85 @@
+"""`kvmesh router`: the KV-aware OpenAI router (kvmesh.services.router)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("router", help="run the KV-aware router in front of kvmesh pods")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--model", default=None, help="the pods' model (tokenizer + hash identity); default: embedded")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--block-size", type=int, default=16, help="must equal the pods' --block-size")
+    p.add_argument("--worker", action="append", default=[], metavar="URL[,events=EP][,replay=EP]",
+                   help="a pod that does prefill and decode (repeatable)")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL[,events=EP][,replay=EP]")
+    p.add_argument("--decode", action="append", default=[], metavar="URL[,events=EP][,replay=EP]")
+    p.add_argument("--kv-events-port", type=int, default=None,
+                   help="pods publish KV events on tcp://HOST:PORT (for pods without events=)")
+    p.add_argument("--kv-replay-port", type=int, default=None)
+    p.add_argument("--policy", choices=["kv-aware", "round-robin", "least-load"], default="kv-aware")
+    p.add_argument("--weight-hit", type=float, default=1.0)
+    p.add_argument("--weight-load", type=float, default=0.5)
+    p.add_argument("--weight-tokens", type=float, default=0.3)
+    p.add_argument("--weight-kv", type=float, default=0.2)
+    p.add_argument("--balance-abs", type=float, default=2.0)
+    p.add_argument("--balance-rel", type=float, default=1.25)
+    p.add_argument("--pd-min-uncached", type=int, default=256,
+                   help="selective P/D: skip the prefill pod when decode would compute fewer tokens than this")
+    p.add_argument("--discovery", choices=["static", "k8s"], default="static")
+    p.add_argument("--namespace", default="default")
+    p.add_argument("--selector", default=None, help="label selector of worker EndpointSlices (k8s)")
+    p.add_argument("--prefill-selector", default=None)
+    p.add_argument("--decode-selector", default=None)
+    p.add_argument("--port-name", default="http", help="EndpointSlice port name of the pods' HTTP port")
+    p.add_argument("--health-interval", type=float, default=2.0)
+    p.add_argument("--connect-timeout", type=float, default=2.0)
+    p.add_argument("--read-timeout", type=float, default=600.0)
+    p.add_argument("--max-retries", type=int, default=2)
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace):
+    from kvmesh.services.router.config import RouterConfig, ScoringWeights, parse_pod_spec
+
+    pods = tuple(parse_pod_spec(s, role, args.kv_events_port, args.kv_replay_port)
+                 for role, lst in (("worker", args.worker), ("prefill", args.prefill), ("decode", args.decode))
+                 for s in lst)
+    selectors = tuple((r, s) for r, s in (("worker", args.selector), ("prefill", args.prefill_selector),
+                                          ("decode", args.decode_selector)) if s)
+    if args.discovery == "static" and not pods:
+        raise ValueError("give --worker/--prefill/--decode URLs, or --discovery k8s --selector ...")
+    if args.discovery == "k8s" and not selectors:
+        raise ValueError("--discovery k8s needs --selector (and/or --prefill-selector/--decode-selector)")
+    w = ScoringWeights(hit=args.weight_hit, load=args.weight_load, tokens=args.weight_tokens, kv=args.weight_kv,
+                       balance_abs=args.balance_abs, balance_rel=args.balance_rel)
+    return RouterConfig(host=args.host, port=args.port, model=args.model, served_model_name=args.served_model_name,
+                        block_size=args.block_size, policy=args.policy, weights=w,
+                        pd_min_uncached=args.pd_min_uncached, pods=pods, discovery=args.discovery,
+                        k8s_namespace=args.namespace, k8s_selectors=selectors, k8s_port_name=args.port_name,
+                        kv_events_port=args.kv_events_port, kv_replay_port=args.kv_replay_port,
+                        health_interval=args.health_interval, connect_timeout=args.connect_timeout,
+                        read_timeout=args.read_timeout, max_retries=args.max_retries, log_level=args.log_level)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import os
+
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=os.environ.get("KVMESH_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s [router] %(name)s: %(message)s")
+    from kvmesh.services.router.app import serve
+
+    try:
+        return asyncio.run(serve(cfg))
+    except KeyboardInterrupt:
+        return 0

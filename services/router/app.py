@@ -1,0 +1,461 @@
+"""The router process: OpenAI-compatible HTTP in front of many pods.
+
+Request path (``/v1/completions``, ``/v1/chat/completions``):
+
+1. tokenize with the pods' tokenizer and hash the full blocks with the engine's
+   own `block_hashes_for` (model identity + ``cache_salt``);
+2. choose a decode-capable pod (``worker`` or ``decode`` role) by policy;
+3. P/D: when prefill pods exist and the chosen decode pod would still have to
+   compute at least ``pd_min_uncached`` tokens, prefill on a prefill pod first
+   (``max_tokens=1``, ``kv_transfer_params={"do_remote_decode": true}``), then
+   send the original request to the decode pod with the returned params.
+   Otherwise (selective P/D) go straight to the decode pod. Any prefill failure,
+   missing params, or a decode pod rejecting the params falls back to the
+   decode pod computing the prompt itself: slower, never a wrong token;
+4. forward, streaming bytes through untouched; a connect failure marks the pod
+   down (until its health check passes) and retries on another pod, which is
+   safe because nothing reached the client yet.
+
+The pod's reported ``usage.prompt_tokens_details.cached_tokens`` is compared
+with the prediction to measure index drift.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .config import PodSpec, RouterConfig
+from .events import EventHub
+from .index import PrefixIndex
+from .metrics import RouterMetrics
+from .policy import Decision, Pod, least_load, predicted_cached_tokens, round_robin, score_pods
+
+log = logging.getLogger("kvmesh.router")
+
+_SCRAPED = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+            "vllm:kv_cache_usage_perc": "kv_usage"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def error_json(status: int, message: str) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """Sum the scraped gauges over label sets (one pod may serve several model names)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = _SCRAPED.get(name)
+        if key is None:
+            continue
+        try:
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        except ValueError:
+            continue
+    return out
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, tokenizer=None) -> None:
+        from .tokens import RouterTokenizer
+
+        self.cfg = cfg
+        self.metrics = RouterMetrics()
+        self.tok = tokenizer or RouterTokenizer(cfg.model)
+        self.model = cfg.served_model_name or self.tok.model_name
+        self.ns = self.tok.identity  # index namespace: the model identity the hashes are salted with
+        self.index = PrefixIndex(cfg.pending_ttl, cfg.approx_capacity)
+        self.hub = EventHub(self.index, on_event=lambda pod, kind: self.metrics.kv_events.labels(pod, kind).inc())
+        self.pods: dict[str, Pod] = {}
+        self.client: httpx.AsyncClient | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._discovery = None
+        for spec in cfg.pods:
+            self.add_pod(spec)
+
+    # ---- membership ---------------------------------------------------------
+    def add_pod(self, spec: PodSpec) -> None:
+        if spec.url in self.pods:
+            return
+        self.pods[spec.url] = Pod(spec)
+        self.metrics.pod_healthy.labels(spec.url, spec.role).set(1)
+        if spec.events:
+            self.hub.add_pod(spec.url, self.ns, spec.events, spec.replay)
+        log.info("pod added: %s (%s, events %s)", spec.url, spec.role, spec.events or "none: approximate")
+
+    def remove_pod(self, url: str) -> None:
+        pod = self.pods.pop(url, None)
+        if pod is None:
+            return
+        if pod.spec.events:
+            self.hub.remove_pod(url)
+        self.index.clear_pod(url)
+        log.info("pod removed: %s", url)
+
+    def set_healthy(self, pod: Pod, ok: bool, why: str = "") -> None:
+        if pod.healthy and not ok:
+            log.warning("pod %s is down: %s", pod.url, why)
+            self.index.clear_pod(pod.url)  # a crashed pod comes back empty; under-predicting is safe
+        elif ok and not pod.healthy:
+            log.info("pod %s is healthy again", pod.url)
+        pod.healthy = ok
+        pod.last_error = why
+        self.metrics.pod_healthy.labels(pod.url, pod.spec.role).set(1 if ok else 0)
+
+    # ---- lifecycle ----------------------------------------------------------
+    async def start(self) -> None:
+        c = self.cfg
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=c.connect_timeout, read=c.read_timeout, write=30.0, pool=30.0),
+            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512))
+        await self.check_all()
+        self._tasks.append(asyncio.create_task(self._health_loop()))
+        if c.discovery == "k8s":
+            from .discovery import K8sDiscovery
+
+            self._discovery = K8sDiscovery(c, asyncio.get_running_loop(), self.add_pod, self.remove_pod)
+            self._discovery.start()
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self._discovery is not None:
+            self._discovery.stop()
+        if self.client is not None:
+            await self.client.aclose()
+        self.hub.close()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval)
+            try:
+                await self.check_all()
+            except Exception:  # never let the loop die
+                log.exception("health loop")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(p) for p in list(self.pods.values())))
+        self.index.expire()
+        for model, n in self.index.size().items():
+            self.metrics.index_blocks.labels(model if model != self.ns else self.model).set(n)
+        s = self.hub.stats
+        self.metrics.kv_gaps.set(s.gaps)
+        self.metrics.kv_replayed.set(s.replayed)
+        self.metrics.kv_resyncs.set(s.resyncs)
+
+    async def _check(self, pod: Pod) -> None:
+        assert self.client is not None
+        t = self.cfg.connect_timeout
+        try:
+            r = await self.client.get(pod.url + "/health", timeout=t)
+            ok = r.status_code == 200
+            self.set_healthy(pod, ok, "" if ok else f"/health returned {r.status_code}")
+            if ok:
+                m = await self.client.get(pod.url + "/metrics", timeout=t)
+                if m.status_code == 200:
+                    for k, v in parse_vllm_metrics(m.text).items():
+                        setattr(pod, k, v)
+        except httpx.HTTPError as e:
+            self.set_healthy(pod, False, f"{type(e).__name__}: {e}")
+
+    # ---- choosing -----------------------------------------------------------
+    def candidates(self, roles: tuple[str, ...], exclude: set[str] = frozenset()) -> list[Pod]:  # type: ignore[assignment]
+        return [p for p in self.pods.values() if p.spec.role in roles and p.healthy and p.url not in exclude]
+
+    def pick(self, pods: list[Pod], hashes: list[int], plen: int) -> Decision:
+        bs = self.cfg.block_size
+        if self.cfg.policy == "kv-aware":
+            hits = self.index.match(self.ns, hashes, [p.url for p in pods]) if hashes else {}
+            return score_pods(pods, hits, plen, bs, self.cfg.weights)
+        pod = round_robin(pods) if self.cfg.policy == "round-robin" else least_load(pods)
+        hb = self.index.match(self.ns, hashes, [pod.url])[pod.url] if hashes else 0
+        return Decision(pod, hb, predicted_cached_tokens(hb, plen, bs), self.cfg.policy.replace("-", "_"))
+
+    def _begin(self, d: Decision, hashes: list[int], plen: int) -> None:
+        p = d.pod
+        p.inflight_requests += 1
+        p.inflight_tokens += max(plen - d.hit_tokens, 0)
+        p.routed += 1
+        if hashes:
+            self.index.record_routed(p.url, self.ns, hashes)
+        self.metrics.decisions.labels(p.url, p.spec.role, d.reason).inc()
+        self.metrics.pod_inflight.labels(p.url).set(p.inflight_requests)
+
+    def _end(self, d: Decision, plen: int) -> None:
+        p = d.pod
+        p.inflight_requests -= 1
+        p.inflight_tokens -= max(plen - d.hit_tokens, 0)
+        self.metrics.pod_inflight.labels(p.url).set(p.inflight_requests)
+
+    async def send(self, roles: tuple[str, ...], path: str, body: dict, hashes: list[int], plen: int, phase: str,
+                   first: Decision | None = None, timeout: float | None = None) -> tuple[Decision, httpx.Response]:
+        """POST to a pod of ``roles`` (``first`` if given), retrying elsewhere on connect failure.
+
+        Returns the decision and the response with headers read, body still streaming. The caller
+        owns both: it must close the response and call `_end`.
+        """
+        assert self.client is not None
+        exclude: set[str] = set()
+        last = "no healthy pod"
+        for attempt in range(self.cfg.max_retries + 1):
+            if first is not None and attempt == 0 and first.pod.healthy:
+                d = first
+            else:
+                pods = self.candidates(roles, exclude)
+                if not pods:
+                    break
+                d = self.pick(pods, hashes, plen)
+            self._begin(d, hashes, plen)
+            t0 = time.monotonic()
+            try:
+                req = self.client.build_request("POST", d.pod.url + path, json=body,
+                                                timeout=None if timeout is None else httpx.Timeout(
+                                                    connect=self.cfg.connect_timeout, read=timeout,
+                                                    write=30.0, pool=30.0))
+                resp = await self.client.send(req, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as e:
+                # nothing reached the client: safe to try another pod; this one stays out until healthy
+                self._end(d, plen)
+                self.set_healthy(d.pod, False, f"{type(e).__name__}: {e}")
+                d.pod.failures += 1
+                exclude.add(d.pod.url)
+                self.metrics.retries.labels(type(e).__name__).inc()
+                last = f"{d.pod.url}: {type(e).__name__}: {e}"
+                continue
+            except httpx.TimeoutException as e:
+                self._end(d, plen)
+                raise APIError(504, f"upstream {d.pod.url} timed out: {type(e).__name__}") from e
+            except BaseException:
+                self._end(d, plen)
+                raise
+            self.metrics.upstream_latency.labels(phase).observe(time.monotonic() - t0)
+            return d, resp
+        raise APIError(503, f"no pod could take the request ({last})")
+
+    def observe_usage(self, d: Decision, usage: Any) -> None:
+        try:
+            cached = usage.get("prompt_tokens_details", {}).get("cached_tokens")
+        except AttributeError:
+            return
+        if not isinstance(cached, int):
+            return
+        self.metrics.reported_hit.inc(cached)
+        self.metrics.drift.observe(abs(d.hit_tokens - cached))
+        self.metrics.drift_signed.inc(d.hit_tokens - cached)
+
+    # ---- the request path ---------------------------------------------------
+    async def handle(self, path: str, body: dict) -> Response:
+        ids = self.tok.prompt_ids(path, body)
+        plen = len(ids) if ids else 0
+        hashes = self.tok.block_hashes(ids, self.cfg.block_size, body.get("cache_salt")) if ids else []
+        self.metrics.prompt_tokens.inc(plen)
+        stream = bool(body.get("stream"))
+        decode_roles = ("worker", "decode")
+        pods = self.candidates(decode_roles)
+        if not pods:
+            raise APIError(503, "no healthy decode or worker pod")
+        dd = self.pick(pods, hashes, plen)
+        self.metrics.predicted_hit.inc(dd.hit_tokens)
+        params = None
+        pd_path = None
+        if self.candidates(("prefill",)) and dd.pod.spec.role == "decode":
+            single = body.get("n", 1) in (None, 1) and ids is not None and not (
+                isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int))
+            if body.get("kv_transfer_params") is not None:
+                pd_path = "client_params"
+            elif not single:
+                pd_path = "decode_only_unsupported"
+            elif plen - dd.hit_tokens < self.cfg.pd_min_uncached:
+                pd_path = "decode_only"
+            else:
+                params, pd_path = await self.prefill(path, body, hashes, plen)
+            self.metrics.pd.labels(pd_path).inc()
+        dbody = body if params is None else {**body, "kv_transfer_params": params}
+        d, resp = await self.send(decode_roles, path, dbody, hashes, plen, "decode" if pd_path else "worker", dd)
+        if params is not None and resp.status_code >= 400:
+            # the decode pod refused the transfer (bad/expired params): recompute there, never guess
+            await resp.aclose()
+            self._end(d, plen)
+            self.metrics.pd.labels("fallback_decode_rejected").inc()
+            d, resp = await self.send(decode_roles, path, body, hashes, plen, "decode", d)
+        measure = pd_path in (None, "decode_only")
+        return await self.relay(d, resp, plen, stream, "decode" if pd_path else "worker", measure)
+
+    async def prefill(self, path: str, body: dict, hashes: list[int], plen: int) -> tuple[dict | None, str]:
+        pbody = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        pbody.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        if "max_completion_tokens" in pbody:
+            pbody["max_completion_tokens"] = 1
+        t0 = time.monotonic()
+        try:
+            d, resp = await self.send(("prefill",), path, pbody, hashes, plen, "prefill",
+                                      timeout=self.cfg.prefill_timeout)
+        except APIError as e:
+            log.warning("prefill failed, decode recomputes: %s", e.message)
+            return None, "fallback_prefill_unavailable"
+        try:
+            content = await resp.aread()
+        except httpx.HTTPError as e:
+            log.warning("prefill failed, decode recomputes: %s", e)
+            return None, "fallback_prefill_error"
+        finally:
+            await resp.aclose()
+            self._end(d, plen)
+            self.metrics.upstream_total.labels("prefill").observe(time.monotonic() - t0)
+        if resp.status_code != 200:
+            log.warning("prefill %s returned %d, decode recomputes", d.pod.url, resp.status_code)
+            return None, "fallback_prefill_status"
+        try:
+            params = json.loads(content).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        if not isinstance(params, dict):
+            return None, "fallback_no_params"
+        return params, "prefill_decode"
+
+    async def relay(self, d: Decision, resp: httpx.Response, plen: int, stream: bool, phase: str,
+                    measure: bool) -> Response:
+        t0 = time.monotonic()
+        headers = {k: v for k, v in resp.headers.items() if k.lower() in ("retry-after",)}
+        headers["x-kvmesh-pod"] = d.pod.url
+        ctype = resp.headers.get("content-type", "application/json")
+        if not stream or resp.status_code != 200 or not ctype.startswith("text/event-stream"):
+            try:
+                content = await resp.aread()
+            finally:
+                await resp.aclose()
+                self._end(d, plen)
+                self.metrics.upstream_total.labels(phase).observe(time.monotonic() - t0)
+            if measure and resp.status_code == 200:
+                try:
+                    self.observe_usage(d, json.loads(content).get("usage") or {})
+                except ValueError:
+                    pass
+            return Response(content, status_code=resp.status_code, media_type=ctype, headers=headers)
+
+        async def body() -> AsyncIterator[bytes]:
+            tail = b""
+            try:
+                async for chunk in resp.aiter_raw():
+                    if measure and b"cached_tokens" in chunk or tail:
+                        tail = (tail + chunk)[-65536:]
+                    yield chunk
+            finally:
+                await resp.aclose()
+                self._end(d, plen)
+                self.metrics.upstream_total.labels(phase).observe(time.monotonic() - t0)
+                if measure and tail:
+                    self._usage_from_sse(d, tail)
+
+        return StreamingResponse(body(), status_code=200, media_type=ctype, headers=headers)
+
+    def _usage_from_sse(self, d: Decision, tail: bytes) -> None:
+        for line in tail.split(b"\n"):
+            if line.startswith(b"data: {") and b"cached_tokens" in line:
+                try:
+                    self.observe_usage(d, json.loads(line[6:]).get("usage") or {})
+                except ValueError:
+                    pass
+                return
+
+
+def build_app(router: Router) -> FastAPI:
+    app = FastAPI(title="kvmesh router")
+
+    async def _proxy(path: str, request: Request) -> Response:
+        status = 500
+        try:
+            try:
+                body = await request.json()
+            except ValueError:
+                raise APIError(400, "request body is not JSON")
+            if not isinstance(body, dict):
+                raise APIError(400, "request body must be a JSON object")
+            resp = await router.handle(path, body)
+            status = resp.status_code
+            return resp
+        except APIError as e:
+            status = e.status
+            return error_json(e.status, e.message)
+        finally:
+            router.metrics.requests.labels(path, str(status)).inc()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _proxy("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _proxy("/v1/chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models():
+        assert router.client is not None
+        for pod in router.candidates(("worker", "decode")):
+            try:
+                r = await router.client.get(pod.url + "/v1/models", timeout=router.cfg.connect_timeout)
+                if r.status_code == 200:
+                    return Response(r.content, media_type="application/json")
+            except httpx.HTTPError:
+                continue
+        return {"object": "list", "data": [{"id": router.model, "object": "model", "created": int(time.time()),
+                                            "owned_by": "kvmesh"}]}
+
+    @app.get("/health")
+    async def health():
+        if router.candidates(("worker", "decode")):
+            return Response(status_code=200)
+        return error_json(503, "no healthy decode or worker pod")
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/pods")
+    async def pods():
+        """Debug view: each pod's state as the router sees it."""
+        return {"pods": [{"url": p.url, "role": p.spec.role, "healthy": p.healthy, "running": p.running,
+                          "waiting": p.waiting, "kv_usage": p.kv_usage, "inflight_requests": p.inflight_requests,
+                          "inflight_tokens": p.inflight_tokens, "routed": p.routed, "failures": p.failures,
+                          "exact": router.index.is_exact(p.url), "indexed_blocks": router.index.pod_blocks(p.url),
+                          "event_seq": router.hub.pod_seq(p.url), "last_error": p.last_error}
+                         for p in router.pods.values()],
+                "index": router.index.size(), "events": {
+                    "batches": router.hub.stats.batches, "gaps": router.hub.stats.gaps,
+                    "replayed": router.hub.stats.replayed, "resyncs": router.hub.stats.resyncs,
+                    "restarts": router.hub.stats.restarts}}
+
+    return app
+
+
+async def serve(cfg: RouterConfig, ready: "asyncio.Event | None" = None) -> int:
+    import uvicorn
+
+    router = Router(cfg)
+    await router.start()
+    app = build_app(router)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                                           lifespan="off", timeout_graceful_shutdown=5))
+    log.info("router on http://%s:%d, policy %s, %d pods", cfg.host, cfg.port, cfg.policy, len(router.pods))
+    try:
+        await server.serve()
+    finally:
+        await router.close()
+    return 0

@@ -1,0 +1,96 @@
+"""Frozen router configuration (one object, built from the CLI or by tests)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("kv-aware", "round-robin", "least-load")
+
+
+@dataclass(frozen=True)
+class ScoringWeights:
+    """How a candidate pod is scored (higher wins); see `policy.score_pods`.
+
+    ``hit``: weight of the fraction of the prompt the pod already holds.
+    ``load``: weight of the pod's request load relative to the mean load.
+    ``tokens``: weight of the uncached prompt tokens in flight to the pod relative to the mean.
+    ``kv``: weight of the pod's KV usage (0..1), so a nearly full pod (which would evict) is avoided.
+    ``balance_abs`` / ``balance_rel``: a pod whose load exceeds ``balance_rel * mean + balance_abs``
+    is not eligible while another pod is; this bounds how far a hot prefix can pile up.
+    """
+
+    hit: float = 1.0
+    load: float = 0.5
+    tokens: float = 0.3
+    kv: float = 0.2
+    balance_abs: float = 2.0
+    balance_rel: float = 1.25
+
+
+@dataclass(frozen=True)
+class PodSpec:
+    url: str  # http://host:port
+    role: str = "worker"  # worker | prefill | decode
+    events: str | None = None  # ZMQ PUB endpoint of the pod's KV events (None: approximate mode)
+    replay: str | None = None  # ZMQ ROUTER replay endpoint
+
+    def __post_init__(self) -> None:
+        if self.role not in ("worker", "prefill", "decode"):
+            raise ValueError(f"pod role must be worker|prefill|decode, got {self.role!r}")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"pod url must start with http:// or https://, got {self.url!r}")
+
+
+def parse_pod_spec(text: str, role: str, events_port: int | None = None,
+                   replay_port: int | None = None) -> PodSpec:
+    """``URL[,events=tcp://...][,replay=tcp://...]``; without ``events=``, ``--kv-events-port`` gives tcp://HOST:PORT."""
+    parts = text.split(",")
+    url = parts[0].rstrip("/")
+    opts = {}
+    for p in parts[1:]:
+        if "=" not in p:
+            raise ValueError(f"bad pod option {p!r} in {text!r} (want key=value)")
+        k, v = p.split("=", 1)
+        if k not in ("events", "replay"):
+            raise ValueError(f"unknown pod option {k!r} in {text!r}")
+        opts[k] = v
+    host = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[0]
+    events = opts.get("events") or (f"tcp://{host}:{events_port}" if events_port else None)
+    replay = opts.get("replay") or (f"tcp://{host}:{replay_port}" if replay_port else None)
+    return PodSpec(url, role, events, replay)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "0.0.0.0"
+    port: int = 8080
+    model: str | None = None  # engine model path (tokenizer + identity); None: the embedded model
+    served_model_name: str | None = None  # name in /v1/models (default: the model's name)
+    block_size: int = 16  # must equal the pods' --block-size
+    policy: str = "kv-aware"
+    weights: ScoringWeights = field(default_factory=ScoringWeights)
+    pd_min_uncached: int = 256  # selective P/D: below this many uncached tokens on decode, skip prefill
+    pods: tuple[PodSpec, ...] = ()
+    discovery: str = "static"  # static | k8s
+    k8s_namespace: str = "default"
+    k8s_selectors: tuple[tuple[str, str], ...] = ()  # (role, label selector)
+    k8s_port_name: str = "http"
+    kv_events_port: int | None = None  # for discovered pods
+    kv_replay_port: int | None = None
+    health_interval: float = 2.0  # seconds between health checks / metrics scrapes
+    connect_timeout: float = 2.0
+    read_timeout: float = 600.0  # max gap between bytes from an upstream
+    prefill_timeout: float = 300.0
+    max_retries: int = 2  # other pods tried after a connect failure
+    pending_ttl: float = 30.0  # predicted index entries for event-publishing pods
+    approx_capacity: int = 1 << 20  # predicted blocks kept per pod without events
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.discovery not in ("static", "k8s"):
+            raise ValueError("discovery must be static or k8s")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.max_retries < 0:
+            raise ValueError("max_retries must be >= 0")

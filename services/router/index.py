@@ -1,0 +1,159 @@
+"""Global prefix index: which pod holds which block, per model.
+
+Two sources feed it:
+
+* **exact**: KV events from each pod (`events.EventSubscriber` applies
+  BlockStored / BlockRemoved / AllBlocksCleared);
+* **predicted**: the router's own routing decisions. A request routed to pod P
+  will leave its prompt blocks on P once prefilled, long before the events
+  arrive. Recording them right away is what stops a burst of requests with
+  the same new prefix from all seeing "nobody has it" and spraying, and what
+  lets the next turn of a conversation follow the first. For pods that
+  publish events these entries expire after ``pending_ttl`` seconds (the events
+  take over); for pods with no event stream (approximate mode) they are the
+  only source and live in a per-pod LRU of ``approx_capacity`` blocks.
+
+Lookup answers, for each pod, the number of consecutive blocks from the start
+of the request that the pod holds: the chain means the first miss ends the
+usable prefix, as in the engine's `find_longest_cache_hit`.
+
+All methods are thread-safe (event threads write, the HTTP loop reads).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+
+class PrefixIndex:
+    def __init__(self, pending_ttl: float = 10.0, approx_capacity: int = 1 << 20) -> None:
+        self.pending_ttl = pending_ttl
+        self.approx_capacity = approx_capacity
+        self._lock = threading.Lock()
+        # model -> block hash -> set of pods (exact, from events)
+        self._exact: dict[str, dict[int, set[str]]] = {}
+        # pod -> set of (model, hash) it holds (exact), for AllBlocksCleared / pod removal
+        self._by_pod: dict[str, set[tuple[str, int]]] = {}
+        # pod -> OrderedDict[(model, hash)] -> expiry (monotonic; inf for approximate pods)
+        self._predicted: dict[str, OrderedDict[tuple[str, int], float]] = {}
+        self._event_pods: set[str] = set()  # pods whose events we receive (exact mode)
+
+    # ---- exact (events) -----------------------------------------------------
+    def mark_exact(self, pod: str, exact: bool = True) -> None:
+        with self._lock:
+            if exact:
+                self._event_pods.add(pod)
+            else:
+                self._event_pods.discard(pod)
+
+    def is_exact(self, pod: str) -> bool:
+        return pod in self._event_pods
+
+    def stored(self, pod: str, model: str, hashes: Iterable[int]) -> None:
+        with self._lock:
+            m = self._exact.setdefault(model, {})
+            mine = self._by_pod.setdefault(pod, set())
+            pred = self._predicted.get(pod)
+            for h in hashes:
+                m.setdefault(h, set()).add(pod)
+                mine.add((model, h))
+                if pred is not None:
+                    pred.pop((model, h), None)  # confirmed: the event entry takes over
+
+    def removed(self, pod: str, model: str, hashes: Iterable[int]) -> None:
+        with self._lock:
+            m = self._exact.get(model, {})
+            mine = self._by_pod.get(pod, set())
+            pred = self._predicted.get(pod)
+            for h in hashes:
+                pods = m.get(h)
+                if pods is not None:
+                    pods.discard(pod)
+                    if not pods:
+                        del m[h]
+                mine.discard((model, h))
+                if pred is not None:
+                    pred.pop((model, h), None)
+
+    def clear_pod(self, pod: str) -> None:
+        """Forget everything about ``pod`` (AllBlocksCleared, restart, resync, removal)."""
+        with self._lock:
+            for model, h in self._by_pod.pop(pod, set()):
+                pods = self._exact.get(model, {}).get(h)
+                if pods is not None:
+                    pods.discard(pod)
+                    if not pods:
+                        del self._exact[model][h]
+            self._predicted.pop(pod, None)
+
+    # ---- predicted (routing history) ----------------------------------------
+    def record_routed(self, pod: str, model: str, hashes: Sequence[int]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            exp = now + self.pending_ttl if pod in self._event_pods else float("inf")
+            pred = self._predicted.setdefault(pod, OrderedDict())
+            exact = self._exact.get(model, {})
+            for h in hashes:
+                if pod in exact.get(h, ()):
+                    continue
+                key = (model, h)
+                pred[key] = exp
+                pred.move_to_end(key)
+            while len(pred) > self.approx_capacity:
+                pred.popitem(last=False)
+
+    # ---- lookup -------------------------------------------------------------
+    def match(self, model: str, hashes: Sequence[int], pods: Iterable[str]) -> dict[str, int]:
+        """Consecutive leading blocks of ``hashes`` held by each pod (exact or predicted)."""
+        now = time.monotonic()
+        out: dict[str, int] = {}
+        with self._lock:
+            exact = self._exact.get(model, {})
+            for pod in pods:
+                pred = self._predicted.get(pod)
+                n = 0
+                for h in hashes:
+                    if pod in exact.get(h, ()):
+                        n += 1
+                        continue
+                    if pred is not None:
+                        exp = pred.get((model, h))
+                        if exp is not None and exp > now:
+                            pred.move_to_end((model, h))
+                            n += 1
+                            continue
+                    break
+                out[pod] = n
+        return out
+
+    def match_exact(self, model: str, hashes: Sequence[int], pod: str) -> int:
+        with self._lock:
+            exact = self._exact.get(model, {})
+            n = 0
+            for h in hashes:
+                if pod not in exact.get(h, ()):
+                    break
+                n += 1
+            return n
+
+    def size(self) -> dict[str, int]:
+        """Block entries per model (exact), plus predicted entries under the key ``"predicted"``."""
+        with self._lock:
+            out = {m: len(v) for m, v in self._exact.items()}
+            out["predicted"] = sum(len(p) for p in self._predicted.values())
+            return out
+
+    def pod_blocks(self, pod: str) -> int:
+        with self._lock:
+            return len(self._by_pod.get(pod, ()))
+
+    def expire(self) -> None:
+        """Drop expired predicted entries (called periodically)."""
+        now = time.monotonic()
+        with self._lock:
+            for pred in self._predicted.values():
+                dead = [k for k, e in pred.items() if e <= now]
+                for k in dead:
+                    del pred[k]

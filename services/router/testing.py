@@ -1,0 +1,150 @@
+"""Test helpers: run a router or a fake pod in-process on a loopback port (tests, bench).
+
+A `FakePod` is a minimal OpenAI-style server whose "cache" is driven by the
+test: it answers after ``delay`` seconds, counts what it saw, returns
+``kv_transfer_params`` to prefill requests, and can publish KV events with the
+real `KVEventPublisher`. It exists so routing logic can be tested over real
+HTTP and ZMQ without paying for model forwards.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadServer:
+    """uvicorn on a daemon thread; `stop` shuts it down."""
+
+    def __init__(self, app, port: int | None = None, on_start=None, on_stop=None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error",
+                                                    lifespan="off"))
+        self.on_start, self.on_stop = on_start, on_stop
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        async def main():
+            if self.on_start:
+                await self.on_start()
+            try:
+                await self.server.serve()
+            finally:
+                if self.on_stop:
+                    await self.on_stop()
+        asyncio.run(main())
+
+    def start(self) -> "ThreadServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+class FakePod:
+    def __init__(self, delay: float = 0.0, cached_tokens: int = 0) -> None:
+        self.delay = delay
+        self.cached_tokens = cached_tokens
+        self.bodies: list[dict] = []
+        self.inflight = 0
+        self.max_inflight = 0
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return Response(status_code=200)
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(f"vllm:num_requests_running{{model_name=\"m\"}} {float(self.inflight)}\n"
+                            f"vllm:num_requests_waiting{{model_name=\"m\"}} 0.0\n"
+                            f"vllm:kv_cache_usage_perc{{model_name=\"m\"}} 0.1\n")
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+        async def gen(request: Request):
+            body = await request.json()
+            self.bodies.append(body)
+            self.inflight += 1
+            self.max_inflight = max(self.max_inflight, self.inflight)
+            try:
+                await asyncio.sleep(self.delay)
+            finally:
+                self.inflight -= 1
+            usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
+                     "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+            out = {"id": "x", "object": "text_completion", "model": "m",
+                   "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}], "usage": usage}
+            ktp = body.get("kv_transfer_params") or {}
+            if ktp.get("do_remote_decode"):
+                out["kv_transfer_params"] = {"do_remote_prefill": True, "remote_engine_id": "fake",
+                                             "remote_block_ids": [1, 2]}
+            if body.get("stream"):
+                async def sse():
+                    for t in ("o", "k"):
+                        yield "data: " + json.dumps({"choices": [{"index": 0, "text": t}]}) + "\n\n"
+                    yield "data: [DONE]\n\n"
+                return StreamingResponse(sse(), media_type="text/event-stream")
+            return JSONResponse(out)
+
+        app.post("/v1/completions")(gen)
+        app.post("/v1/chat/completions")(gen)
+        self.app = app
+        self.server = ThreadServer(app)
+        self.url = self.server.url
+
+    def start(self) -> "FakePod":
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+class IdTokenizer:
+    """Prompts are lists of token ids already (or whitespace-separated ints): no model needed."""
+
+    identity = "fake-model"
+    model_name = "m"
+
+    def prompt_ids(self, path, body):
+        p = body.get("prompt")
+        if isinstance(p, list) and p and isinstance(p[0], int):
+            return list(p)
+        if isinstance(p, str):
+            return [int(x) for x in p.split()]
+        return None
+
+    def block_hashes(self, ids, block_size, cache_salt):
+        from kvmesh.engine.hashing import block_hashes_for, external_hash
+
+        return [external_hash(h) for h in block_hashes_for(ids, block_size, self.identity, cache_salt)]
+
+
+def start_router(cfg, tokenizer=None):
+    """Run a `Router` + app on a thread; returns (ThreadServer, Router)."""
+    from .app import Router, build_app
+
+    router = Router(cfg, tokenizer=tokenizer)
+    srv = ThreadServer(build_app(router), port=cfg.port or None, on_start=router.start, on_stop=router.close)
+    return srv.start(), router
