@@ -123,7 +123,8 @@ class Kube:
 
     def list_inference_services(self) -> list[dict]:
         """All InferenceServices the operator may see (cluster-wide list, filtered by caller)."""
-        out = self._call("GET", f"/apis/{INFERENCE_SERVICES.api_version}/{INFERENCE_SERVICES.plural}")
+        k = INFERENCE_SERVICES
+        out = self._call("GET", f"/apis/{k.api_version}/{k.plural}")
         return list(out.get("items") or [])
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> None:

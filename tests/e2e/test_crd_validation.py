@@ -29,7 +29,8 @@ CASES = {
                        "autoscaling.decode.minReplicas must be <= maxReplicas"),
     "cel-redis-only-with-redis": ({"kvConnector": {"type": "nixl",
                                                    "redis": {"url": "redis://r:6379"}}},
-                                  "kvConnector.redis is only allowed when kvConnector.type is redis"),
+                                  "kvConnector.redis is only allowed when kvConnector.type "
+                                  "is redis"),
     "cel-redis-needs-settings": ({"kvConnector": {"type": "redis"}},
                                  "kvConnector.type redis needs kvConnector.redis"),
     "cel-redis-url-xor-managed": ({"kvConnector": {"type": "redis", "redis": {

@@ -61,7 +61,8 @@ def test_example_reaches_ready(name: str, chart: Cluster, operator, ns: str) -> 
         assert managers == {"kvmesh-operator"}, managers
         for section in ("spec", "data", "rules", "roleRef", "subjects"):
             if section in want:
-                miss = subset_mismatch(want[section], live.get(section), f"{kind}/{cname}.{section}")
+                miss = subset_mismatch(want[section], live.get(section),
+                                       f"{kind}/{cname}.{section}")
                 assert miss is None, miss
 
     # Pods: scheduled on the kwok GPU nodes and Running, as many as the replica counts say.

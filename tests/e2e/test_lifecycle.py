@@ -178,3 +178,18 @@ def test_operator_restart_mid_reconcile_converges(chart: Cluster, operator: Oper
     # One ReplicaSet per Deployment (no spurious rollouts), and exactly the desired pods.
     assert len(got["ReplicaSet"]) == 3, got["ReplicaSet"]
     assert len(got["Pod"]) == 5, got["Pod"]
+
+
+def test_delete_works_while_the_operator_is_down(chart: Cluster, operator: Operator,
+                                                 ns: str) -> None:
+    """No kopf finalizer on InferenceServices: deleting one never waits for the operator."""
+    chart.apply(EXAMPLES["minimal"].read_text(), ns)
+    obj = wait_ready(chart, "tiny", ns)
+    assert not obj["metadata"].get("finalizers")
+    operator.stop()
+    try:
+        chart.kubectl("delete", "inferenceservice", "tiny", "-n", ns, "--wait=true",
+                      "--timeout=120s")
+        wait_for("garbage collection", lambda: children(chart, ns, "tiny") == [], timeout=180)
+    finally:
+        operator.start()
