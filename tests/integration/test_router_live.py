@@ -1,0 +1,121 @@
+"""The router in front of two real `kvmesh serve` pods publishing KV events.
+
+Events -> index -> decision end to end: a request sharing a long prefix goes
+to the pod that served the first; after that pod evicts the blocks (small
+pool), the index forgets them; streaming passes through to the official
+`openai` client unchanged; a killed pod is taken out and no request fails.
+"""
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ENV = {"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING"}
+BS = 16
+
+
+def wait_for(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from kvmesh.services.api.testing import ServerProcess
+    from kvmesh.services.router.config import PodSpec, RouterConfig
+    from kvmesh.services.router.testing import free_port, start_router
+
+    d = tmp_path_factory.mktemp("router")
+    pods, specs = [], []
+    for i in range(2):
+        ev, rep = f"ipc://{d}/ev{i}", f"ipc://{d}/rep{i}"
+        srv = ServerProcess(["--max-model-len", "512", "--num-kv-blocks", "64", "--block-size", str(BS),
+                             "--kv-events-endpoint", ev, "--kv-events-replay-endpoint", rep,
+                             "--engine-id", f"pod{i}", "--stats-interval", "0.1"],
+                            env=ENV, log_path=str(d / f"pod{i}.log"))
+        pods.append(srv)
+        specs.append(PodSpec(srv.base_url, "worker", ev, rep))
+    try:
+        for p in pods:
+            p.proc = None
+        for p in pods:  # start both, then wait (they load in parallel)
+            p.start()
+        cfg = RouterConfig(port=free_port(), block_size=BS, pods=tuple(specs), health_interval=0.5)
+        srv, router = start_router(cfg)
+        yield srv, router, pods
+        srv.stop()
+    finally:
+        for p in pods:
+            p.stop()
+
+
+def doc(i: int, words: int = 60) -> str:
+    return f"Document {i}. " + " ".join(f"w{i}x{j}" for j in range(words))
+
+
+def complete(url, prompt, **kw):
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0, **kw},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_prefix_follows_then_eviction_forgets(cluster):
+    srv, router, pods = cluster
+    base = doc(1)
+    r1 = complete(srv.url, base)
+    first = r1.headers["x-kvmesh-pod"]
+    ids = router.tok.prompt_ids("/v1/completions", {"prompt": base})
+    h = router.tok.block_hashes(ids, BS, None)
+    assert len(h) >= 8
+    assert wait_for(lambda: router.index.match_exact(router.ns, h, first) == len(h))  # exact, from events
+    other = next(p.base_url for p in pods if p.base_url != first)
+    assert router.index.match_exact(router.ns, h, other) == 0
+    for _ in range(3):  # same prefix, new suffixes: all follow the first pod
+        r = complete(srv.url, base + " and then some more words")
+        assert r.headers["x-kvmesh-pod"] == first
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= (len(h) - 1) * BS
+    m = httpx.get(srv.url + "/metrics").text
+    assert "kvmesh:router_reported_cached_tokens_total" in m
+    # evict: fill the first pod's 64-block pool with other documents, sent to it directly
+    for i in range(2, 8):
+        complete(first, doc(i))
+    assert wait_for(lambda: router.index.match_exact(router.ns, h, first) < len(h))
+    assert router.index.match_exact(router.ns, h, first) == 0
+
+
+def test_streaming_passthrough_openai_client(cluster):
+    from openai import OpenAI
+
+    srv, router, pods = cluster
+    client = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    prompt = "The capital of France is"
+    direct = OpenAI(base_url=pods[0].base_url + "/v1", api_key="none").completions.create(
+        model=client.models.list().data[0].id, prompt=prompt, max_tokens=6, temperature=0)
+    chunks = list(client.completions.create(model=direct.model, prompt=prompt, max_tokens=6, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == direct.choices[0].text
+    chat = client.chat.completions.create(model=direct.model, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0, stream=True,
+                                          stream_options={"include_usage": True})
+    parts = list(chat)
+    assert parts[-1].usage is not None and parts[-1].usage.prompt_tokens > 0
+
+
+def test_killed_pod_taken_out(cluster):
+    srv, router, pods = cluster
+    victim = pods[1]
+    victim.stop()
+    for i in range(6):
+        r = complete(srv.url, doc(100 + i, 10))
+        assert r.headers["x-kvmesh-pod"] == pods[0].base_url
+    assert router.pods[victim.base_url].healthy is False
+    assert httpx.get(srv.url + "/health").status_code == 200
