@@ -2,10 +2,33 @@
 
 It owns the KV tensor ``[num_blocks, num_layers, 2, block_size, Hkv, D]`` (block
 first, so a block of all layers is one contiguous range for the connectors).
+
+One code path builds the inputs on both devices: numpy over per-request scalars
+(no per-token Python), written into one int32 buffer. On the CPU the model reads
+that buffer directly. On a GPU the buffer is pinned host memory and reaches the
+device in ONE host-to-device copy per step; the two staging buffers alternate and
+each is fenced by an event, so the host never overwrites inputs the device has not
+read yet (a chunked-prefill step returns without any sync).
+
+GPU only:
+
+* the KV pool is sized from free device memory after a profiling forward pass of
+  ``max_num_batched_tokens`` tokens (the activation peak), minus a reserve for the
+  CUDA graphs and the sampler's logits;
+* pure decode steps (one token per sequence, at most the largest graph size) replay a
+  CUDA graph captured for the next padded batch size in ``GRAPH_SIZES``; the graphs
+  read static buffers at fixed offsets (padding tokens have slot -1, padding
+  sequences have no query tokens and length 0, so every kernel skips them) and the
+  attention launch is fixed at capture for ``max_model_len`` (split-KV only where
+  the batch is too small to fill the SMs). Prefill and mixed steps run eagerly.
+  ``KVMESH_ENFORCE_EAGER=1`` turns graphs off (debugging, comparisons).
 """
 from __future__ import annotations
 
+import itertools
+import logging
 import os
+import time
 
 import numpy as np
 import torch
@@ -16,8 +39,13 @@ from .config import EngineConfig
 from .models.llama import AttentionMetadata, LlamaForCausalLM
 from .scheduler import SchedulerOutput
 
+log = logging.getLogger("kvmesh.engine")
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# Padded decode batch sizes that get a CUDA graph (capped at max_num_seqs).
+GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -32,14 +60,18 @@ def kv_bytes_per_block(config: EngineConfig) -> int:
     return m.num_layers * 2 * config.cache.block_size * m.num_kv_heads * m.head_dim * torch_dtype(config.dtype).itemsize
 
 
-def num_blocks_for(config: EngineConfig, weight_bytes: int = 0) -> int:
-    """Pool size: explicit, else a memory budget (CPU) or a share of free device memory (GPU)."""
+def num_blocks_for(config: EngineConfig, weight_bytes: int = 0, reserve_bytes: int = 0) -> int:
+    """Pool size: explicit, else a memory budget (CPU) or a share of free device memory (GPU).
+
+    On a GPU, ``reserve_bytes`` is what the step still needs beyond what is allocated
+    now (activation peak, graphs, logits); weights are already on the device, so the
+    free memory reported by the driver has them subtracted."""
     if config.cache.num_kv_blocks is not None:
         return config.cache.num_kv_blocks
     per_block = kv_bytes_per_block(config)
     if config.device.startswith("cuda"):
         free, total = torch.cuda.mem_get_info(torch.device(config.device))
-        budget = int(total * config.cache.gpu_memory_utilization) - (total - free) - (1 << 30)
+        budget = int(total * config.cache.gpu_memory_utilization) - (total - free) - reserve_bytes - (1 << 30)
     else:
         budget = int(config.cache.kv_cache_memory_gb * (1 << 30))
     n = budget // per_block
@@ -55,70 +87,267 @@ def configure_cpu_threads() -> None:
         torch.set_num_threads(max(1, int(n)))
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Staging:
+    """Host int32 buffer(s) for one step's inputs and, on a GPU, their device twin.
+
+    CPU: one plain numpy buffer that the model reads in place. GPU: two pinned
+    buffers used in turn; ``upload`` issues the step's single H2D copy and records an
+    event that the next ``acquire`` of the same buffer waits on."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._alloc(n)
+
+    def _alloc(self, n: int) -> None:
+        self.n = n
+        if self.cuda:
+            self.host = [torch.zeros(n, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+            self.events: list[torch.cuda.Event | None] = [None, None]
+        else:
+            self.host = [torch.zeros(n, dtype=torch.int32)]
+        self.np = [h.numpy() for h in self.host]
+        self.i = 0
+
+    def acquire(self, n: int) -> np.ndarray:
+        if n > self.n:  # rare (forks past max_num_seqs, long block tables): grow, after the device is done
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            self._alloc(max(n, 2 * self.n))
+        if self.cuda:
+            self.i ^= 1
+            ev = self.events[self.i]
+            if ev is not None:
+                ev.synchronize()
+        return self.np[self.i]
+
+    def upload(self, dst: torch.Tensor | None, n: int) -> torch.Tensor:
+        """The step's inputs as a tensor on the model's device (``dst[:n]`` on a GPU)."""
+        if not self.cuda:
+            return self.host[self.i][:n]
+        dst[:n].copy_(self.host[self.i][:n], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self.events[self.i] = ev
+        return dst[:n]
+
+
+class _StepPlan:
+    """Host-side arrays of one step, built with numpy from per-request scalars."""
+
+    __slots__ = ("B", "T", "ids", "pos", "slots", "qsl", "seq_lens", "bt", "rows", "logits_idx",
+                 "max_query_len", "max_seq_len")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, state_dict: dict[str, torch.Tensor]) -> None:
         self.config = config
         if config.device == "cpu":
             configure_cpu_threads()
         self.device = torch.device(config.device)
+        self.cuda = self.device.type == "cuda"
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.cache.block_size
-        self.model = LlamaForCausalLM(config.model, state_dict, self.dtype, self.device,
-                                      max_positions=max(config.scheduler.max_model_len, 1))
-        self.num_blocks = num_blocks_for(config)
+        self.max_model_len = max(config.scheduler.max_model_len, 1)
+        self.max_blocks_per_seq = _cdiv(self.max_model_len, self.block_size)
         m = config.model
+        self.model = LlamaForCausalLM(config.model, state_dict, self.dtype, self.device,
+                                      max_positions=self.max_model_len)
+        self.sched_cfg = config.scheduler
+        n_stage = self._eager_layout_size(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                                          self.max_blocks_per_seq)
+        self.staging = _Staging(n_stage, self.device)
+        self.eager_buf = torch.zeros(n_stage, dtype=torch.int32, device=self.device) if self.cuda else None
+        reserve = 0
+        if self.cuda:
+            reserve = self._profile_reserve()
+        self.num_blocks = num_blocks_for(config, reserve_bytes=reserve)
         self.kv_cache = torch.zeros(
             (self.num_blocks, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim),
             dtype=self.dtype, device=self.device,
         )
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_sizes: list[int] = []
+        self.graph_capture_s = 0.0
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
+        if self.cuda and os.environ.get("KVMESH_ENFORCE_EAGER", "0") in ("", "0"):
+            self._capture_graphs()
 
+    # ---- memory ---------------------------------------------------------------------------
+    def _profile_reserve(self) -> int:
+        """Run the largest eager step once on a scratch cache; return the bytes a step needs on top
+        of what is allocated now (activation peak, graph pool estimate, sampler logits)."""
+        cfg, sc = self.config.model, self.sched_cfg
+        T = max(1, min(sc.max_num_batched_tokens, self.max_model_len))
+        nb = _cdiv(T, self.block_size) + 1
+        scratch = torch.zeros((nb, cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim),
+                              dtype=self.dtype, device=self.device)
+        dev = self.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(T, **i32), block_tables=torch.arange(nb, **i32)[None],
+            query_start_loc=torch.tensor([0, T], **i32), seq_lens=torch.tensor([T], **i32),
+            max_query_len=T, max_seq_len=T)
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        self.model(torch.zeros(T, **i32), torch.arange(T, **i32), scratch, meta,
+                   torch.arange(min(T, sc.max_num_seqs), **i32))
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del scratch, meta
+        torch.cuda.empty_cache()
+        # Graph outputs (bf16 + fp32 logits per captured size) and the sampler's copies.
+        bmax = min(GRAPH_SIZES[-1], sc.max_num_seqs)
+        logits = 4 * sc.max_num_seqs * cfg.vocab_size * 4
+        graphs = 2 * (sum(s for s in GRAPH_SIZES if s <= bmax) * cfg.vocab_size * 6) + (256 << 20)
+        return peak + logits + graphs
+
+    # ---- inputs ---------------------------------------------------------------------------
+    @staticmethod
+    def _eager_layout_size(T: int, B: int, W: int) -> int:
+        return 3 * T + 3 * B + 1 + B * W
+
+    def _plan(self, sched: SchedulerOutput) -> _StepPlan:
+        bs = self.block_size
+        scheduled = sched.scheduled
+        B = len(scheduled)
+        reqs = [s.request for s in scheduled]
+        n_tok = np.fromiter((s.num_tokens for s in scheduled), np.int64, B)
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, B)
+        totals = np.fromiter((r.num_tokens for r in reqs), np.int64, B)
+        ends = starts + n_tok
+        qsl = np.zeros(B + 1, np.int64)
+        np.cumsum(n_tok, out=qsl[1:])
+        T = int(qsl[-1])
+        p = _StepPlan()
+        p.B, p.T = B, T
+        if T == B:  # pure decode: one token per request
+            p.ids = np.fromiter((r.all_token_ids[s] for r, s in zip(reqs, starts.tolist())), np.int64, B)
+        else:
+            p.ids = np.fromiter(itertools.chain.from_iterable(
+                r.all_token_ids[a:b] for r, a, b in zip(reqs, starts.tolist(), ends.tolist())), np.int64, T)
+        blens = np.fromiter((len(s.block_ids) for s in scheduled), np.int64, B)
+        W = int(blens.max()) if B else 0
+        nblk = int(blens.sum())
+        flat = np.fromiter(itertools.chain.from_iterable(s.block_ids for s in scheduled), np.int64, nblk)
+        brow = np.repeat(np.arange(B), blens)
+        bstart = np.zeros(B, np.int64)
+        np.cumsum(blens[:-1], out=bstart[1:])
+        bt = np.zeros((B, max(W, 1)), np.int64)
+        bt[brow, np.arange(nblk) - bstart[brow]] = flat
+        trow = np.repeat(np.arange(B), n_tok)
+        pos = np.arange(T) - qsl[:-1][trow] + starts[trow]
+        p.pos = pos
+        p.slots = bt[trow, pos // bs] * bs + pos % bs
+        p.qsl = qsl
+        p.seq_lens = ends
+        p.bt = bt
+        p.rows = np.nonzero(ends >= totals)[0]
+        p.logits_idx = qsl[p.rows + 1] - 1
+        p.max_query_len = int(n_tok.max()) if B else 0
+        p.max_seq_len = int(ends.max()) if B else 0
+        return p
+
+    # ---- execution ------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Run one step. Returns ``(logits, rows)``: ``logits[j]`` belongs to ``sched.scheduled[rows[j]]``."""
         if sched.block_copies:
-            src = torch.tensor([s for s, _ in sched.block_copies], device=self.device)
-            dst = torch.tensor([d for _, d in sched.block_copies], device=self.device)
-            kernels.copy_blocks(self.kv_cache, src, dst)
+            cp = torch.tensor(sched.block_copies, dtype=torch.int64).T.contiguous().to(self.device)
+            kernels.copy_blocks(self.kv_cache, cp[0], cp[1])
         if not sched.scheduled:
             return torch.empty(0, self.config.model.vocab_size), []
-        bs = self.block_size
-        ids: list[int] = []
-        pos_parts = []
-        slot_parts = []
-        qsl = [0]
-        seq_lens = []
-        tables = []
-        rows = []
-        for j, s in enumerate(sched.scheduled):
-            r = s.request
-            start = r.num_computed_tokens
-            end = start + s.num_tokens
-            ids.extend(r.all_token_ids[start:end])
-            pos = np.arange(start, end, dtype=np.int64)
-            block_ids = np.asarray(s.block_ids, dtype=np.int64)
-            pos_parts.append(pos)
-            slot_parts.append(block_ids[pos // bs] * bs + pos % bs)
-            qsl.append(qsl[-1] + s.num_tokens)
-            seq_lens.append(end)
-            tables.append(block_ids)
-            if s.completes_prompt:
-                rows.append(j)
-        max_blocks = max(len(t) for t in tables)
-        bt = np.zeros((len(tables), max_blocks), dtype=np.int32)
-        for i, t in enumerate(tables):
-            bt[i, : len(t)] = t
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
-            block_tables=torch.from_numpy(bt).to(dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            max_query_len=max(s.num_tokens for s in sched.scheduled),
-            max_seq_len=max(seq_lens),
-        )
-        logits_idx = torch.tensor([qsl[j + 1] - 1 for j in rows], dtype=torch.int64, device=dev)
-        logits = self.model(
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.from_numpy(np.concatenate(pos_parts)).to(dev),
-            self.kv_cache, meta, logits_idx,
-        )
-        return logits, rows
+        p = self._plan(sched)
+        rows = p.rows.tolist()
+        if self.graphs and p.T == p.B and p.B <= self.graph_sizes[-1] and p.bt.shape[1] <= self.max_blocks_per_seq:
+            logits = self._run_graph(p)
+            self.num_graph_steps += 1
+            if len(rows) != p.B:
+                logits = logits.index_select(0, torch.as_tensor(p.rows, device=self.device))
+            return logits, rows
+        self.num_eager_steps += 1
+        return self._run_eager(p), rows
+
+    def _run_eager(self, p: _StepPlan) -> torch.Tensor:
+        B, T, R, W = p.B, p.T, len(p.rows), p.bt.shape[1]
+        offs = np.cumsum([0, T, T, T, B + 1, B, R, B * W])
+        buf = self.staging.acquire(int(offs[-1]))
+        for k, arr in enumerate((p.ids, p.pos, p.slots, p.qsl, p.seq_lens, p.logits_idx, p.bt.reshape(-1))):
+            buf[offs[k]:offs[k + 1]] = arr
+        if self.cuda and int(offs[-1]) > self.eager_buf.numel():
+            self.eager_buf = torch.zeros(self.staging.n, dtype=torch.int32, device=self.device)
+        t = self.staging.upload(self.eager_buf, int(offs[-1]))
+        v = [t[offs[k]:offs[k + 1]] for k in range(7)]
+        meta = AttentionMetadata(slot_mapping=v[2], block_tables=v[6].view(B, W), query_start_loc=v[3],
+                                 seq_lens=v[4], max_query_len=p.max_query_len, max_seq_len=p.max_seq_len)
+        return self.model(v[0], v[1], self.kv_cache, meta, v[5])
+
+    # ---- CUDA graphs ----------------------------------------------------------------------
+    def _graph_layout(self) -> tuple[int, ...]:
+        bmax, W = self.graph_sizes[-1], self.max_blocks_per_seq
+        # ids | positions | slots | query_start_loc | seq_lens | block tables
+        return tuple(np.cumsum([0, bmax, bmax, bmax, bmax + 1, bmax, bmax * W]).tolist())
+
+    def _graph_views(self, b: int):
+        o = self._graph_layout()
+        g = self.graph_buf
+        W = self.max_blocks_per_seq
+        bt = g[o[5]:o[6]].view(self.graph_sizes[-1], W)[:b]
+        meta = AttentionMetadata(slot_mapping=g[o[2]:o[2] + b], block_tables=bt, query_start_loc=g[o[3]:o[3] + b + 1],
+                                 seq_lens=g[o[4]:o[4] + b], max_query_len=1, max_seq_len=self.max_model_len)
+        return g[o[0]:o[0] + b], g[o[1]:o[1] + b], meta
+
+    def _capture_graphs(self) -> None:
+        """Capture one graph per padded decode batch size, largest first, sharing one memory pool."""
+        t0 = time.perf_counter()
+        self.graph_sizes = [s for s in GRAPH_SIZES if s <= self.sched_cfg.max_num_seqs] or [1]
+        o = self._graph_layout()
+        self.graph_buf = torch.zeros(o[-1], dtype=torch.int32, device=self.device)
+        self.graph_buf[o[2]:o[3]] = -1  # padding slots: write_kv skips them
+        need = o[-1]
+        if need > self.staging.n:
+            self.staging = _Staging(max(need, self.staging.n), self.device)
+        pool = None
+        for b in reversed(self.graph_sizes):
+            ids, pos, meta = self._graph_views(b)
+            self.model(ids, pos, self.kv_cache, meta, None)  # warm-up: Triton compiles, cuBLAS picks kernels
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                out = self.model(ids, pos, self.kv_cache, meta, None)
+            pool = g.pool()
+            self.graphs[b] = (g, out)
+        torch.cuda.synchronize(self.device)
+        self.graph_capture_s = time.perf_counter() - t0
+        log.info("captured %d decode CUDA graphs (sizes %s) in %.1fs", len(self.graphs), self.graph_sizes,
+                 self.graph_capture_s)
+
+    def _run_graph(self, p: _StepPlan) -> torch.Tensor:
+        b = p.B
+        size = next(s for s in self.graph_sizes if s >= b)
+        o = self._graph_layout()
+        W = self.max_blocks_per_seq
+        n = o[5] + size * W
+        buf = self.staging.acquire(n)
+        buf[o[0]:o[0] + b] = p.ids
+        buf[o[0] + b:o[0] + size] = 0
+        buf[o[1]:o[1] + b] = p.pos
+        buf[o[1] + b:o[1] + size] = 0
+        buf[o[2]:o[2] + b] = p.slots
+        buf[o[2] + b:o[2] + size] = -1
+        buf[o[3]:o[3] + b + 1] = p.qsl
+        buf[o[3] + b + 1:o[3] + size + 1] = b
+        buf[o[4]:o[4] + b] = p.seq_lens
+        buf[o[4] + b:o[4] + size] = 0
+        w = p.bt.shape[1]
+        buf[o[5]:o[5] + size * W].reshape(size, W)[:b, :w] = p.bt  # stale tails are never read (seq_lens)
+        self.staging.upload(self.graph_buf, n)
+        g, out = self.graphs[size]
+        g.replay()
+        return out[:b]

@@ -24,7 +24,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32
-    max_query_len: int = 0
+    max_query_len: int = 0  # host-side launch hints for the attention kernel (0: let it guess)
     max_seq_len: int = 0
 
 
@@ -67,15 +67,29 @@ class LlamaForCausalLM(torch.nn.Module):
             })
         n_pos = max_positions or cfg.max_position_embeddings
         self.cos_sin = cos_sin_cache(cfg, n_pos).to(device)  # float32 on purpose: HF rotates in float32
+        self._views: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    def layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer ``(k_cache, v_cache)`` views, made once per KV tensor rather than per step."""
+        if self._views is None or self._views[0] != kv_cache.data_ptr():
+            self._views = (kv_cache.data_ptr(), [(kv_cache[:, li, 0], kv_cache[:, li, 1])
+                                                 for li in range(self.cfg.num_layers)])
+        return self._views[1]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Returns logits (float32) only for the rows in ``logits_indices``: sampling needs no others."""
+                meta: AttentionMetadata, logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """Returns logits (float32) only for the rows in ``logits_indices`` (all rows if None):
+        sampling needs no others. A CUDA-graph decode step passes None, so the graph has no
+        data-dependent gather and its output rows are the (padded) batch rows."""
         cfg = self.cfg
         h = F.embedding(input_ids, self.embed)
         residual = None
         T = h.shape[0]
+        caches = self.layer_caches(kv_cache)
+        hints = {}
+        if meta.max_query_len > 0:
+            hints = dict(max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
         for li, layer in enumerate(self.layers):
             if residual is None:
                 residual = h
@@ -88,15 +102,16 @@ class LlamaForCausalLM(torch.nn.Module):
             k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
             q, k = kernels.rope(positions, q, k, self.cos_sin)
-            k_cache = kv_cache[:, li, 0]
-            v_cache = kv_cache[:, li, 1]
+            k_cache, v_cache = caches[li]
             kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                           meta.seq_lens, self.scale)
+                                           meta.seq_lens, self.scale, **hints)
             h = F.linear(attn.reshape(T, self.q_size), layer["o"])
             x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
             h = F.linear(kernels.silu_and_mul(F.linear(x, layer["gate_up"])), layer["down"])
+        if logits_indices is not None:  # gather first: the add then touches only the sampled rows
+            h = h.index_select(0, logits_indices)
+            residual = residual.index_select(0, logits_indices)
         h = h + residual
-        h = h[logits_indices]
         h = kernels.rms_norm(h, self.norm, cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
