@@ -10,6 +10,8 @@ Object layout for an InferenceService NAME:
     NAME                                     ClusterIP Service in front of the router
     NAME-workers                             headless Service over prefill+decode pods, exposing
                                              http 8000, KV events 5557 and NIXL side channel 5600
+    NAME-prefill, NAME-decode                headless Services per role (same ports); the router
+                                             discovers each role through their EndpointSlices
     NAME-config                              ConfigMap with the engine settings
     NAME-{prefill,decode,router}             PodDisruptionBudgets
     NAME-{prefill,decode}                    HPAs, only when autoscaling is enabled
@@ -157,21 +159,27 @@ def _pod_scheduling(role: RoleSpec) -> dict[str, Any]:
 
 
 def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> list[str]:
+    """`kvmesh serve` flags (kvmesh/commands/serve.py). The embedded model is the CLI default,
+    so --model is passed only for weights on a volume. $(POD_NAME) is expanded by the kubelet."""
     e = spec.engine
-    args = [
-        "serve",
-        "--model", model_path(spec),
+    args = ["serve"]
+    if spec.model.source != "embedded":
+        args += ["--model", model_path(spec)]
+    args += [
+        "--served-model-name", spec.model.name or meta.name,
         "--role", role,
         "--port", str(HTTP_PORT),
         "--kv-connector", spec.connector.type,
     ]
     url = redis_url(spec, meta)
     if url:
-        args += ["--redis-url", url]
+        args += ["--kv-connector-config", json.dumps({"url": url}, sort_keys=True)]
     args += [
         "--block-size", str(e.block_size),
         "--max-num-batched-tokens", str(e.max_num_batched_tokens),
         "--max-num-seqs", str(e.max_num_seqs),
+        "--kv-events-endpoint", f"tcp://*:{KV_EVENTS_PORT}",
+        "--engine-id", "$(POD_NAME)",
     ]
     return args
 
@@ -205,6 +213,22 @@ def _deployment(spec: InferenceServiceSpec, meta: ObjectMeta, component: str,
     return obj
 
 
+def _model_mounts(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    if spec.model.source == "embedded" or not spec.model.claim_name:
+        return []
+    m: dict[str, Any] = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+    if spec.model.sub_path:
+        m["subPath"] = spec.model.sub_path
+    return [m]
+
+
+def _model_volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    if spec.model.source == "embedded" or not spec.model.claim_name:
+        return []
+    return [{"name": "model", "persistentVolumeClaim": {"claimName": spec.model.claim_name,
+                                                         "readOnly": True}}]
+
+
 def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash: str) -> Manifest:
     r = spec.role(role)
     mounts = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
@@ -215,13 +239,8 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
         {"name": "tmp", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
     ]
-    if spec.model.source != "embedded" and spec.model.claim_name:
-        m: dict[str, Any] = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
-        if spec.model.sub_path:
-            m["subPath"] = spec.model.sub_path
-        mounts.append(m)
-        volumes.append({"name": "model", "persistentVolumeClaim": {
-            "claimName": spec.model.claim_name, "readOnly": True}})
+    mounts += _model_mounts(spec)
+    volumes += _model_volumes(spec)
     container = {
         "name": "worker",
         "image": r.image or spec.image,
@@ -229,6 +248,7 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
         "command": ["kvmesh"],
         "args": _worker_args(spec, meta, role),
         "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "KVMESH_CONFIG", "value": f"{CONFIG_MOUNT}/engine.json"},
             {"name": "KVMESH_MODEL_NAME", "value": spec.model.name or meta.name},
@@ -258,8 +278,26 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
                        replicas, config_hash, {LABEL_WORKER: "true"})
 
 
-def router_selector(meta: ObjectMeta) -> str:
-    return f"{LABEL_INSTANCE}={meta.name},{LABEL_WORKER}=true"
+def role_service(meta: ObjectMeta, role: str) -> str:
+    """Headless Service per worker role; its EndpointSlices are what the router discovers."""
+    return f"{meta.name}-{role}"
+
+
+def _router_args(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[str]:
+    """`kvmesh router` flags (kvmesh/commands/router.py): discovery of prefill and decode pods
+    through the EndpointSlices of the per-role headless Services; the router must hash blocks
+    like the pods, so it gets the same model and block size."""
+    args = ["router", "--port", str(HTTP_PORT), "--discovery", "k8s",
+            "--namespace", "$(POD_NAMESPACE)",
+            "--prefill-selector", f"kubernetes.io/service-name={role_service(meta, 'prefill')}",
+            "--decode-selector", f"kubernetes.io/service-name={role_service(meta, 'decode')}",
+            "--port-name", "http",
+            "--kv-events-port", str(KV_EVENTS_PORT),
+            "--block-size", str(spec.engine.block_size),
+            "--served-model-name", spec.model.name or meta.name]
+    if spec.model.source != "embedded":
+        args += ["--model", model_path(spec)]
+    return args
 
 
 def _router(spec: InferenceServiceSpec, meta: ObjectMeta, config_hash: str) -> Manifest:
@@ -269,8 +307,7 @@ def _router(spec: InferenceServiceSpec, meta: ObjectMeta, config_hash: str) -> M
         "image": r.image or spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["kvmesh"],
-        "args": ["router", "--port", str(HTTP_PORT), "--discovery", "k8s",
-                 "--selector", router_selector(meta)],
+        "args": _router_args(spec, meta),
         "env": [
             {"name": "POD_NAMESPACE",
              "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -282,12 +319,12 @@ def _router(spec: InferenceServiceSpec, meta: ObjectMeta, config_hash: str) -> M
         "resources": _resources(r, default_gpus=0),
         "securityContext": _security_context(),
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
-                         {"name": "tmp", "mountPath": "/tmp"}],
+                         {"name": "tmp", "mountPath": "/tmp"}, *_model_mounts(spec)],
     }
     pod_extra = {
         "serviceAccountName": f"{meta.name}-router",
         "volumes": [{"name": "config", "configMap": {"name": f"{meta.name}-config"}},
-                    {"name": "tmp", "emptyDir": {}}],
+                    {"name": "tmp", "emptyDir": {}}, *_model_volumes(spec)],
         **_pod_scheduling(r),
     }
     return _deployment(spec, meta, "router", container, pod_extra, r.replicas, config_hash, {})
@@ -311,6 +348,14 @@ def _router_rbac(meta: ObjectMeta) -> list[Manifest]:
     return [sa, role, binding]
 
 
+def _worker_ports() -> list[dict[str, Any]]:
+    return [
+        {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+        {"name": "kv-events", "port": KV_EVENTS_PORT, "targetPort": "kv-events", "protocol": "TCP"},
+        {"name": "nixl", "port": NIXL_SIDE_CHANNEL_PORT, "targetPort": "nixl", "protocol": "TCP"},
+    ]
+
+
 def _services(meta: ObjectMeta) -> list[Manifest]:
     front = _object("v1", "Service", meta.name, meta, "router")
     front["spec"] = {
@@ -322,15 +367,15 @@ def _services(meta: ObjectMeta) -> list[Manifest]:
     workers["spec"] = {
         "clusterIP": "None",
         "selector": {LABEL_INSTANCE: meta.name, LABEL_WORKER: "true"},
-        "ports": [
-            {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
-            {"name": "kv-events", "port": KV_EVENTS_PORT, "targetPort": "kv-events",
-             "protocol": "TCP"},
-            {"name": "nixl", "port": NIXL_SIDE_CHANNEL_PORT, "targetPort": "nixl",
-             "protocol": "TCP"},
-        ],
+        "ports": _worker_ports(),
     }
-    return [front, workers]
+    out = [front, workers]
+    for role in ("prefill", "decode"):
+        svc = _object("v1", "Service", role_service(meta, role), meta, role)
+        svc["spec"] = {"clusterIP": "None", "selector": selector(meta, role),
+                       "ports": _worker_ports()}
+        out.append(svc)
+    return out
 
 
 def _pdb(meta: ObjectMeta, component: str) -> Manifest:

@@ -7,6 +7,7 @@ render(), regenerate them with KVMESH_UPDATE_GOLDEN=1 and review the diff.
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -92,23 +93,32 @@ def test_minimal_layout_and_ownership() -> None:
         ("ConfigMap", "tiny-config"), ("ServiceAccount", "tiny-router"), ("Role", "tiny-router"),
         ("RoleBinding", "tiny-router"), ("Deployment", "tiny-prefill"),
         ("Deployment", "tiny-decode"), ("Deployment", "tiny-router"), ("Service", "tiny"),
-        ("Service", "tiny-workers"), ("PodDisruptionBudget", "tiny-prefill"),
+        ("Service", "tiny-workers"), ("Service", "tiny-prefill"), ("Service", "tiny-decode"),
+        ("PodDisruptionBudget", "tiny-prefill"),
         ("PodDisruptionBudget", "tiny-decode"), ("PodDisruptionBudget", "tiny-router"),
     ])
     for o in objs.values():
         (ref,) = o["metadata"]["ownerReferences"]
         assert ref["uid"] == META["uid"] and ref["controller"] is True
         assert o["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kvmesh-operator"
-    headless = objs[("Service", "tiny-workers")]["spec"]
-    assert headless["clusterIP"] == "None"
-    assert {p["port"] for p in headless["ports"]} == {8000, 5557, 5600}
+    for svc in ("tiny-workers", "tiny-prefill", "tiny-decode"):
+        headless = objs[("Service", svc)]["spec"]
+        assert headless["clusterIP"] == "None"
+        assert {p["port"] for p in headless["ports"]} == {8000, 5557, 5600}
     decode = objs[("Deployment", "tiny-decode")]["spec"]["template"]["spec"]["containers"][0]
     assert decode["command"] == ["kvmesh"]
-    assert decode["args"][:5] == ["serve", "--model", "embedded", "--role", "decode"]
+    assert "--model" not in decode["args"]  # the embedded model is the CLI default
+    assert decode["args"][:7] == ["serve", "--served-model-name", "tiny", "--role", "decode",
+                                  "--port", "8000"]
+    assert decode["args"][-4:] == ["--kv-events-endpoint", "tcp://*:5557",
+                                   "--engine-id", "$(POD_NAME)"]
     assert decode["resources"]["limits"][GPU_RESOURCE] == 1
     assert decode["securityContext"]["readOnlyRootFilesystem"] is True
     router = objs[("Deployment", "tiny-router")]["spec"]["template"]["spec"]["containers"][0]
     assert router["args"][:5] == ["router", "--port", "8000", "--discovery", "k8s"]
+    a = router["args"]
+    assert a[a.index("--decode-selector") + 1] == "kubernetes.io/service-name=tiny-decode"
+    assert a[a.index("--prefill-selector") + 1] == "kubernetes.io/service-name=tiny-prefill"
     assert "resources" not in router or GPU_RESOURCE not in router["resources"].get("limits", {})
 
 
@@ -120,7 +130,9 @@ def test_autoscaling_renders_hpas_and_leaves_replicas_to_them() -> None:
     assert objs[("Deployment", "llama-pd-redis-router")]["spec"]["replicas"] == 1
     args = objs[("Deployment", "llama-pd-redis-prefill")]["spec"]["template"]["spec"][
         "containers"][0]["args"]
-    assert args[args.index("--redis-url") + 1] == "redis://llama-pd-redis-redis.demo.svc:6379/0"
+    assert json.loads(args[args.index("--kv-connector-config") + 1]) == {
+        "url": "redis://llama-pd-redis-redis.demo.svc:6379/0"}
+    assert args[args.index("--model") + 1] == "/models/tinyllama-1.1b-chat.Q4_K_M.gguf"
     assert ("Deployment", "llama-pd-redis-redis") in objs
 
 
