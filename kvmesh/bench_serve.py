@@ -278,7 +278,8 @@ def print_summary(s: dict, args: argparse.Namespace, percentiles: list[float]) -
         print(f"{'Mean ' + name.upper() + ' (ms):':<40}{s[f'mean_{name}_ms']:<10.2f}")
         print(f"{'Median ' + name.upper() + ' (ms):':<40}{s[f'median_{name}_ms']:<10.2f}")
         for p in percentiles:
-            print(f"{f'P{p:g} ' + name.upper() + ' (ms):':<40}{s[f'p{p:g}_{name}_ms']:<10.2f}")
+            if p != 50:  # printed as the median
+                print(f"{f'P{p:g} ' + name.upper() + ' (ms):':<40}{s[f'p{p:g}_{name}_ms']:<10.2f}")
     print("=" * w)
     if s["errors"]:
         print("errors:", *s["errors"], sep="\n  ")
