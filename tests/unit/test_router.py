@@ -209,3 +209,18 @@ def test_selective_pd_and_fallback(tmp_path):
         srv.stop()
         pub.close()
         dec.stop()
+
+
+def test_endpoint_slice_parsing_and_metrics_scrape():
+    from kvmesh.services.router.app import parse_vllm_metrics
+    from kvmesh.services.router.discovery import endpoints_from_slice
+
+    sl = {"ports": [{"name": "metrics", "port": 9000}, {"name": "http", "port": 8000}],
+          "endpoints": [{"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
+                        {"addresses": ["10.0.0.2"], "conditions": {"ready": False}},
+                        {"addresses": ["10.0.0.3"], "conditions": {"ready": True, "terminating": True}},
+                        {"addresses": ["10.0.0.4"]}]}
+    assert endpoints_from_slice(sl, "http") == {("10.0.0.1", 8000), ("10.0.0.4", 8000)}
+    text = ('# HELP x\nvllm:num_requests_running{model_name="a"} 2.0\nvllm:num_requests_running{model_name="b"} 1.0\n'
+            'vllm:num_requests_waiting{model_name="a"} 3.0\nvllm:kv_cache_usage_perc{model_name="a"} 0.5\n')
+    assert parse_vllm_metrics(text) == {"running": 3.0, "waiting": 3.0, "kv_usage": 0.5}

@@ -1,0 +1,374 @@
+"""Router benchmark: a Mooncake-format trace replayed against real `kvmesh serve` workers
+through several routers in one run, side by side.
+
+    .venv/bin/python bench/router_bench.py --json bench-results/router_bench.json
+
+Scaling for a CPU box (all printed and stored in the JSON):
+
+* slice: requests from the first ``--window-s`` seconds of the trace that belong
+  to multi-turn conversations (requests sharing their second hash id), taken in
+  trace order until ``--requests``; Mooncake's block 0 is shared by all, so the
+  hot-prefix problem is kept.
+* tokens: one Mooncake hash block (512 tokens) becomes ``--block-tokens``
+  synthetic tokens (default 16: one engine block), so lengths are scaled by
+  16/512; prompts are cut to ``--max-blocks`` blocks. Each hash id maps to fixed
+  token ids (seeded by the id and the policy, so one policy's run never warms
+  the cache for the next).
+* time: the slice's timestamps are compressed to ``--rate`` requests/s on average.
+* outputs: ``max_tokens = clamp(output_length // 128, 1, --max-output)``.
+
+Metrics per policy: prefix hit ratio = Σ pod ``vllm:prefix_cache_hits`` /
+Σ ``vllm:prefix_cache_queries`` (deltas over the run, measured on the pods, so
+the same for every router); TTFT p50/p90/p99 from the client (streaming, first
+chunk); throughput (requests/s and output tokens/s over the makespan);
+imbalance = max/mean requests per worker (``vllm:request_success`` deltas).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TRACE = os.path.join(REPO, "..", "shared", "traces", "mooncake", "conversation_trace.jsonl")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the trace slice -----------------------------------------------------------
+def load_slice(path: str, n: int, window_s: float) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r["timestamp"] > window_s * 1000:
+                break
+            rows.append(r)
+    conv = defaultdict(list)
+    for i, r in enumerate(rows):
+        key = r["hash_ids"][1] if len(r["hash_ids"]) > 1 else ("single", i)
+        conv[key].append(i)
+    order = sorted((v for v in conv.values() if len(v) >= 2), key=lambda v: v[0])
+    chosen: set[int] = set()
+    for v in order:
+        if len(chosen) >= n:
+            break
+        chosen.update(v)
+    return [rows[i] for i in sorted(chosen)][:n]
+
+
+def ideal_hit_ratio(reqs: list[list[int]]) -> float:
+    """Unlimited shared cache, token-weighted, with the engine's rule (last token always recomputed)."""
+    seen: set[tuple] = set()
+    hit = total = 0
+    for blocks in reqs:
+        total += len(blocks[-1][1]) + sum(len(b[1]) for b in blocks[:-1])
+        n = 0
+        for i in range(len(blocks)):
+            if tuple(x[0] for x in blocks[: i + 1]) in seen:
+                n += 1
+            else:
+                break
+        plen = sum(len(b[1]) for b in blocks)
+        hit += min(n * len(blocks[0][1]), (plen - 1) // len(blocks[0][1]) * len(blocks[0][1]))
+        for i in range(len(blocks)):
+            seen.add(tuple(x[0] for x in blocks[: i + 1]))
+    return hit / max(total, 1)
+
+
+_WORDS: list[str] = []
+
+
+def word_vocab() -> list[str]:
+    """Single-token words (" word" that encodes to exactly one token), so text blocks tokenize block-aligned.
+
+    Prompts go out as text: sglang-router's /v1/completions rejects token-id prompts.
+    """
+    if not _WORDS:
+        from kvmesh.engine.loader import load_model
+
+        tok = load_model(None, load_weights=False).tokenizer
+        for t in range(1000, min(tok.vocab_size, 40000)):
+            s = tok.decode([t])
+            if s.startswith(" ") and s[1:].isalpha() and s[1:].islower() and len(s) >= 4:
+                if list(tok(s, add_special_tokens=False).input_ids) == [t]:
+                    _WORDS.append(s)
+    return _WORDS
+
+
+def build_requests(rows: list[dict], block_tokens: int, max_blocks: int, max_output: int, seed: str):
+    """Text prompts: each hash id -> ``block_tokens`` fixed single-token words (last block cut to the scaled length)."""
+    vocab = word_vocab()
+    out = []
+    for r in rows:
+        ids = r["hash_ids"][:max_blocks]
+        scaled = max(1, math.ceil(r["input_length"] * block_tokens / 512))
+        scaled = min(scaled, len(ids) * block_tokens)
+        blocks = []
+        left = scaled
+        for h in ids:
+            rng = random.Random(f"{seed}:{h}")
+            toks = [vocab[rng.randrange(len(vocab))] for _ in range(block_tokens)]
+            blocks.append((h, toks[: min(left, block_tokens)]))
+            left -= block_tokens
+            if left <= 0:
+                break
+        out.append({"t": r["timestamp"] / 1000.0, "blocks": blocks,
+                    "max_tokens": max(1, min(max_output, r["output_length"] // 128))})
+    return out
+
+
+# ---- processes ------------------------------------------------------------------
+class Proc:
+    def __init__(self, cmd: list[str], log: str, env: dict | None = None, cwd: str | None = None) -> None:
+        self.log = open(log, "wb")
+        self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**os.environ, **(env or {})}, cwd=cwd)
+
+    def stop(self) -> None:
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.p.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.p.wait(10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.log.close()
+
+
+def wait_http(url: str, timeout: float, proc: Proc | None = None, ok=(200,)) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.p.poll() is not None:
+            raise RuntimeError(f"process exited ({proc.p.returncode}); see {proc.log.name}")
+        try:
+            if httpx.get(url, timeout=2).status_code in ok:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout}s")
+
+
+def scrape(url: str) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        for name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+                     "vllm:request_success_total"):
+            if line.startswith(name):
+                out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def start_router(policy: str, workers: list[dict], tmp: str, args) -> tuple[Proc, str] | None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = os.path.join(args.log_dir, f"router-{policy}.log")
+    wurls = [w["url"] for w in workers]
+    if policy in ("kvmesh", "kvmesh-rr"):
+        cmd = [sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+               "--block-size", str(args.block_tokens), "--health-interval", "0.5",
+               "--policy", "kv-aware" if policy == "kvmesh" else "round-robin"]
+        for w in workers:
+            cmd += ["--worker", f"{w['url']},events={w['events']},replay={w['replay']}"]
+        env = {"KVMESH_LOG_LEVEL": "WARNING"}
+    elif policy in ("sglang", "sglang-rr"):
+        py = os.path.join(args.peer_venvs, "venv-sgl", "bin", "python")
+        if not os.path.exists(py):
+            return None
+        cmd = [py, "-m", "sglang_router.launch_router", "--worker-urls", *wurls,
+               "--policy", "cache_aware" if policy == "sglang" else "round_robin",
+               "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+               "--prometheus-port", str(free_port()), "--log-level", "warn"]
+        env = {}
+    elif policy == "vllm":
+        exe = os.path.join(args.peer_venvs, "venv-vllm", "bin", "vllm-router")
+        if not os.path.exists(exe):
+            return None
+        cmd = [exe, "--worker-urls", *wurls, "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port),
+               "--prometheus-port", str(free_port())]
+        env = {}
+    else:
+        raise ValueError(f"unknown policy {policy}")
+    # peers run outside the repo: its top-level operator/ folder would shadow the stdlib module there
+    p = Proc(cmd, log, env, cwd=None if policy.startswith("kvmesh") else tempfile.gettempdir())
+    try:
+        wait_http(url + "/health", 120, p)
+    except RuntimeError:
+        p.stop()
+        raise
+    return p, url
+
+
+# ---- the replay -----------------------------------------------------------------
+async def replay(url: str, model: str, reqs: list[dict], rate: float, timeout: float) -> dict:
+    span = max(r["t"] for r in reqs) - min(r["t"] for r in reqs) or 1.0
+    scale = (len(reqs) / rate) / span
+    t_first = min(r["t"] for r in reqs)
+    results = []
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10)) as client:
+        async def one(r):
+            await asyncio.sleep((r["t"] - t_first) * scale)
+            prompt = "".join(t for _, toks in r["blocks"] for t in toks)
+            body = {"model": model, "prompt": prompt, "max_tokens": r["max_tokens"], "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            t0 = time.monotonic()
+            ttft = None
+            ok = False
+            try:
+                async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+                    if resp.status_code == 200:
+                        async for line in resp.aiter_lines():
+                            if line.startswith("data:") and ttft is None:
+                                ttft = time.monotonic() - t0
+                            if line.strip() == "data: [DONE]":
+                                ok = True
+                    else:
+                        await resp.aread()
+            except httpx.HTTPError:
+                pass
+            results.append({"ok": ok, "ttft": ttft, "end": time.monotonic(), "start": t0,
+                            "out": r["max_tokens"], "pod": None})
+
+        start = time.monotonic()
+        await asyncio.gather(*(one(r) for r in reqs))
+    oks = [x for x in results if x["ok"]]
+    ttfts = sorted(x["ttft"] for x in oks if x["ttft"] is not None)
+    makespan = max((x["end"] for x in results), default=start) - start
+
+    def pct(p):
+        if not ttfts:
+            return None
+        return ttfts[min(len(ttfts) - 1, int(round(p / 100 * (len(ttfts) - 1))))]
+
+    return {"ok": len(oks), "failed": len(results) - len(oks), "ttft_p50": pct(50), "ttft_p90": pct(90),
+            "ttft_p99": pct(99), "ttft_mean": sum(ttfts) / len(ttfts) if ttfts else None,
+            "throughput": len(oks) / makespan if makespan > 0 else None,
+            "output_tok_s": sum(x["out"] for x in oks) / makespan if makespan > 0 else None,
+            "makespan_s": makespan}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", default=DEFAULT_TRACE)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--window-s", type=float, default=600.0)
+    ap.add_argument("--block-tokens", type=int, default=16)
+    ap.add_argument("--max-blocks", type=int, default=24)
+    ap.add_argument("--max-output", type=int, default=3)
+    ap.add_argument("--rate", type=float, default=0.5, help="mean requests/s after time compression")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--num-kv-blocks", type=int, default=160, help="per-worker KV capacity in blocks")
+    ap.add_argument("--policies", default="kvmesh,kvmesh-rr,sglang,vllm")
+    ap.add_argument("--peer-venvs", default="/tmp", help="folder holding venv-sgl/ and venv-vllm/")
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--log-dir", default="/tmp/kvmesh-router-bench-logs", help="worker and router logs (kept)")
+    args = ap.parse_args(argv)
+
+    rows = load_slice(args.trace, args.requests, args.window_s)
+    tmp = tempfile.mkdtemp(prefix="kvmesh-router-bench-")  # ipc sockets
+    logs = args.log_dir
+    os.makedirs(logs, exist_ok=True)
+    env = {"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING"}
+    workers, procs = [], []
+    results: dict[str, dict] = {}
+    try:
+        for i in range(args.workers):
+            port = free_port()
+            w = {"url": f"http://127.0.0.1:{port}", "events": f"ipc://{tmp}/ev{i}", "replay": f"ipc://{tmp}/rep{i}"}
+            cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                   "--max-model-len", "1024", "--num-kv-blocks", str(args.num_kv_blocks),
+                   "--block-size", str(args.block_tokens), "--engine-id", f"w{i}",
+                   "--kv-events-endpoint", w["events"], "--kv-events-replay-endpoint", w["replay"]]
+            procs.append(Proc(cmd, os.path.join(logs, f"worker{i}.log"), env))
+            workers.append(w)
+        for w, p in zip(workers, procs):
+            wait_http(w["url"] + "/health", 900, p)
+        model = httpx.get(workers[0]["url"] + "/v1/models").json()["data"][0]["id"]
+        for w in workers:  # warm-up, so the first policy does not pay for cold workers
+            for k in range(2):
+                httpx.post(w["url"] + "/v1/completions", timeout=300, json={
+                    "model": model, "prompt": [random.Random(k).randrange(1000, 40000) for _ in range(256)],
+                    "max_tokens": 2})
+        for policy in [p for p in args.policies.split(",") if p]:
+            reqs = build_requests(rows, args.block_tokens, args.max_blocks, args.max_output, seed=policy)
+            try:
+                started = start_router(policy, workers, tmp, args)
+            except RuntimeError as e:
+                results[policy] = {"error": str(e)}
+                print(f"[{policy}] router did not start: {e}", file=sys.stderr)
+                continue
+            if started is None:
+                results[policy] = {"error": "not installed (see --peer-venvs)"}
+                continue
+            rp, url = started
+            before = [scrape(w["url"]) for w in workers]
+            try:
+                res = asyncio.run(replay(url, model, reqs, args.rate, args.timeout))
+            finally:
+                rp.stop()
+            time.sleep(0.5)
+            after = [scrape(w["url"]) for w in workers]
+            hits = sum(a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
+                       for a, b in zip(after, before))
+            queries = sum(a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"]
+                          for a, b in zip(after, before))
+            per = [a["vllm:request_success_total"] - b["vllm:request_success_total"] for a, b in zip(after, before)]
+            mean = sum(per) / len(per) if per else 0
+            res.update(hit_ratio=hits / queries if queries else None, per_worker=per,
+                       imbalance=max(per) / mean if mean else None,
+                       ideal_hit_ratio=ideal_hit_ratio([r["blocks"] for r in reqs]))
+            results[policy] = res
+            print(f"[{policy}] done: {json.dumps(res)}", file=sys.stderr)
+    finally:
+        for p in procs:
+            p.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    scaling = {"trace": os.path.abspath(args.trace), "requests": len(rows), "window_s": args.window_s,
+               "tokens_per_hash_block": args.block_tokens, "length_scale": f"{args.block_tokens}/512",
+               "max_blocks": args.max_blocks, "rate_req_s": args.rate, "max_output": args.max_output,
+               "workers": args.workers, "num_kv_blocks_per_worker": args.num_kv_blocks}
+    hdr = f"{'policy':<10} {'hit':>6} {'ideal':>6} {'ttft p50':>9} {'p90':>7} {'p99':>7} {'req/s':>6} " \
+          f"{'imbal':>6} {'ok/fail':>8}"
+    print(hdr)
+    for pol, r in results.items():
+        if "error" in r:
+            print(f"{pol:<10} error: {r['error']}")
+            continue
+        f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+        print(f"{pol:<10} {f(r['hit_ratio']):>6} {f(r['ideal_hit_ratio']):>6} {f(r['ttft_p50']):>9} "
+              f"{f(r['ttft_p90']):>7} {f(r['ttft_p99']):>7} {f(r['throughput']):>6} {f(r['imbalance'], 2):>6} "
+              f"{r['ok']:>4}/{r['failed']:<3}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump({"scaling": scaling, "results": results}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
