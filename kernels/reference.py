@@ -68,29 +68,33 @@ def paged_attention_reference(
     lens = seq_lens.tolist()
     B = len(lens)
     q_lens = [qsl[b + 1] - qsl[b] for b in range(B)]
-    if B > 0 and all(q == 1 for q in q_lens):
-        # Pure decode: one padded batched SDPA instead of B small ones.
-        max_len = max(lens)
+    decode = [b for b in range(B) if q_lens[b] == 1]
+    if decode:
+        # Decode rows: one padded batched SDPA instead of one small call per sequence.
+        D_ = len(decode)
+        sel = torch.tensor(decode, device=query.device)
+        rows = torch.tensor([qsl[b] for b in decode], device=query.device)
+        lens_sel = seq_lens.to(query.device)[sel]
+        max_len = max(lens[b] for b in decode)
         bs = k_cache.shape[1]
         nb = (max_len + bs - 1) // bs
-        bt = block_tables[:, :nb].long()
-        k = k_cache[bt].reshape(B, nb * bs, Hkv, D)[:, :max_len]
-        v = v_cache[bt].reshape(B, nb * bs, Hkv, D)[:, :max_len]
+        bt = block_tables[sel][:, :nb].long()
+        k = k_cache[bt].reshape(D_, nb * bs, Hkv, D)[:, :max_len]
+        v = v_cache[bt].reshape(D_, nb * bs, Hkv, D)[:, :max_len]
         pos = torch.arange(max_len, device=query.device)
-        mask = pos[None, :] < seq_lens.to(query.device)[:, None]  # [B, L]
-        q = query[: qsl[-1]].reshape(B, 1, Hq, D).transpose(1, 2)
+        mask = pos[None, :] < lens_sel[:, None]  # [D_, L]
+        q = query[rows].reshape(D_, 1, Hq, D).transpose(1, 2)
         k = k.transpose(1, 2).to(query.dtype)
         v = v.transpose(1, 2).to(query.dtype)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=(Hq != Hkv)
         )
-        out[: qsl[-1]] = o.transpose(1, 2).reshape(B, Hq, D)
-        return out
+        out[rows] = o.transpose(1, 2).reshape(D_, Hq, D)
     for b in range(B):
         s, e = qsl[b], qsl[b + 1]
         q_len = e - s
-        if q_len == 0:
-            continue
+        if q_len <= 1:
+            continue  # empty, or handled by the batched decode call above
         seq_len = lens[b]
         k = _gather_context(k_cache, block_tables[b], seq_len).to(query.dtype)
         v = _gather_context(v_cache, block_tables[b], seq_len).to(query.dtype)

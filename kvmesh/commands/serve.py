@@ -34,6 +34,7 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
     g.add_argument("--kv-connector", default="none",
                    help="KV connector name, resolved by kvmesh.engine.connectors.make_connector (none: no connector)")
     g.add_argument("--kv-connector-config", default="{}", help="JSON options for the KV connector")
+    g.add_argument("--redis-url", default=None, help="Redis for --kv-connector redis (same as config key `url`)")
     g.add_argument("--stats-interval", type=float, default=0.5, help="seconds between engine stats snapshots")
     g.add_argument("--log-level", default="warning", help="uvicorn's log level")
 
@@ -62,6 +63,10 @@ def configs_from_args(args: argparse.Namespace):
         connector_cfg = json.loads(args.kv_connector_config)
     except json.JSONDecodeError as e:
         raise ValueError(f"--kv-connector-config is not JSON: {e}") from e
+    if getattr(args, "redis_url", None):
+        if args.kv_connector != "redis":
+            raise ValueError("--redis-url needs --kv-connector redis")
+        connector_cfg.setdefault("url", args.redis_url)
     proc_cfg = EngineProcConfig(input_addr=addrs.input_addr, output_addr=addrs.output_addr, model=args.model,
                                 engine_kwargs=kw, role=args.role, kv_connector=args.kv_connector,
                                 kv_connector_config=connector_cfg, kv_events_endpoint=args.kv_events_endpoint,

@@ -84,8 +84,8 @@ def default_connector_factory(cfg: EngineProcConfig):
     if make is None:
         raise ValueError(f"--kv-connector {cfg.kv_connector!r}: no connector registry "
                          "(kvmesh.engine.connectors.make_connector) is installed")
-    return make(cfg.kv_connector, cfg.kv_connector_config, role=cfg.role,
-                engine_id=cfg.engine_kwargs.get("engine_id", "kvmesh-0"))
+    # The connector learns role, engine id and KV layout from the engine itself (KVConnector.configure).
+    return make(cfg.kv_connector, None, **cfg.kv_connector_config)
 
 
 class EngineProcess:

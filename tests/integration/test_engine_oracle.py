@@ -13,7 +13,7 @@ from kvmesh import SamplingParams
 
 pytestmark = pytest.mark.integration
 
-MAX_NEW = 10
+MAX_NEW = 8
 _PARAGRAPH = (
     "The history of computing spans centuries, from mechanical calculators and punched cards to "
     "vacuum tubes, transistors and integrated circuits. Each step made machines smaller, faster and "
@@ -101,15 +101,21 @@ def test_batch_matches_hf_and_prefix_cache_hits(make_llm, prompt_ids, expected):
     assert s["num_free_blocks"] == s["num_total_blocks"]
 
 
+# Chunked prefill and preemption run on a subset that keeps the long prompts (CPU time in CI).
+SUBSET = [0, 1, 4, 7, 14, 15, 16, 19]
+
+
 def test_chunked_prefill_matches_hf(make_llm, prompt_ids, expected):
-    llm = make_llm(max_num_batched_tokens=96, long_prefill_token_threshold=64)
-    _assert_same(llm.generate(prompt_ids, GREEDY), expected)
-    assert llm.engine.num_steps > sum(len(x) for x in prompt_ids) // 96  # the budget really cut prompts
+    llm = make_llm(max_num_batched_tokens=256, long_prefill_token_threshold=160)
+    ids = [prompt_ids[i] for i in SUBSET]
+    _assert_same(llm.generate(ids, GREEDY), [expected[i] for i in SUBSET])
+    assert llm.engine.num_steps > sum(len(x) for x in ids) // 256  # the budget really cut prompts
 
 
 def test_preemption_matches_hf(make_llm, prompt_ids, expected):
     llm = make_llm(num_kv_blocks=80, max_num_batched_tokens=512)
-    _assert_same(llm.generate(prompt_ids, GREEDY), expected)
+    ids = [prompt_ids[i] for i in SUBSET]
+    _assert_same(llm.generate(ids, GREEDY), [expected[i] for i in SUBSET])
     s = llm.stats()
     assert s["num_preemptions"] > 0
     assert s["num_free_blocks"] == s["num_total_blocks"]

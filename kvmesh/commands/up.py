@@ -1,0 +1,57 @@
+"""`kvmesh up`: the full local topology (prefill, decode, router; redis-server with the Redis connector)."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+
+def register(sub) -> None:
+    p = sub.add_parser("up", help="run router + prefill + decode locally with the embedded model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="the router's port (the OpenAI endpoint)")
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--kv-connector", choices=["nixl", "redis"], default="nixl")
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    p.add_argument("--model", default=None)
+    p.add_argument("--log-dir", default=None, help="write each process's output to DIR/NAME.log")
+    p.add_argument("--worker-arg", action="append", default=[], help="extra flag for every worker (repeatable)")
+    p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeatable)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvmesh.topology import Topology, TopologyConfig
+
+    cfg = TopologyConfig(host=args.host, port=args.port, num_prefill=args.prefill, num_decode=args.decode,
+                         kv_connector=args.kv_connector, model=args.model, redis_url=args.redis_url,
+                         engine_args=tuple(args.worker_arg), router_args=tuple(args.router_arg),
+                         log_dir=args.log_dir)
+    topo = Topology(cfg)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"kvmesh up: starting {cfg.num_prefill} prefill + {cfg.num_decode} decode ({cfg.kv_connector}) ...",
+          flush=True)
+    try:
+        topo.start()
+    except (RuntimeError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for w in topo.workers:
+        print(f"  {w.role:8s} {w.url}  events {w.events}", flush=True)
+    if topo.redis_url:
+        print(f"  redis    {topo.redis_url}", flush=True)
+    print(f"ready: OpenAI endpoint {topo.router_url}/v1  (Ctrl-C stops everything)", flush=True)
+    try:
+        while not stop.wait(1.0):
+            dead = [(n, p.returncode) for n, p in topo.procs if p.poll() is not None]
+            if dead:
+                print(f"error: {dead[0][0]} exited with code {dead[0][1]}; stopping", file=sys.stderr)
+                return 1
+    finally:
+        print("kvmesh up: stopping", flush=True)
+        topo.stop()
+    return 0

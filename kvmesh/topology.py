@@ -1,0 +1,192 @@
+"""The local disaggregated topology behind `kvmesh up`: optional redis-server, prefill and
+decode servers, and the router in front, each in its own process group.
+
+Every child is a real process talking over loopback, exactly what runs in a pod;
+this module only picks ports, starts things in order, waits for health, and
+tears everything down (router first, so no request is routed to a dying worker).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    num_prefill: int = 1
+    num_decode: int = 1
+    kv_connector: str = "nixl"
+    model: str | None = None
+    redis_url: str | None = None  # None with the redis connector: start a private redis-server
+    engine_args: tuple[str, ...] = ()  # extra flags for every worker (engine settings)
+    router_args: tuple[str, ...] = ()
+    cpu_threads: int | None = None  # KVMESH_CPU_THREADS for each worker (default: cores / workers)
+    startup_timeout_s: float = 300.0
+    log_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in ("nixl", "redis"):
+            raise ValueError("kv_connector must be nixl or redis")
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("need at least one prefill and one decode worker")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Worker:
+    role: str
+    url: str
+    events: str
+    replay: str
+    proc: subprocess.Popen | None = None
+
+
+@dataclass
+class Topology:
+    config: TopologyConfig
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    workers: list[Worker] = field(default_factory=list)
+    redis_url: str | None = None
+    router_url: str = ""
+
+    # ---- start --------------------------------------------------------------
+    def start(self) -> "Topology":
+        cfg = self.config
+        try:
+            if cfg.kv_connector == "redis":
+                self.redis_url = cfg.redis_url or self._start_redis()
+            n_workers = cfg.num_prefill + cfg.num_decode
+            threads = cfg.cpu_threads or max(1, (os.cpu_count() or 2) // n_workers)
+            for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
+                for i in range(count):
+                    self._start_worker(role, i, threads)
+            deadline = time.monotonic() + cfg.startup_timeout_s
+            for w in self.workers:
+                self._wait_healthy(w.url, deadline, w.proc, f"{w.role} worker")
+            self._start_router(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        out = None
+        if self.config.log_dir:
+            os.makedirs(self.config.log_dir, exist_ok=True)
+            out = open(os.path.join(self.config.log_dir, f"{name}.log"), "ab")
+        p = subprocess.Popen(argv, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT if out else None)
+        self.procs.append((name, p))
+        return p
+
+    def _start_redis(self) -> str:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server not found: run `make install` (it installs the apt package)")
+        port = free_port(self.config.host)
+        p = self._spawn("redis", [exe, "--port", str(port), "--bind", self.config.host, "--save", "",
+                                   "--appendonly", "no", "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"])
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if p.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {p.returncode}")
+            try:
+                with socket.create_connection((self.config.host, port), timeout=0.5):
+                    return f"redis://{self.config.host}:{port}/0"
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("redis-server did not start")
+
+    def _start_worker(self, role: str, i: int, threads: int) -> None:
+        cfg = self.config
+        host = cfg.host
+        port, ev, rp = free_port(host), free_port(host), free_port(host)
+        conn: dict = {}
+        if cfg.kv_connector == "nixl":
+            conn = {"side_channel_host": host, "side_channel_port": free_port(host)} if role == "prefill" else {}
+        else:
+            conn = {"url": self.redis_url}
+        argv = [sys.executable, "-m", "kvmesh.cli", role, "--host", host, "--port", str(port),
+                "--engine-id", f"{role}-{i}", "--kv-connector", cfg.kv_connector,
+                "--kv-connector-config", json.dumps(conn),
+                "--kv-events-endpoint", f"tcp://{host}:{ev}", "--kv-events-replay-endpoint", f"tcp://{host}:{rp}"]
+        if cfg.model:
+            argv += ["--model", cfg.model]
+        argv += list(cfg.engine_args)
+        env = dict(os.environ, KVMESH_CPU_THREADS=os.environ.get("KVMESH_CPU_THREADS", str(threads)))
+        w = Worker(role, f"http://{host}:{port}", f"tcp://{host}:{ev}", f"tcp://{host}:{rp}")
+        w.proc = self._spawn(f"{role}-{i}", argv, env)
+        self.workers.append(w)
+
+    def _start_router(self, deadline: float) -> None:
+        cfg = self.config
+        argv = [sys.executable, "-m", "kvmesh.cli", "router", "--host", cfg.host, "--port", str(cfg.port)]
+        for w in self.workers:
+            argv += [f"--{w.role}", f"{w.url},events={w.events},replay={w.replay}"]
+        if cfg.model:
+            argv += ["--model", cfg.model]
+        argv += list(cfg.router_args)
+        p = self._spawn("router", argv)
+        self.router_url = f"http://{cfg.host}:{cfg.port}"
+        self._wait_healthy(self.router_url, deadline, p, "router")
+
+    @staticmethod
+    def _wait_healthy(url: str, deadline: float, proc: subprocess.Popen | None, what: str) -> None:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{what} at {url} exited with code {proc.returncode}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{what} at {url} not healthy in time")
+
+    # ---- stop ---------------------------------------------------------------
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM each process group (router first, redis last), then SIGKILL what is left."""
+        order = sorted(self.procs, key=lambda np: {"router": 0, "redis": 2}.get(np[0], 1))
+        for _, p in order:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + timeout
+        for _, p in order:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for _, p in order:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        self.procs.clear()
+
+    def __enter__(self) -> "Topology":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
