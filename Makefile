@@ -31,6 +31,9 @@ e2e: install
 bench-offline: install
 	$(VENV)/bin/kvmesh bench offline
 
+bench-serve: install
+	$(VENV)/bin/kvmesh bench serve --base-url http://127.0.0.1:8000 --dataset random --num-prompts 32 --request-rate inf
+
 clean:
 	rm -rf $(VENV) build *.egg-info
 
