@@ -127,8 +127,9 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = n_hit
-                    req.num_external_tokens = ext
+                    # As vLLM reports it: tokens not computed here, from the local cache or loaded from outside.
+                    req.num_cached_tokens = n_hit + ext
+                req.num_external_tokens = ext
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()
                 req.num_computed_tokens += n_hit
@@ -203,6 +204,8 @@ class Scheduler:
                 # Never a wrong token: drop what was loaded and recompute locally.
                 self.kv.free(req)
                 req.num_computed_tokens = 0
+                req.num_cached_tokens = -1  # re-measured at the next schedule
+                req.num_external_tokens = 0
             else:
                 req.num_computed_tokens += req.num_external_tokens
                 self.kv.cache_blocks(req, req.num_computed_tokens)
