@@ -106,13 +106,18 @@ class NixlConnector(KVConnector):
                  side_channel_port: int = 0, advertise_host: str | None = None, lease_s: float = 30.0,
                  handshake_timeout_s: float = 5.0, transfer_timeout_s: float = 30.0,
                  backends: tuple[str, ...] = ("UCX",), serve: bool | None = None,
-                 poll_sleep_s: float = 0.0005) -> None:
+                 poll_sleep_s: float = 0.001, ucx_error_handling_mode: str = "peer") -> None:
         """``serve`` starts the side channel (default: every role except ``decode``).
 
         ``lease_s`` bounds how long unclaimed blocks stay held; a claim extends the
         lease to cover the reader's ``transfer_timeout_s``. ``poll_sleep_s`` is the
         pause ``get_finished`` takes when nothing else runs and a read is in flight,
         so a waiting engine does not spin a core the transfer needs.
+
+        ``ucx_error_handling_mode``: "peer" (NIXL's default) lets UCX notice a dead peer,
+        but then only TCP qualifies between two processes on one host; "none" allows
+        shared memory / CMA (several times faster on one host, see bench/kv_transfer.py)
+        at the price of relying on this connector's own timeouts to detect a dead peer.
         """
         self.side_channel_host = side_channel_host
         self.side_channel_port = side_channel_port
@@ -124,6 +129,7 @@ class NixlConnector(KVConnector):
         self.backends = list(backends)
         self._serve = serve
         self.poll_sleep_s = poll_sleep_s
+        self.ucx_error_handling_mode = ucx_error_handling_mode
         self.layout: BlockLayout | None = None
         self.agent = None
         self.agent_name: str | None = None
@@ -167,7 +173,10 @@ class NixlConnector(KVConnector):
         self.layout = lay = BlockLayout.of(kv_cache)
         self._kv_cache = kv_cache  # keep the registered memory alive as long as the agent
         self.agent_name = f"{self.engine_config.engine_id}-{uuid.uuid4().hex[:12]}"
-        self.agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=True, backends=self.backends))
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=True, backends=[]))
+        for b in self.backends:
+            params = {"ucx_error_handling_mode": self.ucx_error_handling_mode} if b == "UCX" else {}
+            self.agent.create_backend(b, params)
         self._reg = self.agent.register_memory(
             [(lay.base_addr, lay.num_blocks * lay.block_bytes, lay.dev_id, "")], lay.mem_type)
         self._local_dlist = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._block_descs(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import struct
 import time
+import warnings
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -250,29 +251,41 @@ class RedisConnector(KVConnector):
                 self.stats["bytes_loaded"] += len(spec["block_ids"]) * self.layout.block_bytes  # type: ignore[union-attr]
 
     def _load(self, block_ids: list[int], hashes: list[bytes]) -> None:
-        """MGET in byte-bounded chunks, verify every value, then copy into the cache (all or nothing)."""
+        """MGET in byte-bounded chunks and verify every value before copying any (all or nothing)."""
         assert self.layout is not None and self.kv_cache is not None
         lay = self.layout
         per = max(1, self.max_batch_bytes // lay.block_bytes)
-        staged: list[tuple[int, np.ndarray]] = []
+        staged: list[tuple[int, memoryview]] = []
         for i in range(0, len(hashes), per):
             chunk = hashes[i:i + per]
             values = self.client.mget([self.key(h) for h in chunk])
             for j, (h, v) in enumerate(zip(chunk, values)):
                 if v is None:
                     raise KeyError(h.hex()[:16])
-                payload = decode_block(v, self._sig, h, lay.block_bytes)
-                staged.append((block_ids[i + j], np.frombuffer(payload, dtype=np.uint8)))
+                staged.append((block_ids[i + j], decode_block(v, self._sig, h, lay.block_bytes)))
         self._copy_in(staged)
 
-    def _copy_in(self, staged: list[tuple[int, np.ndarray]]) -> None:
+    def _copy_in(self, staged: list[tuple[int, memoryview]]) -> None:
+        """One contiguous copy per block straight from the Redis reply (no gather/scatter temporaries)."""
         assert self.kv_cache is not None
-        if not staged:
-            return
-        ids = torch.tensor([b for b, _ in staged], dtype=torch.long, device=self.kv_cache.device)
-        flat = torch.from_numpy(np.concatenate([a for _, a in staged]))
-        packed = flat.view(self.kv_cache.dtype).view(len(staged), *self.kv_cache.shape[1:])
-        self.kv_cache[ids] = packed.to(self.kv_cache.device, non_blocking=False)
+        cpu = self.kv_cache.device.type == "cpu"
+        for b, payload in staged:
+            dst = self.kv_cache[b].view(-1).view(torch.uint8)
+            if cpu:
+                np.copyto(dst.numpy(), np.frombuffer(payload, dtype=np.uint8))
+            else:
+                with warnings.catch_warnings():  # the reply buffer is read-only and only read here
+                    warnings.simplefilter("ignore", UserWarning)
+                    dst.copy_(torch.frombuffer(payload, dtype=torch.uint8))
+
+    def _block_bytes_view(self, ids: list[int]) -> list[memoryview]:
+        """Raw bytes of each block: views into a CPU cache, one gathered host copy for a GPU cache."""
+        assert self.kv_cache is not None
+        if self.kv_cache.device.type == "cpu":
+            return [memoryview(self.kv_cache[b].view(-1).view(torch.uint8).numpy()) for b in ids]
+        packed = self.kv_cache[torch.tensor(ids, dtype=torch.long, device=self.kv_cache.device)].cpu()
+        flat = packed.view(len(ids), -1).view(torch.uint8).numpy()
+        return [memoryview(flat[i]) for i in range(len(ids))]
 
     def save_kv(self, meta: ConnectorMetadata) -> None:
         if not meta.saves or self.layout is None or self.kv_cache is None:
@@ -283,16 +296,14 @@ class RedisConnector(KVConnector):
             ids.extend(spec["block_ids"])
             hashes.extend(spec["hashes"])
         try:
-            # Copy out now: once this step returns, the blocks can be freed and reused.
-            packed = self.kv_cache[torch.tensor(ids, dtype=torch.long, device=self.kv_cache.device)].cpu()
-            raw = memoryview(packed.contiguous().view(torch.uint8).numpy()).cast("B")
             bb = self.layout.block_bytes
             per = max(1, self.max_batch_bytes // bb)
             for i in range(0, len(ids), per):
+                views = self._block_bytes_view(ids[i:i + per])
                 pipe = self.client.pipeline(transaction=False)
-                for j in range(i, min(i + per, len(ids))):
-                    pipe.set(self.key(hashes[j]), encode_block(self._sig, hashes[j], raw[j * bb:(j + 1) * bb]),
-                             ex=self.ttl_s)
+                for h, raw in zip(hashes[i:i + per], views):
+                    # encode_block copies the bytes: after this step the block may be freed and reused.
+                    pipe.set(self.key(h), encode_block(self._sig, h, raw), ex=self.ttl_s)
                 pipe.execute()
             self.stats["blocks_saved"] += len(ids)
             self.stats["bytes_saved"] += len(ids) * bb

@@ -23,15 +23,40 @@ TEXT = ("Photosynthesis converts light energy into chemical energy. Plants, alga
         "nearly every food chain on Earth. ")
 
 
+def test_registry_and_param_checks():
+    from kvmesh.engine.connector import KVConnector
+    from kvmesh.engine.connectors import check_kv_transfer_params, make_connector
+
+    assert type(make_connector("none")) is KVConnector and type(make_connector(None)) is KVConnector
+    with pytest.raises(ValueError, match="unknown KV connector"):
+        make_connector("lmcache")
+    ok = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "127.0.0.1", "remote_port": 5600,
+          "remote_request_id": "r", "remote_transfer_id": "t", "remote_block_ids": [3, 4], "remote_block_size": 16}
+    assert check_kv_transfer_params(ok) is None
+    assert check_kv_transfer_params({"do_remote_decode": True}) is None
+    assert check_kv_transfer_params(dict(ok, remote_block_ids=[])) is None  # nothing to pull is fine
+    bad = [
+        "not a dict", {"do_remote_decode": "yes"}, dict(ok, do_remote_decode=True),
+        dict(ok, remote_block_ids="3,4"), dict(ok, remote_block_ids=[3, -1]), dict(ok, remote_block_ids=[3, 3]),
+        dict(ok, remote_block_ids=[True]), dict(ok, remote_port=0), dict(ok, remote_port="5600"),
+        dict(ok, remote_host=""), dict(ok, remote_engine_id=None), dict(ok, remote_block_size=0),
+        dict(ok, remote_block_hash="xyz"),
+    ]
+    for p in bad:
+        assert check_kv_transfer_params(p) is not None, p
+
+
+# The prefill's lease is far longer than any test (a loaded CI machine can take minutes per test);
+# the lease test shortens it explicitly.
 @pytest.fixture(scope="module")
 def procs():
     made: list[EngineProc] = []
     try:
         prefill = EngineProc({"role": "prefill", "connector": "nixl", "engine_id": "prefill-0",
-                              "connector_opts": {"lease_s": 120.0}})
+                              "connector_opts": {"lease_s": 600.0}})
         made.append(prefill)
         decode = EngineProc({"role": "decode", "connector": "nixl", "engine_id": "decode-0",
-                             "connector_opts": {"handshake_timeout_s": 3.0, "transfer_timeout_s": 30.0}})
+                             "connector_opts": {"handshake_timeout_s": 5.0, "transfer_timeout_s": 60.0}})
         made.append(decode)
         yield prefill, decode
     finally:
@@ -125,12 +150,13 @@ def test_local_prefix_hit_pulls_only_the_rest(procs, prompts, reference):
 
 def test_lease_expiry_frees_unread_blocks(procs, prompts, reference):
     prefill, decode = procs
+    expired = prefill.call("stats")["connector"]["leases_expired"]  # before: the lease may end any moment
     prefill.call("set", "lease_s", 1.0)
     try:
         first = prefill.call("gen", "lease", prompts["lease"], 1, {"do_remote_decode": True})
     finally:
-        prefill.call("set", "lease_s", 120.0)
-    expired = prefill.call("stats")["connector"]["leases_expired"]
+        prefill.call("set", "lease_s", 600.0)
+    assert first["kv_transfer_params"]["remote_block_ids"]
     s = _assert_drained(prefill)  # no reader comes: the lease, not a notification, frees the blocks
     assert s["connector"]["leases_expired"] == expired + 1
     # A reader arriving after expiry is refused and computes locally, still exactly.
