@@ -204,8 +204,11 @@ class EngineProcess:
         was_busy = False
         while self._running:
             busy = self.engine.has_unfinished()
-            self._drain(0 if busy else self.cfg.idle_poll_ms)
-            if self.engine.has_unfinished():
+            # Blocks held for a remote reader (or a load in flight) need steps too: read-done
+            # notifications and lease expiry free them even when no request is queued.
+            transfers = not busy and self._pending_transfers()
+            self._drain(0 if busy else (10 if transfers else self.cfg.idle_poll_ms))
+            if self.engine.has_unfinished() or transfers:
                 self.step_once()
                 was_busy = True
                 self.maybe_send_stats()
@@ -217,6 +220,10 @@ class EngineProcess:
                     log.warning("API server process %d is gone; engine exiting", self.cfg.parent_pid)
                     break
         self.close()
+
+    def _pending_transfers(self) -> bool:
+        check = getattr(self.engine, "has_pending_transfers", None)
+        return bool(check()) if check is not None else False
 
     def close(self) -> None:
         try:

@@ -286,6 +286,11 @@ class Serving:
                        req: _Sampling) -> Generation:
         for p in prompts:
             self.check_prompt(p.token_ids)
+        from kvmesh.engine.connectors.common import check_kv_transfer_params
+
+        problem = check_kv_transfer_params(req.kv_transfer_params)
+        if problem is not None:
+            raise bad_request(problem, "kv_transfer_params")
         if not self.client.healthy:
             raise APIError(503, f"engine is not available: {self.client.dead_reason or 'starting'}")
         return Generation(self.client, self.metrics, self.tokenizer, f"{prefix}-{uuid.uuid4().hex}", prompts,
