@@ -26,6 +26,8 @@ def register_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--skip-hf", action="store_true", help="measure kvmesh only")
     p.add_argument("--output-json", default="bench-results/offline.json")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads for both sides (1 keeps a shared machine from distorting the ratio)")
 
 
 def _prompts(n: int, lo: int, hi: int, vocab: int, rng: random.Random) -> list[list[int]]:
@@ -69,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore")
     import torch
 
+    torch.set_num_threads(args.threads)
+    os.environ["KVMESH_CPU_THREADS"] = str(args.threads)
     from kvmesh import LLM
     from kvmesh.engine.loader import load_model, resolve_model_path
 

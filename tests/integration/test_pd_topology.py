@@ -1,0 +1,121 @@
+"""The local disaggregated topology (`kvmesh up`): router -> prefill -> decode, both connectors.
+
+Every process is real (redis-server, two engine servers with their engine
+processes, the router) on loopback. Greedy outputs must equal the offline
+engine's; the decode pod must report the transferred tokens as not computed by
+it; the prefill pod must end with every block free.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from kvmesh import SamplingParams
+
+pytestmark = pytest.mark.integration
+BS = 16
+WORKER_ARGS = ("--max-model-len", "1024", "--num-kv-blocks", "256", "--block-size", str(BS))
+
+
+@pytest.fixture(scope="module", params=["nixl", "redis"])
+def topo(request, tmp_path_factory, monkeypatch_module):
+    if request.param == "nixl":
+        pytest.importorskip("nixl")
+    from kvmesh.topology import Topology, TopologyConfig, free_port
+
+    monkeypatch_module.setenv("KVMESH_CPU_THREADS", "1")
+    cfg = TopologyConfig(port=free_port(), kv_connector=request.param, engine_args=WORKER_ARGS,
+                         router_args=("--pd-min-uncached", "0", "--block-size", str(BS)),
+                         log_dir=str(tmp_path_factory.mktemp(f"up-{request.param}")), startup_timeout_s=600)
+    t = Topology(cfg)
+    t.start()
+    yield t
+    t.stop()
+    assert all(p.poll() is not None for _, p in t.procs) if t.procs else True
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def prompts(smol):
+    text = ("The history of computing spans centuries, from mechanical calculators and punched cards to "
+            "vacuum tubes, transistors and integrated circuits. ") * 12
+    ids = smol.tokenizer(text).input_ids
+    # shorter than a block, an exact multiple of the block size, and several blocks plus a remainder
+    return {"short": ids[:5], "exact": ids[:4 * BS], "long": ids[:150]}
+
+
+@pytest.fixture(scope="module")
+def reference(make_llm, prompts):
+    llm = make_llm()
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    return {k: llm.generate([v], params)[0].outputs[0].text for k, v in prompts.items()}
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
+    return sum(vals)
+
+
+def test_pd_greedy_equals_single_engine_and_decode_skips_received_tokens(topo, prompts, reference):
+    prefill = next(w for w in topo.workers if w.role == "prefill")
+    decode = next(w for w in topo.workers if w.role == "decode")
+    before = _metric(topo.router_url, "kvmesh:router_pd_decisions_total")
+    for name, ids in prompts.items():
+        r = httpx.post(topo.router_url + "/v1/completions",
+                       json={"prompt": ids, "max_tokens": 8, "temperature": 0}, timeout=600)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["text"] == reference[name], name
+        # Everything but the block holding the last prompt token came from the prefill pod.
+        received = ((len(ids) - 1) // BS) * BS
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == received, name
+    assert _metric(topo.router_url, "kvmesh:router_pd_decisions_total") >= before + 3
+    # The prefill pod's blocks held for the reader return to its pool.
+    deadline = time.monotonic() + 120
+    while _metric(prefill.url, "vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _metric(prefill.url, "vllm:kv_cache_usage_perc") == 0
+    deadline = time.monotonic() + 60
+    while _metric(decode.url, "vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _metric(decode.url, "vllm:kv_cache_usage_perc") == 0
+
+
+@pytest.mark.parametrize("params, fragment", [
+    ({"do_remote_prefill": "yes"}, "do_remote_prefill"),
+    ({"do_remote_prefill": True, "remote_block_ids": [1, "x"]}, "remote_block_ids"),
+    ({"do_remote_prefill": True, "remote_block_ids": [-4]}, "remote_block_ids"),
+    ({"do_remote_prefill": True, "do_remote_decode": True}, "both"),
+    ("not-an-object", "kv_transfer_params"),
+])
+def test_malformed_kv_transfer_params_get_400(topo, params, fragment):
+    decode = next(w for w in topo.workers if w.role == "decode")
+    r = httpx.post(decode.url + "/v1/completions",
+                   json={"prompt": "hello", "max_tokens": 2, "kv_transfer_params": params}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and err["param"] == "kv_transfer_params"
+
+
+def test_unknown_remote_engine_recomputes_correctly(topo, prompts, reference):
+    """Params that are well-formed but name an engine nobody runs: the decode pod recomputes."""
+    decode = next(w for w in topo.workers if w.role == "decode")
+    ids = prompts["long"]
+    bogus = {"do_remote_prefill": True, "remote_block_ids": list(range(8)), "remote_engine_id": "nobody",
+             "remote_host": "127.0.0.1", "remote_port": 9, "remote_request_id": "r-none",
+             "remote_transfer_id": "t-none"}
+    r = httpx.post(decode.url + "/v1/completions",
+                   json={"prompt": ids, "max_tokens": 8, "temperature": 0, "kv_transfer_params": bogus,
+                         "cache_salt": "isolated"}, timeout=600)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == reference["long"]
