@@ -30,8 +30,10 @@ ZMQ and share plain Python state under a lock.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 import uuid
@@ -90,6 +92,7 @@ class _Load:
     abort_deadline: float | None = None  # set once a timed-out read could not be aborted
     abandoned: bool = False  # the request was aborted while loading: free its blocks when the read stops
     started: float = field(default_factory=time.monotonic)
+    posted: float | None = None  # when the READ was posted (claim done, remote agent known)
 
 
 @dataclass
@@ -156,6 +159,10 @@ class NixlConnector(KVConnector):
             "loads_started": 0, "loads_done": 0, "loads_failed": 0, "blocks_loaded": 0, "bytes_loaded": 0,
             "sends_held": 0, "sends_done": 0, "sends_released": 0, "leases_expired": 0, "bad_params": 0,
         }
+        # The last finished pulls (decode side), for latency measurements: request id, outcome, blocks,
+        # bytes, claim_s (start -> READ posted: side-channel claim + remote agent setup), read_s (posted ->
+        # DONE), total_s, and the local/remote block ids.
+        self.transfer_log: collections.deque[dict[str, Any]] = collections.deque(maxlen=4096)
         if engine_config is not None:
             self.configure(engine_config)
 
@@ -171,6 +178,12 @@ class NixlConnector(KVConnector):
         if self.engine_config is None:
             raise RuntimeError("NixlConnector needs the engine config before register_kv_cache")
         self.layout = lay = BlockLayout.of(kv_cache)
+        if lay.mem_type == "VRAM" and "expandable_segments:true" in os.environ.get(
+                "PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
+            # CUDA VMM memory is not cudaIpc-shareable: UCX would drop from cuda_ipc to a host-staged path
+            # (~0.3 GB/s instead of ~hundreds of GB/s between NVLink peers). The pool must be plain cudaMalloc.
+            log.warning("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True; if the KV pool came from an "
+                        "expandable segment, NIXL cannot use cuda_ipc for it and VRAM reads will be very slow")
         self._kv_cache = kv_cache  # keep the registered memory alive as long as the agent
         self.agent_name = f"{self.engine_config.engine_id}-{uuid.uuid4().hex[:12]}"
         self.agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=True, backends=[]))
@@ -444,6 +457,7 @@ class NixlConnector(KVConnector):
             r.dlist, np.asarray(ld.remote_ids, dtype=np.int32), DONE_PREFIX + ld.transfer_id.encode())
         if self.agent.transfer(ld.handle) == "ERR":
             raise RuntimeError("NIXL refused to post the READ")
+        ld.posted = time.monotonic()
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         done_sending: set[str] = set()
@@ -458,6 +472,14 @@ class NixlConnector(KVConnector):
             if outcome is None:
                 continue
             del self._loads[rid]
+            end = time.monotonic()
+            self.transfer_log.append({
+                "request_id": rid, "ok": bool(outcome), "blocks": len(ld.local_ids),
+                "bytes": len(ld.local_ids) * (self.layout.block_bytes if self.layout else 0),
+                "claim_s": (ld.posted - ld.started) if ld.posted is not None else None,
+                "read_s": (end - ld.posted) if ld.posted is not None else None,
+                "total_s": end - ld.started, "local_ids": list(ld.local_ids), "remote_ids": list(ld.remote_ids),
+            })
             if outcome:
                 self.stats["loads_done"] += 1
                 self.stats["blocks_loaded"] += len(ld.local_ids)
