@@ -188,7 +188,7 @@ def start_router(policy: str, workers: list[dict], tmp: str, args) -> tuple[Proc
     wurls = [w["url"] for w in workers]
     if policy in ("kvmesh", "kvmesh-rr"):
         cmd = [sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-               "--block-size", str(args.block_tokens), "--health-interval", "0.5",
+               "--block-size", str(args.block_tokens), "--health-interval", "1.0",
                "--policy", "kv-aware" if policy == "kvmesh" else "round-robin"]
         for w in workers:
             cmd += ["--worker", f"{w['url']},events={w['events']},replay={w['replay']}"]
