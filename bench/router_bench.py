@@ -192,6 +192,7 @@ def start_router(policy: str, workers: list[dict], tmp: str, args) -> tuple[Proc
                "--policy", "kv-aware" if policy == "kvmesh" else "round-robin"]
         for w in workers:
             cmd += ["--worker", f"{w['url']},events={w['events']},replay={w['replay']}"]
+        cmd += args.kvmesh_args.split()
         env = {"KVMESH_LOG_LEVEL": "WARNING"}
     elif policy in ("sglang", "sglang-rr"):
         py = os.path.join(args.peer_venvs, "venv-sgl", "bin", "python")
@@ -284,6 +285,7 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="kvmesh,kvmesh-rr,sglang,vllm")
     ap.add_argument("--peer-venvs", default="/tmp", help="folder holding venv-sgl/ and venv-vllm/")
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--kvmesh-args", default="", help="extra `kvmesh router` flags, e.g. '--balance-abs 8'")
     ap.add_argument("--json", default=None)
     ap.add_argument("--log-dir", default="/tmp/kvmesh-router-bench-logs", help="worker and router logs (kept)")
     args = ap.parse_args(argv)
