@@ -271,6 +271,79 @@ async def replay(url: str, model: str, reqs: list[dict], rate: float, timeout: f
             "makespan_s": makespan}
 
 
+FAKE_POD = """
+import sys, time
+from kvmesh.services.router.testing import FakePod, ThreadServer
+p = FakePod(delay=0.0)
+p.server = ThreadServer(p.app, port=int(sys.argv[1]))
+p.start()
+while True:
+    time.sleep(3600)
+"""
+
+
+async def _hammer(url: str, n: int, conc: int, prompt: str) -> dict:
+    lat: list[float] = []
+    sem = asyncio.Semaphore(conc)
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=conc)) as client:
+        async def one(i):
+            async with sem:
+                t0 = time.monotonic()
+                r = await client.post(url + "/v1/completions", json={"model": "m", "prompt": prompt + f" {i}",
+                                                                      "max_tokens": 1})
+                if r.status_code == 200:
+                    lat.append(time.monotonic() - t0)
+        t = time.monotonic()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        wall = time.monotonic() - t
+    lat.sort()
+    return {"ok": len(lat), "req_s": len(lat) / wall, "p50_ms": 1000 * lat[len(lat) // 2],
+            "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]}
+
+
+def overhead(args) -> dict:
+    """Router cost: the same instant backend reached directly and through each router."""
+    port = free_port()
+    logs = args.log_dir
+    os.makedirs(logs, exist_ok=True)
+    pod = Proc([sys.executable, "-c", FAKE_POD, str(port)], os.path.join(logs, "fake-pod.log"))
+    out: dict[str, dict] = {}
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", 60, pod)
+        workers = [{"url": url, "events": None, "replay": None}]
+        prompt = "".join(word_vocab()[i * 7 % 5000] for i in range(200))
+        asyncio.run(_hammer(url, 50, 4, prompt))  # warm-up
+        out["direct"] = asyncio.run(_hammer(url, args.overhead, args.overhead_conc, prompt))
+        for pol in ("kvmesh", "sglang"):
+            if pol == "kvmesh":
+                rport = free_port()
+                rp = Proc([sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(rport),
+                           "--worker", url], os.path.join(logs, "overhead-kvmesh.log"), {"KVMESH_LOG_LEVEL": "WARNING"})
+                rurl = f"http://127.0.0.1:{rport}"
+                wait_http(rurl + "/health", 120, rp)
+            else:
+                started = start_router("sglang", workers, "", args)
+                if started is None:
+                    continue
+                rp, rurl = started
+            try:
+                asyncio.run(_hammer(rurl, 50, 4, prompt))
+                r = asyncio.run(_hammer(rurl, args.overhead, args.overhead_conc, prompt))
+            finally:
+                rp.stop()
+            r["added_p50_ms"] = r["p50_ms"] - out["direct"]["p50_ms"]
+            r["added_p99_ms"] = r["p99_ms"] - out["direct"]["p99_ms"]
+            out[pol] = r
+    finally:
+        pod.stop()
+    print(f"{'path':<8} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'+p50':>6} {'+p99':>6}")
+    for k, r in out.items():
+        print(f"{k:<8} {r['req_s']:>7.1f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} "
+              f"{r.get('added_p50_ms', 0):>6.2f} {r.get('added_p99_ms', 0):>6.2f}")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=DEFAULT_TRACE)
@@ -288,7 +361,17 @@ def main(argv=None) -> int:
     ap.add_argument("--kvmesh-args", default="", help="extra `kvmesh router` flags, e.g. '--balance-abs 8'")
     ap.add_argument("--json", default=None)
     ap.add_argument("--log-dir", default="/tmp/kvmesh-router-bench-logs", help="worker and router logs (kept)")
+    ap.add_argument("--overhead", type=int, default=0,
+                    help="instead of the trace: N requests to an instant fake backend, direct vs through each router")
+    ap.add_argument("--overhead-conc", type=int, default=16)
     args = ap.parse_args(argv)
+    if args.overhead:
+        res = overhead(args)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"overhead": res, "requests": args.overhead, "concurrency": args.overhead_conc}, fh,
+                          indent=1)
+        return 0
 
     rows = load_slice(args.trace, args.requests, args.window_s)
     tmp = tempfile.mkdtemp(prefix="kvmesh-router-bench-")  # ipc sockets
