@@ -203,4 +203,5 @@ def test_connector_factory_uses_registry(monkeypatch):
     monkeypatch.setattr(connectors, "make_connector", lambda name, config, **kw: calls.append((name, config, kw))
                         or "conn", raising=False)
     assert default_connector_factory(cfg) == "conn"
-    assert calls == [("redis", {"url": "redis://x"}, {"role": "prefill", "engine_id": "p-0"})]
+    # Options pass as keywords; role and engine id reach the connector from the engine (configure()).
+    assert calls == [("redis", None, {"url": "redis://x"})]
