@@ -28,11 +28,16 @@ log = logging.getLogger("kvmesh.engine")
 
 class EngineCore:
     def __init__(self, config: EngineConfig, state_dict: dict[str, torch.Tensor],
-                 connector: KVConnector | None = None) -> None:
+                 connector: KVConnector | None = None, simulate: dict | None = None) -> None:
         self.config = config
-        self.runner = ModelRunner(config, state_dict)
+        if simulate is not None:  # `serve --simulate`: latency model instead of the forward pass
+            from .sim_runner import SimulatedRunner
+
+            self.runner = SimulatedRunner(config, **simulate)
+        else:
+            self.runner = ModelRunner(config, state_dict)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching)
+                                 config.cache.enable_prefix_caching, emit_events=False)
         self.connector = connector or KVConnector()
         self.connector.configure(config)
         self.connector.register_kv_cache(self.runner.kv_cache)
@@ -54,9 +59,18 @@ class EngineCore:
                    max_model_len: int | None = None, long_prefill_token_threshold: int = 0,
                    max_waiting: int = 0, role: str = "both", seed: int = 0, engine_id: str = "kvmesh-0",
                    kv_cache_memory_gb: float = 2.0, gpu_memory_utilization: float = 0.9,
-                   connector: KVConnector | None = None, loaded=None) -> tuple["EngineCore", object]:
-        """Load a model and build an engine; returns ``(engine, tokenizer)``."""
-        loaded = loaded or load_model(model)
+                   connector: KVConnector | None = None, loaded=None,
+                   simulate: dict | None = None) -> tuple["EngineCore", object]:
+        """Load a model and build an engine; returns ``(engine, tokenizer)``.
+
+        ``simulate``: SimulatedRunner options (engine/sim_runner.py); no weights are loaded."""
+        loaded = loaded or load_model(model, load_weights=simulate is None)
+        if simulate is not None:
+            device, dtype = "cpu", "float32"
+            if num_kv_blocks is None:
+                from .sim_runner import DEFAULT_NUM_KV_BLOCKS
+
+                num_kv_blocks = DEFAULT_NUM_KV_BLOCKS
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         mcfg = loaded.config
@@ -73,7 +87,7 @@ class EngineCore:
                                       max_waiting=max_waiting),
             role=role, dtype=dtype, device=device, seed=seed, engine_id=engine_id,
         )
-        return cls(config, loaded.state_dict, connector), loaded.tokenizer
+        return cls(config, loaded.state_dict, connector, simulate=simulate), loaded.tokenizer
 
     # ---- requests -----------------------------------------------------------
     def validate(self, req: EngineCoreRequest) -> None:
@@ -267,6 +281,12 @@ class EngineCore:
             del self.groups[ext]
 
     # ---- introspection ------------------------------------------------------
+    def set_kv_events(self, enabled: bool) -> None:
+        """Emit KV events only when someone publishes them; otherwise they would pile up unread."""
+        self.kv.pool.emit_events = enabled
+        if not enabled:
+            self.kv.pool.take_events()
+
     def take_kv_events(self) -> list[KVCacheEvent]:
         return self.kv.pool.take_events()
 

@@ -110,6 +110,8 @@ class EngineProcess:
                 hook(engine)
         self.engine = engine
         self.kv_publisher = _make_kv_publisher(cfg, engine, self.ctx)
+        if hasattr(engine, "set_kv_events"):
+            engine.set_kv_events(self.kv_publisher is not None)
         # Requests not yet scheduled: we keep the engine's Request object to report its queue time once.
         self._unscheduled: dict[str, Any] = {}
         self._last_stats: wire.EngineStats | None = None
