@@ -39,10 +39,42 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
     g.add_argument("--log-level", default="warning", help="uvicorn's log level")
 
 
+def add_simulate_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("simulation (no model weights: real scheduler/cache/events/API, modelled latency)")
+    g.add_argument("--simulate", action="store_true",
+                   help="replace the forward pass with a latency model and deterministic tokens "
+                        "(tokenizer only; --num-kv-blocks defaults to 2048); see engine/sim_runner.py")
+    g.add_argument("--sim-prefill-ms-per-token", type=float, default=None,
+                   help="prefill cost per uncached prompt token (default 0.035: Llama-3-8B on an H200)")
+    g.add_argument("--sim-decode-ms", default=None, metavar="BASE,PER_SEQ",
+                   help="step cost = BASE + PER_SEQ x sequences (default 4.73,0.0143: Llama-3-8B on an H200)")
+    g.add_argument("--sim-vocab", type=int, default=None,
+                   help="emitted tokens come from this many ordinary token ids (default 4096)")
+
+
+def simulate_kwargs(args: argparse.Namespace) -> dict | None:
+    """SimulatedRunner options from the --sim-* flags, or None without --simulate."""
+    if not getattr(args, "simulate", False):
+        return None
+    kw: dict = {}
+    if args.sim_prefill_ms_per_token is not None:
+        kw["prefill_ms_per_token"] = args.sim_prefill_ms_per_token
+    if args.sim_decode_ms:
+        try:
+            base, per = (float(x) for x in args.sim_decode_ms.split(","))
+        except ValueError:
+            raise ValueError(f"--sim-decode-ms wants BASE,PER_SEQ in ms, got {args.sim_decode_ms!r}") from None
+        kw.update(decode_base_ms=base, decode_per_seq_ms=per)
+    if args.sim_vocab is not None:
+        kw["vocab"] = args.sim_vocab
+    return kw
+
+
 def register(sub) -> None:
     p = sub.add_parser("serve", help="run an OpenAI-compatible server")
     add_server_args(p)
     add_engine_args(p)
+    add_simulate_args(p)
     p.set_defaults(func=run)
 
 
@@ -59,6 +91,9 @@ def configs_from_args(args: argparse.Namespace):
     addrs = engine_addresses(cfg)
     kw = engine_kwargs(args)
     kw.update(max_waiting=args.max_waiting, engine_id=args.engine_id)
+    sim = simulate_kwargs(args)
+    if sim is not None:
+        kw["simulate"] = sim
     try:
         connector_cfg = json.loads(args.kv_connector_config)
     except json.JSONDecodeError as e:

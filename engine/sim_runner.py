@@ -1,0 +1,111 @@
+"""SimulatedRunner: the ModelRunner's ``execute()`` contract without a model.
+
+`kvmesh serve --simulate` keeps everything around the forward pass real (scheduler,
+block pool, prefix cache, KV events, API, metrics) and replaces the forward with a
+latency model, so 8-32 instances fit on a 2-core box and routers can be compared on
+prefix hits and queueing rather than on this machine's matmul speed.
+
+Latency of one step (sleep, so an idle core is left to the other instances)::
+
+    step_ms = decode_base_ms + decode_per_seq_ms * B + prefill_ms_per_token * prefill_tokens
+
+``B`` = sequences in the step, ``prefill_tokens`` = tokens of sequences that run more
+than one token this step (prompt chunks; prefix-cache hits are never scheduled, so a
+hit saves exactly its tokens' cost). Defaults: the Llama-3-8B shape on one H200,
+from docs/gpu.md:
+
+* decode: GPU ms/step 4.744 (batch 1), 5.357 (32), 6.555 (128) -> a line through
+  batch 1 and 128 gives 4.73 ms + 0.0143 ms/seq (batch 32 lands at 5.19, within 3 %).
+* prefill: the offline run prefilled 1,000 x 1,024 prompt tokens (+128 decode steps per
+  request) in 40.2 s: <= 0.039 ms/token if all of it were prefill; taking out ~4 s of
+  decode (4 waves of 256 seqs x 128 steps at ~8.4 ms) leaves ~0.035 ms/token.
+
+Tokens are deterministic: the next token of a sequence is a hash of its last
+``CONTEXT`` tokens (and its length) mapped into ``[vocab_lo, vocab_lo + vocab)``, a
+range of the real tokenizer's ordinary tokens, so detokenization, stop strings and
+the prefix cache of later turns behave as with a model. The logits returned are
+``[rows, vocab_lo + vocab]`` float32 with ``PEAK`` at that token and 0 elsewhere:
+greedy argmax picks it and random sampling picks it with probability ~1 - V·e^-PEAK.
+The KV pool is a placeholder tensor with one element per block (connectors that
+move real bytes are not meaningful in this mode).
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+
+import torch
+
+from .config import EngineConfig
+from .scheduler import SchedulerOutput
+
+# Calibration (see the module docstring).
+DEFAULT_PREFILL_MS_PER_TOKEN = 0.035
+DEFAULT_DECODE_BASE_MS = 4.73
+DEFAULT_DECODE_PER_SEQ_MS = 0.0143
+DEFAULT_VOCAB = 4096
+DEFAULT_VOCAB_LO = 1000  # above every special/control token of the bundled tokenizers
+DEFAULT_NUM_KV_BLOCKS = 2048  # per instance: 32k tokens at block size 16
+CONTEXT = 8
+PEAK = 50.0
+
+
+def next_token(tokens: list[int], vocab_lo: int, vocab: int) -> int:
+    """The simulated model's deterministic next token for a sequence."""
+    tail = tokens[-CONTEXT:]
+    h = hashlib.blake2b(struct.pack(f"<{len(tail) + 1}q", len(tokens), *tail), digest_size=8).digest()
+    return vocab_lo + int.from_bytes(h, "little") % vocab
+
+
+class SimulatedRunner:
+    def __init__(self, config: EngineConfig, prefill_ms_per_token: float = DEFAULT_PREFILL_MS_PER_TOKEN,
+                 decode_base_ms: float = DEFAULT_DECODE_BASE_MS, decode_per_seq_ms: float = DEFAULT_DECODE_PER_SEQ_MS,
+                 vocab: int = DEFAULT_VOCAB, vocab_lo: int = DEFAULT_VOCAB_LO, sleep=time.sleep) -> None:
+        self.config = config
+        vsize = config.model.vocab_size
+        if vocab_lo >= vsize:
+            vocab_lo = 0
+        self.vocab_lo = vocab_lo
+        self.vocab = max(1, min(vocab, vsize - vocab_lo))
+        self.width = self.vocab_lo + self.vocab
+        self.prefill_ms_per_token = prefill_ms_per_token
+        self.decode_base_ms = decode_base_ms
+        self.decode_per_seq_ms = decode_per_seq_ms
+        self.sleep = sleep
+        self.num_blocks = config.cache.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS
+        self.kv_cache = torch.zeros(self.num_blocks, 1, dtype=torch.float32)  # placeholder, one element per block
+        self.device = torch.device("cpu")
+        self.num_steps = 0
+        self.simulated_s = 0.0  # total latency slept
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
+
+    def step_ms(self, sched: SchedulerOutput) -> float:
+        b = len(sched.scheduled)
+        prefill = sum(s.num_tokens for s in sched.scheduled if s.num_tokens > 1)
+        return self.decode_base_ms + self.decode_per_seq_ms * b + self.prefill_ms_per_token * prefill
+
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Sleep for the step's modelled latency; ``logits[j]`` belongs to ``sched.scheduled[rows[j]]``."""
+        if not sched.scheduled:
+            return torch.empty(0, self.width), []
+        t0 = time.perf_counter()
+        rows, toks = [], []
+        for j, s in enumerate(sched.scheduled):
+            r = s.request
+            end = r.num_computed_tokens + s.num_tokens
+            if end >= r.num_tokens:  # this step reaches the sequence's last token: it samples
+                rows.append(j)
+                toks.append(next_token(r.all_token_ids[:end], self.vocab_lo, self.vocab))
+        logits = torch.zeros(len(rows), self.width)
+        if rows:
+            logits[torch.arange(len(rows)), torch.tensor(toks)] = PEAK
+        self.num_steps += 1
+        self.num_eager_steps += 1
+        ms = self.step_ms(sched)
+        self.simulated_s += ms / 1000
+        left = ms / 1000 - (time.perf_counter() - t0)
+        if left > 0:
+            self.sleep(left)
+        return logits, rows
