@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvmesh-installed
 INSTALL_INPUTS := pyproject.toml scripts/install.sh requirements/constraints.txt requirements/extra.txt
 
-.PHONY: install serve test test-unit test-integration e2e gpu-test bench-offline bench-serve cluster-up cluster-down clean
+.PHONY: install serve test test-unit test-integration e2e gpu-test bench-offline bench-serve bench-router cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -47,3 +47,6 @@ cluster-up:
 
 cluster-down:
 	@bash tests/e2e/cluster/down.sh
+
+bench-router: install
+	$(VENV)/bin/kvmesh bench router --trace ../shared/traces/mooncake/conversation_trace.jsonl --instances 8 --policies round-robin,kvmesh,sglang,vllm --json bench-results/router.json

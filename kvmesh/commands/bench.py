@@ -1,4 +1,5 @@
-"""`kvmesh bench serve` (load a live server) and `kvmesh bench offline` (the engine in-process)."""
+"""`kvmesh bench serve` (load a live server), `kvmesh bench offline` (the engine in-process) and
+`kvmesh bench router` (a trace through several routers against simulated instances)."""
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,18 @@ def register(sub) -> None:
     else:
         bench_offline.register_args(o)
         o.set_defaults(func=bench_offline.run)
+    r = bsub.add_parser("router", help="replay a Mooncake trace against simulated instances through several routers")
+    from kvmesh import bench_router  # light: heavy imports happen in run()
+
+    bench_router.add_args(r)
+    r.set_defaults(func=_run_router)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from kvmesh import bench_router
+
+    return bench_router.run(args)
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -1,0 +1,430 @@
+"""`kvmesh bench router`: a Mooncake-format trace replayed against N simulated instances
+(`kvmesh serve --simulate`, real scheduler/prefix cache/KV events/API, modelled H200 latency)
+through several routing policies in one run.
+
+    kvmesh bench router --trace ../shared/traces/mooncake/conversation_trace.jsonl \\
+        --instances 8 --policies round-robin,kvmesh,sglang,vllm --json bench-results/router.json
+
+Policies: ``round-robin`` and ``kvmesh`` (`kvmesh router --policy round-robin|kv-aware`),
+``least-load`` (kvmesh), ``sglang`` (sglang-router ``cache_aware``, from
+``--peer-venvs``/venv-sgl) and ``vllm`` (vllm-router ``cache_aware``, from
+``--peer-venvs``/venv-vllm). A peer whose venv is missing is skipped with a message.
+Peers are started outside the repository (its ``operator/`` folder shadows the stdlib
+module when the working directory is the repo root).
+
+Scaling (printed and stored under ``_setup`` in the JSON):
+
+* requests: the first ``--requests`` rows of the trace, in order (any Mooncake-format
+  JSONL: ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``).
+* tokens: one hash block (``--hash-block`` tokens, 512 for Mooncake) becomes
+  ``--block-tokens`` synthetic single-token words (default 16 = one engine block);
+  each hash id maps to fixed words (seeded by the id and the policy, so one policy's
+  run never warms the cache for the next). Lengths scale by block_tokens/hash_block.
+* simulated cost: every synthetic token stands for hash_block/block_tokens real tokens,
+  so the instances' prefill cost per token is ``0.035 ms x 512/16`` and the chunk size
+  ``8192 x 16/512`` tokens: prefill time is that of the real prompt on an H200
+  (engine/sim_runner.py for the calibration).
+* KV capacity per instance: ``--num-kv-blocks`` (default 1680 engine blocks = 1680
+  Mooncake blocks = 860k real tokens: an H200 at 0.9 utilisation with Llama-3-8B
+  (16 GB weights, 128 KiB of bf16 KV per token) holds ~110 GB / 128 KiB = 860k tokens).
+* time: arrival times are compressed to ``--rate`` requests/s on average.
+* outputs: ``max_tokens = clamp(output_length, 1, --max-output)`` (streaming every token
+  through 8 Python API servers and a router is what a 2-core box cannot afford).
+
+Metrics per policy: hit_ratio = Σ instances' ``vllm:prefix_cache_hits`` /
+``vllm:prefix_cache_queries`` deltas (tokens served from cache / prompt tokens, measured
+on the instances); TTFT p50/p90/p99 (s, client side, streaming, first chunk);
+throughput (completed requests/s over the makespan); imbalance = max/mean completed
+requests per instance. ``ideal_hit_ratio``: an unlimited shared cache with the engine's
+rule (the last prompt token is always recomputed).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+H200_PREFILL_MS_PER_TOKEN = 0.035  # engine/sim_runner.py
+H200_CHUNK_TOKENS = 8192
+H200_KV_BLOCKS = 1680  # 860k tokens / 512
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", required=True, help="Mooncake-format JSONL (timestamp, input_length, output_length, "
+                                                  "hash_ids)")
+    p.add_argument("--instances", type=int, default=8)
+    p.add_argument("--policies", default="round-robin,kvmesh,sglang,vllm",
+                   help="comma list of round-robin, kvmesh, least-load, sglang, vllm")
+    p.add_argument("--json", default=None, help="write {policy: {hit_ratio, ttft_p50, ...}} here")
+    p.add_argument("--requests", type=int, default=200, help="first N trace rows (0: all)")
+    p.add_argument("--rate", type=float, default=4.0, help="mean requests/s after time compression")
+    p.add_argument("--hash-block", type=int, default=512, help="tokens per trace hash id (Mooncake: 512)")
+    p.add_argument("--block-tokens", type=int, default=16, help="synthetic tokens per hash id (= engine block)")
+    p.add_argument("--max-output", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=8192, help="instances' context (synthetic tokens)")
+    p.add_argument("--num-kv-blocks", type=int, default=H200_KV_BLOCKS, help="per-instance KV capacity, blocks")
+    p.add_argument("--sim-decode-ms", default=None, help="instances' BASE,PER_SEQ (default: H200 calibration)")
+    p.add_argument("--peer-venvs", default="/tmp", help="folder holding venv-sgl/ and venv-vllm/")
+    p.add_argument("--kvmesh-args", default="", help="extra `kvmesh router` flags for the kvmesh policy")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout, s")
+    p.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "kvmesh-bench-router-logs"))
+
+
+# ---- trace ----------------------------------------------------------------------------
+def load_trace(path: str, n: int) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            r = json.loads(line)
+            for k in ("timestamp", "input_length", "output_length", "hash_ids"):
+                if k not in r:
+                    raise ValueError(f"{path}: row {len(rows)} has no {k!r} (not a Mooncake-format trace)")
+            rows.append(r)
+            if n and len(rows) >= n:
+                break
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    rows.sort(key=lambda r: r["timestamp"])
+    return rows
+
+
+_WORDS: list[str] = []
+
+
+def word_vocab() -> list[str]:
+    """Single-token words (" word" encoding to exactly one token): text prompts tokenize block-aligned.
+    Prompts go out as text because sglang-router's /v1/completions rejects token-id prompts."""
+    if not _WORDS:
+        from kvmesh.engine.loader import load_model
+
+        tok = load_model(None, load_weights=False).tokenizer
+        for t in range(1000, min(tok.vocab_size, 40000)):
+            s = tok.decode([t])
+            if s.startswith(" ") and s[1:].isalpha() and s[1:].islower() and len(s) >= 4:
+                if list(tok(s, add_special_tokens=False).input_ids) == [t]:
+                    _WORDS.append(s)
+    return _WORDS
+
+
+def build_requests(rows: list[dict], args, seed: str, max_len: int) -> list[dict]:
+    vocab = word_vocab()
+    bt, hb = args.block_tokens, args.hash_block
+    out = []
+    for r in rows:
+        ids = r["hash_ids"]
+        scaled = max(1, math.ceil(r["input_length"] * bt / hb))
+        scaled = min(scaled, len(ids) * bt, max_len - args.max_output - 1)
+        blocks, left = [], scaled
+        for h in ids:
+            if left <= 0:
+                break
+            rng = random.Random(f"{seed}:{h}")
+            toks = [vocab[rng.randrange(len(vocab))] for _ in range(bt)]
+            blocks.append((h, toks[:min(left, bt)]))
+            left -= bt
+        out.append({"t": r["timestamp"] / 1000.0, "blocks": blocks,
+                    "max_tokens": max(1, min(args.max_output, int(r["output_length"])))})
+    return out
+
+
+def ideal_hit_ratio(reqs: list[list]) -> float:
+    """Unlimited shared cache, token-weighted; whole blocks only, the last prompt token always recomputed."""
+    seen: set[tuple] = set()
+    hit = total = 0
+    for blocks in reqs:
+        bt = len(blocks[0][1])
+        plen = sum(len(b[1]) for b in blocks)
+        total += plen
+        n = 0
+        for i in range(len(blocks)):
+            if len(blocks[i][1]) == bt and tuple(x[0] for x in blocks[: i + 1]) in seen:
+                n += 1
+            else:
+                break
+        hit += min(n * bt, (plen - 1) // bt * bt)
+        for i in range(len(blocks)):
+            if len(blocks[i][1]) == bt:
+                seen.add(tuple(x[0] for x in blocks[: i + 1]))
+    return hit / max(total, 1)
+
+
+# ---- processes ------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, cmd: list[str], log: str, env: dict | None = None, cwd: str | None = None) -> None:
+        self.log = open(log, "wb")
+        self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**os.environ, **(env or {})}, cwd=cwd)
+
+    def stop(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.p.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.p.wait(10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.log.close()
+
+
+def wait_http(url: str, timeout: float, proc: Proc | None = None) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.p.poll() is not None:
+            raise RuntimeError(f"process exited ({proc.p.returncode}); see {proc.log.name}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout}s")
+
+
+def scrape(url: str) -> dict[str, float]:
+    import httpx
+
+    out: dict[str, float] = defaultdict(float)
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        for name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+                     "vllm:request_success_total"):
+            if line.startswith(name):
+                out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def peer_command(policy: str, args) -> list[str] | None:
+    """The peer router's launcher, or None when its venv is not there."""
+    if policy == "sglang":
+        py = os.path.join(args.peer_venvs, "venv-sgl", "bin", "python")
+        return [py, "-m", "sglang_router.launch_router"] if os.path.exists(py) else None
+    exe = os.path.join(args.peer_venvs, "venv-vllm", "bin", "vllm-router")
+    return [exe] if os.path.exists(exe) else None
+
+
+def start_router(policy: str, workers: list[dict], args) -> tuple[Proc, str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = os.path.join(args.log_dir, f"router-{policy}.log")
+    wurls = [w["url"] for w in workers]
+    cwd = None
+    if policy in ("kvmesh", "round-robin", "least-load"):
+        kp = {"kvmesh": "kv-aware"}.get(policy, policy)
+        cmd = [sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+               "--block-size", str(args.block_tokens), "--health-interval", "1.0", "--policy", kp]
+        for w in workers:
+            cmd += ["--worker", f"{w['url']},events={w['events']},replay={w['replay']}"]
+        if policy == "kvmesh":
+            cmd += args.kvmesh_args.split()
+        env = {"KVMESH_LOG_LEVEL": "WARNING"}
+    else:
+        base = peer_command(policy, args)
+        cwd = tempfile.gettempdir()
+        if policy == "sglang":
+            cmd = base + ["--worker-urls", *wurls, "--policy", "cache_aware", "--host", "127.0.0.1",
+                          "--port", str(port), "--prometheus-host", "127.0.0.1",
+                          "--prometheus-port", str(free_port()), "--log-level", "warn"]
+        else:
+            cmd = base + ["--worker-urls", *wurls, "--policy", "cache_aware", "--host", "127.0.0.1",
+                          "--port", str(port), "--prometheus-port", str(free_port())]
+        env = {}
+    p = Proc(cmd, log, env, cwd=cwd)
+    try:
+        wait_http(url + "/health", 120, p)
+    except RuntimeError:
+        p.stop()
+        raise
+    return p, url
+
+
+# ---- replay ---------------------------------------------------------------------------
+async def replay(url: str, model: str, reqs: list[dict], rate: float, timeout: float) -> dict:
+    import httpx
+
+    t_first = min(r["t"] for r in reqs)
+    span = max(r["t"] for r in reqs) - t_first or 1.0
+    scale = (len(reqs) / rate) / span
+    results = []
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30), limits=limits) as client:
+        async def one(r):
+            await asyncio.sleep((r["t"] - t_first) * scale)
+            prompt = "".join(t for _, toks in r["blocks"] for t in toks)
+            body = {"model": model, "prompt": prompt, "max_tokens": r["max_tokens"], "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            t0 = time.monotonic()
+            ttft, ok = None, False
+            try:
+                async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+                    if resp.status_code == 200:
+                        async for line in resp.aiter_lines():
+                            if line.startswith("data:") and ttft is None:
+                                ttft = time.monotonic() - t0
+                            if line.strip() == "data: [DONE]":
+                                ok = True
+                    else:
+                        await resp.aread()
+            except httpx.HTTPError:
+                pass
+            results.append({"ok": ok, "ttft": ttft, "end": time.monotonic(), "out": r["max_tokens"]})
+
+        start = time.monotonic()
+        await asyncio.gather(*(one(r) for r in reqs))
+    oks = [x for x in results if x["ok"]]
+    ttfts = sorted(x["ttft"] for x in oks if x["ttft"] is not None)
+    makespan = max((x["end"] for x in results), default=start) - start
+
+    def pct(q):
+        return ttfts[min(len(ttfts) - 1, int(round(q / 100 * (len(ttfts) - 1))))] if ttfts else None
+
+    return {"ok": len(oks), "failed": len(results) - len(oks), "ttft_p50": pct(50), "ttft_p90": pct(90),
+            "ttft_p99": pct(99), "ttft_mean": sum(ttfts) / len(ttfts) if ttfts else None,
+            "throughput": len(oks) / makespan if makespan > 0 else None,
+            "output_tok_s": sum(x["out"] for x in oks) / makespan if makespan > 0 else None,
+            "makespan_s": makespan}
+
+
+# ---- main -----------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    policies = [p for p in args.policies.split(",") if p]
+    known = {"round-robin", "kvmesh", "least-load", "sglang", "vllm"}
+    bad = [p for p in policies if p not in known]
+    if bad:
+        print(f"error: unknown policies {bad}; choose from {sorted(known)}", file=sys.stderr)
+        return 2
+    try:
+        rows = load_trace(args.trace, args.requests)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    runnable = []
+    results: dict[str, dict] = {}
+    for p in policies:
+        if p in ("sglang", "vllm") and peer_command(p, args) is None:
+            venv = os.path.join(args.peer_venvs, "venv-sgl" if p == "sglang" else "venv-vllm")
+            msg = f"skipped: {venv} not found (pip install {'sglang-router' if p == 'sglang' else 'vllm-router'} " \
+                  f"into that venv, or pass --peer-venvs)"
+            print(f"[{p}] {msg}", file=sys.stderr)
+            results[p] = {"skipped": msg}
+        else:
+            runnable.append(p)
+
+    ratio = args.hash_block / args.block_tokens
+    prefill_ms = H200_PREFILL_MS_PER_TOKEN * ratio
+    chunk = max(args.block_tokens, int(H200_CHUNK_TOKENS / ratio))
+    os.makedirs(args.log_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="kvmesh-bench-router-")
+    env = {"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING"}
+    workers, procs = [], []
+    t_start = time.monotonic()
+    try:
+        for i in range(args.instances):
+            port = free_port()
+            w = {"url": f"http://127.0.0.1:{port}", "events": f"ipc://{tmp}/ev{i}", "replay": f"ipc://{tmp}/rep{i}"}
+            cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--simulate", "--host", "127.0.0.1",
+                   "--port", str(port), "--max-model-len", str(args.max_model_len),
+                   "--num-kv-blocks", str(args.num_kv_blocks), "--block-size", str(args.block_tokens),
+                   "--max-num-batched-tokens", str(chunk), "--sim-prefill-ms-per-token", f"{prefill_ms:.6g}",
+                   "--engine-id", f"sim{i}", "--kv-events-endpoint", w["events"],
+                   "--kv-events-replay-endpoint", w["replay"]]
+            if args.sim_decode_ms:
+                cmd += ["--sim-decode-ms", args.sim_decode_ms]
+            procs.append(Proc(cmd, os.path.join(args.log_dir, f"instance{i}.log"), env))
+            workers.append(w)
+        print(f"starting {args.instances} simulated instances (logs in {args.log_dir}) ...", file=sys.stderr)
+        for w, p in zip(workers, procs):
+            wait_http(w["url"] + "/health", 900, p)
+        model = httpx.get(workers[0]["url"] + "/v1/models").json()["data"][0]["id"]
+        max_len = args.max_model_len
+        for policy in runnable:
+            reqs = build_requests(rows, args, seed=policy, max_len=max_len)
+            try:
+                rp, url = start_router(policy, workers, args)
+            except RuntimeError as e:
+                results[policy] = {"error": f"router did not start: {e}"}
+                print(f"[{policy}] router did not start: {e}", file=sys.stderr)
+                continue
+            before = [scrape(w["url"]) for w in workers]
+            try:
+                res = asyncio.run(replay(url, model, reqs, args.rate, args.timeout))
+            finally:
+                rp.stop()
+            time.sleep(1.0)
+            after = [scrape(w["url"]) for w in workers]
+            d = lambda k: sum(a[k] - b[k] for a, b in zip(after, before))  # noqa: E731
+            hits, queries = d("vllm:prefix_cache_hits_total"), d("vllm:prefix_cache_queries_total")
+            per = [a["vllm:request_success_total"] - b["vllm:request_success_total"] for a, b in zip(after, before)]
+            mean = sum(per) / len(per) if per else 0
+            res.update(hit_ratio=hits / queries if queries else None, imbalance=max(per) / mean if mean else None,
+                       per_instance=per, ideal_hit_ratio=ideal_hit_ratio([r["blocks"] for r in reqs]))
+            results[policy] = res
+            print(f"[{policy}] done: hit {res['hit_ratio']}, ttft p90 {res['ttft_p90']}, ok {res['ok']}/"
+                  f"{res['ok'] + res['failed']}", file=sys.stderr)
+    finally:
+        for p in procs:
+            p.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    setup = {"trace": os.path.abspath(args.trace), "requests": len(rows), "instances": args.instances,
+             "rate_req_s": args.rate, "hash_block": args.hash_block, "block_tokens": args.block_tokens,
+             "length_scale": f"{args.block_tokens}/{args.hash_block}", "max_output": args.max_output,
+             "num_kv_blocks_per_instance": args.num_kv_blocks, "sim_prefill_ms_per_token": prefill_ms,
+             "max_num_batched_tokens": chunk, "sim_decode_ms": args.sim_decode_ms or "4.73,0.0143",
+             "wall_s": round(time.monotonic() - t_start, 1)}
+    print_table(results, setup)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump({**results, "_setup": setup}, fh, indent=1)
+    return 0
+
+
+def print_table(results: dict, setup: dict) -> None:
+    print(f"{setup['requests']} requests of {setup['trace']}, {setup['instances']} simulated instances, "
+          f"{setup['rate_req_s']} req/s")
+    print(f"{'policy':<12} {'hit':>6} {'ideal':>6} {'ttft p50':>9} {'p90':>7} {'p99':>7} {'req/s':>6} "
+          f"{'imbal':>6} {'ok/fail':>8}")
+    f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+    for pol, r in results.items():
+        if "ok" not in r:
+            print(f"{pol:<12} {r.get('skipped') or r.get('error')}")
+            continue
+        print(f"{pol:<12} {f(r['hit_ratio']):>6} {f(r['ideal_hit_ratio']):>6} {f(r['ttft_p50']):>9} "
+              f"{f(r['ttft_p90']):>7} {f(r['ttft_p99']):>7} {f(r['throughput']):>6} {f(r['imbalance'], 2):>6} "
+              f"{r['ok']:>4}/{r['failed']:<3}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
