@@ -34,13 +34,10 @@ Prints a table last; writes ``gpu_engine.json`` under ``$OUT`` (or the cwd).
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import os
 import sys
 import time
-import types
 
 import torch
 
@@ -49,24 +46,12 @@ T_START = time.time()
 TIE_TOL = 0.05
 
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checkout import import_checkout  # noqa: E402
+
+
 def import_engine():
-    """`kvmesh.engine`, installed or mapped from this checkout's folders."""
-    try:
-        return importlib.import_module("kvmesh.engine.core")
-    except ImportError:
-        pass
-    for name in [n for n in sys.modules if n == "kvmesh" or n.startswith("kvmesh.")]:
-        del sys.modules[name]
-    for name, folder in (("kvmesh", "kvmesh"), ("kvmesh.kernels", "kernels"), ("kvmesh.engine", "engine")):
-        path = os.path.join(ROOT, folder)
-        spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
-                                                      submodule_search_locations=[path])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        if "." in name:
-            setattr(sys.modules["kvmesh"], name.split(".")[1], mod)
-    return importlib.import_module("kvmesh.engine.core")
+    return import_checkout("kvmesh.engine.core")
 
 
 import_engine()

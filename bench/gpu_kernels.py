@@ -32,8 +32,6 @@ Times are medians of ``triton.testing.do_bench``. Prints a table last; writes
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import math
 import os
@@ -47,25 +45,12 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def import_kernels():
-    """`kvmesh.kernels`, installed or straight from this checkout's ``kernels/``."""
-    try:
-        return importlib.import_module("kvmesh.kernels")
-    except ImportError:
-        pass
-    import types
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checkout import import_checkout  # noqa: E402
 
-    if "kvmesh" not in sys.modules:
-        pkg = types.ModuleType("kvmesh")
-        pkg.__path__ = [os.path.join(ROOT, "kvmesh")]
-        sys.modules["kvmesh"] = pkg
-    spec = importlib.util.spec_from_file_location(
-        "kvmesh.kernels", os.path.join(ROOT, "kernels", "__init__.py"),
-        submodule_search_locations=[os.path.join(ROOT, "kernels")])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kvmesh.kernels"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+
+def import_kernels():
+    return import_checkout("kvmesh.kernels")
 
 
 K = import_kernels()

@@ -32,8 +32,6 @@ import math
 import os
 import random
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,14 +39,10 @@ from collections import defaultdict
 
 import httpx
 
+from kvmesh.bench_router import Proc, free_port, ideal_hit_ratio, scrape, wait_http, word_vocab
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRACE = os.path.join(REPO, "..", "shared", "traces", "mooncake", "conversation_trace.jsonl")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the trace slice -----------------------------------------------------------
@@ -71,45 +65,6 @@ def load_slice(path: str, n: int, window_s: float) -> list[dict]:
             break
         chosen.update(v)
     return [rows[i] for i in sorted(chosen)][:n]
-
-
-def ideal_hit_ratio(reqs: list[list[int]]) -> float:
-    """Unlimited shared cache, token-weighted, with the engine's rule (last token always recomputed)."""
-    seen: set[tuple] = set()
-    hit = total = 0
-    for blocks in reqs:
-        total += len(blocks[-1][1]) + sum(len(b[1]) for b in blocks[:-1])
-        n = 0
-        for i in range(len(blocks)):
-            if tuple(x[0] for x in blocks[: i + 1]) in seen:
-                n += 1
-            else:
-                break
-        plen = sum(len(b[1]) for b in blocks)
-        hit += min(n * len(blocks[0][1]), (plen - 1) // len(blocks[0][1]) * len(blocks[0][1]))
-        for i in range(len(blocks)):
-            seen.add(tuple(x[0] for x in blocks[: i + 1]))
-    return hit / max(total, 1)
-
-
-_WORDS: list[str] = []
-
-
-def word_vocab() -> list[str]:
-    """Single-token words (" word" that encodes to exactly one token), so text blocks tokenize block-aligned.
-
-    Prompts go out as text: sglang-router's /v1/completions rejects token-id prompts.
-    """
-    if not _WORDS:
-        from kvmesh.engine.loader import load_model
-
-        tok = load_model(None, load_weights=False).tokenizer
-        for t in range(1000, min(tok.vocab_size, 40000)):
-            s = tok.decode([t])
-            if s.startswith(" ") and s[1:].isalpha() and s[1:].islower() and len(s) >= 4:
-                if list(tok(s, add_special_tokens=False).input_ids) == [t]:
-                    _WORDS.append(s)
-    return _WORDS
 
 
 def build_requests(rows: list[dict], block_tokens: int, max_blocks: int, max_output: int, seed: str):
@@ -135,50 +90,6 @@ def build_requests(rows: list[dict], block_tokens: int, max_blocks: int, max_out
 
 
 # ---- processes ------------------------------------------------------------------
-class Proc:
-    def __init__(self, cmd: list[str], log: str, env: dict | None = None, cwd: str | None = None) -> None:
-        self.log = open(log, "wb")
-        self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                  env={**os.environ, **(env or {})}, cwd=cwd)
-
-    def stop(self) -> None:
-        import signal
-
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.p.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.p.wait(10)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        self.log.close()
-
-
-def wait_http(url: str, timeout: float, proc: Proc | None = None, ok=(200,)) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.p.poll() is not None:
-            raise RuntimeError(f"process exited ({proc.p.returncode}); see {proc.log.name}")
-        try:
-            if httpx.get(url, timeout=2).status_code in ok:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready after {timeout}s")
-
-
-def scrape(url: str) -> dict[str, float]:
-    out: dict[str, float] = defaultdict(float)
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        for name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-                     "vllm:request_success_total"):
-            if line.startswith(name):
-                out[name] += float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def start_router(policy: str, workers: list[dict], tmp: str, args) -> tuple[Proc, str] | None:

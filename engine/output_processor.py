@@ -50,6 +50,27 @@ class RequestOutput:
 class _SeqState:
     out: CompletionOutput
     emitted_len: int = 0  # characters of text already emitted as deltas
+    # Incremental detokenization: text of tokens [0, read_offset) is final in `stable`; only the window
+    # from prefix_offset (one step of context, for tokenizers that strip a leading space) is decoded
+    # again per token, so a long output costs O(1) decoding per token instead of O(length).
+    stable: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def detokenize(self, tokenizer, skip_special_tokens: bool) -> str:
+        """Full text so far (its tail may end in an incomplete character, shown as U+FFFD)."""
+        ids = self.out.token_ids
+        before = tokenizer.decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip_special_tokens)
+        window = tokenizer.decode(ids[self.prefix_offset:], skip_special_tokens=skip_special_tokens)
+        if not window.startswith(before):  # the context decoded differently: fall back to a full decode
+            self.stable, self.prefix_offset, self.read_offset = "", 0, 0
+            before, window = "", tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        tail = window[len(before):]
+        if tail.endswith("\ufffd"):
+            return self.stable + tail  # a character still split across tokens: keep the window open
+        self.stable += tail
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        return self.stable
 
 
 class RequestState:
@@ -90,7 +111,7 @@ class RequestState:
                 out.cumulative_logprob += lp
         stopped = False
         if self.tokenizer is not None and eo.new_token_ids:
-            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=self.params.skip_special_tokens)
+            text = st.detokenize(self.tokenizer, self.params.skip_special_tokens)
             if self.params.stop:
                 hit = self._find_stop(text, old_len)
                 if hit is not None:

@@ -78,6 +78,26 @@ def _filter_logits_batched(x: torch.Tensor, params: Sequence[SamplingParams]) ->
     return x
 
 
+def _results(logits: torch.Tensor, ids: list[int], params: Sequence[SamplingParams]) -> list[SampleResult]:
+    """Wrap the chosen ids; rows that asked for logprobs get them from the raw distribution."""
+    if not any(p.logprobs is not None for p in params):
+        return [SampleResult(t) for t in ids]
+    logprobs = torch.log_softmax(logits, -1)
+    out = []
+    for i, (tok, p) in enumerate(zip(ids, params)):
+        res = SampleResult(tok)
+        if p.logprobs is not None:
+            row = logprobs[i]
+            res.logprob = float(row[tok])
+            if p.logprobs > 0:
+                vals, idx = torch.topk(row, p.logprobs)
+                res.top_logprobs = list(zip(idx.tolist(), vals.tolist()))
+            else:
+                res.top_logprobs = []
+        out.append(res)
+    return out
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.default_generator = torch.Generator(device="cpu")
@@ -89,33 +109,17 @@ class Sampler:
         logits = logits.float()
         if logits.is_cuda:
             return self._sample_device(logits, params, generators)
-        out: list[SampleResult] = []
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        greedy_tok = {}
-        if greedy_rows:
-            ids = logits[greedy_rows].argmax(-1).tolist()
-            greedy_tok = dict(zip(greedy_rows, ids))
-        need_lp = any(p.logprobs is not None for p in params)
-        logprobs = torch.log_softmax(logits, -1) if need_lp else None
+        greedy_tok = dict(zip(greedy_rows, logits[greedy_rows].argmax(-1).tolist())) if greedy_rows else {}
+        ids = []
         for i, p in enumerate(params):
             if i in greedy_tok:
-                tok = greedy_tok[i]
+                ids.append(greedy_tok[i])
             else:
-                x = _filter_logits(logits[i], p)
-                probs = x.softmax(-1).cpu()
+                probs = _filter_logits(logits[i], p).softmax(-1).cpu()
                 gen = generators[i] or self.default_generator
-                tok = int(torch.multinomial(probs, 1, generator=gen).item())
-            res = SampleResult(tok)
-            if p.logprobs is not None and logprobs is not None:
-                row = logprobs[i]
-                res.logprob = float(row[tok])
-                if p.logprobs > 0:
-                    vals, idx = torch.topk(row, p.logprobs)
-                    res.top_logprobs = list(zip(idx.tolist(), vals.tolist()))
-                else:
-                    res.top_logprobs = []
-            out.append(res)
-        return out
+                ids.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+        return _results(logits, ids, params)
 
     def _sample_device(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                        generators: Sequence[torch.Generator | None]) -> list[SampleResult]:
@@ -138,18 +142,4 @@ class Sampler:
         for i in seeded:  # reproducible per request: the request's CPU generator, as on the CPU path
             probs = _filter_logits(logits[i], params[i]).softmax(-1).cpu()
             ids[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
-        need_lp = any(p.logprobs is not None for p in params)
-        logprobs = torch.log_softmax(logits, -1) if need_lp else None
-        out = []
-        for i, p in enumerate(params):
-            res = SampleResult(ids[i])
-            if p.logprobs is not None and logprobs is not None:
-                row = logprobs[i]
-                res.logprob = float(row[ids[i]])
-                if p.logprobs > 0:
-                    vals, idx = torch.topk(row, p.logprobs)
-                    res.top_logprobs = list(zip(idx.tolist(), vals.tolist()))
-                else:
-                    res.top_logprobs = []
-            out.append(res)
-        return out
+        return _results(logits, ids, params)

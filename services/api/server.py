@@ -185,33 +185,27 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
             first = await _first_event(gen, raw)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-            async def sse() -> AsyncIterator[str]:
+            async def events() -> AsyncIterator[str]:
                 offsets: dict[int, int] = {}
-                try:
-                    if req.echo:
-                        for idx, _, p in gen.outputs():
-                            text = p.text if p.text is not None else tokenizer.decode(p.token_ids)
-                            offsets[idx] = len(text)
-                            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                        "choices": [{"index": idx, "text": text, "logprobs": None,
-                                                     "finish_reason": None}]})
-                    async for ev in _chain(first, gen):
-                        if not ev.text and not ev.finish_reason and not ev.logprobs:
-                            continue
-                        off = offsets.get(ev.choice, 0)
-                        offsets[ev.choice] = off + len(ev.text)
+                if req.echo:
+                    for idx, _, p in gen.outputs():
+                        text = p.text if p.text is not None else tokenizer.decode(p.token_ids)
+                        offsets[idx] = len(text)
                         yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                    "choices": [chunk_choice(ev, ev.text, off)]})
-                    if include_usage:
-                        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                    "choices": [], "usage": gen.usage()})
-                except APIError as e:
-                    yield _sse(error_body(e.status, e.message, e.param))
-                finally:
-                    gen.close()
-                yield "data: [DONE]\n\n"
+                                    "choices": [{"index": idx, "text": text, "logprobs": None,
+                                                 "finish_reason": None}]})
+                async for ev in _chain(first, gen):
+                    if not ev.text and not ev.finish_reason and not ev.logprobs:
+                        continue
+                    off = offsets.get(ev.choice, 0)
+                    offsets[ev.choice] = off + len(ev.text)
+                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                "choices": [chunk_choice(ev, ev.text, off)]})
+                if include_usage:
+                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                "choices": [], "usage": gen.usage()})
 
-            return StreamingResponse(sse(), media_type="text/event-stream")
+            return _stream_response(events(), gen)
 
         await _consume(gen, raw)
         choices = []
@@ -226,9 +220,7 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
                             "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
         body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
                 "usage": gen.usage()}
-        if gen.kv_transfer_params_out is not None:
-            body["kv_transfer_params"] = gen.kv_transfer_params_out
-        return body
+        return _with_transfer_params(body, gen)
 
     # ---- chat ---------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -247,28 +239,22 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
                 return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                              "choices": choices})
 
-            async def sse() -> AsyncIterator[str]:
-                try:
-                    for i in range(req.n):
-                        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None}])
-                    async for ev in _chain(first, gen):
-                        if not ev.text and not ev.finish_reason and not ev.logprobs:
-                            continue
-                        lp = serving.chat_logprobs(ev.logprobs, k) if req.logprobs and ev.logprobs else None
-                        delta = {"content": ev.text} if ev.text else {}
-                        yield chunk([{"index": ev.choice, "delta": delta, "logprobs": lp,
-                                      "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason}])
-                    if include_usage:
-                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                    "model": model, "choices": [], "usage": gen.usage()})
-                except APIError as e:
-                    yield _sse(error_body(e.status, e.message, e.param))
-                finally:
-                    gen.close()
-                yield "data: [DONE]\n\n"
+            async def events() -> AsyncIterator[str]:
+                for i in range(req.n):
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+                async for ev in _chain(first, gen):
+                    if not ev.text and not ev.finish_reason and not ev.logprobs:
+                        continue
+                    lp = serving.chat_logprobs(ev.logprobs, k) if req.logprobs and ev.logprobs else None
+                    delta = {"content": ev.text} if ev.text else {}
+                    yield chunk([{"index": ev.choice, "delta": delta, "logprobs": lp,
+                                  "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason}])
+                if include_usage:
+                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                "model": model, "choices": [], "usage": gen.usage()})
 
-            return StreamingResponse(sse(), media_type="text/event-stream")
+            return _stream_response(events(), gen)
 
         await _consume(gen, raw)
         choices = []
@@ -278,11 +264,33 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
                             "logprobs": lp, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                 "usage": gen.usage()}
-        if gen.kv_transfer_params_out is not None:
-            body["kv_transfer_params"] = gen.kv_transfer_params_out
-        return body
+        return _with_transfer_params(body, gen)
 
     return app
+
+
+def _stream_response(events: AsyncIterator[str], gen: Generation) -> StreamingResponse:
+    """SSE framing shared by both endpoints: an engine error becomes an error event, the
+    generation is always closed (aborting it if the client left), and the stream ends with [DONE]."""
+
+    async def framed() -> AsyncIterator[str]:
+        try:
+            async for chunk in events:
+                yield chunk
+        except APIError as e:
+            yield _sse(error_body(e.status, e.message, e.param))
+        finally:
+            gen.close()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(framed(), media_type="text/event-stream")
+
+
+def _with_transfer_params(body: dict, gen: Generation) -> dict:
+    """A prefill answer carries the params a decode pod needs to pull its blocks."""
+    if gen.kv_transfer_params_out is not None:
+        body["kv_transfer_params"] = gen.kv_transfer_params_out
+    return body
 
 
 async def _consume(gen: Generation, raw: Request) -> None:

@@ -166,13 +166,19 @@ class Router:
         try:
             r = await self.client.get(pod.url + "/health", timeout=t)
             ok = r.status_code == 200
+            pod.probe_timeouts = 0
             self.set_healthy(pod, ok, "" if ok else f"/health returned {r.status_code}")
             if ok:
                 m = await self.client.get(pod.url + "/metrics", timeout=t)
                 if m.status_code == 200:
                     for k, v in parse_vllm_metrics(m.text).items():
                         setattr(pod, k, v)
-        except httpx.HTTPError as e:
+        except httpx.TimeoutException as e:
+            # A pod saturated by requests answers probes late; only repeated timeouts take it out.
+            pod.probe_timeouts += 1
+            if pod.probe_timeouts >= self.cfg.health_timeouts_down:
+                self.set_healthy(pod, False, f"{pod.probe_timeouts} probe timeouts: {type(e).__name__}")
+        except httpx.HTTPError as e:  # refused or reset: the pod is gone
             self.set_healthy(pod, False, f"{type(e).__name__}: {e}")
 
     # ---- choosing -----------------------------------------------------------

@@ -77,6 +77,7 @@ class RouterConfig:
     kv_events_port: int | None = None  # for discovered pods
     kv_replay_port: int | None = None
     health_interval: float = 2.0  # seconds between health checks / metrics scrapes
+    health_timeouts_down: int = 3  # consecutive probe timeouts before a pod that still accepts connections is out
     connect_timeout: float = 2.0
     read_timeout: float = 600.0  # max gap between bytes from an upstream
     prefill_timeout: float = 300.0

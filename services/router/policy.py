@@ -42,6 +42,7 @@ class Pod:
     inflight_tokens: int = 0
     routed: int = 0
     failures: int = 0
+    probe_timeouts: int = 0  # consecutive health-probe timeouts (a busy pod is slow, not dead)
     last_error: str = ""
 
     @property

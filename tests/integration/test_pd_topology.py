@@ -33,8 +33,10 @@ def topo(request, tmp_path_factory, monkeypatch_module):
     t = Topology(cfg)
     t.start()
     yield t
+    procs = [p for _, p in t.procs]
+    assert len(procs) >= 3  # router, prefill, decode (+ redis-server)
     t.stop()
-    assert all(p.poll() is not None for _, p in t.procs) if t.procs else True
+    assert all(p.poll() is not None for p in procs), "kvmesh up left a process running"
 
 
 @pytest.fixture(scope="module")
