@@ -62,7 +62,7 @@ DEV = os.environ.get("KVMESH_BENCH_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=
 def sync():
     if DEV == "cuda":
         torch.cuda.synchronize()
-RESULTS: dict = {"checks": [], "decode": [], "decode_extra": [], "prefill": []}
+RESULTS: dict = {"checks": [], "decode": [], "decode_extra": [], "decode_engine": [], "prefill": []}
 FAILED: list[str] = []
 
 
@@ -263,6 +263,30 @@ def bench_ms(fn, rep=100):
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
+def graph_ms(fn, n=16):
+    """Device time of one ``fn()`` with host launch cost and L2 reuse taken out: ``n`` calls
+    captured in a CUDA graph, each after a 128 MiB write that evicts L2 (50 MiB on the H200),
+    minus the same graph without the calls. For kernels of a few microseconds, where an eager
+    loop measures the Python launch path rather than the GPU."""
+    flush = torch.empty(128 << 20, dtype=torch.uint8, device=DEV)
+    fn()
+    torch.cuda.synchronize()
+
+    def capture(with_fn):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        return g
+
+    g_all, g_flush = capture(True), capture(False)
+    ms = bench_ms(g_all.replay, rep=50) - bench_ms(g_flush.replay, rep=50)
+    del g_all, g_flush, flush
+    return max(ms, 1e-6) / n
+
+
 def copy_bandwidth():
     n = 4 << 30
     a = torch.empty(n, dtype=torch.uint8, device=DEV)
@@ -278,6 +302,15 @@ DECODE_SHAPES = [(64, 2048), (128, 4096), (32, 16384)]
 # Few sequences, long context: where split-KV has to pay off (reported, no goal).
 DECODE_EXTRA_SHAPES = [(4, 32768)]
 PREFILL_SHAPES = [(8, 2048), (1, 16384)]
+# The engine benchmark's decode (prompt 512 + up to 128 new): short contexts, where per-program
+# overheads and too few programs (batch 1) matter more than at the issue's long shapes.
+ENGINE_SHAPES = [(1, 576), (32, 576), (128, 576)]
+ENGINE_VARIANTS = [
+    None,
+    (1, 128, 4, 3, 0, 1), (1, 64, 4, 2, 0, 1), (1, 64, 4, 3, 0, 1), (1, 128, 4, 4, 0, 1), (1, 64, 8, 3, 0, 1),
+    (2, 64, 4, 2, 0, 1), (2, 128, 4, 3, 0, 1), (4, 64, 4, 2, 0, 1), (8, 64, 4, 2, 0, 1),
+    (16, 32, 4, 2, 0, 1), (8, 32, 4, 2, 0, 1),
+]
 DECODE_VARIANTS = [
     # (num_segments, tile_n, num_warps, num_stages, k_natural, head_fastest); None = heuristic
     None,
@@ -288,8 +321,9 @@ DECODE_SPLIT_VARIANTS = [None, (4, 128, 4, 3, 0, 0), (8, 128, 4, 3, 0, 1), (4, 1
                          (16, 128, 4, 3, 0, 1), (8, 64, 4, 2, 0, 1), (16, 64, 4, 2, 0, 1)]
 
 
-def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode"):
+def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode", timer=None):
     hq, hkv, d, bs = 32, 8, 128, 16
+    timer = timer or bench_ms
     for B, L in shapes or DECODE_SHAPES:
         p = make_paged([1] * B, [L - 1] * B, hq, hkv, d, bs, torch.bfloat16, num_layers=2, layer=0,
                        extra_blocks=0, gen=gen)
@@ -305,7 +339,7 @@ def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode"):
                           k_natural=bool(var[4]), head_fastest=bool(var[5]))
             try:
                 K.paged_attention(*args, **kw)
-                ms = bench_ms(lambda: K.paged_attention(*args, **kw))
+                ms = timer(lambda: K.paged_attention(*args, **kw))
             except Exception as e:  # a config that does not compile must not end the run
                 print(f"  decode {B}x{L} {var}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
@@ -325,7 +359,7 @@ def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode"):
         q = torch.randn(B, hq, 1, d, dtype=torch.bfloat16, device=DEV, generator=gen)
         k = torch.randn(B, hkv, L, d, dtype=torch.bfloat16, device=DEV, generator=gen)
         v = torch.randn_like(k)
-        ms = bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        ms = timer(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
         row["sdpa"] = dict(us=ms * 1e3, TBps=kv_bytes / (ms * 1e-3) / 1e12)
         print(f"  decode B={B} L={L} SDPA contiguous: {ms * 1e3:.1f} us, {row['sdpa']['TBps']:.2f} TB/s", flush=True)
         del q, k, v
@@ -434,6 +468,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="checks only")
     ap.add_argument("--no-variants", action="store_true", help="time the heuristic configuration only")
+    ap.add_argument("--engine-shapes", action="store_true",
+                    help="also sweep decode configurations at the engine benchmark's short contexts")
     args = ap.parse_args()
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator(device=DEV)
@@ -463,6 +499,8 @@ def main():
         for fn, a in ((bench_decode, (gen, copy_tbps, [None] if args.no_variants else DECODE_VARIANTS)),
                       (bench_decode, (gen, copy_tbps, [None] if args.no_variants else DECODE_SPLIT_VARIANTS,
                                       DECODE_EXTRA_SHAPES, "decode_extra")),
+                      *(((bench_decode, (gen, copy_tbps, ENGINE_VARIANTS, ENGINE_SHAPES, "decode_engine", graph_ms)),)
+                        if args.engine_shapes else ()),
                       (bench_prefill, (gen, [None] if args.no_variants else PREFILL_VARIANTS)),
                       (bench_small_kernels, (gen,))):
             try:

@@ -67,8 +67,13 @@ class SchedulerConfig:
     max_model_len: int = 2048
     long_prefill_token_threshold: int = 0  # 0: no per-request cap beyond the step budget
     max_waiting: int = 0  # 0: unbounded admission queue
+    # Decode steps run back to back on the device per scheduling round when every scheduled
+    # request is a greedy decode (engine/multi_step.py); 1 turns this off.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
+        if self.num_scheduler_steps < 1:
+            raise ValueError("num_scheduler_steps must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:

@@ -19,6 +19,7 @@ from .kv_events import KVCacheEvent
 from .loader import load_model
 from .messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from .model_runner import ModelRunner
+from .multi_step import merge_outputs, plan_steps
 from .request import Request, RequestStatus
 from .sampler import SampleResult, Sampler
 from .scheduler import Scheduler
@@ -50,6 +51,9 @@ class EngineCore:
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model (prefix hits and loaded KV excluded)
         self._pending: list[EngineCoreOutput] = []
+        # Multi-step decode needs a runner that can feed its own argmax back (the simulated one cannot).
+        self.multi_steps = config.scheduler.num_scheduler_steps if hasattr(self.runner, "execute_multi") else 1
+        self.num_multi_step_rounds = 0
 
     # ---- construction -------------------------------------------------------
     @classmethod
@@ -57,6 +61,7 @@ class EngineCore:
                    max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                    enable_prefix_caching: bool = True, dtype: str | None = None, device: str | None = None,
                    max_model_len: int | None = None, long_prefill_token_threshold: int = 0,
+                   num_scheduler_steps: int = 1,
                    max_waiting: int = 0, role: str = "both", seed: int = 0, engine_id: str = "kvmesh-0",
                    kv_cache_memory_gb: float = 2.0, gpu_memory_utilization: float = 0.9,
                    connector: KVConnector | None = None, loaded=None,
@@ -84,6 +89,7 @@ class EngineCore:
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       max_model_len=max_len,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
+                                      num_scheduler_steps=num_scheduler_steps,
                                       max_waiting=max_waiting),
             role=role, dtype=dtype, device=device, seed=seed, engine_id=engine_id,
         )
@@ -164,6 +170,9 @@ class EngineCore:
                 self.connector.start_load_kv(sched.connector_meta)
             return outputs
         self.num_steps += 1
+        k = plan_steps(sched, self.kv, self.multi_steps)
+        if k > 1:
+            return outputs + self._step_multi(sched, k)
         self.connector.start_load_kv(sched.connector_meta)
         try:
             logits, rows = self.runner.execute(sched)
@@ -203,6 +212,26 @@ class EngineCore:
             if c == 0:
                 outputs.extend(self._append(r, res))
         return outputs
+
+    def _step_multi(self, sched, k: int) -> list[EngineCoreOutput]:
+        """``k`` greedy decode steps on the device (engine/multi_step.py); outputs merged per sequence."""
+        try:
+            tokens = self.runner.execute_multi(sched, k)
+        except Exception as e:
+            log.exception("forward pass failed")
+            return [self._finish(s.request, RequestStatus.FINISHED_ERROR, error=str(e)) for s in sched.scheduled]
+        self.num_steps += k - 1
+        self.num_multi_step_rounds += 1
+        self.num_computed_tokens += k * len(sched.scheduled)
+        outs: list[EngineCoreOutput] = []
+        reqs = [s.request for s in sched.scheduled]
+        for step_tokens in tokens:
+            for r, tok in zip(reqs, step_tokens):
+                if r.is_finished:
+                    continue  # stopped at an earlier step: this token is past its end
+                r.num_computed_tokens += 1
+                outs.extend(self._append(r, SampleResult(tok)))
+        return merge_outputs(outs)
 
     def _fork(self, parent: Request, results: list[SampleResult]) -> list[EngineCoreOutput]:
         """Create the other n-1 sequences of a request; they share the parent's blocks (copy on write)."""

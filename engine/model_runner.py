@@ -258,14 +258,12 @@ class ModelRunner:
     # ---- execution ------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Run one step. Returns ``(logits, rows)``: ``logits[j]`` belongs to ``sched.scheduled[rows[j]]``."""
-        if sched.block_copies:
-            cp = torch.tensor(sched.block_copies, dtype=torch.int64).T.contiguous().to(self.device)
-            kernels.copy_blocks(self.kv_cache, cp[0], cp[1])
+        self._apply_copies(sched)
         if not sched.scheduled:
             return torch.empty(0, self.config.model.vocab_size), []
         p = self._plan(sched)
         rows = p.rows.tolist()
-        if self.graphs and p.T == p.B and p.B <= self.graph_sizes[-1] and p.bt.shape[1] <= self.max_blocks_per_seq:
+        if self._uses_graph(p):
             logits = self._run_graph(p)
             self.num_graph_steps += 1
             if len(rows) != p.B:
@@ -273,6 +271,64 @@ class ModelRunner:
             return logits, rows
         self.num_eager_steps += 1
         return self._run_eager(p), rows
+
+    def _apply_copies(self, sched: SchedulerOutput) -> None:
+        if sched.block_copies:
+            cp = torch.tensor(sched.block_copies, dtype=torch.int64).T.contiguous().to(self.device)
+            kernels.copy_blocks(self.kv_cache, cp[0], cp[1])
+
+    def _uses_graph(self, p: _StepPlan) -> bool:
+        return bool(self.graphs) and p.T == p.B and p.B <= self.graph_sizes[-1] \
+            and p.bt.shape[1] <= self.max_blocks_per_seq
+
+    def execute_multi(self, sched: SchedulerOutput, k: int) -> list[list[int]]:
+        """Run ``k`` greedy decode steps back to back (engine/multi_step.py decides when).
+
+        Every scheduled request decodes one token and its blocks already cover ``k`` more
+        positions. Step ``i + 1`` reads step ``i``'s argmax from the device, so the host
+        builds inputs once and reads all ``k x B`` tokens in one copy at the end.
+        Returns ``tokens[i][j]``: step ``i``'s token of ``sched.scheduled[j]``."""
+        self._apply_copies(sched)
+        p = self._plan(sched)
+        if p.T != p.B or len(p.rows) != p.B:
+            raise ValueError("execute_multi needs a pure decode step")
+        B = p.B
+        toks = torch.empty((k, B), dtype=torch.int64, device=self.device)
+        if self._uses_graph(p):
+            size = next(s for s in self.graph_sizes if s >= B)
+            self._run_graph(p)
+            g, out = self.graphs[size]
+            ids, pos, meta = self._graph_views(size)
+            for i in range(k):
+                if i:
+                    g.replay()
+                toks[i] = out[:B].argmax(-1)
+                if i + 1 < k:
+                    self._advance(toks[i], ids[:B], pos[:B], meta.slot_mapping[:B], meta.seq_lens[:B],
+                                  meta.block_tables[:B])
+            self.num_graph_steps += k
+        else:
+            i32 = dict(dtype=torch.int32, device=self.device)
+            ids, pos = torch.tensor(p.ids, **i32), torch.tensor(p.pos, **i32)
+            meta = AttentionMetadata(slot_mapping=torch.tensor(p.slots, **i32), block_tables=torch.tensor(p.bt, **i32),
+                                     query_start_loc=torch.tensor(p.qsl, **i32),
+                                     seq_lens=torch.tensor(p.seq_lens, **i32), max_query_len=1,
+                                     max_seq_len=p.max_seq_len)
+            for i in range(k):
+                meta.max_seq_len = p.max_seq_len + i
+                toks[i] = self.model(ids, pos, self.kv_cache, meta, None).argmax(-1)
+                if i + 1 < k:
+                    self._advance(toks[i], ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+            self.num_eager_steps += k
+        return toks.tolist()
+
+    def _advance(self, tok, ids, pos, slots, seq_lens, bt) -> None:
+        """Turn one decode step's inputs into the next one's, on the device, in place."""
+        ids.copy_(tok)
+        pos.add_(1)
+        seq_lens.add_(1)
+        blk = bt.gather(1, torch.div(pos, self.block_size, rounding_mode="floor").long()[:, None])[:, 0]
+        slots.copy_(blk * self.block_size + pos % self.block_size)
 
     def _run_eager(self, p: _StepPlan) -> torch.Tensor:
         B, T, R, W = p.B, p.T, len(p.rows), p.bt.shape[1]

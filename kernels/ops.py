@@ -179,14 +179,18 @@ def attention_config(
     Chosen from the H200 measurements in docs/kernels.md (bf16, head 128):
 
     * decode-like batches (``max_query_len * GQA group <= 16``): 16-row q blocks
-      (the GQA group of a token, the smallest tile ``tl.dot`` takes), 128-key tiles,
-      4 warps, 3 stages, KV heads adjacent in launch order (programs running
-      together read whole pages). Decode is bound by reading K/V; this reached
-      89-101% of the copy bandwidth.
+      (the GQA group of a token, the smallest tile ``tl.dot`` takes), 4 warps, KV
+      heads adjacent in launch order (programs running together read whole pages).
+      Decode is bound by reading K/V. 128-key tiles and 3 stages reached 89-101% of
+      the copy bandwidth at long contexts; with at least 3 programs per SM and
+      contexts up to 2,048 (the engine's decode after a 512-token prompt), 64-key
+      tiles and 2 stages were 10-11% faster (128 x 576: 85 vs 96 us; 64 x 576: 49 vs
+      55 us) and also best at 64 x 2,048.
     * split-KV (flash-decoding) only when (sequences x KV heads) is below the SM
-      count: then up to 16 segments of >= 4 tiles of 64 keys. Splitting when there
-      were already ~2 programs per SM measured 20% slower (32 x 16384), while at
-      4 x 32768 it is what keeps the GPU busy.
+      count: then up to 16 segments of 64-key tiles, one tile per segment at
+      least. Splitting when there were already ~2 programs per SM measured 20%
+      slower (32 x 16384), while at 4 x 32768 and at 1 x 576 (8.9 vs 14.2 us) it is
+      what keeps the GPU busy.
     * longer queries: 64-row q blocks, 64-key tiles, 4 warps, 2 stages; this beat
       128-row blocks and 8 warps on every prefill shape measured.
     fp32 and head sizes over 128 use smaller tiles to stay within shared memory.
@@ -198,7 +202,8 @@ def attention_config(
     head_fastest = False
     if max_query_len * qpk_pad <= 16:
         block_m = max(16, qpk_pad)
-        tile_n, num_warps, num_stages = (64, 4, 2) if small else (128, 4, 3)
+        many_short = num_seqs * num_kv_heads >= 3 * _num_sms(device) and max_seq_len <= 2048
+        tile_n, num_warps, num_stages = (64, 4, 2) if small or many_short else (128, 4, 3)
         head_fastest = True
     else:
         block_m = max(64, qpk_pad)
@@ -211,9 +216,9 @@ def attention_config(
         if programs < sms:
             split_tile = 64
             want = _p2(math.ceil(3 * sms / max(programs, 1)))
-            max_useful = max_seq_len // (4 * split_tile)  # keep >= 4 key tiles per segment
+            max_useful = _p2(triton_cdiv(max_seq_len, split_tile))  # empty segments return at once
             if max_useful >= 2:
-                num_segments = min(16, want, 1 << (max_useful.bit_length() - 1))
+                num_segments = min(16, want, max_useful)
                 tile_n, num_warps, num_stages = split_tile, 4, 2
                 head_fastest = True
     return dict(block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,

@@ -130,6 +130,21 @@ def test_split_kv_heuristic_chooses_split_for_few_long_sequences():
     assert prefill["block_m"] > few_long["block_m"]
 
 
+def test_decode_heuristic_short_contexts():
+    # The engine's decode after a 512-token prompt on a 132-SM GPU: one sequence splits the keys
+    # into (up to 16) one-tile segments; many sequences use 64-key tiles; a mid-size batch keeps
+    # 128-key tiles; long contexts keep 128-key tiles whatever the batch.
+    dev = torch.device("cpu")
+    one = ops.attention_config(1, 1, 32, 8, 128, 1, 576, dev, torch.bfloat16)
+    mid = ops.attention_config(32, 32, 32, 8, 128, 1, 576, dev, torch.bfloat16)
+    many = ops.attention_config(128, 128, 32, 8, 128, 1, 576, dev, torch.bfloat16)
+    many_long = ops.attention_config(128, 128, 32, 8, 128, 1, 4096, dev, torch.bfloat16)
+    assert one["num_segments"] == 16 and one["tile_n"] == 64
+    assert mid["num_segments"] == 1 and mid["tile_n"] == 128
+    assert many["num_segments"] == 1 and (many["tile_n"], many["num_stages"]) == (64, 2)
+    assert many_long["tile_n"] == 128
+
+
 @pytest.mark.parametrize("dtype,bs", [(torch.bfloat16, 16), (torch.float32, 32)])
 def test_write_kv(gen, dtype, bs):
     kv = torch.randn(6, 2, 2, bs, 3, 16, generator=gen).to(dtype)

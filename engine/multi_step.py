@@ -1,0 +1,82 @@
+"""Multi-step greedy decode: several decode steps on the device per scheduling round.
+
+Why: a decode step of a large batch spends about a third of its time on the host
+(scheduling, input build, output handling) while the GPU waits; measured on the
+H200 at batch 128: 6.6 ms of GPU work in a 9.7 ms step. When every sequence of a
+round decodes greedily, the next step's input is this step's argmax, which the
+device can feed itself: the runner plans once, replays the decode graph ``k``
+times and hands back ``k`` tokens per sequence in one copy (``--num-scheduler-steps``).
+
+What keeps it exact:
+
+* Only rounds where every scheduled request decodes one token of an unfinished
+  output, greedily, without logprobs, and the connector moves nothing. Anything
+  else (a prefill chunk, sampling, a transfer) runs the ordinary one-step path.
+* ``k`` is cut to the fewest tokens any request may still produce (``max_tokens``,
+  ``max_model_len``), so only a stop token (EOS, ``stop_token_ids``) wastes steps.
+  The host appends tokens in step order and checks stops as usual; a sequence's
+  tokens after its stop are dropped. The KV those dropped steps wrote sits in slots
+  past the sequence's end: never hashed, never read, freed with the request.
+* Blocks for all ``k`` positions are reserved before the run; blocks are only
+  hashed into the prefix cache once the host has appended the real tokens
+  (the next round's ``allocate_slots``), as in the one-step path.
+
+The cost: requests that arrive meanwhile wait up to ``k`` steps to be admitted,
+and tokens stream in bursts of ``k``.
+"""
+from __future__ import annotations
+
+from .kv_cache_manager import KVCacheManager
+from .messages import EngineCoreOutput
+from .scheduler import SchedulerOutput
+
+
+def plan_steps(sched: SchedulerOutput, kv: KVCacheManager, k_max: int) -> int:
+    """How many decode steps this round may run on the device (1 = the ordinary path).
+
+    When it returns ``k > 1``, every scheduled request holds blocks for ``k`` more
+    positions and ``ScheduledRequest.block_ids`` lists them."""
+    meta = sched.connector_meta
+    if k_max <= 1 or not sched.scheduled or meta.loads or meta.saves:
+        return 1
+    k = k_max
+    for s in sched.scheduled:
+        r, p = s.request, s.request.params
+        if s.num_tokens != 1 or r.num_computed_tokens + 1 != r.num_tokens or r.num_output_tokens == 0:
+            return 1
+        if not p.greedy or p.logprobs is not None:
+            return 1
+        k = min(k, r.max_model_len - r.num_tokens)
+        if p.max_tokens is not None:
+            k = min(k, p.max_tokens - r.num_output_tokens)
+        if k <= 1:
+            return 1
+    bs = kv.block_size
+    for s in sched.scheduled:
+        r = s.request
+        # Blocks reserved for an earlier request stay with it (used by its next steps) if a later one fails.
+        if kv.allocate_slots(r, k) is None:
+            return 1
+        blocks = kv.req_blocks[r.request_id]
+        if any(b.ref_cnt > 1 for b in blocks[r.num_computed_tokens // bs:]):
+            return 1  # a block this run would write is shared (fork): copy-on-write needs the one-step path
+    for s in sched.scheduled:
+        s.block_ids = kv.get_block_ids(s.request.request_id)
+    return k
+
+
+def merge_outputs(outs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+    """One output per sequence: its tokens of all steps in order, the finish fields of the last."""
+    merged: dict[tuple[str, int], EngineCoreOutput] = {}
+    for o in outs:
+        key = (o.request_id, o.index)
+        m = merged.get(key)
+        if m is None:
+            merged[key] = o
+            continue
+        m.new_token_ids = m.new_token_ids + o.new_token_ids
+        m.finish_reason = o.finish_reason
+        m.stop_reason = o.stop_reason
+        m.kv_transfer_params = o.kv_transfer_params
+        m.error = o.error
+    return list(merged.values())

@@ -1,0 +1,97 @@
+"""Multi-step greedy decode (``num_scheduler_steps``) must not change a single token.
+
+The device feeds each step's argmax into the next; the host appends in step order and
+checks stops. These tests compare against HF and against the one-step engine on the
+cases that could go wrong: a window longer than what a request may still produce, a
+stop token in the middle of a window, rounds mixed with sampled requests (which must
+fall back to one step), and a pool too small to reserve the window.
+"""
+from __future__ import annotations
+
+import pytest
+
+from kvmesh import SamplingParams
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "1, 2, 3, 4, 5,",
+    "The three primary colors are",
+    "Q: What is the boiling point of water?\nA:",
+]
+
+
+def _tokens(outs):
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+
+def _check_clean(llm):
+    s = llm.stats()
+    assert s["num_free_blocks"] == s["num_total_blocks"]
+    llm.engine.check_integrity()
+
+
+def test_multi_step_matches_hf(make_llm, hf_model, smol):
+    import torch
+
+    tok = smol.tokenizer
+    ids = [tok(p).input_ids for p in PROMPTS]
+    eos = set(smol.config.eos_token_ids)
+    expected = []
+    with torch.inference_mode():
+        for x in ids:
+            t = torch.tensor([x])
+            g = hf_model.generate(t, max_new_tokens=11, do_sample=False, attention_mask=torch.ones_like(t),
+                                  pad_token_id=2)[0, len(x):].tolist()
+            expected.append(g[:next((i + 1 for i, v in enumerate(g) if v in eos), len(g))])
+    llm = make_llm(num_scheduler_steps=4)
+    outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=11))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.num_multi_step_rounds > 0
+    _check_clean(llm)
+
+
+def test_multi_step_equals_one_step_with_stops_and_sampling(make_llm, smol):
+    tok = smol.tokenizer
+    ids = [tok(p).input_ids for p in PROMPTS]
+    one = make_llm()
+    ref = one.generate(ids, SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True))
+    # A stop token that first appears mid-way through request 0's output (not at a window edge).
+    toks0 = ref[0].outputs[0].token_ids
+    stop_at = next(i for i in range(2, len(toks0)) if toks0[i] not in toks0[:i] and i % 4 != 0)
+    params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, stop_token_ids=[toks0[stop_at]]),
+              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=13)]
+    want = _tokens(one.generate(ids, params))
+    assert len(want[0][0]) == stop_at + 1 and want[0][1] == "stop"
+    multi = make_llm(num_scheduler_steps=4)
+    got = _tokens(multi.generate(ids, params))
+    assert got == want
+    # The sampled request held the batch to one step while it ran; the rest ran multi-step rounds after.
+    assert multi.engine.num_multi_step_rounds > 0
+    _check_clean(multi)
+    _check_clean(one)
+
+
+def test_multi_step_with_a_pool_too_small_for_the_window(make_llm, smol):
+    tok = smol.tokenizer
+    ids = [tok(p).input_ids for p in PROMPTS]
+    # Just enough blocks for the prompts plus a little growth: reserving 8 positions ahead often fails,
+    # which must fall back to one step (and to preemption by recompute), never a wrong token.
+    pool = sum(-(-(len(x) + 2) // 16) for x in ids)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = _tokens(make_llm(num_kv_blocks=pool).generate(ids, params))
+    multi = make_llm(num_kv_blocks=pool, num_scheduler_steps=8)
+    assert _tokens(multi.generate(ids, params)) == want
+    _check_clean(multi)
+
+
+def test_num_scheduler_steps_must_be_positive(make_llm):
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        make_llm(num_scheduler_steps=0)
