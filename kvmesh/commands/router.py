@@ -20,12 +20,19 @@ def register(sub) -> None:
                    help="pods publish KV events on tcp://HOST:PORT (for pods without events=)")
     p.add_argument("--kv-replay-port", type=int, default=None)
     p.add_argument("--policy", choices=["kv-aware", "round-robin", "least-load"], default="kv-aware")
-    p.add_argument("--weight-hit", type=float, default=1.0)
-    p.add_argument("--weight-load", type=float, default=0.5)
-    p.add_argument("--weight-tokens", type=float, default=0.3)
-    p.add_argument("--weight-kv", type=float, default=0.2)
-    p.add_argument("--balance-abs", type=float, default=2.0)
-    p.add_argument("--balance-rel", type=float, default=1.25)
+    from kvmesh.services.router.config import ScoringWeights
+
+    w = ScoringWeights()  # one set of defaults (see its docstring)
+    p.add_argument("--weight-hit", type=float, default=w.hit)
+    p.add_argument("--weight-load", type=float, default=w.load)
+    p.add_argument("--weight-tokens", type=float, default=w.tokens)
+    p.add_argument("--weight-kv", type=float, default=w.kv)
+    p.add_argument("--weight-share", type=float, default=w.share,
+                   help="weight of the pod's share of recently routed requests")
+    p.add_argument("--share-halflife", type=float, default=w.share_halflife_s,
+                   help="seconds over which a routed request's share decays by half")
+    p.add_argument("--balance-abs", type=float, default=w.balance_abs)
+    p.add_argument("--balance-rel", type=float, default=w.balance_rel)
     p.add_argument("--pd-min-uncached", type=int, default=256,
                    help="selective P/D: skip the prefill pod when decode would compute fewer tokens than this")
     p.add_argument("--discovery", choices=["static", "k8s"], default="static")
@@ -55,6 +62,7 @@ def config_from_args(args: argparse.Namespace):
     if args.discovery == "k8s" and not selectors:
         raise ValueError("--discovery k8s needs --selector (and/or --prefill-selector/--decode-selector)")
     w = ScoringWeights(hit=args.weight_hit, load=args.weight_load, tokens=args.weight_tokens, kv=args.weight_kv,
+                       share=args.weight_share, share_halflife_s=args.share_halflife,
                        balance_abs=args.balance_abs, balance_rel=args.balance_rel)
     return RouterConfig(host=args.host, port=args.port, model=args.model, served_model_name=args.served_model_name,
                         block_size=args.block_size, policy=args.policy, weights=w,

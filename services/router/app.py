@@ -43,6 +43,9 @@ _SCRAPED = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting":
             "vllm:kv_cache_usage_perc": "kv_usage"}
 
 
+PROMPT_WINDOW = 256  # requests the typical prompt length is averaged over
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -72,6 +75,24 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 
 
+class Flight:
+    """One request in flight to a pod: what it adds to the pod's load until it ends.
+
+    ``tokens`` (the uncached prompt tokens) count as pending prefill work only until the first
+    streamed byte comes back (the first token exists, so the prefill is done); non-streaming
+    responses hold them until the end."""
+
+    __slots__ = ("pod", "tokens", "done")
+
+    def __init__(self, pod: Pod, tokens: int) -> None:
+        self.pod, self.tokens, self.done = pod, tokens, False
+
+    def prefilled(self) -> None:
+        if self.tokens:
+            self.pod.inflight_tokens -= self.tokens
+            self.tokens = 0
+
+
 class Router:
     def __init__(self, cfg: RouterConfig, tokenizer=None) -> None:
         from .tokens import RouterTokenizer
@@ -84,6 +105,8 @@ class Router:
         self.index = PrefixIndex(cfg.pending_ttl, cfg.approx_capacity)
         self.hub = EventHub(self.index, on_event=lambda pod, kind: self.metrics.kv_events.labels(pod, kind).inc())
         self.pods: dict[str, Pod] = {}
+        self.mean_prompt = 0.0  # typical prompt length, the scale of a hit's value (see `score_pods`)
+        self._prompts = 0
         self.client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task] = []
         self._discovery = None
@@ -169,10 +192,12 @@ class Router:
             pod.probe_timeouts = 0
             self.set_healthy(pod, ok, "" if ok else f"/health returned {r.status_code}")
             if ok:
+                before = (pod.inflight_requests, pod.routed)
                 m = await self.client.get(pod.url + "/metrics", timeout=t)
                 if m.status_code == 200:
-                    for k, v in parse_vllm_metrics(m.text).items():
-                        setattr(pod, k, v)
+                    got = parse_vllm_metrics(m.text)
+                    pod.observe_scrape(got.get("running", 0.0), got.get("waiting", 0.0), got.get("kv_usage"),
+                                       *before)
         except httpx.TimeoutException as e:
             # A pod saturated by requests answers probes late; only repeated timeouts take it out.
             pod.probe_timeouts += 1
@@ -189,33 +214,44 @@ class Router:
         bs = self.cfg.block_size
         if self.cfg.policy == "kv-aware":
             hits = self.index.match(self.ns, hashes, [p.url for p in pods]) if hashes else {}
-            return score_pods(pods, hits, plen, bs, self.cfg.weights)
+            d = score_pods(pods, hits, plen, bs, self.cfg.weights, ref_len=self.mean_prompt)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("route plen=%d -> %s (%s, hit %d blocks) hits=%s load=%s", plen, d.pod.url, d.reason,
+                          d.hit_blocks, {p.url: hits.get(p.url, 0) for p in pods},
+                          {p.url: (p.load, p.inflight_tokens, round(p.recent, 1)) for p in pods})
+            return d
         pod = round_robin(pods) if self.cfg.policy == "round-robin" else least_load(pods)
         hb = self.index.match(self.ns, hashes, [pod.url])[pod.url] if hashes else 0
         return Decision(pod, hb, predicted_cached_tokens(hb, plen, bs), self.cfg.policy.replace("-", "_"))
 
-    def _begin(self, d: Decision, hashes: list[int], plen: int) -> None:
+    def _begin(self, d: Decision, hashes: list[int], plen: int) -> "Flight":
         p = d.pod
         p.inflight_requests += 1
-        p.inflight_tokens += max(plen - d.hit_tokens, 0)
+        fl = Flight(p, max(plen - d.hit_tokens, 0))
+        p.inflight_tokens += fl.tokens
         p.routed += 1
+        p.note_routed(time.monotonic(), self.cfg.weights.share_halflife_s)
         if hashes:
             self.index.record_routed(p.url, self.ns, hashes)
         self.metrics.decisions.labels(p.url, p.spec.role, d.reason).inc()
         self.metrics.pod_inflight.labels(p.url).set(p.inflight_requests)
+        return fl
 
-    def _end(self, d: Decision, plen: int) -> None:
-        p = d.pod
-        p.inflight_requests -= 1
-        p.inflight_tokens -= max(plen - d.hit_tokens, 0)
-        self.metrics.pod_inflight.labels(p.url).set(p.inflight_requests)
+    def _end(self, fl: "Flight") -> None:
+        if fl.done:
+            return
+        fl.prefilled()
+        fl.done = True
+        fl.pod.inflight_requests -= 1
+        self.metrics.pod_inflight.labels(fl.pod.url).set(fl.pod.inflight_requests)
 
     async def send(self, roles: tuple[str, ...], path: str, body: dict, hashes: list[int], plen: int, phase: str,
-                   first: Decision | None = None, timeout: float | None = None) -> tuple[Decision, httpx.Response]:
+                   first: Decision | None = None, timeout: float | None = None
+                   ) -> tuple[Decision, httpx.Response, "Flight"]:
         """POST to a pod of ``roles`` (``first`` if given), retrying elsewhere on connect failure.
 
         Returns the decision and the response with headers read, body still streaming. The caller
-        owns both: it must close the response and call `_end`.
+        owns all three: it must close the response and call `_end` with the flight.
         """
         assert self.client is not None
         exclude: set[str] = set()
@@ -228,7 +264,7 @@ class Router:
                 if not pods:
                     break
                 d = self.pick(pods, hashes, plen)
-            self._begin(d, hashes, plen)
+            fl = self._begin(d, hashes, plen)
             t0 = time.monotonic()
             try:
                 req = self.client.build_request("POST", d.pod.url + path, json=body,
@@ -238,7 +274,7 @@ class Router:
                 resp = await self.client.send(req, stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as e:
                 # nothing reached the client: safe to try another pod; this one stays out until healthy
-                self._end(d, plen)
+                self._end(fl)
                 self.set_healthy(d.pod, False, f"{type(e).__name__}: {e}")
                 d.pod.failures += 1
                 exclude.add(d.pod.url)
@@ -246,13 +282,13 @@ class Router:
                 last = f"{d.pod.url}: {type(e).__name__}: {e}"
                 continue
             except httpx.TimeoutException as e:
-                self._end(d, plen)
+                self._end(fl)
                 raise APIError(504, f"upstream {d.pod.url} timed out: {type(e).__name__}") from e
             except BaseException:
-                self._end(d, plen)
+                self._end(fl)
                 raise
             self.metrics.upstream_latency.labels(phase).observe(time.monotonic() - t0)
-            return d, resp
+            return d, resp, fl
         raise APIError(503, f"no pod could take the request ({last})")
 
     def observe_usage(self, d: Decision, usage: Any) -> None:
@@ -272,6 +308,9 @@ class Router:
         plen = len(ids) if ids else 0
         hashes = self.tok.block_hashes(ids, self.cfg.block_size, body.get("cache_salt")) if ids else []
         self.metrics.prompt_tokens.inc(plen)
+        if plen:
+            self._prompts += 1  # running mean of prompt lengths, over the last ~PROMPT_WINDOW requests
+            self.mean_prompt += (plen - self.mean_prompt) / min(self._prompts, PROMPT_WINDOW)
         stream = bool(body.get("stream"))
         decode_roles = ("worker", "decode")
         pods = self.candidates(decode_roles)
@@ -294,15 +333,15 @@ class Router:
                 params, pd_path = await self.prefill(path, body, hashes, plen)
             self.metrics.pd.labels(pd_path).inc()
         dbody = body if params is None else {**body, "kv_transfer_params": params}
-        d, resp = await self.send(decode_roles, path, dbody, hashes, plen, "decode" if pd_path else "worker", dd)
+        d, resp, fl = await self.send(decode_roles, path, dbody, hashes, plen, "decode" if pd_path else "worker", dd)
         if params is not None and resp.status_code >= 400:
             # the decode pod refused the transfer (bad/expired params): recompute there, never guess
             await resp.aclose()
-            self._end(d, plen)
+            self._end(fl)
             self.metrics.pd.labels("fallback_decode_rejected").inc()
-            d, resp = await self.send(decode_roles, path, body, hashes, plen, "decode", d)
+            d, resp, fl = await self.send(decode_roles, path, body, hashes, plen, "decode", d)
         measure = pd_path in (None, "decode_only")
-        return await self.relay(d, resp, plen, stream, "decode" if pd_path else "worker", measure)
+        return await self.relay(d, resp, fl, stream, "decode" if pd_path else "worker", measure)
 
     async def prefill(self, path: str, body: dict, hashes: list[int], plen: int) -> tuple[dict | None, str]:
         pbody = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
@@ -311,7 +350,7 @@ class Router:
             pbody["max_completion_tokens"] = 1
         t0 = time.monotonic()
         try:
-            d, resp = await self.send(("prefill",), path, pbody, hashes, plen, "prefill",
+            d, resp, fl = await self.send(("prefill",), path, pbody, hashes, plen, "prefill",
                                       timeout=self.cfg.prefill_timeout)
         except APIError as e:
             log.warning("prefill failed, decode recomputes: %s", e.message)
@@ -323,7 +362,7 @@ class Router:
             return None, "fallback_prefill_error"
         finally:
             await resp.aclose()
-            self._end(d, plen)
+            self._end(fl)
             self.metrics.upstream_total.labels("prefill").observe(time.monotonic() - t0)
         if resp.status_code != 200:
             log.warning("prefill %s returned %d, decode recomputes", d.pod.url, resp.status_code)
@@ -336,7 +375,7 @@ class Router:
             return None, "fallback_no_params"
         return params, "prefill_decode"
 
-    async def relay(self, d: Decision, resp: httpx.Response, plen: int, stream: bool, phase: str,
+    async def relay(self, d: Decision, resp: httpx.Response, fl: "Flight", stream: bool, phase: str,
                     measure: bool) -> Response:
         t0 = time.monotonic()
         headers = {k: v for k, v in resp.headers.items() if k.lower() in ("retry-after",)}
@@ -347,7 +386,7 @@ class Router:
                 content = await resp.aread()
             finally:
                 await resp.aclose()
-                self._end(d, plen)
+                self._end(fl)
                 self.metrics.upstream_total.labels(phase).observe(time.monotonic() - t0)
             if measure and resp.status_code == 200:
                 try:
@@ -360,12 +399,13 @@ class Router:
             tail = b""
             try:
                 async for chunk in resp.aiter_raw():
+                    fl.prefilled()  # the first streamed byte follows the first token: prefill is done
                     if measure and b"cached_tokens" in chunk or tail:
                         tail = (tail + chunk)[-65536:]
                     yield chunk
             finally:
                 await resp.aclose()
-                self._end(d, plen)
+                self._end(fl)
                 self.metrics.upstream_total.labels(phase).observe(time.monotonic() - t0)
                 if measure and tail:
                     self._usage_from_sse(d, tail)

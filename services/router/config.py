@@ -16,14 +16,20 @@ class ScoringWeights:
     ``kv``: weight of the pod's KV usage (0..1), so a nearly full pod (which would evict) is avoided.
     ``balance_abs`` / ``balance_rel``: a pod whose load exceeds ``balance_rel * mean + balance_abs``
     is not eligible while another pod is; this bounds how far a hot prefix can pile up.
+    ``share``: weight of the pod's share of recently routed requests relative to the mean (requests
+    decay with ``share_halflife_s``). In-flight load only sees the present; with prefix affinity a
+    pod's future arrivals follow the conversations it already holds, so placing new work where
+    recent routings were fewest keeps the per-pod request count even without moving warm prefixes.
     """
 
     hit: float = 1.0
-    load: float = 0.5
-    tokens: float = 0.3
+    load: float = 0.2
+    tokens: float = 0.2
     kv: float = 0.2
     balance_abs: float = 2.0
     balance_rel: float = 1.25
+    share: float = 0.3
+    share_halflife_s: float = 120.0
 
 
 @dataclass(frozen=True)

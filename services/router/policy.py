@@ -1,31 +1,39 @@
 """Pod state and the routing decision.
 
-The router's view of a pod combines what it knows exactly (requests and
-uncached prompt tokens it has in flight to the pod) with what it scrapes from
-the pod's /metrics (running and waiting requests, KV usage; these also count
-traffic from other routers but lag by up to one scrape interval).
+The router's view of a pod combines what it knows exactly (requests it has in
+flight to the pod, uncached prompt tokens whose prefill has not finished, the
+requests it routed there recently) with what it scrapes from the pod's
+/metrics (running and waiting requests, KV usage). Scraped counts lag by up to
+a scrape interval and include the router's own requests, so only their excess
+over the router's in-flight requests at scrape time counts, as other clients'
+load (`Pod.load`).
 
 Scoring (`score_pods`), per eligible pod::
 
-    hit * hit_tokens / prompt_len
+    hit * hit_tokens / max(prompt_len, ref_len)
       - load * L / (mean L + 1)
-      - tokens * inflight_tokens / (mean inflight_tokens + prompt_len)
+      - tokens * pending_tokens / (mean pending_tokens + prompt_len)
+      - share * R / (mean R + 1)
       - kv * kv_usage
 
-with ``L = max(router in-flight requests, scraped running + waiting)``.
-Because the load terms are relative to the mean, a pod may run ahead of the
-others by an amount proportional to how much of the prompt it would save, no
-more. On top of that the balance guard removes pods whose load exceeds
-``balance_rel * mean + balance_abs`` while others are below: a prefix that
-every request shares (the Mooncake trace's block 0) saves little relative to
-the prompt and so never pulls traffic, and a prefix that is most of the prompt
-(a long shared system prompt) pulls until the guard trips, after which the
-router's own routing history makes the second pod hold it too and load
-decides between the two.
+with ``L`` the pod's request load, ``R`` its decayed count of routed requests
+and ``ref_len`` a typical prompt length (the hit is worth the prefill it saves
+measured against a typical request). Because the load terms are relative to
+the mean, a pod may run ahead of the others by an amount proportional to how
+much prefill it would save, no more. The share term spreads new work (equal hit
+everywhere) by recent routings: with prefix affinity a pod's future arrivals
+follow the conversations it already holds. On top of that the balance guard
+removes pods whose load exceeds ``balance_rel * mean + balance_abs`` while
+others are below: a prefix that every request shares (the Mooncake trace's
+block 0) saves little relative to the prompt and so never pulls traffic, and a
+prefix that is most of the prompt (a long shared system prompt) pulls until the
+guard trips, after which the router's own routing history makes the second pod
+hold it too and load decides between the two.
 """
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 from .config import PodSpec, ScoringWeights
@@ -38,9 +46,12 @@ class Pod:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    external: float = 0.0  # load the pod reported beyond the router's own in-flight requests (other clients)
     inflight_requests: int = 0
-    inflight_tokens: int = 0
+    inflight_tokens: int = 0  # uncached prompt tokens sent whose prefill has not finished (no first token yet)
     routed: int = 0
+    recent: float = 0.0  # requests routed here, exponentially decayed (see `share`)
+    recent_t: float = 0.0
     failures: int = 0
     probe_timeouts: int = 0  # consecutive health-probe timeouts (a busy pod is slow, not dead)
     last_error: str = ""
@@ -51,7 +62,31 @@ class Pod:
 
     @property
     def load(self) -> float:
-        return max(float(self.inflight_requests), self.running + self.waiting)
+        """Requests on the pod: the router's own in flight (exact, current) plus what the last scrape
+        reported beyond the router's in flight at that moment (traffic from other clients). Taking the
+        scraped count itself would keep a finished request alive for up to a scrape interval."""
+        return self.inflight_requests + self.external
+
+    def observe_scrape(self, running: float, waiting: float, kv_usage: float | None, inflight_before: int,
+                       routed_before: int) -> None:
+        """Apply a /metrics scrape that started when the router had ``inflight_before`` requests on the
+        pod and had routed ``routed_before`` to it. The pod may have counted any of those and any routed
+        while the scrape was on the wire, so only the excess over that is other clients' load."""
+        self.running, self.waiting = running, waiting
+        if kv_usage is not None:
+            self.kv_usage = kv_usage
+        ours = inflight_before + max(self.routed - routed_before, 0)
+        self.external = max(0.0, running + waiting - ours)
+
+    def share(self, now: float, halflife: float) -> float:
+        """Requests routed here recently (each decays with ``halflife`` seconds)."""
+        if halflife <= 0:
+            return float(self.routed)
+        return self.recent * 0.5 ** ((now - self.recent_t) / halflife)
+
+    def note_routed(self, now: float, halflife: float) -> None:
+        self.recent = self.share(now, halflife) + 1.0
+        self.recent_t = now
 
 
 @dataclass(frozen=True)
@@ -75,8 +110,13 @@ def round_robin(pods: list[Pod]) -> Pod:
 
 
 def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_size: int,
-               w: ScoringWeights) -> Decision:
-    """Pick the best pod among ``pods`` (all healthy, non-empty)."""
+               w: ScoringWeights, now: float | None = None, ref_len: float = 0.0) -> Decision:
+    """Pick the best pod among ``pods`` (all healthy, non-empty).
+
+    ``ref_len``: a typical prompt length (the router's running mean). The hit counts as the share of
+    ``max(prompt_len, ref_len)`` it saves, so a hit's value is the prefill it saves measured against
+    a typical request: a short prompt's few cached blocks save little and do not outweigh load,
+    while a long prompt's cached prefix does."""
     if len(pods) == 1:
         p = pods[0]
         hb = hits.get(p.url, 0)
@@ -84,19 +124,24 @@ def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_siz
     n = len(pods)
     mean_load = sum(p.load for p in pods) / n
     mean_tok = sum(p.inflight_tokens for p in pods) / n
+    now = time.monotonic() if now is None else now
+    shares = {p.url: p.share(now, w.share_halflife_s) for p in pods}
+    mean_share = sum(shares.values()) / n
     limit = w.balance_rel * mean_load + w.balance_abs
     eligible = [p for p in pods if p.load <= limit] or pods
     plen = max(prompt_len, 1)
+    hit_base = max(plen, ref_len)
     best: tuple | None = None
     start = next(_rr)  # rotate ties so equal pods share work
     for i in range(len(eligible)):
         p = eligible[(start + i) % len(eligible)]
         hb = hits.get(p.url, 0)
         ht = predicted_cached_tokens(hb, prompt_len, block_size)
-        s = (w.hit * ht / plen
+        s = (w.hit * ht / hit_base
              - w.load * p.load / (mean_load + 1.0)
              - w.tokens * p.inflight_tokens / (mean_tok + plen)
-             - w.kv * p.kv_usage)
+             - w.kv * p.kv_usage
+             - w.share * shares[p.url] / (mean_share + 1.0))
         key = (s, -p.load)
         if best is None or key > best[0]:
             best = (key, p, hb, ht)

@@ -117,6 +117,61 @@ def test_score_prefers_hit_but_spreads_load():
     assert score_pods([a, b], {"http://a:1": 10}, 200, BS, w).pod is b
 
 
+def test_load_is_own_inflight_plus_other_clients():
+    """A scrape counts the router's own requests too: only the excess is other clients' load, and a
+    request that has ended no longer counts although the last scrape still saw it."""
+    p = Pod(PodSpec("http://a:1"))
+    p.inflight_requests, p.routed = 3, 3
+    p.observe_scrape(3.0, 0.0, 0.1, inflight_before=3, routed_before=3)
+    assert p.external == 0 and p.load == 3
+    p.inflight_requests = 0  # all three finished before the next scrape
+    assert p.load == 0
+    p.routed = 4  # one routed while the scrape was on the wire: the pod may count it as well
+    p.inflight_requests = 1
+    p.observe_scrape(6.0, 1.0, None, inflight_before=0, routed_before=3)
+    assert p.external == 6 and p.load == 7 and p.kv_usage == 0.1
+
+
+def test_share_decays_and_places_new_work_evenly():
+    w = ScoringWeights()
+    a, b = Pod(PodSpec("http://a:1")), Pod(PodSpec("http://b:1"))
+    for _ in range(8):
+        a.note_routed(100.0, w.share_halflife_s)
+    b.note_routed(100.0, w.share_halflife_s)
+    assert a.share(100.0 + w.share_halflife_s, w.share_halflife_s) == pytest.approx(4.0)
+    # a new conversation: both pods hold only the shared first block -> the less used pod
+    d = score_pods([a, b], {"http://a:1": 1, "http://b:1": 1}, 320, BS, w, now=100.0)
+    assert d.pod is b
+    # a follow-up whose history is on the busier pod still goes there
+    d = score_pods([a, b], {"http://a:1": 18, "http://b:1": 1}, 320, BS, w, now=100.0)
+    assert d.pod is a and d.reason == "kv_hit"
+
+
+def test_hit_value_is_measured_against_a_typical_prompt():
+    """A short prompt's few cached blocks save little prefill: with a typical prompt of 640 tokens they
+    no longer outweigh a request-share surplus; a long prompt's cached prefix still does."""
+    w = ScoringWeights()
+    a, b = Pod(PodSpec("http://a:1")), Pod(PodSpec("http://b:1"))
+    a.recent, b.recent = 30.0, 10.0
+    a.recent_t = b.recent_t = 0.0
+    short = {"http://a:1": 3, "http://b:1": 1}  # 3 of a 4-block prompt on a
+    assert score_pods([a, b], short, 64, BS, w, now=0.0).pod is a  # no scale: 75 % of the prompt
+    assert score_pods([a, b], short, 64, BS, w, now=0.0, ref_len=640).pod is b
+    long = {"http://a:1": 39, "http://b:1": 1}
+    assert score_pods([a, b], long, 640, BS, w, now=0.0, ref_len=640).pod is a
+
+
+def test_pending_prefill_tokens_released_at_first_byte():
+    from kvmesh.services.router.app import Flight
+
+    p = Pod(PodSpec("http://a:1"))
+    p.inflight_tokens = 500
+    f = Flight(p, 500)
+    f.prefilled()
+    f.prefilled()  # once only
+    assert p.inflight_tokens == 0 and f.tokens == 0
+
+
 @pytest.fixture
 def pods():
     ps = [FakePod(delay=0.3).start() for _ in range(4)]
@@ -133,8 +188,11 @@ def test_hot_prefix_spreads(pods):
     try:
         system = list(range(1000, 1512))
 
+        # request 0 carries a longer history of its own (256 tokens), like a conversation's first turn
+        own = lambda i: [50000 + i] * (256 if i == 0 else 32)  # noqa: E731
+
         def one(i):
-            r = httpx.post(srv.url + "/v1/completions", json={"prompt": system + [50000 + i] * 32, "max_tokens": 4},
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": system + own(i), "max_tokens": 4},
                            timeout=30)
             assert r.status_code == 200, r.text
             return r.headers["x-kvmesh-pod"]
@@ -145,7 +203,7 @@ def test_hot_prefix_spreads(pods):
         assert max(counts) / (64 / len(pods)) <= 1.5, counts
         # a follow-up of request 0's conversation goes where request 0 went (history/predicted index)
         time.sleep(1.2)  # let a scrape see the pods idle again
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": system + [50000] * 32 + list(range(40)),
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": system + own(0) + list(range(40)),
                                                            "max_tokens": 1}, timeout=30)
         assert r.headers["x-kvmesh-pod"] == got[0]
         m = httpx.get(srv.url + "/metrics").text
