@@ -6,6 +6,8 @@ what NIXL/UCX add over a raw copy. Blocks have the Llama-3-8B layout (32 layers 
 tokens x 8 heads x 128 x bf16 = 2 MiB each); a READ moves ``n`` scattered blocks.
 
     python3 bench/gpu_nixl_local.py            # prints a table, writes $OUT/gpu_nixl_local.json
+    python3 bench/gpu_nixl_local.py --two-process [--device cpu] [...]
+                                               # owner and reader in two processes (bench/gpu_nixl_2proc.py)
 """
 from __future__ import annotations
 
@@ -102,4 +104,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if "--two-process" in sys.argv[1:]:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import gpu_nixl_2proc
+
+        sys.exit(gpu_nixl_2proc.main([a for a in sys.argv[1:] if a != "--two-process"]))
     sys.exit(main())

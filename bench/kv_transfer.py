@@ -5,19 +5,25 @@
 What each row measures, for ``n`` blocks of the engine's real block size
 (SmolLM2-135M, float32, block_size 16: 30 layers x K,V x 16 x 3 x 64 x 4 B = 720 KiB):
 
-* ``memcpy``      - one contiguous ``dst[:n].copy_(src[:n])`` in this process (the floor).
+* ``memcpy``      - one contiguous ``dst[:n].copy_(src[:n])`` in this process (the floor). Every transfer
+                    below is timed *alternately* with its own memcpy of the same bytes (``_paired``) and
+                    its %mc is against that one: on a shared box the memory bandwidth drifts by several x
+                    within a minute, so a memcpy measured at another moment says little.
 * ``nixl_read``   - one prepped NIXL READ (UCX, DRAM) of ``n`` block descriptors from a
                     buffer registered by *another process*, into this process' buffer,
                     exactly the calls the connector makes (prep per-block dlists once,
-                    ``make_prepped_xfer`` + ``transfer`` + poll ``check_xfer_state``).
-* ``nixl_read_errnone`` - the same with UCX ``ucx_error_handling_mode=none``: NIXL's default
-                    ("peer", needed to detect a dead peer) limits UCX to TCP between two
-                    processes; "none" unlocks shared memory / CMA on one host.
-* ``redis_load``  - the Redis connector's own load path (``RedisConnector._load``: chunked
-                    MGET, header + crc32 check, copy into the KV tensor) against a local
-                    redis-server; ``redis_save`` is its save path (gather + pipelined SET).
-* ``redis-benchmark GET`` - redis-server's own client at the same value size, the
-                    ceiling a Python client can approach.
+                    ``make_prepped_xfer`` + ``transfer`` + poll ``check_xfer_state``), with the
+                    connector's defaults: ``ucx_error_handling_mode=peer``, no NIXL progress thread.
+* ``nixl_read_errnone`` - the same with ``ucx_error_handling_mode=none``.
+* ``nixl_read_progthread`` - ``peer`` with NIXL's progress thread on in both agents (NIXL's default; the
+                    connector turns it off: it spins a core per agent).
+* ``cma_raw``     - ``process_vm_readv`` of the same blocks from the same process, no UCX: the one-host
+                    data path UCX picks for a READ in both modes (its ``cma`` transport), i.e. the ceiling.
+* ``redis_load``  - the Redis connector's own load path (``RedisConnector._load``: MGET, header + crc32
+                    check, payloads received into the KV tensor) against a local redis-server;
+                    ``redis_save`` is its save path (pipelined SET from views of the blocks).
+* ``redis-benchmark GET/SET`` - redis-server's own C client at the same value size, 1 connection,
+                    pipeline 16, run right before each Redis measurement: the ceiling of one client.
 
 Latency is the median wall time of one transfer of ``n`` blocks; GB/s = bytes / median.
 Every transfer is checked: the destination must equal the source afterwards.
@@ -25,6 +31,7 @@ Every transfer is checked: the destination must equal the source afterwards.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -55,37 +62,55 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def bench_memcpy(sizes: list[int], reps: int) -> dict[int, float]:
-    """One contiguous ``copy_`` of the same bytes: the in-process floor every transfer is compared with."""
-    n_max = max(sizes)
-    src = torch.randn(n_max, *BLOCK_SHAPE)
-    dst = torch.zeros_like(src)
-    out = {}
-    for n in sizes:
-        def run():
-            dst[:n].copy_(src[:n])
+class Memcpy:
+    """The in-process floor: one contiguous ``copy_`` of ``n`` blocks, in the process that measures."""
 
-        out[n] = _median_time(run, reps)
-        assert torch.equal(dst[:n], src[:n])
-    return out
+    def __init__(self, n_max: int) -> None:
+        self.src = torch.randn(n_max, *BLOCK_SHAPE)
+        self.dst = torch.zeros_like(self.src)
+
+    def fn(self, n: int):
+        def run():
+            self.dst[:n].copy_(self.src[:n])
+        return run
+
+
+def _paired(fn, ref, reps: int) -> tuple[float, float]:
+    """Median times of ``fn`` and ``ref``, measured alternately (fn, ref, fn, ref, ...).
+
+    On a box shared with other jobs the available memory bandwidth moves by several x within a minute;
+    measuring the transfer and its memcpy floor back to back keeps their ratio meaningful."""
+    fn()
+    ref()
+    tf, tr = [], []
+    for _ in range(reps):
+        for f, acc in ((fn, tf), (ref, tr)):
+            t = time.perf_counter()
+            f()
+            acc.append(time.perf_counter() - t)
+    return statistics.median(tf), statistics.median(tr)
 
 
 # ---- NIXL ---------------------------------------------------------------------
-def _agent(name: str, err_mode: str):
+def _agent(name: str, err_mode: str, prog_thread: bool = False):
     from nixl._api import nixl_agent, nixl_agent_config
 
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=[]))
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=prog_thread, backends=[]))
     agent.create_backend("UCX", {"ucx_error_handling_mode": err_mode})
     return agent
 
 
-def _holder(conn, n_blocks: int, block_bytes: int, err_mode: str) -> None:
-    """The remote side: owns and registers the source blocks, answers nothing but 'exit'."""
+def _holder(conn, n_blocks: int, block_bytes: int, err_mode: str, prog_thread: bool = False) -> None:
+    """The remote side: owns and registers the source blocks, progresses its agent until 'exit'."""
     src = torch.randn(n_blocks, block_bytes // 4)
-    agent = _agent("bench-holder", err_mode)
+    agent = _agent("bench-holder", err_mode, prog_thread)
     reg = agent.register_memory([(src.data_ptr(), src.numel() * 4, 0, "")], "DRAM")
-    conn.send((agent.get_agent_metadata(), src.data_ptr(), src.sum(dim=1).numpy()))
-    conn.recv()  # wait for "exit"
+    conn.send((agent.get_agent_metadata(), src.data_ptr(), src.sum(dim=1).numpy(), os.getpid()))
+    # Progress the agent between polls for "exit", as a prefill engine's step loop does (without a NIXL
+    # progress thread, UCX's connection setup needs the remote side to progress; the READ itself does not).
+    while not conn.poll(0.005):
+        agent.get_new_notifs()
+    conn.recv()
     agent.deregister_memory(reg)
     del agent
 
@@ -98,21 +123,55 @@ def _descs(base: int, n: int, block_bytes: int) -> np.ndarray:
     return d
 
 
-def bench_nixl(sizes: list[int], reps: int, err_mode: str = "peer") -> dict[int, float]:
-    """``err_mode`` is UCX's error handling: "peer" (NIXL's default, detects dead peers) restricts UCX to
-    TCP between processes; "none" lets it use shared memory / CMA on one host."""
+class _Iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+def _cma_reader(pid: int, dst_base: int, src_base: int, block_bytes: int):
+    """``process_vm_readv`` of the same blocks (one iovec per block): what UCX's cma transport does for a READ
+    between two processes on one host, without UCX/NIXL; the ceiling of a one-host NIXL READ."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.process_vm_readv.restype = ctypes.c_ssize_t
+
+    def make(ids: np.ndarray):
+        k = len(ids)
+        loc = (_Iovec * k)(*[_Iovec(dst_base + int(i) * block_bytes, block_bytes) for i in ids])
+        rem = (_Iovec * k)(*[_Iovec(src_base + int(i) * block_bytes, block_bytes) for i in ids])
+        size = ctypes.sizeof(_Iovec)
+
+        def run():
+            for s in range(0, k, 1024):  # IOV_MAX
+                e = min(k, s + 1024)
+                got = libc.process_vm_readv(pid, ctypes.byref(loc, s * size), e - s, ctypes.byref(rem, s * size),
+                                            e - s, 0)
+                if got != (e - s) * block_bytes:
+                    raise OSError(ctypes.get_errno(), "process_vm_readv failed or was short")
+        return run
+    return make
+
+
+def bench_nixl(sizes: list[int], reps: int, err_mode: str = "peer", memcpy: "Memcpy | None" = None,
+               cma: dict | None = None, prog_thread: bool = False) -> dict[int, tuple[float, float]]:
+    """``err_mode`` is UCX's error handling: "peer" (NIXL's default, detects dead peers) or "none". With UCX
+    1.23 (nixl 1.5.1) a READ between two processes on one host goes through cma (process_vm_readv) in both
+    modes (check with UCX_PROTO_INFO=y); "peer" only sends the small active messages (notifications) over
+    TCP loopback instead of shared memory. Returns ``{n: (nixl median, paired memcpy median)}``; with
+    ``cma`` (a dict) also fills ``cma[n] = (process_vm_readv median, paired memcpy median)``.
+    ``prog_thread``: NIXL's progress thread in both agents (NIXL's default; it spins a core each, which on
+    a 2-core box halves the memcpy measured next to it); the connector runs without it."""
     n_max = max(sizes)
     block_bytes = int(np.prod(BLOCK_SHAPE)) * 4
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_holder, args=(child, n_max, block_bytes, err_mode), daemon=True)
+    proc = ctx.Process(target=_holder, args=(child, n_max, block_bytes, err_mode, prog_thread), daemon=True)
     proc.start()
     try:
         if not parent.poll(300):
             raise RuntimeError("holder process did not start")
-        meta, remote_base, remote_sums = parent.recv()
+        meta, remote_base, remote_sums, holder_pid = parent.recv()
         dst = torch.zeros(n_max, block_bytes // 4)
-        agent = _agent("bench-reader", err_mode)
+        memcpy = memcpy or Memcpy(n_max)
+        agent = _agent("bench-reader", err_mode, prog_thread)
         reg = agent.register_memory([(dst.data_ptr(), dst.numel() * 4, 0, "")], "DRAM")
         name = agent.add_remote_agent(meta)
         name = name.decode() if isinstance(name, bytes) else name
@@ -134,9 +193,16 @@ def bench_nixl(sizes: list[int], reps: int, err_mode: str = "peer") -> dict[int,
                     raise RuntimeError(f"NIXL read ended in {state}")
                 agent.release_xfer_handle(h)
 
-            out[n] = _median_time(run, reps)
+            dst.zero_()
+            out[n] = _paired(run, memcpy.fn(n), reps)
             got = dst[torch.from_numpy(ids).long()].sum(dim=1).numpy()
             assert np.allclose(got, remote_sums[ids]), "NIXL READ moved wrong bytes"
+            if cma is not None:
+                dst.zero_()
+                cma[n] = _paired(_cma_reader(holder_pid, dst.data_ptr(), remote_base, block_bytes)(ids),
+                                 memcpy.fn(n), reps)
+                got = dst[torch.from_numpy(ids).long()].sum(dim=1).numpy()
+                assert np.allclose(got, remote_sums[ids]), "process_vm_readv moved wrong bytes"
         agent.release_dlist_handle(local)
         agent.release_dlist_handle(remote)
         agent.remove_remote_agent(name)
@@ -160,7 +226,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def bench_redis(sizes: list[int], reps: int) -> tuple[dict[int, float], dict[int, float], dict]:
+def _redis_benchmark(port: int, test: str, size: int) -> float | None:
+    """redis-benchmark's GB/s for one test at ``size``-byte values (1 client, pipeline 16), or None."""
+    rb = shutil.which("redis-benchmark")
+    if rb is None:
+        return None
+    r = subprocess.run([rb, "-p", str(port), "-t", test, "-d", str(size), "-n", "400", "-c", "1", "-P", "16", "-q"],
+                       capture_output=True, text=True, timeout=300)
+    m = re.search(r"([\d.]+) requests per second", r.stdout)
+    return float(m.group(1)) * size / 1e9 if m else None
+
+
+def bench_redis(sizes: list[int], reps: int, raw_io: bool = True) -> dict[str, dict[int, float | None]]:
+    """The connector's save and load paths against a local redis-server; next to each, in the same minute,
+    ``redis-benchmark`` SET / GET at the same value size (the ceiling of one client on this box)."""
     from kvmesh.engine.connector import ConnectorMetadata
     from kvmesh.engine.connectors.redis_connector import RedisConnector
 
@@ -174,7 +253,7 @@ def bench_redis(sizes: list[int], reps: int) -> tuple[dict[int, float], dict[int
         n_max = max(sizes)
         kv = torch.randn(n_max, *BLOCK_SHAPE)
         cfg = SimpleNamespace(role="prefill", model=SimpleNamespace(identity=lambda: "bench-model"))
-        conn = RedisConnector(cfg, url=f"redis://127.0.0.1:{port}/0", ttl_s=600)
+        conn = RedisConnector(cfg, url=f"redis://127.0.0.1:{port}/0", ttl_s=600, raw_io=raw_io)
         conn.register_kv_cache(kv)
         for _ in range(100):
             try:
@@ -182,30 +261,24 @@ def bench_redis(sizes: list[int], reps: int) -> tuple[dict[int, float], dict[int
                 break
             except Exception:
                 time.sleep(0.05)
+        size = int(np.prod(BLOCK_SHAPE)) * 4
         hashes = [os.urandom(32) for _ in range(n_max)]
-        save, load = {}, {}
+        out: dict[str, dict[int, float | None]] = {"save": {}, "load": {}, "set": {}, "get": {}}
         for n in sizes:
             meta = ConnectorMetadata(saves={"r": {"block_ids": list(range(n)), "hashes": hashes[:n]}})
-            save[n] = _median_time(lambda: conn.save_kv(meta), reps)
+            out["set"][n] = _redis_benchmark(port, "set", size)
+            out["save"][n] = _median_time(lambda: conn.save_kv(meta), reps)
             assert conn.stats["save_errors"] == 0
+        conn.save_kv(ConnectorMetadata(saves={"r": {"block_ids": list(range(n_max)), "hashes": hashes}}))
         sums = kv.sum(dim=(1, 2, 3, 4, 5))
         for n in sizes:
             ids = np.random.permutation(n_max)[:n].tolist()
             kv.zero_()
-            load[n] = _median_time(lambda: conn._load(ids, [hashes[i] for i in ids]), reps)
+            out["get"][n] = _redis_benchmark(port, "get", size)
+            out["load"][n] = _median_time(lambda: conn._load(ids, [hashes[i] for i in ids]), reps)
             assert torch.allclose(kv[ids].sum(dim=(1, 2, 3, 4, 5)), sums[ids]), "Redis load moved wrong bytes"
         conn.close()
-        ref = {}
-        rb = shutil.which("redis-benchmark")
-        if rb:
-            size = int(np.prod(BLOCK_SHAPE)) * 4
-            for test in ("set", "get"):
-                r = subprocess.run([rb, "-p", str(port), "-t", test, "-d", str(size), "-n", "400", "-c", "1",
-                                    "-P", "16", "-q"], capture_output=True, text=True, timeout=300)
-                m = re.search(r"([\d.]+) requests per second", r.stdout)
-                if m:
-                    ref[test] = float(m.group(1)) * size / 1e9
-        return save, load, ref
+        return out
     finally:
         srv.terminate()
         srv.wait(10)
@@ -216,7 +289,8 @@ def main() -> None:
     ap.add_argument("--blocks", default="16,64,256,1024", help="comma-separated block counts per transfer")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default="bench/results/kv_transfer.json")
-    ap.add_argument("--skip", default="", help="comma-separated: nixl,redis")
+    ap.add_argument("--skip", default="", help="comma-separated: nixl,nixl_none,nixl_pt,redis")
+    ap.add_argument("--redis-py", action="store_true", help="Redis through redis-py (raw_io=False), for comparison")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("KVMESH_CPU_THREADS", "1")))
     sizes = [int(x) for x in args.blocks.split(",")]
@@ -224,47 +298,60 @@ def main() -> None:
     block_bytes = int(np.prod(BLOCK_SHAPE)) * 4
     res: dict = {"block_bytes": block_bytes, "block_shape": BLOCK_SHAPE, "dtype": "float32", "reps": args.reps,
                  "host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "redis_raw_io": not args.redis_py,
                  "rows": []}
-    memcpy = bench_memcpy(sizes, args.reps)
-    nixl = bench_nixl(sizes, args.reps, "peer") if "nixl" not in skip else {}
-    nixl_shm = bench_nixl(sizes, args.reps, "none") if "nixl" not in skip else {}
-    rsave, rload, rref = bench_redis(sizes, args.reps) if "redis" not in skip else ({}, {}, {})
-    res["redis_benchmark_gbps"] = rref
+    mc = Memcpy(max(sizes))
+    memcpy = {n: _median_time(mc.fn(n), args.reps) for n in sizes}
+    cma: dict = {}
+    nixl = bench_nixl(sizes, args.reps, "peer", mc, cma) if "nixl" not in skip else {}
+    nixl_none = bench_nixl(sizes, args.reps, "none", mc) if not {"nixl", "nixl_none"} & skip else {}
+    nixl_pt = bench_nixl(sizes, args.reps, "peer", mc, prog_thread=True) if not {"nixl", "nixl_pt"} & skip else {}
+    del mc
+    red = bench_redis(sizes, args.reps, raw_io=not args.redis_py) if "redis" not in skip else {}
 
-    def gbps(n, t):
+    def gb(n, t):
         return n * block_bytes / t / 1e9 if t else None
 
-    head = f"{'blocks':>6} {'MiB':>8} | {'memcpy ms':>9} {'GB/s':>6} | {'NIXL ms':>8} {'GB/s':>6} {'%mc':>5} | " \
-           f"{'NIXL/shm ms':>11} {'GB/s':>6} {'%mc':>5} | " \
-           f"{'Redis load ms':>13} {'GB/s':>6} {'%mc':>5} | {'Redis save ms':>13} {'GB/s':>6}"
+    def pct(a, b):
+        return f"{100 * a / b:>4.0f}%" if a and b else f"{'-':>5}"
+
+    def num(x, w=6):
+        return f"{x:>{w}.2f}" if x is not None else f"{'-':>{w}}"
+
+    head = (f"{'blocks':>6} {'MiB':>7} | {'memcpy':>6} | {'NIXL':>6} {'ms':>7} {'%mc':>5} | "
+            f"{'NIXL/none':>9} {'%mc':>5} | {'NIXL+pthr':>9} {'%mc':>5} | {'CMA raw':>7} {'%mc':>5} | "
+            f"{'R.load':>6} {'ms':>7} {'GET':>5} {'%GET':>5} | "
+            f"{'R.save':>6} {'SET':>5} {'%SET':>5}")
+    print("GB/s; %mc = of a memcpy of the same bytes measured alternately with the transfer;"
+          " GET/SET = redis-benchmark run right before")
     print(head)
     print("-" * len(head))
     for n in sizes:
-        row = {"blocks": n, "bytes": n * block_bytes}
-        for name, d in (("memcpy", memcpy), ("nixl_read", nixl), ("nixl_read_errnone", nixl_shm),
-                        ("redis_load", rload), ("redis_save", rsave)):
+        row: dict = {"blocks": n, "bytes": n * block_bytes, "memcpy_s": memcpy[n], "memcpy_gbps": gb(n, memcpy[n])}
+        for name, d in (("nixl_read", nixl), ("nixl_read_errnone", nixl_none), ("nixl_read_progthread", nixl_pt),
+                        ("cma_raw", cma)):
             if n in d:
-                row[f"{name}_s"] = d[n]
-                row[f"{name}_gbps"] = gbps(n, d[n])
+                t, ref = d[n]
+                row.update({f"{name}_s": t, f"{name}_gbps": gb(n, t), f"{name}_memcpy_s": ref,
+                            f"{name}_memcpy_gbps": gb(n, ref), f"{name}_pct_memcpy": ref / t})
+        if red:
+            row.update({"redis_load_s": red["load"][n], "redis_load_gbps": gb(n, red["load"][n]),
+                        "redis_save_s": red["save"][n], "redis_save_gbps": gb(n, red["save"][n]),
+                        "redis_benchmark_get_gbps": red["get"][n], "redis_benchmark_set_gbps": red["set"][n]})
         res["rows"].append(row)
-        mc = row["memcpy_gbps"]
-
-        def cell(key, width):
-            t = row.get(f"{key}_s")
-            if t is None:
-                return f"{'-':>{width}} {'-':>6}"
-            return f"{t * 1e3:>{width}.2f} {row[f'{key}_gbps']:>6.2f}"
-
-        def pct(key):
-            g = row.get(f"{key}_gbps")
-            return f"{100 * g / mc:>4.0f}%" if g else f"{'-':>5}"
-
-        print(f"{n:>6} {n * block_bytes / 2**20:>8.1f} | {cell('memcpy', 9)} | {cell('nixl_read', 8)} {pct('nixl_read')} | "
-              f"{cell('nixl_read_errnone', 11)} {pct('nixl_read_errnone')} | "
-              f"{cell('redis_load', 13)} {pct('redis_load')} | {cell('redis_save', 13)}")
-    if rref:
-        print(f"redis-benchmark at {block_bytes} B values (1 client, pipeline 16): "
-              + ", ".join(f"{k.upper()} {v:.2f} GB/s" for k, v in rref.items()))
+        g = row.get
+        print(f"{n:>6} {n * block_bytes / 2**20:>7.1f} | {num(g('memcpy_gbps'))} | "
+              f"{num(g('nixl_read_gbps'))} {num(g('nixl_read_s', 0) * 1e3 if g('nixl_read_s') else None, 7)} "
+              f"{pct(g('nixl_read_gbps'), g('nixl_read_memcpy_gbps'))} | "
+              f"{num(g('nixl_read_errnone_gbps'), 9)} "
+              f"{pct(g('nixl_read_errnone_gbps'), g('nixl_read_errnone_memcpy_gbps'))} | "
+              f"{num(g('nixl_read_progthread_gbps'), 9)} "
+              f"{pct(g('nixl_read_progthread_gbps'), g('nixl_read_progthread_memcpy_gbps'))} | "
+              f"{num(g('cma_raw_gbps'), 7)} {pct(g('cma_raw_gbps'), g('cma_raw_memcpy_gbps'))} | "
+              f"{num(g('redis_load_gbps'))} {num(g('redis_load_s') * 1e3 if g('redis_load_s') else None, 7)} "
+              f"{num(g('redis_benchmark_get_gbps'), 5)} {pct(g('redis_load_gbps'), g('redis_benchmark_get_gbps'))} | "
+              f"{num(g('redis_save_gbps'))} {num(g('redis_benchmark_set_gbps'), 5)} "
+              f"{pct(g('redis_save_gbps'), g('redis_benchmark_set_gbps'))}")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(res, f, indent=2)

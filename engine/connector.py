@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import concurrent.futures
+
     import torch
 
     from .config import EngineConfig
@@ -46,6 +48,30 @@ class KVConnector:
         learn the engine's role, id, block size, dtype and model identity.
         """
         self.engine_config = config
+
+    # ---- admission ----------------------------------------------------------
+    def validate_kv_transfer_params(self, params: Any) -> None:
+        """Raise ``ValueError`` (a clear, client-facing message) if ``params`` cannot be used.
+
+        Called by ``EngineCore.validate`` before a request is admitted, so a rejected request
+        holds no block and no state; the API server answers the ValueError with HTTP 400.
+        The base checks shape and types only; a connector that can tell more (does the remote
+        engine exist, are its block ids in range) overrides this. It may block on I/O for a
+        bounded time; ``prepare_kv_transfer_params`` lets a serving loop do that I/O off-thread.
+        """
+        from .connectors.common import check_kv_transfer_params
+
+        problem = check_kv_transfer_params(params)
+        if problem is not None:
+            raise ValueError(problem)
+
+    def prepare_kv_transfer_params(self, params: Any) -> "concurrent.futures.Future | None":
+        """Start any slow work ``validate_kv_transfer_params`` needs (e.g. a handshake) in the background.
+
+        Returns a future to wait for before calling ``validate`` (which then answers from a cache
+        without blocking), or None when validation is already cheap.
+        """
+        return None
 
     # ---- scheduler side -----------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:

@@ -114,6 +114,10 @@ class EngineCore:
         need = -(-min(n + 1, max_len) // self.config.cache.block_size)
         if need > self.kv.pool.num_blocks:
             raise ValueError(f"prompt needs {need} KV blocks but the pool has {self.kv.pool.num_blocks}")
+        if req.kv_transfer_params is not None:  # last: it may ask the remote engine (bounded, cached)
+            check = getattr(self.connector, "validate_kv_transfer_params", None)
+            if check is not None:
+                check(req.kv_transfer_params)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.validate(req)

@@ -24,8 +24,14 @@ Protocol (pull, one-sided; see docs/connectors.md):
    error, timeout) reports ``failed_recving``; the scheduler then recomputes the
    prompt locally, so the answer is still exact.
 
+Before all that, at admission (``validate_kv_transfer_params``), params that name a
+side channel that does not answer, another engine, or block ids beyond the remote
+pool are rejected with a ValueError (HTTP 400); the "meta" handshake that tells is
+cached per address, and run off the step loop by ``prepare_kv_transfer_params``.
+
 NIXL objects are only touched from the engine thread (NIXL is not guaranteed
-thread-safe); the two helper threads (side-channel server, claim client) speak
+thread-safe); the helper threads (side-channel server, claim client, admission
+handshakes) speak
 ZMQ and share plain Python state under a lock.
 """
 from __future__ import annotations
@@ -109,7 +115,8 @@ class NixlConnector(KVConnector):
                  side_channel_port: int = 0, advertise_host: str | None = None, lease_s: float = 30.0,
                  handshake_timeout_s: float = 5.0, transfer_timeout_s: float = 30.0,
                  backends: tuple[str, ...] = ("UCX",), serve: bool | None = None,
-                 poll_sleep_s: float = 0.001, ucx_error_handling_mode: str = "peer") -> None:
+                 poll_sleep_s: float = 0.001, ucx_error_handling_mode: str = "peer",
+                 progress_thread: bool = False) -> None:
         """``serve`` starts the side channel (default: every role except ``decode``).
 
         ``lease_s`` bounds how long unclaimed blocks stay held; a claim extends the
@@ -117,10 +124,18 @@ class NixlConnector(KVConnector):
         pause ``get_finished`` takes when nothing else runs and a read is in flight,
         so a waiting engine does not spin a core the transfer needs.
 
-        ``ucx_error_handling_mode``: "peer" (NIXL's default) lets UCX notice a dead peer,
-        but then only TCP qualifies between two processes on one host; "none" allows
-        shared memory / CMA (several times faster on one host, see bench/kv_transfer.py)
-        at the price of relying on this connector's own timeouts to detect a dead peer.
+        ``ucx_error_handling_mode``: "peer" (NIXL's default) lets UCX notice a dead peer; "none"
+        relies on this connector's own timeouts instead. Between two processes on one host UCX 1.23
+        moves READ data with cma (process_vm_readv) in both modes; "peer" only sends notifications
+        over loopback TCP instead of shared memory (no measurable bandwidth difference, see
+        bench/kv_transfer.py), so "peer" stays the default on one host and across hosts.
+
+        ``progress_thread``: NIXL's own progress thread busy-polls UCX and keeps one core at 100 % for the
+        agent's whole life, even idle (measured: 3.0 CPU-seconds per 3 s). Off by default: the engine thread
+        progresses the agent itself (``check_xfer_state`` / ``get_new_notifs`` on every step, and serving
+        loops keep stepping while a transfer or a held block is pending). One-sided data paths (CMA on one
+        host, RDMA, cuda_ipc) never need the prefill side to progress; a READ that UCX emulates over TCP
+        between hosts without RDMA does, and then advances only at the prefill's step rate: turn it on there.
         """
         self.side_channel_host = side_channel_host
         self.side_channel_port = side_channel_port
@@ -133,6 +148,7 @@ class NixlConnector(KVConnector):
         self._serve = serve
         self.poll_sleep_s = poll_sleep_s
         self.ucx_error_handling_mode = ucx_error_handling_mode
+        self.progress_thread = bool(progress_thread)
         self.layout: BlockLayout | None = None
         self.agent = None
         self.agent_name: str | None = None
@@ -155,9 +171,17 @@ class NixlConnector(KVConnector):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.port: int | None = None
         self._closed = False
+        # Decode side: what each side channel answered to a "meta" handshake, for admission checks.
+        # (host, port) -> (time fetched, meta dict or None, error text or None); LRU-bounded.
+        self._peer_meta: collections.OrderedDict[tuple[str, int], tuple[float, dict | None, str | None]] = \
+            collections.OrderedDict()
+        self._peer_lock = threading.Lock()
+        self._validator: concurrent.futures.ThreadPoolExecutor | None = None
+        self._hello_inflight: dict[tuple[str, int], concurrent.futures.Future] = {}  # one handshake per address
         self.stats: dict[str, int] = {
             "loads_started": 0, "loads_done": 0, "loads_failed": 0, "blocks_loaded": 0, "bytes_loaded": 0,
             "sends_held": 0, "sends_done": 0, "sends_released": 0, "leases_expired": 0, "bad_params": 0,
+            "params_rejected": 0, "handshakes": 0,
         }
         # The last finished pulls (decode side), for latency measurements: request id, outcome, blocks,
         # bytes, claim_s (start -> READ posted: side-channel claim + remote agent setup), read_s (posted ->
@@ -186,7 +210,8 @@ class NixlConnector(KVConnector):
                         "expandable segment, NIXL cannot use cuda_ipc for it and VRAM reads will be very slow")
         self._kv_cache = kv_cache  # keep the registered memory alive as long as the agent
         self.agent_name = f"{self.engine_config.engine_id}-{uuid.uuid4().hex[:12]}"
-        self.agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=True, backends=[]))
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=self.progress_thread,
+                                                                    backends=[]))
         for b in self.backends:
             params = {"ucx_error_handling_mode": self.ucx_error_handling_mode} if b == "UCX" else {}
             self.agent.create_backend(b, params)
@@ -269,6 +294,122 @@ class NixlConnector(KVConnector):
                 self._released.append(held.request_id)
                 return {"ok": True}
         return {"ok": False, "error": f"unknown op {op!r}"}
+
+    # ---- admission (decode side) ---------------------------------------------
+    PEER_CACHE_SIZE = 256
+    FRESH_S = 2.0  # a handshake younger than this is not repeated to re-check a mismatch
+
+    def validate_kv_transfer_params(self, params: Any) -> None:
+        """Reject params naming a remote engine that does not exist or blocks it cannot have.
+
+        Types first (``check_kv_transfer_params``), then a "meta" handshake with the side channel the
+        params name (cached per address; repeated once when the cached answer disagrees, so a restarted
+        prefill is re-learned): it must answer, be the engine the params name, run the same model and KV
+        layout, and own every requested block id. Raises ``ValueError``; touches no engine state.
+
+        What cannot be checked here (the transfer may have expired, the blocks may hold another prompt)
+        is still found at pull time and answered by recomputing.
+        """
+        problem = check_kv_transfer_params(params)
+        if problem is None and isinstance(params, dict) and params.get("do_remote_prefill") \
+                and params.get("remote_block_ids"):
+            problem = self._check_remote(params)
+        if problem is not None:
+            self.stats["params_rejected"] += 1
+            raise ValueError(problem)
+
+    def prepare_kv_transfer_params(self, params: Any) -> concurrent.futures.Future | None:
+        """Run the handshake ``validate_kv_transfer_params`` needs on a helper thread; None if not needed."""
+        if check_kv_transfer_params(params) is not None or not isinstance(params, dict) \
+                or not params.get("do_remote_prefill") or not params.get("remote_block_ids"):
+            return None
+        addr = (params["remote_host"], params["remote_port"])
+        if self._usable_entry(addr, params) is not None:
+            return None  # validate answers from the cache without blocking
+        with self._peer_lock:
+            fut = self._hello_inflight.get(addr)
+            if fut is not None and not fut.done():
+                return fut  # a burst of requests to a new prefill shares one handshake
+            if self._closed:
+                return None
+            if self._validator is None:
+                self._validator = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvmesh-nixl-hello")
+            fut = self._hello_inflight[addr] = self._validator.submit(self._fetch_meta, *addr)
+            if len(self._hello_inflight) > self.PEER_CACHE_SIZE:
+                for a in [a for a, f in self._hello_inflight.items() if f.done()]:
+                    del self._hello_inflight[a]
+        return fut
+
+    def _fetch_meta(self, host: str, port: int) -> tuple[float, dict | None, str | None]:
+        """One "meta" handshake (any thread); the answer, or why there is none, goes into the cache."""
+        self.stats["handshakes"] += 1
+        try:
+            reply = self._request(host, port, {"op": "meta"})
+            if not reply.get("ok") or not isinstance(reply.get("meta"), dict):
+                entry = (time.monotonic(), None, f"answered the handshake with an error: {reply.get('error')}")
+            else:
+                entry = (time.monotonic(), reply["meta"], None)
+        except Exception as e:
+            entry = (time.monotonic(), None, f"did not answer the side-channel handshake ({e})")
+        with self._peer_lock:
+            self._peer_meta[(host, port)] = entry
+            self._peer_meta.move_to_end((host, port))
+            while len(self._peer_meta) > self.PEER_CACHE_SIZE:
+                self._peer_meta.popitem(last=False)
+        return entry
+
+    def _usable_entry(self, addr: tuple[str, int], params: dict) -> tuple | None:
+        """The cached handshake answer for ``addr`` if it settles ``params``; None if one must be (re)done.
+
+        A fresh answer (younger than ``FRESH_S``) always settles; an older one only if it agrees with the
+        params: an old failure is retried (the prefill may be up now), an old disagreement re-asked (the
+        prefill may have restarted with another id or pool)."""
+        with self._peer_lock:
+            entry = self._peer_meta.get(addr)
+            if entry is not None:
+                self._peer_meta.move_to_end(addr)
+        if entry is None:
+            return None
+        if time.monotonic() - entry[0] < self.FRESH_S:
+            return entry
+        if entry[1] is not None and self._meta_problem(entry[1], params) is None:
+            return entry
+        return None
+
+    def _check_remote(self, params: dict) -> str | None:
+        addr = (params["remote_host"], params["remote_port"])
+        entry = self._usable_entry(addr, params)
+        if entry is None:
+            if self._ctx is None:
+                return "kv_transfer_params: this engine cannot pull KV blocks (the NIXL connector is not set up)"
+            entry = self._fetch_meta(*addr)
+        _, meta, err = entry
+        where = f"remote engine {params['remote_engine_id']!r} at tcp://{addr[0]}:{addr[1]}"
+        if meta is None:
+            return f"kv_transfer_params: unknown {where}: it {err}"
+        problem = self._meta_problem(meta, params)
+        return f"kv_transfer_params: {where}: {problem}" if problem else None
+
+    def _meta_problem(self, meta: dict, params: dict) -> str | None:
+        """Why ``params`` cannot be served by the engine that answered ``meta``; None if they can."""
+        if meta.get("engine_id") != params["remote_engine_id"]:
+            return f"unknown remote engine: that side channel belongs to engine {meta.get('engine_id')!r}"
+        if meta.get("version") != PROTOCOL_VERSION:
+            return f"it speaks transfer protocol {meta.get('version')}, this engine {PROTOCOL_VERSION}"
+        if self.engine_config is not None and meta.get("model_identity") != self.engine_config.model.identity():
+            return "it serves another model"
+        if self.layout is not None and meta.get("layout") != self.layout.signature():
+            return f"its KV layout {meta.get('layout')} differs from this engine's {self.layout.signature()}"
+        bs = self.layout.block_size if self.layout is not None else None
+        if bs is not None and params.get("remote_block_size", bs) != bs:
+            return f"remote_block_size {params['remote_block_size']} is not the block size {bs}"
+        n = meta.get("num_blocks")
+        if not isinstance(n, int):
+            return "its handshake does not say how many KV blocks it has"
+        bad = [b for b in params["remote_block_ids"] if b >= n]
+        if bad:
+            return f"remote_block_ids out of range: {bad[:5]} (its KV pool has {n} blocks, ids 0..{n - 1})"
+        return None
 
     # ---- scheduler side -------------------------------------------------------
     def _remote_params(self, request: "Request") -> dict | None:
@@ -596,9 +737,10 @@ class NixlConnector(KVConnector):
         self._stop.set()
         if self._server is not None:
             self._server.join(timeout=2.0)
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)  # each task is bounded by the handshake timeout
-            self._executor = None
+        for ex in (self._executor, self._validator):
+            if ex is not None:  # each task is bounded by the handshake timeout
+                ex.shutdown(wait=True, cancel_futures=True)
+        self._executor = self._validator = None
         if self.agent is not None:
             for ld in self._loads.values():
                 self._release_handle(ld)

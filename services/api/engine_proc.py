@@ -114,6 +114,9 @@ class EngineProcess:
             engine.set_kv_events(self.kv_publisher is not None)
         # Requests not yet scheduled: we keep the engine's Request object to report its queue time once.
         self._unscheduled: dict[str, Any] = {}
+        # Requests whose kv_transfer_params wait on a connector handshake (a helper thread runs it, so a
+        # remote that does not answer never stalls the step loop); admitted or rejected once it is done.
+        self._admitting: list[tuple[Any, Any]] = []
         self._last_stats: wire.EngineStats | None = None
         self._last_stats_time = 0.0
         self._running = True
@@ -129,8 +132,6 @@ class EngineProcess:
                               role=c.role))
 
     def _handle(self, raw: bytes) -> None:
-        from kvmesh.engine.scheduler import QueueFullError
-
         try:
             msg = wire.to_engine_decoder.decode(raw)
         except msgspec.ValidationError as e:
@@ -142,18 +143,15 @@ class EngineProcess:
             return
         if isinstance(msg, wire.AddRequest):
             req = msg.request
-            try:
-                self.engine.add_request(req)
-            except QueueFullError as e:
-                self._send(wire.Rejected(req.request_id, "queue_full", str(e)))
+            fut = self._prepare(req)
+            if fut is not None and not fut.done():
+                self._admitting.append((req, fut))
                 return
-            except ValueError as e:
-                self._send(wire.Rejected(req.request_id, "invalid", str(e)))
-                return
-            r = self.engine.requests.get(req.request_id)
-            if r is not None:
-                self._unscheduled[req.request_id] = r
+            self._add(req)
         elif isinstance(msg, wire.Abort):
+            if self._admitting:
+                gone = set(msg.request_ids)
+                self._admitting = [(r, f) for r, f in self._admitting if r.request_id not in gone]
             self.engine.abort(msg.request_ids)
             for rid in msg.request_ids:
                 self._unscheduled.pop(rid, None)
@@ -161,6 +159,46 @@ class EngineProcess:
             self.engine.abort_sequence(msg.request_id, msg.index)
         elif isinstance(msg, wire.Shutdown):
             self._running = False
+
+    def _prepare(self, req):
+        """The connector's background check of the request's kv_transfer_params, if it needs one."""
+        if req.kv_transfer_params is None:
+            return None
+        prep = getattr(getattr(self.engine, "connector", None), "prepare_kv_transfer_params", None)
+        if prep is None:
+            return None
+        try:
+            return prep(req.kv_transfer_params)
+        except Exception as e:  # validate() (called by add_request) gives the client-facing answer
+            log.info("preparing kv_transfer_params of %s failed: %s", req.request_id, e)
+            return None
+
+    def _add(self, req) -> None:
+        from kvmesh.engine.scheduler import QueueFullError
+
+        try:
+            self.engine.add_request(req)
+        except QueueFullError as e:
+            self._send(wire.Rejected(req.request_id, "queue_full", str(e)))
+            return
+        except ValueError as e:
+            self._send(wire.Rejected(req.request_id, "invalid", str(e)))
+            return
+        r = self.engine.requests.get(req.request_id)
+        if r is not None:
+            self._unscheduled[req.request_id] = r
+
+    def _admit_ready(self) -> None:
+        """Admit (or reject) every waiting request whose handshake is done, in arrival order."""
+        if not self._admitting:
+            return
+        waiting = []
+        for req, fut in self._admitting:
+            if fut.done():
+                self._add(req)  # validate() now answers from the connector's cache
+            else:
+                waiting.append((req, fut))
+        self._admitting = waiting
 
     def _drain(self, timeout_ms: int) -> None:
         """Handle every queued message; wait up to ``timeout_ms`` for the first one only."""
@@ -209,7 +247,8 @@ class EngineProcess:
             # Blocks held for a remote reader (or a load in flight) need steps too: read-done
             # notifications and lease expiry free them even when no request is queued.
             transfers = not busy and self._pending_transfers()
-            self._drain(0 if busy else (10 if transfers else self.cfg.idle_poll_ms))
+            self._drain(0 if busy else (10 if transfers or self._admitting else self.cfg.idle_poll_ms))
+            self._admit_ready()
             if self.engine.has_unfinished() or transfers:
                 self.step_once()
                 was_busy = True

@@ -58,7 +58,10 @@ def engine_error(e: Exception) -> APIError:
         if e.reason == "queue_full":
             return APIError(503, f"server is overloaded: {e}; retry later",
                             headers={"Retry-After": RETRY_AFTER_SECONDS})
-        return bad_request(str(e))
+        msg = str(e)
+        # The engine names the field it rejects when it is kv_transfer_params (unknown remote engine,
+        # block ids out of range): report it in "param" like the API's own checks do.
+        return bad_request(msg, "kv_transfer_params" if msg.startswith("kv_transfer_params") else None)
     if isinstance(e, EngineDeadError):
         return APIError(503, f"engine is not available: {e}")
     return APIError(500, f"generation failed: {e}")

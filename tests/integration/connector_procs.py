@@ -114,6 +114,12 @@ def worker(conn, spec: dict) -> None:
 
                         ref, _ = EngineCore.from_model(None, num_kv_blocks=64, loaded=loaded)
                     res = run_request(ref, *args)
+                elif cmd == "validate":  # the connector's admission check: None or the ValueError's text
+                    try:
+                        engine.connector.validate_kv_transfer_params(args[0])
+                        res = None
+                    except ValueError as e:
+                        res = str(e)
                 elif cmd == "stats":
                     res = stats(engine)
                 elif cmd == "reset_cache":  # forget prefix-cached blocks (only possible with none in use)

@@ -169,16 +169,15 @@ def test_lease_expiry_frees_unread_blocks(procs, prompts, reference):
 
 
 def test_bad_params_recompute_exactly(procs, prompts, reference):
+    """Params that pass admission but cannot be pulled (expired transfer, other blocks or prompt): recompute."""
     prefill, decode = procs
     p = prompts["bad"]
     first = prefill.call("gen", "bad", p, 1, {"do_remote_decode": True})
     good = first["kv_transfer_params"]
     cases = {
-        "wrong types": dict(good, remote_block_ids="0,1"),
         "unknown transfer": dict(good, remote_transfer_id="0" * 32),
         "block ids not held": dict(good, remote_block_ids=[g + 1 for g in good["remote_block_ids"]]),
         "another prompt": dict(good, remote_block_hash="ab" * 32),
-        "unreachable side channel": dict(good, remote_port=1),
     }
     for i, (what, params) in enumerate(cases.items()):
         assert decode.call("reset_cache")  # each case starts cold (and nothing is in use)
@@ -196,9 +195,47 @@ def test_bad_params_recompute_exactly(procs, prompts, reference):
     _assert_drained(prefill)
 
 
+def test_invalid_params_are_rejected_before_admission(procs, prompts, reference):
+    """Wrong types, an engine that does not answer or is another engine, block ids beyond the remote pool:
+    ``add_request`` raises ValueError (the API answers 400) and nothing is allocated or left behind."""
+    prefill, decode = procs
+    p = prompts["bad"]
+    first = prefill.call("gen", "rej", p, 1, {"do_remote_decode": True})
+    good = first["kv_transfer_params"]
+    n_remote = prefill.call("stats")["total"]
+    cases = {
+        "wrong types": (dict(good, remote_block_ids="0,1"), "remote_block_ids must be a list of integers"),
+        "unreachable side channel": (dict(good, remote_port=1), "did not answer the side-channel handshake"),
+        "another engine's side channel": (dict(good, remote_engine_id="prefill-9"),
+                                          "belongs to engine 'prefill-0'"),
+        "block ids out of range": (dict(good, remote_block_ids=[0, n_remote]), "remote_block_ids out of range"),
+        "other block size": (dict(good, remote_block_size=BS * 2), "remote_block_size"),
+    }
+    before = decode.call("stats")
+    for i, (what, (params, fragment)) in enumerate(cases.items()):
+        with pytest.raises(RuntimeError, match="ValueError") as ei:
+            decode.call("gen", f"rej-{i}", p, MAX_NEW, params)
+        assert fragment in str(ei.value), (what, str(ei.value))
+        d = decode.call("stats")
+        assert d["free"] == d["total"] and not d["unfinished"] and d["delayed_free"] == 0, (what, d)
+    d = decode.call("stats")
+    assert d["connector"]["loads_started"] == before["connector"]["loads_started"]  # nothing was pulled
+    assert d["connector"]["params_rejected"] == before["connector"]["params_rejected"] + len(cases)
+    # The genuine params still work afterwards, and pulling frees the prefill's held blocks.
+    assert decode.call("reset_cache")
+    out = decode.call("gen", "rej-good", p, MAX_NEW, good)
+    assert out["tokens"] == reference["bad"]
+    assert out["computed"] == len(p) - 2 * BS + MAX_NEW - 1
+    _assert_drained(prefill)
+    _assert_drained(decode)
+
+
 def test_prefill_killed_before_pull_recomputes(procs, prompts, reference):
     prefill, decode = procs
     first = prefill.call("gen", "killed", prompts["killed"], 1, {"do_remote_decode": True})
+    # The decode knows this prefill (an earlier handshake is cached), as it would in a running
+    # deployment; a side channel it never reached would be rejected at admission instead.
+    assert decode.call("validate", first["kv_transfer_params"]) is None
     prefill.kill()
     assert not prefill.proc.is_alive()
     out = decode.call("gen", "killed", prompts["killed"], MAX_NEW, first["kv_transfer_params"])

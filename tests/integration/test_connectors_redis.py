@@ -284,3 +284,54 @@ def test_redis_stopped_mid_run_recomputes(smol, one_thread, prompts, reference):
         decode.shutdown()
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("raw_chunk_blocks, raw_depth", [(1, 1), (2, 4), (64, 1)])
+def test_raw_io_path_equals_redis_py_path(redis_server, raw_chunk_blocks, raw_depth):
+    """The connector's own RESP client (payloads received into / sent from the KV tensor) stores and loads
+    exactly what the redis-py path does, in any chunking, and rejects the same bad values."""
+    from types import SimpleNamespace
+
+    from kvmesh.engine.connector import ConnectorMetadata
+    from kvmesh.engine.connectors.redis_connector import RedisConnector
+
+    cfg = SimpleNamespace(role="prefill", model=SimpleNamespace(identity=lambda: "raw-io-test"))
+    n = 7
+    src = torch.randn(n, 2, 2, BS, 2, 8)
+    url = redis_server.url[:-1] + "3"  # db 3: SELECT on the raw connection
+    raw = RedisConnector(cfg, url=url, ttl_s=60)
+    raw.register_kv_cache(src)
+    raw.raw_chunk_bytes, raw.raw_depth = raw_chunk_blocks * raw.layout.block_bytes, raw_depth
+    hashes = [os.urandom(32) for _ in range(n)]
+    raw.save_kv(ConnectorMetadata(saves={"r": {"block_ids": list(range(n)), "hashes": hashes}}))
+    assert raw.stats["save_errors"] == 0 and raw.stats["blocks_saved"] == n
+    import redis
+
+    db3 = redis.Redis(port=redis_server.port, db=3)
+    assert db3.dbsize() == n and redis_server.client.dbsize() == 0
+    assert 0 < db3.ttl(raw.key(hashes[0])) <= 60
+    # redis-py's decode of what the raw path stored, and the raw path's load, both give the source bytes.
+    for h, b in zip(hashes, range(n)):
+        payload = decode_block(db3.get(raw.key(h)), raw._sig, h, raw.layout.block_bytes)
+        assert bytes(payload) == src[b].numpy().tobytes()
+    for raw_io in (True, False):
+        dst = torch.zeros_like(src)
+        c = RedisConnector(cfg, url=url, raw_io=raw_io)
+        c.register_kv_cache(dst)
+        order = [3, 0, 6, 1, 5, 2, 4]
+        c._load(order, [hashes[i] for i in order])
+        assert torch.equal(dst, src), raw_io
+        # A flipped payload byte fails the checksum; a missing key fails as KeyError; the connection recovers.
+        db3.setrange(raw.key(hashes[2]), 200, b"\xff\x00")
+        with pytest.raises(BlockFormatError):
+            c._load([0, 1, 2, 3], hashes[:4])
+        db3.delete(raw.key(hashes[2]))
+        with pytest.raises(KeyError):
+            c._load([0, 1, 2, 3], hashes[:4])
+        dst.zero_()
+        c._load([4, 5, 6], hashes[4:])
+        assert torch.equal(dst[4:], src[4:])
+        c.close()
+        raw.save_kv(ConnectorMetadata(saves={"r": {"block_ids": [2], "hashes": [hashes[2]]}}))  # restore
+    raw.close()
+    db3.close()

@@ -109,15 +109,58 @@ def test_malformed_kv_transfer_params_get_400(topo, params, fragment):
     assert fragment in err["message"] and err["param"] == "kv_transfer_params"
 
 
-def test_unknown_remote_engine_recomputes_correctly(topo, prompts, reference):
-    """Params that are well-formed but name an engine nobody runs: the decode pod recomputes."""
+def _wait_metric_zero(url: str, name: str, timeout_s: float) -> float:
+    deadline = time.monotonic() + timeout_s
+    while (v := _metric(url, name)) > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return v
+
+
+def test_bad_remote_params_get_400_and_leave_nothing(topo, prompts, reference):
+    """NIXL: params naming a side channel that does not answer, another engine, or block ids beyond the
+    prefill's pool are rejected with 400 before admission (both endpoints, streaming too); no block stays
+    in use on either side. Redis ignores the NIXL-only fields: such a request is simply computed."""
+    prefill = next(w for w in topo.workers if w.role == "prefill")
     decode = next(w for w in topo.workers if w.role == "decode")
     ids = prompts["long"]
     bogus = {"do_remote_prefill": True, "remote_block_ids": list(range(8)), "remote_engine_id": "nobody",
              "remote_host": "127.0.0.1", "remote_port": 9, "remote_request_id": "r-none",
              "remote_transfer_id": "t-none"}
+    if topo.config.kv_connector != "nixl":
+        r = httpx.post(decode.url + "/v1/completions",
+                       json={"prompt": ids, "max_tokens": 8, "temperature": 0, "kv_transfer_params": bogus,
+                             "cache_salt": "isolated"}, timeout=600)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == reference["long"]
+        return
+    first = httpx.post(prefill.url + "/v1/completions",
+                       json={"prompt": ids, "max_tokens": 1, "temperature": 0,
+                             "kv_transfer_params": {"do_remote_decode": True}}, timeout=600)
+    assert first.status_code == 200, first.text
+    good = first.json()["kv_transfer_params"]
+    assert good["remote_block_ids"], good
+    pool = 256  # WORKER_ARGS --num-kv-blocks
+    cases = [
+        (bogus, "did not answer the side-channel handshake", False),
+        (dict(good, remote_engine_id="nobody"), "belongs to engine", False),
+        (dict(good, remote_block_ids=[0, pool + 3]), "remote_block_ids out of range", False),
+        (dict(good, remote_block_ids=[pool]), "remote_block_ids out of range", True),  # streaming
+    ]
+    for params, fragment, stream in cases:
+        for path, body in (("/v1/completions", {"prompt": ids}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            r = httpx.post(decode.url + path, json={**body, "max_tokens": 4, "temperature": 0, "stream": stream,
+                                                    "kv_transfer_params": params}, timeout=120)
+            assert r.status_code == 400, (path, r.text)
+            err = r.json()["error"]
+            assert fragment in err["message"], (path, err)
+            assert err["type"] == "BadRequestError" and err["code"] == 400
+            assert err["param"] == "kv_transfer_params", err
+    assert _metric(decode.url, "vllm:kv_cache_usage_perc") == 0
+    # The genuine params still pull and answer exactly; afterwards both pools are empty again.
     r = httpx.post(decode.url + "/v1/completions",
-                   json={"prompt": ids, "max_tokens": 8, "temperature": 0, "kv_transfer_params": bogus,
-                         "cache_salt": "isolated"}, timeout=600)
+                   json={"prompt": ids, "max_tokens": 8, "temperature": 0, "kv_transfer_params": good}, timeout=600)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == reference["long"]
+    assert _wait_metric_zero(prefill.url, "vllm:kv_cache_usage_perc", 120) == 0
+    assert _wait_metric_zero(decode.url, "vllm:kv_cache_usage_perc", 60) == 0

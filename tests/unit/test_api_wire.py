@@ -205,3 +205,44 @@ def test_connector_factory_uses_registry(monkeypatch):
     assert default_connector_factory(cfg) == "conn"
     # Options pass as keywords; role and engine id reach the connector from the engine (configure()).
     assert calls == [("redis", None, {"url": "redis://x"})]
+
+
+def test_admission_waits_for_connector_handshake_off_the_loop(loop):
+    """kv_transfer_params whose check needs a handshake park the request (the loop keeps going); once the
+    connector's future is done the request is admitted or rejected; an abort while parked drops it."""
+    import concurrent.futures
+
+    proc, send, recv_all = loop
+    futs: dict[str, concurrent.futures.Future] = {}
+
+    class Conn:
+        def prepare_kv_transfer_params(self, params):
+            futs[params["tag"]] = f = concurrent.futures.Future()
+            return f
+
+    engine = proc.engine
+    engine.connector = Conn()
+    add = engine.add_request
+
+    def add_checked(req):
+        if req.kv_transfer_params and req.kv_transfer_params["tag"] == "bad":
+            raise ValueError("kv_transfer_params: unknown remote engine 'x'")
+        add(req)
+
+    engine.add_request = add_checked
+    for rid in ("good", "bad", "gone"):
+        send(wire.AddRequest(EngineCoreRequest(rid, [1, 2], SamplingParams(), kv_transfer_params={"tag": rid})))
+    send(_req("plain"))  # no params: admitted at once, not behind the parked ones
+    time.sleep(0.1)
+    proc._drain(100)
+    assert set(engine.requests) == {"plain"} and [r.request_id for r, _ in proc._admitting] == ["good", "bad", "gone"]
+    send(wire.Abort(["gone"]))
+    time.sleep(0.05)
+    proc._drain(100)
+    for f in futs.values():
+        f.set_result(None)
+    proc._admit_ready()
+    assert proc._admitting == [] and set(engine.requests) == {"plain", "good"}
+    rejected = [m for m in recv_all() if isinstance(m, wire.Rejected)]
+    assert [(m.request_id, m.reason) for m in rejected] == [("bad", "invalid")]
+    assert "unknown remote engine" in rejected[0].message
