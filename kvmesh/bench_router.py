@@ -260,7 +260,8 @@ def start_router(policy: str, workers: list[dict], args) -> tuple[Proc, str]:
             cmd += ["--worker", f"{w['url']},events={w['events']},replay={w['replay']}"]
         if policy == "kvmesh":
             cmd += args.kvmesh_args.split()
-        env = {"KVMESH_LOG_LEVEL": "WARNING"}
+        # KVMESH_BENCH_ROUTER_LOG=DEBUG logs every routing decision (hits, loads) to router-<policy>.log
+        env = {"KVMESH_LOG_LEVEL": os.environ.get("KVMESH_BENCH_ROUTER_LOG", "WARNING")}
     else:
         base = peer_command(policy, args)
         cwd = tempfile.gettempdir()
