@@ -147,7 +147,7 @@ class Router:
         c = self.cfg
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=c.connect_timeout, read=c.read_timeout, write=30.0, pool=30.0),
-            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512))
+            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=64))
         await self.check_all()
         self._tasks.append(asyncio.create_task(self._health_loop()))
         if c.discovery == "k8s":
