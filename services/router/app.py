@@ -130,6 +130,10 @@ class Router:
         if pod.spec.events:
             self.hub.remove_pod(url)
         self.index.clear_pod(url)
+        try:  # a departed pod's series must not keep reporting it healthy (alerts count healthy pods)
+            self.metrics.pod_healthy.remove(url, pod.spec.role)
+        except KeyError:
+            pass
         log.info("pod removed: %s", url)
 
     def set_healthy(self, pod: Pod, ok: bool, why: str = "") -> None:

@@ -1,4 +1,4 @@
-"""The router must hash exactly the ids the pod's API server tokenizes (its fast path included)."""
+"""Router details SREs and the index depend on: tokenization identical to the pod's, metric series of departed pods."""
 from __future__ import annotations
 
 import random
@@ -29,3 +29,23 @@ def test_prompt_forms(rt):
     assert rt.prompt_ids("/v1/completions", {"prompt": [5, 6, 7]}) == [5, 6, 7]
     assert rt.prompt_ids("/v1/completions", {"prompt": ["The capital", "x"]}) == rt._encode("The capital")
     assert rt.prompt_ids("/v1/completions", {"prompt": {"not": "valid"}}) is None
+
+
+def test_removed_pod_leaves_no_health_series():
+    """A pod that left (EndpointSlice update) must not keep reporting healthy: alerts count healthy pods."""
+    from kvmesh.services.router.app import Router
+    from kvmesh.services.router.config import PodSpec, RouterConfig
+    from kvmesh.services.router.testing import IdTokenizer
+
+    r = Router(RouterConfig(block_size=16), tokenizer=IdTokenizer())
+
+    def healthy_series():
+        return {s.labels["pod"] for fam in r.metrics.registry.collect() for s in fam.samples
+                if s.name == "kvmesh:router_pod_healthy"}
+
+    r.add_pod(PodSpec("http://a:1"))
+    r.add_pod(PodSpec("http://b:1"))
+    assert healthy_series() == {"http://a:1", "http://b:1"}
+    r.remove_pod("http://a:1")
+    assert healthy_series() == {"http://b:1"}
+    r.remove_pod("http://a:1")  # twice: no error
