@@ -1,4 +1,4 @@
-"""GPU engine checks (marker ``gpu``): CUDA-graph decode and device sampling against HF.
+"""GPU engine checks (marker ``gpu``): CUDA-graph decode, multi-step decode and device sampling against HF.
 
 Uses the same correctness check as ``bench/gpu_engine.py`` (small Llama-3-style model
 with random bf16 weights, greedy tokens teacher-forced through HF on the same
@@ -38,6 +38,9 @@ def test_greedy_matches_hf_graphs_and_eager(bench):
     res = bench.R["correctness"]
     assert res["graphs"]["graph_steps"] > 0, "decode never used a CUDA graph"
     assert res["eager"]["graph_steps"] == 0
+    # multi-step decode (8 graph replays per round, argmax fed back on the device): same tokens as one step
+    assert res["multi"]["multi_step_rounds"] > 0
+    assert res["multi_vs_graphs_token_match"] >= 0.99, res["multi_vs_graphs_token_match"]
     assert res["pass"], res
 
 
