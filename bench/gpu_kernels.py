@@ -304,12 +304,12 @@ DECODE_EXTRA_SHAPES = [(4, 32768)]
 PREFILL_SHAPES = [(8, 2048), (1, 16384)]
 # The engine benchmark's decode (prompt 512 + up to 128 new): short contexts, where per-program
 # overheads and too few programs (batch 1) matter more than at the long shapes.
-ENGINE_SHAPES = [(1, 576), (32, 576), (128, 576)]
+ENGINE_SHAPES = [(1, 576), (32, 576), (128, 576), (64, 576), (8, 576)]
 ENGINE_VARIANTS = [
     None,
     (1, 128, 4, 3, 0, 1), (1, 64, 4, 2, 0, 1), (1, 64, 4, 3, 0, 1), (1, 128, 4, 4, 0, 1), (1, 64, 8, 3, 0, 1),
     (2, 64, 4, 2, 0, 1), (2, 128, 4, 3, 0, 1), (4, 64, 4, 2, 0, 1), (8, 64, 4, 2, 0, 1),
-    (16, 32, 4, 2, 0, 1), (8, 32, 4, 2, 0, 1),
+    (16, 32, 4, 2, 0, 1), (8, 32, 4, 2, 0, 1), (16, 64, 4, 2, 0, 1), (4, 128, 4, 3, 0, 1), (8, 128, 4, 3, 0, 1),
 ]
 DECODE_VARIANTS = [
     # (num_segments, tile_n, num_warps, num_stages, k_natural, head_fastest); None = heuristic

@@ -23,9 +23,8 @@ from checkout import import_checkout  # noqa: E402
 
 import_checkout("kvmesh.engine.core")
 from kvmesh.engine.core import EngineCore  # noqa: E402
-from kvmesh.engine.loader import LoadedModel, model_config_from_hf  # noqa: E402
 from kvmesh.engine.messages import EngineCoreRequest  # noqa: E402
-from kvmesh.engine.models.random_init import LLAMA3_8B, random_state_dict  # noqa: E402
+from kvmesh.engine.models.random_init import LLAMA3_8B, random_model  # noqa: E402
 from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
 
 GROUPS = [("attention", ("paged_attention", "attn", "reduce_splits")), ("kv write", ("write_kv",)),
@@ -46,10 +45,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,128")
     args = ap.parse_args()
-    cfg = model_config_from_hf(LLAMA3_8B, "llama3-8b-random")
-    sd = random_state_dict(cfg, torch.bfloat16, "cuda", seed=0)
-    loaded = LoadedModel(config=cfg, state_dict=sd, tokenizer=None, source="random:llama3-8b")
-    del sd
+    loaded = random_model(LLAMA3_8B, "llama3-8b-random", torch.bfloat16, "cuda", seed=0)
     eng, _ = EngineCore.from_model(loaded=loaded, device="cuda", dtype="bfloat16", max_num_batched_tokens=65536,
                                    max_num_seqs=256, max_model_len=2048, num_scheduler_steps=8)
     del loaded

@@ -38,7 +38,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+
+from kvmesh.topology import free_port as _free_port
 
 LAYERS, BLOCK, HKV, HEAD_DIM = 30, 16, 3, 64  # SmolLM2-135M
 BLOCK_SHAPE = (LAYERS, 2, BLOCK, HKV, HEAD_DIM)
@@ -220,12 +221,6 @@ def bench_nixl(sizes: list[int], reps: int, err_mode: str = "peer", memcpy: "Mem
 
 
 # ---- Redis --------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _redis_benchmark(port: int, test: str, size: int) -> float | None:
     """redis-benchmark's GB/s for one test at ``size``-byte values (1 client, pipeline 16), or None."""
     rb = shutil.which("redis-benchmark")

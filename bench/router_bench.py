@@ -28,65 +28,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import random
 import shutil
 import sys
 import tempfile
 import time
-from collections import defaultdict
 
 import httpx
 
-from kvmesh.bench_router import Proc, free_port, ideal_hit_ratio, scrape, wait_http, word_vocab
+from kvmesh.bench_router import Proc, free_port, ideal_hit_ratio, load_trace, replay, scrape, wait_http, word_vocab
+from kvmesh.bench_router import build_requests as _build_requests
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRACE = os.path.join(REPO, "..", "shared", "traces", "mooncake", "conversation_trace.jsonl")
 
 
 # ---- the trace slice -----------------------------------------------------------
-def load_slice(path: str, n: int, window_s: float) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for line in f:
-            r = json.loads(line)
-            if r["timestamp"] > window_s * 1000:
-                break
-            rows.append(r)
-    conv = defaultdict(list)
-    for i, r in enumerate(rows):
-        key = r["hash_ids"][1] if len(r["hash_ids"]) > 1 else ("single", i)
-        conv[key].append(i)
-    order = sorted((v for v in conv.values() if len(v) >= 2), key=lambda v: v[0])
-    chosen: set[int] = set()
-    for v in order:
-        if len(chosen) >= n:
-            break
-        chosen.update(v)
-    return [rows[i] for i in sorted(chosen)][:n]
-
-
 def build_requests(rows: list[dict], block_tokens: int, max_blocks: int, max_output: int, seed: str):
-    """Text prompts: each hash id -> ``block_tokens`` fixed single-token words (last block cut to the scaled length)."""
-    vocab = word_vocab()
-    out = []
-    for r in rows:
-        ids = r["hash_ids"][:max_blocks]
-        scaled = max(1, math.ceil(r["input_length"] * block_tokens / 512))
-        scaled = min(scaled, len(ids) * block_tokens)
-        blocks = []
-        left = scaled
-        for h in ids:
-            rng = random.Random(f"{seed}:{h}")
-            toks = [vocab[rng.randrange(len(vocab))] for _ in range(block_tokens)]
-            blocks.append((h, toks[: min(left, block_tokens)]))
-            left -= block_tokens
-            if left <= 0:
-                break
-        out.append({"t": r["timestamp"] / 1000.0, "blocks": blocks,
-                    "max_tokens": max(1, min(max_output, r["output_length"] // 128))})
-    return out
+    """`kvmesh.bench_router.build_requests` on rows cut to ``max_blocks`` hash blocks, with output lengths
+    scaled by 1/128 (this CPU box decodes real tokens)."""
+    cut = [{**r, "hash_ids": r["hash_ids"][:max_blocks], "output_length": r["output_length"] // 128} for r in rows]
+    scaling = argparse.Namespace(block_tokens=block_tokens, hash_block=512, max_output=max_output)
+    return _build_requests(cut, scaling, seed, max_len=1 << 30)
 
 
 # ---- processes ------------------------------------------------------------------
@@ -131,55 +95,6 @@ def start_router(policy: str, workers: list[dict], tmp: str, args) -> tuple[Proc
         p.stop()
         raise
     return p, url
-
-
-# ---- the replay -----------------------------------------------------------------
-async def replay(url: str, model: str, reqs: list[dict], rate: float, timeout: float) -> dict:
-    span = max(r["t"] for r in reqs) - min(r["t"] for r in reqs) or 1.0
-    scale = (len(reqs) / rate) / span
-    t_first = min(r["t"] for r in reqs)
-    results = []
-
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10)) as client:
-        async def one(r):
-            await asyncio.sleep((r["t"] - t_first) * scale)
-            prompt = "".join(t for _, toks in r["blocks"] for t in toks)
-            body = {"model": model, "prompt": prompt, "max_tokens": r["max_tokens"], "temperature": 0,
-                    "ignore_eos": True, "stream": True}
-            t0 = time.monotonic()
-            ttft = None
-            ok = False
-            try:
-                async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-                    if resp.status_code == 200:
-                        async for line in resp.aiter_lines():
-                            if line.startswith("data:") and ttft is None:
-                                ttft = time.monotonic() - t0
-                            if line.strip() == "data: [DONE]":
-                                ok = True
-                    else:
-                        await resp.aread()
-            except httpx.HTTPError:
-                pass
-            results.append({"ok": ok, "ttft": ttft, "end": time.monotonic(), "start": t0,
-                            "out": r["max_tokens"], "pod": None})
-
-        start = time.monotonic()
-        await asyncio.gather(*(one(r) for r in reqs))
-    oks = [x for x in results if x["ok"]]
-    ttfts = sorted(x["ttft"] for x in oks if x["ttft"] is not None)
-    makespan = max((x["end"] for x in results), default=start) - start
-
-    def pct(p):
-        if not ttfts:
-            return None
-        return ttfts[min(len(ttfts) - 1, int(round(p / 100 * (len(ttfts) - 1))))]
-
-    return {"ok": len(oks), "failed": len(results) - len(oks), "ttft_p50": pct(50), "ttft_p90": pct(90),
-            "ttft_p99": pct(99), "ttft_mean": sum(ttfts) / len(ttfts) if ttfts else None,
-            "throughput": len(oks) / makespan if makespan > 0 else None,
-            "output_tok_s": sum(x["out"] for x in oks) / makespan if makespan > 0 else None,
-            "makespan_s": makespan}
 
 
 FAKE_POD = """
@@ -284,7 +199,7 @@ def main(argv=None) -> int:
                           indent=1)
         return 0
 
-    rows = load_slice(args.trace, args.requests, args.window_s)
+    rows = load_trace(args.trace, args.requests, "conversations", args.window_s)
     tmp = tempfile.mkdtemp(prefix="kvmesh-router-bench-")  # ipc sockets
     logs = args.log_dir
     os.makedirs(logs, exist_ok=True)

@@ -51,12 +51,13 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
+
+from kvmesh.topology import free_port
 
 H200_PREFILL_MS_PER_TOKEN = 0.035  # engine/sim_runner.py
 H200_CHUNK_TOKENS = 8192
@@ -183,12 +184,6 @@ def ideal_hit_ratio(reqs: list[list]) -> float:
 
 
 # ---- processes ------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Proc:
     def __init__(self, cmd: list[str], log: str, env: dict | None = None, cwd: str | None = None) -> None:
         self.log = open(log, "wb")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import socket
 import subprocess
 import time
 
@@ -19,6 +18,7 @@ import torch
 from kvmesh.engine.connectors import make_connector
 from kvmesh.engine.connectors.redis_connector import BlockFormatError, decode_block, encode_block
 from kvmesh.engine.core import EngineCore
+from kvmesh.topology import free_port as _free_port
 
 from connector_procs import run_request
 
@@ -29,12 +29,6 @@ MAX_NEW = 8
 TEXT = ("The history of computing spans centuries, from mechanical calculators and punched cards to "
         "vacuum tubes, transistors and integrated circuits. Each step made machines smaller, faster and "
         "cheaper, and each opened new uses that their inventors had not imagined. ")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
