@@ -122,9 +122,11 @@ def check_correctness(quick: bool) -> None:
                              generator=g).tolist() for _ in range(n_prompts)]
     hf = hf_model_from_state_dict(hf_cfg, loaded.state_dict, DEV, torch.bfloat16)
     res = {}
-    for mode in ("graphs", "eager", "multi"):
+    for mode in ("graphs", "eager", "multi", "single"):
         os.environ["KVMESH_ENFORCE_EAGER"] = "1" if mode == "eager" else "0"
-        eng = build_engine(loaded, num_kv_blocks=2048, max_num_batched_tokens=512, max_num_seqs=32,
+        # "single": one sequence at a time, so every decode step is the batch-1 graph (one-row GEMV kernel)
+        eng = build_engine(loaded, num_kv_blocks=2048, max_num_batched_tokens=512,
+                           max_num_seqs=1 if mode == "single" else 32,
                            max_model_len=512, num_scheduler_steps=8 if mode == "multi" else 1)
         captured: dict[tuple[str, int], torch.Tensor] = {}
         inner = eng.runner.execute
@@ -184,13 +186,15 @@ def check_correctness(quick: bool) -> None:
     os.environ["KVMESH_ENFORCE_EAGER"] = "0"
     a, b = res["graphs"].pop("tokens_by_req"), res["eager"].pop("tokens_by_req")
     m = res["multi"].pop("tokens_by_req")
+    res["single"].pop("tokens_by_req")
     n_tok = sum(len(v) for v in a.values())
     res["graphs_vs_eager_token_match"] = sum(x == y for k in a for x, y in zip(a[k], b[k])) / n_tok
     res["multi_vs_graphs_token_match"] = sum(x == y for k in a for x, y in zip(a[k], m[k])) / n_tok
     gr = res["graphs"]
     res["pass"] = bool(gr["match_within_tol"] >= 0.99 and gr["logits_rel_l2"] <= 2e-2
                        and res["eager"]["match_within_tol"] >= 0.99 and res["multi"]["match_within_tol"] >= 0.99
-                       and res["multi"]["multi_step_rounds"] > 0)
+                       and res["multi"]["multi_step_rounds"] > 0
+                       and res["single"]["match_within_tol"] >= 0.99 and res["single"]["logits_rel_l2"] <= 2e-2)
     R["correctness"] = res
     del hf, loaded
     torch.cuda.empty_cache()
@@ -311,6 +315,18 @@ def engine_decode(eng: EngineCore, B: int, P: int, N: int, bw: float, seed: int)
     return r
 
 
+def set_gemv(eng: EngineCore, flag: str) -> None:
+    """Switch the one-row GEMV kernel (kvmesh.kernels.linear) on or off and recapture the
+    decode graphs, which hold whichever kernels were chosen at capture."""
+    os.environ["KVMESH_GEMV"] = flag
+    runner = eng.runner
+    runner.graphs = {}
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    runner._capture_graphs()
+    log(f"KVMESH_GEMV={flag}: graphs recaptured in {runner.graph_capture_s:.1f}s")
+
+
 def bench_8b(args, bw: float) -> EngineCore:
     from kvmesh.engine.loader import LoadedModel, model_config_from_hf
     from kvmesh.engine.models.random_init import LLAMA3_8B, hf_model_from_state_dict, random_state_dict
@@ -343,10 +359,16 @@ def bench_8b(args, bw: float) -> EngineCore:
         f"{eng.runner.graph_sizes} in {eng.runner.graph_capture_s:.1f}s)")
     run_requests(eng, torch.randint(100, 120000, (4, P)).tolist(), 8, tag="warm")  # prefill kernels compile
     dec = []
-    for K, B in [(k, b) for k in (1, args.multi_steps) for b in (1, 32, 128)]:
+    plan = [("1", k, b) for k in (1, args.multi_steps) for b in (1, 32, 128)]
+    if args.gemv_ab:  # batch 1 with cuBLAS first (KVMESH_GEMV=0), then everything with the GEMV kernel
+        plan = [("0", k, 1) for k in (1, args.multi_steps)] + plan
+    for gemv, K, B in plan:
+        if os.environ.get("KVMESH_GEMV", "1") != gemv:
+            set_gemv(eng, gemv)
         eng.multi_steps = K  # --num-scheduler-steps, switched on the built engine
         r = engine_decode(eng, B, P, N, bw, seed=B)
         r["steps_per_round"] = K
+        r["gemv"] = gemv == "1"
         hf_r = next((h for h in hf_runs if h["B"] == B), None)
         if hf_r:
             r["hf_out_tok_s"] = hf_r["out_tok_s"]
@@ -387,17 +409,19 @@ def table() -> str:
                      f"{gr['logits_rel_l2']:.2e} max|d| {gr['logits_max_abs']:.3f}; eager decode: exact "
                      f"{eg['exact_match']:.2%} within-tol {eg['match_within_tol']:.2%}; graphs==eager tokens "
                      f"{c['graphs_vs_eager_token_match']:.2%}; multi-step (8) within-tol "
-                     f"{c['multi']['match_within_tol']:.2%}, ==graphs {c['multi_vs_graphs_token_match']:.2%}"
+                     f"{c['multi']['match_within_tol']:.2%}, ==graphs {c['multi_vs_graphs_token_match']:.2%}; "
+                     f"batch 1 (GEMV) within-tol {c['single']['match_within_tol']:.2%} rel L2 "
+                     f"{c['single']['logits_rel_l2']:.2e}"
                      f"  -> {'PASS' if c['pass'] else 'FAIL'}")
     if "copy_TBps" in R:
         lines.append(f"copy bandwidth (D2D, read+write): {R['copy_TBps']:.3f} TB/s")
     if R.get("decode"):
-        lines.append(f"{'steps':>5} {'batch':>5} {'decode tok/s':>12} {'e2e tok/s':>10} {'HF tok/s':>9} {'x HF':>6} "
+        lines.append(f"{'gemv':>6} {'steps':>5} {'batch':>5} {'decode tok/s':>12} {'e2e tok/s':>10} {'HF tok/s':>9} {'x HF':>6} "
                      f"{'GPU ms/step':>11} {'GB/step':>8} {'roofline':>9} {'%roof':>6} {'%roof GPU-only':>14}")
         for r in R["decode"]:
             hf = f"{r['hf_out_tok_s']:.1f}" if "hf_out_tok_s" in r else "-"
             x = f"{r['ratio_e2e_vs_hf']:.1f}" if "ratio_e2e_vs_hf" in r else "-"
-            lines.append(f"{r.get('steps_per_round', 1):>5} {r['B']:>5} {r['decode_tok_s']:>12.1f} {r['e2e_tok_s']:>10.1f} {hf:>9} {x:>6} "
+            lines.append(f"{'triton' if r.get('gemv', True) else 'cublas':>6} {r.get('steps_per_round', 1):>5} {r['B']:>5} {r['decode_tok_s']:>12.1f} {r['e2e_tok_s']:>10.1f} {hf:>9} {x:>6} "
                          f"{r['gpu_step_ms']:>11.3f} {r['step_GB']:>8.2f} {r['roofline_tok_s']:>9.1f} "
                          f"{100 * r['frac_roofline']:>5.1f}% {100 * r['gpu_only_frac_roofline']:>13.1f}%")
     tp = R.get("throughput")
@@ -417,6 +441,8 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of: correctness,decode,throughput")
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--multi-steps", type=int, default=8, help="num_scheduler_steps of the second decode pass")
+    ap.add_argument("--gemv-ab", action="store_true",
+                    help="also time batch 1 with cuBLAS GEMVs (KVMESH_GEMV=0) before the default GEMV kernel")
     ap.add_argument("--budget-s", type=float, default=560.0, help="whole-run deadline (throughput is cut to fit)")
     args = ap.parse_args()
     import triton

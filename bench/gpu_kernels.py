@@ -256,6 +256,111 @@ def check_elementwise(gen):
         record(f"silu_and_mul {tag}", elem_err(K.silu_and_mul(g), K.silu_and_mul_reference(g), dtype), ub)
 
 
+def check_fused(gen):
+    """The decode-path fusions: one-row GEMV (+bias, + silu_and_mul) against a float64 product
+    of the same rounded inputs (bound 8e-3 bf16: the output rounding plus fp32 order), and
+    rope_write_kv against rope + write_kv (ulps as above; untouched slots exact)."""
+    for n, k, bias in ((6144, 4096, False), (1000, 4096, True), (4096, 14336, False), (517, 1000, False)):
+        x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV, generator=gen)
+        w = (torch.randn(n, k, device=DEV, generator=gen) / k ** 0.5).to(torch.bfloat16)
+        b = torch.randn(n, dtype=torch.bfloat16, device=DEV, generator=gen) if bias else None
+        y = K.linear(x, w, b)
+        ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+        record(f"gemv {n}x{k}{' +bias' if bias else ''} bf16", rel_err(y, ref), 8e-3)
+    x = torch.randn(1, 2 * 14336, dtype=torch.bfloat16, device=DEV, generator=gen)
+    w = (torch.randn(4096, 14336, device=DEV, generator=gen) / 14336 ** 0.5).to(torch.bfloat16)
+    ref = F.linear(K.silu_and_mul(x).double(), w.double())  # the activation rounded as the kernel rounds it
+    record("silu_mul_linear 4096x14336 bf16", rel_err(K.silu_mul_linear(x, w), ref), 8e-3)
+    T = 37
+    pos = torch.randint(0, 8192, (T,), device=DEV, generator=gen)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device=DEV).float() / 128))
+    fr = torch.outer(torch.arange(8192, device=DEV).float(), inv)
+    cs = torch.cat([fr.cos(), fr.sin()], -1)
+    qkv = torch.randn(T, 48 * 128, dtype=torch.bfloat16, device=DEV, generator=gen)
+    q, k, v = (t.view(T, -1, 128) for t in qkv.split([4096, 1024, 1024], -1))
+    kv = torch.randn(64, 2, 2, 16, 8, 128, dtype=torch.bfloat16, device=DEV, generator=gen)
+    expect = kv.clone()
+    slots = torch.randperm(64 * 16, device=DEV, generator=gen)[:T]
+    slots[[3, 20]] = -1
+    qo = K.rope_write_kv(pos, q, k, v, kv[:, 1, 0], kv[:, 1, 1], slots, cs)
+    qr = K.rope_write_kv_reference(pos, q, k, v, expect[:, 1, 0], expect[:, 1, 1], slots, cs)
+    written = torch.zeros(64 * 16, dtype=torch.bool, device=DEV)
+    written[slots[slots >= 0]] = True
+    written = written.view(64, 16)
+    untouched = ~written.view(64, 1, 1, 16).expand(64, 2, 2, 16)
+    err = max(elem_err(qo, qr, torch.bfloat16), elem_err(kv[:, 1, 0][written], expect[:, 1, 0][written], torch.bfloat16))
+    exact = torch.equal(kv[untouched], expect[untouched]) and torch.equal(kv[:, 1, 1][written], expect[:, 1, 1][written])
+    record("rope_write_kv bf16", err if exact else float("inf"), 2.0)
+
+
+GEMV_SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+               ("lm_head", 128256, 4096)]
+GEMV_PER_STEP = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}  # Llama-3-8B calls per decode step
+GEMV_VARIANTS = [(bn, bk, w, st) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024, 2048) for w in (4, 8)
+                 for st in (1, 3) if 1024 <= bn * bk <= 16384]
+
+
+def bench_gemv(gen, copy_tbps, variants):
+    """One-row projections of Llama-3-8B (decode at batch 1) from HBM (L2 flushed before each
+    call, CUDA-graph timed): cuBLAS (F.linear) against the GEMV kernel's heuristic and best
+    configuration; down also fused with silu_and_mul vs the two launches. Then the
+    per-step sum over the 32 layers + lm_head."""
+    rows = []
+    for name, n, k in GEMV_SHAPES:
+        w = (torch.randn(n, k, device=DEV, generator=gen) / k ** 0.5).to(torch.bfloat16)
+        xin = torch.randn(1, 2 * k if name == "down" else k, dtype=torch.bfloat16, device=DEV, generator=gen)
+        gb = n * k * 2 / 1e9
+
+        def tb(ms):
+            return gb / ms  # GB / ms = TB/s
+
+        if name == "down":
+            cub = graph_ms(lambda: F.linear(K.silu_and_mul(xin), w))
+            heur = graph_ms(lambda: K.silu_mul_linear(xin, w))
+            run = lambda cfg: K.silu_mul_linear(xin, w, config=cfg)  # noqa: E731
+        else:
+            cub = graph_ms(lambda: F.linear(xin, w))
+            heur = graph_ms(lambda: K.linear(xin, w))
+            run = lambda cfg: K.linear(xin, w, config=cfg)  # noqa: E731
+        timed = []
+        for cfg in variants:
+            try:
+                timed.append((graph_ms(lambda: run(cfg)), cfg))
+            except Exception as e:  # a config the compiler rejects (registers, shared memory)
+                print(f"    {name} {cfg}: {type(e).__name__}", flush=True)
+        best_ms, best_cfg = min(timed) if timed else (float("nan"), None)
+        top = sorted(timed)[:5]
+        r = dict(name=name, N=n, K=k, GB=gb, cublas_us=cub * 1e3, cublas_TBps=tb(cub), heuristic_us=heur * 1e3,
+                 heuristic_TBps=tb(heur), heuristic_cfg=K.gemv_config(n, k, torch.device(DEV)),
+                 best_us=best_ms * 1e3, best_TBps=tb(best_ms), best_cfg=best_cfg,
+                 top5=[(round(ms * 1e3, 2), c) for ms, c in top], vs_copy=tb(min(heur, best_ms)) / copy_tbps)
+        print(f"  gemv {name} {n}x{k}: cuBLAS {r['cublas_us']:.1f} us ({r['cublas_TBps']:.2f} TB/s), heuristic "
+              f"{r['heuristic_us']:.1f} us ({r['heuristic_TBps']:.2f}) {r['heuristic_cfg']}, best {r['best_us']:.1f} us "
+              f"({r['best_TBps']:.2f}) {best_cfg}; top5 {r['top5']}", flush=True)
+        rows.append(r)
+        del w
+    step = {key: sum(GEMV_PER_STEP[r["name"]] * r[key] for r in rows) / 1e3 for key in ("cublas_us", "heuristic_us", "best_us")}
+    print(f"  gemv per decode step (ms): {step}", flush=True)
+    RESULTS["gemv"] = dict(rows=rows, per_step_ms=step)
+    # the fused rope + KV write against its two parts, one token (decode at batch 1) and 128
+    for T in (1, 128):
+        pos = torch.randint(0, 2048, (T,), device=DEV, generator=gen)
+        cs = torch.randn(2048, 128, device=DEV, generator=gen)
+        qkv = torch.randn(T, 6144, dtype=torch.bfloat16, device=DEV, generator=gen)
+        q, k, v = (t.view(T, -1, 128) for t in qkv.split([4096, 1024, 1024], -1))
+        kv = torch.randn(4096, 1, 2, 16, 8, 128, dtype=torch.bfloat16, device=DEV, generator=gen)
+        slots = torch.randperm(4096 * 16, device=DEV, generator=gen)[:T]
+
+        def two():
+            qq, kk = K.rope(pos, q, k, cs)
+            K.write_kv(kk, v, kv[:, 0, 0], kv[:, 0, 1], slots)
+
+        sep = graph_ms(two)
+        fused = graph_ms(lambda: K.rope_write_kv(pos, q, k, v, kv[:, 0, 0], kv[:, 0, 1], slots, cs))
+        RESULTS.setdefault("rope_write_kv", []).append(dict(T=T, separate_us=sep * 1e3, fused_us=fused * 1e3))
+        print(f"  rope+write_kv T={T}: separate {sep * 1e3:.2f} us, fused {fused * 1e3:.2f} us", flush=True)
+
+
 # --------------------------------------------------------------------------- benchmarks
 
 
@@ -468,6 +573,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="checks only")
     ap.add_argument("--no-variants", action="store_true", help="time the heuristic configuration only")
+    ap.add_argument("--gemv", action="store_true", help="only the checks and the one-row GEMV / fused-decode sweep")
     ap.add_argument("--engine-shapes", action="store_true",
                     help="also sweep decode configurations at the engine benchmark's short contexts")
     args = ap.parse_args()
@@ -482,7 +588,7 @@ def main():
     print("env:", RESULTS["env"], flush=True)
     t0 = time.time()
     print("checks:", flush=True)
-    checks = [check_write_kv, check_blocks, check_elementwise, check_attention]
+    checks = [check_write_kv, check_blocks, check_elementwise, check_fused, check_attention]
     if DEV == "cuda":
         checks.append(check_cuda_graph)
     for fn in checks:
@@ -496,12 +602,13 @@ def main():
         copy_tbps = copy_bandwidth()
         RESULTS["copy_TBps"] = copy_tbps
         print(f"copy bandwidth {copy_tbps:.2f} TB/s", flush=True)
-        for fn, a in ((bench_decode, (gen, copy_tbps, [None] if args.no_variants else DECODE_VARIANTS)),
+        for fn, a in ((bench_gemv, (gen, copy_tbps, [] if args.no_variants else GEMV_VARIANTS)),) if args.gemv else ((bench_decode, (gen, copy_tbps, [None] if args.no_variants else DECODE_VARIANTS)),
                       (bench_decode, (gen, copy_tbps, [None] if args.no_variants else DECODE_SPLIT_VARIANTS,
                                       DECODE_EXTRA_SHAPES, "decode_extra")),
                       *(((bench_decode, (gen, copy_tbps, ENGINE_VARIANTS, ENGINE_SHAPES, "decode_engine", graph_ms)),)
                         if args.engine_shapes else ()),
                       (bench_prefill, (gen, [None] if args.no_variants else PREFILL_VARIANTS)),
+                      (bench_gemv, (gen, copy_tbps, [] if args.no_variants else GEMV_VARIANTS)),
                       (bench_small_kernels, (gen,))):
             try:
                 fn(*a)
@@ -537,6 +644,15 @@ def print_table():
             print(f"  {r['B']}x{r['S']} cached={r['cached']:5d} | {r['heuristic']['TFLOPs']:.0f} "
                   f"({r['heuristic']['ms']:.2f} ms) | {r['best']['TFLOPs']:.0f} {r['best']['cfg']} | "
                   f"{sd['TFLOPs'] if sd else float('nan'):.0f} | {r.get('vs_sdpa', float('nan')):.0%}")
+    if "gemv" in RESULTS:
+        print("one-row GEMV (decode at batch 1, weights from HBM) | cuBLAS | kvmesh heuristic | best variant")
+        for r in RESULTS["gemv"]["rows"]:
+            print(f"  {r['name']:8s} {r['N']}x{r['K']} | {r['cublas_us']:.1f} us {r['cublas_TBps']:.2f} TB/s | "
+                  f"{r['heuristic_us']:.1f} us {r['heuristic_TBps']:.2f} TB/s {r['heuristic_cfg']} | "
+                  f"{r['best_us']:.1f} us {r['best_TBps']:.2f} TB/s {r['best_cfg']}")
+        print(f"  per decode step (32 layers + lm_head), ms: {RESULTS['gemv']['per_step_ms']}")
+    for r in RESULTS.get("rope_write_kv", []):
+        print(f"  rope + write_kv, {r['T']} token(s): separate {r['separate_us']:.2f} us, fused {r['fused_us']:.2f} us")
     if "small" in RESULTS:
         print("small kernels:", {k: round(v, 2) for k, v in RESULTS["small"].items()})
 

@@ -426,3 +426,109 @@ def silu_and_mul_kernel(
     u = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0)
     s = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
     tl.store(y_ptr + row * stride_y + offs, (s * u.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------- fused decode helpers
+@_jit
+def rope_write_kv_kernel(
+    pos_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cs_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh, stride_cs,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """One program per token: rotate its query heads (written to ``qo``), rotate its key heads
+    and write them with its values straight into the token's cache slot.
+
+    This is `rope_kernel` twice plus `write_kv_kernel` in one launch: at batch 1 each of
+    those moves a few KiB, so three launches per layer cost more than their work. The
+    rotated key never goes back to memory except in the cache, where attention reads it."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.arange(0, HALF_PAD)
+    j_ok = j < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + j, mask=j_ok, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
+
+    hq = tl.arange(0, HQ_PAD)
+    mq = (hq[:, None] < HQ) & j_ok[None, :]
+    qb = q_ptr + t * stride_qt + hq[:, None] * stride_qh + j[None, :]
+    q1 = tl.load(qb, mask=mq, other=0.0).to(tl.float32)
+    q2 = tl.load(qb + HALF, mask=mq, other=0.0).to(tl.float32)
+    ob = qo_ptr + t * stride_qot + hq[:, None] * stride_qoh + j[None, :]
+    tl.store(ob, (q1 * cos[None, :] - q2 * sin[None, :]).to(qo_ptr.dtype.element_ty), mask=mq)
+    tl.store(ob + HALF, (q2 * cos[None, :] + q1 * sin[None, :]).to(qo_ptr.dtype.element_ty), mask=mq)
+
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        hk = tl.arange(0, HKV_PAD)
+        mk = (hk[:, None] < HKV) & j_ok[None, :]
+        kb = k_ptr + t * stride_kt + hk[:, None] * stride_kh + j[None, :]
+        k1 = tl.load(kb, mask=mk, other=0.0).to(tl.float32)
+        k2 = tl.load(kb + HALF, mask=mk, other=0.0).to(tl.float32)
+        # round to the key's dtype first: that is what the unfused path stores and then casts
+        r1 = (k1 * cos[None, :] - k2 * sin[None, :]).to(k_ptr.dtype.element_ty)
+        r2 = (k2 * cos[None, :] + k1 * sin[None, :]).to(k_ptr.dtype.element_ty)
+        kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + hk[:, None] * stride_kch + j[None, :]
+        tl.store(kc, r1.to(k_cache_ptr.dtype.element_ty), mask=mk)
+        tl.store(kc + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=mk)
+        vb = v_ptr + t * stride_vt + hk[:, None] * stride_vh + j[None, :]
+        vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + hk[:, None] * stride_vch + j[None, :]
+        tl.store(vc, tl.load(vb, mask=mk).to(v_cache_ptr.dtype.element_ty), mask=mk)
+        tl.store(vc + HALF, tl.load(vb + HALF, mask=mk).to(v_cache_ptr.dtype.element_ty), mask=mk)
+
+
+@_jit
+def gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``y = w @ x (+ b)`` for ONE input row: the decode step at batch 1, where every
+    projection is a matrix-vector product bound by reading the weights once.
+
+    Each program owns BLOCK_N output rows and streams their weights in BLOCK_K
+    chunks, keeping a [BLOCK_N, BLOCK_K] fp32 partial product that is summed once at
+    the end (so the loop body is loads and FMAs only). Weights are loaded with
+    ``evict_first``: they are read once per step and would otherwise push the KV
+    and activations out of L2. With SILU_MUL the input is a gate|up row of width 2K
+    and ``silu(gate) * up`` is formed on the fly, rounded like `silu_and_mul`, which
+    removes that launch before the down projection."""
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    rows = w_ptr + n.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        if EVEN_K:
+            if SILU_MUL:
+                g = tl.load(x_ptr + k).to(tl.float32)
+                u = tl.load(x_ptr + K + k)
+            else:
+                x = tl.load(x_ptr + k)
+            if EVEN_N:
+                w = tl.load(rows + k[None, :], eviction_policy="evict_first")
+            else:
+                w = tl.load(rows + k[None, :], mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+        else:
+            if SILU_MUL:
+                g = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                u = tl.load(x_ptr + K + k, mask=k_ok, other=0.0)
+            else:
+                x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+            w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        if SILU_MUL:
+            s = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            xf = (s * u.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            xf = x.to(tl.float32)
+        acc += w.to(tl.float32) * xf[None, :]
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)

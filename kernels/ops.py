@@ -21,6 +21,7 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from . import reference as _ref
 
@@ -586,3 +587,137 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x2, y2, x2.stride(0), y2.stride(0), d, BLOCK=block, num_warps=4,
     )
     return y
+
+
+# --------------------------------------------------------------------------- fused decode helpers
+
+
+def rope_write_kv(positions, query, key, value, k_cache, v_cache, slot_mapping, cos_sin_cache) -> torch.Tensor:
+    """`rope` on query and key, then `write_kv` of the rotated key and the value, in one
+    launch; returns the rotated query. Same checks and semantics as the two calls."""
+    fn = "rope_write_kv"
+    _check_dim(fn, "positions", positions, 1)
+    _check_dtype(fn, "positions", positions, _INTS)
+    _check_dim(fn, "query", query, 3)
+    _check_dtype(fn, "query", query, _FLOATS)
+    _check_dim(fn, "cos_sin_cache", cos_sin_cache, 2)
+    _check_dtype(fn, "cos_sin_cache", cos_sin_cache, _FLOATS)
+    _check_dim(fn, "key", key, 3)
+    _check_dim(fn, "value", value, 3)
+    _check_dtype(fn, "key", key, _FLOATS)
+    _check_dtype(fn, "value", value, _FLOATS)
+    _check_cache_pair(fn, k_cache, v_cache)
+    _check_dim(fn, "slot_mapping", slot_mapping, 1)
+    _check_dtype(fn, "slot_mapping", slot_mapping, _INTS)
+    T, Hq, D = query.shape
+    if key.shape != value.shape:
+        _fail(fn, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ in shape")
+    if key.shape[0] != T or key.shape[2] != D or positions.shape[0] != T or slot_mapping.shape[0] != T:
+        _fail(fn, f"positions {tuple(positions.shape)}, query {tuple(query.shape)}, key {tuple(key.shape)} and "
+                  f"slot_mapping {tuple(slot_mapping.shape)} disagree on tokens / head size")
+    Hkv = key.shape[1]
+    if (Hkv, D) != tuple(k_cache.shape[2:]):
+        _fail(fn, f"key heads/head size {(Hkv, D)} do not match the cache's {tuple(k_cache.shape[2:])}")
+    if cos_sin_cache.shape[1] != D or D % 2:
+        _fail(fn, f"cos_sin_cache must be [max_pos, head_size={D}] (even), got {tuple(cos_sin_cache.shape)}")
+    for name, t in (("query", query), ("key", key), ("value", value), ("cos_sin_cache", cos_sin_cache)):
+        _check_last_contig(fn, name, t)
+    _check_device(fn, "query", query, key=key, value=value, k_cache=k_cache, v_cache=v_cache,
+                  slot_mapping=slot_mapping, positions=positions, cos_sin_cache=cos_sin_cache)
+    if backend(query) == "reference":
+        return _ref.rope_write_kv_reference(positions, query, key, value, k_cache, v_cache, slot_mapping,
+                                            cos_sin_cache)
+    qo = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if T == 0:
+        return qo
+    half = D // 2
+    _k(query).rope_write_kv_kernel[(T,)](
+        positions, query, key, value, qo, k_cache, v_cache, slot_mapping, cos_sin_cache,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        qo.stride(0), qo.stride(1), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HQ=Hq, HQ_PAD=_p2(Hq), HKV=Hkv, HKV_PAD=_p2(Hkv), HALF=half, HALF_PAD=_p2(half),
+        BLOCK_SIZE=k_cache.shape[1], num_warps=4 if Hq * D >= 2048 else 1,
+    )
+    return qo
+
+
+def gemv_enabled() -> bool:
+    """The one-row GEMV kernel replaces cuBLAS for single-row projections unless
+    ``KVMESH_GEMV=0`` (read per call, so a benchmark can build both variants in one process)."""
+    return os.environ.get("KVMESH_GEMV", "1") != "0"
+
+
+def gemv_config(N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for an ``N x K`` one-row GEMV.
+
+    Bound by streaming the weights, so what matters is bytes in flight per SM and
+    enough programs to keep every SM busy to the end. From a graph-timed, L2-flushed
+    sweep on the H200 (docs/kernels.md): wide outputs (qkv, gate_up, lm_head: at
+    least ~40 rows per SM) do best with 2-row programs streaming 2,048-wide chunks
+    with 8 warps (many programs, 8 KiB per iteration); a narrow output over a long
+    K (down: 4096 x 14336) with 4 rows and 2,048-wide chunks; a narrow, short one
+    (o: 4096 x 4096) with 4 rows and 512-wide chunks."""
+    sms = _num_sms(device)
+    if N >= 40 * sms:
+        return 2, min(2048, _p2(K)), 8, 1
+    if K >= 8192:
+        return 4, 2048, 4, 3
+    return 4, min(512, _p2(K)), 4, 1
+
+
+def _gemv(x, weight, bias, silu_mul: bool, config=None) -> torch.Tensor:
+    N, K = weight.shape
+    y = torch.empty((1, N), dtype=x.dtype, device=x.device)
+    if N == 0:
+        return y
+    if K == 0:
+        return y.zero_() if bias is None else y.copy_(bias.view(1, N))
+    bn, bk, warps, stages = config or gemv_config(N, K, x.device)
+    bk = min(bk, _p2(K))
+    _k(x).gemv_kernel[(triton_cdiv(N, bn),)](
+        x, weight, bias if bias is not None else y, y, N, K, weight.stride(0),
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_N=N % bn == 0, EVEN_K=K % bk == 0,
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+def _linear_checks(fn, x, weight, bias, k_mult: int):
+    _check_dim(fn, "x", x, 2)
+    _check_dim(fn, "weight", weight, 2)
+    _check_dtype(fn, "x", x, _FLOATS)
+    _check_dtype(fn, "weight", weight, _FLOATS)
+    if x.shape[1] != weight.shape[1] * k_mult:
+        _fail(fn, f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        _fail(fn, f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    _check_device(fn, "x", x, weight=weight, bias=bias)
+
+
+def _gemv_applies(x, weight, bias) -> bool:
+    return (x.shape[0] == 1 and gemv_enabled() and x.dtype == weight.dtype and x.is_contiguous()
+            and weight.stride(1) == 1 and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x [M, K]``: the GEMV kernel when M is 1 (decode at
+    batch 1, weight-bandwidth bound), cuBLAS otherwise. ``config`` overrides `gemv_config`."""
+    fn = "linear"
+    _linear_checks(fn, x, weight, bias, 1)
+    if backend(x) == "reference" or not _gemv_applies(x, weight, bias):
+        return F.linear(x, weight, bias)
+    return _gemv(x, weight, bias, False, config)
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
+    """``linear(silu_and_mul(x), weight)`` for a gate|up activation ``x [M, 2K]``; at M = 1 the
+    activation is formed inside the GEMV (one launch instead of two)."""
+    fn = "silu_mul_linear"
+    _linear_checks(fn, x, weight, None, 2)
+    if backend(x) == "reference":
+        return _ref.silu_mul_linear_reference(x, weight)
+    if not _gemv_applies(x, weight, None):
+        return F.linear(silu_and_mul(x), weight)
+    return _gemv(x, weight, None, True, config)

@@ -167,3 +167,30 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` for a fused gate/up projection of width ``2d``."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def rope_write_kv_reference(
+    positions: torch.Tensor,  # [T]
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int, -1 = skip
+    cos_sin_cache: torch.Tensor,  # [max_pos, D]
+) -> torch.Tensor:
+    """RoPE on query and key, then the rotated key and the value into their cache slots.
+    Returns the rotated query (the rotated key lives only in the cache)."""
+    q, k = rope_reference(positions, query, key, cos_sin_cache)
+    write_kv_reference(k, value, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` (what the GEMV kernel computes for one row)."""
+    return F.linear(x, weight, bias)
+
+
+def silu_mul_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's down projection of ``silu(gate) * up`` for a gate|up row ``x``."""
+    return F.linear(silu_and_mul_reference(x), weight)

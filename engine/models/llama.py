@@ -96,22 +96,21 @@ class LlamaForCausalLM(torch.nn.Module):
                 x = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps)
             else:
                 x, residual = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual)
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = kernels.linear(x, layer["qkv"], layer["qkv_bias"])
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(T, cfg.num_heads, cfg.head_dim)
             k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-            q, k = kernels.rope(positions, q, k, self.cos_sin)
+            v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = caches[li]
-            kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            q = kernels.rope_write_kv(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, self.cos_sin)
             attn = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                            meta.seq_lens, self.scale, **hints)
-            h = F.linear(attn.reshape(T, self.q_size), layer["o"])
+            h = kernels.linear(attn.reshape(T, self.q_size), layer["o"])
             x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
-            h = F.linear(kernels.silu_and_mul(F.linear(x, layer["gate_up"])), layer["down"])
+            h = kernels.silu_mul_linear(kernels.linear(x, layer["gate_up"]), layer["down"])
         if logits_indices is not None:  # gather first: the add then touches only the sampled rows
             h = h.index_select(0, logits_indices)
             residual = residual.index_select(0, logits_indices)
         h = h + residual
         h = kernels.rms_norm(h, self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return kernels.linear(h, self.lm_head).float()

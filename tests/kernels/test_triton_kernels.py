@@ -214,6 +214,84 @@ def test_silu_and_mul(gen, dtype):
     assert elem_err(y, K.silu_and_mul_reference(x), dtype) <= ELEM_BOUND[dtype]
 
 
+@pytest.mark.parametrize("dtype,bs", [(torch.float32, 16), (torch.bfloat16, 32)])
+def test_rope_write_kv(gen, dtype, bs):
+    """The fused launch equals `rope` then `write_kv`: rotated query returned, rotated key
+    and value in their slots, padding slots (-1) and every other slot untouched."""
+    T, D, hq, hkv = 9, 32, 6, 2
+    pos = torch.randint(0, 64, (T,), generator=gen)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+    fr = torch.outer(torch.arange(64).float(), inv)
+    cs = torch.cat([fr.cos(), fr.sin()], -1)
+    qkv = torch.randn(T, (hq + 2 * hkv) * D, generator=gen).to(dtype)  # the model's split views
+    q, k, v = (t.view(T, -1, D) for t in qkv.split([hq * D, hkv * D, hkv * D], -1))
+    kv = torch.randn(5, 2, 2, bs, hkv, D, generator=gen).to(dtype)
+    expect = kv.clone()
+    slots = torch.randperm(5 * bs, generator=gen)[:T]
+    slots[[1, 6]] = -1
+    qo = K.rope_write_kv(pos, q, k, v, kv[:, 1, 0], kv[:, 1, 1], slots, cs)
+    qr = K.rope_write_kv_reference(pos, q, k, v, expect[:, 1, 0], expect[:, 1, 1], slots, cs)
+    assert elem_err(qo, qr, dtype) <= ELEM_BOUND[dtype]
+    written = torch.zeros(5 * bs, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    written = written.view(5, bs)
+    assert torch.equal(kv[~written.view(5, 1, 1, bs).expand(5, 2, 2, bs)], expect[~written.view(5, 1, 1, bs).expand(5, 2, 2, bs)])
+    got, ref = kv[:, 1, 0][written], expect[:, 1, 0][written]
+    assert elem_err(got, ref, dtype) <= ELEM_BOUND[dtype]
+    assert torch.equal(kv[:, 1, 1][written], expect[:, 1, 1][written])  # values are copied, not computed
+
+
+GEMV_BOUND = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,bias", [(48, 64, False), (37, 96, True), (64, 1000, False)])
+def test_gemv(gen, dtype, n, k, bias):
+    """One-row linear through the GEMV kernel (rows and K not multiples of the tiles
+    included) against a float64 product of the same rounded inputs."""
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    y = K.linear(x, w, b, config=(8, 32, 4, 1))
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    assert y.dtype == dtype and y.shape == (1, n)
+    assert rel_err(y, ref) < GEMV_BOUND[dtype]
+    assert rel_err(K.linear(x, w, b), ref) < GEMV_BOUND[dtype]  # the heuristic config
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_linear(gen, dtype):
+    n, k = 40, 96
+    x = torch.randn(1, 2 * k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    y = K.silu_mul_linear(x, w, config=(8, 64, 4, 1))
+    # the activation as the unfused kernel forms it (rounded to the dtype; the interpreter truncates
+    # fp32 -> bf16, a bias the reference's round-to-nearest would not share)
+    act = K.silu_and_mul(x)
+    assert elem_err(act, K.silu_and_mul_reference(x), dtype) <= ELEM_BOUND[dtype]
+    ref = torch.nn.functional.linear(act.double(), w.double())
+    assert rel_err(y, ref) < GEMV_BOUND[dtype]
+
+
+def test_gemv_dispatch(gen, monkeypatch):
+    """Only single rows take the GEMV kernel; KVMESH_GEMV=0 turns it off; bad shapes are errors."""
+    calls = []
+    real = ops._gemv
+    monkeypatch.setattr(ops, "_gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    w = torch.randn(16, 32, generator=gen)
+    K.linear(torch.randn(1, 32, generator=gen), w)
+    K.linear(torch.randn(3, 32, generator=gen), w)
+    monkeypatch.setenv("KVMESH_GEMV", "0")
+    K.linear(torch.randn(1, 32, generator=gen), w)
+    assert calls == [(1, 32)]
+    with pytest.raises(ValueError, match="does not match weight"):
+        K.linear(torch.randn(1, 31), w)
+    with pytest.raises(ValueError, match="does not match weight"):
+        K.silu_mul_linear(torch.randn(1, 32), w)
+    with pytest.raises(ValueError, match="bias must be"):
+        K.linear(torch.randn(1, 32), w, torch.randn(15))
+
+
 def test_dispatch_follows_env(monkeypatch):
     x = torch.zeros(2)
     assert K.backend(x) == "interpret"
