@@ -62,7 +62,8 @@ DEV = os.environ.get("KVMESH_BENCH_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=
 def sync():
     if DEV == "cuda":
         torch.cuda.synchronize()
-RESULTS: dict = {"checks": [], "decode": [], "decode_extra": [], "decode_engine": [], "prefill": []}
+RESULTS: dict = {"checks": [], "decode": [], "decode_extra": [], "decode_engine": [], "prefill": [],
+                 "decode_hm": [], "decode_engine_hm": []}
 FAILED: list[str] = []
 
 
@@ -105,15 +106,21 @@ def record(name, err, bound, **info):
 # --------------------------------------------------------------------------- problem builders
 
 
-def make_paged(q_lens, ctx_lens, hq, hkv, d, bs, dtype, num_layers=2, layer=1, extra_blocks=7, gen=None):
+def make_paged(q_lens, ctx_lens, hq, hkv, d, bs, dtype, num_layers=2, layer=1, extra_blocks=7, gen=None,
+               head_major=False):
     """Random paged KV in the engine layout + packed queries for the given lengths.
 
     Pages are a random permutation of the pool, and the per-layer caches are the
-    strided views the engine passes (block stride spans all layers)."""
+    strided views the engine passes (block stride spans all layers). ``head_major``:
+    each page stored [Hkv, bs, D] (one head's 16 tokens contiguous) and presented
+    through the same [N, bs, Hkv, D] view, by strides only."""
     seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
     nbs = [math.ceil(s / bs) for s in seq_lens]
     n_blocks = sum(nbs) + extra_blocks
-    kv = torch.randn(n_blocks, num_layers, 2, bs, hkv, d, dtype=dtype, device=DEV, generator=gen)
+    if head_major:
+        kv = torch.randn(n_blocks, num_layers, 2, hkv, bs, d, dtype=dtype, device=DEV, generator=gen).transpose(3, 4)
+    else:
+        kv = torch.randn(n_blocks, num_layers, 2, bs, hkv, d, dtype=dtype, device=DEV, generator=gen)
     perm = torch.randperm(n_blocks, device=DEV, generator=gen)
     width = max(nbs) + 2
     bt = torch.zeros(len(q_lens), width, dtype=torch.int32, device=DEV)
@@ -157,8 +164,12 @@ def check_attention(gen):
         ("mixed fp32", [1, 150, 1, 33], [500, 77, 1, 40], 32, 8, 128, 16, torch.float32, {}),
         ("mixed fp32 split4", [1, 20, 1], [900, 300, 60], 16, 4, 64, 16, torch.float32, dict(num_segments=4)),
     ]
+    cases += [(name + " head-major", *rest[:-1], dict(rest[-1], head_major=True))
+              for name, *rest in cases if name in ("decode gqa4 bs16", "decode gqa4 split16", "mixed gqa4 bs32",
+                                                   "chunked prefill gqa4")]
     for name, q_lens, ctx, hq, hkv, d, bs, dtype, ov in cases:
-        p = make_paged(q_lens, ctx, hq, hkv, d, bs, dtype, gen=gen)
+        ov = dict(ov)
+        p = make_paged(q_lens, ctx, hq, hkv, d, bs, dtype, gen=gen, head_major=ov.pop("head_major", False))
         scale = d ** -0.5
         T = p["q"].shape[0]
         out = torch.full((T + 3, hq, d), float("nan"), dtype=dtype, device=DEV)  # 3 padding tokens
@@ -426,12 +437,12 @@ DECODE_SPLIT_VARIANTS = [None, (4, 128, 4, 3, 0, 0), (8, 128, 4, 3, 0, 1), (4, 1
                          (16, 128, 4, 3, 0, 1), (8, 64, 4, 2, 0, 1), (16, 64, 4, 2, 0, 1)]
 
 
-def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode", timer=None):
+def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode", timer=None, head_major=False):
     hq, hkv, d, bs = 32, 8, 128, 16
     timer = timer or bench_ms
     for B, L in shapes or DECODE_SHAPES:
         p = make_paged([1] * B, [L - 1] * B, hq, hkv, d, bs, torch.bfloat16, num_layers=2, layer=0,
-                       extra_blocks=0, gen=gen)
+                       extra_blocks=0, gen=gen, head_major=head_major)
         kv_bytes = 2 * B * L * hkv * d * 2
         out = torch.empty_like(p["q"])
         args = (p["q"], p["k"], p["v"], p["bt"], p["qsl"], p["sl"], d ** -0.5)
@@ -574,6 +585,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="checks only")
     ap.add_argument("--no-variants", action="store_true", help="time the heuristic configuration only")
     ap.add_argument("--gemv", action="store_true", help="only the checks and the one-row GEMV / fused-decode sweep")
+    ap.add_argument("--head-major", action="store_true",
+                    help="only the checks and decode attention over token-major vs head-major pages")
     ap.add_argument("--engine-shapes", action="store_true",
                     help="also sweep decode configurations at the engine benchmark's short contexts")
     args = ap.parse_args()
@@ -602,7 +615,12 @@ def main():
         copy_tbps = copy_bandwidth()
         RESULTS["copy_TBps"] = copy_tbps
         print(f"copy bandwidth {copy_tbps:.2f} TB/s", flush=True)
-        for fn, a in ((bench_gemv, (gen, copy_tbps, [] if args.no_variants else GEMV_VARIANTS)),) if args.gemv else ((bench_decode, (gen, copy_tbps, [None] if args.no_variants else DECODE_VARIANTS)),
+        layouts = ((bench_decode, (gen, copy_tbps, DECODE_VARIANTS, DECODE_SHAPES, "decode", None, False)),
+                   (bench_decode, (gen, copy_tbps, DECODE_VARIANTS, DECODE_SHAPES, "decode_hm", None, True)),
+                   (bench_decode, (gen, copy_tbps, ENGINE_VARIANTS, ENGINE_SHAPES, "decode_engine", graph_ms, False)),
+                   (bench_decode, (gen, copy_tbps, ENGINE_VARIANTS, ENGINE_SHAPES, "decode_engine_hm", graph_ms,
+                                   True)))
+        for fn, a in layouts if args.head_major else ((bench_gemv, (gen, copy_tbps, [] if args.no_variants else GEMV_VARIANTS)),) if args.gemv else ((bench_decode, (gen, copy_tbps, [None] if args.no_variants else DECODE_VARIANTS)),
                       (bench_decode, (gen, copy_tbps, [None] if args.no_variants else DECODE_SPLIT_VARIANTS,
                                       DECODE_EXTRA_SHAPES, "decode_extra")),
                       *(((bench_decode, (gen, copy_tbps, ENGINE_VARIANTS, ENGINE_SHAPES, "decode_engine", graph_ms)),)
@@ -636,6 +654,13 @@ def print_table():
             print(f"  B={r['B']:4d} ctx={r['L']:6d} | {r['heuristic']['TBps']:.2f} ({r['heuristic']['us']:.0f} us) | "
                   f"{r['best']['TBps']:.2f} {r['best']['cfg']} | {r['sdpa']['TBps']:.2f} | {r['vs_copy']:.0%} | "
                   f"{r['vs_sdpa']:.0%}")
+    for key in ("decode_hm", "decode_engine", "decode_engine_hm"):
+        if RESULTS[key]:
+            print(f"{key}: B x ctx | heuristic | best variant | SDPA")
+            for r in RESULTS[key]:
+                print(f"  {r['B']:4d} x {r['L']:6d} | {r['heuristic']['us']:.1f} us {r['heuristic']['TBps']:.2f} TB/s | "
+                      f"{r['best']['us']:.1f} us {r['best']['TBps']:.2f} {r['best']['cfg']} | {r['sdpa']['us']:.1f} us "
+                      f"{r['sdpa']['TBps']:.2f} TB/s | best/SDPA {r['best']['TBps'] / r['sdpa']['TBps']:.0%}")
     if RESULTS["prefill"]:
         print("prefill causal (32q/8kv, d128, block 16, bf16) | ours heuristic TFLOP/s | best variant | "
               "SDPA flash TFLOP/s | ours/SDPA")
