@@ -68,8 +68,21 @@ class KVCacheManager:
         (nothing is changed then). Cached hit blocks that sit on the free list count
         against the free budget because touching them takes them off it.
         """
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks is not None and not new_computed_blocks and not num_new_computed_tokens and not num_external_tokens:
+            # Fast path, the decode step of a running request: its tokens fit in the blocks it holds and
+            # the block it writes is its own (no copy-on-write), so only full blocks may need registering.
+            # At batch 128 this runs 128 times a step on the host, between GPU steps.
+            computed = request.num_computed_tokens
+            total = computed + num_new_tokens
+            write_idx = computed // self.block_size
+            if total <= len(blocks) * self.block_size and (
+                    num_new_tokens == 0 or write_idx >= len(blocks) or blocks[write_idx].ref_cnt <= 1):
+                if not delay_cache:
+                    self.cache_blocks(request, min(total, request.num_tokens))
+                return []
         new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_blocks.get(request.request_id, [])
+        blocks = blocks if blocks is not None else []
         computed = request.num_computed_tokens + num_new_computed_tokens
         total = computed + num_external_tokens + num_new_tokens
         need = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
