@@ -16,18 +16,21 @@ Request path (``/v1/completions``, ``/v1/chat/completions``):
    down (until its health check passes) and retries on another pod, which is
    safe because nothing reached the client yet.
 
+All pod traffic (requests, health probes, ``/metrics`` scrapes, ``/v1/models``) goes through one
+`Upstream` client: an aiohttp session whose failures come out as `UpstreamError`.
+
 The pod's reported ``usage.prompt_tokens_details.cached_tokens`` is compared
 with the prediction to measure index drift.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any, AsyncIterator
 
-import httpx
+import aiohttp
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -58,6 +61,18 @@ def error_json(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+_json = msgspec.json.Decoder()
+
+
+def _json_object(content: bytes) -> dict:
+    """``content`` parsed as a JSON object; ``{}`` if it is not one."""
+    try:
+        out = _json.decode(content)
+    except msgspec.DecodeError:
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
 def parse_vllm_metrics(text: str) -> dict[str, float]:
     """Sum the scraped gauges over label sets (one pod may serve several model names)."""
     out: dict[str, float] = {}
@@ -73,6 +88,112 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         except ValueError:
             continue
     return out
+
+
+class UpstreamError(Exception):
+    """A pod exchange failed. ``reason`` names the failure (the ``retries`` metric label); ``gone`` means
+    the pod refused, reset or closed the connection (it is down), ``timeout`` that it was too slow."""
+
+    def __init__(self, reason: str, detail: str, gone: bool = False, timeout: bool = False) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.gone, self.timeout = reason, gone, timeout
+
+
+def _upstream_error(e: Exception) -> UpstreamError:
+    # reason names are those of the earlier httpx client, so dashboards keep their series
+    if isinstance(e, aiohttp.ConnectionTimeoutError):
+        return UpstreamError("ConnectTimeout", str(e), gone=True, timeout=True)
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return UpstreamError("ConnectError", str(e), gone=True)
+    if isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+        return UpstreamError("ReadTimeout", str(e) or type(e).__name__, timeout=True)
+    if isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientResponseError)):  # closed early, or garbled
+        return UpstreamError("RemoteProtocolError", str(e), gone=True)
+    if isinstance(e, aiohttp.ClientOSError):
+        return UpstreamError("ReadError", str(e), gone=True)
+    return UpstreamError(type(e).__name__, str(e))  # e.g. a truncated body (ClientPayloadError)
+
+
+class UpstreamResponse:
+    """A pod's response with headers read and the body still on the wire; `release` it exactly once
+    (a body not read to the end closes its connection rather than returning it to the pool)."""
+
+    __slots__ = ("_r", "status", "headers")
+
+    def __init__(self, r: aiohttp.ClientResponse) -> None:
+        self._r, self.status, self.headers = r, r.status, r.headers
+
+    async def read(self) -> bytes:
+        try:
+            return await self._r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise _upstream_error(e) from e
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives (de-chunked, not re-framed)."""
+        try:
+            async for chunk in self._r.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise _upstream_error(e) from e
+
+    def release(self) -> None:
+        self._r.release()
+
+
+class Upstream:
+    """The router's one HTTP client to its pods: an aiohttp session with a keep-alive pool per pod.
+
+    aiohttp takes an idle connection off a per-pod stack; httpx/httpcore (used before) polled every
+    idle pooled connection's socket on each request, ~16% of the router's CPU under load. Timeouts:
+    ``connect_timeout`` to open a connection, ``read_timeout`` between response bytes (per request
+    overridable); `get` (probes, scrapes) has one overall limit."""
+
+    KEEPALIVE_S = 4.0  # below uvicorn's 5 s idle close (vLLM, kvmesh serve): a reused connection is still open
+
+    def __init__(self, connect_timeout: float, read_timeout: float) -> None:
+        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        self.session: aiohttp.ClientSession | None = None
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+
+    async def start(self) -> None:
+        conn = aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=self.KEEPALIVE_S)
+        self.session = aiohttp.ClientSession(connector=conn, cookie_jar=aiohttp.DummyCookieJar(),
+                                             timeout=self._stream_timeout(self.read_timeout))
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    def _stream_timeout(self, read: float) -> aiohttp.ClientTimeout:
+        t = self._timeouts.get(read)
+        if t is None:  # ``connect`` bounds the wait for a pool slot plus the connect (httpx's pool timeout)
+            t = self._timeouts[read] = aiohttp.ClientTimeout(total=None, connect=30.0,
+                                                             sock_connect=self.connect_timeout, sock_read=read)
+        return t
+
+    async def post(self, url: str, body: dict, read_timeout: float | None = None) -> UpstreamResponse:
+        """POST ``body`` as JSON; returns once the response headers are in."""
+        assert self.session is not None
+        try:
+            r = await self.session.post(url, data=msgspec.json.encode(body), headers=_JSON_HEADERS,
+                                        timeout=self._stream_timeout(read_timeout or self.read_timeout))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise _upstream_error(e) from e
+        return UpstreamResponse(r)
+
+    async def get(self, url: str, timeout: float) -> tuple[int, bytes]:
+        """GET the whole response within ``timeout`` seconds: (status, body)."""
+        assert self.session is not None
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                return r.status, await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise _upstream_error(e) from e
+
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class Flight:
@@ -107,7 +228,7 @@ class Router:
         self.pods: dict[str, Pod] = {}
         self.mean_prompt = 0.0  # typical prompt length, the scale of a hit's value (see `score_pods`)
         self._prompts = 0
-        self.client: httpx.AsyncClient | None = None
+        self.upstream = Upstream(cfg.connect_timeout, cfg.read_timeout)
         self._tasks: list[asyncio.Task] = []
         self._discovery = None
         for spec in cfg.pods:
@@ -149,9 +270,7 @@ class Router:
     # ---- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
         c = self.cfg
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=c.connect_timeout, read=c.read_timeout, write=30.0, pool=30.0),
-            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=64))
+        await self.upstream.start()
         await self.check_all()
         self._tasks.append(asyncio.create_task(self._health_loop()))
         if c.discovery == "k8s":
@@ -165,8 +284,9 @@ class Router:
             t.cancel()
         if self._discovery is not None:
             self._discovery.stop()
-        if self.client is not None:
-            await self.client.aclose()
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # a probe in flight ends before its session
+        self._tasks.clear()
+        await self.upstream.close()
         self.hub.close()
 
     async def _health_loop(self) -> None:
@@ -188,27 +308,27 @@ class Router:
         self.metrics.kv_resyncs.set(s.resyncs)
 
     async def _check(self, pod: Pod) -> None:
-        assert self.client is not None
         t = self.cfg.connect_timeout
         try:
-            r = await self.client.get(pod.url + "/health", timeout=t)
-            ok = r.status_code == 200
+            status, _ = await self.upstream.get(pod.url + "/health", t)
+            ok = status == 200
             pod.probe_timeouts = 0
-            self.set_healthy(pod, ok, "" if ok else f"/health returned {r.status_code}")
+            self.set_healthy(pod, ok, "" if ok else f"/health returned {status}")
             if ok:
                 before = (pod.inflight_requests, pod.routed)
-                m = await self.client.get(pod.url + "/metrics", timeout=t)
-                if m.status_code == 200:
-                    got = parse_vllm_metrics(m.text)
+                status, text = await self.upstream.get(pod.url + "/metrics", t)
+                if status == 200:
+                    got = parse_vllm_metrics(text.decode("utf-8", "replace"))
                     pod.observe_scrape(got.get("running", 0.0), got.get("waiting", 0.0), got.get("kv_usage"),
                                        *before)
-        except httpx.TimeoutException as e:
-            # A pod saturated by requests answers probes late; only repeated timeouts take it out.
-            pod.probe_timeouts += 1
-            if pod.probe_timeouts >= self.cfg.health_timeouts_down:
-                self.set_healthy(pod, False, f"{pod.probe_timeouts} probe timeouts: {type(e).__name__}")
-        except httpx.HTTPError as e:  # refused or reset: the pod is gone
-            self.set_healthy(pod, False, f"{type(e).__name__}: {e}")
+        except UpstreamError as e:
+            if e.timeout:
+                # A pod saturated by requests answers probes late; only repeated timeouts take it out.
+                pod.probe_timeouts += 1
+                if pod.probe_timeouts >= self.cfg.health_timeouts_down:
+                    self.set_healthy(pod, False, f"{pod.probe_timeouts} probe timeouts: {e.reason}")
+            else:  # refused or reset: the pod is gone
+                self.set_healthy(pod, False, str(e))
 
     # ---- choosing -----------------------------------------------------------
     def candidates(self, roles: tuple[str, ...], exclude: set[str] = frozenset()) -> list[Pod]:  # type: ignore[assignment]
@@ -251,13 +371,12 @@ class Router:
 
     async def send(self, roles: tuple[str, ...], path: str, body: dict, hashes: list[int], plen: int, phase: str,
                    first: Decision | None = None, timeout: float | None = None
-                   ) -> tuple[Decision, httpx.Response, "Flight"]:
+                   ) -> tuple[Decision, UpstreamResponse, "Flight"]:
         """POST to a pod of ``roles`` (``first`` if given), retrying elsewhere on connect failure.
 
         Returns the decision and the response with headers read, body still streaming. The caller
-        owns all three: it must close the response and call `_end` with the flight.
+        owns all three: it must release the response and call `_end` with the flight.
         """
-        assert self.client is not None
         exclude: set[str] = set()
         last = "no healthy pod"
         for attempt in range(self.cfg.max_retries + 1):
@@ -271,23 +390,18 @@ class Router:
             fl = self._begin(d, hashes, plen)
             t0 = time.monotonic()
             try:
-                req = self.client.build_request("POST", d.pod.url + path, json=body,
-                                                timeout=None if timeout is None else httpx.Timeout(
-                                                    connect=self.cfg.connect_timeout, read=timeout,
-                                                    write=30.0, pool=30.0))
-                resp = await self.client.send(req, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as e:
-                # nothing reached the client: safe to try another pod; this one stays out until healthy
+                resp = await self.upstream.post(d.pod.url + path, body, timeout)
+            except UpstreamError as e:
                 self._end(fl)
-                self.set_healthy(d.pod, False, f"{type(e).__name__}: {e}")
+                if not e.gone:
+                    raise APIError(504 if e.timeout else 502, f"upstream {d.pod.url}: {e}") from e
+                # nothing reached the client: safe to try another pod; this one stays out until healthy
+                self.set_healthy(d.pod, False, str(e))
                 d.pod.failures += 1
                 exclude.add(d.pod.url)
-                self.metrics.retries.labels(type(e).__name__).inc()
-                last = f"{d.pod.url}: {type(e).__name__}: {e}"
+                self.metrics.retries.labels(e.reason).inc()
+                last = f"{d.pod.url}: {e}"
                 continue
-            except httpx.TimeoutException as e:
-                self._end(fl)
-                raise APIError(504, f"upstream {d.pod.url} timed out: {type(e).__name__}") from e
             except BaseException:
                 self._end(fl)
                 raise
@@ -338,9 +452,9 @@ class Router:
             self.metrics.pd.labels(pd_path).inc()
         dbody = body if params is None else {**body, "kv_transfer_params": params}
         d, resp, fl = await self.send(decode_roles, path, dbody, hashes, plen, "decode" if pd_path else "worker", dd)
-        if params is not None and resp.status_code >= 400:
+        if params is not None and resp.status >= 400:
             # the decode pod refused the transfer (bad/expired params): recompute there, never guess
-            await resp.aclose()
+            resp.release()
             self._end(fl)
             self.metrics.pd.labels("fallback_decode_rejected").inc()
             d, resp, fl = await self.send(decode_roles, path, body, hashes, plen, "decode", d)
@@ -360,55 +474,53 @@ class Router:
             log.warning("prefill failed, decode recomputes: %s", e.message)
             return None, "fallback_prefill_unavailable"
         try:
-            content = await resp.aread()
-        except httpx.HTTPError as e:
+            content = await resp.read()
+        except UpstreamError as e:
             log.warning("prefill failed, decode recomputes: %s", e)
             return None, "fallback_prefill_error"
         finally:
-            await resp.aclose()
+            resp.release()
             self._end(fl)
             self.metrics.upstream_total.labels("prefill").observe(time.monotonic() - t0)
-        if resp.status_code != 200:
-            log.warning("prefill %s returned %d, decode recomputes", d.pod.url, resp.status_code)
+        if resp.status != 200:
+            log.warning("prefill %s returned %d, decode recomputes", d.pod.url, resp.status)
             return None, "fallback_prefill_status"
-        try:
-            params = json.loads(content).get("kv_transfer_params")
-        except (ValueError, AttributeError):
-            params = None
+        params = _json_object(content).get("kv_transfer_params")
         if not isinstance(params, dict):
             return None, "fallback_no_params"
         return params, "prefill_decode"
 
-    async def relay(self, d: Decision, resp: httpx.Response, fl: "Flight", stream: bool, phase: str,
+    async def relay(self, d: Decision, resp: UpstreamResponse, fl: "Flight", stream: bool, phase: str,
                     measure: bool) -> Response:
         t0 = time.monotonic()
-        headers = {k: v for k, v in resp.headers.items() if k.lower() in ("retry-after",)}
-        headers["x-kvmesh-pod"] = d.pod.url
+        headers = {"x-kvmesh-pod": d.pod.url}
+        retry_after = resp.headers.get("retry-after")
+        if retry_after is not None:
+            headers["retry-after"] = retry_after
         ctype = resp.headers.get("content-type", "application/json")
-        if not stream or resp.status_code != 200 or not ctype.startswith("text/event-stream"):
+        if not stream or resp.status != 200 or not ctype.startswith("text/event-stream"):
             try:
-                content = await resp.aread()
+                content = await resp.read()
+            except UpstreamError as e:
+                raise APIError(504 if e.timeout else 502, f"upstream {d.pod.url}: {e}") from e
             finally:
-                await resp.aclose()
+                resp.release()
                 self._end(fl)
                 self.metrics.upstream_total.labels(phase).observe(time.monotonic() - t0)
-            if measure and resp.status_code == 200:
-                try:
-                    self.observe_usage(d, json.loads(content).get("usage") or {})
-                except ValueError:
-                    pass
-            return Response(content, status_code=resp.status_code, media_type=ctype, headers=headers)
+            if measure and resp.status == 200:
+                self.observe_usage(d, _json_object(content).get("usage") or {})
+            return Response(content, status_code=resp.status, media_type=ctype, headers=headers)
 
         async def body() -> AsyncIterator[bytes]:
             tail = b""
             try:
-                async for chunk in resp.aiter_raw():
+                async for chunk in resp.chunks():
                     fl.prefilled()  # the first streamed byte follows the first token: prefill is done
                     if measure and b"cached_tokens" in chunk or tail:
                         tail = (tail + chunk)[-65536:]
                     yield chunk
             finally:
-                await resp.aclose()
+                resp.release()
                 self._end(fl)
                 self.metrics.upstream_total.labels(phase).observe(time.monotonic() - t0)
                 if measure and tail:
@@ -419,10 +531,7 @@ class Router:
     def _usage_from_sse(self, d: Decision, tail: bytes) -> None:
         for line in tail.split(b"\n"):
             if line.startswith(b"data: {") and b"cached_tokens" in line:
-                try:
-                    self.observe_usage(d, json.loads(line[6:]).get("usage") or {})
-                except ValueError:
-                    pass
+                self.observe_usage(d, _json_object(line[6:]).get("usage") or {})
                 return
 
 
@@ -433,8 +542,8 @@ def build_app(router: Router) -> FastAPI:
         status = 500
         try:
             try:
-                body = await request.json()
-            except ValueError:
+                body = _json.decode(await request.body())
+            except msgspec.DecodeError:
                 raise APIError(400, "request body is not JSON")
             if not isinstance(body, dict):
                 raise APIError(400, "request body must be a JSON object")
@@ -457,13 +566,12 @@ def build_app(router: Router) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        assert router.client is not None
         for pod in router.candidates(("worker", "decode")):
             try:
-                r = await router.client.get(pod.url + "/v1/models", timeout=router.cfg.connect_timeout)
-                if r.status_code == 200:
-                    return Response(r.content, media_type="application/json")
-            except httpx.HTTPError:
+                status, content = await router.upstream.get(pod.url + "/v1/models", router.cfg.connect_timeout)
+                if status == 200:
+                    return Response(content, media_type="application/json")
+            except UpstreamError:
                 continue
         return {"object": "list", "data": [{"id": router.model, "object": "model", "created": int(time.time()),
                                             "owned_by": "kvmesh"}]}

@@ -228,6 +228,69 @@ def test_dead_pod_is_retried_and_taken_out(pods):
         srv.stop()
 
 
+def test_upstream_timeout_is_an_openai_error_and_close_frees_the_client():
+    slow = FakePod(delay=2.0).start()
+    cfg = RouterConfig(port=free_port(), block_size=BS, pods=(PodSpec(slow.url),), health_interval=60,
+                       read_timeout=0.3)
+    srv, router = start_router(cfg, TOK)
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, timeout=30)
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["type"] == "server_error" and "ReadTimeout" in r.json()["error"]["message"]
+        assert router.pods[slow.url].healthy  # slow is not gone: no retry, no marking down
+        assert router.pods[slow.url].inflight_requests == 0
+        r = httpx.post(srv.url + "/v1/completions", content=b"{not json", timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    finally:
+        srv.stop()
+        slow.stop()
+    assert router.upstream.session is None  # shutdown closed the session and its pooled connections
+
+
+def test_stream_is_relayed_chunk_by_chunk():
+    """Each SSE event reaches the client when the pod sends it, not when the stream ends."""
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from kvmesh.services.router.testing import ThreadServer
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.post("/v1/completions")
+    async def gen():
+        async def sse():
+            for i in range(3):
+                yield f'data: {{"choices": [{{"index": 0, "text": "{i}"}}]}}\n\n'
+                await asyncio.sleep(0.4)
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    pod = ThreadServer(app).start()
+    cfg = RouterConfig(port=free_port(), block_size=BS, pods=(PodSpec(pod.url),), health_interval=60)
+    srv, router = start_router(cfg, TOK)
+    try:
+        t0, seen = time.monotonic(), []
+        with httpx.stream("POST", srv.url + "/v1/completions", json={"prompt": [1, 2], "stream": True},
+                          timeout=30) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            for chunk in r.iter_raw():
+                seen.append((time.monotonic() - t0, chunk))
+        body = b"".join(c for _, c in seen)
+        assert body.count(b"data: ") == 4 and body.endswith(b"data: [DONE]\n\n")
+        first = next(t for t, c in seen if b'"text": "0"' in c)
+        assert seen[-1][0] - first > 0.5, seen  # the first event arrived ~0.8 s before the pod sent the last
+        assert router.pods[pod.url].inflight_requests == 0
+    finally:
+        srv.stop()
+        pod.stop()
+
+
 def test_selective_pd_and_fallback(tmp_path):
     pre, dec = FakePod().start(), FakePod(cached_tokens=0).start()
     ep, rep = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/rep"
