@@ -354,6 +354,7 @@ def bench_8b(args, bw: float) -> EngineCore:
     torch.cuda.empty_cache()
     R["engine_build_s"] = time.perf_counter() - t0
     R["graph_capture_s"] = eng.runner.graph_capture_s
+    R["attention_warm_up"] = dict(s=eng.runner.warm_up_s, configs=eng.runner.warm_up_configs)
     R["num_kv_blocks"] = eng.runner.num_blocks
     log(f"engine built in {R['engine_build_s']:.1f}s ({eng.runner.num_blocks} KV blocks, graphs "
         f"{eng.runner.graph_sizes} in {eng.runner.graph_capture_s:.1f}s)")

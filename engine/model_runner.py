@@ -87,6 +87,11 @@ def configure_cpu_threads() -> None:
         torch.set_num_threads(max(1, int(n)))
 
 
+def _align4(n: int) -> int:
+    """``n`` int32s rounded up to a multiple of 16 bytes."""
+    return (n + 3) & ~3
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -177,6 +182,10 @@ class ModelRunner:
         self.num_eager_steps = 0
         if self.cuda and os.environ.get("KVMESH_ENFORCE_EAGER", "0") in ("", "0"):
             self._capture_graphs()
+        self.warm_up_s = 0.0
+        self.warm_up_configs = 0
+        if self.cuda:
+            self._warm_up_attention()
 
     # ---- memory ---------------------------------------------------------------------------
     def _profile_reserve(self) -> int:
@@ -212,7 +221,7 @@ class ModelRunner:
     # ---- inputs ---------------------------------------------------------------------------
     @staticmethod
     def _eager_layout_size(T: int, B: int, W: int) -> int:
-        return 3 * T + 3 * B + 1 + B * W
+        return 3 * T + 3 * B + 1 + B * W + 7 * 3  # + alignment padding of the 7 inputs
 
     def _plan(self, sched: SchedulerOutput) -> _StepPlan:
         bs = self.block_size
@@ -332,17 +341,67 @@ class ModelRunner:
 
     def _run_eager(self, p: _StepPlan) -> torch.Tensor:
         B, T, R, W = p.B, p.T, len(p.rows), p.bt.shape[1]
-        offs = np.cumsum([0, T, T, T, B + 1, B, R, B * W])
-        buf = self.staging.acquire(int(offs[-1]))
+        # Each input starts 16-byte aligned: Triton specialises pointer arguments on alignment, and
+        # offsets that moved with T and B made a new compile of the attention kernel for some batches.
+        sizes = (T, T, T, B + 1, B, R, B * W)
+        offs = np.cumsum([0] + [_align4(n) for n in sizes]).tolist()
+        buf = self.staging.acquire(offs[-1])
         for k, arr in enumerate((p.ids, p.pos, p.slots, p.qsl, p.seq_lens, p.logits_idx, p.bt.reshape(-1))):
-            buf[offs[k]:offs[k + 1]] = arr
-        if self.cuda and int(offs[-1]) > self.eager_buf.numel():
+            buf[offs[k]:offs[k] + sizes[k]] = arr
+        if self.cuda and offs[-1] > self.eager_buf.numel():
             self.eager_buf = torch.zeros(self.staging.n, dtype=torch.int32, device=self.device)
-        t = self.staging.upload(self.eager_buf, int(offs[-1]))
-        v = [t[offs[k]:offs[k + 1]] for k in range(7)]
+        t = self.staging.upload(self.eager_buf, offs[-1])
+        v = [t[offs[k]:offs[k] + sizes[k]] for k in range(7)]
         meta = AttentionMetadata(slot_mapping=v[2], block_tables=v[6].view(B, W), query_start_loc=v[3],
                                  seq_lens=v[4], max_query_len=p.max_query_len, max_seq_len=p.max_seq_len)
         return self.model(v[0], v[1], self.kv_cache, meta, v[5])
+
+    # ---- Triton warm-up -------------------------------------------------------------------
+    def attention_launch_configs(self) -> list[dict]:
+        """Every attention launch configuration this engine's steps can ask for: `attention_config`
+        over a grid of batch shapes covering its limits (sequences, query lengths, contexts)."""
+        m, sc = self.model.cfg, self.sched_cfg
+        seqs = sorted({b for b in (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 33, 48, 64, 96, 128, 192, 256, 512)
+                       if b <= sc.max_num_seqs} | {sc.max_num_seqs})
+        qlens = sorted({q for q in (1, 2, 3, 4, 5, 8, 16, 17, 32, 64, 128, 512, 2048, sc.max_num_batched_tokens)
+                        if q <= sc.max_num_batched_tokens})
+        ctxs = sorted({c for c in (1, 16, 64, 65, 128, 256, 512, 1024, 2048, 2049, 4096, 8192, 16384, 32768)
+                       if c <= self.max_model_len} | {self.max_model_len})
+        seen: dict[tuple, dict] = {}
+        for b in seqs:
+            for q in qlens:
+                for c in ctxs:
+                    if c < q or b * q > max(sc.max_num_batched_tokens, b):
+                        continue
+                    cfg = kernels.attention_config(b * q, b, m.num_heads, m.num_kv_heads, m.head_dim, q, c,
+                                                   self.device, self.dtype)
+                    seen.setdefault(tuple(sorted(cfg.items())), cfg)
+        return list(seen.values())
+
+    def _warm_up_attention(self) -> None:
+        """Compile every attention launch configuration now, on one-token dummy launches.
+
+        Triton compiles a kernel variant on its first launch (seconds each). Graph capture
+        compiles the decode variants; the eager ones (prefill chunks, mixed batches, split-KV for
+        few sequences) would otherwise compile during a fresh pod's first requests. Integer
+        arguments that vary per batch are not specialised on and eager inputs are 16-byte
+        aligned, so the configuration alone decides which variant runs."""
+        t0 = time.perf_counter()
+        m = self.model.cfg
+        dev, D = self.device, m.head_dim
+        k_cache, v_cache = self.model.layer_caches(self.kv_cache)[0]
+        q = torch.zeros((1, m.num_heads, D), dtype=self.dtype, device=dev)
+        bt = torch.zeros((1, 16), dtype=torch.int32, device=dev)
+        qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        seq_lens = torch.ones(1, dtype=torch.int32, device=dev)
+        configs = self.attention_launch_configs()
+        for cfg in configs:
+            kernels.paged_attention(q, k_cache, v_cache, bt, qsl, seq_lens, 1.0, max_query_len=1, max_seq_len=1,
+                                    **cfg)
+        torch.cuda.synchronize(dev)
+        self.warm_up_s = time.perf_counter() - t0
+        self.warm_up_configs = len(configs)
+        log.info("compiled %d attention launch configurations in %.1fs", len(configs), self.warm_up_s)
 
     # ---- CUDA graphs ----------------------------------------------------------------------
     def _graph_layout(self) -> tuple[int, ...]:

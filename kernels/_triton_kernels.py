@@ -65,8 +65,18 @@ if globals().get("_FORCE_INTERPRET", False):
     from triton.runtime.interpreter import InterpretedFunction as _jit
 
     _fix_interpreter()
+
+    def _jit_unspecialized(*names):
+        return _jit
 else:
     _jit = triton.jit
+
+    def _jit_unspecialized(*names):
+        """``triton.jit`` that does not specialise the named int arguments on their value (1, or
+        divisible by 16). They change with every batch (sequence count, block-table width), and
+        each new specialisation is a compile of seconds in the middle of serving; what the kernel
+        would gain from knowing them is nothing measurable (loop bounds, one row stride)."""
+        return lambda fn: triton.jit(fn, do_not_specialize=names)
 
 
 # --------------------------------------------------------------------------- KV write
@@ -102,7 +112,7 @@ def write_kv_kernel(
 
 
 # --------------------------------------------------------------------------- attention
-@_jit
+@_jit_unspecialized("num_seqs", "num_q_blocks", "stride_bt")
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
     bt_ptr, qsl_ptr, seqlen_ptr,
@@ -281,7 +291,7 @@ def paged_attention_kernel(
         tl.store(po, o.to(o_ptr.dtype.element_ty), mask=out_mask)
 
 
-@_jit
+@_jit_unspecialized("num_seqs")
 def reduce_segments_kernel(
     po_ptr, m_ptr, l_ptr, o_ptr, qsl_ptr, num_seqs,
     stride_pos, stride_pot, stride_poh,
