@@ -79,10 +79,13 @@ def build_engine(loaded, **kw) -> EngineCore:
     return eng
 
 
-def run_requests(eng: EngineCore, prompts, max_tokens: int, deadline: float | None = None, tag: str = "r"):
-    """Submit all prompts, step to completion. Returns (outputs, timing dict)."""
+def run_requests(eng: EngineCore, prompts, max_tokens: int, deadline: float | None = None, tag: str = "r",
+                 sampled: bool = False):
+    """Submit all prompts, step to completion. Returns (outputs, timing dict). ``sampled``:
+    temperature 0.8, top-p 0.95, no seed (drawn on the device) instead of greedy."""
     n = len(prompts)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8 if sampled else 0.0,
+                            top_p=0.95 if sampled else 1.0)
     outs: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -272,7 +275,7 @@ def weight_bytes_per_step(eng: EngineCore, B: int) -> int:
     return n
 
 
-def engine_decode(eng: EngineCore, B: int, P: int, N: int, bw: float, seed: int) -> dict:
+def engine_decode(eng: EngineCore, B: int, P: int, N: int, bw: float, seed: int, sampled: bool = False) -> dict:
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(100, 120000, (B, P), generator=g).tolist()
     runner = eng.runner
@@ -291,7 +294,7 @@ def engine_decode(eng: EngineCore, B: int, P: int, N: int, bw: float, seed: int)
     runner.execute = execute
     g0 = runner.num_graph_steps
     try:
-        outs, t = run_requests(eng, prompts, N, tag=f"d{B}_")
+        outs, t = run_requests(eng, prompts, N, tag=f"d{B}_", sampled=sampled)
     finally:
         runner.execute = inner
     assert all(len(v) == N for v in outs.values()), "requests did not all reach max_tokens"
@@ -360,16 +363,21 @@ def bench_8b(args, bw: float) -> EngineCore:
         f"{eng.runner.graph_sizes} in {eng.runner.graph_capture_s:.1f}s)")
     run_requests(eng, torch.randint(100, 120000, (4, P)).tolist(), 8, tag="warm")  # prefill kernels compile
     dec = []
-    plan = [("1", k, b) for k in (1, args.multi_steps) for b in (1, 32, 128)]
+    plan = [("1", k, b, False) for k in (1, args.multi_steps) for b in (1, 32, 128)]
     if args.gemv_ab:  # batch 1 with cuBLAS first (KVMESH_GEMV=0), then everything with the GEMV kernel
-        plan = [("0", k, 1) for k in (1, args.multi_steps)] + plan
-    for gemv, K, B in plan:
+        plan = [("0", k, 1, False) for k in (1, args.multi_steps)] + plan
+    if args.sampled:  # temperature 0.8, top-p 0.95, unseeded: one step, then multi-step rounds
+        plan += [("1", k, b, True) for k in (1, args.multi_steps) for b in (1, 32, 128)]
+    for gemv, K, B, sampled in plan:
         if os.environ.get("KVMESH_GEMV", "1") != gemv:
             set_gemv(eng, gemv)
         eng.multi_steps = K  # --num-scheduler-steps, switched on the built engine
-        r = engine_decode(eng, B, P, N, bw, seed=B)
+        rounds0 = eng.num_multi_step_rounds
+        r = engine_decode(eng, B, P, N, bw, seed=B, sampled=sampled)
         r["steps_per_round"] = K
         r["gemv"] = gemv == "1"
+        r["sampled"] = sampled
+        r["multi_step_rounds"] = eng.num_multi_step_rounds - rounds0
         hf_r = next((h for h in hf_runs if h["B"] == B), None)
         if hf_r:
             r["hf_out_tok_s"] = hf_r["out_tok_s"]
@@ -422,9 +430,13 @@ def table() -> str:
         for r in R["decode"]:
             hf = f"{r['hf_out_tok_s']:.1f}" if "hf_out_tok_s" in r else "-"
             x = f"{r['ratio_e2e_vs_hf']:.1f}" if "ratio_e2e_vs_hf" in r else "-"
-            lines.append(f"{'triton' if r.get('gemv', True) else 'cublas':>6} {r.get('steps_per_round', 1):>5} {r['B']:>5} {r['decode_tok_s']:>12.1f} {r['e2e_tok_s']:>10.1f} {hf:>9} {x:>6} "
+            lines.append(f"{'triton' if r.get('gemv', True) else 'cublas':>6}{'*' if r.get('sampled') else ' '}{r.get('steps_per_round', 1):>5} {r['B']:>5} {r['decode_tok_s']:>12.1f} {r['e2e_tok_s']:>10.1f} {hf:>9} {x:>6} "
                          f"{r['gpu_step_ms']:>11.3f} {r['step_GB']:>8.2f} {r['roofline_tok_s']:>9.1f} "
                          f"{100 * r['frac_roofline']:>5.1f}% {100 * r['gpu_only_frac_roofline']:>13.1f}%")
+        if any(r.get("sampled") for r in R["decode"]):
+            lines.append("  * = sampled (temperature 0.8, top-p 0.95, unseeded); rounds: "
+                         + ", ".join(f"{r['steps_per_round']}x{r['B']}: {r['multi_step_rounds']}"
+                                     for r in R["decode"] if r.get("sampled")))
     tp = R.get("throughput")
     if tp:
         lines.append(f"throughput (steps/round {tp.get('steps_per_round', 1)}): {tp['completed']}/{tp['prompts']} prompts x (1024 in, 128 out) in {tp['s']:.1f}s: "
@@ -442,6 +454,8 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of: correctness,decode,throughput")
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--multi-steps", type=int, default=8, help="num_scheduler_steps of the second decode pass")
+    ap.add_argument("--sampled", action="store_true",
+                    help="also decode with temperature 0.8 / top-p 0.95 (unseeded), one step and multi-step")
     ap.add_argument("--gemv-ab", action="store_true",
                     help="also time batch 1 with cuBLAS GEMVs (KVMESH_GEMV=0) before the default GEMV kernel")
     ap.add_argument("--budget-s", type=float, default=560.0, help="whole-run deadline (throughput is cut to fit)")

@@ -174,7 +174,7 @@ class EngineCore:
                 self.connector.start_load_kv(sched.connector_meta)
             return outputs
         self.num_steps += 1
-        k = plan_steps(sched, self.kv, self.multi_steps)
+        k = plan_steps(sched, self.kv, self.multi_steps, getattr(self.runner, "sample_on_device", False))
         if k > 1:
             return outputs + self._step_multi(sched, k)
         self.connector.start_load_kv(sched.connector_meta)

@@ -37,6 +37,7 @@ from kvmesh import kernels
 
 from .config import EngineConfig
 from .models.llama import AttentionMetadata, LlamaForCausalLM
+from .sampler import draw_on_device
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger("kvmesh.engine")
@@ -155,6 +156,9 @@ class ModelRunner:
             configure_cpu_threads()
         self.device = torch.device(config.device)
         self.cuda = self.device.type == "cuda"
+        # Unseeded random rows may be drawn inside multi-step rounds (engine/multi_step.py): on a GPU,
+        # where the one-step path draws on the device too. The CPU keeps its seeded per-row draws.
+        self.sample_on_device = self.cuda
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.cache.block_size
         self.max_model_len = max(config.scheduler.max_model_len, 1)
@@ -291,17 +295,26 @@ class ModelRunner:
             and p.bt.shape[1] <= self.max_blocks_per_seq
 
     def execute_multi(self, sched: SchedulerOutput, k: int) -> list[list[int]]:
-        """Run ``k`` greedy decode steps back to back (engine/multi_step.py decides when).
+        """Run ``k`` decode steps back to back (engine/multi_step.py decides when).
 
         Every scheduled request decodes one token and its blocks already cover ``k`` more
-        positions. Step ``i + 1`` reads step ``i``'s argmax from the device, so the host
-        builds inputs once and reads all ``k x B`` tokens in one copy at the end.
+        positions. Step ``i + 1`` reads step ``i``'s token from the device (argmax, or an
+        unseeded random draw: `sampler.draw_on_device`), so the host builds inputs once and
+        reads all ``k x B`` tokens in one copy at the end.
         Returns ``tokens[i][j]``: step ``i``'s token of ``sched.scheduled[j]``."""
         self._apply_copies(sched)
         p = self._plan(sched)
         if p.T != p.B or len(p.rows) != p.B:
             raise ValueError("execute_multi needs a pure decode step")
         B = p.B
+        params = [s.request.params for s in sched.scheduled]
+        rand = [j for j, sp in enumerate(params) if not sp.greedy]
+        if rand and any(sched.scheduled[j].request.generator is not None for j in rand):
+            raise ValueError("execute_multi draws on the device: seeded requests take the one-step path")
+
+        def draw(logits: torch.Tensor) -> torch.Tensor:
+            return draw_on_device(logits, params, rand) if rand else logits.argmax(-1)
+
         toks = torch.empty((k, B), dtype=torch.int64, device=self.device)
         if self._uses_graph(p):
             size = next(s for s in self.graph_sizes if s >= B)
@@ -311,7 +324,7 @@ class ModelRunner:
             for i in range(k):
                 if i:
                     g.replay()
-                toks[i] = out[:B].argmax(-1)
+                toks[i] = draw(out[:B])
                 if i + 1 < k:
                     self._advance(toks[i], ids[:B], pos[:B], meta.slot_mapping[:B], meta.seq_lens[:B],
                                   meta.block_tables[:B])
@@ -325,7 +338,7 @@ class ModelRunner:
                                      max_seq_len=p.max_seq_len)
             for i in range(k):
                 meta.max_seq_len = p.max_seq_len + i
-                toks[i] = self.model(ids, pos, self.kv_cache, meta, None).argmax(-1)
+                toks[i] = draw(self.model(ids, pos, self.kv_cache, meta, None))
                 if i + 1 < k:
                     self._advance(toks[i], ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
             self.num_eager_steps += k

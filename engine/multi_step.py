@@ -1,17 +1,20 @@
-"""Multi-step greedy decode: several decode steps on the device per scheduling round.
+"""Multi-step decode: several decode steps on the device per scheduling round.
 
 Why: a decode step of a large batch spends about a third of its time on the host
 (scheduling, input build, output handling) while the GPU waits; measured on the
 H200 at batch 128: 6.6 ms of GPU work in a 9.7 ms step. When every sequence of a
-round decodes greedily, the next step's input is this step's argmax, which the
-device can feed itself: the runner plans once, replays the decode graph ``k``
+round decodes greedily or samples without a seed (on a GPU), the next step's input
+is a token the device chose itself (argmax, or the exponential-race draw of
+`sampler.draw_on_device`): the runner plans once, replays the decode graph ``k``
 times and hands back ``k`` tokens per sequence in one copy (``--num-scheduler-steps``).
 
 What keeps it exact:
 
 * Only rounds where every scheduled request decodes one token of an unfinished
-  output, greedily, without logprobs, and the connector moves nothing. Anything
-  else (a prefill chunk, sampling, a transfer) runs the ordinary one-step path.
+  output, greedily or (GPU) by unseeded sampling, without logprobs, and the
+  connector moves nothing. Anything else (a prefill chunk, a seeded request, a
+  transfer) runs the ordinary one-step path. Unseeded GPU sampling is not
+  reproducible in either path; a seed keeps its per-request CPU generator.
 * ``k`` is cut to the fewest tokens any request may still produce (``max_tokens``,
   ``max_model_len``), so only a stop token (EOS, ``stop_token_ids``) wastes steps.
   The host appends tokens in step order and checks stops as usual; a sequence's
@@ -31,11 +34,13 @@ from .messages import EngineCoreOutput
 from .scheduler import SchedulerOutput
 
 
-def plan_steps(sched: SchedulerOutput, kv: KVCacheManager, k_max: int) -> int:
+def plan_steps(sched: SchedulerOutput, kv: KVCacheManager, k_max: int, sample_on_device: bool = False) -> int:
     """How many decode steps this round may run on the device (1 = the ordinary path).
 
-    When it returns ``k > 1``, every scheduled request holds blocks for ``k`` more
-    positions and ``ScheduledRequest.block_ids`` lists them."""
+    ``sample_on_device``: the runner draws unseeded random samples on the device (a GPU), so
+    such requests may run multi-step too; on the CPU they keep the one-step path and its
+    seeded default generator. When it returns ``k > 1``, every scheduled request holds
+    blocks for ``k`` more positions and ``ScheduledRequest.block_ids`` lists them."""
     meta = sched.connector_meta
     if k_max <= 1 or not sched.scheduled or meta.loads or meta.saves:
         return 1
@@ -44,7 +49,7 @@ def plan_steps(sched: SchedulerOutput, kv: KVCacheManager, k_max: int) -> int:
         r, p = s.request, s.request.params
         if s.num_tokens != 1 or r.num_computed_tokens + 1 != r.num_tokens or r.num_output_tokens == 0:
             return 1
-        if not p.greedy or p.logprobs is not None:
+        if p.logprobs is not None or (not p.greedy and (r.generator is not None or not sample_on_device)):
             return 1
         k = min(k, r.max_model_len - r.num_tokens)
         if p.max_tokens is not None:

@@ -98,6 +98,25 @@ def _results(logits: torch.Tensor, ids: list[int], params: Sequence[SamplingPara
     return out
 
 
+def draw_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], rand: list[int]) -> torch.Tensor:
+    """Token ids ``[rows]`` chosen where the logits are, without a host sync: argmax, except the
+    ``rand`` rows (unseeded random sampling), which are filtered as the CPU rules say and drawn
+    by the exponential race ``argmax(p / E)``. Used per step and inside multi-step rounds."""
+    tok = logits.argmax(-1)
+    if rand:
+        sel = rand if len(rand) != len(params) else None
+        x = logits if sel is None else logits[sel]
+        x = _filter_logits_batched(x, [params[i] for i in rand])
+        probs = x.softmax(-1)
+        race = probs / torch.empty_like(probs).exponential_()
+        drawn = race.argmax(-1)
+        if sel is None:
+            tok = drawn
+        else:
+            tok[torch.tensor(rand, device=logits.device)] = drawn
+    return tok
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.default_generator = torch.Generator(device="cpu")
@@ -124,21 +143,9 @@ class Sampler:
     def _sample_device(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                        generators: Sequence[torch.Generator | None]) -> list[SampleResult]:
         """GPU path: tokens decided on the device, one device-to-host copy of the ids."""
-        tok = logits.argmax(-1)
         rand = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
         seeded = [i for i, p in enumerate(params) if not p.greedy and generators[i] is not None]
-        if rand:
-            sel = rand if len(rand) != len(params) else None
-            x = logits if sel is None else logits[sel]
-            x = _filter_logits_batched(x, [params[i] for i in rand])
-            probs = x.softmax(-1)
-            race = probs / torch.empty_like(probs).exponential_()
-            drawn = race.argmax(-1)
-            if sel is None:
-                tok = drawn
-            else:
-                tok[torch.tensor(rand, device=logits.device)] = drawn
-        ids = tok.tolist()
+        ids = draw_on_device(logits, params, rand).tolist()
         for i in seeded:  # reproducible per request: the request's CPU generator, as on the CPU path
             probs = _filter_logits(logits[i], params[i]).softmax(-1).cpu()
             ids[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())

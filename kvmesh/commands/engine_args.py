@@ -16,7 +16,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
     g.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="greedy decode steps run back to back on the device per scheduling round (1: off); "
+                   help="decode steps run back to back on the device per scheduling round, for greedy and unseeded "
+                        "sampled requests (1: off); "
                         "cuts host time per token, emits tokens in bursts of this size")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])

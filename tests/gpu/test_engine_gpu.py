@@ -116,3 +116,44 @@ def test_no_triton_compiles_while_serving(bench):
     new = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
     assert not new, f"kernels compiled while serving: {new} (after {step} steps)"
     assert eng.runner.num_eager_steps > 0 and eng.runner.num_graph_steps > 0
+
+
+def test_sampled_requests_run_multi_step_on_the_gpu(bench):
+    """Unseeded sampled requests decode in multi-step rounds, drawn on the device; with top_k=1
+    the draw is deterministic and must give the greedy one-step tokens. In float32: bf16 logits
+    tie at the top often enough that top_k=1 (which keeps every tied maximum) and argmax (the
+    first one) may legitimately differ."""
+    from kvmesh.engine.core import EngineCore
+    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.models.random_init import random_model
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    loaded = random_model(bench.small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=4)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (20, 77, 150, 33)]
+
+    def run(steps, params):
+        eng, _ = EngineCore.from_model(loaded=loaded, device="cuda", dtype="float32", num_kv_blocks=512,
+                                       max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512,
+                                       num_scheduler_steps=steps)
+        out = {}
+        for i, p in enumerate(prompts):
+            eng.add_request(EngineCoreRequest(request_id=f"s{i}", prompt_token_ids=p, params=params[i]))
+            out[f"s{i}"] = []
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id].extend(o.new_token_ids)
+        return eng, out
+
+    greedy = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 4
+    _, want = run(1, greedy)
+    params = [SamplingParams(temperature=0.7, top_k=1, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True)] * 2
+    eng, got = run(8, params)
+    assert eng.num_multi_step_rounds > 0
+    for i in (0, 2):
+        assert got[f"s{i}"] == want[f"s{i}"]
+    for i in (1, 3):
+        assert len(got[f"s{i}"]) == 24 and all(0 <= t < 32000 for t in got[f"s{i}"])
+    eng.check_integrity()
+    assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks

@@ -95,3 +95,32 @@ def test_multi_step_with_a_pool_too_small_for_the_window(make_llm, smol):
 def test_num_scheduler_steps_must_be_positive(make_llm):
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         make_llm(num_scheduler_steps=0)
+
+
+def test_unseeded_sampling_runs_multi_step_only_where_drawn_on_device(make_llm, smol):
+    """Unseeded sampled requests join multi-step rounds when the runner draws on the device (a
+    GPU; forced here on the CPU runner), else they keep the one-step path. top_k=1 makes the
+    draw deterministic, so those rows must equal greedy decoding token for token."""
+    tok = smol.tokenizer
+    ids = [tok(p).input_ids for p in PROMPTS]
+    greedy = _tokens(make_llm().generate(ids, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)))
+    params = [SamplingParams(temperature=0.7, top_k=1, max_tokens=12, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True) for i in range(len(ids))]
+    cpu = make_llm(num_scheduler_steps=4)
+    cpu.generate(ids, params)
+    assert cpu.engine.num_multi_step_rounds == 0  # CPU: one step, seeded default generator
+    dev = make_llm(num_scheduler_steps=4)
+    dev.engine.runner.sample_on_device = True
+    got = _tokens(dev.generate(ids, params))
+    assert dev.engine.num_multi_step_rounds > 0
+    vocab = smol.config.vocab_size
+    for i, (toks, reason) in enumerate(got):
+        assert len(toks) == 12 and reason == "length" and all(0 <= t < vocab for t in toks)
+        if i % 2:
+            assert toks == greedy[i][0]
+    _check_clean(dev)
+    # a seeded request holds its batch to one step (its tokens come from its own CPU generator)
+    seeded = make_llm(num_scheduler_steps=4)
+    seeded.engine.runner.sample_on_device = True
+    seeded.generate(ids[:1], SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True))
+    assert seeded.engine.num_multi_step_rounds == 0
