@@ -68,21 +68,9 @@ class KVCacheManager:
         (nothing is changed then). Cached hit blocks that sit on the free list count
         against the free budget because touching them takes them off it.
         """
-        blocks = self.req_blocks.get(request.request_id)
-        if blocks is not None and not new_computed_blocks and not num_new_computed_tokens and not num_external_tokens:
-            # Fast path, the decode step of a running request: its tokens fit in the blocks it holds and
-            # the block it writes is its own (no copy-on-write), so only full blocks may need registering.
-            # At batch 128 this runs 128 times a step on the host, between GPU steps.
-            computed = request.num_computed_tokens
-            total = computed + num_new_tokens
-            write_idx = computed // self.block_size
-            if total <= len(blocks) * self.block_size and (
-                    num_new_tokens == 0 or write_idx >= len(blocks) or blocks[write_idx].ref_cnt <= 1):
-                if not delay_cache:
-                    self.cache_blocks(request, min(total, request.num_tokens))
-                return []
+        held = self.req_blocks.get(request.request_id)
         new_computed_blocks = new_computed_blocks or []
-        blocks = blocks if blocks is not None else []
+        blocks = held if held is not None else []
         computed = request.num_computed_tokens + num_new_computed_tokens
         total = computed + num_external_tokens + num_new_tokens
         need = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
@@ -90,6 +78,12 @@ class KVCacheManager:
         # Copy-on-write: the first block this step writes into may be shared with a fork.
         write_idx = (computed + num_external_tokens) // self.block_size
         cow = 0 < num_new_tokens and write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1
+        if held is not None and not (need or cow or new_computed_blocks):
+            # A running request's decode step: nothing to take from the pool, only full blocks to
+            # register. Runs for every running request every step, so it skips the bookkeeping below.
+            if not delay_cache:
+                self.cache_blocks(request, min(total, request.num_tokens))
+            return []
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if need + int(cow) + revived > self.pool.num_free_blocks:
             return None  # nothing changed

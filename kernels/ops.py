@@ -126,15 +126,8 @@ def _check_cache_pair(fn, k_cache, v_cache):
     _check_device(fn, "k_cache", k_cache, v_cache=v_cache)
 
 
-# --------------------------------------------------------------------------- write_kv
-
-
-def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Write new keys/values ``[T, Hkv, D]`` into their cache slots; slot -1 is skipped.
-
-    The caches are per-layer strided views of the engine's KV tensor, so their
-    block stride is passed to the kernel rather than assumed."""
-    fn = "write_kv"
+def _check_kv_write(fn, key, value, k_cache, v_cache, slot_mapping):
+    """Arguments of a KV-cache write: ``[T, Hkv, D]`` keys/values, a cache pair, one slot per token."""
     _check_dim(fn, "key", key, 3)
     _check_dim(fn, "value", value, 3)
     _check_cache_pair(fn, k_cache, v_cache)
@@ -152,6 +145,41 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     _check_last_contig(fn, "key", key)
     _check_last_contig(fn, "value", value)
     _check_device(fn, "key", key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+
+
+def _check_rope(fn, positions, query, key, cos_sin_cache):
+    """Arguments of RoPE: ``[T]`` positions, ``[T, H, D]`` query and key, a ``[max_pos, D]`` cos|sin cache."""
+    _check_dim(fn, "positions", positions, 1)
+    _check_dtype(fn, "positions", positions, _INTS)
+    _check_dim(fn, "query", query, 3)
+    _check_dim(fn, "key", key, 3)
+    _check_dim(fn, "cos_sin_cache", cos_sin_cache, 2)
+    _check_dtype(fn, "query", query, _FLOATS)
+    _check_dtype(fn, "key", key, _FLOATS)
+    _check_dtype(fn, "cos_sin_cache", cos_sin_cache, _FLOATS)
+    T, _, D = query.shape
+    if key.shape[0] != T or key.shape[2] != D or positions.shape[0] != T:
+        _fail(fn, f"positions {tuple(positions.shape)}, query {tuple(query.shape)} and key "
+                  f"{tuple(key.shape)} disagree on tokens / head size")
+    if cos_sin_cache.shape[1] != D or D % 2:
+        _fail(fn, f"cos_sin_cache must be [max_pos, head_size={D}] (even), got {tuple(cos_sin_cache.shape)}")
+    _check_last_contig(fn, "query", query)
+    _check_last_contig(fn, "key", key)
+    _check_last_contig(fn, "cos_sin_cache", cos_sin_cache)
+    _check_device(fn, "query", query, key=key, positions=positions, cos_sin_cache=cos_sin_cache)
+
+
+# --------------------------------------------------------------------------- write_kv
+
+
+def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Write new keys/values ``[T, Hkv, D]`` into their cache slots; slot -1 is skipped.
+
+    The caches are per-layer strided views of the engine's KV tensor, so their
+    block stride is passed to the kernel rather than assumed."""
+    fn = "write_kv"
+    _check_kv_write(fn, key, value, k_cache, v_cache, slot_mapping)
+    T, Hkv, D = key.shape
     be = backend(key)
     if be == "reference":
         return _ref.write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
@@ -527,24 +555,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor):
     """Rotate-half (NeoX / Llama) rotary embedding; returns new ``(query, key)``."""
     fn = "rope"
-    _check_dim(fn, "positions", positions, 1)
-    _check_dtype(fn, "positions", positions, _INTS)
-    _check_dim(fn, "query", query, 3)
-    _check_dim(fn, "key", key, 3)
-    _check_dim(fn, "cos_sin_cache", cos_sin_cache, 2)
-    _check_dtype(fn, "query", query, _FLOATS)
-    _check_dtype(fn, "key", key, _FLOATS)
-    _check_dtype(fn, "cos_sin_cache", cos_sin_cache, _FLOATS)
+    _check_rope(fn, positions, query, key, cos_sin_cache)
     T, _, D = query.shape
-    if key.shape[0] != T or key.shape[2] != D or positions.shape[0] != T:
-        _fail(fn, f"positions {tuple(positions.shape)}, query {tuple(query.shape)} and key "
-                  f"{tuple(key.shape)} disagree on tokens / head size")
-    if cos_sin_cache.shape[1] != D or D % 2:
-        _fail(fn, f"cos_sin_cache must be [max_pos, head_size={D}] (even), got {tuple(cos_sin_cache.shape)}")
-    _check_last_contig(fn, "query", query)
-    _check_last_contig(fn, "key", key)
-    _check_last_contig(fn, "cos_sin_cache", cos_sin_cache)
-    _check_device(fn, "query", query, key=key, positions=positions, cos_sin_cache=cos_sin_cache)
     be = backend(query)
     if be == "reference":
         return _ref.rope_reference(positions, query, key, cos_sin_cache)
@@ -596,34 +608,10 @@ def rope_write_kv(positions, query, key, value, k_cache, v_cache, slot_mapping, 
     """`rope` on query and key, then `write_kv` of the rotated key and the value, in one
     launch; returns the rotated query. Same checks and semantics as the two calls."""
     fn = "rope_write_kv"
-    _check_dim(fn, "positions", positions, 1)
-    _check_dtype(fn, "positions", positions, _INTS)
-    _check_dim(fn, "query", query, 3)
-    _check_dtype(fn, "query", query, _FLOATS)
-    _check_dim(fn, "cos_sin_cache", cos_sin_cache, 2)
-    _check_dtype(fn, "cos_sin_cache", cos_sin_cache, _FLOATS)
-    _check_dim(fn, "key", key, 3)
-    _check_dim(fn, "value", value, 3)
-    _check_dtype(fn, "key", key, _FLOATS)
-    _check_dtype(fn, "value", value, _FLOATS)
-    _check_cache_pair(fn, k_cache, v_cache)
-    _check_dim(fn, "slot_mapping", slot_mapping, 1)
-    _check_dtype(fn, "slot_mapping", slot_mapping, _INTS)
+    _check_rope(fn, positions, query, key, cos_sin_cache)
+    _check_kv_write(fn, key, value, k_cache, v_cache, slot_mapping)
     T, Hq, D = query.shape
-    if key.shape != value.shape:
-        _fail(fn, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ in shape")
-    if key.shape[0] != T or key.shape[2] != D or positions.shape[0] != T or slot_mapping.shape[0] != T:
-        _fail(fn, f"positions {tuple(positions.shape)}, query {tuple(query.shape)}, key {tuple(key.shape)} and "
-                  f"slot_mapping {tuple(slot_mapping.shape)} disagree on tokens / head size")
     Hkv = key.shape[1]
-    if (Hkv, D) != tuple(k_cache.shape[2:]):
-        _fail(fn, f"key heads/head size {(Hkv, D)} do not match the cache's {tuple(k_cache.shape[2:])}")
-    if cos_sin_cache.shape[1] != D or D % 2:
-        _fail(fn, f"cos_sin_cache must be [max_pos, head_size={D}] (even), got {tuple(cos_sin_cache.shape)}")
-    for name, t in (("query", query), ("key", key), ("value", value), ("cos_sin_cache", cos_sin_cache)):
-        _check_last_contig(fn, name, t)
-    _check_device(fn, "query", query, key=key, value=value, k_cache=k_cache, v_cache=v_cache,
-                  slot_mapping=slot_mapping, positions=positions, cos_sin_cache=cos_sin_cache)
     if backend(query) == "reference":
         return _ref.rope_write_kv_reference(positions, query, key, value, k_cache, v_cache, slot_mapping,
                                             cos_sin_cache)

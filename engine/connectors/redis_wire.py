@@ -148,20 +148,19 @@ class RespConnection:
             raise RespError(line[1:].decode(errors="replace"))
         raise RespError(f"unexpected reply {line[:40]!r}")
 
-    def read_array_len(self) -> int:
+    def _header(self, marker: bytes, what: str) -> int:
+        """A ``<marker><n>`` header line's ``n``; an error reply raises as itself."""
         line = self._line()
         if line[:1] == b"-":
             raise RespError(line[1:].decode(errors="replace"))
-        if line[:1] != b"*":
-            raise RespError(f"expected an array, got {line[:40]!r}")
+        if line[:1] != marker:
+            raise RespError(f"expected {what}, got {line[:40]!r}")
         return int(line[1:])
+
+    def read_array_len(self) -> int:
+        return self._header(b"*", "an array")
 
     def read_bulk_len(self) -> int:
         """The header of one bulk string: its length, -1 for a nil reply. Read its bytes with ``read_into``,
         then ``skip_crlf``."""
-        line = self._line()
-        if line[:1] == b"-":
-            raise RespError(line[1:].decode(errors="replace"))
-        if line[:1] != b"$":
-            raise RespError(f"expected a bulk string, got {line[:40]!r}")
-        return int(line[1:])
+        return self._header(b"$", "a bulk string")
