@@ -182,6 +182,7 @@ def check_correctness(quick: bool) -> None:
                          logits_rel_l2=rel, logits_max_abs=max_abs, logits_std=float(hl[0, :len(prompts[0])].std()),
                          mismatch_gaps=gaps[:20], graph_steps=eng.runner.num_graph_steps,
                          eager_steps=eng.runner.num_eager_steps, multi_step_rounds=eng.num_multi_step_rounds,
+                         chained_rounds=eng.num_chained_rounds,
                          tokens_by_req=outs)
         log(f"correctness[{mode}]", {k: v for k, v in res[mode].items() if k != "tokens_by_req"})
         del eng, captured
@@ -196,7 +197,7 @@ def check_correctness(quick: bool) -> None:
     gr = res["graphs"]
     res["pass"] = bool(gr["match_within_tol"] >= 0.99 and gr["logits_rel_l2"] <= 2e-2
                        and res["eager"]["match_within_tol"] >= 0.99 and res["multi"]["match_within_tol"] >= 0.99
-                       and res["multi"]["multi_step_rounds"] > 0
+                       and res["multi"]["multi_step_rounds"] > 0 and res["multi"]["chained_rounds"] > 0
                        and res["single"]["match_within_tol"] >= 0.99 and res["single"]["logits_rel_l2"] <= 2e-2)
     R["correctness"] = res
     del hf, loaded
@@ -363,21 +364,28 @@ def bench_8b(args, bw: float) -> EngineCore:
         f"{eng.runner.graph_sizes} in {eng.runner.graph_capture_s:.1f}s)")
     run_requests(eng, torch.randint(100, 120000, (4, P)).tolist(), 8, tag="warm")  # prefill kernels compile
     dec = []
-    plan = [("1", k, b, False) for k in (1, args.multi_steps) for b in (1, 32, 128)]
+    K = args.multi_steps
+    # (GEMV kernel, steps per round, batch, sampled, async scheduling); multi-step rounds with and
+    # without async scheduling side by side at each batch size
+    plan = [("1", 1, b, False, False) for b in (1, 32, 128)]
+    plan += [("1", K, b, False, a) for b in (1, 32, 128) for a in (False, True)]
     if args.gemv_ab:  # batch 1 with cuBLAS first (KVMESH_GEMV=0), then everything with the GEMV kernel
-        plan = [("0", k, 1, False) for k in (1, args.multi_steps)] + plan
+        plan = [("0", k, 1, False, False) for k in (1, K)] + plan
     if args.sampled:  # temperature 0.8, top-p 0.95, unseeded: one step, then multi-step rounds
-        plan += [("1", k, b, True) for k in (1, args.multi_steps) for b in (1, 32, 128)]
-    for gemv, K, B, sampled in plan:
+        plan += [("1", k, b, True, k > 1) for k in (1, K) for b in (1, 32, 128)]
+    for gemv, K, B, sampled, lazy in plan:
         if os.environ.get("KVMESH_GEMV", "1") != gemv:
             set_gemv(eng, gemv)
         eng.multi_steps = K  # --num-scheduler-steps, switched on the built engine
-        rounds0 = eng.num_multi_step_rounds
+        eng.async_scheduling = lazy
+        rounds0, chained0 = eng.num_multi_step_rounds, eng.num_chained_rounds
         r = engine_decode(eng, B, P, N, bw, seed=B, sampled=sampled)
         r["steps_per_round"] = K
         r["gemv"] = gemv == "1"
         r["sampled"] = sampled
+        r["async_scheduling"] = lazy
         r["multi_step_rounds"] = eng.num_multi_step_rounds - rounds0
+        r["chained_rounds"] = eng.num_chained_rounds - chained0
         hf_r = next((h for h in hf_runs if h["B"] == B), None)
         if hf_r:
             r["hf_out_tok_s"] = hf_r["out_tok_s"]
@@ -385,7 +393,7 @@ def bench_8b(args, bw: float) -> EngineCore:
             r["ratio_e2e_vs_hf"] = r["e2e_tok_s"] / hf_r["out_tok_s"]
         dec.append(r)
     R["decode"] = dec
-    eng.multi_steps = 1
+    eng.multi_steps, eng.async_scheduling = 1, False
     return eng
 
 
@@ -425,12 +433,12 @@ def table() -> str:
     if "copy_TBps" in R:
         lines.append(f"copy bandwidth (D2D, read+write): {R['copy_TBps']:.3f} TB/s")
     if R.get("decode"):
-        lines.append(f"{'gemv':>6} {'steps':>5} {'batch':>5} {'decode tok/s':>12} {'e2e tok/s':>10} {'HF tok/s':>9} {'x HF':>6} "
+        lines.append(f"{'gemv':>6} {'steps':>5}{'async':>6} {'batch':>5} {'decode tok/s':>12} {'e2e tok/s':>10} {'HF tok/s':>9} {'x HF':>6} "
                      f"{'GPU ms/step':>11} {'GB/step':>8} {'roofline':>9} {'%roof':>6} {'%roof GPU-only':>14}")
         for r in R["decode"]:
             hf = f"{r['hf_out_tok_s']:.1f}" if "hf_out_tok_s" in r else "-"
             x = f"{r['ratio_e2e_vs_hf']:.1f}" if "ratio_e2e_vs_hf" in r else "-"
-            lines.append(f"{'triton' if r.get('gemv', True) else 'cublas':>6}{'*' if r.get('sampled') else ' '}{r.get('steps_per_round', 1):>5} {r['B']:>5} {r['decode_tok_s']:>12.1f} {r['e2e_tok_s']:>10.1f} {hf:>9} {x:>6} "
+            lines.append(f"{'triton' if r.get('gemv', True) else 'cublas':>6}{'*' if r.get('sampled') else ' '}{r.get('steps_per_round', 1):>5}{'yes' if r.get('async_scheduling') else 'no':>6} {r['B']:>5} {r['decode_tok_s']:>12.1f} {r['e2e_tok_s']:>10.1f} {hf:>9} {x:>6} "
                          f"{r['gpu_step_ms']:>11.3f} {r['step_GB']:>8.2f} {r['roofline_tok_s']:>9.1f} "
                          f"{100 * r['frac_roofline']:>5.1f}% {100 * r['gpu_only_frac_roofline']:>13.1f}%")
         if any(r.get("sampled") for r in R["decode"]):
@@ -489,7 +497,7 @@ def main() -> int:
     bw = stage("copy", copy_bandwidth) or 4.26e12
     eng = stage("decode", lambda: bench_8b(args, bw)) if "decode" not in skip else None
     if "throughput" not in skip and eng is not None:
-        eng.multi_steps = args.multi_steps
+        eng.multi_steps, eng.async_scheduling = args.multi_steps, True
         stage("throughput", lambda: throughput(eng, args.prompts, T_START + args.budget_s))
     with open(os.path.join(out_dir, "gpu_engine.json"), "w") as f:
         json.dump(R, f, indent=1, default=str)

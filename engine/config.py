@@ -70,6 +70,9 @@ class SchedulerConfig:
     # Decode steps run back to back on the device per scheduling round when every scheduled
     # request is a greedy decode (engine/multi_step.py); 1 turns this off.
     num_scheduler_steps: int = 1
+    # With multi-step rounds: queue the next round behind the one on the device before reading its
+    # tokens, so the host's output handling and scheduling overlap the GPU (engine/multi_step.py).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.num_scheduler_steps < 1:

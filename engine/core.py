@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -19,12 +20,21 @@ from .kv_events import KVCacheEvent
 from .loader import load_model
 from .messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from .model_runner import ModelRunner
-from .multi_step import merge_outputs, plan_steps
+from .multi_step import merge_outputs, plan_next_round, plan_steps
 from .request import Request, RequestStatus
 from .sampler import SampleResult, Sampler
 from .scheduler import Scheduler
 
 log = logging.getLogger("kvmesh.engine")
+
+
+@dataclass
+class _Round:
+    """A multi-step round on the device whose tokens the host has not read yet."""
+
+    reqs: list[Request]
+    handle: object  # the runner's handle for `collect` / `continue_multi`
+    k: int
 
 
 class EngineCore:
@@ -53,7 +63,10 @@ class EngineCore:
         self._pending: list[EngineCoreOutput] = []
         # Multi-step decode needs a runner that can feed its own argmax back (the simulated one cannot).
         self.multi_steps = config.scheduler.num_scheduler_steps if hasattr(self.runner, "execute_multi") else 1
+        self.async_scheduling = config.scheduler.async_scheduling and self.multi_steps > 1
         self.num_multi_step_rounds = 0
+        self.num_chained_rounds = 0  # rounds queued behind one in flight (async scheduling)
+        self._inflight: _Round | None = None
 
     # ---- construction -------------------------------------------------------
     @classmethod
@@ -61,7 +74,7 @@ class EngineCore:
                    max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                    enable_prefix_caching: bool = True, dtype: str | None = None, device: str | None = None,
                    max_model_len: int | None = None, long_prefill_token_threshold: int = 0,
-                   num_scheduler_steps: int = 1,
+                   num_scheduler_steps: int = 1, async_scheduling: bool = True,
                    max_waiting: int = 0, role: str = "both", seed: int = 0, engine_id: str = "kvmesh-0",
                    kv_cache_memory_gb: float = 2.0, gpu_memory_utilization: float = 0.9,
                    connector: KVConnector | None = None, loaded=None,
@@ -90,6 +103,7 @@ class EngineCore:
                                       max_model_len=max_len,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
                                       num_scheduler_steps=num_scheduler_steps,
+                                      async_scheduling=async_scheduling,
                                       max_waiting=max_waiting),
             role=role, dtype=dtype, device=device, seed=seed, engine_id=engine_id,
         )
@@ -154,7 +168,7 @@ class EngineCore:
             self._forget(r)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self._pending)
+        return bool(self.requests) or bool(self._pending) or self._inflight is not None
 
     def has_pending_transfers(self) -> bool:
         """Finished requests whose blocks a connector still holds for a remote reader (lease or pull).
@@ -168,15 +182,17 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._pending = self._pending, []
         self.scheduler.on_connector_finished(*self.connector.get_finished())
+        if self._inflight is not None:  # a round is on the device: its tokens first, nothing scheduled
+            return outputs + self._next_round()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if sched.connector_meta.loads:  # only async loads this step: start them, nothing to run
                 self.connector.start_load_kv(sched.connector_meta)
             return outputs
-        self.num_steps += 1
         k = plan_steps(sched, self.kv, self.multi_steps, getattr(self.runner, "sample_on_device", False))
         if k > 1:
             return outputs + self._step_multi(sched, k)
+        self.num_steps += 1
         self.connector.start_load_kv(sched.connector_meta)
         try:
             logits, rows = self.runner.execute(sched)
@@ -218,21 +234,43 @@ class EngineCore:
         return outputs
 
     def _step_multi(self, sched, k: int) -> list[EngineCoreOutput]:
-        """``k`` greedy decode steps on the device (engine/multi_step.py); outputs merged per sequence."""
+        """``k`` decode steps on the device (engine/multi_step.py); outputs merged per sequence."""
+        reqs = [s.request for s in sched.scheduled]
         try:
-            tokens = self.runner.execute_multi(sched, k)
+            handle = self.runner.launch_multi(sched, k)
         except Exception as e:
             log.exception("forward pass failed")
-            return [self._finish(s.request, RequestStatus.FINISHED_ERROR, error=str(e)) for s in sched.scheduled]
-        self.num_steps += k - 1
+            return [self._finish(r, RequestStatus.FINISHED_ERROR, error=str(e)) for r in reqs]
+        self._inflight = _Round(reqs, handle, k)
+        return self._next_round()
+
+    def _next_round(self) -> list[EngineCoreOutput]:
+        """Read the tokens of the round in flight; with async scheduling, queue the next round
+        behind it first (`plan_next_round`), so the device stays busy while the host works."""
+        cur, self._inflight = self._inflight, None
+        if self.async_scheduling:
+            k = plan_next_round(self.scheduler, cur.reqs, cur.k, self.multi_steps)
+            if k:
+                try:
+                    block_ids = [self.kv.get_block_ids(r.request_id) for r in cur.reqs]
+                    self._inflight = _Round(cur.reqs, self.runner.continue_multi(cur.handle, k, block_ids), k)
+                    self.num_chained_rounds += 1
+                except Exception:  # cur's own tokens decide below whether the requests fail
+                    log.exception("queueing the next round failed")
+        try:
+            tokens = self.runner.collect(cur.handle)
+        except Exception as e:
+            log.exception("forward pass failed")
+            self._inflight = None  # same requests: they fail now
+            return [self._finish(r, RequestStatus.FINISHED_ERROR, error=str(e)) for r in cur.reqs if not r.is_finished]
+        self.num_steps += cur.k
         self.num_multi_step_rounds += 1
-        self.num_computed_tokens += k * len(sched.scheduled)
+        self.num_computed_tokens += cur.k * len(cur.reqs)
         outs: list[EngineCoreOutput] = []
-        reqs = [s.request for s in sched.scheduled]
         for step_tokens in tokens:
-            for r, tok in zip(reqs, step_tokens):
+            for r, tok in zip(cur.reqs, step_tokens):
                 if r.is_finished:
-                    continue  # stopped at an earlier step: this token is past its end
+                    continue  # stopped at an earlier step (or aborted): this token is past its end
                 r.num_computed_tokens += 1
                 outs.extend(self._append(r, SampleResult(tok)))
         return merge_outputs(outs)

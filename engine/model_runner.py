@@ -142,6 +142,21 @@ class _Staging:
         return dst[:n]
 
 
+class _Round:
+    """A multi-step round queued on the device: its inputs (graph buffers or eager tensors, advanced
+    in place from step to step), its tokens on the device and, once copied, on the host."""
+
+    __slots__ = ("B", "params", "rand", "graph", "inputs", "toks", "host", "event")
+
+    def __init__(self, B: int, params: list, rand: list[int]) -> None:
+        self.B, self.params, self.rand = B, params, rand
+        self.graph = 0  # padded batch size of the CUDA graph it replays; 0: eager
+        self.inputs: tuple = ()
+        self.toks: torch.Tensor | None = None
+        self.host: torch.Tensor | None = None
+        self.event: torch.cuda.Event | None = None
+
+
 class _StepPlan:
     """Host-side arrays of one step, built with numpy from per-request scalars."""
 
@@ -246,15 +261,7 @@ class ModelRunner:
         else:
             p.ids = np.fromiter(itertools.chain.from_iterable(
                 r.all_token_ids[a:b] for r, a, b in zip(reqs, starts.tolist(), ends.tolist())), np.int64, T)
-        blens = np.fromiter((len(s.block_ids) for s in scheduled), np.int64, B)
-        W = int(blens.max()) if B else 0
-        nblk = int(blens.sum())
-        flat = np.fromiter(itertools.chain.from_iterable(s.block_ids for s in scheduled), np.int64, nblk)
-        brow = np.repeat(np.arange(B), blens)
-        bstart = np.zeros(B, np.int64)
-        np.cumsum(blens[:-1], out=bstart[1:])
-        bt = np.zeros((B, max(W, 1)), np.int64)
-        bt[brow, np.arange(nblk) - bstart[brow]] = flat
+        bt = self._block_table([s.block_ids for s in scheduled])
         trow = np.repeat(np.arange(B), n_tok)
         pos = np.arange(T) - qsl[:-1][trow] + starts[trow]
         p.pos = pos
@@ -267,6 +274,21 @@ class ModelRunner:
         p.max_query_len = int(n_tok.max()) if B else 0
         p.max_seq_len = int(ends.max()) if B else 0
         return p
+
+    @staticmethod
+    def _block_table(block_ids: list[list[int]]) -> np.ndarray:
+        """``[B, max blocks]`` int64, rows left-aligned, zero-padded (padding is never read: seq_lens)."""
+        B = len(block_ids)
+        blens = np.fromiter((len(b) for b in block_ids), np.int64, B)
+        W = int(blens.max()) if B else 0
+        nblk = int(blens.sum())
+        flat = np.fromiter(itertools.chain.from_iterable(block_ids), np.int64, nblk)
+        brow = np.repeat(np.arange(B), blens)
+        bstart = np.zeros(B, np.int64)
+        np.cumsum(blens[:-1], out=bstart[1:])
+        bt = np.zeros((B, max(W, 1)), np.int64)
+        bt[brow, np.arange(nblk) - bstart[brow]] = flat
+        return bt
 
     # ---- execution ------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
@@ -295,54 +317,106 @@ class ModelRunner:
             and p.bt.shape[1] <= self.max_blocks_per_seq
 
     def execute_multi(self, sched: SchedulerOutput, k: int) -> list[list[int]]:
-        """Run ``k`` decode steps back to back (engine/multi_step.py decides when).
+        """Run ``k`` decode steps back to back and wait for their tokens (`launch_multi` + `collect`).
+        Returns ``tokens[i][j]``: step ``i``'s token of ``sched.scheduled[j]``."""
+        return self.collect(self.launch_multi(sched, k))
+
+    def launch_multi(self, sched: SchedulerOutput, k: int) -> "_Round":
+        """Queue ``k`` decode steps on the device (engine/multi_step.py decides when); no host wait.
 
         Every scheduled request decodes one token and its blocks already cover ``k`` more
         positions. Step ``i + 1`` reads step ``i``'s token from the device (argmax, or an
-        unseeded random draw: `sampler.draw_on_device`), so the host builds inputs once and
-        reads all ``k x B`` tokens in one copy at the end.
-        Returns ``tokens[i][j]``: step ``i``'s token of ``sched.scheduled[j]``."""
+        unseeded random draw: `sampler.draw_on_device`), so the host builds inputs once;
+        `collect` reads all ``k x B`` tokens in one copy, and `continue_multi` may queue the
+        next round behind this one before that (async scheduling)."""
         self._apply_copies(sched)
         p = self._plan(sched)
         if p.T != p.B or len(p.rows) != p.B:
             raise ValueError("execute_multi needs a pure decode step")
-        B = p.B
         params = [s.request.params for s in sched.scheduled]
         rand = [j for j, sp in enumerate(params) if not sp.greedy]
         if rand and any(sched.scheduled[j].request.generator is not None for j in rand):
             raise ValueError("execute_multi draws on the device: seeded requests take the one-step path")
-
-        def draw(logits: torch.Tensor) -> torch.Tensor:
-            return draw_on_device(logits, params, rand) if rand else logits.argmax(-1)
-
-        toks = torch.empty((k, B), dtype=torch.int64, device=self.device)
+        rnd = _Round(p.B, params, rand)
         if self._uses_graph(p):
-            size = next(s for s in self.graph_sizes if s >= B)
-            self._run_graph(p)
-            g, out = self.graphs[size]
-            ids, pos, meta = self._graph_views(size)
-            for i in range(k):
-                if i:
-                    g.replay()
-                toks[i] = draw(out[:B])
-                if i + 1 < k:
-                    self._advance(toks[i], ids[:B], pos[:B], meta.slot_mapping[:B], meta.seq_lens[:B],
-                                  meta.block_tables[:B])
-            self.num_graph_steps += k
+            rnd.graph = next(s for s in self.graph_sizes if s >= p.B)
+            ids, pos, m = self._graph_views(rnd.graph)
+            B = p.B  # the real rows of the padded graph inputs: only these advance
+            rnd.inputs = (ids[:B], pos[:B], AttentionMetadata(
+                slot_mapping=m.slot_mapping[:B], block_tables=m.block_tables[:B], query_start_loc=m.query_start_loc,
+                seq_lens=m.seq_lens[:B], max_query_len=1, max_seq_len=m.max_seq_len))
+            first = self._run_graph(p)
         else:
             i32 = dict(dtype=torch.int32, device=self.device)
-            ids, pos = torch.tensor(p.ids, **i32), torch.tensor(p.pos, **i32)
             meta = AttentionMetadata(slot_mapping=torch.tensor(p.slots, **i32), block_tables=torch.tensor(p.bt, **i32),
                                      query_start_loc=torch.tensor(p.qsl, **i32),
                                      seq_lens=torch.tensor(p.seq_lens, **i32), max_query_len=1,
                                      max_seq_len=p.max_seq_len)
-            for i in range(k):
-                meta.max_seq_len = p.max_seq_len + i
-                toks[i] = draw(self.model(ids, pos, self.kv_cache, meta, None))
-                if i + 1 < k:
-                    self._advance(toks[i], ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+            rnd.inputs = (torch.tensor(p.ids, **i32), torch.tensor(p.pos, **i32), meta)
+            first = self.model(rnd.inputs[0], rnd.inputs[1], self.kv_cache, meta, None)
+        self._run_steps(rnd, k, first)
+        return rnd
+
+    def continue_multi(self, prev: "_Round", k: int, block_ids: list[list[int]]) -> "_Round":
+        """Queue ``k`` more decode steps for the same sequences behind ``prev``, before its tokens
+        reach the host: the first step's inputs are ``prev``'s last tokens, on the device.
+        ``block_ids``: each sequence's blocks, now covering ``k`` more positions."""
+        rnd = _Round(prev.B, prev.params, prev.rand)
+        rnd.graph, rnd.inputs = prev.graph, prev.inputs
+        bt = self._block_table(block_ids)
+        if rnd.graph:
+            o, W = self._graph_layout(), self.max_blocks_per_seq
+            if bt.shape[1] > W:
+                raise ValueError(f"block table of {bt.shape[1]} blocks exceeds the graphs' {W}")
+            buf = self.staging.acquire(rnd.B * W)
+            buf[:rnd.B * W].reshape(rnd.B, W)[:, :bt.shape[1]] = bt
+            self.staging.upload(self.graph_buf[o[5]:], rnd.B * W)  # stream-ordered after prev's reads
+        else:
+            rnd.inputs[2].block_tables = torch.tensor(bt, dtype=torch.int32, device=self.device)
+        self._step_inputs(rnd, prev.toks[-1])
+        self._run_steps(rnd, k, self._forward_again(rnd))
+        return rnd
+
+    def collect(self, rnd: "_Round") -> list[list[int]]:
+        """Wait for a round's tokens: ``tokens[i][j]``, step ``i``, sequence ``j``."""
+        if rnd.event is not None:
+            rnd.event.synchronize()
+        return rnd.host.tolist()
+
+    def _run_steps(self, rnd: "_Round", k: int, logits: torch.Tensor) -> None:
+        """Draw from the first step's ``logits``, then run the other ``k - 1`` steps; tokens to the host."""
+        toks = torch.empty((k, rnd.B), dtype=torch.int64, device=self.device)
+        for i in range(k):
+            if i:
+                self._step_inputs(rnd, toks[i - 1])
+                logits = self._forward_again(rnd)
+            toks[i] = draw_on_device(logits, rnd.params, rnd.rand) if rnd.rand else logits.argmax(-1)
+        if rnd.graph:
+            self.num_graph_steps += k
+        else:
             self.num_eager_steps += k
-        return toks.tolist()
+        rnd.toks = toks
+        if self.cuda:
+            rnd.host = toks.to("cpu", non_blocking=True)
+            rnd.event = torch.cuda.Event()
+            rnd.event.record()
+        else:
+            rnd.host = toks
+
+    def _step_inputs(self, rnd: "_Round", tok: torch.Tensor) -> None:
+        ids, pos, meta = rnd.inputs
+        self._advance(tok, ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+        if not rnd.graph:
+            meta.max_seq_len += 1
+
+    def _forward_again(self, rnd: "_Round") -> torch.Tensor:
+        """One more step on a round's (already advanced) inputs."""
+        if rnd.graph:
+            g, out = self.graphs[rnd.graph]
+            g.replay()
+            return out[:rnd.B]
+        ids, pos, meta = rnd.inputs
+        return self.model(ids, pos, self.kv_cache, meta, None)
 
     def _advance(self, tok, ids, pos, slots, seq_lens, bt) -> None:
         """Turn one decode step's inputs into the next one's, on the device, in place."""

@@ -19,6 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode steps run back to back on the device per scheduling round, for greedy and unseeded "
                         "sampled requests (1: off); "
                         "cuts host time per token, emits tokens in bursts of this size")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="with --num-scheduler-steps > 1: wait for each round's tokens before queueing the next "
+                        "(default: the next round is queued first, so host work overlaps the device)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
@@ -31,6 +34,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        num_scheduler_steps=args.num_scheduler_steps,
+        num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype, device=args.device, seed=args.seed,
     )

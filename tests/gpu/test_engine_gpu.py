@@ -157,3 +157,55 @@ def test_sampled_requests_run_multi_step_on_the_gpu(bench):
         assert len(got[f"s{i}"]) == 24 and all(0 <= t < 32000 for t in got[f"s{i}"])
     eng.check_integrity()
     assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_async_scheduling_matches_waiting_rounds_on_the_gpu(bench):
+    """Rounds queued behind the one in flight (graph replays that read the previous round's last
+    tokens on the device, block tables uploaded behind it) give exactly the tokens of rounds that
+    wait for each other. float32, so equality is exact; a stop mid-round and different lengths
+    end the chaining at different rounds; an abort and an arrival arrive mid-flight."""
+    from kvmesh.engine.core import EngineCore
+    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.models.random_init import random_model
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    loaded = random_model(bench.small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=6)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (20, 77, 150, 33, 64, 9)]
+
+    def run(lazy, params, abort_at=None):
+        eng, _ = EngineCore.from_model(loaded=loaded, device="cuda", dtype="float32", num_kv_blocks=512,
+                                       max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512,
+                                       num_scheduler_steps=8, async_scheduling=lazy)
+        out = {}
+        for i, p in enumerate(prompts[:5]):
+            eng.add_request(EngineCoreRequest(request_id=f"s{i}", prompt_token_ids=p, params=params[i]))
+            out[f"s{i}"] = []
+        while eng.has_unfinished():
+            for o in eng.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if abort_at is not None and eng.num_multi_step_rounds == abort_at and "s5" not in out:
+                eng.abort(["s4"])  # blocks freed while the chained round may still be writing
+                eng.add_request(EngineCoreRequest(request_id="s5", prompt_token_ids=prompts[5], params=params[0]))
+                out["s5"] = []
+        eng.check_integrity()
+        assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+        return eng, out
+
+    base = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (40, 9, 33, 17, 40)]
+    _, ref = run(False, base)
+    toks = ref["s0"]
+    stop_at = next(i for i in range(10, len(toks)) if toks[i] not in toks[:i] and i % 8 not in (0, 7))
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[toks[stop_at]])]
+    params += base[1:]
+    _, want = run(False, params)
+    eng, got = run(True, params)
+    assert len(want["s0"]) == stop_at + 1
+    assert got == want
+    assert eng.num_chained_rounds > 0 and eng.runner.num_graph_steps > 0
+    # abort + arrival mid-flight: the other requests' tokens do not change
+    eng, got2 = run(True, params, abort_at=2)
+    _, want2 = run(False, params, abort_at=2)
+    for rid in ("s0", "s1", "s2", "s3"):
+        assert got2[rid] == want[rid]
+    assert got2["s5"] == want2["s5"] and len(got2["s5"]) == 40

@@ -124,3 +124,68 @@ def test_unseeded_sampling_runs_multi_step_only_where_drawn_on_device(make_llm, 
     seeded.engine.runner.sample_on_device = True
     seeded.generate(ids[:1], SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True))
     assert seeded.engine.num_multi_step_rounds == 0
+
+
+def test_async_scheduling_equals_waiting_for_each_round(make_llm, smol):
+    """Rounds queued behind the one in flight (async scheduling) give the tokens of rounds that
+    wait for each other, with stops mid-window and requests finishing at different rounds."""
+    tok = smol.tokenizer
+    ids = [tok(p).input_ids for p in PROMPTS]
+    sync = make_llm(num_scheduler_steps=4, async_scheduling=False)
+    ref = sync.generate(ids, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    toks0 = ref[0].outputs[0].token_ids
+    stop_at = next(i for i in range(6, len(toks0)) if toks0[i] not in toks0[:i] and i % 4 != 3)
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[toks0[stop_at]]),
+              SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=25)]
+    want = _tokens(sync.generate(ids, params))
+    assert sync.engine.num_chained_rounds == 0
+    lazy = make_llm(num_scheduler_steps=4)
+    got = _tokens(lazy.generate(ids, params))
+    assert got == want
+    assert lazy.engine.num_chained_rounds > 0
+    _check_clean(lazy)
+    _check_clean(sync)
+
+
+def test_arrival_and_abort_while_a_round_is_in_flight(make_llm, smol):
+    """A round queued behind another is the only work a step starts while a round is in flight;
+    a new arrival or an abort stops the chaining (the freed blocks are reused only after the
+    device is done), the new request is admitted next, and every token equals the reference."""
+    from kvmesh.engine.messages import EngineCoreRequest
+
+    tok = smol.tokenizer
+    ids = [tok(p).input_ids for p in PROMPTS[:4]]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref = _tokens(make_llm().generate(ids, params))
+    llm = make_llm(num_scheduler_steps=4)
+    eng = llm.engine
+    got: dict[str, list[int]] = {}
+
+    def run_step():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        eng.check_integrity()
+
+    for i in range(3):
+        eng.add_request(EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=ids[i], params=params))
+    while eng._inflight is None:
+        run_step()
+    # keep rounds chained for a while, then abort one request and add another mid-flight
+    while eng.num_chained_rounds < 2:
+        run_step()
+    chained = eng.num_chained_rounds
+    n_before_abort = len(got.get("r1", []))
+    eng.abort(["r1"])
+    eng.add_request(EngineCoreRequest(request_id="r3", prompt_token_ids=ids[3], params=params))
+    run_step()  # reads the round in flight; queues nothing behind it
+    assert eng.num_chained_rounds == chained and eng._inflight is None
+    while eng.has_unfinished():
+        run_step()
+    assert got["r0"] == ref[0][0] and got["r2"] == ref[2][0] and got["r3"] == ref[3][0]
+    # r1 got no token after its abort and what it got is a prefix of its reference
+    assert len(got["r1"]) == n_before_abort and got["r1"] == ref[1][0][:n_before_abort]
+    _check_clean(llm)
