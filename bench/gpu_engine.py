@@ -130,7 +130,8 @@ def check_correctness(quick: bool) -> None:
         # "single": one sequence at a time, so every decode step is the batch-1 graph (one-row GEMV kernel)
         eng = build_engine(loaded, num_kv_blocks=2048, max_num_batched_tokens=512,
                            max_num_seqs=1 if mode == "single" else 32,
-                           max_model_len=512, num_scheduler_steps=8 if mode == "multi" else 1)
+                           max_model_len=512, num_scheduler_steps=8 if mode == "multi" else 1,
+                           async_scheduling=mode == "multi")  # one-step modes: every step's logits captured
         captured: dict[tuple[str, int], torch.Tensor] = {}
         inner = eng.runner.execute
 
@@ -367,12 +368,11 @@ def bench_8b(args, bw: float) -> EngineCore:
     K = args.multi_steps
     # (GEMV kernel, steps per round, batch, sampled, async scheduling); multi-step rounds with and
     # without async scheduling side by side at each batch size
-    plan = [("1", 1, b, False, False) for b in (1, 32, 128)]
-    plan += [("1", K, b, False, a) for b in (1, 32, 128) for a in (False, True)]
+    plan = [("1", k, b, False, a) for b in (1, 32, 128) for k in (1, K) for a in (False, True)]
     if args.gemv_ab:  # batch 1 with cuBLAS first (KVMESH_GEMV=0), then everything with the GEMV kernel
         plan = [("0", k, 1, False, False) for k in (1, K)] + plan
     if args.sampled:  # temperature 0.8, top-p 0.95, unseeded: one step, then multi-step rounds
-        plan += [("1", k, b, True, k > 1) for k in (1, K) for b in (1, 32, 128)]
+        plan += [("1", k, b, True, True) for k in (1, K) for b in (1, 32, 128)]
     for gemv, K, B, sampled, lazy in plan:
         if os.environ.get("KVMESH_GEMV", "1") != gemv:
             set_gemv(eng, gemv)

@@ -3,7 +3,7 @@
     python3 bench/gpu_multistep_probe.py [--batches 1,32,128] [--steps 1,8]
 
 Per configuration: wall time per generated token-step, and per round the GPU time of the
-runner call (CUDA events around ``execute`` / ``execute_multi``) against the host time of the
+runner call (CUDA events around ``execute`` / ``launch_multi``; async scheduling off) against the host time of the
 whole ``EngineCore.step()``. Alternates the configurations twice so drift shows up.
 """
 from __future__ import annotations
@@ -27,10 +27,10 @@ from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def run(eng, B, K, P=512, N=128, tag=""):
-    eng.multi_steps = K
+    eng.multi_steps, eng.async_scheduling = K, False  # a round's events then bracket its GPU time alone
     runner = eng.runner
     gpu_ms, step_host_ms = [], []
-    inner_e, inner_m = runner.execute, runner.execute_multi
+    inner_e, inner_m = runner.execute, runner.launch_multi
 
     def timed(fn):
         def w(*a):
@@ -42,7 +42,7 @@ def run(eng, B, K, P=512, N=128, tag=""):
             return out
         return w
 
-    runner.execute, runner.execute_multi = timed(inner_e), timed(inner_m)
+    runner.execute, runner.launch_multi = timed(inner_e), timed(inner_m)
     g = torch.Generator().manual_seed(B)
     params = SamplingParams(max_tokens=N, ignore_eos=True, temperature=0.0)
     for i, p in enumerate(torch.randint(100, 120000, (B, P), generator=g).tolist()):
@@ -59,7 +59,7 @@ def run(eng, B, K, P=512, N=128, tag=""):
         n += 1
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    runner.execute, runner.execute_multi = inner_e, inner_m
+    runner.execute, runner.launch_multi = inner_e, inner_m
     gms = [s.elapsed_time(e) for s, e in gpu_ms]
     r = dict(B=B, K=K, rounds=n, s=dt, tok_step_ms=dt * 1e3 / (N - 1), tok_s=B * (N - 1) / dt,
              gpu_ms_per_round_med=sorted(gms)[len(gms) // 2], step_ms_per_round_med=sorted(step_host_ms)[n // 2],

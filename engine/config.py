@@ -70,9 +70,10 @@ class SchedulerConfig:
     # Decode steps run back to back on the device per scheduling round when every scheduled
     # request is a greedy decode (engine/multi_step.py); 1 turns this off.
     num_scheduler_steps: int = 1
-    # With multi-step rounds: queue the next round behind the one on the device before reading its
-    # tokens, so the host's output handling and scheduling overlap the GPU (engine/multi_step.py).
-    async_scheduling: bool = True
+    # Queue the next decode round behind the one on the device before reading its tokens, so the
+    # host's output handling and scheduling overlap the device (engine/multi_step.py). None: on for a
+    # GPU, off on the CPU (whose forward runs on the host thread: nothing to overlap).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_scheduler_steps < 1:

@@ -61,9 +61,12 @@ class EngineCore:
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model (prefix hits and loaded KV excluded)
         self._pending: list[EngineCoreOutput] = []
-        # Multi-step decode needs a runner that can feed its own argmax back (the simulated one cannot).
-        self.multi_steps = config.scheduler.num_scheduler_steps if hasattr(self.runner, "execute_multi") else 1
-        self.async_scheduling = config.scheduler.async_scheduling and self.multi_steps > 1
+        # Decode rounds (multi-step, async scheduling) need a runner that feeds its own tokens back
+        # on the device (the simulated one cannot).
+        rounds = hasattr(self.runner, "launch_multi")
+        self.multi_steps = config.scheduler.num_scheduler_steps if rounds else 1
+        lazy = config.scheduler.async_scheduling
+        self.async_scheduling = rounds and (getattr(self.runner, "cuda", False) if lazy is None else lazy)
         self.num_multi_step_rounds = 0
         self.num_chained_rounds = 0  # rounds queued behind one in flight (async scheduling)
         self._inflight: _Round | None = None
@@ -74,7 +77,7 @@ class EngineCore:
                    max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                    enable_prefix_caching: bool = True, dtype: str | None = None, device: str | None = None,
                    max_model_len: int | None = None, long_prefill_token_threshold: int = 0,
-                   num_scheduler_steps: int = 1, async_scheduling: bool = True,
+                   num_scheduler_steps: int = 1, async_scheduling: bool | None = None,
                    max_waiting: int = 0, role: str = "both", seed: int = 0, engine_id: str = "kvmesh-0",
                    kv_cache_memory_gb: float = 2.0, gpu_memory_utilization: float = 0.9,
                    connector: KVConnector | None = None, loaded=None,
@@ -189,9 +192,10 @@ class EngineCore:
             if sched.connector_meta.loads:  # only async loads this step: start them, nothing to run
                 self.connector.start_load_kv(sched.connector_meta)
             return outputs
-        k = plan_steps(sched, self.kv, self.multi_steps, getattr(self.runner, "sample_on_device", False))
-        if k > 1:
-            return outputs + self._step_multi(sched, k)
+        if self.multi_steps > 1 or self.async_scheduling:
+            k = plan_steps(sched, self.kv, self.multi_steps, getattr(self.runner, "sample_on_device", False))
+            if k:
+                return outputs + self._step_multi(sched, k)
         self.num_steps += 1
         self.connector.start_load_kv(sched.connector_meta)
         try:
@@ -234,7 +238,7 @@ class EngineCore:
         return outputs
 
     def _step_multi(self, sched, k: int) -> list[EngineCoreOutput]:
-        """``k`` decode steps on the device (engine/multi_step.py); outputs merged per sequence."""
+        """A round of ``k`` decode steps on the device (engine/multi_step.py); outputs merged per sequence."""
         reqs = [s.request for s in sched.scheduled]
         try:
             handle = self.runner.launch_multi(sched, k)

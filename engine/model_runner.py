@@ -316,11 +316,6 @@ class ModelRunner:
         return bool(self.graphs) and p.T == p.B and p.B <= self.graph_sizes[-1] \
             and p.bt.shape[1] <= self.max_blocks_per_seq
 
-    def execute_multi(self, sched: SchedulerOutput, k: int) -> list[list[int]]:
-        """Run ``k`` decode steps back to back and wait for their tokens (`launch_multi` + `collect`).
-        Returns ``tokens[i][j]``: step ``i``'s token of ``sched.scheduled[j]``."""
-        return self.collect(self.launch_multi(sched, k))
-
     def launch_multi(self, sched: SchedulerOutput, k: int) -> "_Round":
         """Queue ``k`` decode steps on the device (engine/multi_step.py decides when); no host wait.
 
@@ -332,11 +327,11 @@ class ModelRunner:
         self._apply_copies(sched)
         p = self._plan(sched)
         if p.T != p.B or len(p.rows) != p.B:
-            raise ValueError("execute_multi needs a pure decode step")
+            raise ValueError("a decode round needs a pure decode step")
         params = [s.request.params for s in sched.scheduled]
         rand = [j for j, sp in enumerate(params) if not sp.greedy]
         if rand and any(sched.scheduled[j].request.generator is not None for j in rand):
-            raise ValueError("execute_multi draws on the device: seeded requests take the one-step path")
+            raise ValueError("a decode round draws on the device: seeded requests take the one-step path")
         rnd = _Round(p.B, params, rand)
         if self._uses_graph(p):
             rnd.graph = next(s for s in self.graph_sizes if s >= p.B)

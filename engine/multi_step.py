@@ -27,7 +27,8 @@ What keeps it exact:
 The cost: requests that arrive meanwhile wait up to ``k`` steps to be admitted,
 and tokens stream in bursts of ``k``.
 
-Async scheduling (``SchedulerConfig.async_scheduling``): a round's tokens reach the
+Async scheduling (``SchedulerConfig.async_scheduling``, on by default on a GPU, where it
+also runs with ``k = 1``: every eligible decode step is then a round of one): a round's tokens reach the
 host only when its last step is done, and handling them (appending, stop checks,
 outputs) plus the next round's planning took ~0.5 ms per step at batch 128 while
 the GPU sat idle. So before waiting for round ``R``, the engine queues round
@@ -49,36 +50,36 @@ from .scheduler import Scheduler, SchedulerOutput
 
 
 def plan_steps(sched: SchedulerOutput, kv: KVCacheManager, k_max: int, sample_on_device: bool = False) -> int:
-    """How many decode steps this round may run on the device (1 = the ordinary path).
+    """How many decode steps this round may run on the device; 0: not a round (the one-step path).
 
     ``sample_on_device``: the runner draws unseeded random samples on the device (a GPU), so
-    such requests may run multi-step too; on the CPU they keep the one-step path and its
-    seeded default generator. When it returns ``k > 1``, every scheduled request holds
+    such requests may run in rounds too; on the CPU they keep the one-step path and its
+    seeded default generator. When it returns ``k >= 1``, every scheduled request holds
     blocks for ``k`` more positions and ``ScheduledRequest.block_ids`` lists them."""
     meta = sched.connector_meta
-    if k_max <= 1 or not sched.scheduled or meta.loads or meta.saves:
-        return 1
+    if k_max < 1 or not sched.scheduled or meta.loads or meta.saves:
+        return 0
     k = k_max
     for s in sched.scheduled:
         r, p = s.request, s.request.params
         if s.num_tokens != 1 or r.num_computed_tokens + 1 != r.num_tokens or r.num_output_tokens == 0:
-            return 1
+            return 0
         if p.logprobs is not None or (not p.greedy and (r.generator is not None or not sample_on_device)):
-            return 1
+            return 0
         k = min(k, r.max_model_len - r.num_tokens)
         if p.max_tokens is not None:
             k = min(k, p.max_tokens - r.num_output_tokens)
-        if k <= 1:
-            return 1
+        if k < 1:
+            return 0
     bs = kv.block_size
     for s in sched.scheduled:
         r = s.request
         # Blocks reserved for an earlier request stay with it (used by its next steps) if a later one fails.
         if kv.allocate_slots(r, k) is None:
-            return 1
+            return 0
         blocks = kv.req_blocks[r.request_id]
         if any(b.ref_cnt > 1 for b in blocks[r.num_computed_tokens // bs:]):
-            return 1  # a block this run would write is shared (fork): copy-on-write needs the one-step path
+            return 0  # a block this run would write is shared (fork): copy-on-write needs the one-step path
     for s in sched.scheduled:
         s.block_ids = kv.get_block_ids(s.request.request_id)
     return k
@@ -90,7 +91,7 @@ def plan_next_round(scheduler: Scheduler, reqs: list[Request], pending: int, k_m
     ``reqs``: the sequences of the round in flight, whose ``pending`` tokens each are not
     appended yet. Reserves blocks for those tokens plus the new round's; returns 0 (and may
     leave blocks reserved ahead, used by the next rounds) when it cannot."""
-    if k_max <= 1 or scheduler.waiting or scheduler.remote_waiting or len(scheduler.running) != len(reqs):
+    if k_max < 1 or scheduler.waiting or scheduler.remote_waiting or len(scheduler.running) != len(reqs):
         return 0
     k = k_max
     for r in reqs:

@@ -19,9 +19,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode steps run back to back on the device per scheduling round, for greedy and unseeded "
                         "sampled requests (1: off); "
                         "cuts host time per token, emits tokens in bursts of this size")
-    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="with --num-scheduler-steps > 1: wait for each round's tokens before queueing the next "
-                        "(default: the next round is queued first, so host work overlaps the device)")
+    g.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="queue the next decode step (or round of --num-scheduler-steps) on the device before "
+                        "reading the tokens of the one running, so host work overlaps the device "
+                        "(default: on for a GPU, off on the CPU)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")

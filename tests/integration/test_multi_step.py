@@ -143,12 +143,15 @@ def test_async_scheduling_equals_waiting_for_each_round(make_llm, smol):
               SamplingParams(temperature=0.0, max_tokens=25)]
     want = _tokens(sync.generate(ids, params))
     assert sync.engine.num_chained_rounds == 0
-    lazy = make_llm(num_scheduler_steps=4)
-    got = _tokens(lazy.generate(ids, params))
-    assert got == want
-    assert lazy.engine.num_chained_rounds > 0
-    _check_clean(lazy)
+    for steps in (4, 1):  # rounds of 4, and async scheduling of single steps (the GPU default)
+        lazy = make_llm(num_scheduler_steps=steps, async_scheduling=True)
+        got = _tokens(lazy.generate(ids, params))
+        assert got == want
+        assert lazy.engine.num_chained_rounds > 0
+        _check_clean(lazy)
     _check_clean(sync)
+    # the CPU default: no async scheduling (the forward runs on the host thread, nothing to overlap)
+    assert make_llm(num_scheduler_steps=4).engine.async_scheduling is False
 
 
 def test_arrival_and_abort_while_a_round_is_in_flight(make_llm, smol):
@@ -161,7 +164,7 @@ def test_arrival_and_abort_while_a_round_is_in_flight(make_llm, smol):
     ids = [tok(p).input_ids for p in PROMPTS[:4]]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ref = _tokens(make_llm().generate(ids, params))
-    llm = make_llm(num_scheduler_steps=4)
+    llm = make_llm(num_scheduler_steps=4, async_scheduling=True)
     eng = llm.engine
     got: dict[str, list[int]] = {}
 

@@ -1,0 +1,137 @@
+"""The device sampling path (`draw_on_device`), run here on CPU tensors: its batched filter keeps
+exactly what the per-row reference `_filter_logits` keeps, and its draws follow that distribution."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh import SamplingParams
+from kvmesh.engine.sampler import (_filter_logits, _filter_logits_batched, _top_p_threshold, _top_p_threshold_sorted,
+                                   draw_on_device)
+
+pytestmark = pytest.mark.unit
+
+V = 5003  # not a power of two
+
+
+def _logits(kind: str, rows: int, gen: torch.Generator, V: int = V) -> torch.Tensor:
+    """``peaked``: a trained LM's shape (max - logit ~ 1.8 ln(rank), as SmolLM2's; nucleus of a few
+    to a few dozen tokens at T 0.8, top_p 0.95); ``flat``: N(0, 1), the nucleus is most of the row."""
+    if kind == "flat":
+        return torch.randn(rows, V, generator=gen)
+    slope = torch.empty(rows, 1).uniform_(1.2, 2.4, generator=gen)
+    x = -slope * torch.arange(1, V + 1).float().log() + 0.3 * torch.randn(rows, V, generator=gen)
+    return x.gather(1, torch.rand(rows, V, generator=gen).argsort(-1))
+
+
+CASES = {
+    "top_p": dict(temperature=0.8, top_p=0.95),
+    "small top_p": dict(temperature=1.0, top_p=0.3),
+    "top_k": dict(temperature=0.8, top_k=40),
+    "large top_k": dict(temperature=1.2, top_k=3000),
+    "top_k top_p min_p": dict(temperature=0.7, top_k=200, top_p=0.9, min_p=0.02),
+    "large top_k top_p": dict(temperature=0.9, top_k=2000, top_p=0.8),
+    "top_p min_p": dict(temperature=1.0, top_p=0.99, min_p=0.001),
+    "temperature": dict(temperature=0.6),
+    "min_p": dict(temperature=1.0, min_p=0.05),
+}
+
+
+def _check_rows(x: torch.Tensor, params: list[SamplingParams], by_sort: bool) -> None:
+    got = _filter_logits_batched(x, params, by_sort=by_sort)
+    for i, p in enumerate(params):
+        ref = _filter_logits(x[i], p)
+        kept = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(got[i]), kept), (i, p, int(kept.sum()), int(torch.isfinite(got[i]).sum()))
+        assert (got[i].softmax(-1) - ref.softmax(-1)).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("by_sort", [False, True], ids=["sort-free", "sort"])
+@pytest.mark.parametrize("kind", ["peaked", "flat"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_batched_filter_matches_reference(case, kind, by_sort):
+    gen = torch.Generator().manual_seed(2 * list(CASES).index(case) + (kind == "flat"))
+    _check_rows(_logits(kind, 6, gen), [SamplingParams(**CASES[case])] * 6, by_sort)
+
+
+def test_llama3_vocabulary():
+    """128,256 tokens: the radix search takes two passes (16 + 15 bits) instead of three."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.cat([_logits("peaked", 2, gen, 128256), _logits("flat", 2, gen, 128256)])
+    _check_rows(x, [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=1.0, top_p=0.5)] * 2,
+                by_sort=False)
+
+
+@pytest.mark.parametrize("by_sort", [False, True], ids=["sort-free", "sort"])
+def test_mixed_batch_matches_reference(by_sort):
+    """Every kind of row in one batch: per-row settings must not leak between rows."""
+    gen = torch.Generator().manual_seed(7)
+    kinds = ["peaked", "flat"] * len(CASES)
+    params = [SamplingParams(**CASES[c]) for c in CASES for _ in range(2)]
+    x = torch.cat([_logits(k, 1, gen) for k in kinds])
+    _check_rows(x, params, by_sort)
+
+
+def test_top_p_keeps_nucleus_of_flat_rows():
+    """Flat rows: the nucleus is most of the vocabulary (the random-weights model's case)."""
+    x = _logits("flat", 4, torch.Generator().manual_seed(3))
+    kept = torch.isfinite(_filter_logits_batched(x, [SamplingParams(temperature=0.8, top_p=0.95)] * 4)).sum(-1)
+    assert (kept > V // 2).all()
+
+
+def _threshold_by_rule(p: torch.Tensor, top_p: float) -> float:
+    """The smallest kept probability under 'keep a token iff the mass strictly above it is <= top_p'."""
+    above = (p[None, :] * (p[None, :] > p[:, None])).sum(-1)
+    return float(p[above <= top_p].min())
+
+
+def test_top_p_threshold_exact_with_ties():
+    """Tied probabilities (a few values, many tokens each): the radix search finds the rule's
+    threshold exactly, and every token tied with it is kept."""
+    gen = torch.Generator().manual_seed(11)
+    for top_p in (0.1, 0.5, 0.9, 0.999):
+        w = torch.randint(1, 6, (8, 300), generator=gen).float() ** 3  # 5 distinct values per row
+        p = w / w.sum(-1, keepdim=True)
+        t = _top_p_threshold(p, torch.full((8,), top_p))
+        for i in range(8):
+            assert float(t[i]) == _threshold_by_rule(p[i], top_p)
+    # exact binary fractions: a mass equal to top_p does not exceed it (the sort rule's ``>``); rows
+    # in descending order, so the top-k candidates' version applies too
+    p = torch.tensor([[0.4, 0.3, 0.3], [0.5, 0.25, 0.25], [0.5, 0.375, 0.125]])
+    for fn in (_top_p_threshold, _top_p_threshold_sorted):
+        assert fn(p, torch.tensor([0.5, 0.6, 0.5])).tolist() == pytest.approx([0.3, 0.25, 0.375])
+        assert fn(p, torch.tensor([1.0, 0.1, 0.875])).tolist() == pytest.approx([0.0, 0.5, 0.125])
+
+
+@pytest.mark.parametrize("top_k", [0, 350, 150])
+def test_filter_keeps_ties_at_the_threshold(top_k):
+    """Tied logits (6 values per row): with or without top-k (candidate threshold, or the radix
+    search), the filter keeps exactly the tokens whose strictly-larger mass is <= top_p after
+    top-k, every token tied with the last kept one included, also when top-k's own ties reach
+    past its ``topk`` candidates (top_k 150: ~65 tokens per value)."""
+    x = torch.randint(0, 6, (8, 400), generator=torch.Generator().manual_seed(5)).float()
+    for top_p in (0.3, 0.6, 0.9):
+        got = _filter_logits_batched(x, [SamplingParams(top_p=top_p, top_k=top_k)] * 8, by_sort=False)
+        for i in range(8):
+            xi = x[i] if not top_k else x[i].masked_fill(x[i] < torch.topk(x[i], top_k).values[-1], float("-inf"))
+            p = xi.softmax(-1)
+            assert torch.equal(torch.isfinite(got[i]), p >= _threshold_by_rule(p, top_p))
+
+
+@pytest.mark.parametrize("by_sort", [False, True], ids=["sort-free", "sort"])
+def test_draws_follow_filtered_distribution(by_sort):
+    """20k exponential-race draws of a small peaked distribution (temperature, top-k, top-p,
+    min-p), with greedy rows mixed in: frequencies within 0.02 of the filtered probabilities
+    (the standard error is at most 0.0035); filtered-out tokens are never drawn."""
+    torch.manual_seed(1234)
+    logits = torch.tensor([4.0, 3.5, 3.0, 2.0, 1.0, 0.5, 0.0, -1.0, -3.0, -8.0])
+    params = [SamplingParams(temperature=0.9, top_k=7, top_p=0.9, min_p=0.05), SamplingParams(temperature=0.0)]
+    expected = _filter_logits(logits, params[0]).softmax(-1)
+    assert 0 < int((expected > 0).sum()) < 7  # top-p and min-p both cut something
+    n = 20_000
+    rows = [params[i % 2] for i in range(2 * n)]
+    tok = draw_on_device(logits.expand(2 * n, -1), rows, list(range(0, 2 * n, 2)), by_sort=by_sort)
+    assert (tok[1::2] == 0).all()
+    freq = torch.bincount(tok[::2], minlength=len(logits)).float() / n
+    assert (freq - expected).abs().max() < 0.02
+    assert (freq[expected == 0] == 0).all()
