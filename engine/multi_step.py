@@ -35,7 +35,8 @@ the GPU sat idle. So before waiting for round ``R``, the engine queues round
 ``R + 1`` for the same sequences behind it (`plan_next_round`): its first input is
 ``R``'s last token, still on the device, and its blocks are reserved for the
 ``k`` tokens ``R`` is still producing plus its own. Only when nothing else could
-run instead: no request waiting, every running request in the batch, none
+run instead: no waiting request that the scheduler could admit (none, or the
+batch is at ``max_num_seqs``), every running request in the batch, none
 finished, none that could pass its length limits. A request that stops during
 ``R`` wastes ``R + 1``'s steps (its writes land past its end, as above), and no
 round is chained behind one whose batch lost a request, so blocks freed by a stop
@@ -91,8 +92,11 @@ def plan_next_round(scheduler: Scheduler, reqs: list[Request], pending: int, k_m
     ``reqs``: the sequences of the round in flight, whose ``pending`` tokens each are not
     appended yet. Reserves blocks for those tokens plus the new round's; returns 0 (and may
     leave blocks reserved ahead, used by the next rounds) when it cannot."""
-    if k_max < 1 or scheduler.waiting or scheduler.remote_waiting or len(scheduler.running) != len(reqs):
+    running = scheduler.running
+    if k_max < 1 or len(running) != len(reqs):
         return 0
+    if scheduler.waiting and len(running) < scheduler.config.max_num_seqs:
+        return 0  # the next schedule() may admit it: let it run (a full batch admits nothing anyway)
     k = k_max
     for r in reqs:
         if r.is_finished:

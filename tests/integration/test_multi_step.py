@@ -192,3 +192,30 @@ def test_arrival_and_abort_while_a_round_is_in_flight(make_llm, smol):
     # r1 got no token after its abort and what it got is a prefix of its reference
     assert len(got["r1"]) == n_before_abort and got["r1"] == ref[1][0][:n_before_abort]
     _check_clean(llm)
+
+
+def test_async_scheduling_chains_while_a_full_batch_keeps_others_waiting(make_llm, smol):
+    """Waiting requests that cannot be admitted (the batch is at max_num_seqs) do not stop the
+    chaining; each is admitted once a running request finishes, and every token is the reference's."""
+    tok = smol.tokenizer
+    ids = [tok(p).input_ids for p in PROMPTS[:4]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 20, 16, 9)]
+    from kvmesh.engine.messages import EngineCoreRequest
+
+    want = _tokens(make_llm(max_num_seqs=2, async_scheduling=False).generate(ids, params))
+    llm = make_llm(max_num_seqs=2, async_scheduling=True)
+    eng = llm.engine
+    for i, (x, p) in enumerate(zip(ids, params)):
+        eng.add_request(EngineCoreRequest(request_id=f"w{i}", prompt_token_ids=x, params=p))
+    got: dict[str, list[int]] = {f"w{i}": [] for i in range(4)}
+    chained_while_waiting = 0
+    while eng.has_unfinished():
+        before = eng.num_chained_rounds
+        for o in eng.step():
+            got[o.request_id].extend(o.new_token_ids)
+        if eng.num_chained_rounds > before and eng.scheduler.waiting:
+            chained_while_waiting += 1
+        eng.check_integrity()
+    assert [(got[f"w{i}"], "length") for i in range(4)] == want
+    assert chained_while_waiting > 0
+    _check_clean(llm)
