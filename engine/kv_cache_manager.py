@@ -43,14 +43,22 @@ class KVCacheManager:
         return hits
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Prefix hit of a request about to be scheduled; the last token is always recomputed for its logits."""
+        """Prefix hit of a request about to be scheduled; the last token is always recomputed for its logits.
+        Counted in `stats` only by `record_prefix_hit`, once the request is admitted."""
         if not self.enable_caching:
             return [], 0
         hits = self.find_longest_cache_hit(request)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_hit(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one lookup in `stats`, when its request is admitted: a request at the head of the
+        queue is looked up again every step until the pool has room for it, and counting each of
+        those lookups inflated queries and hits under KV pressure."""
+        if not self.enable_caching:
+            return
         self.stats.requests += 1
         self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        self.stats.hits += num_hit_tokens
 
     # ---- allocation ---------------------------------------------------------
     def allocate_slots(

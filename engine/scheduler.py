@@ -106,7 +106,8 @@ class Scheduler:
                 req = self.waiting[0]
                 hits, n_hit = ([], 0)
                 ext, load_async = 0, False
-                if req.num_computed_tokens == 0:
+                looked_up = req.num_computed_tokens == 0
+                if looked_up:
                     hits, n_hit = self.kv.get_computed_blocks(req)
                     ext, load_async = self.connector.get_num_new_matched_tokens(req, n_hit)
                     # Never load the last token: its logits must come from this engine.
@@ -125,6 +126,8 @@ class Scheduler:
                 new = self.kv.allocate_slots(req, n, hits, n_hit, ext, delay_cache=load_async)
                 if new is None:
                     break
+                if looked_up:
+                    self.kv.record_prefix_hit(req, n_hit)
                 self.waiting.popleft()
                 if req.num_cached_tokens < 0:
                     # As vLLM reports it: tokens not computed here, from the local cache or loaded from outside.

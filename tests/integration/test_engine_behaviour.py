@@ -144,3 +144,26 @@ def test_unknown_model_path_and_corrupt_gguf(tmp_path):
     emptydir.mkdir()
     with pytest.raises(ValueError, match="config.json"):
         load_model(str(emptydir))
+
+
+def test_prefix_cache_stats_count_each_request_once_under_kv_pressure(make_llm):
+    """A request that waits for pool space is looked up every step until admitted; the prefix
+    cache counters (what `vllm:prefix_cache_queries/hits` export) count it once, at admission."""
+    # a grows to 6 blocks of the 10 and b (sharing two of them) takes 2 more; c (6 blocks) waits for a.
+    a, b, c = list(range(100, 164)), list(range(100, 132)) + list(range(300, 316)), list(range(500, 596))
+    llm = make_llm(num_kv_blocks=10)
+    eng = llm.engine
+    eng.add_request(EngineCoreRequest("a", a, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)))
+    eng.step()
+    eng.add_request(EngineCoreRequest("b", b, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))
+    eng.add_request(EngineCoreRequest("c", c, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)))
+    waited = 0
+    while eng.has_unfinished():
+        if any(r.request_id == "c" for r in eng.scheduler.waiting):
+            waited += 1
+        eng.step()
+    s = eng.stats()
+    assert waited >= 3 and s.num_preemptions == 0  # c waited several steps for pool space
+    assert s.prefix_cache_queries == len(a) + len(b) + len(c)
+    assert s.prefix_cache_hits == 32  # b shares a's first two blocks; c, looked up many times, counted once
+    assert _all_free(llm)
