@@ -141,11 +141,12 @@ def overhead(args) -> dict:
         prompt = "".join(word_vocab()[i * 7 % 5000] for i in range(200))
         asyncio.run(_hammer(url, 50, 4, prompt))  # warm-up
         out["direct"] = asyncio.run(_hammer(url, args.overhead, args.overhead_conc, prompt))
-        for pol in ("kvmesh", "sglang"):
-            if pol == "kvmesh":
+        for pol in ("kvmesh", "kvmesh-asyncio", "sglang"):  # kvmesh on uvloop (its default), then on asyncio's loop
+            if pol.startswith("kvmesh"):
                 rport = free_port()
+                env = {"KVMESH_LOG_LEVEL": "WARNING", "KVMESH_UVLOOP": "0" if pol == "kvmesh-asyncio" else "1"}
                 rp = Proc([sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(rport),
-                           "--worker", url], os.path.join(logs, "overhead-kvmesh.log"), {"KVMESH_LOG_LEVEL": "WARNING"})
+                           "--worker", url], os.path.join(logs, f"overhead-{pol}.log"), env)
                 rurl = f"http://127.0.0.1:{rport}"
                 wait_http(rurl + "/health", 120, rp)
             else:
@@ -163,9 +164,9 @@ def overhead(args) -> dict:
             out[pol] = r
     finally:
         pod.stop()
-    print(f"{'path':<8} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'+p50':>6} {'+p99':>6}")
+    print(f"{'path':<15} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'+p50':>6} {'+p99':>6}")
     for k, r in out.items():
-        print(f"{k:<8} {r['req_s']:>7.1f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} "
+        print(f"{k:<15} {r['req_s']:>7.1f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} "
               f"{r.get('added_p50_ms', 0):>6.2f} {r.get('added_p99_ms', 0):>6.2f}")
     return out
 

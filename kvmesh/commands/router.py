@@ -74,9 +74,10 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
     import logging
     import os
+
+    from kvmesh import aio
 
     try:
         cfg = config_from_args(args)
@@ -88,6 +89,6 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.services.router.app import serve
 
     try:
-        return asyncio.run(serve(cfg))
+        return aio.run(serve(cfg))
     except KeyboardInterrupt:
         return 0

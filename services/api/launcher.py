@@ -15,6 +15,8 @@ import signal
 
 import uvicorn
 
+from kvmesh import aio
+
 from .config import ServerConfig
 from .engine_client import EngineAddresses, EngineClient, EngineDeadError
 from .engine_proc import EngineProcConfig
@@ -66,7 +68,7 @@ def run(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
                         format="%(asctime)s %(levelname)s [api] %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        return asyncio.run(serve(cfg, proc_cfg))
+        return aio.run(serve(cfg, proc_cfg))
     except KeyboardInterrupt:
         return 0
 

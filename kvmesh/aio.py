@@ -1,0 +1,31 @@
+"""Run a server's coroutine on uvloop when it is installed (``uvicorn[standard]`` brings it).
+
+The router and the API server spend their CPU in the event loop (HTTP parsing, socket
+reads and writes, timers); uvloop's libuv loop does that work in C. ``KVMESH_UVLOOP=0``
+keeps the standard asyncio loop (comparisons, debugging).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, Coroutine
+
+
+def loop_name() -> str:
+    """``uvloop`` or ``asyncio``: the loop `run` would use."""
+    if os.environ.get("KVMESH_UVLOOP", "1") == "0":
+        return "asyncio"
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def run(main: Coroutine[Any, Any, Any]) -> Any:
+    if loop_name() == "uvloop":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(main)
+    return asyncio.run(main)
