@@ -37,6 +37,7 @@ from kvmesh import kernels
 
 from .config import EngineConfig
 from .models.llama import AttentionMetadata, LlamaForCausalLM
+from .host_copy import to_device
 from .sampler import draw_on_device
 from .scheduler import SchedulerOutput
 
@@ -342,12 +343,12 @@ class ModelRunner:
                 seq_lens=m.seq_lens[:B], max_query_len=1, max_seq_len=m.max_seq_len))
             first = self._run_graph(p)
         else:
-            i32 = dict(dtype=torch.int32, device=self.device)
-            meta = AttentionMetadata(slot_mapping=torch.tensor(p.slots, **i32), block_tables=torch.tensor(p.bt, **i32),
-                                     query_start_loc=torch.tensor(p.qsl, **i32),
-                                     seq_lens=torch.tensor(p.seq_lens, **i32), max_query_len=1,
-                                     max_seq_len=p.max_seq_len)
-            rnd.inputs = (torch.tensor(p.ids, **i32), torch.tensor(p.pos, **i32), meta)
+            def up(a):  # queued copies: the host does not wait for a round in flight
+                return to_device(a, self.device, torch.int32)
+
+            meta = AttentionMetadata(slot_mapping=up(p.slots), block_tables=up(p.bt), query_start_loc=up(p.qsl),
+                                     seq_lens=up(p.seq_lens), max_query_len=1, max_seq_len=p.max_seq_len)
+            rnd.inputs = (up(p.ids), up(p.pos), meta)
             first = self.model(rnd.inputs[0], rnd.inputs[1], self.kv_cache, meta, None)
         self._run_steps(rnd, k, first)
         return rnd
@@ -367,7 +368,7 @@ class ModelRunner:
             buf[:rnd.B * W].reshape(rnd.B, W)[:, :bt.shape[1]] = bt
             self.staging.upload(self.graph_buf[o[5]:], rnd.B * W)  # stream-ordered after prev's reads
         else:
-            rnd.inputs[2].block_tables = torch.tensor(bt, dtype=torch.int32, device=self.device)
+            rnd.inputs[2].block_tables = to_device(bt, self.device, torch.int32)
         self._step_inputs(rnd, prev.toks[-1])
         self._run_steps(rnd, k, self._forward_again(rnd))
         return rnd

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from .host_copy import to_device
 from .sampling_params import SamplingParams
 
 
@@ -61,15 +62,6 @@ TOP_P_BY_SORT = os.environ.get("KVMESH_SAMPLER_SORT", "0") == "1"
 SORT_FREE_MIN_ROWS = 32
 
 
-def _to_device(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Host values on ``device`` without a host wait. ``torch.tensor(values, device="cuda")`` is a
-    blocking copy, a stream synchronize that waits for all the work queued before it (a whole
-    forward pass, inside a multi-step round); from pinned memory the copy is queued like a kernel."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
 def _filter_logits_batched(x: torch.Tensor, params: Sequence[SamplingParams],
                            by_sort: bool | None = None) -> torch.Tensor:
     """Rows of ``x`` (one row per params) filtered as `_filter_logits` does, all at once, in float32.
@@ -85,7 +77,8 @@ def _filter_logits_batched(x: torch.Tensor, params: Sequence[SamplingParams],
         by_sort = TOP_P_BY_SORT or len(params) < SORT_FREE_MIN_ROWS
     V = x.shape[-1]
     ks = [p.top_k if (p.top_k and 0 < p.top_k < V) else 0 for p in params]
-    cols = _to_device([[max(p.temperature, 1e-5), p.top_p, p.min_p, k] for p, k in zip(params, ks)], x.device)
+    cols = to_device([[max(p.temperature, 1e-5), p.top_p, p.min_p, k] for p, k in zip(params, ks)], x.device,
+                     torch.float32)
     temp, top_p, min_p, k = cols[:, :1], cols[:, 1:2], cols[:, 2:3], cols[:, 3:].long()
     x = x.float() / temp
     use_p = any(p.top_p < 1.0 for p in params)
@@ -210,7 +203,7 @@ def draw_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], rand:
     ``by_sort``: see `_filter_logits_batched`."""
     tok = logits.argmax(-1)
     if rand:
-        sel = _to_device(rand, logits.device, torch.int64) if len(rand) != len(params) else None
+        sel = to_device(rand, logits.device, torch.int64) if len(rand) != len(params) else None
         x = logits if sel is None else logits.index_select(0, sel)
         x = _filter_logits_batched(x, [params[i] for i in rand], by_sort)
         probs = x.softmax(-1)

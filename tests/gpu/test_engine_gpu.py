@@ -209,3 +209,11 @@ def test_async_scheduling_matches_waiting_rounds_on_the_gpu(bench):
     for rid in ("s0", "s1", "s2", "s3"):
         assert got2[rid] == want[rid]
     assert got2["s5"] == want2["s5"] and len(got2["s5"]) == 40
+    # eager rounds (batches above the largest graph, KVMESH_ENFORCE_EAGER): inputs uploaded by queued copies
+    os.environ["KVMESH_ENFORCE_EAGER"] = "1"
+    try:
+        _, want3 = run(False, params)
+        eng, got3 = run(True, params)
+    finally:
+        os.environ["KVMESH_ENFORCE_EAGER"] = "0"
+    assert got3 == want3 and eng.num_chained_rounds > 0 and eng.runner.num_graph_steps == 0
