@@ -29,8 +29,8 @@ log = logging.getLogger("kvmesh.engine")
 
 
 @dataclass
-class _Round:
-    """A multi-step round on the device whose tokens the host has not read yet."""
+class _InFlight:
+    """A decode round on the device whose tokens the host has not read yet."""
 
     reqs: list[Request]
     handle: object  # the runner's handle for `collect` / `continue_multi`
@@ -69,7 +69,7 @@ class EngineCore:
         self.async_scheduling = rounds and (getattr(self.runner, "cuda", False) if lazy is None else lazy)
         self.num_multi_step_rounds = 0
         self.num_chained_rounds = 0  # rounds queued behind one in flight (async scheduling)
-        self._inflight: _Round | None = None
+        self._inflight: _InFlight | None = None
 
     # ---- construction -------------------------------------------------------
     @classmethod
@@ -245,7 +245,7 @@ class EngineCore:
         except Exception as e:
             log.exception("forward pass failed")
             return [self._finish(r, RequestStatus.FINISHED_ERROR, error=str(e)) for r in reqs]
-        self._inflight = _Round(reqs, handle, k)
+        self._inflight = _InFlight(reqs, handle, k)
         return self._next_round()
 
     def _next_round(self) -> list[EngineCoreOutput]:
@@ -257,7 +257,7 @@ class EngineCore:
             if k:
                 try:
                     block_ids = [self.kv.get_block_ids(r.request_id) for r in cur.reqs]
-                    self._inflight = _Round(cur.reqs, self.runner.continue_multi(cur.handle, k, block_ids), k)
+                    self._inflight = _InFlight(cur.reqs, self.runner.continue_multi(cur.handle, k, block_ids), k)
                     self.num_chained_rounds += 1
                 except Exception:  # cur's own tokens decide below whether the requests fail
                     log.exception("queueing the next round failed")
@@ -277,7 +277,7 @@ class EngineCore:
                     continue  # stopped at an earlier step (or aborted): this token is past its end
                 r.num_computed_tokens += 1
                 outs.extend(self._append(r, SampleResult(tok)))
-        return merge_outputs(outs)
+        return outs if cur.k == 1 else merge_outputs(outs)  # one step: already one output per sequence
 
     def _fork(self, parent: Request, results: list[SampleResult]) -> list[EngineCoreOutput]:
         """Create the other n-1 sequences of a request; they share the parent's blocks (copy on write)."""

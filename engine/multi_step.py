@@ -60,27 +60,16 @@ def plan_steps(sched: SchedulerOutput, kv: KVCacheManager, k_max: int, sample_on
     meta = sched.connector_meta
     if k_max < 1 or not sched.scheduled or meta.loads or meta.saves:
         return 0
-    k = k_max
     for s in sched.scheduled:
         r, p = s.request, s.request.params
         if s.num_tokens != 1 or r.num_computed_tokens + 1 != r.num_tokens or r.num_output_tokens == 0:
             return 0
         if p.logprobs is not None or (not p.greedy and (r.generator is not None or not sample_on_device)):
             return 0
-        k = min(k, r.max_model_len - r.num_tokens)
-        if p.max_tokens is not None:
-            k = min(k, p.max_tokens - r.num_output_tokens)
-        if k < 1:
-            return 0
-    bs = kv.block_size
-    for s in sched.scheduled:
-        r = s.request
-        # Blocks reserved for an earlier request stay with it (used by its next steps) if a later one fails.
-        if kv.allocate_slots(r, k) is None:
-            return 0
-        blocks = kv.req_blocks[r.request_id]
-        if any(b.ref_cnt > 1 for b in blocks[r.num_computed_tokens // bs:]):
-            return 0  # a block this run would write is shared (fork): copy-on-write needs the one-step path
+    reqs = [s.request for s in sched.scheduled]
+    k = _fit(reqs, 0, k_max)
+    if not k or not _reserve(kv, reqs, 0, k):
+        return 0
     for s in sched.scheduled:
         s.block_ids = kv.get_block_ids(s.request.request_id)
     return k
@@ -93,27 +82,37 @@ def plan_next_round(scheduler: Scheduler, reqs: list[Request], pending: int, k_m
     appended yet. Reserves blocks for those tokens plus the new round's; returns 0 (and may
     leave blocks reserved ahead, used by the next rounds) when it cannot."""
     running = scheduler.running
-    if k_max < 1 or len(running) != len(reqs):
+    if k_max < 1 or len(running) != len(reqs) or any(r.is_finished for r in reqs):
         return 0
     if scheduler.waiting and len(running) < scheduler.config.max_num_seqs:
         return 0  # the next schedule() may admit it: let it run (a full batch admits nothing anyway)
+    k = _fit(reqs, pending, k_max)
+    return k if k and _reserve(scheduler.kv, reqs, pending, k) else 0
+
+
+def _fit(reqs: list[Request], pending: int, k_max: int) -> int:
+    """Steps every request may still take after its ``pending`` ones (``max_tokens``, ``max_model_len``)."""
     k = k_max
     for r in reqs:
-        if r.is_finished:
-            return 0
         k = min(k, r.max_model_len - r.num_tokens - pending)
         if r.params.max_tokens is not None:
             k = min(k, r.params.max_tokens - r.num_output_tokens - pending)
         if k < 1:
             return 0
-    kv = scheduler.kv
+    return k
+
+
+def _reserve(kv: KVCacheManager, reqs: list[Request], pending: int, k: int) -> bool:
+    """Blocks for ``pending + k`` more positions of every request. False if the pool is short, or a
+    block the round would write is shared with a fork (copy-on-write needs the one-step path);
+    blocks reserved for earlier requests then stay with them (used by their next steps)."""
     bs = kv.block_size
     for r in reqs:
         if kv.allocate_slots(r, pending + k) is None:
-            return 0
+            return False
         if any(b.ref_cnt > 1 for b in kv.req_blocks[r.request_id][(r.num_computed_tokens + pending) // bs:]):
-            return 0  # shared with a fork: copy-on-write needs the one-step path
-    return k
+            return False
+    return True
 
 
 def merge_outputs(outs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:

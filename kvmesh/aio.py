@@ -11,21 +11,12 @@ import os
 from typing import Any, Coroutine
 
 
-def loop_name() -> str:
-    """``uvloop`` or ``asyncio``: the loop `run` would use."""
-    if os.environ.get("KVMESH_UVLOOP", "1") == "0":
-        return "asyncio"
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return "asyncio"
-    return "uvloop"
-
-
 def run(main: Coroutine[Any, Any, Any]) -> Any:
-    if loop_name() == "uvloop":
-        import uvloop
-
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(main)
+    if os.environ.get("KVMESH_UVLOOP", "1") != "0":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.run(main)
     return asyncio.run(main)
