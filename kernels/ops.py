@@ -220,6 +220,11 @@ def attention_config(
       least. Splitting when there were already ~2 programs per SM measured 20%
       slower (32 x 16384), while at 4 x 32768 and at 1 x 576 (8.9 vs 14.2 us) it is
       what keeps the GPU busy.
+    * adjacent KV heads except for long contexts (> 8,192) with fewer than two
+      programs per SM: at 32 x 16,384 heads in separate launch columns read 4.33-4.34
+      TB/s against 4.28-4.29 adjacent (five rounds, H200 22:19 and 22:21 UTC
+      2026-11-29, `bench/gpu_kernels.py --long-decode`), while at 128 x 4,096
+      adjacent heads stay ahead (4.32 vs 4.24).
     * longer queries: 64-row q blocks, 64-key tiles, 4 warps, 2 stages; this beat
       128-row blocks and 8 warps on every prefill shape measured.
     fp32 and head sizes over 128 use smaller tiles to stay within shared memory.
@@ -233,7 +238,8 @@ def attention_config(
         block_m = max(16, qpk_pad)
         many_short = num_seqs * num_kv_heads >= 3 * _num_sms(device) and max_seq_len <= 2048
         tile_n, num_warps, num_stages = (64, 4, 2) if small or many_short else (128, 4, 3)
-        head_fastest = True
+        # Long contexts with under two programs per SM: launch order by head measured 1% slower.
+        head_fastest = not (num_seqs * num_kv_heads < 2 * _num_sms(device) and max_seq_len > 8192)
     else:
         block_m = max(64, qpk_pad)
         tile_n, num_warps, num_stages = (32, 4, 2) if small else (64, 4, 2)

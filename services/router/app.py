@@ -223,7 +223,7 @@ class Router:
         self.tok = tokenizer or RouterTokenizer(cfg.model)
         self.model = cfg.served_model_name or self.tok.model_name
         self.ns = self.tok.identity  # index namespace: the model identity the hashes are salted with
-        self.index = PrefixIndex(cfg.pending_ttl, cfg.approx_capacity)
+        self.index = PrefixIndex(cfg.pending_ttl, cfg.approx_capacity, cfg.weights.evict_halflife_s)
         self.hub = EventHub(self.index, on_event=lambda pod, kind: self.metrics.kv_events.labels(pod, kind).inc())
         self.pods: dict[str, Pod] = {}
         self.mean_prompt = 0.0  # typical prompt length, the scale of a hit's value (see `score_pods`)
@@ -302,6 +302,8 @@ class Router:
         self.index.expire()
         for model, n in self.index.size().items():
             self.metrics.index_blocks.labels(model if model != self.ns else self.model).set(n)
+        for url, v in self.index.eviction_pressure(list(self.pods)).items():
+            self.metrics.pod_evict_pressure.labels(url).set(v)
         s = self.hub.stats
         self.metrics.kv_gaps.set(s.gaps)
         self.metrics.kv_replayed.set(s.replayed)
@@ -337,12 +339,15 @@ class Router:
     def pick(self, pods: list[Pod], hashes: list[int], plen: int) -> Decision:
         bs = self.cfg.block_size
         if self.cfg.policy == "kv-aware":
-            hits = self.index.match(self.ns, hashes, [p.url for p in pods]) if hashes else {}
-            d = score_pods(pods, hits, plen, bs, self.cfg.weights, ref_len=self.mean_prompt)
+            urls = [p.url for p in pods]
+            hits = self.index.match(self.ns, hashes, urls) if hashes else {}
+            pressure = self.index.eviction_pressure(urls) if self.cfg.weights.evict else None
+            d = score_pods(pods, hits, plen, bs, self.cfg.weights, ref_len=self.mean_prompt, pressure=pressure)
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("route plen=%d -> %s (%s, hit %d blocks) hits=%s load=%s", plen, d.pod.url, d.reason,
-                          d.hit_blocks, {p.url: hits.get(p.url, 0) for p in pods},
-                          {p.url: (p.load, p.inflight_tokens, round(p.recent, 1)) for p in pods})
+                log.debug("route plen=%d -> %s (%s, hit %d blocks) hits=%s load=%s evict=%s", plen, d.pod.url,
+                          d.reason, d.hit_blocks, {p.url: hits.get(p.url, 0) for p in pods},
+                          {p.url: (p.load, p.inflight_tokens, round(p.recent, 1)) for p in pods},
+                          {u: round(v) for u, v in (pressure or {}).items()})
             return d
         pod = round_robin(pods) if self.cfg.policy == "round-robin" else least_load(pods)
         hb = self.index.match(self.ns, hashes, [pod.url])[pod.url] if hashes else 0
@@ -593,6 +598,7 @@ def build_app(router: Router) -> FastAPI:
                           "waiting": p.waiting, "kv_usage": p.kv_usage, "inflight_requests": p.inflight_requests,
                           "inflight_tokens": p.inflight_tokens, "routed": p.routed, "failures": p.failures,
                           "exact": router.index.is_exact(p.url), "indexed_blocks": router.index.pod_blocks(p.url),
+                          "eviction_pressure": router.index.eviction_pressure([p.url])[p.url],
                           "event_seq": router.hub.pod_seq(p.url), "last_error": p.last_error}
                          for p in router.pods.values()],
                 "index": router.index.size(), "events": {

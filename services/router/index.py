@@ -17,6 +17,14 @@ Lookup answers, for each pod, the number of consecutive blocks from the start
 of the request that the pod holds: the chain means the first miss ends the
 usable prefix, as in the engine's `find_longest_cache_hit`.
 
+The index also keeps each pod's **eviction pressure**: the blocks it reported
+removed (BlockRemoved), exponentially decayed. A pod with a full cache evicts
+as fast as new blocks arrive, and what it evicts are the prefixes of
+conversations that have not come back yet; the router places new prefixes away
+from such pods (`policy.score_pods`). Only an event-fed router sees this: the
+approximate mode cannot know what a pod dropped. A cleared pod (restart,
+resync, removal) resets its count; that is not pressure.
+
 All methods are thread-safe (event threads write, the HTTP loop reads).
 """
 from __future__ import annotations
@@ -28,9 +36,12 @@ from typing import Iterable, Sequence
 
 
 class PrefixIndex:
-    def __init__(self, pending_ttl: float = 10.0, approx_capacity: int = 1 << 20) -> None:
+    def __init__(self, pending_ttl: float = 10.0, approx_capacity: int = 1 << 20,
+                 evict_halflife: float = 120.0) -> None:
         self.pending_ttl = pending_ttl
         self.approx_capacity = approx_capacity
+        self.evict_halflife = evict_halflife
+        self._evicted: dict[str, tuple[float, float]] = {}  # pod -> (decayed removed blocks, as of monotonic t)
         self._lock = threading.Lock()
         # model -> block hash -> set of pods (exact, from events)
         self._exact: dict[str, dict[int, set[str]]] = {}
@@ -63,7 +74,10 @@ class PrefixIndex:
                     pred.pop((model, h), None)  # confirmed: the event entry takes over
 
     def removed(self, pod: str, model: str, hashes: Iterable[int]) -> None:
+        hashes = list(hashes)
+        now = time.monotonic()
         with self._lock:
+            self._evicted[pod] = (self._decayed(pod, now) + len(hashes), now)
             m = self._exact.get(model, {})
             mine = self._by_pod.get(pod, set())
             pred = self._predicted.get(pod)
@@ -87,6 +101,19 @@ class PrefixIndex:
                     if not pods:
                         del self._exact[model][h]
             self._predicted.pop(pod, None)
+            self._evicted.pop(pod, None)
+
+    def _decayed(self, pod: str, now: float) -> float:
+        v, t = self._evicted.get(pod, (0.0, now))
+        if self.evict_halflife <= 0:
+            return v
+        return v * 0.5 ** ((now - t) / self.evict_halflife)
+
+    def eviction_pressure(self, pods: Iterable[str]) -> dict[str, float]:
+        """Blocks each pod evicted recently (decayed with ``evict_halflife`` seconds); 0 for pods without events."""
+        now = time.monotonic()
+        with self._lock:
+            return {p: self._decayed(p, now) for p in pods}
 
     # ---- predicted (routing history) ----------------------------------------
     def record_routed(self, pod: str, model: str, hashes: Sequence[int]) -> None:

@@ -41,6 +41,9 @@ class RouterMetrics:
                                  ["pod", "role"], registry=r)
         self.pod_inflight = Gauge("kvmesh:router_pod_inflight_requests", "requests in flight per pod",
                                   ["pod"], registry=r)
+        self.pod_evict_pressure = Gauge("kvmesh:router_pod_eviction_pressure_blocks",
+                                        "blocks the pod reported evicted, exponentially decayed (scoring input)",
+                                        ["pod"], registry=r)
         self.kv_events = Counter("kvmesh:router_kv_events", "KV events applied", ["pod", "kind"], registry=r)
         self.kv_gaps = Gauge("kvmesh:router_kv_event_gaps", "sequence gaps seen (all pods)", registry=r)
         self.kv_replayed = Gauge("kvmesh:router_kv_event_replayed_batches", "batches recovered by replay",

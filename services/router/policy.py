@@ -15,6 +15,7 @@ Scoring (`score_pods`), per eligible pod::
       - tokens * pending_tokens / (mean pending_tokens + prompt_len)
       - share * R / (mean R + 1)
       - kv * kv_usage
+      - evict * (1 - top hit share) * E / (mean E + 1)
 
 with ``L`` the pod's request load, ``R`` its decayed count of routed requests
 and ``ref_len`` a typical prompt length (the hit is worth the prefill it saves
@@ -29,6 +30,13 @@ block 0) saves little relative to the prompt and so never pulls traffic, and a
 prefix that is most of the prompt (a long shared system prompt) pulls until the
 guard trips, after which the router's own routing history makes the second pod
 hold it too and load decides between the two.
+
+``E`` is the pod's eviction pressure (blocks it reported removed recently, from
+the KV events; `index.PrefixIndex.eviction_pressure`). It is scaled by the part
+of the request that no pod holds (``1 - top hit share``, with the hit share
+measured like the hit term): it steers new prefixes away from pods whose caches
+are churning, where they would push out conversations about to return, and
+leaves a follow-up whose prefix is cached where it is.
 """
 from __future__ import annotations
 
@@ -110,7 +118,8 @@ def round_robin(pods: list[Pod]) -> Pod:
 
 
 def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_size: int,
-               w: ScoringWeights, now: float | None = None, ref_len: float = 0.0) -> Decision:
+               w: ScoringWeights, now: float | None = None, ref_len: float = 0.0,
+               pressure: dict[str, float] | None = None) -> Decision:
     """Pick the best pod among ``pods`` (all healthy, non-empty).
 
     ``ref_len``: a typical prompt length (the router's running mean). The hit counts as the share of
@@ -131,6 +140,12 @@ def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_siz
     eligible = [p for p in pods if p.load <= limit] or pods
     plen = max(prompt_len, 1)
     hit_base = max(plen, ref_len)
+    pressure = pressure or {}
+    mean_evict = sum(pressure.get(p.url, 0.0) for p in pods) / n
+    evict_scale = 0.0
+    if w.evict and mean_evict > 0:
+        top = max(predicted_cached_tokens(hits.get(p.url, 0), prompt_len, block_size) for p in eligible)
+        evict_scale = w.evict * max(0.0, 1.0 - top / hit_base) / (mean_evict + 1.0)
     best: tuple | None = None
     start = next(_rr)  # rotate ties so equal pods share work
     for i in range(len(eligible)):
@@ -141,7 +156,8 @@ def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_siz
              - w.load * p.load / (mean_load + 1.0)
              - w.tokens * p.inflight_tokens / (mean_tok + plen)
              - w.kv * p.kv_usage
-             - w.share * shares[p.url] / (mean_share + 1.0))
+             - w.share * shares[p.url] / (mean_share + 1.0)
+             - evict_scale * pressure.get(p.url, 0.0))
         key = (s, -p.load)
         if best is None or key > best[0]:
             best = (key, p, hb, ht)

@@ -90,6 +90,9 @@ def test_prefix_follows_then_eviction_forgets(cluster):
         complete(first, doc(i))
     assert wait_for(lambda: router.index.match_exact(router.ns, h, first) < len(h))
     assert router.index.match_exact(router.ns, h, first) == 0
+    # the evictions were counted as that pod's pressure (a scoring input), the idle pod has none
+    pressure = router.index.eviction_pressure([first, other])
+    assert pressure[first] >= len(h) and pressure[other] == 0
 
 
 def test_streaming_passthrough_openai_client(cluster):

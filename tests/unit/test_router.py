@@ -147,6 +147,33 @@ def test_share_decays_and_places_new_work_evenly():
     assert d.pod is a and d.reason == "kv_hit"
 
 
+def test_eviction_pressure_from_events_steers_new_prefixes_only():
+    """BlockRemoved events build a decayed per-pod eviction count (a cleared pod starts over); a new
+    prefix avoids the pod that evicts, a follow-up whose prefix that pod still holds stays there."""
+    idx = PrefixIndex(evict_halflife=60.0)
+    idx.stored("http://a:1", "m", range(100))
+    idx.removed("http://a:1", "m", range(40))
+    idx.removed("http://b:1", "m", [7])
+    got = idx.eviction_pressure(["http://a:1", "http://b:1", "http://c:1"])
+    assert got["http://a:1"] == pytest.approx(40, rel=1e-3) and got["http://b:1"] == pytest.approx(1, rel=1e-3)
+    assert got["http://c:1"] == 0
+    idx._evicted["http://a:1"] = (40.0, idx._evicted["http://a:1"][1] - 60.0)  # one half-life ago
+    assert idx.eviction_pressure(["http://a:1"])["http://a:1"] == pytest.approx(20, rel=1e-3)
+    idx.clear_pod("http://a:1")
+    assert idx.eviction_pressure(["http://a:1"])["http://a:1"] == 0
+
+    w = ScoringWeights(share=0.0, evict=0.3)
+    a, b = Pod(PodSpec("http://a:1")), Pod(PodSpec("http://b:1"))
+    b.inflight_requests = 1  # b is a little busier: without pressure the new prefix goes to a
+    new = {"http://a:1": 1, "http://b:1": 1}  # only the shared first block
+    assert score_pods([a, b], new, 320, BS, w).pod is a
+    pressure = {"http://a:1": 300.0, "http://b:1": 0.0}
+    assert score_pods([a, b], new, 320, BS, w, pressure=pressure).pod is b
+    assert score_pods([a, b], new, 320, BS, ScoringWeights(share=0.0, evict=0.0), pressure=pressure).pod is a
+    warm = {"http://a:1": 15, "http://b:1": 1}  # a follow-up: most of the prompt is cached on a
+    assert score_pods([a, b], warm, 320, BS, w, pressure=pressure).pod is a
+
+
 def test_hit_value_is_measured_against_a_typical_prompt():
     """A short prompt's few cached blocks save little prefill: with a typical prompt of 640 tokens they
     no longer outweigh a request-share surplus; a long prompt's cached prefix still does."""
