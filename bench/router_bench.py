@@ -108,14 +108,17 @@ while True:
 """
 
 
-async def _hammer(url: str, n: int, conc: int, prompt: str) -> dict:
+async def _hammer(url: str, n: int, conc: int, prompt: str | list[str]) -> dict:
+    """``n`` completions, ``conc`` at a time: request i sends ``prompt + " i"``, or ``prompt[i]`` when
+    given a list (distinct prompts)."""
     lat: list[float] = []
     sem = asyncio.Semaphore(conc)
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=conc)) as client:
         async def one(i):
             async with sem:
                 t0 = time.monotonic()
-                r = await client.post(url + "/v1/completions", json={"model": "m", "prompt": prompt + f" {i}",
+                text = prompt[i] if isinstance(prompt, list) else prompt + f" {i}"
+                r = await client.post(url + "/v1/completions", json={"model": "m", "prompt": text,
                                                                       "max_tokens": 1})
                 if r.status_code == 200:
                     lat.append(time.monotonic() - t0)
@@ -158,8 +161,14 @@ def overhead(args) -> dict:
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", 60, pod)
         workers = [{"url": url, "events": None, "replay": None}]
-        prompt = "".join(word_vocab()[i * 7 % 5000] for i in range(200))
-        asyncio.run(_hammer(url, 50, 4, prompt))  # warm-up
+        vocab = word_vocab()
+        prompt: str | list[str] = "".join(vocab[i * 7 % 5000] for i in range(args.overhead_words))
+        if args.overhead_distinct:  # every request its own word order: nothing repeats between prompts
+            rng = random.Random(0)
+            prompt = ["".join(rng.choice(vocab) for _ in range(args.overhead_words))
+                      for _ in range(args.overhead + 50)]
+        warm = prompt[args.overhead:] if isinstance(prompt, list) else prompt  # not among the timed prompts
+        asyncio.run(_hammer(url, 50, 4, warm))  # warm-up
         out["direct"] = asyncio.run(_hammer(url, args.overhead, args.overhead_conc, prompt))
         for pol in ("kvmesh", "kvmesh-asyncio", "sglang"):  # kvmesh on uvloop (its default), then on asyncio's loop
             if pol.startswith("kvmesh"):
@@ -175,7 +184,7 @@ def overhead(args) -> dict:
                     continue
                 rp, rurl = started
             try:
-                asyncio.run(_hammer(rurl, 50, 4, prompt))
+                asyncio.run(_hammer(rurl, 50, 4, warm))
                 cpu0 = group_cpu_s(rp.p.pid)
                 r = asyncio.run(_hammer(rurl, args.overhead, args.overhead_conc, prompt))
                 r["router_cpu_ms_per_req"] = 1000 * (group_cpu_s(rp.p.pid) - cpu0) / max(r["ok"], 1)
@@ -214,12 +223,17 @@ def main(argv=None) -> int:
     ap.add_argument("--overhead", type=int, default=0,
                     help="instead of the trace: N requests to an instant fake backend, direct vs through each router")
     ap.add_argument("--overhead-conc", type=int, default=16)
+    ap.add_argument("--overhead-distinct", action="store_true",
+                    help="--overhead with a different prompt per request (no repeated prefixes)")
+    ap.add_argument("--overhead-words", type=int, default=200,
+                    help="prompt length for --overhead (words of the synthetic vocabulary, ~1 token each)")
     args = ap.parse_args(argv)
     if args.overhead:
         res = overhead(args)
         if args.json:
             with open(args.json, "w") as fh:
-                json.dump({"overhead": res, "requests": args.overhead, "concurrency": args.overhead_conc}, fh,
+                json.dump({"overhead": res, "requests": args.overhead, "concurrency": args.overhead_conc,
+                           "prompt_words": args.overhead_words}, fh,
                           indent=1)
         return 0
 

@@ -288,6 +288,8 @@ class Router:
         self._tasks.clear()
         await self.upstream.close()
         self.hub.close()
+        if hasattr(self.tok, "close"):
+            self.tok.close()
 
     async def _health_loop(self) -> None:
         while True:
@@ -427,7 +429,7 @@ class Router:
 
     # ---- the request path ---------------------------------------------------
     async def handle(self, path: str, body: dict) -> Response:
-        ids = self.tok.prompt_ids(path, body)
+        ids = await self.tok.prompt_ids_async(path, body)
         plen = len(ids) if ids else 0
         hashes = self.tok.block_hashes(ids, self.cfg.block_size, body.get("cache_salt")) if ids else []
         self.metrics.prompt_tokens.inc(plen)

@@ -130,6 +130,9 @@ class IdTokenizer:
             return [int(x) for x in p.split()]
         return None
 
+    async def prompt_ids_async(self, path, body):
+        return self.prompt_ids(path, body)
+
     def block_hashes(self, ids, block_size, cache_salt):
         from kvmesh.engine.hashing import block_hashes_for, external_hash
 

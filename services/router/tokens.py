@@ -8,9 +8,20 @@ the pod is the authority on what is valid.
 """
 from __future__ import annotations
 
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvmesh.engine.hashing import block_hashes_for, external_hash
+
+from .token_cache import PieceCache
+
+# Prompts longer than this (characters) are tokenized on a worker thread. The Rust tokenizer's batch
+# entry points release the GIL, so a long prompt (an 8,000-token one takes ~12 ms on this CPU) no
+# longer stalls every other request on the event loop, and several tokenize at once on a multi-core
+# pod. Short prompts stay inline: the thread hop costs more than their tokenization.
+OFFLOAD_CHARS = 4096
 
 
 class RouterTokenizer:
@@ -24,6 +35,23 @@ class RouterTokenizer:
         self._fast = getattr(self.tokenizer, "_tokenizer", None)
         self.identity = loaded.config.identity()
         self.model_name = loaded.config.name
+        self._pool: ThreadPoolExecutor | None = None
+        # Long prompts in cached pieces when that is exact for this tokenizer (token_cache.py).
+        self.pieces = PieceCache.for_tokenizer(self._fast)
+
+    async def prompt_ids_async(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """`prompt_ids`, on a worker thread when the prompt text is long (see OFFLOAD_CHARS)."""
+        if _text_chars(body) <= OFFLOAD_CHARS:
+            return self.prompt_ids(path, body)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                            thread_name_prefix="router-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.prompt_ids, path, body)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def prompt_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """Token ids of the (first) prompt of a completions or chat body; None if not tokenizable."""
@@ -46,7 +74,14 @@ class RouterTokenizer:
         return None
 
     def _encode(self, text: str) -> list[int]:
+        if self.pieces is not None and len(text) > 2 * self.pieces.piece_chars:
+            return self.pieces.encode(text)
         if self._fast is not None:
+            # The batch entry point without offsets: the same ids as `encode`, ~30% less CPU on long
+            # prompts, and it releases the GIL (`encode` holds it).
+            fast = getattr(self._fast, "encode_batch_fast", None)
+            if fast is not None:
+                return fast([text], add_special_tokens=True)[0].ids
             return self._fast.encode(text, add_special_tokens=True).ids
         return list(self.tokenizer(text, add_special_tokens=True).input_ids)
 
@@ -60,9 +95,13 @@ class RouterTokenizer:
         if not msgs:
             return None
         cont = bool(body.get("continue_final_message", False))
-        out = self.tokenizer.apply_chat_template(
-            msgs, add_generation_prompt=bool(body.get("add_generation_prompt", True)) and not cont,
-            continue_final_message=cont, tokenize=True, **(body.get("chat_template_kwargs") or {}))
+        kw = dict(add_generation_prompt=bool(body.get("add_generation_prompt", True)) and not cont,
+                  continue_final_message=cont, **(body.get("chat_template_kwargs") or {}))
+        if self.pieces is not None and _text_chars(body) > 2 * self.pieces.piece_chars:
+            # The rendered conversation, tokenized in cached pieces: earlier turns come from the cache.
+            # (`tokenize=True` tokenizes the rendered text without adding special tokens: the same ids.)
+            return self.pieces.encode(self.tokenizer.apply_chat_template(msgs, tokenize=False, **kw))
+        out = self.tokenizer.apply_chat_template(msgs, tokenize=True, **kw)
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return list(out)
@@ -70,3 +109,20 @@ class RouterTokenizer:
     def block_hashes(self, ids: list[int], block_size: int, cache_salt: str | None) -> list[int]:
         """The wire (64-bit) hashes of the prompt's full blocks, as the engine computes them."""
         return [external_hash(h) for h in block_hashes_for(ids, block_size, self.identity, cache_salt)]
+
+
+def _text_chars(body: dict[str, Any]) -> int:
+    """Characters of prompt text in a completions or chat body (0 for token-id prompts)."""
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return len(p)
+    if isinstance(p, list) and p and isinstance(p[0], str):
+        return len(p[0])
+    n = 0
+    for m in body.get("messages") or ():
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, str):
+            n += len(c)
+        elif isinstance(c, list):
+            n += sum(len(str(part.get("text", ""))) for part in c if isinstance(part, dict))
+    return n
