@@ -74,7 +74,7 @@ class RouterTokenizer:
         return None
 
     def _encode(self, text: str) -> list[int]:
-        if self.pieces is not None and len(text) > 2 * self.pieces.piece_chars:
+        if self.pieces is not None and len(text) > self.pieces.piece_chars:
             return self.pieces.encode(text)
         if self._fast is not None:
             # The batch entry point without offsets: the same ids as `encode`, ~30% less CPU on long
@@ -97,7 +97,7 @@ class RouterTokenizer:
         cont = bool(body.get("continue_final_message", False))
         kw = dict(add_generation_prompt=bool(body.get("add_generation_prompt", True)) and not cont,
                   continue_final_message=cont, **(body.get("chat_template_kwargs") or {}))
-        if self.pieces is not None and _text_chars(body) > 2 * self.pieces.piece_chars:
+        if self.pieces is not None and _text_chars(body) > self.pieces.piece_chars:
             # The rendered conversation, tokenized in cached pieces: earlier turns come from the cache.
             # (`tokenize=True` tokenizes the rendered text without adding special tokens: the same ids.)
             return self.pieces.encode(self.tokenizer.apply_chat_template(msgs, tokenize=False, **kw))
