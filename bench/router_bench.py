@@ -37,7 +37,8 @@ import time
 
 import httpx
 
-from kvmesh.bench_router import Proc, free_port, ideal_hit_ratio, load_trace, replay, scrape, wait_http, word_vocab
+from kvmesh.bench_router import (Proc, free_port, group_cpu_s, ideal_hit_ratio, load_trace, replay, scrape,
+                                 wait_http, word_vocab)
 from kvmesh.bench_router import build_requests as _build_requests
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,25 +129,6 @@ async def _hammer(url: str, n: int, conc: int, prompt: str | list[str]) -> dict:
     lat.sort()
     return {"ok": len(lat), "req_s": len(lat) / wall, "p50_ms": 1000 * lat[len(lat) // 2],
             "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]}
-
-
-def group_cpu_s(sid: int) -> float:
-    """CPU seconds (user + system) used so far by the live processes of session ``sid`` (a `Proc`
-    starts its command in a new session): what a router spends per request, whoever is the
-    bottleneck of the run (on a 2-core box the shared client usually is)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:  # fields after "(comm)": state ppid pgrp session ...
-            total += int(fields[11]) + int(fields[12])
-    return total / tick
 
 
 def overhead(args) -> dict:

@@ -38,7 +38,9 @@ Metrics per policy: hit_ratio = Σ instances' ``vllm:prefix_cache_hits`` /
 ``vllm:prefix_cache_queries`` deltas (tokens served from cache / prompt tokens, measured
 on the instances); TTFT p50/p90/p99 (s, client side, streaming, first chunk);
 throughput (completed requests/s over the makespan); imbalance = max/mean completed
-requests per instance. ``ideal_hit_ratio``: an unlimited shared cache with the engine's
+requests per instance; router_cpu_pct = CPU time (user + system) of the router's process group during
+the replay, as % of one core (at these rates mostly its steady work: health checks, /metrics scrapes of
+every pod, KV events; per-request cost: `bench/router_bench.py --overhead`). ``ideal_hit_ratio``: an unlimited shared cache with the engine's
 rule (the last prompt token is always recomputed).
 """
 from __future__ import annotations
@@ -202,6 +204,25 @@ class Proc:
             except subprocess.TimeoutExpired:
                 continue
         self.log.close()
+
+
+def group_cpu_s(sid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of session ``sid`` (a `Proc`
+    starts its command in a new session): what a router spends per request, whoever is the
+    bottleneck of the run (on a 2-core box the shared client usually is)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # fields after "(comm)": state ppid pgrp session ...
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
 
 
 def wait_http(url: str, timeout: float, proc: Proc | None = None) -> None:
@@ -387,8 +408,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"[{policy}] router did not start: {e}", file=sys.stderr)
                 continue
             before = [scrape(w["url"]) for w in workers]
+            cpu0, t0 = group_cpu_s(rp.p.pid), time.monotonic()
             try:
                 res = asyncio.run(replay(url, model, reqs, args.rate, args.timeout))
+                cpu, wall = group_cpu_s(rp.p.pid) - cpu0, time.monotonic() - t0
             finally:
                 rp.stop()
             time.sleep(1.0)
@@ -398,6 +421,7 @@ def run(args: argparse.Namespace) -> int:
             per = [a["vllm:request_success_total"] - b["vllm:request_success_total"] for a, b in zip(after, before)]
             mean = sum(per) / len(per) if per else 0
             res.update(hit_ratio=hits / queries if queries else None, imbalance=max(per) / mean if mean else None,
+                       router_cpu_pct=100 * cpu / wall,
                        per_instance=per, ideal_hit_ratio=ideal_hit_ratio([r["blocks"] for r in reqs]))
             results[policy] = res
             print(f"[{policy}] done: hit {res['hit_ratio']}, ttft p90 {res['ttft_p90']}, ok {res['ok']}/"
@@ -426,7 +450,7 @@ def print_table(results: dict, setup: dict) -> None:
     print(f"{setup['requests']} requests of {setup['trace']}, {setup['instances']} simulated instances, "
           f"{setup['rate_req_s']} req/s")
     print(f"{'policy':<12} {'hit':>6} {'ideal':>6} {'ttft p50':>9} {'p90':>7} {'p99':>7} {'req/s':>6} "
-          f"{'imbal':>6} {'ok/fail':>8}")
+          f"{'imbal':>6} {'ok/fail':>8} {'router CPU %':>12}")
     f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for pol, r in results.items():
         if "ok" not in r:
@@ -434,7 +458,7 @@ def print_table(results: dict, setup: dict) -> None:
             continue
         print(f"{pol:<12} {f(r['hit_ratio']):>6} {f(r['ideal_hit_ratio']):>6} {f(r['ttft_p50']):>9} "
               f"{f(r['ttft_p90']):>7} {f(r['ttft_p99']):>7} {f(r['throughput']):>6} {f(r['imbalance'], 2):>6} "
-              f"{r['ok']:>4}/{r['failed']:<3}")
+              f"{r['ok']:>4}/{r['failed']:<3} {f(r.get('router_cpu_pct'), 1):>12}")
 
 
 def main(argv=None) -> int:
