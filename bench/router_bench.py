@@ -185,6 +185,51 @@ def overhead(args) -> dict:
     return out
 
 
+def tokenizer_cost(args) -> dict:
+    """The router's tokenization alone, in this process: per prompt of ``--overhead-words`` random words
+    of the synthetic vocabulary (``--tokenizer`` prompts, nothing repeated between them), wall and CPU
+    time of the Rust tokenizer's `encode`, its `encode_batch_fast` (what the router calls), the
+    router's piece cache cold (every piece new) and warm (every piece cached). Then an exactness check
+    on `make bench-router`'s own prompts (its slice, the kvmesh and sglang seeds): the router's ids
+    against the HF tokenizer's."""
+    from kvmesh.bench_router import build_requests
+    from kvmesh.services.router.token_cache import PieceCache
+    from kvmesh.services.router.tokens import RouterTokenizer
+
+    rt = RouterTokenizer(None)
+    fast = rt._fast
+    vocab = word_vocab()
+    rng = random.Random(0)
+    texts = ["".join(rng.choice(vocab) for _ in range(args.overhead_words)) for _ in range(args.tokenizer)]
+    ntok = sum(len(fast.encode(t).ids) for t in texts) / len(texts)
+    cold = PieceCache.for_tokenizer(fast, max_pieces=1 << 20)
+    ways = {"encode": lambda t: fast.encode(t, add_special_tokens=True).ids,
+            "encode_batch_fast": lambda t: fast.encode_batch_fast([t], add_special_tokens=True)[0].ids,
+            "pieces, cold": cold.encode, "pieces, warm": cold.encode}
+    out: dict = {"prompt_words": args.overhead_words, "prompt_tokens": ntok, "prompts": len(texts)}
+    print(f"{'tokenization of ~' + str(round(ntok)) + '-token prompts':<40} {'wall ms':>8} {'CPU ms':>8} "
+          f"{'CPU us/token':>13}")
+    for name, fn in ways.items():
+        w0, c0 = time.perf_counter(), time.process_time()
+        for t in texts:
+            fn(t)
+        wall, cpu = (time.perf_counter() - w0) / len(texts), (time.process_time() - c0) / len(texts)
+        out[name] = {"wall_ms": 1e3 * wall, "cpu_ms": 1e3 * cpu}
+        print(f"{name:<40} {1e3 * wall:>8.2f} {1e3 * cpu:>8.2f} {1e6 * cpu / ntok:>13.2f}")
+    ns = argparse.Namespace(block_tokens=16, hash_block=512, max_output=8)
+    rows = load_trace(args.trace, 160, "conversations", 600.0)
+    checked = mismatched = 0
+    for seed in ("kvmesh", "sglang"):
+        for r in build_requests(rows, ns, seed=seed, max_len=8192):
+            text = "".join(t for _, toks in r["blocks"] for t in toks)
+            checked += 1
+            mismatched += rt.prompt_ids("/v1/completions", {"prompt": text}) != list(
+                rt.tokenizer(text, add_special_tokens=True).input_ids)
+    out["bench_prompts"] = {"checked": checked, "mismatched": mismatched}
+    print(f"make bench-router prompts: {checked} checked, {mismatched} with ids different from the HF tokenizer's")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=DEFAULT_TRACE)
@@ -209,7 +254,16 @@ def main(argv=None) -> int:
                     help="--overhead with a different prompt per request (no repeated prefixes)")
     ap.add_argument("--overhead-words", type=int, default=200,
                     help="prompt length for --overhead (words of the synthetic vocabulary, ~1 token each)")
+    ap.add_argument("--tokenizer", type=int, default=0, metavar="N",
+                    help="instead of the trace: the router's tokenization alone on N prompts of --overhead-words "
+                         "random words, and an exactness check on make bench-router's prompts")
     args = ap.parse_args(argv)
+    if args.tokenizer:
+        res = tokenizer_cost(args)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(res, fh, indent=1)
+        return 0
     if args.overhead:
         res = overhead(args)
         if args.json:

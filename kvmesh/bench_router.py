@@ -38,10 +38,11 @@ Metrics per policy: hit_ratio = Σ instances' ``vllm:prefix_cache_hits`` /
 ``vllm:prefix_cache_queries`` deltas (tokens served from cache / prompt tokens, measured
 on the instances); TTFT p50/p90/p99 (s, client side, streaming, first chunk);
 throughput (completed requests/s over the makespan); imbalance = max/mean completed
-requests per instance; router_cpu_pct = CPU time (user + system) of the router's process group during
-the replay, as % of one core (at these rates mostly its steady work: health checks, /metrics scrapes of
-every pod, KV events; per-request cost: `bench/router_bench.py --overhead`). ``ideal_hit_ratio``: an unlimited shared cache with the engine's
-rule (the last prompt token is always recomputed).
+requests per instance; router_cpu_pct = CPU time (user + system) of the router's process group
+during the replay, as % of one core (at these rates mostly its steady work: health checks, /metrics
+scrapes of every pod, KV events; per-request cost: `bench/router_bench.py --overhead`).
+``ideal_hit_ratio``: an unlimited shared cache with the engine's rule (the last prompt token is always
+recomputed).
 """
 from __future__ import annotations
 
@@ -208,7 +209,7 @@ class Proc:
 
 def group_cpu_s(sid: int) -> float:
     """CPU seconds (user + system) used so far by the live processes of session ``sid`` (a `Proc`
-    starts its command in a new session): what a router spends per request, whoever is the
+    starts its command in a new session): a router's own cost, whichever process is the
     bottleneck of the run (on a 2-core box the shared client usually is)."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0

@@ -141,11 +141,12 @@ def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_siz
     plen = max(prompt_len, 1)
     hit_base = max(plen, ref_len)
     pressure = pressure or {}
-    mean_evict = sum(pressure.get(p.url, 0.0) for p in pods) / n
     evict_scale = 0.0
-    if w.evict and mean_evict > 0:
-        top = max(predicted_cached_tokens(hits.get(p.url, 0), prompt_len, block_size) for p in eligible)
-        evict_scale = w.evict * max(0.0, 1.0 - top / hit_base) / (mean_evict + 1.0)
+    if w.evict and pressure:
+        mean_evict = sum(pressure.get(p.url, 0.0) for p in pods) / n
+        if mean_evict > 0:
+            top = max(predicted_cached_tokens(hits.get(p.url, 0), prompt_len, block_size) for p in eligible)
+            evict_scale = w.evict * max(0.0, 1.0 - top / hit_base) / (mean_evict + 1.0)
     best: tuple | None = None
     start = next(_rr)  # rotate ties so equal pods share work
     for i in range(len(eligible)):

@@ -1,11 +1,12 @@
 """Tokenize long prompts in cached pieces: repeated prefixes are not tokenized again.
 
 The router tokenizes every prompt to hash its blocks, and a long prompt costs
-milliseconds of CPU (~1.4 us per token with the embedded model's tokenizer on
+milliseconds of CPU (~2.5 us per token with the embedded model's tokenizer on
 this machine). Multi-turn conversations and shared system prompts send the same
 leading text again and again, so the text is cut into pieces of about
 ``piece_chars`` characters, each piece's ids are kept in an LRU, and only the
-pieces not seen before go to the tokenizer (in one batch call).
+pieces not seen before go to the tokenizer (as one parallel batch when there
+are many).
 
 This is exact only where the tokenizer cannot merge across a cut. For a
 byte-level BPE whose pre-tokenizer is the GPT-2 regex (``ByteLevel`` with
@@ -26,6 +27,9 @@ import threading
 from array import array
 from collections import OrderedDict
 from typing import Any
+
+
+PARALLEL_PIECES = 32  # new pieces (~32 KB of text) from which a parallel batch costs no more CPU than one each
 
 
 class PieceCache:
@@ -89,8 +93,13 @@ class PieceCache:
                 found.append(ids)
         missing = [p for p, ids in zip(pieces, found) if ids is None]
         if missing:
-            encoded = {p: array("l", e.ids)
-                       for p, e in zip(missing, self.fast.encode_batch_fast(missing, add_special_tokens=False))}
+            # Many new pieces: one batch, tokenized in parallel. Fewer: one at a time, since a batch wakes
+            # the tokenizer's thread pool, whose overhead (~0.7 ms of CPU) outweighs a few pieces' work
+            # (`bench/router_bench.py --tokenizer`).
+            batch = self.fast.encode_batch_fast
+            enc = (batch(missing, add_special_tokens=False) if len(missing) >= PARALLEL_PIECES
+                   else [batch([p], add_special_tokens=False)[0] for p in missing])
+            encoded = {p: array("l", e.ids) for p, e in zip(missing, enc)}
             with self._lock:
                 for p, ids in encoded.items():
                     self._lru[p] = ids
