@@ -170,6 +170,17 @@ class EngineCore:
             self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
             self._forget(r)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (an operator's or a benchmark's clean start).
+
+        Refused (False) while any request is unfinished or a connector still holds blocks for a
+        remote reader: their blocks are in use, and dropping the hashes of blocks in use would
+        leave the index and the pool disagreeing. On success the pool emits AllBlocksCleared, so
+        routers fed by the KV events forget this pod's blocks too."""
+        if self.has_unfinished() or self.has_pending_transfers():
+            return False
+        return self.kv.pool.reset_prefix_cache()
+
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._pending) or self._inflight is not None
 

@@ -89,6 +89,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-decode-ms", default=None, help="instances' BASE,PER_SEQ (default: H200 calibration)")
     p.add_argument("--peer-venvs", default="/tmp", help="folder holding venv-sgl/ and venv-vllm/")
     p.add_argument("--kvmesh-args", default="", help="extra `kvmesh router` flags for the kvmesh policy")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="replay every policy N times in N rounds (policy order rotated each round); the table and "
+                        "JSON give the mean per policy and every run")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout, s")
     p.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "kvmesh-bench-router-logs"))
 
@@ -400,33 +403,20 @@ def run(args: argparse.Namespace) -> int:
             wait_http(w["url"] + "/health", 900, p)
         model = httpx.get(workers[0]["url"] + "/v1/models").json()["data"][0]["id"]
         max_len = args.max_model_len
+        runs: dict[str, list[dict]] = defaultdict(list)
+        for rnd in range(max(1, args.repeats)):
+            k = rnd % max(len(runnable), 1)
+            for policy in runnable[k:] + runnable[:k]:
+                if policy in results:  # its router failed to start
+                    continue
+                reset_caches(workers)
+                res = run_policy(policy, rows, workers, model, args, max_len, results)
+                if res is not None:
+                    res["round"] = rnd
+                    runs[policy].append(res)
         for policy in runnable:
-            reqs = build_requests(rows, args, seed=policy, max_len=max_len)
-            try:
-                rp, url = start_router(policy, workers, args)
-            except RuntimeError as e:
-                results[policy] = {"error": f"router did not start: {e}"}
-                print(f"[{policy}] router did not start: {e}", file=sys.stderr)
-                continue
-            before = [scrape(w["url"]) for w in workers]
-            cpu0, t0 = group_cpu_s(rp.p.pid), time.monotonic()
-            try:
-                res = asyncio.run(replay(url, model, reqs, args.rate, args.timeout))
-                cpu, wall = group_cpu_s(rp.p.pid) - cpu0, time.monotonic() - t0
-            finally:
-                rp.stop()
-            time.sleep(1.0)
-            after = [scrape(w["url"]) for w in workers]
-            d = lambda k: sum(a[k] - b[k] for a, b in zip(after, before))  # noqa: E731
-            hits, queries = d("vllm:prefix_cache_hits_total"), d("vllm:prefix_cache_queries_total")
-            per = [a["vllm:request_success_total"] - b["vllm:request_success_total"] for a, b in zip(after, before)]
-            mean = sum(per) / len(per) if per else 0
-            res.update(hit_ratio=hits / queries if queries else None, imbalance=max(per) / mean if mean else None,
-                       router_cpu_pct=100 * cpu / wall,
-                       per_instance=per, ideal_hit_ratio=ideal_hit_ratio([r["blocks"] for r in reqs]))
-            results[policy] = res
-            print(f"[{policy}] done: hit {res['hit_ratio']}, ttft p90 {res['ttft_p90']}, ok {res['ok']}/"
-                  f"{res['ok'] + res['failed']}", file=sys.stderr)
+            if runs[policy]:
+                results[policy] = summarize(runs[policy])
     finally:
         for p in procs:
             p.stop()
@@ -438,13 +428,88 @@ def run(args: argparse.Namespace) -> int:
              "length_scale": f"{args.block_tokens}/{args.hash_block}", "max_output": args.max_output,
              "num_kv_blocks_per_instance": args.num_kv_blocks, "sim_prefill_ms_per_token": prefill_ms,
              "max_num_batched_tokens": chunk, "sim_decode_ms": args.sim_decode_ms or "4.73,0.0143",
-             "wall_s": round(time.monotonic() - t_start, 1)}
+             "repeats": max(1, args.repeats), "wall_s": round(time.monotonic() - t_start, 1)}
     print_table(results, setup)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:
             json.dump({**results, "_setup": setup}, fh, indent=1)
     return 0
+
+
+def reset_caches(workers: list[dict], timeout: float = 60.0) -> None:
+    """Empty every instance's prefix cache (`POST /reset_prefix_cache`) so that each replay starts cold
+    and no run's blocks crowd a later run's pool. Retried while an instance still finishes requests."""
+    import httpx
+
+    for w in workers:
+        deadline = time.monotonic() + timeout
+        while True:
+            r = httpx.post(w["url"] + "/reset_prefix_cache", timeout=30)
+            if r.status_code == 200:
+                break
+            if r.status_code != 409 or time.monotonic() > deadline:
+                raise RuntimeError(f"{w['url']}: reset_prefix_cache answered {r.status_code}: {r.text[:200]}")
+            time.sleep(0.5)
+
+
+def run_policy(policy: str, rows: list[dict], workers: list[dict], model: str, args, max_len: int,
+               results: dict) -> dict | None:
+    """One replay of the trace through ``policy``'s router; None (and an error in ``results``) if it
+    did not start."""
+    reqs = build_requests(rows, args, seed=policy, max_len=max_len)
+    try:
+        rp, url = start_router(policy, workers, args)
+    except RuntimeError as e:
+        results[policy] = {"error": f"router did not start: {e}"}
+        print(f"[{policy}] router did not start: {e}", file=sys.stderr)
+        return None
+    before = [scrape(w["url"]) for w in workers]
+    cpu0, t0 = group_cpu_s(rp.p.pid), time.monotonic()
+    try:
+        res = asyncio.run(replay(url, model, reqs, args.rate, args.timeout))
+        cpu, wall = group_cpu_s(rp.p.pid) - cpu0, time.monotonic() - t0
+    finally:
+        rp.stop()
+    time.sleep(1.0)
+    after = [scrape(w["url"]) for w in workers]
+    d = lambda k: sum(a[k] - b[k] for a, b in zip(after, before))  # noqa: E731
+    hits, queries = d("vllm:prefix_cache_hits_total"), d("vllm:prefix_cache_queries_total")
+    per = [a["vllm:request_success_total"] - b["vllm:request_success_total"] for a, b in zip(after, before)]
+    mean = sum(per) / len(per) if per else 0
+    res.update(hit_ratio=hits / queries if queries else None, imbalance=max(per) / mean if mean else None,
+               router_cpu_pct=100 * cpu / wall,
+               per_instance=per, ideal_hit_ratio=ideal_hit_ratio([r["blocks"] for r in reqs]))
+    print(f"[{policy}] done: hit {res['hit_ratio']}, ttft p90 {res['ttft_p90']}, ok {res['ok']}/"
+          f"{res['ok'] + res['failed']}", file=sys.stderr)
+    return res
+
+
+MEAN_KEYS = ("hit_ratio", "ttft_p50", "ttft_p90", "ttft_p99", "ttft_mean", "throughput", "output_tok_s",
+             "makespan_s", "imbalance", "router_cpu_pct")
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One policy's runs as one row: the mean of each metric (requests summed), the sample standard
+    deviation of hit ratio, TTFT p90 and imbalance, and every run kept under ``runs``."""
+    if len(runs) == 1:
+        return runs[0]
+    out: dict = {}
+    for k in MEAN_KEYS:
+        vals = [r[k] for r in runs if r.get(k) is not None]
+        out[k] = sum(vals) / len(vals) if vals else None
+    out["ok"] = sum(r["ok"] for r in runs)
+    out["failed"] = sum(r["failed"] for r in runs)
+    out["ideal_hit_ratio"] = runs[0]["ideal_hit_ratio"]
+    sd = {}
+    for k in ("hit_ratio", "ttft_p90", "imbalance"):
+        vals = [r[k] for r in runs if r.get(k) is not None]
+        if len(vals) > 1:
+            m = sum(vals) / len(vals)
+            sd[k] = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
+    out["sd"] = sd
+    out["runs"] = runs
+    return out
 
 
 def print_table(results: dict, setup: dict) -> None:
@@ -460,6 +525,24 @@ def print_table(results: dict, setup: dict) -> None:
         print(f"{pol:<12} {f(r['hit_ratio']):>6} {f(r['ideal_hit_ratio']):>6} {f(r['ttft_p50']):>9} "
               f"{f(r['ttft_p90']):>7} {f(r['ttft_p99']):>7} {f(r['throughput']):>6} {f(r['imbalance'], 2):>6} "
               f"{r['ok']:>4}/{r['failed']:<3} {f(r.get('router_cpu_pct'), 1):>12}")
+    multi = {pol: r["runs"] for pol, r in results.items() if r.get("runs")}
+    if not multi:
+        return
+    print(f"means of {setup['repeats']} runs each (caches reset before every run); standard deviation:")
+    for pol, r in results.items():
+        if r.get("sd"):
+            print(f"  {pol:<12} hit {f(r['hit_ratio'])} ± {f(r['sd'].get('hit_ratio'))}, "
+                  f"ttft p90 {f(r['ttft_p90'])} ± {f(r['sd'].get('ttft_p90'))}, "
+                  f"imbalance {f(r['imbalance'], 2)} ± {f(r['sd'].get('imbalance'), 2)}")
+    print("per run (hit / ttft p90 / imbalance):")
+    rounds = sorted({x["round"] for runs in multi.values() for x in runs})
+    for rnd in rounds:
+        cells = []
+        for pol, runs in multi.items():
+            x = next((x for x in runs if x["round"] == rnd), None)
+            if x is not None:
+                cells.append(f"{pol} {f(x['hit_ratio'])} / {f(x['ttft_p90'])} / {f(x['imbalance'], 2)}")
+        print(f"  round {rnd + 1}: " + "; ".join(cells))
 
 
 def main(argv=None) -> int:

@@ -10,6 +10,7 @@ streams end and non-streaming calls return an error instead of hanging) and
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import subprocess
 import sys
@@ -85,6 +86,8 @@ class EngineClient:
         self.streams: dict[str, RequestStream] = {}
         self._tasks: list[asyncio.Task] = []
         self._ready_event = asyncio.Event()
+        self._resets: dict[int, asyncio.Future] = {}
+        self._reset_tokens = itertools.count(1)
 
     # ---- lifecycle ----------------------------------------------------------
     def spawn(self) -> None:
@@ -161,6 +164,19 @@ class EngineClient:
         if self.dead_reason is None:
             self._send(wire.AbortSequence(request_id, index))
 
+    async def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
+        """Ask the engine to forget its cached prefixes; False when requests are running there."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        token = next(self._reset_tokens)
+        fut = asyncio.get_running_loop().create_future()
+        self._resets[token] = fut
+        try:
+            self._send(wire.ResetPrefixCache(token))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._resets.pop(token, None)
+
     # ---- background tasks ---------------------------------------------------
     async def _reader(self) -> None:
         while True:
@@ -189,6 +205,10 @@ class EngineClient:
                 s = self.streams.pop(msg.request_id, None)
                 if s is not None:
                     s.queue.put_nowait(EngineRejectedError(msg.reason, msg.message, msg.request_id))
+            elif isinstance(msg, wire.ResetDone):
+                fut = self._resets.get(msg.token)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.ok)
             elif isinstance(msg, wire.Ready):
                 self.ready = msg
                 self._ready_event.set()
@@ -211,3 +231,6 @@ class EngineClient:
         streams, self.streams = self.streams, {}
         for s in streams.values():
             s.queue.put_nowait(EngineDeadError(reason))
+        for fut in self._resets.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))

@@ -157,6 +157,11 @@ class EngineProcess:
                 self._unscheduled.pop(rid, None)
         elif isinstance(msg, wire.AbortSequence):
             self.engine.abort_sequence(msg.request_id, msg.index)
+        elif isinstance(msg, wire.ResetPrefixCache):
+            ok = not self._admitting and self.engine.reset_prefix_cache()
+            self._publish_events()  # AllBlocksCleared now, not at the next step (there may be none)
+            self._send(wire.ResetDone(msg.token, ok))
+            self.maybe_send_stats(force=True)
         elif isinstance(msg, wire.Shutdown):
             self._running = False
 
@@ -224,6 +229,9 @@ class EngineProcess:
                     del self._unscheduled[rid]
         if outs or queue_times:
             self._send(wire.Outputs(outputs=outs, queue_times=queue_times))
+        self._publish_events()
+
+    def _publish_events(self) -> None:
         events = self.engine.take_kv_events()  # always drain: the pool buffers them until taken
         if events and self.kv_publisher is not None:
             self.kv_publisher.publish(events)  # non-blocking: a queue drained by the publisher's thread

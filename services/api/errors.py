@@ -11,6 +11,7 @@ _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    409: "ConflictError",
     413: "RequestEntityTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",

@@ -167,6 +167,16 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
             raise APIError(400, f"token ids out of range [0, {serving.vocab_size}): {bad[:5]}", "tokens")
         return {"prompt": tokenizer.decode(req.tokens)}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Forget the engine's cached prefixes (vLLM's endpoint of the same name). 409 while requests
+        run: their blocks are in use. The KV event stream carries AllBlocksCleared to routers."""
+        if not client.healthy:
+            raise APIError(503, f"engine is not available: {client.dead_reason or 'starting'}")
+        if not await client.reset_prefix_cache():
+            raise APIError(409, "requests are running; the prefix cache can be reset only when the engine is idle")
+        return {"reset": True}
+
     # ---- completions --------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):

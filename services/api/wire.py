@@ -6,8 +6,8 @@ drift; this module only adds the envelopes the process boundary needs:
 aborts, rejections, readiness and batched outputs. Every message is a tagged
 struct, so one `Decoder` per direction decodes any of them.
 
-Direction API -> engine: ``AddRequest``, ``Abort``, ``AbortSequence``, ``Shutdown``.
-Direction engine -> API: ``Ready``, ``Outputs``, ``Rejected``, ``Stats``, ``Fatal``.
+Direction API -> engine: ``AddRequest``, ``Abort``, ``AbortSequence``, ``ResetPrefixCache``, ``Shutdown``.
+Direction engine -> API: ``Ready``, ``Outputs``, ``Rejected``, ``Stats``, ``ResetDone``, ``Fatal``.
 """
 from __future__ import annotations
 
@@ -39,7 +39,11 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToEngine = Union[AddRequest, Abort, AbortSequence, Shutdown]
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
+    token: int  # echoed in the answer, so concurrent callers each get theirs
+
+
+ToEngine = Union[AddRequest, Abort, AbortSequence, Shutdown, ResetPrefixCache]
 
 
 # ---- engine -> API ----------------------------------------------------------
@@ -75,13 +79,18 @@ class Stats(msgspec.Struct, tag="stats"):
     time: float  # engine wall clock (time.time()) when taken
 
 
+class ResetDone(msgspec.Struct, tag="reset_done"):
+    token: int
+    ok: bool  # False: requests were running (nothing was reset)
+
+
 class Fatal(msgspec.Struct, tag="fatal"):
     """The engine loop hit an unrecoverable error and is about to exit."""
 
     message: str
 
 
-FromEngine = Union[Ready, Outputs, Rejected, Stats, Fatal]
+FromEngine = Union[Ready, Outputs, Rejected, Stats, ResetDone, Fatal]
 
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
 from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)

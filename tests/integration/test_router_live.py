@@ -113,6 +113,35 @@ def test_streaming_passthrough_openai_client(cluster):
     assert parts[-1].usage is not None and parts[-1].usage.prompt_tokens > 0
 
 
+def test_reset_prefix_cache_clears_the_pod_and_the_router_index(cluster):
+    srv, router, pods = cluster
+    pod = pods[0].base_url
+    base = doc(40)
+    complete(pod, base)
+    ids = router.tok.prompt_ids("/v1/completions", {"prompt": base})
+    h = router.tok.block_hashes(ids, BS, None)
+    assert wait_for(lambda: router.index.match_exact(router.ns, h, pod) == len(h))
+    # refused while a request runs: its blocks are in use (OpenAI error schema, nothing reset)
+    body = {"prompt": doc(41, 10), "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", pod + "/v1/completions", json=body, timeout=120) as s:
+        assert s.status_code == 200
+        lines = s.iter_lines()
+        assert next(ln for ln in lines if ln.startswith("data:"))  # running: its first token is out
+        busy = httpx.post(pod + "/reset_prefix_cache", timeout=30)
+        assert busy.status_code == 409, busy.text
+        assert busy.json()["error"]["code"] == 409 and "running" in busy.json()["error"]["message"]
+        for _ in lines:
+            pass
+    assert router.index.match_exact(router.ns, h, pod) == len(h)
+    r = httpx.post(pod + "/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200 and r.json() == {"reset": True}
+    # AllBlocksCleared reached the router; the pod recomputes the whole prompt
+    assert wait_for(lambda: router.index.match_exact(router.ns, h, pod) == 0)
+    again = complete(pod, base)
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert complete(pod, base).json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= (len(h) - 1) * BS
+
+
 def test_killed_pod_taken_out(cluster):
     srv, router, pods = cluster
     victim = pods[1]

@@ -19,12 +19,13 @@ pytestmark = pytest.mark.unit
 def test_messages_round_trip():
     req = EngineCoreRequest("r1", [1, 2, 3], SamplingParams(n=2, stop=("x",), seed=3, logprobs=2),
                             cache_salt="s", kv_transfer_params={"do_remote_decode": True})
-    for msg in (wire.AddRequest(req), wire.Abort(["a", "b"]), wire.AbortSequence("a", 1), wire.Shutdown()):
+    for msg in (wire.AddRequest(req), wire.Abort(["a", "b"]), wire.AbortSequence("a", 1), wire.Shutdown(),
+                wire.ResetPrefixCache(7)):
         assert wire.to_engine_decoder.decode(wire.encoder.encode(msg)) == msg
     out = wire.Outputs([EngineCoreOutput("r1", 1, [5], [(-0.1, [(5, -0.1), (6, -2.0)])], "stop", ".")],
                        {"r1": 0.25})
     for msg in (out, wire.Stats(EngineStats(num_running=2), 1.0), wire.Rejected("r", "queue_full", "full"),
-                wire.Ready(1, "m", 512, 16, 100, "decode"), wire.Fatal("boom")):
+                wire.Ready(1, "m", 512, 16, 100, "decode"), wire.ResetDone(7, False), wire.Fatal("boom")):
         assert wire.from_engine_decoder.decode(wire.encoder.encode(msg)) == msg
 
 

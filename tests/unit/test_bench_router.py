@@ -1,0 +1,52 @@
+"""`kvmesh bench router`'s pure parts: trace loading, the ideal hit ratio, and the repeat summary."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvmesh import bench_router as B
+
+pytestmark = pytest.mark.unit
+
+
+def test_load_trace_rejects_rows_without_mooncake_fields(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"timestamp": 0, "input_length": 10, "hash_ids": [1]}) + "\n")
+    with pytest.raises(ValueError, match="output_length"):
+        B.load_trace(str(p), 0)
+
+
+def test_conversation_selection_keeps_whole_conversations(tmp_path):
+    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [0, 1]},
+            {"timestamp": 10, "input_length": 1024, "output_length": 1, "hash_ids": [0, 2]},
+            {"timestamp": 20, "input_length": 1536, "output_length": 1, "hash_ids": [0, 1, 3]},
+            {"timestamp": 30, "input_length": 512, "output_length": 1, "hash_ids": [0, 4]},
+            {"timestamp": 40, "input_length": 1536, "output_length": 1, "hash_ids": [0, 4, 5]}]
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = B.load_trace(str(p), 0, "conversations", window_s=1.0)
+    assert [r["hash_ids"][1] for r in got] == [1, 1, 4, 4]  # the one-turn conversation (2) left out
+
+
+def test_ideal_hit_ratio_counts_whole_shared_blocks_only():
+    a = [(0, [1] * 4), (1, [2] * 4)]
+    b = [(0, [1] * 4), (1, [2] * 4), (2, [3] * 4)]  # shares both blocks of a
+    c = [(0, [1] * 4), (9, [5] * 2)]  # shares block 0; its partial block never counts
+    hit = 0 + 8 + 4
+    assert B.ideal_hit_ratio([a, b, c]) == pytest.approx(hit / (8 + 12 + 6))
+    # the last prompt token is always recomputed: a repeat of a is a hit of one block, not two
+    assert B.ideal_hit_ratio([a, a]) == pytest.approx(4 / 16)
+
+
+def test_summarize_means_deviations_and_runs():
+    runs = [dict(hit_ratio=h, ttft_p50=0.1, ttft_p90=p90, ttft_p99=1.0, ttft_mean=0.2, throughput=4.0,
+                 output_tok_s=30.0, makespan_s=40.0, imbalance=im, router_cpu_pct=None, ok=10, failed=f,
+                 ideal_hit_ratio=0.5, round=i)
+            for i, (h, p90, im, f) in enumerate([(0.4, 1.0, 1.2, 0), (0.5, 1.4, 1.4, 1), (0.6, 1.2, 1.0, 0)])]
+    s = B.summarize(runs)
+    assert s["hit_ratio"] == pytest.approx(0.5) and s["ttft_p90"] == pytest.approx(1.2)
+    assert s["sd"]["hit_ratio"] == pytest.approx(0.1) and s["sd"]["imbalance"] == pytest.approx(0.2)
+    assert s["ok"] == 30 and s["failed"] == 1 and s["router_cpu_pct"] is None
+    assert s["runs"] == runs
+    assert B.summarize(runs[:1]) is runs[0]  # one run: reported as it is
