@@ -89,6 +89,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-decode-ms", default=None, help="instances' BASE,PER_SEQ (default: H200 calibration)")
     p.add_argument("--peer-venvs", default="/tmp", help="folder holding venv-sgl/ and venv-vllm/")
     p.add_argument("--kvmesh-args", default="", help="extra `kvmesh router` flags for the kvmesh policy")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="kvmesh's router with these extra flags, run as policy NAME (name it in --policies): "
+                        "settings compared side by side in one run, e.g. --variant share0='--weight-share 0'")
     p.add_argument("--repeats", type=int, default=1,
                    help="replay every policy N times in N rounds (policy order rotated each round); the table and "
                         "JSON give the mean per policy and every run")
@@ -266,20 +269,37 @@ def peer_command(policy: str, args) -> list[str] | None:
     return [exe] if os.path.exists(exe) else None
 
 
+def parse_variants(specs: list[str], reserved: set[str]) -> dict[str, list[str]]:
+    """``NAME=FLAGS`` strings -> {NAME: [flags]} (FLAGS split like a shell would)."""
+    import shlex
+
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        name = name.strip()
+        if not sep or not name or "," in name or name in reserved or name in out:
+            raise ValueError(f"--variant {spec!r}: expected NAME=FLAGS with a new name (no commas; not one of "
+                             f"{sorted(reserved)})")
+        out[name] = shlex.split(flags)
+    return out
+
+
 def start_router(policy: str, workers: list[dict], args) -> tuple[Proc, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = os.path.join(args.log_dir, f"router-{policy}.log")
     wurls = [w["url"] for w in workers]
     cwd = None
-    if policy in ("kvmesh", "round-robin", "least-load"):
-        kp = {"kvmesh": "kv-aware"}.get(policy, policy)
+    variants = getattr(args, "variants", {})
+    if policy in ("kvmesh", "round-robin", "least-load") or policy in variants:
+        kp = "kv-aware" if policy == "kvmesh" or policy in variants else policy
         cmd = [sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(port),
                "--block-size", str(args.block_tokens), "--health-interval", "1.0", "--policy", kp]
         for w in workers:
             cmd += ["--worker", f"{w['url']},events={w['events']},replay={w['replay']}"]
         if policy == "kvmesh":
             cmd += args.kvmesh_args.split()
+        cmd += variants.get(policy, [])
         # KVMESH_BENCH_ROUTER_LOG=DEBUG logs every routing decision (hits, loads) to router-<policy>.log
         env = {"KVMESH_LOG_LEVEL": os.environ.get("KVMESH_BENCH_ROUTER_LOG", "WARNING")}
     else:
@@ -355,6 +375,12 @@ def run(args: argparse.Namespace) -> int:
 
     policies = [p for p in args.policies.split(",") if p]
     known = {"round-robin", "kvmesh", "least-load", "sglang", "vllm"}
+    try:
+        args.variants = parse_variants(args.variant, known)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    known |= set(args.variants)
     bad = [p for p in policies if p not in known]
     if bad:
         print(f"error: unknown policies {bad}; choose from {sorted(known)}", file=sys.stderr)

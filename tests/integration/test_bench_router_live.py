@@ -1,5 +1,5 @@
-"""`kvmesh bench router` end to end on a tiny trace: real simulated instances, kvmesh's router and
-round-robin, two rounds with the instances' caches reset between runs."""
+"""`kvmesh bench router` end to end on a tiny trace: real simulated instances, kvmesh's router, a
+variant of it and round-robin, two rounds with the instances' caches reset between runs."""
 from __future__ import annotations
 
 import json
@@ -24,7 +24,8 @@ def test_bench_router_repeats_with_cold_caches(tmp_path):
     out = tmp_path / "router.json"
     env = dict(os.environ, KVMESH_CPU_THREADS="1")
     p = subprocess.run([sys.executable, "-m", "kvmesh.cli", "bench", "router", "--trace", str(trace),
-                        "--instances", "2", "--policies", "round-robin,kvmesh", "--requests", "0", "--rate", "4",
+                        "--instances", "2", "--policies", "round-robin,kvmesh,noshare", "--requests", "0",
+                        "--rate", "4", "--variant", "noshare=--weight-share 0",
                         "--max-output", "2", "--max-model-len", "512", "--num-kv-blocks", "64", "--repeats", "2",
                         "--log-dir", str(tmp_path / "logs"), "--json", str(out)],
                        capture_output=True, text=True, timeout=600, env=env)
@@ -33,7 +34,7 @@ def test_bench_router_repeats_with_cold_caches(tmp_path):
     assert res["_setup"]["repeats"] == 2
     # turns 2 and 3 reuse their previous turn's blocks; the second conversation's first turn, block 0
     ideal = (16 + 48 * 2 + 64 * 2) / ((48 + 64 + 80) * 2)
-    for pol in ("round-robin", "kvmesh"):
+    for pol in ("round-robin", "kvmesh", "noshare"):
         r = res[pol]
         assert [x["round"] for x in r["runs"]] == [0, 1] and r["ok"] == 12 and r["failed"] == 0
         assert r["ideal_hit_ratio"] == pytest.approx(ideal)
@@ -41,5 +42,6 @@ def test_bench_router_repeats_with_cold_caches(tmp_path):
         assert all(x["hit_ratio"] <= ideal + 1e-9 for x in r["runs"])
     # kvmesh keeps each conversation on the pod holding it, in both runs (only the shared first block
     # may be lost, when the two conversations start on different pods)
-    assert all(x["hit_ratio"] >= ideal - 16 / 384 - 1e-9 for x in res["kvmesh"]["runs"])
+    for pol in ("kvmesh", "noshare"):
+        assert all(x["hit_ratio"] >= ideal - 16 / 384 - 1e-9 for x in res[pol]["runs"])
     assert "per run" in p.stdout and "round 2" in p.stdout

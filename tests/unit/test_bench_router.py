@@ -50,3 +50,11 @@ def test_summarize_means_deviations_and_runs():
     assert s["ok"] == 30 and s["failed"] == 1 and s["router_cpu_pct"] is None
     assert s["runs"] == runs
     assert B.summarize(runs[:1]) is runs[0]  # one run: reported as it is
+
+
+def test_variants_parse_and_refuse_clashing_names():
+    got = B.parse_variants(["share0=--weight-share 0", "q='--weight-load' 0.5"], {"kvmesh"})
+    assert got == {"share0": ["--weight-share", "0"], "q": ["--weight-load", "0.5"]}
+    for bad in (["kvmesh=--weight-share 0"], ["noequals"], ["a,b=--x 1"], ["v=", "v=--x 1"]):
+        with pytest.raises(ValueError, match="NAME=FLAGS"):
+            B.parse_variants(bad, {"kvmesh"})
