@@ -34,7 +34,7 @@ class ScoringWeights:
     kv: float = 0.2
     balance_abs: float = 2.0
     balance_rel: float = 1.25
-    share: float = 0.3
+    share: float = 0.15
     share_halflife_s: float = 120.0
     evict: float = 0.0
     evict_halflife_s: float = 120.0
