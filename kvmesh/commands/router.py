@@ -35,6 +35,9 @@ def register(sub) -> None:
                    help="weight of the pod's eviction pressure (from KV events) for the uncached part of a request")
     p.add_argument("--evict-halflife", type=float, default=w.evict_halflife_s,
                    help="seconds over which a reported eviction's weight decays by half")
+    p.add_argument("--sticky-hit", type=float, default=w.sticky,
+                   help="a pod holding at least this fraction of the prompt (more than any other, under the "
+                        "balance guard) takes the request whatever its queue; 0: off")
     p.add_argument("--balance-abs", type=float, default=w.balance_abs)
     p.add_argument("--balance-rel", type=float, default=w.balance_rel)
     p.add_argument("--pd-min-uncached", type=int, default=256,
@@ -67,7 +70,7 @@ def config_from_args(args: argparse.Namespace):
         raise ValueError("--discovery k8s needs --selector (and/or --prefill-selector/--decode-selector)")
     w = ScoringWeights(hit=args.weight_hit, load=args.weight_load, tokens=args.weight_tokens, kv=args.weight_kv,
                        share=args.weight_share, share_halflife_s=args.share_halflife,
-                       evict=args.weight_evict, evict_halflife_s=args.evict_halflife,
+                       evict=args.weight_evict, evict_halflife_s=args.evict_halflife, sticky=args.sticky_hit,
                        balance_abs=args.balance_abs, balance_rel=args.balance_rel)
     return RouterConfig(host=args.host, port=args.port, model=args.model, served_model_name=args.served_model_name,
                         block_size=args.block_size, policy=args.policy, weights=w,

@@ -26,6 +26,9 @@ class ScoringWeights:
     cached prefix is not moved by it. Zero while no pod evicts (a cache with room). Off by default:
     on the Mooncake replay under KV pressure it gained at most ~0.01 of hit ratio and raised the
     request imbalance (docs/router.md).
+    ``sticky``: when > 0, a pod that holds at least this fraction of the prompt, more than any
+    other pod, and is under the balance guard takes the request whatever its queue (a follow-up
+    is not sent away to start sooner elsewhere). 0 (off) by default.
     """
 
     hit: float = 1.0
@@ -38,6 +41,7 @@ class ScoringWeights:
     share_halflife_s: float = 120.0
     evict: float = 0.0
     evict_halflife_s: float = 120.0
+    sticky: float = 0.0
 
 
 @dataclass(frozen=True)

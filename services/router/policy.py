@@ -141,6 +141,13 @@ def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_siz
     plen = max(prompt_len, 1)
     hit_base = max(plen, ref_len)
     pressure = pressure or {}
+    if w.sticky > 0:
+        ranked = sorted(((predicted_cached_tokens(hits.get(p.url, 0), prompt_len, block_size), i)
+                         for i, p in enumerate(eligible)), reverse=True)
+        (top_t, top_i), second = ranked[0], (ranked[1][0] if len(ranked) > 1 else -1)
+        if top_t > second and top_t >= w.sticky * plen:
+            p = eligible[top_i]
+            return Decision(p, hits.get(p.url, 0), top_t, "kv_hit")
     evict_scale = 0.0
     if w.evict and pressure:
         mean_evict = sum(pressure.get(p.url, 0.0) for p in pods) / n

@@ -117,6 +117,24 @@ def test_score_prefers_hit_but_spreads_load():
     assert score_pods([a, b], {"http://a:1": 10}, 200, BS, w).pod is b
 
 
+def test_sticky_hit_keeps_a_follow_up_on_its_pod_despite_queued_prefill():
+    a, b, c = (Pod(PodSpec(f"http://{x}:1")) for x in "abc")
+    for p in (a, b, c):
+        p.inflight_requests = 1
+    a.inflight_tokens = 4000  # seconds of someone else's prefill queued on the warm pod (typical prompt 2,000)
+    hits = {"http://a:1": 20, "http://b:1": 1, "http://c:1": 1}  # a holds 320 of 400 tokens
+    # default: the follow-up starts sooner elsewhere
+    assert score_pods([a, b, c], hits, 400, BS, ScoringWeights(), ref_len=2000).pod is not a
+    d = score_pods([a, b, c], hits, 400, BS, ScoringWeights(sticky=0.5), ref_len=2000)
+    assert d.pod is a and d.reason == "kv_hit" and d.hit_tokens == 320
+    # not below the threshold, not on a tie, not past the balance guard
+    assert score_pods([a, b, c], hits, 800, BS, ScoringWeights(sticky=0.5), ref_len=2000).pod is not a
+    tie = {"http://a:1": 20, "http://b:1": 20}
+    assert score_pods([a, b, c], tie, 400, BS, ScoringWeights(sticky=0.5), ref_len=2000).pod is b
+    a.inflight_requests = 9
+    assert score_pods([a, b, c], hits, 400, BS, ScoringWeights(sticky=0.5), ref_len=2000).pod is not a
+
+
 def test_load_is_own_inflight_plus_other_clients():
     """A scrape counts the router's own requests too: only the excess is other clients' load, and a
     request that has ended no longer counts although the last scrape still saw it."""
