@@ -28,7 +28,9 @@ class ScoringWeights:
     request imbalance (docs/router.md).
     ``sticky``: when > 0, a pod that holds at least this fraction of the prompt, more than any
     other pod, and is under the balance guard takes the request whatever its queue (a follow-up
-    is not sent away to start sooner elsewhere). 0 (off) by default.
+    is not sent away to start sooner elsewhere). 0.5 by default: on the Mooncake replay it brought
+    the hit ratio to 0.523 of an ideal 0.526, above both peers, at about the same TTFT p90
+    (docs/router.md).
     """
 
     hit: float = 1.0
@@ -41,7 +43,7 @@ class ScoringWeights:
     share_halflife_s: float = 120.0
     evict: float = 0.0
     evict_halflife_s: float = 120.0
-    sticky: float = 0.0
+    sticky: float = 0.5
 
 
 @dataclass(frozen=True)
