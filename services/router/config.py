@@ -28,9 +28,10 @@ class ScoringWeights:
     request imbalance (docs/router.md).
     ``sticky``: when > 0, a pod that holds at least this fraction of the prompt, more than any
     other pod, and is under the balance guard takes the request whatever its queue (a follow-up
-    is not sent away to start sooner elsewhere). 0.5 by default: on the Mooncake replay it brought
-    the hit ratio to 0.523 of an ideal 0.526, above both peers, at about the same TTFT p90
-    (docs/router.md).
+    is not sent away to start sooner elsewhere). Off (0) by default: on the Mooncake replay 0.5
+    gave 0.523 of an ideal 0.526 in one 3-round A/B, then 0.496 with request imbalance 1.53 in a
+    full run (pods holding long conversations fill up until the balance guard moves their
+    follow-ups anyway); docs/router.md.
     """
 
     hit: float = 1.0
@@ -43,7 +44,7 @@ class ScoringWeights:
     share_halflife_s: float = 120.0
     evict: float = 0.0
     evict_halflife_s: float = 120.0
-    sticky: float = 0.5
+    sticky: float = 0.0
 
 
 @dataclass(frozen=True)

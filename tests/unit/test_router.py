@@ -125,7 +125,7 @@ def test_sticky_hit_keeps_a_follow_up_on_its_pod_despite_queued_prefill():
     hits = {"http://a:1": 20, "http://b:1": 1, "http://c:1": 1}  # a holds 320 of 400 tokens
     # the scores alone: the follow-up starts sooner elsewhere
     assert score_pods([a, b, c], hits, 400, BS, ScoringWeights(sticky=0.0), ref_len=2000).pod is not a
-    assert ScoringWeights().sticky == 0.5  # the default keeps it
+    assert ScoringWeights().sticky == 0.0  # off by default
     d = score_pods([a, b, c], hits, 400, BS, ScoringWeights(sticky=0.5), ref_len=2000)
     assert d.pod is a and d.reason == "kv_hit" and d.hit_tokens == 320
     # not below the threshold, not on a tie, not past the balance guard
@@ -196,7 +196,7 @@ def test_eviction_pressure_from_events_steers_new_prefixes_only():
 def test_hit_value_is_measured_against_a_typical_prompt():
     """A short prompt's few cached blocks save little prefill: with a typical prompt of 640 tokens they
     no longer outweigh a request-share surplus; a long prompt's cached prefix still does. (The scores
-    alone: the sticky rule, on by default, would keep both on the pod holding most of the prompt.)"""
+    alone: the sticky rule, when on, would keep both on the pod holding most of the prompt.)"""
     w = ScoringWeights(sticky=0.0)
     a, b = Pod(PodSpec("http://a:1")), Pod(PodSpec("http://b:1"))
     a.recent, b.recent = 30.0, 10.0
