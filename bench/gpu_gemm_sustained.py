@@ -38,14 +38,18 @@ import torch
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 
 
-def build(batch: int, layers: int, gen: torch.Generator, tensors: bool = False):
+def build(batch: int, layers: int, gen: torch.Generator):
+    """Distinct weights per layer, the lm_head and the step's activations, built once per run."""
     ws = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k ** -0.5
            for _, n, k in SHAPES] for _ in range(layers)]
     head = torch.randn(128256, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 4096 ** -0.5
     x = torch.randn(batch, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
     h = torch.randn(batch, 14336, device="cuda", dtype=torch.bfloat16, generator=gen)
-    if tensors:
-        return ws, head, x, h
+    return ws, head, x, h
+
+
+def gemm_step(gemms):
+    ws, head, x, h = gemms
 
     def step():
         for qkv, o, gu, down in ws:
@@ -136,10 +140,10 @@ def main() -> None:
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
     kv_bytes = 0
+    gemms = build(args.batch, 32, gen)
     if args.attention:
-        gemms = build(args.batch, 32, gen, tensors=True)
         pool = make_pool(args.batch, args.ctx, 32, gen)
-        steps = {"gemms only": (build(args.batch, 32, gen), None)}
+        steps = {"gemms only": (gemm_step(gemms), None)}
         for var in ATTN_VARIANTS:
             tag = "default" if var is None else "tile %d, %d warps, %d stages, heads %s" % (
                 var[0], var[1], var[2], "adjacent" if var[3] else "apart")
@@ -147,7 +151,7 @@ def main() -> None:
             steps["attention " + tag] = (a, None)
             steps["step " + tag] = (build_attention(pool, var, gemms)[0], None)
     else:
-        steps = {name: (build(args.batch, 32, gen), (lib, reduced)) for name, lib, reduced in (
+        steps = {name: (gemm_step(gemms), (lib, reduced)) for name, lib, reduced in (
             ("cublas", "cublas", True), ("cublaslt", "cublaslt", True), ("cublas, fp32 reduce", "cublas", False))}
     out_dir = os.environ.get("OUT", ".")
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,power.draw,clocks.sm",

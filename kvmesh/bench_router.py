@@ -54,6 +54,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -520,20 +521,12 @@ def summarize(runs: list[dict]) -> dict:
     deviation of hit ratio, TTFT p90 and imbalance, and every run kept under ``runs``."""
     if len(runs) == 1:
         return runs[0]
-    out: dict = {}
-    for k in MEAN_KEYS:
-        vals = [r[k] for r in runs if r.get(k) is not None]
-        out[k] = sum(vals) / len(vals) if vals else None
+    vals = {k: [r[k] for r in runs if r.get(k) is not None] for k in MEAN_KEYS}
+    out: dict = {k: statistics.fmean(v) if v else None for k, v in vals.items()}
     out["ok"] = sum(r["ok"] for r in runs)
     out["failed"] = sum(r["failed"] for r in runs)
     out["ideal_hit_ratio"] = runs[0]["ideal_hit_ratio"]
-    sd = {}
-    for k in ("hit_ratio", "ttft_p90", "imbalance"):
-        vals = [r[k] for r in runs if r.get(k) is not None]
-        if len(vals) > 1:
-            m = sum(vals) / len(vals)
-            sd[k] = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
-    out["sd"] = sd
+    out["sd"] = {k: statistics.stdev(vals[k]) for k in ("hit_ratio", "ttft_p90", "imbalance") if len(vals[k]) > 1}
     out["runs"] = runs
     return out
 

@@ -141,25 +141,22 @@ def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_siz
     plen = max(prompt_len, 1)
     hit_base = max(plen, ref_len)
     pressure = pressure or {}
-    if w.sticky > 0:
-        ranked = sorted(((predicted_cached_tokens(hits.get(p.url, 0), prompt_len, block_size), i)
-                         for i, p in enumerate(eligible)), reverse=True)
-        (top_t, top_i), second = ranked[0], (ranked[1][0] if len(ranked) > 1 else -1)
-        if top_t > second and top_t >= w.sticky * plen:
-            p = eligible[top_i]
-            return Decision(p, hits.get(p.url, 0), top_t, "kv_hit")
+    cached = [predicted_cached_tokens(hits.get(p.url, 0), prompt_len, block_size) for p in eligible]
+    top = max(cached)
+    if w.sticky > 0 and top >= w.sticky * plen and cached.count(top) == 1:
+        p = eligible[cached.index(top)]
+        return Decision(p, hits.get(p.url, 0), top, "kv_hit")
     evict_scale = 0.0
     if w.evict and pressure:
         mean_evict = sum(pressure.get(p.url, 0.0) for p in pods) / n
         if mean_evict > 0:
-            top = max(predicted_cached_tokens(hits.get(p.url, 0), prompt_len, block_size) for p in eligible)
             evict_scale = w.evict * max(0.0, 1.0 - top / hit_base) / (mean_evict + 1.0)
     best: tuple | None = None
     start = next(_rr)  # rotate ties so equal pods share work
     for i in range(len(eligible)):
-        p = eligible[(start + i) % len(eligible)]
+        j = (start + i) % len(eligible)
+        p, ht = eligible[j], cached[j]
         hb = hits.get(p.url, 0)
-        ht = predicted_cached_tokens(hb, prompt_len, block_size)
         s = (w.hit * ht / hit_base
              - w.load * p.load / (mean_load + 1.0)
              - w.tokens * p.inflight_tokens / (mean_tok + plen)
