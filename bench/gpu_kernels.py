@@ -185,10 +185,6 @@ def check_attention(gen):
         ("mixed fp16", [1, 150, 1, 33], [500, 77, 1, 40], 32, 8, 128, 16, torch.float16, {}),
         ("mixed fp32", [1, 150, 1, 33], [500, 77, 1, 40], 32, 8, 128, 16, torch.float32, {}),
         ("mixed fp32 split4", [1, 20, 1], [900, 300, 60], 16, 4, 64, 16, torch.float32, dict(num_segments=4)),
-        ("decode gqa4 page tiles", [1] * 9, [37, 700, 1, 16, 15, 300, 2047, 64, 129], 32, 8, 128, 16,
-         torch.bfloat16, dict(page_tiles=True)),
-        ("mixed gqa4 page tiles split2", [1, 150, 1, 33, 1], [500, 77, 1, 0, 4000], 32, 8, 128, 16,
-         torch.bfloat16, dict(page_tiles=True, num_segments=2)),
     ]
     cases += [(name + " head-major", *rest[:-1], dict(rest[-1], head_major=True))
               for name, *rest in cases if name in ("decode gqa4 bs16", "decode gqa4 split16", "mixed gqa4 bs32",
@@ -456,8 +452,6 @@ ENGINE_VARIANTS = [
     (1, 128, 4, 3, 0, 1), (1, 64, 4, 2, 0, 1), (1, 64, 4, 3, 0, 1), (1, 128, 4, 4, 0, 1), (1, 64, 8, 3, 0, 1),
     (2, 64, 4, 2, 0, 1), (2, 128, 4, 3, 0, 1), (4, 64, 4, 2, 0, 1), (8, 64, 4, 2, 0, 1),
     (16, 32, 4, 2, 0, 1), (8, 32, 4, 2, 0, 1), (16, 64, 4, 2, 0, 1), (4, 128, 4, 3, 0, 1), (8, 128, 4, 3, 0, 1),
-    # 7th field: page_tiles (one block-table entry per page)
-    (1, 64, 4, 2, 0, 1, 1), (1, 128, 4, 3, 0, 1, 1), (16, 64, 4, 2, 0, 1, 1), (1, 64, 4, 3, 0, 1, 1),
 ]
 DECODE_VARIANTS = [
     # (num_segments, tile_n, num_warps, num_stages, k_natural, head_fastest); None = heuristic
@@ -471,8 +465,6 @@ LONG_DECODE_VARIANTS = [
     None,
     (1, 128, 4, 3, 0, 0), (1, 128, 4, 3, 0, 1), (1, 64, 4, 2, 0, 1), (1, 128, 4, 2, 0, 0), (1, 128, 8, 3, 0, 1),
     (1, 256, 4, 2, 0, 1), (1, 64, 4, 3, 0, 1), (2, 64, 4, 3, 0, 1), (4, 64, 4, 3, 0, 1),
-    (1, 128, 4, 3, 0, 0, 1), (1, 128, 4, 3, 0, 1, 1), (1, 64, 4, 2, 0, 1, 1), (1, 128, 4, 4, 0, 1, 1),
-    (1, 256, 4, 2, 0, 1, 1), (1, 64, 4, 3, 0, 1, 1),
 ]
 DECODE_SPLIT_VARIANTS = [None, (4, 128, 4, 3, 0, 0), (8, 128, 4, 3, 0, 1), (4, 128, 4, 3, 0, 1),
                          (16, 128, 4, 3, 0, 1), (8, 64, 4, 2, 0, 1), (16, 64, 4, 2, 0, 1)]
@@ -493,7 +485,7 @@ def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode", timer=None
             kw = dict(out=out, max_query_len=1, max_seq_len=L)
             if var is not None:
                 kw.update(num_segments=var[0], tile_n=var[1], num_warps=var[2], num_stages=var[3],
-                          k_natural=bool(var[4]), head_fastest=bool(var[5]), page_tiles=bool(var[6:7] and var[6]))
+                          k_natural=bool(var[4]), head_fastest=bool(var[5]))
             try:
                 K.paged_attention(*args, **kw)
                 ms = timer(lambda: K.paged_attention(*args, **kw))
@@ -501,7 +493,7 @@ def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode", timer=None
                 print(f"  decode {B}x{L} {var}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             tbps = kv_bytes / (ms * 1e-3) / 1e12
-            name = "heuristic" if var is None else "seg%d tile%d w%d s%d kn%d hf%d" % var[:6] + " pt" * bool(var[6:7] and var[6])
+            name = "heuristic" if var is None else "seg%d tile%d w%d s%d kn%d hf%d" % var
             row["variants"].append(dict(cfg=name, us=ms * 1e3, TBps=tbps))
             print(f"  decode B={B} L={L} {name}: {ms * 1e3:.1f} us, {tbps:.2f} TB/s", flush=True)
             if var is None:

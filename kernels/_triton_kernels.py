@@ -126,7 +126,7 @@ def paged_attention_kernel(
     QPK: tl.constexpr, QPK_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SEG: tl.constexpr, IEEE: tl.constexpr, K_NATURAL: tl.constexpr,
-    HEAD_FASTEST: tl.constexpr, NUM_KV_HEADS: tl.constexpr, PAGE_TILES: tl.constexpr = False,
+    HEAD_FASTEST: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     """Unified causal paged attention (decode, prefill, chunked prefill, mixed).
 
@@ -216,51 +216,34 @@ def paged_attention_kernel(
     # Full tiles below the diagonal: no masks at all.
     for t in range(t_begin, tl.minimum(t_end, nomask_tiles)):
         n = t * TILE_N + offs_n
-        if PAGE_TILES:
-            # One block-table entry per page of the tile (not one per key), addresses built as
-            # [pages, BLOCK_SIZE, D] and the tile reshaped to [TILE_N, D].
-            pages = tl.load(bt_row + t * (TILE_N // BLOCK_SIZE) + tl.arange(0, TILE_N // BLOCK_SIZE)).to(tl.int64)
-            in_page = tl.arange(0, BLOCK_SIZE)
-            k3 = pages[:, None, None] * stride_kb + in_page[None, :, None] * stride_ks + offs_d[None, None, :]
-            v3 = pages[:, None, None] * stride_vb + in_page[None, :, None] * stride_vs + offs_d[None, None, :]
-            k = tl.trans(tl.reshape(tl.load(k_base + k3), [TILE_N, D_PAD]))
-            s = tl.dot(q, k.to(qk_dtype)) * scale_log2
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.reshape(tl.load(v_base + v3), [TILE_N, D_PAD])
-            acc = acc * alpha[:, None] + tl.dot(p.to(qk_dtype), v.to(qk_dtype))
-            m_i = m_new
+        blk = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
+        slot_k = blk * stride_kb + (n % BLOCK_SIZE) * stride_ks
+        slot_v = blk * stride_vb + (n % BLOCK_SIZE) * stride_vs
+        if HEAD_D == D_PAD:
+            if K_NATURAL:
+                k = tl.trans(tl.load(k_base + slot_k[:, None] + offs_d[None, :]))
+            else:
+                k = tl.load(k_base + slot_k[None, :] + offs_d[:, None])
         else:
-            blk = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
-            slot_k = blk * stride_kb + (n % BLOCK_SIZE) * stride_ks
-            slot_v = blk * stride_vb + (n % BLOCK_SIZE) * stride_vs
-            if HEAD_D == D_PAD:
-                if K_NATURAL:
-                    k = tl.trans(tl.load(k_base + slot_k[:, None] + offs_d[None, :]))
-                else:
-                    k = tl.load(k_base + slot_k[None, :] + offs_d[:, None])
-            else:
-                k = tl.load(k_base + slot_k[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, k.to(qk_dtype), input_precision="ieee")
-            else:
-                s = tl.dot(q, k.to(qk_dtype))
-            s = s * scale_log2
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if HEAD_D == D_PAD:
-                v = tl.load(v_base + slot_v[:, None] + offs_d[None, :])
-            else:
-                v = tl.load(v_base + slot_v[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(qk_dtype), v.to(qk_dtype), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(qk_dtype), v.to(qk_dtype))
-            m_i = m_new
+            k = tl.load(k_base + slot_k[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, k.to(qk_dtype), input_precision="ieee")
+        else:
+            s = tl.dot(q, k.to(qk_dtype))
+        s = s * scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HEAD_D == D_PAD:
+            v = tl.load(v_base + slot_v[:, None] + offs_d[None, :])
+        else:
+            v = tl.load(v_base + slot_v[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(qk_dtype), v.to(qk_dtype), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(qk_dtype), v.to(qk_dtype))
+        m_i = m_new
 
     # Diagonal / ragged tiles: causal mask and key-range mask.
     q_pos = ctx + tok_local

@@ -257,7 +257,7 @@ def attention_config(
                 tile_n, num_warps, num_stages = split_tile, 4, 2
                 head_fastest = True
     return dict(block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
-                num_segments=num_segments, head_fastest=head_fastest, page_tiles=False)
+                num_segments=num_segments, head_fastest=head_fastest)
 
 
 def paged_attention(
@@ -279,7 +279,6 @@ def paged_attention(
     num_stages: int | None = None,
     k_natural: bool = False,
     head_fastest: bool | None = None,
-    page_tiles: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed variable-length queries over the paged KV cache.
 
@@ -291,9 +290,7 @@ def paged_attention(
     sequence and takes the block table width as the longest context. Tokens after
     ``query_start_loc[-1]`` (padding) are left untouched in ``out``.
     ``num_segments``, ``block_m``, ``tile_n``, ``num_warps``, ``num_stages``
-    override the heuristic (benchmarks and tests). ``page_tiles``: full key tiles
-    read one block-table entry per page instead of one per key (needs whole pages
-    per tile, a power-of-two head size and block size, 16-bit dtypes).
+    override the heuristic (benchmarks and tests).
     """
     fn = "paged_attention"
     _check_dim(fn, "query", query, 3)
@@ -364,13 +361,7 @@ def paged_attention(
                   BLOCK_SIZE=bs, TILE_N=tn, NUM_SEG=nseg, IEEE=query.dtype == torch.float32,
                   K_NATURAL=bool(k_natural))
     hf = cfg["head_fastest"] if head_fastest is None else bool(head_fastest)
-    pt = cfg["page_tiles"] if page_tiles is None else bool(page_tiles)
-    if pt and (D != dpad or bs & (bs - 1) or tn % bs or query.dtype == torch.float32):
-        if page_tiles:
-            _fail(fn, f"page_tiles needs tile_n ({tn}) a multiple of a power-of-two block size ({bs}), "
-                      f"a power-of-two head size ({D}) and a 16-bit dtype ({query.dtype})")
-        pt = False
-    consts.update(HEAD_FASTEST=hf, NUM_KV_HEADS=Hkv, PAGE_TILES=pt)
+    consts.update(HEAD_FASTEST=hf, NUM_KV_HEADS=Hkv)
     grid = (num_q_blocks * Hkv, 1, nseg) if hf else (num_q_blocks, Hkv, nseg)
     if nseg == 1:
         kern.paged_attention_kernel[grid](

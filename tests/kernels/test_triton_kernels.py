@@ -313,16 +313,3 @@ def test_argument_errors_are_clear(gen):
         K.write_kv(q[:, :2], q[:, :2], k, v, torch.zeros(5, dtype=torch.int64))
     with pytest.raises(ValueError, match="differ in length"):
         K.copy_blocks(torch.zeros(4, 8), torch.tensor([0]), torch.tensor([1, 2]))
-
-
-@pytest.mark.parametrize("bs,tile_n,segments", [(16, 32, 1), (16, 16, 2), (8, 32, 1)])
-def test_page_tiles(gen, bs, tile_n, segments):
-    """Full key tiles addressed per page (one block-table entry per page): decode, a chunk over a
-    prefix and split-KV, against the reference."""
-    run_attention(gen, [1, 1, 5, 1], [150, 3, 90, 47], 8, 2, 32, bs, torch.bfloat16, pad_tokens=2,
-                  max_query_len=5, block_m=16, tile_n=tile_n, num_segments=segments, page_tiles=True)
-
-
-def test_page_tiles_refuses_partial_pages(gen):
-    with pytest.raises(ValueError, match="page_tiles"):
-        run_attention(gen, [1], [40], 4, 2, 32, 32, torch.bfloat16, tile_n=16, page_tiles=True)
