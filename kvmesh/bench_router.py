@@ -42,7 +42,9 @@ requests per instance; router_cpu_pct = CPU time (user + system) of the router's
 during the replay, as % of one core (at these rates mostly its steady work: health checks, /metrics
 scrapes of every pod, KV events; per-request cost: `bench/router_bench.py --overhead`).
 ``ideal_hit_ratio``: an unlimited shared cache with the engine's rule (the last prompt token is always
-recomputed).
+recomputed). ``lost`` / ``missed`` (`hit_losses`, from the ``cached_tokens`` each streamed response reports
+in ``usage``): the prompt tokens the ideal cache would have served that the pod recomputed, as a share of all
+prompt tokens, and how many follow-ups (ideal hit >= half the prompt) got under half of their ideal hit.
 """
 from __future__ import annotations
 
@@ -172,25 +174,48 @@ def build_requests(rows: list[dict], args, seed: str, max_len: int) -> list[dict
     return out
 
 
-def ideal_hit_ratio(reqs: list[list]) -> float:
-    """Unlimited shared cache, token-weighted; whole blocks only, the last prompt token always recomputed."""
+def ideal_hits(reqs: list[list]) -> list[tuple[int, int]]:
+    """Per request in arrival order, ``(cached tokens, prompt tokens)`` with an unlimited shared cache:
+    whole blocks only, the last prompt token always recomputed (the engine's rule)."""
     seen: set[tuple] = set()
-    hit = total = 0
+    out = []
     for blocks in reqs:
         bt = len(blocks[0][1])
         plen = sum(len(b[1]) for b in blocks)
-        total += plen
         n = 0
         for i in range(len(blocks)):
             if len(blocks[i][1]) == bt and tuple(x[0] for x in blocks[: i + 1]) in seen:
                 n += 1
             else:
                 break
-        hit += min(n * bt, (plen - 1) // bt * bt)
+        out.append((min(n * bt, (plen - 1) // bt * bt), plen))
         for i in range(len(blocks)):
             if len(blocks[i][1]) == bt:
                 seen.add(tuple(x[0] for x in blocks[: i + 1]))
-    return hit / max(total, 1)
+    return out
+
+
+def ideal_hit_ratio(reqs: list[list]) -> float:
+    """Unlimited shared cache, token-weighted (`ideal_hits` summed)."""
+    per = ideal_hits(reqs)
+    return sum(h for h, _ in per) / max(sum(n for _, n in per), 1)
+
+
+def hit_losses(ideal: list[tuple[int, int]], cached: list[int | None]) -> dict:
+    """Where a policy's hits fell short of the ideal, from the ``cached_tokens`` each response reported:
+    ``lost_ratio`` = prompt tokens the ideal cache would have served but the pod recomputed / all prompt
+    tokens (so hit_ratio ~ ideal - lost_ratio); ``missed_followups`` = requests whose ideal hit is at least
+    half the prompt but which got less than half of it (a follow-up sent away from its prefix, or
+    evicted); ``lost_in_missed`` = the share of the lost tokens those requests account for. None where a
+    router did not pass usage through."""
+    if not ideal or any(c is None for c in cached):
+        return {"lost_ratio": None, "missed_followups": None, "lost_in_missed": None}
+    total = sum(n for _, n in ideal)
+    lost = [max(0, h - c) for (h, _), c in zip(ideal, cached)]
+    missed = [i for i, ((h, n), c) in enumerate(zip(ideal, cached)) if 2 * h >= n and h > 0 and 2 * c < h]
+    lsum = sum(lost)
+    return {"lost_ratio": lsum / max(total, 1), "missed_followups": len(missed),
+            "lost_in_missed": sum(lost[i] for i in missed) / lsum if lsum else 0.0}
 
 
 # ---- processes ------------------------------------------------------------------------
@@ -333,13 +358,13 @@ async def replay(url: str, model: str, reqs: list[dict], rate: float, timeout: f
     results = []
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30), limits=limits) as client:
-        async def one(r):
+        async def one(i, r):
             await asyncio.sleep((r["t"] - t_first) * scale)
             prompt = "".join(t for _, toks in r["blocks"] for t in toks)
             body = {"model": model, "prompt": prompt, "max_tokens": r["max_tokens"], "temperature": 0,
-                    "ignore_eos": True, "stream": True}
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             t0 = time.monotonic()
-            ttft, ok = None, False
+            ttft, ok, cached = None, False, None
             try:
                 async with client.stream("POST", url + "/v1/completions", json=body) as resp:
                     if resp.status_code == 200:
@@ -348,14 +373,17 @@ async def replay(url: str, model: str, reqs: list[dict], rate: float, timeout: f
                                 ttft = time.monotonic() - t0
                             if line.strip() == "data: [DONE]":
                                 ok = True
+                            elif line.startswith("data:") and '"usage"' in line:
+                                cached = usage_cached(line[5:]) if cached is None else cached
                     else:
                         await resp.aread()
             except httpx.HTTPError:
                 pass
-            results.append({"ok": ok, "ttft": ttft, "end": time.monotonic(), "out": r["max_tokens"]})
+            results.append({"ok": ok, "ttft": ttft, "end": time.monotonic(), "out": r["max_tokens"],
+                            "i": i, "cached": cached})
 
         start = time.monotonic()
-        await asyncio.gather(*(one(r) for r in reqs))
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
     oks = [x for x in results if x["ok"]]
     ttfts = sorted(x["ttft"] for x in oks if x["ttft"] is not None)
     makespan = max((x["end"] for x in results), default=start) - start
@@ -367,7 +395,18 @@ async def replay(url: str, model: str, reqs: list[dict], rate: float, timeout: f
             "ttft_p99": pct(99), "ttft_mean": sum(ttfts) / len(ttfts) if ttfts else None,
             "throughput": len(oks) / makespan if makespan > 0 else None,
             "output_tok_s": sum(x["out"] for x in oks) / makespan if makespan > 0 else None,
-            "makespan_s": makespan}
+            "makespan_s": makespan, "cached": [x["cached"] for x in sorted(results, key=lambda x: x["i"])]}
+
+
+def usage_cached(data: str) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of one stream chunk (None where absent)."""
+    try:
+        usage = json.loads(data).get("usage") or {}
+    except ValueError:
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    c = details.get("cached_tokens")
+    return int(c) if isinstance(c, (int, float)) else None
 
 
 # ---- main -----------------------------------------------------------------------------
@@ -504,16 +543,19 @@ def run_policy(policy: str, rows: list[dict], workers: list[dict], model: str, a
     hits, queries = d("vllm:prefix_cache_hits_total"), d("vllm:prefix_cache_queries_total")
     per = [a["vllm:request_success_total"] - b["vllm:request_success_total"] for a, b in zip(after, before)]
     mean = sum(per) / len(per) if per else 0
+    ideal = ideal_hits([r["blocks"] for r in reqs])
     res.update(hit_ratio=hits / queries if queries else None, imbalance=max(per) / mean if mean else None,
-               router_cpu_pct=100 * cpu / wall,
-               per_instance=per, ideal_hit_ratio=ideal_hit_ratio([r["blocks"] for r in reqs]))
-    print(f"[{policy}] done: hit {res['hit_ratio']}, ttft p90 {res['ttft_p90']}, ok {res['ok']}/"
+               router_cpu_pct=100 * cpu / wall, per_instance=per,
+               ideal_hit_ratio=sum(h for h, _ in ideal) / max(sum(n for _, n in ideal), 1),
+               **hit_losses(ideal, res["cached"]))
+    print(f"[{policy}] done: hit {res['hit_ratio']}, lost {res['lost_ratio']} ({res['missed_followups']} missed "
+          f"follow-ups), ttft p90 {res['ttft_p90']}, ok {res['ok']}/"
           f"{res['ok'] + res['failed']}", file=sys.stderr)
     return res
 
 
 MEAN_KEYS = ("hit_ratio", "ttft_p50", "ttft_p90", "ttft_p99", "ttft_mean", "throughput", "output_tok_s",
-             "makespan_s", "imbalance", "router_cpu_pct")
+             "makespan_s", "imbalance", "router_cpu_pct", "lost_ratio", "missed_followups")
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -535,7 +577,7 @@ def print_table(results: dict, setup: dict) -> None:
     print(f"{setup['requests']} requests of {setup['trace']}, {setup['instances']} simulated instances, "
           f"{setup['rate_req_s']} req/s")
     print(f"{'policy':<12} {'hit':>6} {'ideal':>6} {'ttft p50':>9} {'p90':>7} {'p99':>7} {'req/s':>6} "
-          f"{'imbal':>6} {'ok/fail':>8} {'router CPU %':>12}")
+          f"{'imbal':>6} {'lost':>6} {'missed':>6} {'ok/fail':>8} {'router CPU %':>12}")
     f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for pol, r in results.items():
         if "ok" not in r:
@@ -543,7 +585,7 @@ def print_table(results: dict, setup: dict) -> None:
             continue
         print(f"{pol:<12} {f(r['hit_ratio']):>6} {f(r['ideal_hit_ratio']):>6} {f(r['ttft_p50']):>9} "
               f"{f(r['ttft_p90']):>7} {f(r['ttft_p99']):>7} {f(r['throughput']):>6} {f(r['imbalance'], 2):>6} "
-              f"{r['ok']:>4}/{r['failed']:<3} {f(r.get('router_cpu_pct'), 1):>12}")
+              f"{f(r.get('lost_ratio')):>6} {f(r.get('missed_followups'), 1):>6} {r['ok']:>4}/{r['failed']:<3} {f(r.get('router_cpu_pct'), 1):>12}")
     multi = {pol: r["runs"] for pol, r in results.items() if r.get("runs")}
     if not multi:
         return

@@ -35,9 +35,13 @@ def register(sub) -> None:
                    help="weight of the pod's eviction pressure (from KV events) for the uncached part of a request")
     p.add_argument("--evict-halflife", type=float, default=w.evict_halflife_s,
                    help="seconds over which a reported eviction's weight decays by half")
-    p.add_argument("--sticky-hit", type=float, default=w.sticky,
-                   help="a pod holding at least this fraction of the prompt (more than any other, under the "
-                        "balance guard) takes the request whatever its queue; 0: off")
+    p.add_argument("--weight-share-new", type=float, default=w.share_new,
+                   help="extra share weight, scaled by the part of the prompt no pod holds")
+    p.add_argument("--private-guard", type=float, default=w.private_guard,
+                   help="a follow-up whose cached prefix no other in-flight request shares may go to its pod "
+                        "up to this multiple of the balance limit (1: off)")
+    p.add_argument("--weight-affinity", type=float, default=w.affinity,
+                   help="weight of the fraction of the request's own prompt that the pod holds")
     p.add_argument("--balance-abs", type=float, default=w.balance_abs)
     p.add_argument("--balance-rel", type=float, default=w.balance_rel)
     p.add_argument("--pd-min-uncached", type=int, default=256,
@@ -70,7 +74,9 @@ def config_from_args(args: argparse.Namespace):
         raise ValueError("--discovery k8s needs --selector (and/or --prefill-selector/--decode-selector)")
     w = ScoringWeights(hit=args.weight_hit, load=args.weight_load, tokens=args.weight_tokens, kv=args.weight_kv,
                        share=args.weight_share, share_halflife_s=args.share_halflife,
-                       evict=args.weight_evict, evict_halflife_s=args.evict_halflife, sticky=args.sticky_hit,
+                       evict=args.weight_evict, evict_halflife_s=args.evict_halflife,
+                       affinity=args.weight_affinity, share_new=args.weight_share_new,
+                       private_guard=args.private_guard,
                        balance_abs=args.balance_abs, balance_rel=args.balance_rel)
     return RouterConfig(host=args.host, port=args.port, model=args.model, served_model_name=args.served_model_name,
                         block_size=args.block_size, policy=args.policy, weights=w,

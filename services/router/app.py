@@ -38,7 +38,7 @@ from .config import PodSpec, RouterConfig
 from .events import EventHub
 from .index import PrefixIndex
 from .metrics import RouterMetrics
-from .policy import Decision, Pod, least_load, predicted_cached_tokens, round_robin, score_pods
+from .policy import Decision, Pod, least_load, predicted_cached_tokens, private_hits, round_robin, score_pods
 
 log = logging.getLogger("kvmesh.router")
 
@@ -203,10 +203,10 @@ class Flight:
     streamed byte comes back (the first token exists, so the prefill is done); non-streaming
     responses hold them until the end."""
 
-    __slots__ = ("pod", "tokens", "done")
+    __slots__ = ("pod", "tokens", "done", "hashes")
 
-    def __init__(self, pod: Pod, tokens: int) -> None:
-        self.pod, self.tokens, self.done = pod, tokens, False
+    def __init__(self, pod: Pod, tokens: int, hashes: list[int] | tuple = ()) -> None:
+        self.pod, self.tokens, self.done, self.hashes = pod, tokens, False, hashes
 
     def prefilled(self) -> None:
         if self.tokens:
@@ -344,7 +344,9 @@ class Router:
             urls = [p.url for p in pods]
             hits = self.index.match(self.ns, hashes, urls) if hashes else {}
             pressure = self.index.eviction_pressure(urls) if self.cfg.weights.evict else None
-            d = score_pods(pods, hits, plen, bs, self.cfg.weights, ref_len=self.mean_prompt, pressure=pressure)
+            private = private_hits(pods, hits, hashes) if self.cfg.weights.private_guard > 1 else None
+            d = score_pods(pods, hits, plen, bs, self.cfg.weights, ref_len=self.mean_prompt, pressure=pressure,
+                           private=private)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("route plen=%d -> %s (%s, hit %d blocks) hits=%s load=%s evict=%s", plen, d.pod.url,
                           d.reason, d.hit_blocks, {p.url: hits.get(p.url, 0) for p in pods},
@@ -358,8 +360,9 @@ class Router:
     def _begin(self, d: Decision, hashes: list[int], plen: int) -> "Flight":
         p = d.pod
         p.inflight_requests += 1
-        fl = Flight(p, max(plen - d.hit_tokens, 0))
+        fl = Flight(p, max(plen - d.hit_tokens, 0), hashes)
         p.inflight_tokens += fl.tokens
+        p.inflight_blocks.update(hashes)
         p.routed += 1
         p.note_routed(time.monotonic(), self.cfg.weights.share_halflife_s)
         if hashes:
@@ -374,6 +377,13 @@ class Router:
         fl.prefilled()
         fl.done = True
         fl.pod.inflight_requests -= 1
+        held = fl.pod.inflight_blocks
+        for h in fl.hashes:
+            n = held[h] - 1
+            if n > 0:
+                held[h] = n
+            else:
+                del held[h]
         self.metrics.pod_inflight.labels(fl.pod.url).set(fl.pod.inflight_requests)
 
     async def send(self, roles: tuple[str, ...], path: str, body: dict, hashes: list[int], plen: int, phase: str,

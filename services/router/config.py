@@ -26,12 +26,19 @@ class ScoringWeights:
     cached prefix is not moved by it. Zero while no pod evicts (a cache with room). Off by default:
     on the Mooncake replay under KV pressure it gained at most ~0.01 of hit ratio and raised the
     request imbalance (docs/router.md).
-    ``sticky``: when > 0, a pod that holds at least this fraction of the prompt, more than any
-    other pod, and is under the balance guard takes the request whatever its queue (a follow-up
-    is not sent away to start sooner elsewhere). Off (0) by default: on the Mooncake replay 0.5
-    gave 0.523 of an ideal 0.526 in one 3-round A/B, then 0.496 with request imbalance 1.53 in a
-    full run (pods holding long conversations fill up until the balance guard moves their
-    follow-ups anyway); docs/router.md.
+    ``private_guard``: a follow-up whose cached prefix (at least half its prompt) no other
+    in-flight request on the pod shares keeps that pod eligible up to this multiple of the balance
+    limit; 1 turns the exemption off. Hot shared prefixes (many concurrent requests) never get it.
+    ``affinity``: weight of the fraction of *this* prompt the pod holds. The hit term measures a hit
+    against a typical prompt, so a short follow-up (80 of its 95 tokens cached) is worth little there
+    and one extra request in flight sends it elsewhere, recomputing most of it; this term keeps such
+    follow-ups with their prefix when the pods are otherwise close.
+    ``share_new``: extra share weight, scaled by the part of the prompt no pod holds: new
+    conversations are placed by recent routings (pods holding many conversations, which bring their
+    follow-ups, get fewer new ones) without pulling follow-ups off their prefix. Off by default: on
+    the Mooncake replay 0.3 evened the request count (imbalance 1.28 vs 1.37 over 6 rounds) at the
+    cost of TTFT p90 (1.27 vs 1.15 s), since new conversations then go by count, not by queue.
+    Defaults of the three: docs/router.md, "Scoring" (6 interleaved rounds each, 2026-11-30).
     """
 
     hit: float = 1.0
@@ -44,7 +51,9 @@ class ScoringWeights:
     share_halflife_s: float = 120.0
     evict: float = 0.0
     evict_halflife_s: float = 120.0
-    sticky: float = 0.0
+    share_new: float = 0.0
+    private_guard: float = 2.0
+    affinity: float = 0.2
 
 
 @dataclass(frozen=True)

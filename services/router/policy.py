@@ -11,9 +11,11 @@ load (`Pod.load`).
 Scoring (`score_pods`), per eligible pod::
 
     hit * hit_tokens / max(prompt_len, ref_len)
+      + affinity * hit_tokens / prompt_len
       - load * L / (mean L + 1)
       - tokens * pending_tokens / (mean pending_tokens + prompt_len)
       - share * R / (mean R + 1)
+      - share_new * (1 - top held share of the prompt) * R / (mean R + 1)
       - kv * kv_usage
       - evict * (1 - top hit share) * E / (mean E + 1)
 
@@ -42,7 +44,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from .config import PodSpec, ScoringWeights
 
@@ -63,6 +66,7 @@ class Pod:
     failures: int = 0
     probe_timeouts: int = 0  # consecutive health-probe timeouts (a busy pod is slow, not dead)
     last_error: str = ""
+    inflight_blocks: Counter = field(default_factory=Counter)  # block hash -> in-flight requests holding it
 
     @property
     def url(self) -> str:
@@ -102,7 +106,7 @@ class Decision:
     pod: Pod
     hit_blocks: int
     hit_tokens: int  # predicted cached tokens (capped like the engine: the last token is recomputed)
-    reason: str  # kv_hit | load | round_robin | only
+    reason: str  # kv_hit | private_follow_up (kept past the balance guard) | load | round_robin | only
 
 
 def predicted_cached_tokens(hit_blocks: int, prompt_len: int, block_size: int) -> int:
@@ -117,15 +121,32 @@ def round_robin(pods: list[Pod]) -> Pod:
     return pods[next(_rr) % len(pods)]
 
 
+def private_hits(pods: list[Pod], hits: dict[str, int], hashes: list[int]) -> set[str]:
+    """Pods whose cached prefix of this request is private: at most one request in flight there (the
+    conversation's previous turn, still streaming) holds its deepest matched block. A hot prefix that
+    many concurrent requests share is not private."""
+    out = set()
+    for p in pods:
+        k = hits.get(p.url, 0)
+        if 0 < k <= len(hashes) and p.inflight_blocks.get(hashes[k - 1], 0) <= 1:
+            out.add(p.url)
+    return out
+
+
 def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_size: int,
                w: ScoringWeights, now: float | None = None, ref_len: float = 0.0,
-               pressure: dict[str, float] | None = None) -> Decision:
+               pressure: dict[str, float] | None = None, private: set[str] | None = None) -> Decision:
     """Pick the best pod among ``pods`` (all healthy, non-empty).
 
     ``ref_len``: a typical prompt length (the router's running mean). The hit counts as the share of
     ``max(prompt_len, ref_len)`` it saves, so a hit's value is the prefill it saves measured against
     a typical request: a short prompt's few cached blocks save little and do not outweigh load,
-    while a long prompt's cached prefix does."""
+    while a long prompt's cached prefix does.
+
+    ``private``: pods holding a private prefix of this request (`private_hits`). Where that prefix is
+    at least half the prompt (a follow-up turn), the pod stays eligible up to ``private_guard`` times
+    the balance limit: moving a long conversation costs its whole prefill on the new pod, which is
+    seconds, and its next turns follow it there."""
     if len(pods) == 1:
         p = pods[0]
         hb = hits.get(p.url, 0)
@@ -137,31 +158,35 @@ def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_siz
     shares = {p.url: p.share(now, w.share_halflife_s) for p in pods}
     mean_share = sum(shares.values()) / n
     limit = w.balance_rel * mean_load + w.balance_abs
-    eligible = [p for p in pods if p.load <= limit] or pods
     plen = max(prompt_len, 1)
+    private = private or set()
+
+    def follow_up(p: Pod) -> bool:
+        return (p.url in private and p.load <= w.private_guard * limit
+                and 2 * predicted_cached_tokens(hits.get(p.url, 0), prompt_len, block_size) >= plen)
+
+    eligible = [p for p in pods if p.load <= limit or follow_up(p)] or pods
     hit_base = max(plen, ref_len)
     pressure = pressure or {}
     cached = [predicted_cached_tokens(hits.get(p.url, 0), prompt_len, block_size) for p in eligible]
     top = max(cached)
-    if w.sticky > 0 and top >= w.sticky * plen and cached.count(top) == 1:
-        p = eligible[cached.index(top)]
-        return Decision(p, hits.get(p.url, 0), top, "kv_hit")
     evict_scale = 0.0
     if w.evict and pressure:
         mean_evict = sum(pressure.get(p.url, 0.0) for p in pods) / n
         if mean_evict > 0:
             evict_scale = w.evict * max(0.0, 1.0 - top / hit_base) / (mean_evict + 1.0)
+    new_share = w.share + w.share_new * max(0.0, 1.0 - top / plen)
     best: tuple | None = None
     start = next(_rr)  # rotate ties so equal pods share work
     for i in range(len(eligible)):
         j = (start + i) % len(eligible)
         p, ht = eligible[j], cached[j]
         hb = hits.get(p.url, 0)
-        s = (w.hit * ht / hit_base
+        s = (w.hit * ht / hit_base + w.affinity * ht / plen
              - w.load * p.load / (mean_load + 1.0)
              - w.tokens * p.inflight_tokens / (mean_tok + plen)
              - w.kv * p.kv_usage
-             - w.share * shares[p.url] / (mean_share + 1.0)
+             - new_share * shares[p.url] / (mean_share + 1.0)
              - evict_scale * pressure.get(p.url, 0.0))
         key = (s, -p.load)
         if best is None or key > best[0]:
@@ -170,6 +195,8 @@ def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_siz
     _, p, hb, ht = best
     top_hit = max((hits.get(q.url, 0) for q in pods), default=0)
     reason = "kv_hit" if hb > 0 and hb == top_hit else "load"
+    if p.load > limit and follow_up(p):
+        reason = "private_follow_up"
     return Decision(p, hb, ht, reason)
 
 

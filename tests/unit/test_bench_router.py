@@ -58,3 +58,30 @@ def test_variants_parse_and_refuse_clashing_names():
     for bad in (["kvmesh=--weight-share 0"], ["noequals"], ["a,b=--x 1"], ["v=", "v=--x 1"]):
         with pytest.raises(ValueError, match="NAME=FLAGS"):
             B.parse_variants(bad, {"kvmesh"})
+
+
+def test_ideal_hits_per_request_and_losses():
+    a = [(0, [1] * 4), (1, [2] * 4), (2, [3] * 1)]
+    b = [(0, [1] * 4), (1, [2] * 4), (3, [4] * 4), (4, [5] * 4)]  # 8 of a's tokens cached, then new
+    c = [(7, [9] * 4), (8, [8] * 2)]
+    ideal = B.ideal_hits([a, b, c])
+    assert ideal == [(0, 9), (8, 16), (0, 6)]
+    assert B.ideal_hit_ratio([a, b, c]) == pytest.approx(8 / 31)
+    # b went where its prefix was not: all 8 ideal tokens lost, one missed follow-up
+    got = B.hit_losses(ideal, [0, 0, 0])
+    assert got == {"lost_ratio": pytest.approx(8 / 31), "missed_followups": 1, "lost_in_missed": 1.0}
+    # (b's ideal is half its prompt: a follow-up; a partial hit of 4 is not "missed", 0 is)
+    ideal2 = [(0, 9), (8, 16)]
+    assert B.hit_losses(ideal2, [0, 4])["missed_followups"] == 0
+    assert B.hit_losses(ideal2, [0, 0]) == {"lost_ratio": pytest.approx(8 / 25), "missed_followups": 1,
+                                            "lost_in_missed": 1.0}
+    assert B.hit_losses(ideal2, [0, 8])["lost_ratio"] == 0.0
+    # a router that drops usage: no figures rather than wrong ones
+    assert B.hit_losses(ideal2, [0, None])["lost_ratio"] is None
+
+
+def test_usage_cached_reads_the_stream_chunk():
+    chunk = json.dumps({"choices": [], "usage": {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}})
+    assert B.usage_cached(chunk) == 32
+    assert B.usage_cached(json.dumps({"usage": {"prompt_tokens": 40}})) is None
+    assert B.usage_cached("not json") is None

@@ -18,7 +18,7 @@ from kvmesh.engine.kv_publisher import KVEventPublisher, PublisherConfig
 from kvmesh.services.router.config import PodSpec, RouterConfig, ScoringWeights, parse_pod_spec
 from kvmesh.services.router.events import EventHub
 from kvmesh.services.router.index import PrefixIndex
-from kvmesh.services.router.policy import Pod, score_pods
+from kvmesh.services.router.policy import Pod, private_hits, score_pods
 from kvmesh.services.router.testing import FakePod, IdTokenizer, free_port, start_router
 
 pytestmark = pytest.mark.unit
@@ -117,23 +117,70 @@ def test_score_prefers_hit_but_spreads_load():
     assert score_pods([a, b], {"http://a:1": 10}, 200, BS, w).pod is b
 
 
-def test_sticky_hit_keeps_a_follow_up_on_its_pod_despite_queued_prefill():
+def test_affinity_keeps_a_short_follow_up_unless_its_pod_is_queued():
+    """A short follow-up mostly cached on a: against a typical prompt its hit is small and a's larger
+    routing share alone would send it away (affinity 0); the affinity term keeps it on a. Seconds of
+    queued prefill on a still send it elsewhere (starting sooner beats recomputing 80 tokens)."""
+    a, b = Pod(PodSpec("http://a:1")), Pod(PodSpec("http://b:1"))
+    a.recent, b.recent = 30.0, 10.0
+    a.recent_t = b.recent_t = 0.0
+    short = {"http://a:1": 5, "http://b:1": 1}  # 80 of a 96-token prompt on a
+    assert score_pods([a, b], short, 96, BS, ScoringWeights(affinity=0.0), now=0.0, ref_len=640).pod is b
+    assert ScoringWeights().affinity == 0.2
+    d = score_pods([a, b], short, 96, BS, ScoringWeights(), now=0.0, ref_len=640)
+    assert d.pod is a and d.hit_tokens == 80
+    a.inflight_tokens = 4000
+    assert score_pods([a, b], short, 96, BS, ScoringWeights(), now=0.0, ref_len=640).pod is b
+
+
+def test_private_follow_up_passes_the_balance_guard():
+    """A long conversation's follow-up stays with its pod past the balance limit (up to private_guard
+    times it); a hot prefix that concurrent requests share, a short hit, or a pod past the hard limit
+    does not."""
     a, b, c = (Pod(PodSpec(f"http://{x}:1")) for x in "abc")
-    for p in (a, b, c):
-        p.inflight_requests = 1
-    a.inflight_tokens = 4000  # seconds of someone else's prefill queued on the warm pod (typical prompt 2,000)
-    hits = {"http://a:1": 20, "http://b:1": 1, "http://c:1": 1}  # a holds 320 of 400 tokens
-    # the scores alone: the follow-up starts sooner elsewhere
-    assert score_pods([a, b, c], hits, 400, BS, ScoringWeights(sticky=0.0), ref_len=2000).pod is not a
-    assert ScoringWeights().sticky == 0.0  # off by default
-    d = score_pods([a, b, c], hits, 400, BS, ScoringWeights(sticky=0.5), ref_len=2000)
-    assert d.pod is a and d.reason == "kv_hit" and d.hit_tokens == 320
-    # not below the threshold, not on a tie, not past the balance guard
-    assert score_pods([a, b, c], hits, 800, BS, ScoringWeights(sticky=0.5), ref_len=2000).pod is not a
-    tie = {"http://a:1": 20, "http://b:1": 20}
-    assert score_pods([a, b, c], tie, 400, BS, ScoringWeights(sticky=0.5), ref_len=2000).pod is b
-    a.inflight_requests = 9
-    assert score_pods([a, b, c], hits, 400, BS, ScoringWeights(sticky=0.5), ref_len=2000).pod is not a
+    a.inflight_requests, b.inflight_requests, c.inflight_requests = 6, 1, 1  # limit 1.25 * 8/3 + 2 = 5.33
+    hashes = list(range(100, 120))
+    hits = {"http://a:1": 19, "http://b:1": 1, "http://c:1": 1}  # a holds 304 of 320 tokens
+    w = ScoringWeights()
+    assert w.private_guard == 2.0
+    private = private_hits([a, b, c], hits, hashes)
+    assert private == {"http://a:1", "http://b:1", "http://c:1"}  # nothing in flight shares anything yet
+    d = score_pods([a, b, c], hits, 320, BS, w, private=private)
+    assert d.pod is a and d.hit_tokens == 304 and d.reason == "private_follow_up"
+    # exemption off, or not passed: the guard moves it
+    assert score_pods([a, b, c], hits, 320, BS, ScoringWeights(private_guard=1.0), private=private).pod is not a
+    assert score_pods([a, b, c], hits, 320, BS, w).pod is not a
+    # the conversation's previous turn still in flight on a: still private
+    a.inflight_blocks.update(hashes[:19])
+    assert "http://a:1" in private_hits([a, b, c], hits, hashes)
+    # a second concurrent sharer: a hot prefix, the guard applies
+    a.inflight_blocks.update(hashes[:19])
+    assert private_hits([a, b, c], hits, hashes) == {"http://b:1", "http://c:1"}
+    assert score_pods([a, b, c], hits, 320, BS, w, private=private_hits([a, b, c], hits, hashes)).pod is not a
+    # under half the prompt cached: not a follow-up
+    short = {"http://a:1": 9, "http://b:1": 1, "http://c:1": 1}
+    assert score_pods([a, b, c], short, 320, BS, w, private={"http://a:1"}).pod is not a
+    # past private_guard x limit (load 40 > 2 x (1.25 * 42/3 + 2) = 39)
+    a.inflight_requests = 40
+    assert score_pods([a, b, c], hits, 320, BS, w, private={"http://a:1"}).pod is not a
+
+
+def test_router_tracks_blocks_in_flight_per_pod():
+    from kvmesh.services.router.app import Router
+    from kvmesh.services.router.testing import IdTokenizer
+
+    r = Router(RouterConfig(block_size=BS), tokenizer=IdTokenizer())
+    r.add_pod(PodSpec("http://a:1"))
+    pod = r.pods["http://a:1"]
+    d = score_pods([pod], {}, 64, BS, ScoringWeights())
+    f1 = r._begin(d, [1, 2, 3, 4], 64)
+    f2 = r._begin(d, [1, 2, 9], 48)
+    assert pod.inflight_blocks == {1: 2, 2: 2, 3: 1, 4: 1, 9: 1}
+    r._end(f1)
+    r._end(f1)  # ending twice changes nothing
+    assert pod.inflight_blocks == {1: 1, 2: 1, 9: 1}
+    r._end(f2)
+    assert not pod.inflight_blocks and pod.inflight_requests == 0
 
 
 def test_load_is_own_inflight_plus_other_clients():
@@ -196,8 +243,8 @@ def test_eviction_pressure_from_events_steers_new_prefixes_only():
 def test_hit_value_is_measured_against_a_typical_prompt():
     """A short prompt's few cached blocks save little prefill: with a typical prompt of 640 tokens they
     no longer outweigh a request-share surplus; a long prompt's cached prefix still does. (The scores
-    alone: the sticky rule, when on, would keep both on the pod holding most of the prompt.)"""
-    w = ScoringWeights(sticky=0.0)
+    alone, without the affinity term, which values a hit against the prompt itself.)"""
+    w = ScoringWeights(affinity=0.0)
     a, b = Pod(PodSpec("http://a:1")), Pod(PodSpec("http://b:1"))
     a.recent, b.recent = 30.0, 10.0
     a.recent_t = b.recent_t = 0.0
