@@ -195,9 +195,9 @@ def ideal_hits(reqs: list[list]) -> list[tuple[int, int]]:
     return out
 
 
-def ideal_hit_ratio(reqs: list[list]) -> float:
-    """Unlimited shared cache, token-weighted (`ideal_hits` summed)."""
-    per = ideal_hits(reqs)
+def ideal_hit_ratio(reqs: list[list] | None = None, per: list[tuple[int, int]] | None = None) -> float:
+    """Unlimited shared cache, token-weighted: `ideal_hits` of ``reqs`` (or its result ``per``) summed."""
+    per = ideal_hits(reqs or []) if per is None else per
     return sum(h for h, _ in per) / max(sum(n for _, n in per), 1)
 
 
@@ -546,7 +546,7 @@ def run_policy(policy: str, rows: list[dict], workers: list[dict], model: str, a
     ideal = ideal_hits([r["blocks"] for r in reqs])
     res.update(hit_ratio=hits / queries if queries else None, imbalance=max(per) / mean if mean else None,
                router_cpu_pct=100 * cpu / wall, per_instance=per,
-               ideal_hit_ratio=sum(h for h, _ in ideal) / max(sum(n for _, n in ideal), 1),
+               ideal_hit_ratio=ideal_hit_ratio(per=ideal),
                **hit_losses(ideal, res["cached"]))
     print(f"[{policy}] done: hit {res['hit_ratio']}, lost {res['lost_ratio']} ({res['missed_followups']} missed "
           f"follow-ups), ttft p90 {res['ttft_p90']}, ok {res['ok']}/"

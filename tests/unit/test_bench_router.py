@@ -66,7 +66,7 @@ def test_ideal_hits_per_request_and_losses():
     c = [(7, [9] * 4), (8, [8] * 2)]
     ideal = B.ideal_hits([a, b, c])
     assert ideal == [(0, 9), (8, 16), (0, 6)]
-    assert B.ideal_hit_ratio([a, b, c]) == pytest.approx(8 / 31)
+    assert B.ideal_hit_ratio([a, b, c]) == B.ideal_hit_ratio(per=ideal) == pytest.approx(8 / 31)
     # b went where its prefix was not: all 8 ideal tokens lost, one missed follow-up
     got = B.hit_losses(ideal, [0, 0, 0])
     assert got == {"lost_ratio": pytest.approx(8 / 31), "missed_followups": 1, "lost_in_missed": 1.0}
