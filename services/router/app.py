@@ -344,9 +344,8 @@ class Router:
             urls = [p.url for p in pods]
             hits = self.index.match(self.ns, hashes, urls) if hashes else {}
             pressure = self.index.eviction_pressure(urls) if self.cfg.weights.evict else None
-            private = private_hits(pods, hits, hashes) if self.cfg.weights.private_guard > 1 else None
             d = score_pods(pods, hits, plen, bs, self.cfg.weights, ref_len=self.mean_prompt, pressure=pressure,
-                           private=private)
+                           private=private_hits(pods, hits, hashes))
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("route plen=%d -> %s (%s, hit %d blocks) hits=%s load=%s evict=%s", plen, d.pod.url,
                           d.reason, d.hit_blocks, {p.url: hits.get(p.url, 0) for p in pods},

@@ -160,15 +160,15 @@ def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_siz
     limit = w.balance_rel * mean_load + w.balance_abs
     plen = max(prompt_len, 1)
     private = private or set()
+    cached_on = {p.url: predicted_cached_tokens(hits.get(p.url, 0), prompt_len, block_size) for p in pods}
 
     def follow_up(p: Pod) -> bool:
-        return (p.url in private and p.load <= w.private_guard * limit
-                and 2 * predicted_cached_tokens(hits.get(p.url, 0), prompt_len, block_size) >= plen)
+        return p.url in private and p.load <= w.private_guard * limit and 2 * cached_on[p.url] >= plen
 
     eligible = [p for p in pods if p.load <= limit or follow_up(p)] or pods
     hit_base = max(plen, ref_len)
     pressure = pressure or {}
-    cached = [predicted_cached_tokens(hits.get(p.url, 0), prompt_len, block_size) for p in eligible]
+    cached = [cached_on[p.url] for p in eligible]
     top = max(cached)
     evict_scale = 0.0
     if w.evict and pressure:
