@@ -342,7 +342,7 @@ def start_router(policy: str, workers: list[dict], args) -> tuple[Proc, str]:
     p = Proc(cmd, log, env, cwd=cwd)
     try:
         wait_http(url + "/health", 120, p)
-    except RuntimeError:
+    except BaseException:  # not started, or interrupted while starting
         p.stop()
         raise
     return p, url
@@ -413,6 +413,9 @@ def usage_cached(data: str) -> int | None:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
+    # Instances and routers run in their own sessions, so a plain SIGTERM would leave them behind:
+    # raise instead, and the `finally` below stops them.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     policies = [p for p in args.policies.split(",") if p]
     known = {"round-robin", "kvmesh", "least-load", "sglang", "vllm"}
     try:
@@ -530,9 +533,9 @@ def run_policy(policy: str, rows: list[dict], workers: list[dict], model: str, a
         results[policy] = {"error": f"router did not start: {e}"}
         print(f"[{policy}] router did not start: {e}", file=sys.stderr)
         return None
-    before = [scrape(w["url"]) for w in workers]
-    cpu0, t0 = group_cpu_s(rp.p.pid), time.monotonic()
     try:
+        before = [scrape(w["url"]) for w in workers]
+        cpu0, t0 = group_cpu_s(rp.p.pid), time.monotonic()
         res = asyncio.run(replay(url, model, reqs, args.rate, args.timeout))
         cpu, wall = group_cpu_s(rp.p.pid) - cpu0, time.monotonic() - t0
     finally:

@@ -39,6 +39,10 @@ async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
         await client.close()
         _remove_ipc_dir(cfg, proc_cfg)
         return 1
+    except BaseException:  # SIGTERM (KeyboardInterrupt) or cancellation while starting: stop the engine with us
+        await client.close()
+        _remove_ipc_dir(cfg, proc_cfg)
+        raise
     metrics = ServerMetrics(cfg.served_model_names[0] if cfg.served_model_names else ready.model_name)
     client.on_stats = metrics.on_stats
     client.on_queue_time = metrics.on_queue_time

@@ -38,7 +38,8 @@ from .config import PodSpec, RouterConfig
 from .events import EventHub
 from .index import PrefixIndex
 from .metrics import RouterMetrics
-from .policy import Decision, Pod, least_load, predicted_cached_tokens, private_hits, round_robin, score_pods
+from .policy import (Decision, Pod, hot_hits, least_load, predicted_cached_tokens, private_hits, round_robin,
+                     score_pods)
 
 log = logging.getLogger("kvmesh.router")
 
@@ -345,7 +346,7 @@ class Router:
             hits = self.index.match(self.ns, hashes, urls) if hashes else {}
             pressure = self.index.eviction_pressure(urls) if self.cfg.weights.evict else None
             d = score_pods(pods, hits, plen, bs, self.cfg.weights, ref_len=self.mean_prompt, pressure=pressure,
-                           private=private_hits(pods, hits, hashes))
+                           private=private_hits(pods, hits, hashes), hot=hot_hits(pods, hits, hashes))
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("route plen=%d -> %s (%s, hit %d blocks) hits=%s load=%s evict=%s", plen, d.pod.url,
                           d.reason, d.hit_blocks, {p.url: hits.get(p.url, 0) for p in pods},

@@ -15,7 +15,9 @@ class ScoringWeights:
     ``tokens``: weight of the uncached prompt tokens in flight to the pod relative to the mean.
     ``kv``: weight of the pod's KV usage (0..1), so a nearly full pod (which would evict) is avoided.
     ``balance_abs`` / ``balance_rel``: a pod whose load exceeds ``balance_rel * mean + balance_abs``
-    is not eligible while another pod is; this bounds how far a hot prefix can pile up.
+    is not eligible while another pod is; this bounds how far a hot prefix can pile up. For a pod
+    whose matched prefix is hot (shared by two or more of its in-flight requests) the limit is
+    ``max(balance_rel * mean, mean + balance_abs)`` (`policy.hot_limit`).
     ``share``: weight of the pod's share of recently routed requests relative to the mean (requests
     decay with ``share_halflife_s``). In-flight load only sees the present; with prefix affinity a
     pod's future arrivals follow the conversations it already holds, so placing new work where

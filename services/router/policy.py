@@ -27,8 +27,8 @@ much prefill it would save, no more. The share term spreads new work (equal hit
 everywhere) by recent routings: with prefix affinity a pod's future arrivals
 follow the conversations it already holds. On top of that the balance guard
 removes pods whose load exceeds ``balance_rel * mean + balance_abs`` while
-others are below: a prefix that every request shares (the Mooncake trace's
-block 0) saves little relative to the prompt and so never pulls traffic, and a
+others are below (`hot_limit` where in-flight requests share the prefix): a
+prefix that every request shares (the Mooncake trace's block 0) saves little relative to the prompt and so never pulls traffic, and a
 prefix that is most of the prompt (a long shared system prompt) pulls until the
 guard trips, after which the router's own routing history makes the second pod
 hold it too and load decides between the two.
@@ -117,25 +117,48 @@ def predicted_cached_tokens(hit_blocks: int, prompt_len: int, block_size: int) -
 _rr = itertools.count()
 
 
+def hot_limit(mean_load: float, w: ScoringWeights) -> float:
+    """The balance limit for a pod whose cached prefix of this request is hot (`hot_hits`):
+    ``balance_abs`` requests or ``balance_rel - 1`` of the mean above the mean, whichever is more,
+    instead of the sum of the two. With the sum a system prompt that every request shares held
+    three of four pods at up to 32 requests each while the fourth idled (``L > 1.25 * 3L/4 + 2``
+    only from L = 33); with this limit the fourth pod takes it from 9. Only hot prefixes get it:
+    copying one to another pod costs one prefill there, which the next requests sharing it reuse.
+    Applied to every request it cost the Mooncake replay 0.006 of hit ratio; this way, nothing
+    (BENCHMARKS.md, "Router (issue 6)", session 8).
+    It bounds the busiest pod, not the idlest: with five pods or more one may still stay idle
+    while the others hold such a prefix at up to 1.25 times the mean."""
+    return max(w.balance_rel * mean_load, mean_load + w.balance_abs)
+
+
 def round_robin(pods: list[Pod]) -> Pod:
     return pods[next(_rr) % len(pods)]
+
+
+def _sharers(p: Pod, hits: dict[str, int], hashes: list[int]) -> int | None:
+    """In-flight requests on ``p`` holding the deepest block of this request that ``p`` caches
+    (None where it caches none)."""
+    k = hits.get(p.url, 0)
+    return p.inflight_blocks.get(hashes[k - 1], 0) if 0 < k <= len(hashes) else None
 
 
 def private_hits(pods: list[Pod], hits: dict[str, int], hashes: list[int]) -> set[str]:
     """Pods whose cached prefix of this request is private: at most one request in flight there (the
     conversation's previous turn, still streaming) holds its deepest matched block. A hot prefix that
     many concurrent requests share is not private."""
-    out = set()
-    for p in pods:
-        k = hits.get(p.url, 0)
-        if 0 < k <= len(hashes) and p.inflight_blocks.get(hashes[k - 1], 0) <= 1:
-            out.add(p.url)
-    return out
+    return {p.url for p in pods if (n := _sharers(p, hits, hashes)) is not None and n <= 1}
+
+
+def hot_hits(pods: list[Pod], hits: dict[str, int], hashes: list[int]) -> set[str]:
+    """Pods whose cached prefix of this request is hot: two or more requests in flight there hold its
+    deepest matched block (a shared system prompt under concurrent traffic)."""
+    return {p.url for p in pods if (n := _sharers(p, hits, hashes)) is not None and n >= 2}
 
 
 def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_size: int,
                w: ScoringWeights, now: float | None = None, ref_len: float = 0.0,
-               pressure: dict[str, float] | None = None, private: set[str] | None = None) -> Decision:
+               pressure: dict[str, float] | None = None, private: set[str] | None = None,
+               hot: set[str] | None = None) -> Decision:
     """Pick the best pod among ``pods`` (all healthy, non-empty).
 
     ``ref_len``: a typical prompt length (the router's running mean). The hit counts as the share of
@@ -146,7 +169,9 @@ def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_siz
     ``private``: pods holding a private prefix of this request (`private_hits`). Where that prefix is
     at least half the prompt (a follow-up turn), the pod stays eligible up to ``private_guard`` times
     the balance limit: moving a long conversation costs its whole prefill on the new pod, which is
-    seconds, and its next turns follow it there."""
+    seconds, and its next turns follow it there.
+
+    ``hot``: pods holding a hot prefix of this request (`hot_hits`); their limit is `hot_limit`."""
     if len(pods) == 1:
         p = pods[0]
         hb = hits.get(p.url, 0)
@@ -158,6 +183,8 @@ def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_siz
     shares = {p.url: p.share(now, w.share_halflife_s) for p in pods}
     mean_share = sum(shares.values()) / n
     limit = w.balance_rel * mean_load + w.balance_abs
+    hot = hot or set()
+    strict = hot_limit(mean_load, w)
     plen = max(prompt_len, 1)
     private = private or set()
     cached_on = {p.url: predicted_cached_tokens(hits.get(p.url, 0), prompt_len, block_size) for p in pods}
@@ -165,7 +192,7 @@ def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_siz
     def follow_up(p: Pod) -> bool:
         return p.url in private and p.load <= w.private_guard * limit and 2 * cached_on[p.url] >= plen
 
-    eligible = [p for p in pods if p.load <= limit or follow_up(p)] or pods
+    eligible = [p for p in pods if p.load <= (strict if p.url in hot else limit) or follow_up(p)] or pods
     hit_base = max(plen, ref_len)
     pressure = pressure or {}
     cached = [cached_on[p.url] for p in eligible]

@@ -45,3 +45,59 @@ def test_bench_router_repeats_with_cold_caches(tmp_path):
     for pol in ("kvmesh", "noshare"):
         assert all(x["hit_ratio"] >= ideal - 16 / 384 - 1e-9 for x in res[pol]["runs"])
     assert "per run" in p.stdout and "round 2" in p.stdout
+
+
+def _tree(pid: int) -> set[int]:
+    from kvmesh.services.api.testing import _children
+
+    out, todo = set(), [pid]
+    while todo:
+        for c in _children(todo.pop()):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_the_instances(tmp_path):
+    """The instances run in sessions of their own (so a stop can take their engine children too); a
+    SIGTERM to the bench must still stop them all, not leave them running without a parent."""
+    import signal
+    import time
+
+    rows = [{"timestamp": 1000 * i, "input_length": 512, "output_length": 2, "hash_ids": [i]} for i in range(4)]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = dict(os.environ, KVMESH_CPU_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "bench", "router", "--trace", str(trace),
+                          "--instances", "2", "--policies", "round-robin", "--requests", "0", "--rate", "0.5",
+                          "--max-output", "2", "--max-model-len", "512", "--num-kv-blocks", "64",
+                          "--log-dir", str(tmp_path / "logs")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        tree: set[int] = set()
+        for _ in range(240):  # both instances with their engine processes (4), then the router (5)
+            tree |= _tree(p.pid)
+            if len(tree) >= 5 or p.poll() is not None:
+                break
+            time.sleep(0.5)
+        assert len(tree) >= 5 and p.poll() is None, tree
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) != 0
+        for _ in range(60):
+            left = [t for t in tree if _alive(t)]
+            if not left:
+                break
+            time.sleep(0.5)
+        assert not left, left
+    finally:
+        if p.poll() is None:
+            p.kill()

@@ -18,7 +18,7 @@ from kvmesh.engine.kv_publisher import KVEventPublisher, PublisherConfig
 from kvmesh.services.router.config import PodSpec, RouterConfig, ScoringWeights, parse_pod_spec
 from kvmesh.services.router.events import EventHub
 from kvmesh.services.router.index import PrefixIndex
-from kvmesh.services.router.policy import Pod, private_hits, score_pods
+from kvmesh.services.router.policy import Pod, hot_hits, private_hits, score_pods
 from kvmesh.services.router.testing import FakePod, IdTokenizer, free_port, start_router
 
 pytestmark = pytest.mark.unit
@@ -115,6 +115,29 @@ def test_score_prefers_hit_but_spreads_load():
     assert d.pod is a and d.reason == "kv_hit" and d.hit_tokens == 160
     a.inflight_requests = 6  # far above the balance bound: the hit no longer wins
     assert score_pods([a, b], {"http://a:1": 10}, 200, BS, w).pod is b
+
+
+def test_shared_system_prompt_reaches_the_idle_pod():
+    """Three of four pods hold a system prompt that the 12 requests in flight on each share; the
+    fourth is idle and holds nothing. The prefix is hot, so the guard's stricter limit (mean + 2 =
+    11) sends the next request to the idle pod; with the general limit (1.25 x mean + 2 = 13.25)
+    the fourth pod stayed idle up to 32 requests each. A prefix no in-flight request holds keeps
+    the general limit."""
+    w = ScoringWeights()
+    pods = [Pod(PodSpec(f"http://{c}:1")) for c in "abcd"]
+    hashes = list(range(900, 934))  # 32 system blocks, then the request's own
+    for p in pods[:3]:
+        p.inflight_requests = 12
+        p.inflight_blocks.update({h: 12 for h in hashes[:32]})
+    hits = {p.url: 32 for p in pods[:3]}  # 512 of a 544-token prompt
+    hot = hot_hits(pods, hits, hashes)
+    assert hot == {p.url for p in pods[:3]} and not private_hits(pods, hits, hashes)
+    d = score_pods(pods, hits, 544, BS, w, ref_len=544, hot=hot)
+    assert d.pod is pods[3] and d.reason == "load"
+    assert score_pods(pods, hits, 544, BS, w, ref_len=544).pod in pods[:3]  # not hot: general limit
+    for p in pods[:3]:  # below the stricter limit too (mean 6 + 2) the hot prefix still wins
+        p.inflight_requests = 3
+    assert score_pods(pods, hits, 544, BS, w, ref_len=544, hot=hot).pod in pods[:3]
 
 
 def test_affinity_keeps_a_short_follow_up_unless_its_pod_is_queued():
@@ -294,7 +317,7 @@ def test_hot_prefix_spreads(pods):
         with cf.ThreadPoolExecutor(64) as ex:
             got = list(ex.map(one, range(64)))
         counts = [got.count(p.url) for p in pods]
-        assert max(counts) / (64 / len(pods)) <= 1.5, counts
+        assert max(counts) / (64 / len(pods)) <= 1.5 and min(counts) > 0, counts
         # a follow-up of request 0's conversation goes where request 0 went (history/predicted index)
         time.sleep(1.2)  # let a scrape see the pods idle again
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": system + own(0) + list(range(40)),
