@@ -395,7 +395,8 @@ async def replay(url: str, model: str, reqs: list[dict], rate: float, timeout: f
             "ttft_p99": pct(99), "ttft_mean": sum(ttfts) / len(ttfts) if ttfts else None,
             "throughput": len(oks) / makespan if makespan > 0 else None,
             "output_tok_s": sum(x["out"] for x in oks) / makespan if makespan > 0 else None,
-            "makespan_s": makespan, "cached": [x["cached"] for x in sorted(results, key=lambda x: x["i"])]}
+            "makespan_s": makespan, "cached": [x["cached"] for x in sorted(results, key=lambda x: x["i"])],
+            "ttft": [x["ttft"] for x in sorted(results, key=lambda x: x["i"])]}
 
 
 def usage_cached(data: str) -> int | None:
@@ -549,7 +550,8 @@ def run_policy(policy: str, rows: list[dict], workers: list[dict], model: str, a
     ideal = ideal_hits([r["blocks"] for r in reqs])
     res.update(hit_ratio=hits / queries if queries else None, imbalance=max(per) / mean if mean else None,
                router_cpu_pct=100 * cpu / wall, per_instance=per,
-               ideal_hit_ratio=ideal_hit_ratio(per=ideal),
+               ideal_hit_ratio=ideal_hit_ratio(per=ideal), prompt_tokens=[n for _, n in ideal],
+               ideal_cached=[h for h, _ in ideal],
                **hit_losses(ideal, res["cached"]))
     print(f"[{policy}] done: hit {res['hit_ratio']}, lost {res['lost_ratio']} ({res['missed_followups']} missed "
           f"follow-ups), ttft p90 {res['ttft_p90']}, ok {res['ok']}/"

@@ -93,3 +93,23 @@ def _children(pid: int) -> list[int]:
     except OSError:
         pass
     return out
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` now (children, theirs, ...)."""
+    out, todo = set(), [pid]
+    while todo:
+        for c in _children(todo.pop()):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (exited, waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

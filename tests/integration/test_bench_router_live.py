@@ -40,6 +40,11 @@ def test_bench_router_repeats_with_cold_caches(tmp_path):
         assert r["ideal_hit_ratio"] == pytest.approx(ideal)
         # every run starts cold: a second run of the same prompts is no warmer than the first
         assert all(x["hit_ratio"] <= ideal + 1e-9 for x in r["runs"])
+        # per request, in trace order: prompt length, ideal and actual cached tokens, TTFT
+        for x in r["runs"]:
+            assert x["prompt_tokens"] == [48, 48, 64, 64, 80, 80]
+            assert len(x["ttft"]) == len(x["cached"]) == 6 and all(t > 0 for t in x["ttft"])
+            assert all(c <= h for c, h in zip(x["cached"], x["ideal_cached"]))
     # kvmesh keeps each conversation on the pod holding it, in both runs (only the shared first block
     # may be lost, when the two conversations start on different pods)
     for pol in ("kvmesh", "noshare"):
@@ -47,31 +52,13 @@ def test_bench_router_repeats_with_cold_caches(tmp_path):
     assert "per run" in p.stdout and "round 2" in p.stdout
 
 
-def _tree(pid: int) -> set[int]:
-    from kvmesh.services.api.testing import _children
-
-    out, todo = set(), [pid]
-    while todo:
-        for c in _children(todo.pop()):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_sigterm_stops_the_instances(tmp_path):
     """The instances run in sessions of their own (so a stop can take their engine children too); a
     SIGTERM to the bench must still stop them all, not leave them running without a parent."""
     import signal
     import time
+
+    from kvmesh.services.api.testing import alive, descendants
 
     rows = [{"timestamp": 1000 * i, "input_length": 512, "output_length": 2, "hash_ids": [i]} for i in range(4)]
     trace = tmp_path / "trace.jsonl"
@@ -85,7 +72,7 @@ def test_sigterm_stops_the_instances(tmp_path):
     try:
         tree: set[int] = set()
         for _ in range(240):  # both instances with their engine processes (4), then the router (5)
-            tree |= _tree(p.pid)
+            tree |= descendants(p.pid)
             if len(tree) >= 5 or p.poll() is not None:
                 break
             time.sleep(0.5)
@@ -93,7 +80,7 @@ def test_sigterm_stops_the_instances(tmp_path):
         p.send_signal(signal.SIGTERM)
         assert p.wait(60) != 0
         for _ in range(60):
-            left = [t for t in tree if _alive(t)]
+            left = [t for t in tree if alive(t)]
             if not left:
                 break
             time.sleep(0.5)

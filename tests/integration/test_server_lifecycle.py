@@ -22,7 +22,7 @@ LONG = {"prompt": "Tell me a long story.", "max_tokens": 300, "temperature": 0, 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from kvmesh.services.api.testing import ServerProcess
+    from kvmesh.services.api.testing import ServerProcess, alive
 
     log = str(tmp_path_factory.mktemp("serve") / "server.log")
     srv = ServerProcess(["--max-model-len", "512", "--num-kv-blocks", "128", "--max-num-seqs", "1",
@@ -32,15 +32,7 @@ def server(tmp_path_factory):
     engine = srv.engine_pid()
     srv.stop()
     assert srv.proc.poll() is not None
-    assert engine is None or not os.path.exists(f"/proc/{engine}") or _zombie(engine)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] == "Z"
-    except OSError:
-        return True
+    assert engine is None or not alive(engine)
 
 
 def _first_data(lines) -> str:
