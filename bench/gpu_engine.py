@@ -320,16 +320,17 @@ def engine_decode(eng: EngineCore, B: int, P: int, N: int, bw: float, seed: int,
     return r
 
 
-def set_gemv(eng: EngineCore, flag: str) -> None:
-    """Switch the one-row GEMV kernel (kvmesh.kernels.linear) on or off and recapture the
-    decode graphs, which hold whichever kernels were chosen at capture."""
-    os.environ["KVMESH_GEMV"] = flag
+def set_gemv(eng: EngineCore, flag: str, var: str = "KVMESH_GEMV") -> None:
+    """Switch the one-row GEMV kernel (kvmesh.kernels.linear; or, with ``var`` =
+    KVMESH_ATTENTION_TMA, the TMA decode attention) on or off and recapture the decode graphs,
+    which hold whichever kernels were chosen at capture."""
+    os.environ[var] = flag
     runner = eng.runner
     runner.graphs = {}
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     runner._capture_graphs()
-    log(f"KVMESH_GEMV={flag}: graphs recaptured in {runner.graph_capture_s:.1f}s")
+    log(f"{var}={flag}: graphs recaptured in {runner.graph_capture_s:.1f}s")
 
 
 def bench_8b(args, bw: float) -> EngineCore:
@@ -392,6 +393,14 @@ def bench_8b(args, bw: float) -> EngineCore:
             r["hf_new_tokens"] = hf_r["new"]
             r["ratio_e2e_vs_hf"] = r["e2e_tok_s"] / hf_r["out_tok_s"]
         dec.append(r)
+    if args.tma_ab:  # batch 128, async, one step per round: TMA decode attention off, on, off, on
+        eng.multi_steps, eng.async_scheduling = 1, True
+        for flag in ("0", "1", "0", "1"):
+            set_gemv(eng, flag, "KVMESH_ATTENTION_TMA")
+            r = engine_decode(eng, 128, P, N, bw, seed=128)
+            r.update(steps_per_round=1, gemv=True, sampled=False, async_scheduling=True, tma=flag == "1",
+                     ab="tma")
+            dec.append(r)
     R["decode"] = dec
     eng.multi_steps, eng.async_scheduling = 1, False
     return eng
@@ -440,7 +449,8 @@ def table() -> str:
             x = f"{r['ratio_e2e_vs_hf']:.1f}" if "ratio_e2e_vs_hf" in r else "-"
             lines.append(f"{'triton' if r.get('gemv', True) else 'cublas':>6}{'*' if r.get('sampled') else ' '}{r.get('steps_per_round', 1):>5}{'yes' if r.get('async_scheduling') else 'no':>6} {r['B']:>5} {r['decode_tok_s']:>12.1f} {r['e2e_tok_s']:>10.1f} {hf:>9} {x:>6} "
                          f"{r['gpu_step_ms']:>11.3f} {r['step_GB']:>8.2f} {r['roofline_tok_s']:>9.1f} "
-                         f"{100 * r['frac_roofline']:>5.1f}% {100 * r['gpu_only_frac_roofline']:>13.1f}%")
+                         f"{100 * r['frac_roofline']:>5.1f}% {100 * r['gpu_only_frac_roofline']:>13.1f}%"
+                         + (f"  (A/B: TMA attention {'on' if r['tma'] else 'off'})" if r.get("ab") == "tma" else ""))
         if any(r.get("sampled") for r in R["decode"]):
             lines.append("  * = sampled (temperature 0.8, top-p 0.95, unseeded); rounds: "
                          + ", ".join(f"{r['steps_per_round']}x{r['B']}: {r['multi_step_rounds']}"
@@ -464,6 +474,8 @@ def main() -> int:
     ap.add_argument("--multi-steps", type=int, default=8, help="num_scheduler_steps of the second decode pass")
     ap.add_argument("--sampled", action="store_true",
                     help="also decode with temperature 0.8 / top-p 0.95 (unseeded), one step and multi-step")
+    ap.add_argument("--tma-ab", action="store_true",
+                    help="after the plan: batch 128 with the TMA decode attention off / on / off / on")
     ap.add_argument("--gemv-ab", action="store_true",
                     help="also time batch 1 with cuBLAS GEMVs (KVMESH_GEMV=0) before the default GEMV kernel")
     ap.add_argument("--budget-s", type=float, default=560.0, help="whole-run deadline (throughput is cut to fit)")

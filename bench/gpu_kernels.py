@@ -185,10 +185,15 @@ def check_attention(gen):
         ("mixed fp16", [1, 150, 1, 33], [500, 77, 1, 40], 32, 8, 128, 16, torch.float16, {}),
         ("mixed fp32", [1, 150, 1, 33], [500, 77, 1, 40], 32, 8, 128, 16, torch.float32, {}),
         ("mixed fp32 split4", [1, 20, 1], [900, 300, 60], 16, 4, 64, 16, torch.float32, dict(num_segments=4)),
+        ("decode gqa4 bs16 tma", [1] * 9, [37, 700, 1, 16, 15, 300, 2047, 64, 129], 32, 8, 128, 16, torch.bfloat16,
+         dict(tma=True)),
+        ("decode gqa1 bs32 d64 tma", [1] * 5, [5, 100, 31, 32, 400], 8, 8, 64, 32, torch.bfloat16, dict(tma=True)),
+        ("decode gqa4 fp16 tma, a padded sequence", [1, 0, 1], [300, 5, 4000], 32, 8, 128, 16, torch.float16,
+         dict(tma=True)),
     ]
     cases += [(name + " head-major", *rest[:-1], dict(rest[-1], head_major=True))
               for name, *rest in cases if name in ("decode gqa4 bs16", "decode gqa4 split16", "mixed gqa4 bs32",
-                                                   "chunked prefill gqa4")]
+                                                   "chunked prefill gqa4", "decode gqa4 bs16 tma")]
     for name, q_lens, ctx, hq, hkv, d, bs, dtype, ov in cases:
         ov = dict(ov)
         p = make_paged(q_lens, ctx, hq, hkv, d, bs, dtype, gen=gen, head_major=ov.pop("head_major", False))
@@ -207,11 +212,16 @@ def check_attention(gen):
 
 
 def check_cuda_graph(gen):
-    """Decode attention captured in a CUDA graph, replayed on new values in place."""
+    """Decode attention captured in a CUDA graph, replayed on new values in place (both kernels)."""
+    for tma in (False, True):
+        _check_cuda_graph(gen, tma)
+
+
+def _check_cuda_graph(gen, tma):
     p = make_paged([1] * 6, [100, 2000, 5, 900, 31, 4000], 32, 8, 128, 16, torch.bfloat16, gen=gen)
     out = torch.empty_like(p["q"])
     args = (p["q"], p["k"], p["v"], p["bt"], p["qsl"], p["sl"], 128 ** -0.5)
-    kw = dict(out=out, max_query_len=1, max_seq_len=4096)
+    kw = dict(out=out, max_query_len=1, max_seq_len=4096, tma=tma)
     K.paged_attention(*args, **kw)  # compile outside capture
     sync()
     g = torch.cuda.CUDAGraph()
@@ -224,7 +234,8 @@ def check_cuda_graph(gen):
     sync()
     ref = K.paged_attention_reference(p["q"].float(), p["k"].float(), p["v"].float(), p["bt"], p["qsl"],
                                       p["sl"], 128 ** -0.5)
-    record("paged_attention decode in CUDA graph (replayed, new q and lens)", rel_err(out, ref), 1.5e-2)
+    record(f"paged_attention decode in CUDA graph (replayed, new q and lens){' tma' if tma else ''}",
+           rel_err(out, ref), 1.5e-2)
 
 
 def check_write_kv(gen):

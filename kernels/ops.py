@@ -202,6 +202,7 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 def attention_config(
     num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: int,
     max_query_len: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
+    allow_tma: bool = True,
 ) -> dict:
     """Launch configuration from host-side sizes only (no tensor values).
 
@@ -227,6 +228,10 @@ def attention_config(
       adjacent heads stay ahead (4.32 vs 4.24).
     * longer queries: 64-row q blocks, 64-key tiles, 4 warps, 2 stages; this beat
       128-row blocks and 8 warps on every prefill shape measured.
+    * ``tma``: decode through `paged_decode_tma_kernel` (2 warps, 6 stages) on Hopper
+      when there are at least 3 programs (sequences x KV heads) per SM: 3-5% faster
+      than the pointer kernel at 64-128 x 576 and 64 x 2,048, even at 128 x 4,096,
+      69% of SDPA with fewer programs (32 x 16,384), where it is not chosen.
     fp32 and head sizes over 128 use smaller tiles to stay within shared memory.
     """
     qpk = num_q_heads // num_kv_heads
@@ -256,8 +261,45 @@ def attention_config(
                 num_segments = min(16, want, max_useful)
                 tile_n, num_warps, num_stages = split_tile, 4, 2
                 head_fastest = True
+    # One TMA load per page (`paged_decode_tma_kernel`): 2 warps, 6 stages measured best, 3-5%
+    # ahead of the pointer kernel from ~3 programs per SM; with fewer it keeps too few pages in
+    # flight (69% of SDPA at 32 x 16,384) and the pointer kernel stays.
+    tma = (max_query_len == 1 and not small and d_pad == head_size and qpk_pad <= 16
+           and num_seqs * num_kv_heads >= 3 * _num_sms(device) and allow_tma and _has_tma(device))
+    if tma:
+        block_m, num_warps, num_stages, num_segments = 16, 2, 6, 1
     return dict(block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
-                num_segments=num_segments, head_fastest=head_fastest)
+                num_segments=num_segments, head_fastest=head_fastest, tma=tma)
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Hopper or newer (TMA), and not switched off with ``KVMESH_ATTENTION_TMA=0`` (read per
+    call, so a benchmark can capture both variants in one process); the interpreter takes the
+    TMA kernel only when asked (tests)."""
+    if os.environ.get("KVMESH_ATTENTION_TMA", "1") == "0" or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _tma_view(cache: torch.Tensor):
+    """TMA descriptor of one KV head's page: ``[num_blocks, block_size, Hkv * D]`` view of the
+    per-layer cache, box ``[1, block_size, D]``; None where the layout does not allow it (TMA
+    needs 16-byte-aligned strides and base, and each token's heads contiguous)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n, bs, hkv, d = cache.shape
+    es = cache.element_size()
+    if (cache.stride(3) != 1 or cache.stride(2) != d or cache.stride(1) != hkv * d
+            or (cache.stride(0) * es) % 16 or (cache.stride(1) * es) % 16 or cache.data_ptr() % 16
+            or bs & (bs - 1) or not 8 <= bs <= 256 or d & (d - 1) or not (16 <= d * es and d <= 256)):
+        return None
+    view = torch.as_strided(cache, (n, bs, hkv * d), (cache.stride(0), cache.stride(1), 1))
+    return TensorDescriptor.from_tensor(view, [1, bs, d])
 
 
 def paged_attention(
@@ -279,18 +321,23 @@ def paged_attention(
     num_stages: int | None = None,
     k_natural: bool = False,
     head_fastest: bool | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed variable-length queries over the paged KV cache.
 
     Same contract as `paged_attention_reference` (decode, prefill, chunked prefill
     over a cached prefix, mixed batches; GQA). ``max_query_len`` / ``max_seq_len``
-    are optional *host* hints used only to choose the launch configuration (never
-    for correctness); the runner should pass them, as Python ints, since it knows
-    them. Without them the wrapper assumes decode when there is one token per
+    are optional *host* hints used to choose the launch configuration; the runner
+    should pass them, as Python ints, since it knows them. They never change a
+    result, except that an explicit ``max_query_len=1`` is a promise (see ``tma``). Without them the wrapper assumes decode when there is one token per
     sequence and takes the block table width as the longest context. Tokens after
     ``query_start_loc[-1]`` (padding) are left untouched in ``out``.
     ``num_segments``, ``block_m``, ``tile_n``, ``num_warps``, ``num_stages``
-    override the heuristic (benchmarks and tests).
+    override the heuristic (benchmarks and tests); so does ``tma`` (decode through
+    `paged_decode_tma_kernel`, one TMA load per page). The TMA kernel is chosen only when
+    the caller passes ``max_query_len=1`` itself, which then is a promise of at most one
+    query token per sequence (a sequence with more gets NaN for its earlier tokens), and
+    only where the cache layout allows a descriptor; every other hint only tunes speed.
     """
     fn = "paged_attention"
     _check_dim(fn, "query", query, 3)
@@ -331,15 +378,37 @@ def paged_attention(
                                               seq_lens, scale, out=out)
     if B == 0 or T == 0:
         return out
+    promised_decode = max_query_len == 1  # from the caller, not inferred (see ``tma`` above)
     if max_query_len is None:
         max_query_len = 1 if T <= B else T
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * bs
-    cfg = attention_config(T, B, Hq, Hkv, D, max_query_len, max_seq_len, query.device, query.dtype)
+    pointer_only = any(x is not None for x in (num_segments, block_m, tile_n, head_fastest)) or k_natural
+    if tma and not (max_query_len == 1 and _p2(Hq // Hkv) <= 16 and _p2(D) == D):
+        _fail(fn, "tma=True needs decode (max_query_len 1), Hq/Hkv <= 16 and a power-of-two head size")
+    allow = bool(tma) if tma is not None else not pointer_only and promised_decode
+    cfg = attention_config(T, B, Hq, Hkv, D, max_query_len, max_seq_len, query.device, query.dtype,
+                           allow_tma=allow)
+    if tma and not cfg["tma"]:  # forced (tests, benchmarks): its measured launch settings
+        cfg.update(tma=True, block_m=16, num_warps=2, num_stages=6, num_segments=1)
+    descs = (_tma_view(k_cache), _tma_view(v_cache)) if cfg["tma"] else (None,)
+    if None in descs and cfg["tma"]:  # a cache layout TMA cannot describe: the pointer kernel
+        cfg = attention_config(T, B, Hq, Hkv, D, max_query_len, max_seq_len, query.device, query.dtype,
+                               allow_tma=False)
     for key, val in (("num_segments", num_segments), ("block_m", block_m), ("tile_n", tile_n),
                      ("num_warps", num_warps), ("num_stages", num_stages)):
         if val is not None:
             cfg[key] = int(val)
+    if cfg["tma"]:
+        _k(query).paged_decode_tma_kernel[(B * Hkv,)](
+            query, descs[0], descs[1], out,
+            block_tables, query_start_loc, seq_lens,
+            float(scale) * 1.4426950408889634,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+            QPK=Hq // Hkv, BLOCK_M=16, HEAD_D=D, BLOCK_SIZE=bs, NUM_KV_HEADS=Hkv,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        return out
     qpk = Hq // Hkv
     qpk_pad = _p2(qpk)
     bm = cfg["block_m"]

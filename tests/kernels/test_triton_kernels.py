@@ -85,6 +85,54 @@ def test_decode(gen, hq, hkv, bs):
                   max_query_len=1, tile_n=32)
 
 
+@pytest.mark.parametrize("hq,hkv,bs,dtype", [(8, 2, 16, torch.bfloat16), (4, 4, 32, torch.float16),
+                                             (32, 8, 16, torch.bfloat16)])
+def test_decode_tma(gen, hq, hkv, bs, dtype):
+    """The TMA decode kernel (one descriptor load per page): full and partial last pages, a
+    one-token context, a sequence without a query token (graph padding) and padding tokens."""
+    run_attention(gen, [1, 1, 0, 1, 1], [0, 2 * bs - 1, 5, 3 * bs + 7, bs], hq, hkv, 32, bs, dtype, pad_tokens=2,
+                  max_query_len=1, tma=True)
+
+
+def test_decode_tma_broken_promise_is_loud(gen):
+    """max_query_len=1 promises one token per sequence; a sequence with three gets NaN for its
+    two earlier tokens (the newest is right), never a silently wrong attention."""
+    q, k, v, bt, qsl, sl = make_paged(gen, [1, 3, 1], [20, 17, 0], 8, 2, 32, 16, torch.bfloat16)
+    out = torch.zeros_like(q)
+    K.paged_attention(q, k, v, bt, qsl, sl, 32 ** -0.5, out=out, max_query_len=1, tma=True)
+    ref = K.paged_attention_reference(q.float(), k.float(), v.float(), bt, qsl, sl, 32 ** -0.5)
+    assert torch.isnan(out[1:3]).all()
+    keep = [0, 3, 4]
+    assert rel_err(out[keep], ref[keep]) < ATT_BOUND[torch.bfloat16]
+
+
+def test_decode_tma_falls_back_where_no_descriptor_fits(gen):
+    """Heads of a token not adjacent (head-major pages): no TMA box describes one head's page,
+    so the pointer kernel runs and the result is still right; a prefill cannot ask for TMA."""
+    q, k, v, bt, qsl, sl = make_paged(gen, [1, 1, 1], [9, 40, 16], 8, 2, 32, 16, torch.bfloat16)
+    k_hm, v_hm = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+    assert ops._tma_view(k_hm) is None and ops._tma_view(k) is not None
+    out = torch.full_like(q, float("nan"))
+    K.paged_attention(q, k_hm, v_hm, bt, qsl, sl, 32 ** -0.5, out=out, max_query_len=1, tma=True)
+    ref = K.paged_attention_reference(q.float(), k.float(), v.float(), bt, qsl, sl, 32 ** -0.5)
+    assert rel_err(out, ref) < ATT_BOUND[torch.bfloat16]
+    with pytest.raises(ValueError, match="tma=True needs decode"):
+        K.paged_attention(q, k, v, bt, qsl, sl, 1.0, max_query_len=2, tma=True)
+
+
+def test_tma_heuristic_needs_many_programs(monkeypatch):
+    """On a TMA-capable GPU, decode goes through the TMA kernel from 3 programs per SM (the
+    engine's batch 64 and 128 with 8 KV heads on 132 SMs), not below it, and never for prefill
+    or fp32; the interpreter and older GPUs never choose it."""
+    dev = torch.device("cpu")
+    assert not ops.attention_config(128, 128, 32, 8, 128, 1, 576, dev, torch.bfloat16)["tma"]
+    monkeypatch.setattr(ops, "_has_tma", lambda device: True)
+    cfg = lambda b, q=1, dt=torch.bfloat16: ops.attention_config(b * q, b, 32, 8, 128, q, 576, dev, dt)  # noqa: E731
+    assert cfg(128)["tma"] and cfg(64)["tma"] and (cfg(64)["num_warps"], cfg(64)["num_stages"]) == (2, 6)
+    assert not cfg(32)["tma"] and not cfg(128, q=4)["tma"] and not cfg(128, dt=torch.float32)["tma"]
+    assert not ops.attention_config(128, 128, 32, 8, 128, 1, 576, dev, torch.bfloat16, allow_tma=False)["tma"]
+
+
 def test_decode_no_hints_fp32(gen):
     run_attention(gen, [1, 1, 1], [40, 3, 90], 4, 2, 16, 16, torch.float32)
 

@@ -1,0 +1,235 @@
+"""Experiment: paged decode attention with one TMA load per page (Hopper tensor descriptors).
+
+The production kernel (`kernels/_triton_kernels.py`, `paged_attention_kernel`) gathers each
+key tile through the block table with pointer loads; it reads 97-100% of what SDPA reads on
+contiguous KV (BENCHMARKS.md, "Kernels, H200"). Hopper's TMA cannot gather rows (that is a
+Blackwell feature), but a page of one KV head -- 16 tokens x 128 dims, rows 2 KB apart in the
+cache -- is one rectangular box, so a descriptor over ``[num_blocks, block_size, Hkv * D]``
+(the engine's own strided per-layer view) loads it with one instruction, asynchronously, without
+per-element address arithmetic. This script asks whether that reads faster.
+
+Decode only (one query token per sequence, the GQA group of 4 padded to 16 rows), one page per
+loop iteration, software-pipelined by Triton (``num_stages``). Checked against a float32
+reference on fresh random inputs (poisoned output), then timed inside CUDA graphs after an L2
+flush beside the production kernel and SDPA on contiguous KV, at the issue's three shapes.
+
+    python3 bench/gpu_tma_decode.py [--quick]      # on the H200; writes $OUT/tma_decode.json
+
+Outcome (2026-11-30, BENCHMARKS.md "Kernels, H200", session 8): one page per step with 2 warps and
+6 stages won from ~3 programs per SM and is now `paged_decode_tma_kernel` in kvmesh.kernels (flat,
+without this script's two-pages variant); this script stays as the record of the sweep.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_kernels as G  # noqa: E402  (shared helpers: paged inputs, timers, copy bandwidth)
+
+
+@triton.jit
+def _one_page(q, k, v, m_i, l_i, acc, scale_log2):
+    s = tl.dot(q, tl.trans(k)) * scale_log2
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def tma_decode_kernel(q_ptr, k_desc, v_desc, o_ptr, bt_ptr, seqlen_ptr, scale_log2,
+                      stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                      QPK: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                      NUM_KV_HEADS: tl.constexpr, PAIRS: tl.constexpr):
+    pid = tl.program_id(0)
+    kvh = pid % NUM_KV_HEADS  # heads of one sequence adjacent in launch order
+    b = pid // NUM_KV_HEADS
+    seq_len = tl.load(seqlen_ptr + b).to(tl.int32)
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < QPK
+    head = kvh * QPK + offs_m % QPK
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    full_pages = seq_len // BS
+    first_single = 0
+    if PAIRS:
+        # two pages per iteration: twice the bytes in flight per pipeline stage, one rescale
+        for i in range(0, full_pages // 2):
+            b0 = tl.load(bt_row + 2 * i).to(tl.int32)
+            b1 = tl.load(bt_row + 2 * i + 1).to(tl.int32)
+            k0 = k_desc.load([b0, 0, kvh * D]).reshape(BS, D)
+            k1 = k_desc.load([b1, 0, kvh * D]).reshape(BS, D)
+            v0 = v_desc.load([b0, 0, kvh * D]).reshape(BS, D)
+            v1 = v_desc.load([b1, 0, kvh * D]).reshape(BS, D)
+            s0 = tl.dot(q, tl.trans(k0)) * scale_log2
+            s1 = tl.dot(q, tl.trans(k1)) * scale_log2
+            m_new = tl.maximum(m_i, tl.maximum(tl.max(s0, 1), tl.max(s1, 1)))
+            p0 = tl.math.exp2(s0 - m_new[:, None])
+            p1 = tl.math.exp2(s1 - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1)
+            acc = acc * alpha[:, None] + tl.dot(p0.to(v0.dtype), v0) + tl.dot(p1.to(v1.dtype), v1)
+            m_i = m_new
+        first_single = (full_pages // 2) * 2
+    for pg in range(first_single, full_pages):
+        blk = tl.load(bt_row + pg).to(tl.int32)
+        k = k_desc.load([blk, 0, kvh * D]).reshape(BS, D)
+        v = v_desc.load([blk, 0, kvh * D]).reshape(BS, D)
+        m_i, l_i, acc = _one_page(q, k, v, m_i, l_i, acc, scale_log2)
+    if full_pages * BS < seq_len:  # the last, partly filled page
+        blk = tl.load(bt_row + full_pages).to(tl.int32)
+        k = k_desc.load([blk, 0, kvh * D]).reshape(BS, D)
+        v = v_desc.load([blk, 0, kvh * D]).reshape(BS, D)
+        n_ok = full_pages * BS + tl.arange(0, BS) < seq_len
+        k = tl.where(n_ok[:, None], k, 0.0)
+        v = tl.where(n_ok[:, None], v, 0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + b.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def descriptor(cache: torch.Tensor) -> TensorDescriptor:
+    """[num_blocks, bs, Hkv, D] strided per-layer view -> 3-D descriptor of one head's page."""
+    nb, bs, hkv, d = cache.shape
+    assert cache.stride(3) == 1 and cache.stride(2) == d and cache.stride(1) == hkv * d
+    view = torch.as_strided(cache, (nb, bs, hkv * d), (cache.stride(0), cache.stride(1), 1))
+    return TensorDescriptor.from_tensor(view, [1, bs, d])
+
+
+def tma_decode(q, k, v, bt, sl, scale, out, num_warps=4, num_stages=3, descs=None, pairs=False):
+    B, hq, d = q.shape
+    _, bs, hkv, _ = k.shape
+    kd, vd = descs or (descriptor(k), descriptor(v))
+    tma_decode_kernel[(B * hkv,)](q, kd, vd, out, bt, sl, scale * 1.4426950408889634,
+                                  q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0),
+                                  QPK=hq // hkv, BLOCK_M=16, D=d, BS=bs, NUM_KV_HEADS=hkv, PAIRS=pairs,
+                                  num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def reference(p, scale):
+    """float32 attention over each sequence's pages gathered in order."""
+    q, k, v, bt, sl = p["q"], p["k"], p["v"], p["bt"], p["sl"]
+    hq, hkv = q.shape[1], k.shape[2]
+    outs = []
+    for b in range(q.shape[0]):
+        n = int(sl[b])
+        pages = bt[b, :(n + k.shape[1] - 1) // k.shape[1]].long()
+        kk = k[pages].reshape(-1, hkv, k.shape[3])[:n].float().repeat_interleave(hq // hkv, 1)
+        vv = v[pages].reshape(-1, hkv, v.shape[3])[:n].float().repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("hd,nhd->hn", q[b].float(), kk) * scale
+        outs.append(torch.einsum("hn,nhd->hd", s.softmax(-1), vv))
+    return torch.stack(outs)
+
+
+def check(gen, shapes):
+    ok = True
+    for B, L in shapes:
+        p = G.make_paged([1] * B, [L - 1] * B, 32, 8, 128, 16, torch.bfloat16, num_layers=2, layer=1, gen=gen)
+        ref = reference(p, 128 ** -0.5)
+        for pairs in (False, True):
+            out = torch.full_like(p["q"], float("nan"))
+            tma_decode(p["q"], p["k"], p["v"], p["bt"], p["sl"], 128 ** -0.5, out, pairs=pairs)
+            err = G.rel_err(out.float(), ref)
+            good = bool(torch.isfinite(out).all()) and err < G.ATT_BOUND[torch.bfloat16]
+            ok &= good
+            print(f"check B={B} L={L} pairs={pairs}: rel err {err:.2e} (bound {G.ATT_BOUND[torch.bfloat16]:.1e}) "
+                  f"{'ok' if good else 'FAIL'}", flush=True)
+    return ok
+
+
+# (two pages per iteration, warps, stages); session 8's first sweep (1 page; w4 s2/3/4/6, w8 s3, w2 s4)
+# found more stages and fewer warps better: 1 page w4 s6 read 90 / 79 / 64% of SDPA, w2 s4 99% at 128 x 4,096
+# second sweep: 1 page w2 s6/s8 and 2 pages w2 s6 reached 99-101% of SDPA at 64 x 2,048 and
+# 128 x 4,096, 69-90% at 32 x 16,384
+CONFIGS = [(0, 2, 5), (0, 2, 6), (0, 2, 7), (0, 2, 8), (0, 2, 10), (1, 2, 5), (1, 2, 6), (1, 2, 7),
+           (1, 2, 8), (1, 4, 8), (1, 4, 10), (0, 1, 8)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="checks only, small shapes")
+    ap.add_argument("--shapes", default="64x2048,128x4096,32x16384",
+                    help="B x context, comma-separated (the engine's decode: 128x576,64x576,32x576)")
+    args = ap.parse_args()
+    gen = torch.Generator(device=G.DEV)
+    gen.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    ok = check(gen, [(3, 37), (2, 300), (5, 16), (4, 1000)])
+    if args.quick or not ok:
+        return 0 if ok else 1
+    copy = G.copy_bandwidth()
+    print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
+    rows = []
+    hq, hkv, d, bs = 32, 8, 128, 16
+    for B, L in [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]:
+        p = G.make_paged([1] * B, [L - 1] * B, hq, hkv, d, bs, torch.bfloat16, num_layers=2, layer=0,
+                         extra_blocks=0, gen=gen)
+        gb = 2 * B * L * hkv * d * 2
+        out = torch.empty_like(p["q"])
+        descs = (descriptor(p["k"]), descriptor(p["v"]))
+        row = dict(B=B, L=L)
+        for rnd in range(2):
+            ms = G.graph_ms(lambda: G.K.paged_attention(p["q"], p["k"], p["v"], p["bt"], p["qsl"], p["sl"],
+                                                        d ** -0.5, out=out, max_query_len=1, max_seq_len=L))
+            row.setdefault("kvmesh", []).append(gb / ms / 1e9)
+            for pr, w, st in CONFIGS:
+                name = f"tma {'2 pages' if pr else '1 page'} w{w} s{st}"
+                try:
+                    ms = G.graph_ms(lambda: tma_decode(p["q"], p["k"], p["v"], p["bt"], p["sl"], d ** -0.5, out,
+                                                       w, st, descs, pr))
+                except Exception as e:  # a config that does not compile must not end the run
+                    print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                row.setdefault(name, []).append(gb / ms / 1e9)
+        del p, out, descs
+        torch.cuda.empty_cache()
+        q = torch.randn(B, hq, 1, d, dtype=torch.bfloat16, device=G.DEV, generator=gen)
+        k = torch.randn(B, hkv, L, d, dtype=torch.bfloat16, device=G.DEV, generator=gen)
+        v = torch.randn_like(k)
+        row["sdpa"] = [gb / G.graph_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)) / 1e9
+                       for _ in range(2)]
+        del q, k, v
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\nTB/s of K+V read (two rounds each), copy {copy:.2f} TB/s")
+    names = [k for k in rows[0] if k not in ("B", "L")]
+    print("| config | " + " | ".join(f"{r['B']} x {r['L']}" for r in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for n in names:
+        cells = []
+        for r in rows:
+            x = r.get(n)
+            cells.append("" if not x else f"{max(x):.2f} ({max(x) / max(r['sdpa']):.1%})")
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    out_dir = os.environ.get("OUT", ".")
+    with open(os.path.join(out_dir, "tma_decode.json"), "w") as f:
+        json.dump(dict(copy_TBps=copy, rows=rows, torch=torch.__version__, triton=triton.__version__,
+                       device=torch.cuda.get_device_name()), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
