@@ -316,14 +316,14 @@ def paged_decode_tma_kernel(
     / ``v_desc`` describe the per-layer cache as ``[num_blocks, block_size, Hkv * D]`` with a
     ``[1, block_size, D]`` box: one page of one KV head is one TMA load (Hopper's TMA cannot
     gather rows, but a page is a rectangle), issued asynchronously and software-pipelined by
-    ``num_stages`` with no per-element address arithmetic. On the H200 this read 4-6% more
+    ``num_stages`` with no per-element address arithmetic. On the H200 this read 2-5% more
     bytes per second than `paged_attention_kernel` when there are at least ~3 programs per SM
     (docs/kernels.md); with fewer, a program cannot keep enough pages in flight and the
     pointer kernel wins. Sequences without a query token (CUDA-graph padding) do nothing.
     One query token per sequence is the caller's promise (``max_query_len=1``, which the
     engine's decode batches and graphs keep); a sequence with more gets NaN for all but its
-    newest token. (Looping over extra tokens around the page loop cost 15-20% at the engine's
-    batch 128: the nested loop pipelined worse.)
+    newest token. (Looping over extra tokens around the page loop made it ~20% slower at
+    128 x 576 and 128 x 4,096: the nested page loop pipelined worse.)
     """
     pid = tl.program_id(0)
     kvh = pid % NUM_KV_HEADS

@@ -229,7 +229,7 @@ def attention_config(
     * longer queries: 64-row q blocks, 64-key tiles, 4 warps, 2 stages; this beat
       128-row blocks and 8 warps on every prefill shape measured.
     * ``tma``: decode through `paged_decode_tma_kernel` (2 warps, 6 stages) on Hopper
-      when there are at least 3 programs (sequences x KV heads) per SM: 3-5% faster
+      when there are at least 3 programs (sequences x KV heads) per SM: 2-5% faster
       than the pointer kernel at 64-128 x 576 and 64 x 2,048, even at 128 x 4,096,
       69% of SDPA with fewer programs (32 x 16,384), where it is not chosen.
     fp32 and head sizes over 128 use smaller tiles to stay within shared memory.
@@ -261,7 +261,7 @@ def attention_config(
                 num_segments = min(16, want, max_useful)
                 tile_n, num_warps, num_stages = split_tile, 4, 2
                 head_fastest = True
-    # One TMA load per page (`paged_decode_tma_kernel`): 2 warps, 6 stages measured best, 3-5%
+    # One TMA load per page (`paged_decode_tma_kernel`): 2 warps, 6 stages measured best, 2-5%
     # ahead of the pointer kernel from ~3 programs per SM; with fewer it keeps too few pages in
     # flight (69% of SDPA at 32 x 16,384) and the pointer kernel stays.
     tma = (max_query_len == 1 and not small and d_pad == head_size and qpk_pad <= 16
