@@ -322,8 +322,8 @@ def paged_decode_tma_kernel(
     pointer kernel wins. Sequences without a query token (CUDA-graph padding) do nothing.
     One query token per sequence is the caller's promise (``max_query_len=1``, which the
     engine's decode batches and graphs keep); a sequence with more gets NaN for all but its
-    newest token. (Looping over extra tokens around the page loop made it ~20% slower at
-    128 x 576 and 128 x 4,096: the nested page loop pipelined worse.)
+    newest token. (A version looping over extra tokens around the page loop was clearly slower
+    at 128 x 576 and 128 x 4,096: the nested page loop pipelined worse.)
     """
     pid = tl.program_id(0)
     kvh = pid % NUM_KV_HEADS

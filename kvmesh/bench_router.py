@@ -384,6 +384,7 @@ async def replay(url: str, model: str, reqs: list[dict], rate: float, timeout: f
 
         start = time.monotonic()
         await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+    in_order = sorted(results, key=lambda x: x["i"])
     oks = [x for x in results if x["ok"]]
     ttfts = sorted(x["ttft"] for x in oks if x["ttft"] is not None)
     makespan = max((x["end"] for x in results), default=start) - start
@@ -395,8 +396,7 @@ async def replay(url: str, model: str, reqs: list[dict], rate: float, timeout: f
             "ttft_p99": pct(99), "ttft_mean": sum(ttfts) / len(ttfts) if ttfts else None,
             "throughput": len(oks) / makespan if makespan > 0 else None,
             "output_tok_s": sum(x["out"] for x in oks) / makespan if makespan > 0 else None,
-            "makespan_s": makespan, "cached": [x["cached"] for x in sorted(results, key=lambda x: x["i"])],
-            "ttft": [x["ttft"] for x in sorted(results, key=lambda x: x["i"])]}
+            "makespan_s": makespan, "cached": [x["cached"] for x in in_order], "ttft": [x["ttft"] for x in in_order]}
 
 
 def usage_cached(data: str) -> int | None:

@@ -44,6 +44,9 @@ def register(sub) -> None:
                    help="weight of the fraction of the request's own prompt that the pod holds")
     p.add_argument("--balance-abs", type=float, default=w.balance_abs)
     p.add_argument("--balance-rel", type=float, default=w.balance_rel)
+    p.add_argument("--hot-limit-scope", choices=["hot", "all", "off"], default=w.hot_limit_scope,
+                   help="which pods get the stricter balance limit max(rel * mean, mean + abs): those whose "
+                        "matched prefix other in-flight requests share (hot), every pod, or none")
     p.add_argument("--pd-min-uncached", type=int, default=256,
                    help="selective P/D: skip the prefill pod when decode would compute fewer tokens than this")
     p.add_argument("--discovery", choices=["static", "k8s"], default="static")
@@ -77,7 +80,8 @@ def config_from_args(args: argparse.Namespace):
                        evict=args.weight_evict, evict_halflife_s=args.evict_halflife,
                        affinity=args.weight_affinity, share_new=args.weight_share_new,
                        private_guard=args.private_guard,
-                       balance_abs=args.balance_abs, balance_rel=args.balance_rel)
+                       balance_abs=args.balance_abs, balance_rel=args.balance_rel,
+                       hot_limit_scope=args.hot_limit_scope)
     return RouterConfig(host=args.host, port=args.port, model=args.model, served_model_name=args.served_model_name,
                         block_size=args.block_size, policy=args.policy, weights=w,
                         pd_min_uncached=args.pd_min_uncached, pods=pods, discovery=args.discovery,

@@ -38,8 +38,7 @@ from .config import PodSpec, RouterConfig
 from .events import EventHub
 from .index import PrefixIndex
 from .metrics import RouterMetrics
-from .policy import (Decision, Pod, hot_hits, least_load, predicted_cached_tokens, private_hits, round_robin,
-                     score_pods)
+from .policy import Decision, Pod, least_load, predicted_cached_tokens, round_robin, score_pods, shared_hits
 
 log = logging.getLogger("kvmesh.router")
 
@@ -345,8 +344,9 @@ class Router:
             urls = [p.url for p in pods]
             hits = self.index.match(self.ns, hashes, urls) if hashes else {}
             pressure = self.index.eviction_pressure(urls) if self.cfg.weights.evict else None
+            private, hot = shared_hits(pods, hits, hashes)
             d = score_pods(pods, hits, plen, bs, self.cfg.weights, ref_len=self.mean_prompt, pressure=pressure,
-                           private=private_hits(pods, hits, hashes), hot=hot_hits(pods, hits, hashes))
+                           private=private, hot=hot)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("route plen=%d -> %s (%s, hit %d blocks) hits=%s load=%s evict=%s", plen, d.pod.url,
                           d.reason, d.hit_blocks, {p.url: hits.get(p.url, 0) for p in pods},

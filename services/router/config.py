@@ -17,7 +17,8 @@ class ScoringWeights:
     ``balance_abs`` / ``balance_rel``: a pod whose load exceeds ``balance_rel * mean + balance_abs``
     is not eligible while another pod is; this bounds how far a hot prefix can pile up. For a pod
     whose matched prefix is hot (shared by two or more of its in-flight requests) the limit is
-    ``max(balance_rel * mean, mean + balance_abs)`` (`policy.hot_limit`).
+    ``max(balance_rel * mean, mean + balance_abs)`` (`policy.hot_limit`); ``hot_limit_scope``
+    "all" gives every pod that limit and "off" none (the A/Bs in BENCHMARKS.md that chose "hot").
     ``share``: weight of the pod's share of recently routed requests relative to the mean (requests
     decay with ``share_halflife_s``). In-flight load only sees the present; with prefix affinity a
     pod's future arrivals follow the conversations it already holds, so placing new work where
@@ -56,6 +57,11 @@ class ScoringWeights:
     share_new: float = 0.0
     private_guard: float = 2.0
     affinity: float = 0.2
+    hot_limit_scope: str = "hot"  # hot | all | off
+
+    def __post_init__(self) -> None:
+        if self.hot_limit_scope not in ("hot", "all", "off"):
+            raise ValueError(f"hot_limit_scope must be hot|all|off, got {self.hot_limit_scope!r}")
 
 
 @dataclass(frozen=True)

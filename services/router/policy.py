@@ -28,8 +28,9 @@ everywhere) by recent routings: with prefix affinity a pod's future arrivals
 follow the conversations it already holds. On top of that the balance guard
 removes pods whose load exceeds ``balance_rel * mean + balance_abs`` while
 others are below (`hot_limit` where in-flight requests share the prefix): a
-prefix that every request shares (the Mooncake trace's block 0) saves little relative to the prompt and so never pulls traffic, and a
-prefix that is most of the prompt (a long shared system prompt) pulls until the
+prefix that every request shares (the Mooncake trace's block 0) saves little
+relative to the prompt and so never pulls traffic, and a prefix that is most of
+the prompt (a long shared system prompt) pulls until the
 guard trips, after which the router's own routing history makes the second pod
 hold it too and load decides between the two.
 
@@ -118,7 +119,7 @@ _rr = itertools.count()
 
 
 def hot_limit(mean_load: float, w: ScoringWeights) -> float:
-    """The balance limit for a pod whose cached prefix of this request is hot (`hot_hits`):
+    """The balance limit for a pod whose cached prefix of this request is hot (`shared_hits`):
     ``balance_abs`` requests or ``balance_rel - 1`` of the mean above the mean, whichever is more,
     instead of the sum of the two. With the sum a system prompt that every request shares held
     three of four pods at up to 32 requests each while the fourth idled (``L > 1.25 * 3L/4 + 2``
@@ -135,24 +136,16 @@ def round_robin(pods: list[Pod]) -> Pod:
     return pods[next(_rr) % len(pods)]
 
 
-def _sharers(p: Pod, hits: dict[str, int], hashes: list[int]) -> int | None:
-    """In-flight requests on ``p`` holding the deepest block of this request that ``p`` caches
-    (None where it caches none)."""
-    k = hits.get(p.url, 0)
-    return p.inflight_blocks.get(hashes[k - 1], 0) if 0 < k <= len(hashes) else None
-
-
-def private_hits(pods: list[Pod], hits: dict[str, int], hashes: list[int]) -> set[str]:
-    """Pods whose cached prefix of this request is private: at most one request in flight there (the
-    conversation's previous turn, still streaming) holds its deepest matched block. A hot prefix that
-    many concurrent requests share is not private."""
-    return {p.url for p in pods if (n := _sharers(p, hits, hashes)) is not None and n <= 1}
-
-
-def hot_hits(pods: list[Pod], hits: dict[str, int], hashes: list[int]) -> set[str]:
-    """Pods whose cached prefix of this request is hot: two or more requests in flight there hold its
-    deepest matched block (a shared system prompt under concurrent traffic)."""
-    return {p.url for p in pods if (n := _sharers(p, hits, hashes)) is not None and n >= 2}
+def shared_hits(pods: list[Pod], hits: dict[str, int], hashes: list[int]) -> tuple[set[str], set[str]]:
+    """``(private, hot)``: the pods whose cached prefix of this request is held, in its deepest matched
+    block, by at most one of their in-flight requests (private: the conversation's previous turn,
+    still streaming) or by two or more (hot: a shared system prompt under concurrent traffic)."""
+    private, hot = set(), set()
+    for p in pods:
+        k = hits.get(p.url, 0)
+        if 0 < k <= len(hashes):
+            (hot if p.inflight_blocks.get(hashes[k - 1], 0) >= 2 else private).add(p.url)
+    return private, hot
 
 
 def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_size: int,
@@ -166,12 +159,13 @@ def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_siz
     a typical request: a short prompt's few cached blocks save little and do not outweigh load,
     while a long prompt's cached prefix does.
 
-    ``private``: pods holding a private prefix of this request (`private_hits`). Where that prefix is
+    ``private``: pods holding a private prefix of this request (`shared_hits`). Where that prefix is
     at least half the prompt (a follow-up turn), the pod stays eligible up to ``private_guard`` times
     the balance limit: moving a long conversation costs its whole prefill on the new pod, which is
     seconds, and its next turns follow it there.
 
-    ``hot``: pods holding a hot prefix of this request (`hot_hits`); their limit is `hot_limit`."""
+    ``hot``: pods holding a hot prefix of this request (`shared_hits`); their limit is `hot_limit`
+    (every pod's with ``hot_limit_scope`` "all", none's with "off")."""
     if len(pods) == 1:
         p = pods[0]
         hb = hits.get(p.url, 0)
@@ -182,9 +176,9 @@ def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_siz
     now = time.monotonic() if now is None else now
     shares = {p.url: p.share(now, w.share_halflife_s) for p in pods}
     mean_share = sum(shares.values()) / n
-    limit = w.balance_rel * mean_load + w.balance_abs
-    hot = hot or set()
     strict = hot_limit(mean_load, w)
+    limit = strict if w.hot_limit_scope == "all" else w.balance_rel * mean_load + w.balance_abs
+    hot = (hot or set()) if w.hot_limit_scope == "hot" else set()
     plen = max(prompt_len, 1)
     private = private or set()
     cached_on = {p.url: predicted_cached_tokens(hits.get(p.url, 0), prompt_len, block_size) for p in pods}

@@ -18,7 +18,7 @@ from kvmesh.engine.kv_publisher import KVEventPublisher, PublisherConfig
 from kvmesh.services.router.config import PodSpec, RouterConfig, ScoringWeights, parse_pod_spec
 from kvmesh.services.router.events import EventHub
 from kvmesh.services.router.index import PrefixIndex
-from kvmesh.services.router.policy import Pod, hot_hits, private_hits, score_pods
+from kvmesh.services.router.policy import Pod, score_pods, shared_hits
 from kvmesh.services.router.testing import FakePod, IdTokenizer, free_port, start_router
 
 pytestmark = pytest.mark.unit
@@ -130,14 +130,29 @@ def test_shared_system_prompt_reaches_the_idle_pod():
         p.inflight_requests = 12
         p.inflight_blocks.update({h: 12 for h in hashes[:32]})
     hits = {p.url: 32 for p in pods[:3]}  # 512 of a 544-token prompt
-    hot = hot_hits(pods, hits, hashes)
-    assert hot == {p.url for p in pods[:3]} and not private_hits(pods, hits, hashes)
+    hot = shared_hits(pods, hits, hashes)[1]
+    assert hot == {p.url for p in pods[:3]} and not shared_hits(pods, hits, hashes)[0]
     d = score_pods(pods, hits, 544, BS, w, ref_len=544, hot=hot)
     assert d.pod is pods[3] and d.reason == "load"
     assert score_pods(pods, hits, 544, BS, w, ref_len=544).pod in pods[:3]  # not hot: general limit
     for p in pods[:3]:  # below the stricter limit too (mean 6 + 2) the hot prefix still wins
         p.inflight_requests = 3
     assert score_pods(pods, hits, 544, BS, w, ref_len=544, hot=hot).pod in pods[:3]
+
+
+def test_hot_limit_scope_all_and_off():
+    """The scope switch behind the A/Bs: "all" gives the stricter limit to every pod (the idle pod
+    takes the request although nothing marks the prefix hot), "off" to none (the hot prefix stays);
+    anything else is refused."""
+    pods = [Pod(PodSpec(f"http://{c}:1")) for c in "abcd"]
+    for p in pods[:3]:
+        p.inflight_requests = 12
+    hits = {p.url: 32 for p in pods[:3]}
+    hot = {p.url for p in pods[:3]}
+    assert score_pods(pods, hits, 544, BS, ScoringWeights(hot_limit_scope="all"), ref_len=544).pod is pods[3]
+    assert score_pods(pods, hits, 544, BS, ScoringWeights(hot_limit_scope="off"), ref_len=544, hot=hot).pod in pods[:3]
+    with pytest.raises(ValueError, match="hot_limit_scope"):
+        ScoringWeights(hot_limit_scope="some")
 
 
 def test_affinity_keeps_a_short_follow_up_unless_its_pod_is_queued():
@@ -166,7 +181,7 @@ def test_private_follow_up_passes_the_balance_guard():
     hits = {"http://a:1": 19, "http://b:1": 1, "http://c:1": 1}  # a holds 304 of 320 tokens
     w = ScoringWeights()
     assert w.private_guard == 2.0
-    private = private_hits([a, b, c], hits, hashes)
+    private = shared_hits([a, b, c], hits, hashes)[0]
     assert private == {"http://a:1", "http://b:1", "http://c:1"}  # nothing in flight shares anything yet
     d = score_pods([a, b, c], hits, 320, BS, w, private=private)
     assert d.pod is a and d.hit_tokens == 304 and d.reason == "private_follow_up"
@@ -175,11 +190,11 @@ def test_private_follow_up_passes_the_balance_guard():
     assert score_pods([a, b, c], hits, 320, BS, w).pod is not a
     # the conversation's previous turn still in flight on a: still private
     a.inflight_blocks.update(hashes[:19])
-    assert "http://a:1" in private_hits([a, b, c], hits, hashes)
+    assert "http://a:1" in shared_hits([a, b, c], hits, hashes)[0]
     # a second concurrent sharer: a hot prefix, the guard applies
     a.inflight_blocks.update(hashes[:19])
-    assert private_hits([a, b, c], hits, hashes) == {"http://b:1", "http://c:1"}
-    assert score_pods([a, b, c], hits, 320, BS, w, private=private_hits([a, b, c], hits, hashes)).pod is not a
+    assert shared_hits([a, b, c], hits, hashes)[0] == {"http://b:1", "http://c:1"}
+    assert score_pods([a, b, c], hits, 320, BS, w, private=shared_hits([a, b, c], hits, hashes)[0]).pod is not a
     # under half the prompt cached: not a follow-up
     short = {"http://a:1": 9, "http://b:1": 1, "http://c:1": 1}
     assert score_pods([a, b, c], short, 320, BS, w, private={"http://a:1"}).pod is not a
