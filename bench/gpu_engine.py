@@ -393,11 +393,11 @@ def bench_8b(args, bw: float) -> EngineCore:
             r["hf_new_tokens"] = hf_r["new"]
             r["ratio_e2e_vs_hf"] = r["e2e_tok_s"] / hf_r["out_tok_s"]
         dec.append(r)
-    if args.tma_ab:  # batch 128, async, one step per round: TMA decode attention off, on, off, on
+    for B in [int(x) for x in args.tma_ab.split(",") if x]:  # async, one step per round: TMA off, on, off, on
         eng.multi_steps, eng.async_scheduling = 1, True
         for flag in ("0", "1", "0", "1"):
             set_gemv(eng, flag, "KVMESH_ATTENTION_TMA")
-            r = engine_decode(eng, 128, P, N, bw, seed=128)
+            r = engine_decode(eng, B, P, N, bw, seed=B)
             r.update(steps_per_round=1, gemv=True, sampled=False, async_scheduling=True, tma=flag == "1",
                      ab="tma")
             dec.append(r)
@@ -474,8 +474,9 @@ def main() -> int:
     ap.add_argument("--multi-steps", type=int, default=8, help="num_scheduler_steps of the second decode pass")
     ap.add_argument("--sampled", action="store_true",
                     help="also decode with temperature 0.8 / top-p 0.95 (unseeded), one step and multi-step")
-    ap.add_argument("--tma-ab", action="store_true",
-                    help="after the plan: batch 128 with the TMA decode attention off / on / off / on")
+    ap.add_argument("--tma-ab", nargs="?", const="128", default="", metavar="BATCHES",
+                    help="after the plan: these batch sizes (comma list; 128 when none is given) with the TMA "
+                         "decode attention off / on / off / on")
     ap.add_argument("--gemv-ab", action="store_true",
                     help="also time batch 1 with cuBLAS GEMVs (KVMESH_GEMV=0) before the default GEMV kernel")
     ap.add_argument("--budget-s", type=float, default=560.0, help="whole-run deadline (throughput is cut to fit)")

@@ -190,6 +190,8 @@ def check_attention(gen):
         ("decode gqa1 bs32 d64 tma", [1] * 5, [5, 100, 31, 32, 400], 8, 8, 64, 32, torch.bfloat16, dict(tma=True)),
         ("decode gqa4 fp16 tma, a padded sequence", [1, 0, 1], [300, 5, 4000], 32, 8, 128, 16, torch.float16,
          dict(tma=True)),
+        ("decode gqa4 tma split4", [1, 1, 0, 1], [9000, 17, 3, 2047], 32, 8, 128, 16, torch.bfloat16,
+         dict(tma=True, num_segments=4)),
     ]
     cases += [(name + " head-major", *rest[:-1], dict(rest[-1], head_major=True))
               for name, *rest in cases if name in ("decode gqa4 bs16", "decode gqa4 split16", "mixed gqa4 bs32",
@@ -212,16 +214,17 @@ def check_attention(gen):
 
 
 def check_cuda_graph(gen):
-    """Decode attention captured in a CUDA graph, replayed on new values in place (both kernels)."""
-    for tma in (False, True):
-        _check_cuda_graph(gen, tma)
+    """Decode attention captured in a CUDA graph, replayed on new values in place (both kernels,
+    the TMA one also split)."""
+    for tma, nseg in ((False, None), (True, None), (True, 4)):
+        _check_cuda_graph(gen, tma, nseg)
 
 
-def _check_cuda_graph(gen, tma):
+def _check_cuda_graph(gen, tma, nseg):
     p = make_paged([1] * 6, [100, 2000, 5, 900, 31, 4000], 32, 8, 128, 16, torch.bfloat16, gen=gen)
     out = torch.empty_like(p["q"])
     args = (p["q"], p["k"], p["v"], p["bt"], p["qsl"], p["sl"], 128 ** -0.5)
-    kw = dict(out=out, max_query_len=1, max_seq_len=4096, tma=tma)
+    kw = dict(out=out, max_query_len=1, max_seq_len=4096, tma=tma, num_segments=nseg)
     K.paged_attention(*args, **kw)  # compile outside capture
     sync()
     g = torch.cuda.CUDAGraph()
@@ -234,7 +237,8 @@ def _check_cuda_graph(gen, tma):
     sync()
     ref = K.paged_attention_reference(p["q"].float(), p["k"].float(), p["v"].float(), p["bt"], p["qsl"],
                                       p["sl"], 128 ** -0.5)
-    record(f"paged_attention decode in CUDA graph (replayed, new q and lens){' tma' if tma else ''}",
+    record(f"paged_attention decode in CUDA graph (replayed, new q and lens){' tma' if tma else ''}"
+           f"{f' split{nseg}' if nseg else ''}",
            rel_err(out, ref), 1.5e-2)
 
 
@@ -463,6 +467,7 @@ ENGINE_VARIANTS = [
     (1, 128, 4, 3, 0, 1), (1, 64, 4, 2, 0, 1), (1, 64, 4, 3, 0, 1), (1, 128, 4, 4, 0, 1), (1, 64, 8, 3, 0, 1),
     (2, 64, 4, 2, 0, 1), (2, 128, 4, 3, 0, 1), (4, 64, 4, 2, 0, 1), (8, 64, 4, 2, 0, 1),
     (16, 32, 4, 2, 0, 1), (8, 32, 4, 2, 0, 1), (16, 64, 4, 2, 0, 1), (4, 128, 4, 3, 0, 1), (8, 128, 4, 3, 0, 1),
+    ("tma", 1, 2, 6), ("tma", 2, 2, 6), ("tma", 4, 2, 6), ("tma", 8, 2, 6), ("tma", 16, 2, 6), ("tma", 2, 2, 4),
 ]
 DECODE_VARIANTS = [
     # (num_segments, tile_n, num_warps, num_stages, k_natural, head_fastest); None = heuristic
@@ -472,13 +477,17 @@ DECODE_VARIANTS = [
 ]
 # The issue's decode shapes, where the heuristic sat at 97-98% of SDPA: a sweep repeated beside SDPA (`--long-decode`).
 LONG_DECODE_SHAPES = [(32, 16384), (128, 4096), (64, 2048)]
+# ("tma", num_segments, num_warps, num_stages): `paged_decode_tma_kernel`, split-KV when segments > 1.
+TMA_VARIANTS = [("tma", 1, 2, 6), ("tma", 2, 2, 6), ("tma", 4, 2, 6), ("tma", 8, 2, 6), ("tma", 2, 2, 8),
+                ("tma", 4, 2, 8), ("tma", 4, 4, 6), ("tma", 2, 4, 4)]
 LONG_DECODE_VARIANTS = [
     None,
-    (1, 128, 4, 3, 0, 0), (1, 128, 4, 3, 0, 1), (1, 64, 4, 2, 0, 1), (1, 128, 4, 2, 0, 0), (1, 128, 8, 3, 0, 1),
-    (1, 256, 4, 2, 0, 1), (1, 64, 4, 3, 0, 1), (2, 64, 4, 3, 0, 1), (4, 64, 4, 3, 0, 1),
+    (1, 128, 4, 3, 0, 0), (1, 128, 4, 3, 0, 1), (1, 64, 4, 2, 0, 1), (2, 64, 4, 3, 0, 1), (4, 64, 4, 3, 0, 1),
+    *TMA_VARIANTS,
 ]
 DECODE_SPLIT_VARIANTS = [None, (4, 128, 4, 3, 0, 0), (8, 128, 4, 3, 0, 1), (4, 128, 4, 3, 0, 1),
-                         (16, 128, 4, 3, 0, 1), (8, 64, 4, 2, 0, 1), (16, 64, 4, 2, 0, 1)]
+                         (16, 128, 4, 3, 0, 1), (8, 64, 4, 2, 0, 1), (16, 64, 4, 2, 0, 1),
+                         ("tma", 8, 2, 6), ("tma", 16, 2, 6), ("tma", 16, 2, 8)]
 
 
 def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode", timer=None, head_major=False):
@@ -494,7 +503,9 @@ def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode", timer=None
         best = None
         for var in variants:
             kw = dict(out=out, max_query_len=1, max_seq_len=L)
-            if var is not None:
+            if var is not None and var[0] == "tma":
+                kw.update(tma=True, num_segments=var[1], num_warps=var[2], num_stages=var[3])
+            elif var is not None:
                 kw.update(num_segments=var[0], tile_n=var[1], num_warps=var[2], num_stages=var[3],
                           k_natural=bool(var[4]), head_fastest=bool(var[5]))
             try:
@@ -504,7 +515,8 @@ def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode", timer=None
                 print(f"  decode {B}x{L} {var}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             tbps = kv_bytes / (ms * 1e-3) / 1e12
-            name = "heuristic" if var is None else "seg%d tile%d w%d s%d kn%d hf%d" % var
+            name = ("heuristic" if var is None else "%s seg%d w%d s%d" % var if var[0] == "tma"
+                    else "seg%d tile%d w%d s%d kn%d hf%d" % var)
             row["variants"].append(dict(cfg=name, us=ms * 1e3, TBps=tbps))
             print(f"  decode B={B} L={L} {name}: {ms * 1e3:.1f} us, {tbps:.2f} TB/s", flush=True)
             if var is None:
@@ -674,6 +686,11 @@ def main():
                                             "decode_long" if i % 2 == 0 else "decode_long_graph",
                                             None if i % 2 == 0 else graph_ms))
                             for i in range(2 * args.long_decode))
+            if args.engine_shapes:
+                layouts += ((bench_decode, (gen, copy_tbps, ENGINE_VARIANTS, ENGINE_SHAPES, "decode_engine",
+                                            graph_ms)),
+                            (bench_decode, (gen, copy_tbps, DECODE_SPLIT_VARIANTS, DECODE_EXTRA_SHAPES,
+                                            "decode_extra", graph_ms)))
         for fn, a in layouts if args.head_major or args.long_decode else ((bench_gemv, (gen, copy_tbps, [] if args.no_variants else GEMV_VARIANTS)),) if args.gemv else ((bench_decode, (gen, copy_tbps, [None] if args.no_variants else DECODE_VARIANTS)),
                       (bench_decode, (gen, copy_tbps, [None] if args.no_variants else DECODE_SPLIT_VARIANTS,
                                       DECODE_EXTRA_SHAPES, "decode_extra")),

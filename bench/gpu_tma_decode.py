@@ -13,15 +13,18 @@ loop iteration, software-pipelined by Triton (``num_stages``). Checked against a
 reference on fresh random inputs (poisoned output), then timed inside CUDA graphs after an L2
 flush beside the production kernel and SDPA on contiguous KV, at the issue's three shapes.
 
-    python3 bench/gpu_tma_decode.py [--quick]      # on the H200; writes $OUT/tma_decode.json
+    python3 bench/gpu_tma_decode.py [--quick] [--ordered] [--session8]   # on the H200; $OUT/tma_decode.json
 
 Outcome (2026-11-30, BENCHMARKS.md "Kernels, H200", session 8): one page per step with 2 warps and
 6 stages won from ~3 programs per SM and is now `paged_decode_tma_kernel` in kvmesh.kernels (flat,
-without this script's two-pages variant); this script stays as the record of the sweep.
+without this script's two-pages variant; ``--session8`` reruns that sweep). Session 9's default sweep
+asks two more questions: does one TMA box over several KV heads' slices of a page (``tma_heads_kernel``)
+read faster (no: 2 heads tie, 4 lose), and does page order matter (``--ordered``: 0.3-0.6%).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -129,6 +132,77 @@ def tma_decode(q, k, v, bt, sl, scale, out, num_warps=4, num_stages=3, descs=Non
     return out
 
 
+@triton.jit
+def tma_heads_kernel(q_ptr, k_desc, v_desc, o_ptr, bt_ptr, seqlen_ptr, scale_log2,
+                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                     QPK: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                     NUM_KV_HEADS: tl.constexpr, HPP: tl.constexpr, W: tl.constexpr):
+    """HPP adjacent KV heads of one sequence per program: one TMA box of [16, HPP * D] per page
+    (HPP * D * 2 contiguous bytes per token), the GQA groups stacked as rows against a
+    block-diagonal query (row r sees only its own head's D columns), so QK^T and PV are plain
+    products over HPP * D columns; each row keeps its own head's D columns at the end."""
+    pid = tl.program_id(0)
+    G: tl.constexpr = NUM_KV_HEADS // HPP
+    h0 = (pid % G) * HPP
+    b = pid // G
+    seq_len = tl.load(seqlen_ptr + b).to(tl.int32)
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < QPK * HPP
+    grp = offs_m // QPK  # which of the program's heads a row belongs to
+    head = h0 * QPK + offs_m
+    offs_c = tl.arange(0, HPP * D)
+    mine = (offs_c[None, :] // D == grp[:, None]) & row_ok[:, None]
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + head[:, None] * stride_qh + (offs_c[None, :] % D),
+                mask=mine, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HPP * D], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    full_pages = seq_len // BS
+    c0 = h0 * D // W
+    for pg in range(0, full_pages):
+        blk = tl.load(bt_row + pg).to(tl.int32)
+        k = k_desc.load([blk, 0, c0, 0]).reshape(BS, HPP * D)
+        v = v_desc.load([blk, 0, c0, 0]).reshape(BS, HPP * D)
+        m_i, l_i, acc = _one_page(q, k, v, m_i, l_i, acc, scale_log2)
+    if full_pages * BS < seq_len:
+        blk = tl.load(bt_row + full_pages).to(tl.int32)
+        k = k_desc.load([blk, 0, c0, 0]).reshape(BS, HPP * D)
+        v = v_desc.load([blk, 0, c0, 0]).reshape(BS, HPP * D)
+        n_ok = full_pages * BS + tl.arange(0, BS) < seq_len
+        s = tl.where(n_ok[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), tl.where(n_ok[:, None], v, 0.0))
+        m_i = m_new
+    out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+    tl.store(o_ptr + b.to(tl.int64) * stride_ot + head[:, None] * stride_oh + (offs_c[None, :] % D),
+             out.to(o_ptr.dtype.element_ty), mask=mine)
+
+
+def heads_descriptor(cache: torch.Tensor, hpp: int) -> tuple[TensorDescriptor, int]:
+    """4-D view ``[num_blocks, bs, Hkv * D / W, W]`` (W = min(HPP * D, 256): TMA boxes are at most
+    256 elements a side) with a box of ``[1, bs, HPP * D / W, W]``: HPP heads' page in one load."""
+    nb, bs, hkv, d = cache.shape
+    w = min(hpp * d, 256)
+    view = torch.as_strided(cache, (nb, bs, hkv * d // w, w), (cache.stride(0), cache.stride(1), w, 1))
+    return TensorDescriptor.from_tensor(view, [1, bs, hpp * d // w, w]), w
+
+
+def tma_heads(q, k, v, bt, sl, scale, out, hpp, num_warps=4, num_stages=4, descs=None):
+    B, hq, d = q.shape
+    _, bs, hkv, _ = k.shape
+    (kd, w), (vd, _) = descs or (heads_descriptor(k, hpp), heads_descriptor(v, hpp))
+    qpk = hq // hkv
+    tma_heads_kernel[(B * hkv // hpp,)](q, kd, vd, out, bt, sl, scale * 1.4426950408889634,
+                                        q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0),
+                                        QPK=qpk, BLOCK_M=max(16, triton.next_power_of_2(qpk * hpp)), D=d, BS=bs,
+                                        NUM_KV_HEADS=hkv, HPP=hpp, W=w, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
 def reference(p, scale):
     """float32 attention over each sequence's pages gathered in order."""
     q, k, v, bt, sl = p["q"], p["k"], p["v"], p["bt"], p["sl"]
@@ -149,6 +223,18 @@ def check(gen, shapes):
     for B, L in shapes:
         p = G.make_paged([1] * B, [L - 1] * B, 32, 8, 128, 16, torch.bfloat16, num_layers=2, layer=1, gen=gen)
         ref = reference(p, 128 ** -0.5)
+        for hpp in (1, 2, 4):
+            out = torch.full_like(p["q"], float("nan"))
+            try:
+                tma_heads(p["q"], p["k"], p["v"], p["bt"], p["sl"], 128 ** -0.5, out, hpp)
+            except Exception as e:
+                print(f"check heads hpp={hpp}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                ok = False
+                continue
+            err = G.rel_err(out.float(), ref)
+            good = bool(torch.isfinite(out).all()) and err < G.ATT_BOUND[torch.bfloat16]
+            ok &= good
+            print(f"check B={B} L={L} heads/program={hpp}: rel err {err:.2e} {'ok' if good else 'FAIL'}", flush=True)
         for pairs in (False, True):
             out = torch.full_like(p["q"], float("nan"))
             tma_decode(p["q"], p["k"], p["v"], p["bt"], p["sl"], 128 ** -0.5, out, pairs=pairs)
@@ -160,20 +246,28 @@ def check(gen, shapes):
     return ok
 
 
-# (two pages per iteration, warps, stages); session 8's first sweep (1 page; w4 s2/3/4/6, w8 s3, w2 s4)
-# found more stages and fewer warps better: 1 page w4 s6 read 90 / 79 / 64% of SDPA, w2 s4 99% at 128 x 4,096
-# second sweep: 1 page w2 s6/s8 and 2 pages w2 s6 reached 99-101% of SDPA at 64 x 2,048 and
-# 128 x 4,096, 69-90% at 32 x 16,384
-CONFIGS = [(0, 2, 5), (0, 2, 6), (0, 2, 7), (0, 2, 8), (0, 2, 10), (1, 2, 5), (1, 2, 6), (1, 2, 7),
-           (1, 2, 8), (1, 4, 8), (1, 4, 10), (0, 1, 8)]
+# ("pages", two pages per iteration, warps, stages); session 8's first sweep (1 page; w4 s2/3/4/6, w8 s3,
+# w2 s4) found more stages and fewer warps better: 1 page w4 s6 read 90 / 79 / 64% of SDPA, w2 s4 99% at
+# 128 x 4,096; second sweep (these): 1 page w2 s6/s8 and 2 pages w2 s6 reached 99-101% of SDPA at 64 x 2,048
+# and 128 x 4,096, 69-90% at 32 x 16,384
+SESSION8_CONFIGS = [("pages", *c) for c in [(0, 2, 5), (0, 2, 6), (0, 2, 7), (0, 2, 8), (0, 2, 10), (1, 2, 5),
+                                            (1, 2, 6), (1, 2, 7), (1, 2, 8), (1, 4, 8), (1, 4, 10), (0, 1, 8)]]
+# ("heads", KV heads per program, warps, stages): session 9, several heads' page slices per TMA load
+CONFIGS = [("pages", 0, 2, 6), ("heads", 1, 2, 6), ("heads", 2, 2, 4), ("heads", 2, 4, 4), ("heads", 2, 4, 6),
+           ("heads", 2, 2, 6), ("heads", 4, 4, 3), ("heads", 4, 4, 4), ("heads", 4, 8, 3)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="checks only, small shapes")
+    ap.add_argument("--session8", action="store_true", help="session 8's sweep (one or two pages per step)")
+    ap.add_argument("--ordered", action="store_true",
+                    help="also time kvmesh and the configs with each sequence's pages consecutive in the pool")
     ap.add_argument("--shapes", default="64x2048,128x4096,32x16384",
                     help="B x context, comma-separated (the engine's decode: 128x576,64x576,32x576)")
     args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":  # CPU smoke test of --quick: the interpreter fixes
+        importlib.import_module(G.K.__name__ + "._triton_kernels")._fix_interpreter()  # the kvmesh kernels get
     gen = torch.Generator(device=G.DEV)
     gen.manual_seed(int.from_bytes(os.urandom(4), "little"))
     ok = check(gen, [(3, 37), (2, 300), (5, 16), (4, 1000)])
@@ -183,27 +277,42 @@ def main() -> int:
     print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
     rows = []
     hq, hkv, d, bs = 32, 8, 128, 16
+    configs = SESSION8_CONFIGS if args.session8 else CONFIGS
     for B, L in [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]:
         p = G.make_paged([1] * B, [L - 1] * B, hq, hkv, d, bs, torch.bfloat16, num_layers=2, layer=0,
                          extra_blocks=0, gen=gen)
         gb = 2 * B * L * hkv * d * 2
         out = torch.empty_like(p["q"])
-        descs = (descriptor(p["k"]), descriptor(p["v"]))
+        orders = ["random", "ordered"] if args.ordered else ["random"]
         row = dict(B=B, L=L)
-        for rnd in range(2):
-            ms = G.graph_ms(lambda: G.K.paged_attention(p["q"], p["k"], p["v"], p["bt"], p["qsl"], p["sl"],
-                                                        d ** -0.5, out=out, max_query_len=1, max_seq_len=L))
-            row.setdefault("kvmesh", []).append(gb / ms / 1e9)
-            for pr, w, st in CONFIGS:
-                name = f"tma {'2 pages' if pr else '1 page'} w{w} s{st}"
-                try:
-                    ms = G.graph_ms(lambda: tma_decode(p["q"], p["k"], p["v"], p["bt"], p["sl"], d ** -0.5, out,
-                                                       w, st, descs, pr))
-                except Exception as e:  # a config that does not compile must not end the run
-                    print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    continue
-                row.setdefault(name, []).append(gb / ms / 1e9)
-        del p, out, descs
+        for order in orders:
+            if order == "ordered":  # each sequence's pages consecutive in the pool: DRAM locality probe
+                nb = -(-L // bs)
+                p["bt"][:, :nb] = torch.arange(B * nb, dtype=torch.int32, device=G.DEV).view(B, nb)
+            sfx = "" if order == "random" else " (ordered pages)"
+            descs = {}
+            for rnd in range(2):
+                ms = G.graph_ms(lambda: G.K.paged_attention(p["q"], p["k"], p["v"], p["bt"], p["qsl"], p["sl"],
+                                                            d ** -0.5, out=out, max_query_len=1, max_seq_len=L))
+                row.setdefault("kvmesh" + sfx, []).append(gb / ms / 1e9)
+                for kind, a, w, st in configs:
+                    if kind == "pages":
+                        name = f"tma {'2 pages' if a else '1 page'} w{w} s{st}"
+                        ds = descs.setdefault(name, (descriptor(p["k"]), descriptor(p["v"])))
+                        fn = (lambda: tma_decode(p["q"], p["k"], p["v"], p["bt"], p["sl"], d ** -0.5, out,
+                                                 w, st, ds, a))
+                    else:
+                        name = f"heads/program {a} w{w} s{st}"
+                        ds = descs.setdefault(a, (heads_descriptor(p["k"], a), heads_descriptor(p["v"], a)))
+                        fn = (lambda: tma_heads(p["q"], p["k"], p["v"], p["bt"], p["sl"], d ** -0.5, out, a,
+                                                w, st, ds))
+                    try:
+                        ms = G.graph_ms(fn)
+                    except Exception as e:  # a config that does not compile must not end the run
+                        print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                        continue
+                    row.setdefault(name + sfx, []).append(gb / ms / 1e9)
+        del p, out, descs, fn
         torch.cuda.empty_cache()
         q = torch.randn(B, hq, 1, d, dtype=torch.bfloat16, device=G.DEV, generator=gen)
         k = torch.randn(B, hkv, L, d, dtype=torch.bfloat16, device=G.DEV, generator=gen)

@@ -303,12 +303,12 @@ def _online_softmax_step(s, v, m_i, l_i, acc):
 
 @_jit_unspecialized("stride_bt")
 def paged_decode_tma_kernel(
-    q_ptr, k_desc, v_desc, o_ptr,
+    q_ptr, k_desc, v_desc, o_ptr, m_ptr, l_ptr,
     bt_ptr, qsl_ptr, seqlen_ptr,
     scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_ms, stride_mt, stride_bt,
     QPK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, NUM_SEG: tl.constexpr,
 ):
     """Decode attention (one query token per sequence) reading K/V one page per step with TMA.
 
@@ -318,14 +318,21 @@ def paged_decode_tma_kernel(
     gather rows, but a page is a rectangle), issued asynchronously and software-pipelined by
     ``num_stages`` with no per-element address arithmetic. On the H200 this read 2-5% more
     bytes per second than `paged_attention_kernel` when there are at least ~3 programs per SM
-    (docs/kernels.md); with fewer, a program cannot keep enough pages in flight and the
-    pointer kernel wins. Sequences without a query token (CUDA-graph padding) do nothing.
+    (docs/kernels.md); with one to three, a program cannot keep enough pages in flight and
+    the pointer kernel wins. Sequences without a query token (CUDA-graph padding) do nothing.
     One query token per sequence is the caller's promise (``max_query_len=1``, which the
     engine's decode batches and graphs keep); a sequence with more gets NaN for all but its
     newest token. (A version looping over extra tokens around the page loop was clearly slower
     at 128 x 576 and 128 x 4,096: the nested page loop pipelined worse.)
+
+    With NUM_SEG > 1 (grid ``(num_seqs * Hkv, NUM_SEG)``) each program reads one contiguous
+    run of the pages and writes an unnormalised fp32 partial plus its row max and sum for
+    `reduce_segments_kernel`, exactly like the pointer kernel's split-KV: with fewer programs
+    than SMs (small decode batches) every SM still gets several, each with pages in flight; there
+    it matched or beat the pointer kernel's split (12% at 8 x 576).
     """
     pid = tl.program_id(0)
+    seg = tl.program_id(1)
     kvh = pid % NUM_KV_HEADS
     b = pid // NUM_KV_HEADS
     q_start = tl.load(qsl_ptr + b).to(tl.int32)
@@ -346,27 +353,48 @@ def paged_decode_tma_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     col = kvh * HEAD_D
     full_pages = seq_len // BLOCK_SIZE
-    for pg in range(0, full_pages):  # no branch in the pipelined loop
+    if NUM_SEG > 1:
+        per_seg = tl.cdiv(tl.cdiv(seq_len, BLOCK_SIZE), NUM_SEG)
+        p_begin = seg * per_seg
+        p_end = p_begin + per_seg
+    else:
+        p_begin = 0
+        p_end = full_pages + 1
+    for pg in range(p_begin, tl.minimum(p_end, full_pages)):  # no branch in the pipelined loop
         blk = tl.load(bt_row + pg).to(tl.int32)
         k = k_desc.load([blk, 0, col]).reshape(BLOCK_SIZE, HEAD_D)
         v = v_desc.load([blk, 0, col]).reshape(BLOCK_SIZE, HEAD_D)
         m_i, l_i, acc = _online_softmax_step(tl.dot(q, tl.trans(k)) * scale_log2, v, m_i, l_i, acc)
-    if full_pages * BLOCK_SIZE < seq_len:  # the last, partly filled page: later slots hold stale data
+    # The last, partly filled page (later slots hold stale data), in the segment that owns it.
+    if (full_pages * BLOCK_SIZE < seq_len) & (p_begin <= full_pages) & (full_pages < p_end):
         blk = tl.load(bt_row + full_pages).to(tl.int32)
         k = k_desc.load([blk, 0, col]).reshape(BLOCK_SIZE, HEAD_D)
         v = v_desc.load([blk, 0, col]).reshape(BLOCK_SIZE, HEAD_D)
         n_ok = full_pages * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE) < seq_len
         s = tl.where(n_ok[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, tl.where(n_ok[:, None], v, 0.0), m_i, l_i, acc)
-    out = acc / l_i[:, None]
-    tl.store(o_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     # A sequence with more than one query token breaks the caller's max_query_len=1 promise: its
     # earlier tokens get NaN (loud), not a silently wrong attention.
-    nan = tl.full([BLOCK_M, HEAD_D], float("nan"), tl.float32).to(o_ptr.dtype.element_ty)
-    for t in range(0, q_len - 1):
-        tl.store(o_ptr + (q_start + t).to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 nan, mask=row_ok[:, None])
+    nan = tl.full([BLOCK_M, HEAD_D], float("nan"), tl.float32)
+    if NUM_SEG > 1:
+        # Partial for this page run (a run past the sequence's end keeps m = -inf, l = 0).
+        po = o_ptr + seg.to(tl.int64) * stride_os + head[:, None] * stride_oh + offs_d[None, :]
+        stat = seg.to(tl.int64) * stride_ms + head
+        tl.store(po + tok * stride_ot, acc, mask=row_ok[:, None])
+        tl.store(m_ptr + stat + tok * stride_mt, m_i, mask=row_ok)
+        tl.store(l_ptr + stat + tok * stride_mt, l_i, mask=row_ok)
+        for t in range(0, q_len - 1):
+            t64 = (q_start + t).to(tl.int64)
+            tl.store(po + t64 * stride_ot, nan, mask=row_ok[:, None])
+            tl.store(m_ptr + stat + t64 * stride_mt, tl.sum(nan, 1), mask=row_ok)
+            tl.store(l_ptr + stat + t64 * stride_mt, tl.sum(nan, 1), mask=row_ok)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        for t in range(0, q_len - 1):
+            tl.store(o_ptr + (q_start + t).to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                     nan.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @_jit_unspecialized("num_seqs")

@@ -231,7 +231,9 @@ def attention_config(
     * ``tma``: decode through `paged_decode_tma_kernel` (2 warps, 6 stages) on Hopper
       when there are at least 3 programs (sequences x KV heads) per SM: 2-5% faster
       than the pointer kernel at 64-128 x 576 and 64 x 2,048, even at 128 x 4,096,
-      69% of SDPA with fewer programs (32 x 16,384), where it is not chosen.
+      69% of SDPA with one to three programs per SM (32 x 16,384), where it is not
+      chosen; and split into the same segments as above when there are fewer programs
+      than SMs (8 x 576: 14.3 vs 16.2 us; 1 x 576: even).
     fp32 and head sizes over 128 use smaller tiles to stay within shared memory.
     """
     qpk = num_q_heads // num_kv_heads
@@ -262,12 +264,15 @@ def attention_config(
                 tile_n, num_warps, num_stages = split_tile, 4, 2
                 head_fastest = True
     # One TMA load per page (`paged_decode_tma_kernel`): 2 warps, 6 stages measured best, 2-5%
-    # ahead of the pointer kernel from ~3 programs per SM; with fewer it keeps too few pages in
-    # flight (69% of SDPA at 32 x 16,384) and the pointer kernel stays.
+    # ahead of the pointer kernel from ~3 programs per SM; between one and three programs per SM
+    # it keeps too few pages in flight (69% of SDPA at 32 x 16,384) and the pointer kernel stays.
+    # Below one program per SM both split the keys with the same segment count; the TMA kernel's
+    # page runs measured 12% faster at 8 x 576 (14.3 vs 16.2 us, = SDPA) and even at 1 x 576.
+    programs = num_seqs * num_kv_heads
     tma = (max_query_len == 1 and not small and d_pad == head_size and qpk_pad <= 16
-           and num_seqs * num_kv_heads >= 3 * _num_sms(device) and allow_tma and _has_tma(device))
+           and (programs >= 3 * _num_sms(device) or num_segments > 1) and allow_tma and _has_tma(device))
     if tma:
-        block_m, num_warps, num_stages, num_segments = 16, 2, 6, 1
+        block_m, num_warps, num_stages = 16, 2, 6
     return dict(block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
                 num_segments=num_segments, head_fastest=head_fastest, tma=tma)
 
@@ -399,15 +404,28 @@ def paged_attention(
                      ("num_warps", num_warps), ("num_stages", num_stages)):
         if val is not None:
             cfg[key] = int(val)
+    nseg = cfg["num_segments"]
+    if nseg < 1 or nseg & (nseg - 1):
+        _fail(fn, f"num_segments must be a power of two >= 1, got {nseg}")
+    scale_log2 = float(scale) * 1.4426950408889634
+    part = m = l = out  # split-KV partials and row stats; the output itself when not split
+    if nseg > 1:
+        part = torch.empty((nseg, T, Hq, D), dtype=torch.float32, device=query.device)
+        m = torch.empty((nseg, T, Hq), dtype=torch.float32, device=query.device)
+        l = torch.empty_like(m)
     if cfg["tma"]:
-        _k(query).paged_decode_tma_kernel[(B * Hkv,)](
-            query, descs[0], descs[1], out,
+        _k(query).paged_decode_tma_kernel[(B * Hkv, nseg)](
+            query, descs[0], descs[1], part, m, l,
             block_tables, query_start_loc, seq_lens,
-            float(scale) * 1.4426950408889634,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-            QPK=Hq // Hkv, BLOCK_M=16, HEAD_D=D, BLOCK_SIZE=bs, NUM_KV_HEADS=Hkv,
+            scale_log2,
+            query.stride(0), query.stride(1), part.stride(-3), part.stride(-2),
+            part.stride(0) if nseg > 1 else 0, m.stride(0) if nseg > 1 else 0, m.stride(1) if nseg > 1 else 0,
+            block_tables.stride(0),
+            QPK=Hq // Hkv, BLOCK_M=16, HEAD_D=D, BLOCK_SIZE=bs, NUM_KV_HEADS=Hkv, NUM_SEG=nseg,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
+        if nseg > 1:
+            _reduce_segments(query, part, m, l, out, query_start_loc, B)
         return out
     qpk = Hq // Hkv
     qpk_pad = _p2(qpk)
@@ -417,14 +435,10 @@ def paged_attention(
     tn = cfg["tile_n"]
     if tn < 16 or tn & (tn - 1):
         _fail(fn, f"tile_n must be a power of two >= 16, got {tn}")
-    nseg = cfg["num_segments"]
-    if nseg < 1 or nseg & (nseg - 1):
-        _fail(fn, f"num_segments must be a power of two >= 1, got {nseg}")
     block_q = bm // qpk_pad
     num_q_blocks = T // block_q + B
     kern = _k(query)
     dpad = _p2(max(D, 16))
-    scale_log2 = float(scale) * 1.4426950408889634
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     consts = dict(QPK=qpk, QPK_PAD=qpk_pad, BLOCK_Q=block_q, BLOCK_M=bm, HEAD_D=D, D_PAD=dpad,
                   BLOCK_SIZE=bs, TILE_N=tn, NUM_SEG=nseg, IEEE=query.dtype == torch.float32,
@@ -432,45 +446,37 @@ def paged_attention(
     hf = cfg["head_fastest"] if head_fastest is None else bool(head_fastest)
     consts.update(HEAD_FASTEST=hf, NUM_KV_HEADS=Hkv)
     grid = (num_q_blocks * Hkv, 1, nseg) if hf else (num_q_blocks, Hkv, nseg)
-    if nseg == 1:
-        kern.paged_attention_kernel[grid](
-            query, k_cache, v_cache, out, out, out,
-            block_tables, query_start_loc, seq_lens,
-            scale_log2, B, num_q_blocks,
-            query.stride(0), query.stride(1),
-            out.stride(0), out.stride(1), 0,
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0),
-            0, 0,
-            **consts, **launch,
-        )
-        return out
-    part = torch.empty((nseg, T, Hq, D), dtype=torch.float32, device=query.device)
-    m = torch.empty((nseg, T, Hq), dtype=torch.float32, device=query.device)
-    l = torch.empty_like(m)
+    split = nseg > 1
     kern.paged_attention_kernel[grid](
         query, k_cache, v_cache, part, m, l,
         block_tables, query_start_loc, seq_lens,
         scale_log2, B, num_q_blocks,
         query.stride(0), query.stride(1),
-        part.stride(1), part.stride(2), part.stride(0),
+        part.stride(-3), part.stride(-2), part.stride(0) if split else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        m.stride(0), m.stride(1),
+        m.stride(0) if split else 0, m.stride(1) if split else 0,
         **consts, **launch,
     )
+    if split:
+        _reduce_segments(query, part, m, l, out, query_start_loc, B)
+    return out
+
+
+def _reduce_segments(query, part, m, l, out, query_start_loc, num_seqs) -> None:
+    """Merge the split-KV partials ``part`` / ``m`` / ``l`` ([S, T, Hq, ...]) into ``out``."""
+    nseg, _, Hq, D = part.shape
+    dpad = _p2(max(D, 16))
     h_block = min(_p2(Hq), max(1, 4096 // (dpad * nseg)))
-    kern.reduce_segments_kernel[(T, triton_cdiv(Hq, h_block))](
-        part, m, l, out, query_start_loc, B,
+    _k(query).reduce_segments_kernel[(query.shape[0], triton_cdiv(Hq, h_block))](
+        part, m, l, out, query_start_loc, num_seqs,
         part.stride(0), part.stride(1), part.stride(2),
         m.stride(0), m.stride(1),
         out.stride(0), out.stride(1),
         HQ=Hq, HEAD_D=D, D_PAD=dpad, NUM_SEG=nseg, H_BLOCK=h_block,
         num_warps=4,
     )
-    return out
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -94,12 +94,22 @@ def test_decode_tma(gen, hq, hkv, bs, dtype):
                   max_query_len=1, tma=True)
 
 
-def test_decode_tma_broken_promise_is_loud(gen):
+@pytest.mark.parametrize("nseg", [2, 4])
+def test_decode_tma_split(gen, nseg):
+    """Split-KV through the TMA kernel: page runs that hold the partial last page, runs past a
+    short sequence's end (nothing to read: m = -inf, l = 0 drop out in the merge), a padded
+    sequence and padding tokens."""
+    run_attention(gen, [1, 1, 0, 1, 1], [0, 2 * 16 - 1, 5, 9 * 16 + 7, 16], 8, 2, 32, 16, torch.bfloat16,
+                  pad_tokens=2, max_query_len=1, tma=True, num_segments=nseg)
+
+
+@pytest.mark.parametrize("nseg", [1, 2])
+def test_decode_tma_broken_promise_is_loud(gen, nseg):
     """max_query_len=1 promises one token per sequence; a sequence with three gets NaN for its
     two earlier tokens (the newest is right), never a silently wrong attention."""
     q, k, v, bt, qsl, sl = make_paged(gen, [1, 3, 1], [20, 17, 0], 8, 2, 32, 16, torch.bfloat16)
     out = torch.zeros_like(q)
-    K.paged_attention(q, k, v, bt, qsl, sl, 32 ** -0.5, out=out, max_query_len=1, tma=True)
+    K.paged_attention(q, k, v, bt, qsl, sl, 32 ** -0.5, out=out, max_query_len=1, tma=True, num_segments=nseg)
     ref = K.paged_attention_reference(q.float(), k.float(), v.float(), bt, qsl, sl, 32 ** -0.5)
     assert torch.isnan(out[1:3]).all()
     keep = [0, 3, 4]
@@ -122,14 +132,18 @@ def test_decode_tma_falls_back_where_no_descriptor_fits(gen):
 
 def test_tma_heuristic_needs_many_programs(monkeypatch):
     """On a TMA-capable GPU, decode goes through the TMA kernel from 3 programs per SM (the
-    engine's batch 64 and 128 with 8 KV heads on 132 SMs), not below it, and never for prefill
-    or fp32; the interpreter and older GPUs never choose it."""
+    engine's batch 64 and 128 with 8 KV heads on 132 SMs), split into page runs below one
+    program per SM (batch 1 and 8), through the pointer kernel in between (batch 32), and never
+    for prefill or fp32; the interpreter and older GPUs never choose it."""
     dev = torch.device("cpu")
     assert not ops.attention_config(128, 128, 32, 8, 128, 1, 576, dev, torch.bfloat16)["tma"]
     monkeypatch.setattr(ops, "_has_tma", lambda device: True)
     cfg = lambda b, q=1, dt=torch.bfloat16: ops.attention_config(b * q, b, 32, 8, 128, q, 576, dev, dt)  # noqa: E731
     assert cfg(128)["tma"] and cfg(64)["tma"] and (cfg(64)["num_warps"], cfg(64)["num_stages"]) == (2, 6)
     assert not cfg(32)["tma"] and not cfg(128, q=4)["tma"] and not cfg(128, dt=torch.float32)["tma"]
+    assert cfg(64)["num_segments"] == 1 and (cfg(8)["tma"], cfg(8)["num_segments"]) == (True, 8)
+    assert (cfg(1)["tma"], cfg(1)["num_segments"], cfg(1)["num_warps"]) == (True, 16, 2)
+    assert not cfg(1, dt=torch.float32)["tma"] and cfg(1, dt=torch.float32)["num_segments"] > 1
     assert not ops.attention_config(128, 128, 32, 8, 128, 1, 576, dev, torch.bfloat16, allow_tma=False)["tma"]
 
 
