@@ -461,13 +461,15 @@ DECODE_EXTRA_SHAPES = [(4, 32768)]
 PREFILL_SHAPES = [(8, 2048), (1, 16384)]
 # The engine benchmark's decode (prompt 512 + up to 128 new): short contexts, where per-program
 # overheads and too few programs (batch 1) matter more than at the long shapes.
-ENGINE_SHAPES = [(1, 576), (32, 576), (128, 576), (64, 576), (8, 576)]
+ENGINE_SHAPES = [(1, 576), (32, 576), (128, 576), (64, 576), (8, 576), (16, 576), (48, 576)]
 ENGINE_VARIANTS = [
     None,
     (1, 128, 4, 3, 0, 1), (1, 64, 4, 2, 0, 1), (1, 64, 4, 3, 0, 1), (1, 128, 4, 4, 0, 1), (1, 64, 8, 3, 0, 1),
     (2, 64, 4, 2, 0, 1), (2, 128, 4, 3, 0, 1), (4, 64, 4, 2, 0, 1), (8, 64, 4, 2, 0, 1),
     (16, 32, 4, 2, 0, 1), (8, 32, 4, 2, 0, 1), (16, 64, 4, 2, 0, 1), (4, 128, 4, 3, 0, 1), (8, 128, 4, 3, 0, 1),
     ("tma", 1, 2, 6), ("tma", 2, 2, 6), ("tma", 4, 2, 6), ("tma", 8, 2, 6), ("tma", 16, 2, 6), ("tma", 2, 2, 4),
+    ("tma", 1, 1, 6), ("tma", 1, 1, 8), ("tma", 1, 1, 10), ("tma", 2, 1, 8), ("tma", 4, 1, 8), ("tma", 8, 1, 8),
+    ("tma", 16, 1, 8),
 ]
 DECODE_VARIANTS = [
     # (num_segments, tile_n, num_warps, num_stages, k_natural, head_fastest); None = heuristic
@@ -503,7 +505,9 @@ def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode", timer=None
         best = None
         for var in variants:
             kw = dict(out=out, max_query_len=1, max_seq_len=L)
-            if var is not None and var[0] == "tma":
+            if var == "pointer":  # the heuristic's choice with the TMA kernel ruled out
+                kw.update(tma=False)
+            elif var is not None and var[0] == "tma":
                 kw.update(tma=True, num_segments=var[1], num_warps=var[2], num_stages=var[3])
             elif var is not None:
                 kw.update(num_segments=var[0], tile_n=var[1], num_warps=var[2], num_stages=var[3],
@@ -515,7 +519,8 @@ def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode", timer=None
                 print(f"  decode {B}x{L} {var}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             tbps = kv_bytes / (ms * 1e-3) / 1e12
-            name = ("heuristic" if var is None else "%s seg%d w%d s%d" % var if var[0] == "tma"
+            name = ("heuristic" if var is None else var if var == "pointer" else "%s seg%d w%d s%d" % var
+                    if var[0] == "tma"
                     else "seg%d tile%d w%d s%d kn%d hf%d" % var)
             row["variants"].append(dict(cfg=name, us=ms * 1e3, TBps=tbps))
             print(f"  decode B={B} L={L} {name}: {ms * 1e3:.1f} us, {tbps:.2f} TB/s", flush=True)

@@ -6,6 +6,7 @@ Triton on CUDA tensors, the Triton interpreter on CPU tensors when
 See docs/kernels.md for the KV layout, tolerances and measurements.
 """
 from .ops import (
+    DECODE_SHORT_CONTEXT,
     attention_config,
     backend,
     copy_blocks,
@@ -37,6 +38,7 @@ from .reference import (
 )
 
 __all__ = [
+    "DECODE_SHORT_CONTEXT",
     "attention_config",
     "backend",
     "copy_blocks",

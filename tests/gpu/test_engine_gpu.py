@@ -217,3 +217,48 @@ def test_async_scheduling_matches_waiting_rounds_on_the_gpu(bench):
     finally:
         os.environ["KVMESH_ENFORCE_EAGER"] = "0"
     assert got3 == want3 and eng.num_chained_rounds > 0 and eng.runner.num_graph_steps == 0
+
+
+def test_decode_graphs_per_context_bucket(bench, monkeypatch):
+    """Decode graphs are captured per context bucket where the attention launch differs (short
+    contexts: the 1-warp TMA kernel for batches of one to three programs per SM); a multi-step
+    round whose contexts cross ``DECODE_SHORT_CONTEXT`` switches graphs between steps and still
+    decodes what eager steps decode (bf16: different kernels may flip a near-tie, hence >= 97%)."""
+    from kvmesh import kernels
+    from kvmesh.engine.core import EngineCore
+    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.models.random_init import random_model
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    loaded = random_model(bench.small_config(), name="small-random", dtype=torch.bfloat16, device="cuda", seed=8)
+    g = torch.Generator().manual_seed(9)
+    short = kernels.DECODE_SHORT_CONTEXT
+    prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (short - 20, short - 5, 300, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    def run(eager: bool):
+        monkeypatch.setenv("KVMESH_ENFORCE_EAGER", "1" if eager else "0")
+        eng, _ = EngineCore.from_model(loaded=loaded, device="cuda", dtype="bfloat16", num_kv_blocks=1024,
+                                       max_num_batched_tokens=4096, max_num_seqs=8, max_model_len=2 * short,
+                                       num_scheduler_steps=8)
+        used = []
+        pick = eng.runner.graph_for
+        monkeypatch.setattr(eng.runner, "graph_for", lambda size, n: used.append(n) or pick(size, n))
+        out = {f"s{i}": [] for i in range(len(prompts))}
+        for i, p in enumerate(prompts):
+            eng.add_request(EngineCoreRequest(request_id=f"s{i}", prompt_token_ids=p, params=params))
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id].extend(o.new_token_ids)
+        eng.check_integrity()
+        return eng, out, used
+
+    _, want, _ = run(True)
+    eng, got, used = run(False)
+    r = eng.runner
+    assert r.graph_ctxs == [short, 2 * short]
+    assert r.num_graphs > len(r.graph_sizes), "no batch size got a separate short-context graph"
+    assert r.graph_for(4, short)[0] is not r.graph_for(4, short + 1)[0]
+    assert min(used) <= short < max(used), "decode never crossed the short-context bucket"
+    same = sum(a == b for k in want for a, b in zip(want[k], got[k]))
+    assert all(len(got[k]) == 40 for k in got) and same / (40 * len(want)) >= 0.97, (same, want, got)
