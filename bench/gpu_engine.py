@@ -247,13 +247,12 @@ def hf_generate(hf, B: int, P: int, N: int) -> dict:
     return r
 
 
-def replay_ms(eng: EngineCore, B: int, ctx: int) -> float:
-    """Pure GPU time of one decode step: replay batch B's graph (for contexts up to ``ctx``) on
-    the inputs its last step left in the static buffers (contexts ~P+N; it rewrites the last,
-    unfinished and uncached, KV slot)."""
-    if B not in eng.runner.graph_sizes:
+def replay_ms(eng: EngineCore, B: int) -> float:
+    """Pure GPU time of one decode step: replay batch B's graph on the inputs its last step left
+    in the static buffers (contexts ~P+N; it rewrites the last, unfinished and uncached, KV slot)."""
+    if B not in eng.runner.graphs:
         return float("nan")
-    g, _ = eng.runner.graph_for(B, ctx)
+    g, _ = eng.runner.graphs[B]
     for _ in range(3):
         g.replay()
     ts = []
@@ -305,7 +304,7 @@ def engine_decode(eng: EngineCore, B: int, P: int, N: int, bw: float, seed: int,
     dec_tok = B * (N - 1)
     step_ms = sorted(s.elapsed_time(e) for s, e, b in step_events if b == B)
     step_ms = step_ms[len(step_ms) // 2] if step_ms else float("nan")
-    gpu_step_ms = replay_ms(eng, B, P + N)
+    gpu_step_ms = replay_ms(eng, B)
     m = eng.config.model
     kv_per_tok = m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2
     mean_ctx = P + N / 2  # context read per sequence, averaged over the decode steps

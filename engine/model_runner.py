@@ -147,12 +147,11 @@ class _Round:
     """A multi-step round queued on the device: its inputs (graph buffers or eager tensors, advanced
     in place from step to step), its tokens on the device and, once copied, on the host."""
 
-    __slots__ = ("B", "params", "rand", "graph", "ctx", "inputs", "toks", "host", "event")
+    __slots__ = ("B", "params", "rand", "graph", "inputs", "toks", "host", "event")
 
     def __init__(self, B: int, params: list, rand: list[int]) -> None:
         self.B, self.params, self.rand = B, params, rand
         self.graph = 0  # padded batch size of the CUDA graph it replays; 0: eager
-        self.ctx = 0  # longest context of the step last queued (picks the graph's context bucket)
         self.inputs: tuple = ()
         self.toks: torch.Tensor | None = None
         self.host: torch.Tensor | None = None
@@ -196,12 +195,9 @@ class ModelRunner:
             (self.num_blocks, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim),
             dtype=self.dtype, device=self.device,
         )
-        # (padded batch size, context bucket) -> (graph, its logits); buckets in graph_ctxs
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.graph_ctxs: list[int] = []
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_sizes: list[int] = []
         self.graph_capture_s = 0.0
-        self.num_graphs = 0
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         if self.cuda and os.environ.get("KVMESH_ENFORCE_EAGER", "0") in ("", "0"):
@@ -340,7 +336,6 @@ class ModelRunner:
         rnd = _Round(p.B, params, rand)
         if self._uses_graph(p):
             rnd.graph = next(s for s in self.graph_sizes if s >= p.B)
-            rnd.ctx = p.max_seq_len
             ids, pos, m = self._graph_views(rnd.graph)
             B = p.B  # the real rows of the padded graph inputs: only these advance
             rnd.inputs = (ids[:B], pos[:B], AttentionMetadata(
@@ -363,7 +358,7 @@ class ModelRunner:
         reach the host: the first step's inputs are ``prev``'s last tokens, on the device.
         ``block_ids``: each sequence's blocks, now covering ``k`` more positions."""
         rnd = _Round(prev.B, prev.params, prev.rand)
-        rnd.graph, rnd.ctx, rnd.inputs = prev.graph, prev.ctx, prev.inputs
+        rnd.graph, rnd.inputs = prev.graph, prev.inputs
         bt = self._block_table(block_ids)
         if rnd.graph:
             o, W = self._graph_layout(), self.max_blocks_per_seq
@@ -407,14 +402,13 @@ class ModelRunner:
     def _step_inputs(self, rnd: "_Round", tok: torch.Tensor) -> None:
         ids, pos, meta = rnd.inputs
         self._advance(tok, ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
-        rnd.ctx += 1
         if not rnd.graph:
             meta.max_seq_len += 1
 
     def _forward_again(self, rnd: "_Round") -> torch.Tensor:
         """One more step on a round's (already advanced) inputs."""
         if rnd.graph:
-            g, out = self.graph_for(rnd.graph, rnd.ctx)
+            g, out = self.graphs[rnd.graph]
             g.replay()
             return out[:rnd.B]
         ids, pos, meta = rnd.inputs
@@ -498,27 +492,17 @@ class ModelRunner:
         # ids | positions | slots | query_start_loc | seq_lens | block tables
         return tuple(np.cumsum([0, bmax, bmax, bmax, bmax + 1, bmax, bmax * W]).tolist())
 
-    def _graph_views(self, b: int, ctx: int | None = None):
+    def _graph_views(self, b: int):
         o = self._graph_layout()
         g = self.graph_buf
         W = self.max_blocks_per_seq
         bt = g[o[5]:o[6]].view(self.graph_sizes[-1], W)[:b]
         meta = AttentionMetadata(slot_mapping=g[o[2]:o[2] + b], block_tables=bt, query_start_loc=g[o[3]:o[3] + b + 1],
-                                 seq_lens=g[o[4]:o[4] + b], max_query_len=1, max_seq_len=ctx or self.max_model_len)
+                                 seq_lens=g[o[4]:o[4] + b], max_query_len=1, max_seq_len=self.max_model_len)
         return g[o[0]:o[0] + b], g[o[1]:o[1] + b], meta
 
-    def graph_for(self, size: int, max_seq_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The graph of a padded batch size for the smallest context bucket that holds
-        ``max_seq_len``. Every bucket's graph reads the same input buffers and is exact for any
-        context; the bucket only decides which attention launch configuration it replays."""
-        ctx = next((c for c in self.graph_ctxs if max_seq_len <= c), self.graph_ctxs[-1])
-        return self.graphs[(size, ctx)]
-
     def _capture_graphs(self) -> None:
-        """Capture one graph per padded decode batch size, largest first, sharing one memory pool,
-        and a second one for short contexts (``kernels.DECODE_SHORT_CONTEXT``) where the attention
-        launch configuration differs there (batch sizes with one to three programs per SM on
-        Hopper: the 1-warp TMA decode kernel); elsewhere both buckets share one graph."""
+        """Capture one graph per padded decode batch size, largest first, sharing one memory pool."""
         t0 = time.perf_counter()
         self.graph_sizes = [s for s in GRAPH_SIZES if s <= self.sched_cfg.max_num_seqs] or [1]
         o = self._graph_layout()
@@ -527,32 +511,20 @@ class ModelRunner:
         need = o[-1]
         if need > self.staging.n:
             self.staging = _Staging(max(need, self.staging.n), self.device)
-        self.graph_ctxs = sorted({c for c in (kernels.DECODE_SHORT_CONTEXT,) if c < self.max_model_len}
-                                 | {self.max_model_len})
-        m = self.model.cfg
-        pool, captured = None, 0
+        pool = None
         for b in reversed(self.graph_sizes):
-            made: dict[tuple, tuple] = {}
-            for ctx in reversed(self.graph_ctxs):
-                cfg = kernels.attention_config(b, b, m.num_heads, m.num_kv_heads, m.head_dim, 1, ctx, self.device,
-                                               self.dtype)
-                key = tuple(sorted(cfg.items()))
-                if key not in made:
-                    ids, pos, meta = self._graph_views(b, ctx)
-                    self.model(ids, pos, self.kv_cache, meta, None)  # warm-up: Triton compiles, cuBLAS picks
-                    torch.cuda.synchronize(self.device)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool):
-                        out = self.model(ids, pos, self.kv_cache, meta, None)
-                    pool = g.pool()
-                    made[key] = (g, out)
-                    captured += 1
-                self.graphs[(b, ctx)] = made[key]
+            ids, pos, meta = self._graph_views(b)
+            self.model(ids, pos, self.kv_cache, meta, None)  # warm-up: Triton compiles, cuBLAS picks kernels
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                out = self.model(ids, pos, self.kv_cache, meta, None)
+            pool = g.pool()
+            self.graphs[b] = (g, out)
         torch.cuda.synchronize(self.device)
         self.graph_capture_s = time.perf_counter() - t0
-        self.num_graphs = captured
-        log.info("captured %d decode CUDA graphs (sizes %s, context buckets %s) in %.1fs", captured,
-                 self.graph_sizes, self.graph_ctxs, self.graph_capture_s)
+        log.info("captured %d decode CUDA graphs (sizes %s) in %.1fs", len(self.graphs), self.graph_sizes,
+                 self.graph_capture_s)
 
     def _run_graph(self, p: _StepPlan) -> torch.Tensor:
         b = p.B
@@ -574,6 +546,6 @@ class ModelRunner:
         w = p.bt.shape[1]
         buf[o[5]:o[5] + size * W].reshape(size, W)[:b, :w] = p.bt  # stale tails are never read (seq_lens)
         self.staging.upload(self.graph_buf, n)
-        g, out = self.graph_for(size, p.max_seq_len)
+        g, out = self.graphs[size]
         g.replay()
         return out[:b]

@@ -6,7 +6,6 @@ Triton on CUDA tensors, the Triton interpreter on CPU tensors when
 See docs/kernels.md for the KV layout, tolerances and measurements.
 """
 from .ops import (
-    DECODE_SHORT_CONTEXT,
     attention_config,
     backend,
     copy_blocks,
@@ -38,7 +37,6 @@ from .reference import (
 )
 
 __all__ = [
-    "DECODE_SHORT_CONTEXT",
     "attention_config",
     "backend",
     "copy_blocks",

@@ -199,11 +199,6 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 # --------------------------------------------------------------------------- attention
 
 
-# Decode contexts up to this many tokens take a different launch configuration between one and
-# three programs per SM (`attention_config`); the runner captures decode graphs for it separately.
-DECODE_SHORT_CONTEXT = 1024
-
-
 def attention_config(
     num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: int,
     max_query_len: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
@@ -237,10 +232,8 @@ def attention_config(
       when there are at least 3 programs (sequences x KV heads) per SM: 2-5% faster
       than the pointer kernel at 64-128 x 576 and 64 x 2,048, even at 128 x 4,096,
       69% of SDPA with one to three programs per SM (32 x 16,384), where it is not
-      chosen unless contexts are short (<= 1,024: 1 warp, 8 stages, 8-20% faster at
-      32-48 x 576); and split into the same segments as above when there are fewer
-      programs than SMs (8 x 576: 14.3 vs 16.2 us; 1 x 576: even; 1 warp / 8 stages
-      at short contexts).
+      chosen; and split into the same segments as above when there are fewer programs
+      than SMs (8 x 576: 14.3 vs 16.2 us; 1 x 576: even).
     fp32 and head sizes over 128 use smaller tiles to stay within shared memory.
     """
     qpk = num_q_heads // num_kv_heads
@@ -271,21 +264,15 @@ def attention_config(
                 tile_n, num_warps, num_stages = split_tile, 4, 2
                 head_fastest = True
     # One TMA load per page (`paged_decode_tma_kernel`): 2 warps, 6 stages measured best, 2-5%
-    # ahead of the pointer kernel from ~3 programs per SM. Between one and three programs per SM
-    # it keeps too few pages in flight at long contexts (69% of SDPA at 32 x 16,384) and the
-    # pointer kernel stays there; at short ones (<= 1,024) 1 warp with 8 stages is the fastest of
-    # all (32 x 576: 29.2 vs 31.5 us; 48 x 576: 37.9 vs 47.1, SDPA 40.1). Below one program per SM
-    # both kernels split the keys with the same segment count and the TMA kernel's page runs are
-    # faster (8 x 576: 14.2 vs 16.2 us with 2 warps / 6 stages, 13.8 with 1 warp / 8 stages).
+    # ahead of the pointer kernel from ~3 programs per SM; between one and three programs per SM
+    # it keeps too few pages in flight (69% of SDPA at 32 x 16,384) and the pointer kernel stays.
+    # Below one program per SM both split the keys with the same segment count; the TMA kernel's
+    # page runs measured 12% faster at 8 x 576 (14.3 vs 16.2 us, = SDPA) and even at 1 x 576.
     programs = num_seqs * num_kv_heads
-    sms = _num_sms(device)
-    short = max_seq_len <= DECODE_SHORT_CONTEXT
     tma = (max_query_len == 1 and not small and d_pad == head_size and qpk_pad <= 16
-           and (programs >= 3 * sms or num_segments > 1 or short) and allow_tma and _has_tma(device))
+           and (programs >= 3 * _num_sms(device) or num_segments > 1) and allow_tma and _has_tma(device))
     if tma:
         block_m, num_warps, num_stages = 16, 2, 6
-        if short and programs < 3 * sms:
-            num_warps, num_stages = 1, 8
     return dict(block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
                 num_segments=num_segments, head_fastest=head_fastest, tma=tma)
 
