@@ -247,12 +247,34 @@ def hf_generate(hf, B: int, P: int, N: int) -> dict:
     return r
 
 
+def graph_inputs_consistent(r, B: int) -> bool:
+    """Whether the static graph buffers hold B whole decode rows (one token each, contexts within
+    the model, pages in the pool). After a run whose last steps had fewer sequences, rows past them
+    hold what other batch sizes left (the engine rewrites every row before each replay, so it never
+    reads them); replaying those faulted on the H200 (batch 48, 2026-11-30). Then: no figure."""
+    o, W = r._graph_layout(), r.max_blocks_per_seq
+    buf = r.graph_buf.cpu()
+    qsl, sl = buf[o[3]:o[3] + B + 1], buf[o[4]:o[4] + B]
+    bt = buf[o[5]:o[6]].view(-1, W)[:B]
+    whole = torch.equal(qsl, torch.arange(B + 1, dtype=qsl.dtype))
+    if not whole or not bool(((sl >= 1) & (sl <= r.max_model_len)).all()):
+        log(f"replay of batch {B}: graph inputs not a whole batch of {B}; no GPU-only figure")
+        return False
+    pages = (sl + r.block_size - 1) // r.block_size
+    used = torch.arange(W)[None, :] < pages[:, None]
+    if not bool(((bt >= 0) & (bt < r.num_blocks) | ~used).all()):
+        log(f"replay of batch {B}: stale block ids in the graph inputs; no GPU-only figure")
+        return False
+    return True
+
+
 def replay_ms(eng: EngineCore, B: int) -> float:
     """Pure GPU time of one decode step: replay batch B's graph on the inputs its last step left
     in the static buffers (contexts ~P+N; it rewrites the last, unfinished and uncached, KV slot)."""
-    if B not in eng.runner.graphs:
+    r = eng.runner
+    if B not in r.graphs or not graph_inputs_consistent(r, B):
         return float("nan")
-    g, _ = eng.runner.graphs[B]
+    g, _ = r.graphs[B]
     for _ in range(3):
         g.replay()
     ts = []
