@@ -130,6 +130,23 @@ def test_decode_tma_falls_back_where_no_descriptor_fits(gen):
         K.paged_attention(q, k, v, bt, qsl, sl, 1.0, max_query_len=2, tma=True)
 
 
+def test_tma_descriptor_kept_per_cache_view(gen):
+    """The descriptor is built once per per-layer cache view (the engine passes the same view
+    objects every step) and a layout without one is remembered too; another layer's view gets
+    its own, and results stay right when the kept descriptor is used."""
+    q, k, v, bt, qsl, sl = make_paged(gen, [1, 1], [40, 9], 8, 2, 32, 16, torch.bfloat16)
+    first = ops._tma_view(k)
+    assert first is not None and ops._tma_view(k) is first and ops._tma_view(v) is not first
+    k_hm = k.transpose(1, 2).contiguous().transpose(1, 2)
+    assert ops._tma_view(k_hm) is None and ops._tma_view(k_hm) is None
+    ref = K.paged_attention_reference(q.float(), k.float(), v.float(), bt, qsl, sl, 32 ** -0.5)
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        K.paged_attention(q, k, v, bt, qsl, sl, 32 ** -0.5, out=out, max_query_len=1, tma=True)
+        assert rel_err(out, ref) < ATT_BOUND[torch.bfloat16]
+    assert ops._tma_view(k) is first
+
+
 def test_tma_heuristic_needs_many_programs(monkeypatch):
     """On a TMA-capable GPU, decode goes through the TMA kernel from 3 programs per SM (the
     engine's batch 64 and 128 with 8 KV heads on 132 SMs), split into page runs below one
