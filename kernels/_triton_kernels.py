@@ -376,6 +376,7 @@ def paged_decode_tma_kernel(
     # A sequence with more than one query token breaks the caller's max_query_len=1 promise: its
     # earlier tokens get NaN (loud), not a silently wrong attention.
     nan = tl.full([BLOCK_M, HEAD_D], float("nan"), tl.float32)
+    nan_row = tl.full([BLOCK_M], float("nan"), tl.float32)
     if NUM_SEG > 1:
         # Partial for this page run (a run past the sequence's end keeps m = -inf, l = 0).
         po = o_ptr + seg.to(tl.int64) * stride_os + head[:, None] * stride_oh + offs_d[None, :]
@@ -386,8 +387,8 @@ def paged_decode_tma_kernel(
         for t in range(0, q_len - 1):
             t64 = (q_start + t).to(tl.int64)
             tl.store(po + t64 * stride_ot, nan, mask=row_ok[:, None])
-            tl.store(m_ptr + stat + t64 * stride_mt, tl.sum(nan, 1), mask=row_ok)
-            tl.store(l_ptr + stat + t64 * stride_mt, tl.sum(nan, 1), mask=row_ok)
+            tl.store(m_ptr + stat + t64 * stride_mt, nan_row, mask=row_ok)
+            tl.store(l_ptr + stat + t64 * stride_mt, nan_row, mask=row_ok)
     else:
         out = acc / l_i[:, None]
         tl.store(o_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],

@@ -412,8 +412,8 @@ def paged_attention(
                            allow_tma=allow)
     if tma and not cfg["tma"]:  # forced (tests, benchmarks): its measured launch settings
         cfg.update(tma=True, block_m=16, num_warps=2, num_stages=6, num_segments=1)
-    descs = (_tma_view(k_cache), _tma_view(v_cache)) if cfg["tma"] else (None,)
-    if None in descs and cfg["tma"]:  # a cache layout TMA cannot describe: the pointer kernel
+    descs = (_tma_view(k_cache), _tma_view(v_cache)) if cfg["tma"] else None
+    if descs is not None and None in descs:  # a cache layout TMA cannot describe: the pointer kernel
         cfg = attention_config(T, B, Hq, Hkv, D, max_query_len, max_seq_len, query.device, query.dtype,
                                allow_tma=False)
     for key, val in (("num_segments", num_segments), ("block_m", block_m), ("tile_n", tile_n),
@@ -424,68 +424,65 @@ def paged_attention(
     if nseg < 1 or nseg & (nseg - 1):
         _fail(fn, f"num_segments must be a power of two >= 1, got {nseg}")
     scale_log2 = float(scale) * 1.4426950408889634
-    part = m = l = out  # split-KV partials and row stats; the output itself when not split
-    if nseg > 1:
+    # Split-KV partials and row stats for `_reduce_segments`; the output itself when not split.
+    split = nseg > 1
+    part = m = l = out
+    stride_os = stride_ms = stride_mt = 0
+    if split:
         part = torch.empty((nseg, T, Hq, D), dtype=torch.float32, device=query.device)
         m = torch.empty((nseg, T, Hq), dtype=torch.float32, device=query.device)
         l = torch.empty_like(m)
+        stride_os, stride_ms, stride_mt = part.stride(0), m.stride(0), m.stride(1)
+    kern = _k(query)
     if cfg["tma"]:
-        _k(query).paged_decode_tma_kernel[(B * Hkv, nseg)](
+        kern.paged_decode_tma_kernel[(B * Hkv, nseg)](
             query, descs[0], descs[1], part, m, l,
             block_tables, query_start_loc, seq_lens,
             scale_log2,
-            query.stride(0), query.stride(1), part.stride(-3), part.stride(-2),
-            part.stride(0) if nseg > 1 else 0, m.stride(0) if nseg > 1 else 0, m.stride(1) if nseg > 1 else 0,
+            query.stride(0), query.stride(1), part.stride(-3), part.stride(-2), stride_os, stride_ms, stride_mt,
             block_tables.stride(0),
             QPK=Hq // Hkv, BLOCK_M=16, HEAD_D=D, BLOCK_SIZE=bs, NUM_KV_HEADS=Hkv, NUM_SEG=nseg,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-        if nseg > 1:
-            _reduce_segments(query, part, m, l, out, query_start_loc, B)
-        return out
-    qpk = Hq // Hkv
-    qpk_pad = _p2(qpk)
-    bm = cfg["block_m"]
-    if bm < 16 or bm & (bm - 1) or bm < qpk_pad:
-        _fail(fn, f"block_m must be a power of two >= max(16, {qpk_pad}), got {bm}")
-    tn = cfg["tile_n"]
-    if tn < 16 or tn & (tn - 1):
-        _fail(fn, f"tile_n must be a power of two >= 16, got {tn}")
-    block_q = bm // qpk_pad
-    num_q_blocks = T // block_q + B
-    kern = _k(query)
-    dpad = _p2(max(D, 16))
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    consts = dict(QPK=qpk, QPK_PAD=qpk_pad, BLOCK_Q=block_q, BLOCK_M=bm, HEAD_D=D, D_PAD=dpad,
-                  BLOCK_SIZE=bs, TILE_N=tn, NUM_SEG=nseg, IEEE=query.dtype == torch.float32,
-                  K_NATURAL=bool(k_natural))
-    hf = cfg["head_fastest"] if head_fastest is None else bool(head_fastest)
-    consts.update(HEAD_FASTEST=hf, NUM_KV_HEADS=Hkv)
-    grid = (num_q_blocks * Hkv, 1, nseg) if hf else (num_q_blocks, Hkv, nseg)
-    split = nseg > 1
-    kern.paged_attention_kernel[grid](
-        query, k_cache, v_cache, part, m, l,
-        block_tables, query_start_loc, seq_lens,
-        scale_log2, B, num_q_blocks,
-        query.stride(0), query.stride(1),
-        part.stride(-3), part.stride(-2), part.stride(0) if split else 0,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        m.stride(0) if split else 0, m.stride(1) if split else 0,
-        **consts, **launch,
-    )
+    else:
+        qpk = Hq // Hkv
+        qpk_pad = _p2(qpk)
+        bm = cfg["block_m"]
+        if bm < 16 or bm & (bm - 1) or bm < qpk_pad:
+            _fail(fn, f"block_m must be a power of two >= max(16, {qpk_pad}), got {bm}")
+        tn = cfg["tile_n"]
+        if tn < 16 or tn & (tn - 1):
+            _fail(fn, f"tile_n must be a power of two >= 16, got {tn}")
+        block_q = bm // qpk_pad
+        num_q_blocks = T // block_q + B
+        hf = cfg["head_fastest"] if head_fastest is None else bool(head_fastest)
+        consts = dict(QPK=qpk, QPK_PAD=qpk_pad, BLOCK_Q=block_q, BLOCK_M=bm, HEAD_D=D, D_PAD=_p2(max(D, 16)),
+                      BLOCK_SIZE=bs, TILE_N=tn, NUM_SEG=nseg, IEEE=query.dtype == torch.float32,
+                      K_NATURAL=bool(k_natural), HEAD_FASTEST=hf, NUM_KV_HEADS=Hkv)
+        grid = (num_q_blocks * Hkv, 1, nseg) if hf else (num_q_blocks, Hkv, nseg)
+        kern.paged_attention_kernel[grid](
+            query, k_cache, v_cache, part, m, l,
+            block_tables, query_start_loc, seq_lens,
+            scale_log2, B, num_q_blocks,
+            query.stride(0), query.stride(1),
+            part.stride(-3), part.stride(-2), stride_os,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0),
+            stride_ms, stride_mt,
+            **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
     if split:
-        _reduce_segments(query, part, m, l, out, query_start_loc, B)
+        _reduce_segments(kern, part, m, l, out, query_start_loc, B)
     return out
 
 
-def _reduce_segments(query, part, m, l, out, query_start_loc, num_seqs) -> None:
+def _reduce_segments(kern, part, m, l, out, query_start_loc, num_seqs) -> None:
     """Merge the split-KV partials ``part`` / ``m`` / ``l`` ([S, T, Hq, ...]) into ``out``."""
     nseg, _, Hq, D = part.shape
     dpad = _p2(max(D, 16))
     h_block = min(_p2(Hq), max(1, 4096 // (dpad * nseg)))
-    _k(query).reduce_segments_kernel[(query.shape[0], triton_cdiv(Hq, h_block))](
+    kern.reduce_segments_kernel[(out.shape[0], triton_cdiv(Hq, h_block))](
         part, m, l, out, query_start_loc, num_seqs,
         part.stride(0), part.stride(1), part.stride(2),
         m.stride(0), m.stride(1),
