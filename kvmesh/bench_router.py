@@ -239,6 +239,45 @@ class Proc:
         self.log.close()
 
 
+def stop_strays(grace_s: float = 10.0) -> None:
+    """Stop the session of every child still running: the bench's own way out (after each `Proc` is
+    stopped), for a child that no `Proc` holds. A SIGTERM is raised wherever the bench is, so it can
+    land between a fork and the `Proc` (or the caller's variable) that would have owned the child,
+    and that child, a session leader, would outlive the bench. Every child of the bench is one it
+    started in a session of its own, so each is stopped with its group: SIGTERM, then SIGKILL after
+    ``grace_s``."""
+    from kvmesh.services.api.testing import children
+
+    left = children(os.getpid())
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for c in left:
+            try:  # its group; the child alone if it has not made its session yet (just forked)
+                os.killpg(c, sig) if _own_group(c) else os.kill(c, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while left and time.monotonic() < deadline:
+            left = [c for c in left if not _reaped(c)]
+            if left:
+                time.sleep(0.1)
+        if not left:
+            return
+
+
+def _own_group(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except OSError:
+        return False
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:
+        return True
+
+
 def group_cpu_s(sid: int) -> float:
     """CPU seconds (user + system) used so far by the live processes of session ``sid`` (a `Proc`
     starts its command in a new session): a router's own cost, whichever process is the
@@ -490,6 +529,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for p in procs:
             p.stop()
+        stop_strays()  # a router (or instance) whose start a SIGTERM interrupted
         shutil.rmtree(tmp, ignore_errors=True)
 
     setup = {"trace": os.path.abspath(args.trace), "requests": len(rows), "select": args.select,

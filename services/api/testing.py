@@ -48,7 +48,7 @@ class ServerProcess:
     def engine_pid(self) -> int | None:
         """Pid of the engine-core child (found through /proc, so it works whatever the server reports)."""
         assert self.proc is not None
-        for child in _children(self.proc.pid):
+        for child in children(self.proc.pid):
             try:
                 with open(f"/proc/{child}/cmdline", "rb") as f:
                     if b"engine_proc" in f.read():
@@ -84,7 +84,8 @@ class ServerProcess:
         self.stop()
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` now."""
     out = []
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
@@ -99,7 +100,7 @@ def descendants(pid: int) -> set[int]:
     """Every process below ``pid`` now (children, theirs, ...)."""
     out, todo = set(), [pid]
     while todo:
-        for c in _children(todo.pop()):
+        for c in children(todo.pop()):
             if c not in out:
                 out.add(c)
                 todo.append(c)

@@ -88,3 +88,29 @@ def test_sigterm_stops_the_instances(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_stray_children_are_stopped_with_their_groups(tmp_path):
+    """`stop_strays` (the bench's last step on the way out) stops a child that no `Proc` holds, as a
+    SIGTERM between a fork and its `Proc` leaves one: its whole session, grandchild included."""
+    from kvmesh.services.api.testing import alive
+
+    script = tmp_path / "bench_like.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "from kvmesh.bench_router import stop_strays\n"
+        "child = [sys.executable, '-c', 'import subprocess, sys, time; '\n"
+        "         'g = subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(120)\"]); '\n"
+        "         'print(g.pid, flush=True); time.sleep(120)']\n"
+        "p = subprocess.Popen(child, start_new_session=True, stdout=subprocess.PIPE, text=True)\n"
+        "grandchild = int(p.stdout.readline())\n"
+        "print(p.pid, grandchild, flush=True)\n"
+        "del p  # nothing holds it any more, as after an interrupted start\n"
+        "stop_strays(grace_s=5)\n"
+        "print('done', flush=True)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.split("\n")
+    pids = [int(x) for x in lines[0].split()]
+    assert lines[1] == "done" and len(pids) == 2
+    assert not [pid for pid in pids if alive(pid)]
