@@ -13,13 +13,19 @@ loop iteration, software-pipelined by Triton (``num_stages``). Checked against a
 reference on fresh random inputs (poisoned output), then timed inside CUDA graphs after an L2
 flush beside the production kernel and SDPA on contiguous KV, at the issue's three shapes.
 
-    python3 bench/gpu_tma_decode.py [--quick] [--ordered] [--session8]   # on the H200; $OUT/tma_decode.json
+    python3 bench/gpu_tma_decode.py [--quick] [--ordered] [--session8] [--persistent]   # H200; $OUT/tma_decode.json
 
 Outcome (2026-11-30, BENCHMARKS.md "Kernels, H200", session 8): one page per step with 2 warps and
 6 stages won from ~3 programs per SM and is now `paged_decode_tma_kernel` in kvmesh.kernels (flat,
 without this script's two-pages variant; ``--session8`` reruns that sweep). Session 9's default sweep
 asks two more questions: does one TMA box over several KV heads' slices of a page (``tma_heads_kernel``)
 read faster (no: 2 heads tie, 4 lose), and does page order matter (``--ordered``: 0.3-0.6%).
+Session 10 (``--persistent``): persistent programs that each read several (sequence, KV head) items'
+pages in one flattened loop, so the next item's pages are in flight while the current one finishes
+(``tma_flat_kernel``; the first form, ``tma_persistent_kernel``, carried the item state across
+iterations and Triton did not pipeline it). Both lose to the grid-per-item kernel at every shape
+(flat: 90-92% of it at 128 x 576, 89-92% at 128 x 4,096; 95% even without the V mask): the per-page bookkeeping (item
+lookup, a query load per page, masks on every page) costs more than the pipeline ramps it saves.
 """
 from __future__ import annotations
 
@@ -133,6 +139,183 @@ def tma_decode(q, k, v, bt, sl, scale, out, num_warps=4, num_stages=3, descs=Non
 
 
 @triton.jit
+def tma_persistent_kernel(q_ptr, k_desc, v_desc, o_ptr, bt_ptr, seqlen_ptr, scale_log2, n_items,
+                          stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                          QPK: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                          NUM_KV_HEADS: tl.constexpr, STORE_IF: tl.constexpr):
+    """Persistent decode: program p owns the (sequence, KV head) items p, p + P, p + 2P, ... and
+    reads all their pages in ONE flattened, software-pipelined loop. The grid-per-item kernel
+    starts every item with an empty pipeline (q, block-table entry, then `num_stages` page loads
+    before the first product) and, with equal contexts, all items of a wave start and end
+    together; here the next item's first pages are already in flight while the current item's
+    last ones are multiplied. The item state (sequence, head, page, length) advances with selects,
+    not branches, so page addresses never depend on the softmax and the pipeliner can run ahead.
+    """
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    total = 0
+    for it in range(pid, n_items, P):  # pages this program reads, over all its items
+        total += tl.cdiv(tl.load(seqlen_ptr + it // NUM_KV_HEADS).to(tl.int32), BS)
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < QPK
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BS)
+    item = pid
+    b = item // NUM_KV_HEADS
+    kvh = item % NUM_KV_HEADS
+    seq_len = tl.load(seqlen_ptr + b, mask=item < n_items, other=0).to(tl.int32)
+    n_pg = tl.cdiv(seq_len, BS)
+    pg = 0
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + (kvh * QPK + offs_m % QPK)[:, None] * stride_qh
+                + offs_d[None, :], mask=row_ok[:, None] & (item < n_items), other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for _ in range(0, total):
+        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + pg).to(tl.int32)
+        k = k_desc.load([blk, 0, kvh * D]).reshape(BS, D)
+        v = v_desc.load([blk, 0, kvh * D]).reshape(BS, D)
+        n_ok = pg * BS + offs_n < seq_len
+        s = tl.where(n_ok[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), tl.where(n_ok[:, None], v, 0.0))
+        m_i = m_new
+        last = pg == n_pg - 1
+        o_rows = o_ptr + b.to(tl.int64) * stride_ot + (kvh * QPK + offs_m % QPK)[:, None] * stride_oh + offs_d[None, :]
+        if STORE_IF:
+            if last:
+                tl.store(o_rows, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            tl.store(o_rows, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & last)
+        # next item's state (selected in where the current one ends)
+        nxt = item + P
+        nb = nxt // NUM_KV_HEADS
+        nh = nxt % NUM_KV_HEADS
+        nlen = tl.load(seqlen_ptr + nb, mask=last & (nxt < n_items), other=0).to(tl.int32)
+        nq = tl.load(q_ptr + nb.to(tl.int64) * stride_qt + (nh * QPK + offs_m % QPK)[:, None] * stride_qh
+                     + offs_d[None, :], mask=row_ok[:, None] & last & (nxt < n_items), other=0.0)
+        q = tl.where(last, nq, q)
+        item = tl.where(last, nxt, item)
+        b = tl.where(last, nb, b)
+        kvh = tl.where(last, nh, kvh)
+        seq_len = tl.where(last, nlen, seq_len)
+        n_pg = tl.where(last, tl.cdiv(nlen, BS), n_pg)
+        pg = tl.where(last, 0, pg + 1)
+        m_i = tl.where(last, float("-inf"), m_i)
+        l_i = tl.where(last, 0.0, l_i)
+        acc = tl.where(last, 0.0, acc)
+
+
+def persistent_programs(n_items: int, per_sm: int, sms: int) -> int:
+    """As many programs as fit (per_sm per SM), then as few as give every program the same
+    number of items (1,024 items on 132 x 4 slots: 512 programs of 2, not 528 of 1-2)."""
+    per = -(-n_items // max(1, min(n_items, per_sm * sms)))
+    return -(-n_items // per)
+
+
+def tma_persistent(q, k, v, bt, sl, scale, out, per_sm=4, num_warps=2, num_stages=6, descs=None,
+                   store_if=False, programs=None):
+    B, hq, d = q.shape
+    _, bs, hkv, _ = k.shape
+    kd, vd = descs or (descriptor(k), descriptor(v))
+    n = B * hkv
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    grid = programs or persistent_programs(n, per_sm, sms)
+    tma_persistent_kernel[(grid,)](q, kd, vd, out, bt, sl, scale * 1.4426950408889634, n,
+                                   q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0),
+                                   QPK=hq // hkv, BLOCK_M=16, D=d, BS=bs, NUM_KV_HEADS=hkv, STORE_IF=store_if,
+                                   num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+@triton.jit
+def tma_flat_kernel(q_ptr, k_desc, v_desc, o_ptr, bt_ptr, seqlen_ptr, scale_log2, n_items,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    QPK: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                    NUM_KV_HEADS: tl.constexpr, ITEMS: tl.constexpr, STORE_IF: tl.constexpr,
+                    VMASK: tl.constexpr = True):
+    """Persistent decode, second form: program p owns at most ITEMS (sequence, KV head) items,
+    p, p + P, ..., and reads their pages in one flattened loop whose page address is a function
+    of the loop index alone (item = how many of the program's cumulative page counts are <= j),
+    so the pipeliner can issue loads `num_stages` pages ahead across item boundaries; the first
+    form (`tma_persistent_kernel`) carried the item state from iteration to iteration and was not
+    pipelined. Softmax state resets and the output store happen by select / branch at the
+    item's first and last page."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    slot = tl.arange(0, ITEMS)
+    ids = pid + slot * P
+    lens = tl.load(seqlen_ptr + ids // NUM_KV_HEADS, mask=ids < n_items, other=0).to(tl.int32)
+    npg = tl.cdiv(lens, BS)
+    ends = tl.cumsum(npg, 0)
+    starts = ends - npg
+    total = tl.sum(npg, 0)
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < QPK
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BS)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for j in range(0, total):
+        i = tl.sum((ends <= j).to(tl.int32), 0)
+        sel = slot == i
+        pg = j - tl.sum(tl.where(sel, starts, 0), 0)
+        seq_len = tl.sum(tl.where(sel, lens, 0), 0)
+        item = pid + i * P
+        b = item // NUM_KV_HEADS
+        kvh = item % NUM_KV_HEADS
+        head = kvh * QPK + offs_m % QPK
+        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + pg).to(tl.int32)
+        k = k_desc.load([blk, 0, kvh * D]).reshape(BS, D)
+        v = v_desc.load([blk, 0, kvh * D]).reshape(BS, D)
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        first = pg == 0  # a new item: m = -inf makes alpha 0, which also clears acc (finite)
+        m_i = tl.where(first, float("-inf"), m_i)
+        l_i = tl.where(first, 0.0, l_i)
+        n_ok = pg * BS + offs_n < seq_len
+        s = tl.where(n_ok[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if VMASK:  # slots past the end may hold anything (0 * NaN); the probe's pool is finite
+            v = tl.where(n_ok[:, None], v, 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        last = (pg + 1) * BS >= seq_len
+        o_rows = o_ptr + b.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        if STORE_IF:
+            if last:
+                tl.store(o_rows, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            tl.store(o_rows, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & last)
+
+
+def tma_flat(q, k, v, bt, sl, scale, out, items=2, num_warps=2, num_stages=6, descs=None, store_if=True,
+             per_sm=4, vmask=True):
+    """Programs: enough that each owns at most ``items`` items, and at least ~``per_sm`` per SM's
+    worth of items when there are fewer (then one item each, as the grid-per-item kernel)."""
+    B, hq, d = q.shape
+    _, bs, hkv, _ = k.shape
+    kd, vd = descs or (descriptor(k), descriptor(v))
+    n = B * hkv
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    per = max(1, min(items, -(-n // (per_sm * sms))))
+    grid = -(-n // per)
+    tma_flat_kernel[(grid,)](q, kd, vd, out, bt, sl, scale * 1.4426950408889634, n,
+                             q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0),
+                             QPK=hq // hkv, BLOCK_M=16, D=d, BS=bs, NUM_KV_HEADS=hkv,
+                             ITEMS=triton.next_power_of_2(per), STORE_IF=store_if, VMASK=vmask,
+                             num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+@triton.jit
 def tma_heads_kernel(q_ptr, k_desc, v_desc, o_ptr, bt_ptr, seqlen_ptr, scale_log2,
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                      QPK: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
@@ -235,6 +418,15 @@ def check(gen, shapes):
             good = bool(torch.isfinite(out).all()) and err < G.ATT_BOUND[torch.bfloat16]
             ok &= good
             print(f"check B={B} L={L} heads/program={hpp}: rel err {err:.2e} {'ok' if good else 'FAIL'}", flush=True)
+        for store_if, programs in ((False, None), (True, None), (False, 3), (True, 5)):
+            out = torch.full_like(p["q"], float("nan"))
+            tma_persistent(p["q"], p["k"], p["v"], p["bt"], p["sl"], 128 ** -0.5, out, store_if=store_if,
+                           programs=programs)
+            err = G.rel_err(out.float(), ref)
+            good = bool(torch.isfinite(out).all()) and err < G.ATT_BOUND[torch.bfloat16]
+            ok &= good
+            print(f"check B={B} L={L} persistent store_if={store_if} programs={programs}: rel err {err:.2e} "
+                  f"{'ok' if good else 'FAIL'}", flush=True)
         for pairs in (False, True):
             out = torch.full_like(p["q"], float("nan"))
             tma_decode(p["q"], p["k"], p["v"], p["bt"], p["sl"], 128 ** -0.5, out, pairs=pairs)
@@ -243,6 +435,26 @@ def check(gen, shapes):
             ok &= good
             print(f"check B={B} L={L} pairs={pairs}: rel err {err:.2e} (bound {G.ATT_BOUND[torch.bfloat16]:.1e}) "
                   f"{'ok' if good else 'FAIL'}", flush=True)
+    # contexts of different lengths, several items per persistent program
+    p = G.make_paged([1] * 6, [4, 299, 16, 63, 999, 0], 32, 8, 128, 16, torch.bfloat16, num_layers=2, layer=1,
+                     gen=gen)
+    ref = reference(p, 128 ** -0.5)
+    for items, per_sm in ((2, 1), (4, 1), (8, 1), (1, 1)):
+        out = torch.full_like(p["q"], float("nan"))
+        tma_flat(p["q"], p["k"], p["v"], p["bt"], p["sl"], 128 ** -0.5, out, items=items, per_sm=per_sm)
+        err = G.rel_err(out.float(), ref)
+        good = bool(torch.isfinite(out).all()) and err < G.ATT_BOUND[torch.bfloat16]
+        ok &= good
+        print(f"check mixed lengths flat items={items}: rel err {err:.2e} {'ok' if good else 'FAIL'}", flush=True)
+    for store_if, programs in ((False, 5), (True, 7), (False, 48)):
+        out = torch.full_like(p["q"], float("nan"))
+        tma_persistent(p["q"], p["k"], p["v"], p["bt"], p["sl"], 128 ** -0.5, out, store_if=store_if,
+                       programs=programs)
+        err = G.rel_err(out.float(), ref)
+        good = bool(torch.isfinite(out).all()) and err < G.ATT_BOUND[torch.bfloat16]
+        ok &= good
+        print(f"check mixed lengths persistent store_if={store_if} programs={programs}: rel err {err:.2e} "
+              f"{'ok' if good else 'FAIL'}", flush=True)
     return ok
 
 
@@ -253,6 +465,18 @@ def check(gen, shapes):
 SESSION8_CONFIGS = [("pages", *c) for c in [(0, 2, 5), (0, 2, 6), (0, 2, 7), (0, 2, 8), (0, 2, 10), (1, 2, 5),
                                             (1, 2, 6), (1, 2, 7), (1, 2, 8), (1, 4, 8), (1, 4, 10), (0, 1, 8)]]
 # ("heads", KV heads per program, warps, stages): session 9, several heads' page slices per TMA load
+# ("persist", programs per SM, warps, stages, store under a branch): session 10, one flattened page loop
+# per persistent program over several (sequence, KV head) items
+# (first form, item state carried across iterations: 27-90% of SDPA, not pipelined; 2026-11-30 12:50 UTC)
+# ("flat", items per program, warps, stages, store under a branch): the page address a function of the
+# loop index alone
+# (first sweep, 13:00 UTC, with acc also reset by select: best 1 warp / 8 stages, 3.43 / 2.94 / 4.01 / 3.90
+# TB/s at 128 x 576 / 64 x 576 / 128 x 4,096 / 64 x 2,048 against 3.72-3.74 / 3.20 / 4.34 / 4.01 for the
+# grid-per-item kernels; 2 warps 3.21 / 3.04 / 3.54 / 3.55; the masked store instead of a branch 10-15% slower)
+# (..., V masked on every page: 0 = not, to price the select on the probe's finite pool)
+PERSIST_CONFIGS = [("pages", 0, 2, 6)] + [("flat", *c) for c in [
+    (2, 1, 8, 1, 1), (2, 1, 8, 1, 0), (2, 1, 10, 1, 1), (2, 1, 12, 1, 1), (2, 2, 6, 1, 1), (2, 2, 6, 1, 0),
+    (2, 2, 8, 1, 0), (2, 1, 8, 1, 1, 2), (2, 1, 8, 1, 1, 8)]]
 CONFIGS = [("pages", 0, 2, 6), ("heads", 1, 2, 6), ("heads", 2, 2, 4), ("heads", 2, 4, 4), ("heads", 2, 4, 6),
            ("heads", 2, 2, 6), ("heads", 4, 4, 3), ("heads", 4, 4, 4), ("heads", 4, 8, 3)]
 
@@ -261,6 +485,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="checks only, small shapes")
     ap.add_argument("--session8", action="store_true", help="session 8's sweep (one or two pages per step)")
+    ap.add_argument("--persistent", action="store_true", help="session 10's sweep: persistent flattened kernel")
     ap.add_argument("--ordered", action="store_true",
                     help="also time kvmesh and the configs with each sequence's pages consecutive in the pool")
     ap.add_argument("--shapes", default="64x2048,128x4096,32x16384",
@@ -277,7 +502,7 @@ def main() -> int:
     print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
     rows = []
     hq, hkv, d, bs = 32, 8, 128, 16
-    configs = SESSION8_CONFIGS if args.session8 else CONFIGS
+    configs = SESSION8_CONFIGS if args.session8 else PERSIST_CONFIGS if args.persistent else CONFIGS
     for B, L in [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]:
         p = G.make_paged([1] * B, [L - 1] * B, hq, hkv, d, bs, torch.bfloat16, num_layers=2, layer=0,
                          extra_blocks=0, gen=gen)
@@ -295,8 +520,20 @@ def main() -> int:
                 ms = G.graph_ms(lambda: G.K.paged_attention(p["q"], p["k"], p["v"], p["bt"], p["qsl"], p["sl"],
                                                             d ** -0.5, out=out, max_query_len=1, max_seq_len=L))
                 row.setdefault("kvmesh" + sfx, []).append(gb / ms / 1e9)
-                for kind, a, w, st in configs:
-                    if kind == "pages":
+                for kind, a, w, st, *rest in configs:
+                    if kind == "flat":
+                        per_sm = rest[2] if len(rest) > 2 else 4
+                        name = (f"flat {a} items w{w} s{st}{' if' if rest[0] else ''}"
+                                f"{'' if rest[1] else ' no-vmask'} {per_sm}/SM")
+                        ds = descs.setdefault("pages", (descriptor(p["k"]), descriptor(p["v"])))
+                        fn = (lambda: tma_flat(p["q"], p["k"], p["v"], p["bt"], p["sl"], d ** -0.5, out,
+                                               a, w, st, ds, bool(rest[0]), per_sm, bool(rest[1])))
+                    elif kind == "persist":
+                        name = f"persistent {a}/SM w{w} s{st}{' if' if rest[0] else ''}"
+                        ds = descs.setdefault("pages", (descriptor(p["k"]), descriptor(p["v"])))
+                        fn = (lambda: tma_persistent(p["q"], p["k"], p["v"], p["bt"], p["sl"], d ** -0.5, out,
+                                                     a, w, st, ds, bool(rest[0])))
+                    elif kind == "pages":
                         name = f"tma {'2 pages' if a else '1 page'} w{w} s{st}"
                         ds = descs.setdefault(name, (descriptor(p["k"]), descriptor(p["v"])))
                         fn = (lambda: tma_decode(p["q"], p["k"], p["v"], p["bt"], p["sl"], d ** -0.5, out,
