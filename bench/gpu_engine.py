@@ -415,14 +415,15 @@ def bench_8b(args, bw: float) -> EngineCore:
             r["hf_new_tokens"] = hf_r["new"]
             r["ratio_e2e_vs_hf"] = r["e2e_tok_s"] / hf_r["out_tok_s"]
         dec.append(r)
-    for B in [int(x) for x in args.tma_ab.split(",") if x]:  # async, one step per round: TMA off, on, off, on
-        eng.multi_steps, eng.async_scheduling = 1, True
-        for flag in ("0", "1", "0", "1"):
-            set_gemv(eng, flag, "KVMESH_ATTENTION_TMA")
-            r = engine_decode(eng, B, P, N, bw, seed=B)
-            r.update(steps_per_round=1, gemv=True, sampled=False, async_scheduling=True, tma=flag == "1",
-                     ab="tma")
-            dec.append(r)
+    # A/B runs, async, one step per round: the feature off, on, off, on (graphs recaptured each time)
+    for var, ab, batches in (("KVMESH_ATTENTION_TMA", "tma", args.tma_ab), ("KVMESH_PDL", "pdl", args.pdl_ab)):
+        for B in [int(x) for x in batches.split(",") if x]:
+            eng.multi_steps, eng.async_scheduling = 1, True
+            for flag in ("0", "1", "0", "1"):
+                set_gemv(eng, flag, var)
+                r = engine_decode(eng, B, P, N, bw, seed=B)
+                r.update(steps_per_round=1, gemv=True, sampled=False, async_scheduling=True, ab=ab, on=flag == "1")
+                dec.append(r)  # the last pass leaves the feature on (the default) for what follows
     R["decode"] = dec
     eng.multi_steps, eng.async_scheduling = 1, False
     return eng
@@ -442,6 +443,9 @@ def throughput(eng: EngineCore, n_prompts: int, deadline: float) -> None:
                            output_tok_s=out_tok / dt, total_tok_s=(in_tok + sum(len(outs[k]) for k in done)) / dt,
                            requests_s=len(done) / dt, steps=t["steps"])
     log("throughput", R["throughput"])
+
+
+AB_NAMES = {"tma": "TMA attention", "pdl": "programmatic dependent launch"}
 
 
 def table() -> str:
@@ -472,7 +476,7 @@ def table() -> str:
             lines.append(f"{'triton' if r.get('gemv', True) else 'cublas':>6}{'*' if r.get('sampled') else ' '}{r.get('steps_per_round', 1):>5}{'yes' if r.get('async_scheduling') else 'no':>6} {r['B']:>5} {r['decode_tok_s']:>12.1f} {r['e2e_tok_s']:>10.1f} {hf:>9} {x:>6} "
                          f"{r['gpu_step_ms']:>11.3f} {r['step_GB']:>8.2f} {r['roofline_tok_s']:>9.1f} "
                          f"{100 * r['frac_roofline']:>5.1f}% {100 * r['gpu_only_frac_roofline']:>13.1f}%"
-                         + (f"  (A/B: TMA attention {'on' if r['tma'] else 'off'})" if r.get("ab") == "tma" else ""))
+                         + (f"  (A/B: {AB_NAMES[r['ab']]} {'on' if r['on'] else 'off'})" if r.get("ab") else ""))
         if any(r.get("sampled") for r in R["decode"]):
             lines.append("  * = sampled (temperature 0.8, top-p 0.95, unseeded); rounds: "
                          + ", ".join(f"{r['steps_per_round']}x{r['B']}: {r['multi_step_rounds']}"
@@ -499,6 +503,9 @@ def main() -> int:
     ap.add_argument("--tma-ab", nargs="?", const="128", default="", metavar="BATCHES",
                     help="after the plan: these batch sizes (comma list; 128 when none is given) with the TMA "
                          "decode attention off / on / off / on")
+    ap.add_argument("--pdl-ab", nargs="?", const="1,128", default="", metavar="BATCHES",
+                    help="after the plan: these batch sizes (comma list; 1,128 when none is given) with "
+                         "programmatic dependent launch off / on / off / on")
     ap.add_argument("--gemv-ab", action="store_true",
                     help="also time batch 1 with cuBLAS GEMVs (KVMESH_GEMV=0) before the default GEMV kernel")
     ap.add_argument("--budget-s", type=float, default=560.0, help="whole-run deadline (throughput is cut to fit)")

@@ -242,6 +242,76 @@ def _check_cuda_graph(gen, tma, nseg):
            rel_err(out, ref), 1.5e-2)
 
 
+def check_pdl(gen):
+    """Programmatic dependent launch (`kvmesh.kernels.ops._pdl`): launch options only for one-token
+    calls on Hopper and newer; and a one-token decode chain (4 layers of RMSNorm, GEMV, rope + KV
+    write, split TMA attention + merge, GEMVs; every kernel launched early and waiting for the one
+    before it) replayed from a CUDA graph gives the same bits with it as without it. A kernel that
+    read its input or overwrote a buffer before the previous one had finished would not."""
+    import importlib
+
+    ops = importlib.import_module(K.__name__ + ".ops")
+    one = torch.zeros(1, 8, device=DEV)
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    record("pdl launch options, one-token call", 0.0 if bool(ops._pdl(one, 1)) == hopper else 1.0, 0.0)
+    record("pdl launch options, two-token call: none", 0.0 if ops._pdl(one, 2) == {} else 1.0, 0.0)
+    H, hq, hkv, d, inter, ctx = 4096, 32, 8, 128, 8192, 700
+    p = make_paged([1], [ctx], hq, hkv, d, 16, torch.bfloat16, gen=gen)
+
+    def w(n, k):
+        return (torch.randn(n, k, device=DEV, generator=gen) / k ** 0.5).to(torch.bfloat16)
+
+    wq, wo, wgu, wd = w((hq + 2 * hkv) * d, H), w(H, hq * d), w(2 * inter, H), w(H, inter)
+    n1, n2 = (torch.rand(H, device=DEV, generator=gen) + 0.5).to(torch.bfloat16), torch.ones(H, dtype=torch.bfloat16,
+                                                                                               device=DEV)
+    x0 = torch.randn(1, H, dtype=torch.bfloat16, device=DEV, generator=gen)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+    fr = torch.outer(torch.arange(2048, device=DEV).float(), inv)
+    cs = torch.cat([fr.cos(), fr.sin()], -1)
+    pos = torch.tensor([ctx], device=DEV)
+    slot = (p["bt"][0, ctx // 16].long() * 16 + ctx % 16).view(1)
+
+    def chain():
+        h, res = x0, x0
+        for _ in range(4):
+            y, res = K.rms_norm(h, n1, 1e-5, res)
+            q, k, v = K.linear(y, wq).split([hq * d, hkv * d, hkv * d], -1)
+            q = K.rope_write_kv(pos, q.view(1, hq, d), k.view(1, hkv, d), v.view(1, hkv, d), p["k"], p["v"], slot, cs)
+            a = K.paged_attention(q, p["k"], p["v"], p["bt"], p["qsl"], p["sl"], d ** -0.5, max_query_len=1,
+                                  max_seq_len=2048)
+            y, res = K.rms_norm(K.linear(a.view(1, hq * d), wo), n2, 1e-5, res)
+            h = K.silu_mul_linear(K.linear(y, wgu), wd)
+        return h
+
+    saved = os.environ.get("KVMESH_PDL")
+    try:
+        outs = {}
+        for flag in ("0", "1"):
+            os.environ["KVMESH_PDL"] = flag
+            eager = chain().clone()  # compiles this variant outside the capture
+            sync()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = chain()
+            same = True
+            for _ in range(20):
+                out.fill_(float("nan"))
+                g.replay()
+                sync()
+                same &= torch.equal(out, eager)
+            outs[flag] = eager
+            record(f"one-token decode chain, PDL {'on' if flag == '1' else 'off'}: 20 graph replays = eager",
+                   0.0 if same else 1.0, 0.0)
+            del g
+        record("one-token decode chain: PDL on = off, bit for bit", 0.0 if torch.equal(outs["0"], outs["1"]) else 1.0,
+               0.0)
+    finally:
+        if saved is None:
+            os.environ.pop("KVMESH_PDL", None)
+        else:
+            os.environ["KVMESH_PDL"] = saved
+
+
 def check_write_kv(gen):
     for dtype, bs, hkv, d in ((torch.bfloat16, 16, 8, 128), (torch.float16, 32, 3, 64), (torch.float32, 16, 1, 128)):
         kv = torch.randn(40, 3, 2, bs, hkv, d, dtype=dtype, device=DEV, generator=gen)
@@ -667,7 +737,7 @@ def main():
     print("checks:", flush=True)
     checks = [check_write_kv, check_blocks, check_elementwise, check_fused, check_attention]
     if DEV == "cuda":
-        checks.append(check_cuda_graph)
+        checks += [check_cuda_graph, check_pdl]
     for fn in checks:
         try:
             fn(gen)

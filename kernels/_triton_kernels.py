@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 def _fix_interpreter() -> None:
@@ -79,6 +80,22 @@ else:
         return lambda fn: triton.jit(fn, do_not_specialize=names)
 
 
+@_jit
+def _grid_dependency(PDL: tl.constexpr):
+    """Programmatic dependent launch (Hopper and newer; ``ops`` passes PDL with ``launch_pdl``).
+
+    A kernel launched that way may start while the one before it in the stream is still
+    finishing; it first waits until that kernel has completed and its writes are visible
+    (so no read or write of this kernel can race with it), then lets the next kernel's
+    programs launch in turn. What this saves is the gap between two dependent kernels:
+    launch latency and program setup overlap the previous kernel's tail. At batch 1 a
+    decode step is ~300 short kernels, so that gap is a real part of the step. Every
+    kernel calls this before touching memory; with PDL off it is nothing."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 # --------------------------------------------------------------------------- KV write
 @_jit
 def write_kv_kernel(
@@ -88,11 +105,13 @@ def write_kv_kernel(
     stride_vcb, stride_vcs, stride_vch,
     HKV: tl.constexpr, HKV_PAD: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program per token: copy its [Hkv, D] key and value into the slot's page.
 
     Padding slots (-1) return before touching memory, which is what lets the
     runner pad a batch to a CUDA-graph size without a scratch block."""
+    _grid_dependency(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -127,6 +146,7 @@ def paged_attention_kernel(
     HEAD_D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SEG: tl.constexpr, IEEE: tl.constexpr, K_NATURAL: tl.constexpr,
     HEAD_FASTEST: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Unified causal paged attention (decode, prefill, chunked prefill, mixed).
 
@@ -151,6 +171,7 @@ def paged_attention_kernel(
     domain) for `reduce_segments_kernel`; that keeps the GPU full when there are few
     sequences with long contexts.
     """
+    _grid_dependency(PDL)
     if HEAD_FASTEST:
         # The KV heads of one q block are neighbours in launch order, so programs
         # running together read whole pages (all heads of a token are adjacent in
@@ -309,6 +330,7 @@ def paged_decode_tma_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_ms, stride_mt, stride_bt,
     QPK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, NUM_SEG: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Decode attention (one query token per sequence) reading K/V one page per step with TMA.
 
@@ -331,6 +353,7 @@ def paged_decode_tma_kernel(
     than SMs (small decode batches) every SM still gets several, each with pages in flight; there
     it matched or beat the pointer kernel's split (12% at 8 x 576).
     """
+    _grid_dependency(PDL)
     pid = tl.program_id(0)
     seg = tl.program_id(1)
     kvh = pid % NUM_KV_HEADS
@@ -406,6 +429,7 @@ def reduce_segments_kernel(
     stride_ot, stride_oh,
     HQ: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
     NUM_SEG: tl.constexpr, H_BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Merge NUM_SEG split-KV partials of one token (H_BLOCK heads per program).
 
@@ -413,6 +437,7 @@ def reduce_segments_kernel(
     saw no keys carry m = -inf, l = 0 and drop out. Tokens past
     ``query_start_loc[-1]`` (padding of a graph-sized batch) are skipped, read from
     the device so the launch needs no host value."""
+    _grid_dependency(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
     total = tl.load(qsl_ptr + num_seqs).to(tl.int32)
@@ -477,6 +502,7 @@ def rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr,
     stride_x, stride_r, stride_y, stride_ro, eps, hidden,
     HAS_RES: tl.constexpr, W_SAME: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One row per program: (x + residual) in x's dtype, then RMS in fp32.
 
@@ -484,6 +510,7 @@ def rms_norm_kernel(
     dtype before it is normalised (that rounded sum is also what is returned), and
     the weight multiply happens in fp32 when weight and x share a dtype, else after
     rounding, in the promoted dtype."""
+    _grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -508,8 +535,10 @@ def rope_kernel(
     pos_ptr, x_ptr, y_ptr, cs_ptr,
     stride_xt, stride_xh, stride_yt, stride_yh, stride_cs, num_heads,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, H_BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Rotate-half RoPE of one token's heads; cos/sin read once per token, fp32 math."""
+    _grid_dependency(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -533,8 +562,10 @@ def rope_kernel(
 def silu_and_mul_kernel(
     x_ptr, y_ptr, stride_x, stride_y, d,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """``silu(gate) * up``; silu rounded to the dtype before the multiply, as torch does."""
+    _grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -553,6 +584,7 @@ def rope_write_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program per token: rotate its query heads (written to ``qo``), rotate its key heads
     and write them with its values straight into the token's cache slot.
@@ -560,6 +592,7 @@ def rope_write_kv_kernel(
     This is `rope_kernel` twice plus `write_kv_kernel` in one launch: at batch 1 each of
     those moves a few KiB, so three launches per layer cost more than their work. The
     rotated key never goes back to memory except in the cache, where attention reads it."""
+    _grid_dependency(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.arange(0, HALF_PAD)
@@ -598,10 +631,44 @@ def rope_write_kv_kernel(
 
 
 @_jit
+def _gemv_w(rows, n_ok, k, k_ok, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """One [BLOCK_N, BLOCK_K] weight tile, streamed once (``evict_first``)."""
+    if EVEN_K:
+        if EVEN_N:
+            w = tl.load(rows + k[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(rows + k[None, :], mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+    else:
+        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+    return w
+
+
+@_jit
+def _gemv_x(x_ptr, k, k_ok, K, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
+    """The input chunk at ``k`` in fp32; with SILU_MUL ``silu(gate) * up`` rounded like `silu_and_mul`."""
+    if SILU_MUL:
+        if EVEN_K:
+            g = tl.load(x_ptr + k).to(tl.float32)
+            u = tl.load(x_ptr + K + k)
+        else:
+            g = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + K + k, mask=k_ok, other=0.0)
+        s = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        xf = (s * u.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        if EVEN_K:
+            xf = tl.load(x_ptr + k).to(tl.float32)
+        else:
+            xf = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+    return xf
+
+
+@_jit
 def gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """``y = w @ x (+ b)`` for ONE input row: the decode step at batch 1, where every
     projection is a matrix-vector product bound by reading the weights once.
@@ -612,39 +679,23 @@ def gemv_kernel(
     ``evict_first``: they are read once per step and would otherwise push the KV
     and activations out of L2. With SILU_MUL the input is a gate|up row of width 2K
     and ``silu(gate) * up`` is formed on the fly, rounded like `silu_and_mul`, which
-    removes that launch before the down projection."""
+    removes that launch before the down projection. The first weight tile is loaded
+    before `_grid_dependency`: weights do not depend on the kernel before this one, so
+    under programmatic dependent launch their stream starts while that kernel finishes."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     rows = w_ptr + n.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k = tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    w = _gemv_w(rows, n_ok, k, k_ok, EVEN_N, EVEN_K)
+    _grid_dependency(PDL)
+    acc = w.to(tl.float32) * _gemv_x(x_ptr, k, k_ok, K, SILU_MUL, EVEN_K)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        if EVEN_K:
-            if SILU_MUL:
-                g = tl.load(x_ptr + k).to(tl.float32)
-                u = tl.load(x_ptr + K + k)
-            else:
-                x = tl.load(x_ptr + k)
-            if EVEN_N:
-                w = tl.load(rows + k[None, :], eviction_policy="evict_first")
-            else:
-                w = tl.load(rows + k[None, :], mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-        else:
-            if SILU_MUL:
-                g = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-                u = tl.load(x_ptr + K + k, mask=k_ok, other=0.0)
-            else:
-                x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-            w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
-        if SILU_MUL:
-            s = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32)
-            xf = (s * u.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            xf = x.to(tl.float32)
-        acc += w.to(tl.float32) * xf[None, :]
+        w = _gemv_w(rows, n_ok, k, k_ok, EVEN_N, EVEN_K)
+        acc += w.to(tl.float32) * _gemv_x(x_ptr, k, k_ok, K, SILU_MUL, EVEN_K)[None, :]
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)

@@ -191,7 +191,7 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HKV=Hkv, HKV_PAD=_p2(Hkv), HEAD_D=D, D_PAD=_p2(D), BLOCK_SIZE=k_cache.shape[1],
-        num_warps=4 if Hkv * D >= 1024 else 1,
+        num_warps=4 if Hkv * D >= 1024 else 1, **_pdl(key, T),
     )
     return None
 
@@ -284,6 +284,26 @@ def _has_tma(device: torch.device) -> bool:
     if os.environ.get("KVMESH_ATTENTION_TMA", "1") == "0" or device.type != "cuda":
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+_PDL_ON = dict(PDL=True, launch_pdl=True)
+
+
+def _pdl(t: torch.Tensor, rows: int) -> dict:
+    """Launch options for programmatic dependent launch (see `_grid_dependency` in the kernels)
+    for a call on ``rows`` tokens: on Hopper and newer for single-token calls, unless
+    ``KVMESH_PDL=0`` (read per call, so a benchmark can capture graphs both ways in one
+    process); nothing on the CPU, where the interpreter runs the kernels.
+
+    Single-token only, from the 8B engine on the H200 (BENCHMARKS.md, session 10): a batch-1
+    decode step is ~300 short kernels, all of them ours (GEMV instead of cuBLAS), and overlapping
+    each launch with the previous kernel's tail made it 4% faster (4.26-4.28 -> 4.10 ms); at
+    batch 32 and 128, where cuBLAS runs the projections and our kernels sit between them, it
+    was 1% slower and neutral."""
+    if rows != 1 or not t.is_cuda or os.environ.get("KVMESH_PDL", "1") == "0":
+        return {}
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _PDL_ON if _capability(index) >= (9, 0) else {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -442,7 +462,7 @@ def paged_attention(
             query.stride(0), query.stride(1), part.stride(-3), part.stride(-2), stride_os, stride_ms, stride_mt,
             block_tables.stride(0),
             QPK=Hq // Hkv, BLOCK_M=16, HEAD_D=D, BLOCK_SIZE=bs, NUM_KV_HEADS=Hkv, NUM_SEG=nseg,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl(query, T),
         )
     else:
         qpk = Hq // Hkv
@@ -470,7 +490,7 @@ def paged_attention(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0),
             stride_ms, stride_mt,
-            **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl(query, T),
         )
     if split:
         _reduce_segments(kern, part, m, l, out, query_start_loc, B)
@@ -488,7 +508,7 @@ def _reduce_segments(kern, part, m, l, out, query_start_loc, num_seqs) -> None:
         m.stride(0), m.stride(1),
         out.stride(0), out.stride(1),
         HQ=Hq, HEAD_D=D, D_PAD=dpad, NUM_SEG=nseg, H_BLOCK=h_block,
-        num_warps=4,
+        num_warps=4, **_pdl(out, out.shape[0]),
     )
 
 
@@ -641,7 +661,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         x2, r2, weight, y2, ro2,
         x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0), float(eps), H,
         HAS_RES=residual is not None, W_SAME=weight.dtype == x.dtype, BLOCK=block,
-        num_warps=min(16, max(1, block // 512)),
+        num_warps=min(16, max(1, block // 512)), **_pdl(x, rows),
     )
     return (y, ro) if residual is not None else y
 
@@ -666,7 +686,7 @@ def rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_si
         kern.rope_kernel[(T, triton_cdiv(H, hb))](
             positions, x, y, cos_sin_cache,
             x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos_sin_cache.stride(0), H,
-            HALF=half, HALF_PAD=_p2(half), H_BLOCK=hb, num_warps=4,
+            HALF=half, HALF_PAD=_p2(half), H_BLOCK=hb, num_warps=4, **_pdl(x, T),
         )
     return qo, ko
 
@@ -690,7 +710,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return y
     block = min(1024, _p2(d))
     _k(x).silu_and_mul_kernel[(x2.shape[0], triton_cdiv(d, block))](
-        x2, y2, x2.stride(0), y2.stride(0), d, BLOCK=block, num_warps=4,
+        x2, y2, x2.stride(0), y2.stride(0), d, BLOCK=block, num_warps=4, **_pdl(x, x2.shape[0]),
     )
     return y
 
@@ -720,7 +740,7 @@ def rope_write_kv(positions, query, key, value, k_cache, v_cache, slot_mapping, 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HQ=Hq, HQ_PAD=_p2(Hq), HKV=Hkv, HKV_PAD=_p2(Hkv), HALF=half, HALF_PAD=_p2(half),
-        BLOCK_SIZE=k_cache.shape[1], num_warps=4 if Hq * D >= 2048 else 1,
+        BLOCK_SIZE=k_cache.shape[1], num_warps=4 if Hq * D >= 2048 else 1, **_pdl(query, T),
     )
     return qo
 
@@ -761,7 +781,7 @@ def _gemv(x, weight, bias, silu_mul: bool, config=None) -> torch.Tensor:
     _k(x).gemv_kernel[(triton_cdiv(N, bn),)](
         x, weight, bias if bias is not None else y, y, N, K, weight.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_N=N % bn == 0, EVEN_K=K % bk == 0,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **_pdl(x, 1),
     )
     return y
 
