@@ -462,25 +462,28 @@ class ModelRunner:
         return list(seen.values())
 
     def _warm_up_attention(self) -> None:
-        """Compile every attention launch configuration now, on one-token dummy launches.
+        """Compile every attention launch configuration now, on dummy decode launches.
 
         Triton compiles a kernel variant on its first launch (seconds each). Graph capture
         compiles the decode variants; the eager ones (prefill chunks, mixed batches, split-KV for
         few sequences) would otherwise compile during a fresh pod's first requests. Integer
         arguments that vary per batch are not specialised on and eager inputs are 16-byte
-        aligned, so the configuration alone decides which variant runs."""
+        aligned, so the configuration alone decides which variant runs. Each configuration is
+        launched for one token and for two: one-token calls run with programmatic dependent
+        launch on Hopper (`kernels.ops._pdl`), a variant of its own."""
         t0 = time.perf_counter()
         m = self.model.cfg
         dev, D = self.device, m.head_dim
         k_cache, v_cache = self.model.layer_caches(self.kv_cache)[0]
-        q = torch.zeros((1, m.num_heads, D), dtype=self.dtype, device=dev)
-        bt = torch.zeros((1, 16), dtype=torch.int32, device=dev)
-        qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
-        seq_lens = torch.ones(1, dtype=torch.int32, device=dev)
         configs = self.attention_launch_configs()
-        for cfg in configs:
-            kernels.paged_attention(q, k_cache, v_cache, bt, qsl, seq_lens, 1.0, max_query_len=1, max_seq_len=1,
-                                    **cfg)
+        for n in (1, 2):  # n one-token sequences
+            q = torch.zeros((n, m.num_heads, D), dtype=self.dtype, device=dev)
+            bt = torch.zeros((n, 16), dtype=torch.int32, device=dev)
+            qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
+            seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+            for cfg in configs:
+                kernels.paged_attention(q, k_cache, v_cache, bt, qsl, seq_lens, 1.0, max_query_len=1,
+                                        max_seq_len=1, **cfg)
         torch.cuda.synchronize(dev)
         self.warm_up_s = time.perf_counter() - t0
         self.warm_up_configs = len(configs)

@@ -33,6 +33,44 @@ def bench():
     return mod
 
 
+def test_no_triton_compiles_while_serving(bench):
+    """After engine start (graph capture + attention warm-up), a workload of every batch shape the
+    scheduler makes (chunked prefill over cached context, mixed prefill/decode batches, lone short
+    prompts that split KV, decode at many batch sizes, eager and in graphs) compiles nothing new:
+    a fresh pod's first requests never wait for the Triton JIT. First in this file on purpose:
+    Triton keeps compiled variants per process, so a test that ran before it could have compiled
+    for it whatever the engine's start misses."""
+    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.models.random_init import random_model
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    loaded = random_model(bench.small_config(), name="small-random", dtype=torch.bfloat16, device="cuda", seed=3)
+    eng = bench.build_engine(loaded, num_kv_blocks=1024, max_num_batched_tokens=256, max_num_seqs=32,
+                             max_model_len=1024)
+    assert eng.runner.warm_up_configs > 0
+    before = _compiled_variants()
+    assert before.get("paged_attention_kernel", 0) > 0
+    g = torch.Generator().manual_seed(11)
+    lengths = [700, 9, 1, 33, 257, 16, 17, 150, 5, 999, 64, 65, 300, 2, 128, 40, 511, 3, 90, 200]
+    step = 0
+    for i, n in enumerate(lengths):  # arrivals between steps: mixed batches of every kind
+        prompt = torch.randint(3, 32000, (n,), generator=g).tolist()
+        eng.add_request(EngineCoreRequest(request_id=f"w{i}", prompt_token_ids=prompt,
+                                          params=SamplingParams(max_tokens=int(3 + (i * 7) % 20), ignore_eos=True,
+                                                                temperature=0.0 if i % 3 else 0.8)))
+        for _ in range(i % 4):
+            eng.step()
+            step += 1
+    while eng.has_unfinished():
+        eng.step()
+        step += 1
+    after = _compiled_variants()
+    new = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert not new, f"kernels compiled while serving: {new} (after {step} steps)"
+    assert eng.runner.num_eager_steps > 0 and eng.runner.num_graph_steps > 0
+
+
+
 def test_greedy_matches_hf_graphs_and_eager(bench):
     bench.check_correctness(quick=True)
     res = bench.R["correctness"]
@@ -81,41 +119,6 @@ def _compiled_variants() -> dict[str, int]:
 
     return {name: sum(len(c[0]) for c in f.device_caches.values())
             for name, f in vars(tk).items() if isinstance(f, JITFunction)}
-
-
-def test_no_triton_compiles_while_serving(bench):
-    """After engine start (graph capture + attention warm-up), a workload of every batch shape the
-    scheduler makes (chunked prefill over cached context, mixed prefill/decode batches, lone short
-    prompts that split KV, decode at many batch sizes, eager and in graphs) compiles nothing new:
-    a fresh pod's first requests never wait for the Triton JIT."""
-    from kvmesh.engine.messages import EngineCoreRequest
-    from kvmesh.engine.models.random_init import random_model
-    from kvmesh.engine.sampling_params import SamplingParams
-
-    loaded = random_model(bench.small_config(), name="small-random", dtype=torch.bfloat16, device="cuda", seed=3)
-    eng = bench.build_engine(loaded, num_kv_blocks=1024, max_num_batched_tokens=256, max_num_seqs=32,
-                             max_model_len=1024)
-    assert eng.runner.warm_up_configs > 0
-    before = _compiled_variants()
-    assert before.get("paged_attention_kernel", 0) > 0
-    g = torch.Generator().manual_seed(11)
-    lengths = [700, 9, 1, 33, 257, 16, 17, 150, 5, 999, 64, 65, 300, 2, 128, 40, 511, 3, 90, 200]
-    step = 0
-    for i, n in enumerate(lengths):  # arrivals between steps: mixed batches of every kind
-        prompt = torch.randint(3, 32000, (n,), generator=g).tolist()
-        eng.add_request(EngineCoreRequest(request_id=f"w{i}", prompt_token_ids=prompt,
-                                          params=SamplingParams(max_tokens=int(3 + (i * 7) % 20), ignore_eos=True,
-                                                                temperature=0.0 if i % 3 else 0.8)))
-        for _ in range(i % 4):
-            eng.step()
-            step += 1
-    while eng.has_unfinished():
-        eng.step()
-        step += 1
-    after = _compiled_variants()
-    new = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
-    assert not new, f"kernels compiled while serving: {new} (after {step} steps)"
-    assert eng.runner.num_eager_steps > 0 and eng.runner.num_graph_steps > 0
 
 
 def test_sampled_requests_run_multi_step_on_the_gpu(bench):
