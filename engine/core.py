@@ -235,7 +235,9 @@ class EngineCore:
                 owners.append((r, c))
         if not owners:
             return outputs
-        samples = self.sampler.sample(logits[row_src], row_params, row_gens)
+        hist = ([(r.prompt_token_ids, r.output_token_ids) for r, _ in owners]
+                if any(p.penalized for p in row_params) else None)
+        samples = self.sampler.sample(logits[row_src], row_params, row_gens, hist)
         forks: dict[str, list[SampleResult]] = {}
         for (r, c), res in zip(owners, samples):
             if c > 0:

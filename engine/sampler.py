@@ -1,7 +1,8 @@
 """Token sampling from the last-position logits of each sampling sequence.
 
 Greedy rows take the argmax of the raw logits, so they match HF `generate()`
-exactly. Random rows apply temperature, then top-k, top-p and min-p, then draw
+exactly. Penalties (presence, frequency, repetition; `apply_penalties`) change a row's
+logits first, greedy rows included. Random rows apply temperature, then top-k, top-p and min-p, then draw
 with the request's own generator when it has a seed (reproducible per request,
 independent of batch composition). Logprobs are of the raw distribution.
 
@@ -175,6 +176,31 @@ def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.where(top_p < 1.0, prefix.view(torch.float32), 0.0)
 
 
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+                    histories: Sequence[tuple[Sequence[int], Sequence[int]] | None]) -> torch.Tensor:
+    """The rows whose params are `penalized`, on a copy (``histories[i]``: that row's prompt and
+    output token ids so far). Repetition penalty first (every token of the prompt or the output:
+    a positive logit is divided by it, a negative one multiplied), then ``frequency_penalty x
+    count + presence_penalty x (count > 0)`` subtracted for each generated token. Other rows are
+    returned as they were."""
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    x = logits.clone()
+    V = x.shape[-1]
+    for i in rows:
+        p, (prompt, out) = params[i], histories[i]
+        if p.repetition_penalty != 1:
+            seen = to_device(sorted({t for t in (*prompt, *out) if 0 <= t < V}), x.device, torch.int64)
+            v = x[i, seen]
+            x[i, seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if out and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(to_device([t for t in out if 0 <= t < V], x.device, torch.int64),
+                                    minlength=V).to(x.dtype)
+            x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+    return x
+
+
 def _results(logits: torch.Tensor, ids: list[int], params: Sequence[SamplingParams]) -> list[SampleResult]:
     """Wrap the chosen ids; rows that asked for logprobs get them from the raw distribution."""
     if not any(p.logprobs is not None for p in params):
@@ -219,25 +245,34 @@ class Sampler:
         self.default_generator.manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               generators: Sequence[torch.Generator | None]) -> list[SampleResult]:
-        """``logits[i]`` is sampled with ``params[i]``; rows may repeat for n > 1 forks."""
-        logits = logits.float()
+               generators: Sequence[torch.Generator | None],
+               histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None) -> list[SampleResult]:
+        """``logits[i]`` is sampled with ``params[i]``; rows may repeat for n > 1 forks. Rows with
+        penalties need ``histories[i]`` = (prompt ids, output ids so far); see `apply_penalties`."""
+        raw = logits.float()
+        if any(p.penalized for p in params):
+            if histories is None:
+                raise ValueError("penalized sampling rows need the request's token histories")
+            logits = apply_penalties(raw, params, histories)
+        else:
+            logits = raw
         if logits.is_cuda:
-            return self._sample_device(logits, params, generators)
-        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        greedy_tok = dict(zip(greedy_rows, logits[greedy_rows].argmax(-1).tolist())) if greedy_rows else {}
-        ids = []
-        for i, p in enumerate(params):
-            if i in greedy_tok:
-                ids.append(greedy_tok[i])
-            else:
-                probs = _filter_logits(logits[i], p).softmax(-1).cpu()
-                gen = generators[i] or self.default_generator
-                ids.append(int(torch.multinomial(probs, 1, generator=gen).item()))
-        return _results(logits, ids, params)
+            ids = self._ids_device(logits, params, generators)
+        else:
+            greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+            greedy_tok = dict(zip(greedy_rows, logits[greedy_rows].argmax(-1).tolist())) if greedy_rows else {}
+            ids = []
+            for i, p in enumerate(params):
+                if i in greedy_tok:
+                    ids.append(greedy_tok[i])
+                else:
+                    probs = _filter_logits(logits[i], p).softmax(-1).cpu()
+                    gen = generators[i] or self.default_generator
+                    ids.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+        return _results(raw, ids, params)
 
-    def _sample_device(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                       generators: Sequence[torch.Generator | None]) -> list[SampleResult]:
+    def _ids_device(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                    generators: Sequence[torch.Generator | None]) -> list[int]:
         """GPU path: tokens decided on the device, one device-to-host copy of the ids."""
         rand = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
         seeded = [i for i, p in enumerate(params) if not p.greedy and generators[i] is not None]
@@ -245,4 +280,4 @@ class Sampler:
         for i in seeded:  # reproducible per request: the request's CPU generator, as on the CPU path
             probs = _filter_logits(logits[i], params[i]).softmax(-1).cpu()
             ids[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
-        return _results(logits, ids, params)
+        return ids

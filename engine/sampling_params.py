@@ -21,6 +21,13 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token (0: only the sampled one)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # OpenAI-style: subtract presence_penalty once and frequency_penalty per occurrence from the logit
+    # of every token already generated; repetition_penalty (CTRL / HF / vLLM rule) divides positive
+    # and multiplies negative logits of every token in the prompt or the output. Before temperature
+    # and the filters, greedy rows included; logprobs stay those of the raw distribution.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         # Accept lists/str for convenience but store tuples (frozen, hashable).
@@ -50,6 +57,18 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not (-2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not isinstance(rp, (int, float)) or not math.isfinite(rp) or rp <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {rp!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty changes the logits (they then depend on the request's tokens so far)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:

@@ -225,12 +225,6 @@ class Serving:
 
     def sampling_params(self, req: _Sampling, max_tokens: int | None, logprobs: int | None,
                         prompt_lens: list[int]) -> SamplingParams:
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(req, name)
-            if v not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported (only 0)", name)
-        if req.repetition_penalty not in (None, 1, 1.0):
-            raise bad_request("repetition_penalty is not supported (only 1)", "repetition_penalty")
         longest = max(prompt_lens)
         if max_tokens is None:
             max_tokens = self.max_model_len - longest
@@ -247,9 +241,13 @@ class Serving:
                 min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
                 stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                 logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-                skip_special_tokens=req.skip_special_tokens)
+                skip_special_tokens=req.skip_special_tokens,
+                presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+                frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
         except (ValueError, TypeError) as e:
-            raise bad_request(str(e)) from e
+            field = str(e).split(" ", 1)[0]  # SamplingParams names the offending field first
+            raise bad_request(str(e), field if field in SamplingParams.__dataclass_fields__ else None) from e
 
     # ---- tokenization -------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -133,3 +133,29 @@ def test_chat_helper_uses_template(make_llm, expected, prompt_ids):
     llm = make_llm()
     out = llm.chat(CHAT[0], GREEDY)[0]
     assert out.outputs[0].token_ids == expected[len(SHORT) + len(LONG)]
+
+
+def test_repetition_penalty_matches_hf(make_llm, hf_model, prompt_ids, smol):
+    """HF's ``repetition_penalty`` is the same rule (every prompt or generated token's logit divided
+    when positive, multiplied when negative), so greedy tokens must match HF's token for token,
+    batched, and with multi-step rounds asked for (penalized requests keep the one-step path: the
+    penalty needs each step's tokens on the host)."""
+    ids = [prompt_ids[i] for i in (0, 3, 8, 12)]
+    eos = set(smol.config.eos_token_ids)
+    want = []
+    with torch.inference_mode():
+        for x in ids:
+            t = torch.tensor([x])
+            g = hf_model.generate(t, max_new_tokens=MAX_NEW, do_sample=False, repetition_penalty=1.3,
+                                  attention_mask=torch.ones_like(t), pad_token_id=2)[0, len(x):].tolist()
+            want.append(g[:next((i + 1 for i, tok in enumerate(g) if tok in eos), len(g))])
+    base = make_llm(num_scheduler_steps=4)
+    plain = [o.outputs[0].token_ids for o in base.generate(ids, GREEDY)]
+    assert plain != want, "the penalty changes nothing on these prompts: the test would prove nothing"
+    assert base.engine.num_multi_step_rounds > 0  # without a penalty these requests do run in rounds
+    pen = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, repetition_penalty=1.3)
+    llm = make_llm(num_scheduler_steps=4)
+    _assert_same(llm.generate(ids, pen), want)
+    assert llm.engine.num_multi_step_rounds == 0
+    s = llm.stats()
+    assert s["num_free_blocks"] == s["num_total_blocks"]

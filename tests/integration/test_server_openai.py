@@ -131,6 +131,22 @@ def test_completion_greedy_matches_offline(client, offline):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+
+def test_penalties_reach_the_engine(client, offline):
+    """presence / frequency / repetition penalties through the official client and the API and
+    engine processes: the same greedy text as the offline engine given the same parameters, and
+    not the unpenalized text (the penalties did something)."""
+    from kvmesh import SamplingParams
+
+    kw = dict(presence_penalty=0.5, frequency_penalty=1.0)
+    ref = offline.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.2,
+                                                    **kw))[0].outputs[0]
+    plain = offline.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
+    assert ref.token_ids != plain.token_ids
+    r = client.completions.create(model="smol", prompt=PROMPT, max_tokens=12, temperature=0,
+                                  extra_body={"repetition_penalty": 1.2}, **kw)
+    assert r.choices[0].text == ref.text
+
 def test_chat_greedy_matches_offline(client, offline):
     from kvmesh import SamplingParams
 

@@ -152,7 +152,14 @@ def test_errors(app_client):
     err(c.post("/v1/completions", content=b"{", headers={"content-type": "application/json"}), 400)
     err(c.post("/v1/completions", json={"prompt": "a" * 5000}), 413)
     err(c.post("/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer x"}), 401)
-    err(c.post("/v1/completions", json={"prompt": "a", "presence_penalty": 1.0}), 400)
+    assert c.post("/v1/completions", json={"prompt": "a", "presence_penalty": 1.0,
+                                           "frequency_penalty": -0.5, "repetition_penalty": 1.2}).status_code == 200
+    sent = fake.added[-1].params  # the penalties reach the engine as given
+    assert (sent.presence_penalty, sent.frequency_penalty, sent.repetition_penalty) == (1.0, -0.5, 1.2)
+    assert err(c.post("/v1/completions", json={"prompt": "a", "presence_penalty": 2.5}), 400)["param"] == \
+        "presence_penalty"
+    assert err(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}],
+                                                    "repetition_penalty": 0}), 400)["param"] == "repetition_penalty"
     fake.fail = EngineRejectedError("queue_full", "waiting queue is full")
     r = c.post("/v1/completions", json={"prompt": "a"})
     assert err(r, 503) and r.headers["retry-after"] == "1"

@@ -135,3 +135,45 @@ def test_draws_follow_filtered_distribution(by_sort):
     freq = torch.bincount(tok[::2], minlength=len(logits)).float() / n
     assert (freq - expected).abs().max() < 0.02
     assert (freq[expected == 0] == 0).all()
+
+
+def _penalized_reference(row: torch.Tensor, p: SamplingParams, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """Token by token, as the rules read: repetition over prompt + output, then frequency and presence."""
+    x = row.clone()
+    for t in set(prompt) | set(out):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(out):
+        x[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
+    return x
+
+
+def test_penalties_match_the_rules():
+    from kvmesh.engine.sampler import apply_penalties
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=gen) * 3
+    params = [SamplingParams(temperature=0, repetition_penalty=1.5),
+              SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4),
+              SamplingParams(temperature=0.5),  # no penalty: row untouched
+              SamplingParams(repetition_penalty=0.8, frequency_penalty=1.0, presence_penalty=2.0)]
+    hist = [([1, 2, 2, 40], [7, 7, 3]), ([5], [9, 9, 9, 11]), ([1], [2]), ([0, 49], [49, 49, 3])]
+    got = apply_penalties(logits, params, hist)
+    assert torch.equal(logits[2], got[2]) and not torch.equal(logits, got)  # input not modified in place
+    for i in (0, 1, 3):
+        torch.testing.assert_close(got[i], _penalized_reference(logits[i], params[i], *hist[i]))
+
+
+def test_penalties_change_the_greedy_token_and_keep_raw_logprobs():
+    from kvmesh.engine.sampler import Sampler
+
+    row = torch.full((1, 10), -5.0)
+    row[0, 4], row[0, 6] = 3.0, 2.5  # 4 is the argmax
+    s = Sampler(0)
+    plain = SamplingParams(temperature=0, logprobs=0)
+    assert s.sample(row, [plain], [None])[0].token_id == 4
+    pen = plain.with_(frequency_penalty=0.3)  # 4 generated twice: 3.0 - 0.6 = 2.4 < 2.5
+    res = s.sample(row, [pen], [None], [([1, 2], [4, 4])])[0]
+    assert res.token_id == 6
+    assert res.logprob == pytest.approx(torch.log_softmax(row[0], -1)[6].item())  # raw distribution
+    with pytest.raises(ValueError, match="histories"):
+        s.sample(row, [pen], [None])

@@ -22,6 +22,11 @@ pytestmark = pytest.mark.unit
     ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
 ])
 def test_rejects(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -39,6 +44,7 @@ def test_roundtrips_through_msgpack():
 
     from kvmesh.engine.messages import EngineCoreRequest
 
-    req = EngineCoreRequest("r1", [1, 2, 3], SamplingParams(n=2, stop=("x",), temperature=0.5, seed=7))
+    req = EngineCoreRequest("r1", [1, 2, 3], SamplingParams(n=2, stop=("x",), temperature=0.5, seed=7,
+                                                            frequency_penalty=0.5, repetition_penalty=1.1))
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=EngineCoreRequest)
     assert back == req and back.params.stop == ("x",)
