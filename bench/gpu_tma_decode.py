@@ -55,6 +55,17 @@ def _one_page(q, k, v, m_i, l_i, acc, scale_log2):
 
 
 @triton.jit
+def _masked_page(q, k, v, n_ok, m_i, l_i, acc, scale_log2):
+    """`_one_page` for a page whose keys outside ``n_ok`` do not count (their V rows may hold anything)."""
+    s = tl.where(n_ok[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    return (m_new, l_i * alpha + tl.sum(p, 1),
+            acc * alpha[:, None] + tl.dot(p.to(v.dtype), tl.where(n_ok[:, None], v, 0.0)))
+
+
+@triton.jit
 def tma_decode_kernel(q_ptr, k_desc, v_desc, o_ptr, bt_ptr, seqlen_ptr, scale_log2,
                       stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                       QPK: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
@@ -127,15 +138,25 @@ def descriptor(cache: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(view, [1, bs, d])
 
 
-def tma_decode(q, k, v, bt, sl, scale, out, num_warps=4, num_stages=3, descs=None, pairs=False):
-    B, hq, d = q.shape
+def _launch_pages(kernel, grid, q, k, v, bt, sl, scale, out, descs, extra=(), **kw):
+    """Launch one of this probe's one-page-per-load kernels: queries, the two page descriptors,
+    output, block table, lengths, scale in log2 units, ``extra`` scalars, strides, then shapes."""
+    _, hq, d = q.shape
     _, bs, hkv, _ = k.shape
     kd, vd = descs or (descriptor(k), descriptor(v))
-    tma_decode_kernel[(B * hkv,)](q, kd, vd, out, bt, sl, scale * 1.4426950408889634,
-                                  q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0),
-                                  QPK=hq // hkv, BLOCK_M=16, D=d, BS=bs, NUM_KV_HEADS=hkv, PAIRS=pairs,
-                                  num_warps=num_warps, num_stages=num_stages)
+    kernel[grid](q, kd, vd, out, bt, sl, scale * 1.4426950408889634, *extra,
+                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0),
+                 QPK=hq // hkv, BLOCK_M=16, D=d, BS=bs, NUM_KV_HEADS=hkv, **kw)
     return out
+
+
+def _sm_count(t: torch.Tensor) -> int:
+    return torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 4
+
+
+def tma_decode(q, k, v, bt, sl, scale, out, num_warps=4, num_stages=3, descs=None, pairs=False):
+    return _launch_pages(tma_decode_kernel, (q.shape[0] * k.shape[2],), q, k, v, bt, sl, scale, out, descs,
+                         PAIRS=pairs, num_warps=num_warps, num_stages=num_stages)
 
 
 @triton.jit
@@ -175,14 +196,7 @@ def tma_persistent_kernel(q_ptr, k_desc, v_desc, o_ptr, bt_ptr, seqlen_ptr, scal
         blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + pg).to(tl.int32)
         k = k_desc.load([blk, 0, kvh * D]).reshape(BS, D)
         v = v_desc.load([blk, 0, kvh * D]).reshape(BS, D)
-        n_ok = pg * BS + offs_n < seq_len
-        s = tl.where(n_ok[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), tl.where(n_ok[:, None], v, 0.0))
-        m_i = m_new
+        m_i, l_i, acc = _masked_page(q, k, v, pg * BS + offs_n < seq_len, m_i, l_i, acc, scale_log2)
         last = pg == n_pg - 1
         o_rows = o_ptr + b.to(tl.int64) * stride_ot + (kvh * QPK + offs_m % QPK)[:, None] * stride_oh + offs_d[None, :]
         if STORE_IF:
@@ -218,17 +232,10 @@ def persistent_programs(n_items: int, per_sm: int, sms: int) -> int:
 
 def tma_persistent(q, k, v, bt, sl, scale, out, per_sm=4, num_warps=2, num_stages=6, descs=None,
                    store_if=False, programs=None):
-    B, hq, d = q.shape
-    _, bs, hkv, _ = k.shape
-    kd, vd = descs or (descriptor(k), descriptor(v))
-    n = B * hkv
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-    grid = programs or persistent_programs(n, per_sm, sms)
-    tma_persistent_kernel[(grid,)](q, kd, vd, out, bt, sl, scale * 1.4426950408889634, n,
-                                   q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0),
-                                   QPK=hq // hkv, BLOCK_M=16, D=d, BS=bs, NUM_KV_HEADS=hkv, STORE_IF=store_if,
-                                   num_warps=num_warps, num_stages=num_stages)
-    return out
+    n = q.shape[0] * k.shape[2]
+    grid = programs or persistent_programs(n, per_sm, _sm_count(q))
+    return _launch_pages(tma_persistent_kernel, (grid,), q, k, v, bt, sl, scale, out, descs, (n,),
+                         STORE_IF=store_if, num_warps=num_warps, num_stages=num_stages)
 
 
 @triton.jit
@@ -300,19 +307,11 @@ def tma_flat(q, k, v, bt, sl, scale, out, items=2, num_warps=2, num_stages=6, de
              per_sm=4, vmask=True):
     """Programs: enough that each owns at most ``items`` items, and at least ~``per_sm`` per SM's
     worth of items when there are fewer (then one item each, as the grid-per-item kernel)."""
-    B, hq, d = q.shape
-    _, bs, hkv, _ = k.shape
-    kd, vd = descs or (descriptor(k), descriptor(v))
-    n = B * hkv
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-    per = max(1, min(items, -(-n // (per_sm * sms))))
-    grid = -(-n // per)
-    tma_flat_kernel[(grid,)](q, kd, vd, out, bt, sl, scale * 1.4426950408889634, n,
-                             q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0),
-                             QPK=hq // hkv, BLOCK_M=16, D=d, BS=bs, NUM_KV_HEADS=hkv,
-                             ITEMS=triton.next_power_of_2(per), STORE_IF=store_if, VMASK=vmask,
-                             num_warps=num_warps, num_stages=num_stages)
-    return out
+    n = q.shape[0] * k.shape[2]
+    per = max(1, min(items, -(-n // (per_sm * _sm_count(q)))))
+    return _launch_pages(tma_flat_kernel, (-(-n // per),), q, k, v, bt, sl, scale, out, descs, (n,),
+                         ITEMS=triton.next_power_of_2(per), STORE_IF=store_if, VMASK=vmask,
+                         num_warps=num_warps, num_stages=num_stages)
 
 
 @triton.jit
@@ -352,14 +351,8 @@ def tma_heads_kernel(q_ptr, k_desc, v_desc, o_ptr, bt_ptr, seqlen_ptr, scale_log
         blk = tl.load(bt_row + full_pages).to(tl.int32)
         k = k_desc.load([blk, 0, c0, 0]).reshape(BS, HPP * D)
         v = v_desc.load([blk, 0, c0, 0]).reshape(BS, HPP * D)
-        n_ok = full_pages * BS + tl.arange(0, BS) < seq_len
-        s = tl.where(n_ok[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), tl.where(n_ok[:, None], v, 0.0))
-        m_i = m_new
+        m_i, l_i, acc = _masked_page(q, k, v, full_pages * BS + tl.arange(0, BS) < seq_len, m_i, l_i, acc,
+                                     scale_log2)
     out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
     tl.store(o_ptr + b.to(tl.int64) * stride_ot + head[:, None] * stride_oh + (offs_c[None, :] % D),
              out.to(o_ptr.dtype.element_ty), mask=mine)
