@@ -342,10 +342,10 @@ def engine_decode(eng: EngineCore, B: int, P: int, N: int, bw: float, seed: int,
     return r
 
 
-def set_gemv(eng: EngineCore, flag: str, var: str = "KVMESH_GEMV") -> None:
-    """Switch the one-row GEMV kernel (kvmesh.kernels.linear; or, with ``var`` =
-    KVMESH_ATTENTION_TMA, the TMA decode attention) on or off and recapture the decode graphs,
-    which hold whichever kernels were chosen at capture."""
+def set_switch(eng: EngineCore, flag: str, var: str = "KVMESH_GEMV") -> None:
+    """Set a kernel switch read per call (``KVMESH_GEMV``: the one-row GEMV kernel;
+    ``KVMESH_ATTENTION_TMA``: the TMA decode attention; ``KVMESH_PDL``: programmatic dependent
+    launch) to ``flag`` and recapture the decode graphs, which hold what was chosen at capture."""
     os.environ[var] = flag
     runner = eng.runner
     runner.graphs = {}
@@ -398,7 +398,7 @@ def bench_8b(args, bw: float) -> EngineCore:
         plan += [("1", k, b, True, True) for k in (1, K) for b in (1, 32, 128)]
     for gemv, K, B, sampled, lazy in plan:
         if os.environ.get("KVMESH_GEMV", "1") != gemv:
-            set_gemv(eng, gemv)
+            set_switch(eng, gemv)
         eng.multi_steps = K  # --num-scheduler-steps, switched on the built engine
         eng.async_scheduling = lazy
         rounds0, chained0 = eng.num_multi_step_rounds, eng.num_chained_rounds
@@ -420,7 +420,7 @@ def bench_8b(args, bw: float) -> EngineCore:
         for B in [int(x) for x in batches.split(",") if x]:
             eng.multi_steps, eng.async_scheduling = 1, True
             for flag in ("0", "1", "0", "1"):
-                set_gemv(eng, flag, var)
+                set_switch(eng, flag, var)
                 r = engine_decode(eng, B, P, N, bw, seed=B)
                 r.update(steps_per_round=1, gemv=True, sampled=False, async_scheduling=True, ab=ab, on=flag == "1")
                 dec.append(r)  # the last pass leaves the feature on (the default) for what follows

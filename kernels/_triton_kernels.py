@@ -559,6 +559,15 @@ def rope_kernel(
 
 
 @_jit
+def _silu_mul(g, u, like_ptr):
+    """``silu(g) * u`` in ``like_ptr``'s element type, rounded as torch rounds it: silu rounded to
+    that type first, the product in fp32 (`silu_and_mul` and the GEMV's fused input share it)."""
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(like_ptr.dtype.element_ty).to(tl.float32)
+    return (s * u.to(tl.float32)).to(like_ptr.dtype.element_ty)
+
+
+@_jit
 def silu_and_mul_kernel(
     x_ptr, y_ptr, stride_x, stride_y, d,
     BLOCK: tl.constexpr,
@@ -570,10 +579,9 @@ def silu_and_mul_kernel(
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
-    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     u = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0)
-    s = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + offs, (s * u.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * stride_y + offs, _silu_mul(g, u, y_ptr), mask=mask)
 
 
 # --------------------------------------------------------------------------- fused decode helpers
@@ -648,13 +656,12 @@ def _gemv_x(x_ptr, k, k_ok, K, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
     """The input chunk at ``k`` in fp32; with SILU_MUL ``silu(gate) * up`` rounded like `silu_and_mul`."""
     if SILU_MUL:
         if EVEN_K:
-            g = tl.load(x_ptr + k).to(tl.float32)
+            g = tl.load(x_ptr + k)
             u = tl.load(x_ptr + K + k)
         else:
-            g = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            g = tl.load(x_ptr + k, mask=k_ok, other=0.0)
             u = tl.load(x_ptr + K + k, mask=k_ok, other=0.0)
-        s = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32)
-        xf = (s * u.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        xf = _silu_mul(g, u, x_ptr).to(tl.float32)
     else:
         if EVEN_K:
             xf = tl.load(x_ptr + k).to(tl.float32)

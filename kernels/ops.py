@@ -71,7 +71,17 @@ def _k(t: torch.Tensor):
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(_index(device))
+
+
+def _index(device: torch.device) -> int:
+    """The CUDA device's ordinal (the current one for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _hopper(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or newer: TMA and programmatic dependent launch."""
+    return device.type == "cuda" and _capability(_index(device)) >= (9, 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -281,9 +291,7 @@ def _has_tma(device: torch.device) -> bool:
     """Hopper or newer (TMA), and not switched off with ``KVMESH_ATTENTION_TMA=0`` (read per
     call, so a benchmark can capture both variants in one process); the interpreter takes the
     TMA kernel only when asked (tests)."""
-    if os.environ.get("KVMESH_ATTENTION_TMA", "1") == "0" or device.type != "cuda":
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    return os.environ.get("KVMESH_ATTENTION_TMA", "1") != "0" and _hopper(device)
 
 
 _PDL_ON = dict(PDL=True, launch_pdl=True)
@@ -300,10 +308,8 @@ def _pdl(t: torch.Tensor, rows: int) -> dict:
     each launch with the previous kernel's tail made it 4% faster (4.26-4.28 -> 4.10 ms); at
     batch 32 and 128, where cuBLAS runs the projections and our kernels sit between them, it
     was 1% slower and neutral."""
-    if rows != 1 or not t.is_cuda or os.environ.get("KVMESH_PDL", "1") == "0":
-        return {}
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    return _PDL_ON if _capability(index) >= (9, 0) else {}
+    on = rows == 1 and os.environ.get("KVMESH_PDL", "1") != "0" and _hopper(t.device)
+    return _PDL_ON if on else {}
 
 
 @functools.lru_cache(maxsize=None)
