@@ -1,6 +1,7 @@
 """A Triton GEMM for decode batches against cuBLAS: the experiment behind "cuBLAS stays for M >= 2".
 
     PYTHONUNBUFFERED=1 python3 bench/gpu_skinny_gemm.py [--batches 128,32]
+    PYTHONUNBUFFERED=1 python3 bench/gpu_skinny_gemm.py --rows --batches 2,4,8,16
 
 At batch 1 the engine's one-row GEMV kernel beats cuBLAS by reading each weight once
 (kvmesh.kernels.linear). This tries the same idea for a decode batch of M <= 128 rows:
@@ -10,6 +11,10 @@ down takes ``silu_and_mul`` fused (the activation formed per tile). It lost to c
 (BENCHMARKS.md), so it lives here, not in ``kernels/``. Shapes and timing are
 bench/gpu_kernels.py's (imported): the five Llama-3-8B projections, CUDA-graph timed after an
 L2 flush; each configuration's output checked against F.linear (relative norm error < 1e-2).
+``--rows`` times the other candidate for small batches (M = 2..16): the engine's one-row GEMV
+(kvmesh.kernels gemv_kernel) widened to M rows, an fp32 partial product per row kept in
+registers ([M, BLOCK_N, BLOCK_K]) and summed once at the end, no tensor cores; each batch
+sweeps its own configurations (registers bound BLOCK_N x BLOCK_K by M).
 Prints one line per projection and the per-step sum over 32 layers + lm_head; writes
 ``gpu_skinny_gemm.json`` under ``$OUT`` when set.
 """
@@ -62,6 +67,56 @@ def skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def rows_gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
+                     SILU_MUL: tl.constexpr, EVEN: tl.constexpr,
+                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    m = tl.arange(0, M_PAD)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = m < M, n < N
+    xrow = x_ptr + m[:, None] * stride_x
+    wrow = w_ptr + n.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xm = m_ok[:, None] & (k < K)[None, :]
+        if EVEN:
+            wt = tl.load(wrow + k[None, :], eviction_policy="evict_first")
+        else:
+            wt = tl.load(wrow + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0,
+                         eviction_policy="evict_first")
+        if SILU_MUL:
+            g = tl.load(xrow + k[None, :], mask=xm, other=0.0).to(tl.float32)
+            u = tl.load(xrow + K + k[None, :], mask=xm, other=0.0)
+            s = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            xt = (s * u.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            xt = tl.load(xrow + k[None, :], mask=xm, other=0.0).to(tl.float32)
+        acc += wt.to(tl.float32)[None, :, :] * xt[:, None, :]
+    y = tl.sum(acc, 2)
+    tl.store(y_ptr + m[:, None] * stride_y + n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def rows_variants(M):
+    """(BLOCK_N, BLOCK_K, warps, stages) with at most 64 fp32 partials per thread."""
+    mp = triton.next_power_of_2(M)
+    return [(bn, bk, w, st) for bn in (1, 2, 4) for bk in (512, 1024, 2048) for w in (4, 8)
+            for st in (1, 3) if 512 <= bn * bk and mp * bn * bk <= 64 * 32 * w]
+
+
+def rows_gemv(x, w, cfg, silu_mul=False):
+    M, (N, K) = x.shape[0], w.shape
+    bn, bk, warps, stages = cfg
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    rows_gemv_kernel[(triton.cdiv(N, bn),)](
+        x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), SILU_MUL=silu_mul,
+        EVEN=N % bn == 0 and K % bk == 0, M_PAD=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages)
+    return y
+
+
 def skinny_gemm(x, w, cfg, silu_mul=False):
     M, (N, K) = x.shape[0], w.shape
     bn, bk, warps, stages = cfg
@@ -76,7 +131,10 @@ def skinny_gemm(x, w, cfg, silu_mul=False):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="128,32")
-    batches = [int(b) for b in ap.parse_args().batches.split(",")]
+    ap.add_argument("--rows", action="store_true", help="the M-row GEMV, each batch its own sweep")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    kernel = rows_gemv if args.rows else skinny_gemm
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
     out, best8 = {}, {}
@@ -89,26 +147,32 @@ def main() -> int:
             ref = (lambda: F.linear(GK.K.silu_and_mul(x), w)) if silu else (lambda: F.linear(x, w))  # noqa: E731
             cub, want = GK.graph_ms(ref), ref().float()
             timed = []
-            for cfg in VARIANTS if M == batches[0] else best8[name]:
+            if args.rows:
+                cfgs = rows_variants(M)
+            else:
+                cfgs = VARIANTS if M == batches[0] else best8[name]
+            for cfg in cfgs:
                 try:
-                    got = skinny_gemm(x, w, cfg, silu).float()
+                    got = kernel(x, w, cfg, silu).float()
                 except Exception as e:  # a configuration the compiler rejects (shared memory)
                     print(f"    {name} M={M} {cfg}: {type(e).__name__}", flush=True)
                     continue
                 if float((got - want).norm() / want.norm()) < 1e-2:
-                    timed.append((GK.graph_ms(lambda: skinny_gemm(x, w, cfg, silu)), cfg))
+                    timed.append((GK.graph_ms(lambda: kernel(x, w, cfg, silu)), cfg))
             timed.sort()
             best8.setdefault(name, [c for _, c in timed[:8]])
             ms, cfg = timed[0]
             rows.append(dict(name=name, N=n, K=k, cublas_us=cub * 1e3, best_us=ms * 1e3, best_cfg=cfg,
                              speedup=cub / ms))
-            print(f"M={M} {name} {n}x{k}: cuBLAS {cub * 1e3:.1f} us, skinny best {ms * 1e3:.1f} us {cfg} "
+            print(f"M={M} {name} {n}x{k}: cuBLAS {cub * 1e3:.1f} us, {kernel.__name__} best {ms * 1e3:.1f} us {cfg} "
                   f"x{cub / ms:.2f}", flush=True)
         step = {key: sum(GK.GEMV_PER_STEP[r["name"]] * r[key] for r in rows) / 1e3 for key in ("cublas_us", "best_us")}
-        print(f"M={M} per decode step (ms): cuBLAS {step['cublas_us']:.2f}, skinny {step['best_us']:.2f}", flush=True)
+        print(f"M={M} per decode step (ms): cuBLAS {step['cublas_us']:.2f}, {kernel.__name__} {step['best_us']:.2f}",
+              flush=True)
         out[M] = dict(rows=rows, per_step_ms=step)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_skinny_gemm.json"), "w") as f:
+        name = "gpu_rows_gemv.json" if args.rows else "gpu_skinny_gemm.json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(out, f, indent=1, default=str)
     return 0
 

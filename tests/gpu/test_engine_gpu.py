@@ -220,3 +220,81 @@ def test_async_scheduling_matches_waiting_rounds_on_the_gpu(bench):
     finally:
         os.environ["KVMESH_ENFORCE_EAGER"] = "0"
     assert got3 == want3 and eng.num_chained_rounds > 0 and eng.runner.num_graph_steps == 0
+
+
+def test_penalties_match_hf_on_the_gpu(bench):
+    """Sampling penalties on CUDA logits, batched: greedy rows with ``repetition_penalty``,
+    ``presence_penalty`` / ``frequency_penalty`` or all three give HF ``generate()``'s tokens on
+    the same float32 weights (presence/frequency through a logits processor written from the
+    OpenAI definition: subtracted per generated token), and a plain greedy row beside them is
+    untouched. Multi-step rounds are asked for; penalized rows must keep the one-step path."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from kvmesh.engine.core import EngineCore
+    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.models.random_init import hf_model_from_state_dict, random_model
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    cfg = bench.small_config()
+    loaded = random_model(cfg, name="small-random", dtype=torch.float32, device="cuda", seed=8)
+    hf = hf_model_from_state_dict(cfg, loaded.state_dict, "cuda", torch.float32)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (12, 40, 25, 60, 7, 90, 33, 18)]
+    n_new = 32
+    settings = [dict(repetition_penalty=1.3), dict(presence_penalty=1.5, frequency_penalty=0.5),
+                dict(repetition_penalty=1.2, presence_penalty=-0.5, frequency_penalty=1.0)]
+
+    class OutputCountPenalty(LogitsProcessor):
+        def __init__(self, start, presence, frequency):
+            self.start, self.presence, self.frequency = start, presence, frequency
+
+        def __call__(self, input_ids, scores):
+            counts = torch.zeros_like(scores)
+            out = input_ids[:, self.start:]
+            counts.scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
+            return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+    def hf_greedy(prompt, s):
+        t = torch.tensor([prompt], device="cuda")
+        procs = LogitsProcessorList()
+        if s.get("presence_penalty") or s.get("frequency_penalty"):
+            procs.append(OutputCountPenalty(len(prompt), s.get("presence_penalty", 0.0),
+                                            s.get("frequency_penalty", 0.0)))
+        with torch.inference_mode():
+            o = hf.generate(t, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                            repetition_penalty=s.get("repetition_penalty", 1.0), logits_processor=procs,
+                            attention_mask=torch.ones_like(t), pad_token_id=0, eos_token_id=None)
+        return o[0, len(prompt):].tolist()
+
+    def run(per_row):
+        eng, _ = EngineCore.from_model(loaded=loaded, device="cuda", dtype="float32", num_kv_blocks=512,
+                                       max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512,
+                                       num_scheduler_steps=4)
+        out = {}
+        for i, (p, s) in enumerate(zip(prompts, per_row)):
+            eng.add_request(EngineCoreRequest(request_id=f"p{i}", prompt_token_ids=p, params=SamplingParams(
+                temperature=0.0, max_tokens=n_new, ignore_eos=True, **s)))
+            out[f"p{i}"] = []
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id].extend(o.new_token_ids)
+        eng.check_integrity()
+        assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+        return eng, [out[f"p{i}"] for i in range(len(prompts))]
+
+    _, plain = run([{}] * len(prompts))
+    # a penalty can only change a row whose greedy output repeats a token: give the three settings
+    # to the first three such rows, leave a row without a penalty beside them
+    repeats = [i for i, t in enumerate(plain) if len(set(t)) < len(t)]
+    assert len(repeats) >= 3, f"only rows {repeats} repeat a token: the check would prove little"
+    per_row = [{}] * len(prompts)
+    for i, s in zip(repeats, settings):
+        per_row[i] = s
+    eng, got = run(per_row)
+    for i, s in enumerate(per_row):
+        if not s:
+            assert got[i] == plain[i], i
+            continue
+        assert got[i] != plain[i], f"row {i} {s}: the penalty changed nothing"
+        assert got[i] == hf_greedy(prompts[i], s), (i, s)
+    assert eng.num_multi_step_rounds == 0
