@@ -236,7 +236,7 @@ class EngineCore:
         if not owners:
             return outputs
         hist = ([(r.prompt_token_ids, r.output_token_ids) for r, _ in owners]
-                if any(p.penalized for p in row_params) else None)
+                if any(p.adjusts_logits for p in row_params) else None)
         samples = self.sampler.sample(logits[row_src], row_params, row_gens, hist)
         forks: dict[str, list[SampleResult]] = {}
         for (r, c), res in zip(owners, samples):

@@ -64,7 +64,7 @@ def plan_steps(sched: SchedulerOutput, kv: KVCacheManager, k_max: int, sample_on
         r, p = s.request, s.request.params
         if s.num_tokens != 1 or r.num_computed_tokens + 1 != r.num_tokens or r.num_output_tokens == 0:
             return 0
-        if p.logprobs is not None or p.penalized:  # both need the host's view of every step
+        if p.logprobs is not None or p.adjusts_logits:  # both need the host's view of every step
             return 0
         if not p.greedy and (r.generator is not None or not sample_on_device):
             return 0

@@ -1,8 +1,8 @@
 """Token sampling from the last-position logits of each sampling sequence.
 
 Greedy rows take the argmax of the raw logits, so they match HF `generate()`
-exactly. Penalties (presence, frequency, repetition; `apply_penalties`) change a row's
-logits first, greedy rows included. Random rows apply temperature, then top-k, top-p and min-p, then draw
+exactly. A logit bias and penalties (presence, frequency, repetition; `adjust_logits`)
+change a row's logits first, greedy rows included. Random rows apply temperature, then top-k, top-p and min-p, then draw
 with the request's own generator when it has a seed (reproducible per request,
 independent of batch composition). Logprobs are of the raw distribution.
 
@@ -176,20 +176,31 @@ def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.where(top_p < 1.0, prefix.view(torch.float32), 0.0)
 
 
-def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
-                    histories: Sequence[tuple[Sequence[int], Sequence[int]] | None]) -> torch.Tensor:
-    """The rows whose params are `penalized`, on a copy (``histories[i]``: that row's prompt and
-    output token ids so far). Repetition penalty first (every token of the prompt or the output:
-    a positive logit is divided by it, a negative one multiplied), then ``frequency_penalty x
-    count + presence_penalty x (count > 0)`` subtracted for each generated token. Other rows are
-    returned as they were."""
-    rows = [i for i, p in enumerate(params) if p.penalized]
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None) -> torch.Tensor:
+    """The rows whose params `adjusts_logits`, on a copy (``histories[i]``: that row's prompt and
+    output token ids so far; needed for `penalized` rows only). The logit bias first (OpenAI: added
+    to the model's logits; ids past the vocabulary ignored, the API rejects them), then the
+    repetition penalty (every token of the prompt or the output: a positive logit is divided by it,
+    a negative one multiplied), then ``frequency_penalty x count + presence_penalty x (count > 0)``
+    subtracted for each generated token. Other rows are returned as they were."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
     if not rows:
         return logits
+    if histories is None and any(params[i].penalized for i in rows):
+        raise ValueError("penalized sampling rows need the request's token histories")
     x = logits.clone()
     V = x.shape[-1]
     for i in rows:
-        p, (prompt, out) = params[i], histories[i]
+        p = params[i]
+        if p.logit_bias:
+            bias = [(t, b) for t, b in p.logit_bias if t < V]
+            if bias:
+                ids = to_device([t for t, _ in bias], x.device, torch.int64)
+                x[i, ids] += to_device([b for _, b in bias], x.device, x.dtype)
+        if not p.penalized:
+            continue
+        prompt, out = histories[i]
         if p.repetition_penalty != 1:
             seen = to_device(sorted({t for t in (*prompt, *out) if 0 <= t < V}), x.device, torch.int64)
             v = x[i, seen]
@@ -248,14 +259,9 @@ class Sampler:
                generators: Sequence[torch.Generator | None],
                histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None) -> list[SampleResult]:
         """``logits[i]`` is sampled with ``params[i]``; rows may repeat for n > 1 forks. Rows with
-        penalties need ``histories[i]`` = (prompt ids, output ids so far); see `apply_penalties`."""
+        penalties need ``histories[i]`` = (prompt ids, output ids so far); see `adjust_logits`."""
         raw = logits.float()
-        if any(p.penalized for p in params):
-            if histories is None:
-                raise ValueError("penalized sampling rows need the request's token histories")
-            logits = apply_penalties(raw, params, histories)
-        else:
-            logits = raw
+        logits = adjust_logits(raw, params, histories)
         if logits.is_cuda:
             ids = self._ids_device(logits, params, generators)
         else:

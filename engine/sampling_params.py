@@ -28,6 +28,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to those logits before the
+    # penalties (a dict is accepted and stored sorted). -100 bans a token in practice, +100 forces it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists/str for convenience but store tuples (frozen, hashable).
@@ -37,6 +40,12 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        try:
+            bias = tuple(sorted((t, b) for t, b in bias))
+        except (TypeError, ValueError):
+            raise ValueError("logit_bias must map token ids to numbers") from None
+        object.__setattr__(self, "logit_bias", bias)
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
@@ -61,6 +70,13 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not (-2.0 <= v <= 2.0):
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        for t, b in self.logit_bias:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not (-100.0 <= b <= 100.0):
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token twice")
         rp = self.repetition_penalty
         if not isinstance(rp, (int, float)) or not math.isfinite(rp) or rp <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {rp!r}")
@@ -69,6 +85,12 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Some penalty changes the logits (they then depend on the request's tokens so far)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """The logits are changed before sampling (penalties or a logit bias): such rows are
+        sampled on the one-step path, which has every step's tokens on the host."""
+        return self.penalized or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:

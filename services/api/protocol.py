@@ -38,6 +38,8 @@ class _Sampling(BaseModel):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[dict[str, Any]] = None  # only {"type": "text"}: no constrained decoding
     user: Optional[str] = None
     # vLLM extras, passed through to the engine
     cache_salt: Optional[str] = None

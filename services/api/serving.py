@@ -234,6 +234,11 @@ class Serving:
                 f"context length is {self.max_model_len} tokens and your request has {longest} input tokens "
                 f"({max_tokens} > {self.max_model_len} - {longest}).", "max_tokens")
         stop = req.stop if req.stop is not None else ()
+        fmt = (req.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise bad_request(f"response_format {fmt!r} is not supported (no constrained decoding); "
+                              "only 'text'", "response_format")
+        bias = self.logit_bias(req.logit_bias)
         try:
             return SamplingParams(
                 n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -244,10 +249,25 @@ class Serving:
                 skip_special_tokens=req.skip_special_tokens,
                 presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
                 frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=bias)
         except (ValueError, TypeError) as e:
             field = str(e).split(" ", 1)[0]  # SamplingParams names the offending field first
             raise bad_request(str(e), field if field in SamplingParams.__dataclass_fields__ else None) from e
+
+    def logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """OpenAI's ``{"token id": bias}`` as (id, bias) pairs; ids must be in the vocabulary
+        (values are checked by `SamplingParams`)."""
+        pairs = []
+        for key, value in (bias or {}).items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            if not (0 <= tok < self.vocab_size):
+                raise bad_request(f"logit_bias token id {tok} is out of range [0, {self.vocab_size})", "logit_bias")
+            pairs.append((tok, value))
+        return tuple(pairs)
 
     # ---- tokenization -------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

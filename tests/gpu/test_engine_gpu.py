@@ -223,11 +223,12 @@ def test_async_scheduling_matches_waiting_rounds_on_the_gpu(bench):
 
 
 def test_penalties_match_hf_on_the_gpu(bench):
-    """Sampling penalties on CUDA logits, batched: greedy rows with ``repetition_penalty``,
-    ``presence_penalty`` / ``frequency_penalty`` or all three give HF ``generate()``'s tokens on
-    the same float32 weights (presence/frequency through a logits processor written from the
-    OpenAI definition: subtracted per generated token), and a plain greedy row beside them is
-    untouched. Multi-step rounds are asked for; penalized rows must keep the one-step path."""
+    """Sampling penalties and a logit bias on CUDA logits, batched: greedy rows with
+    ``repetition_penalty``, ``presence_penalty`` / ``frequency_penalty``, all three, or a
+    ``logit_bias`` give HF ``generate()``'s tokens on the same float32 weights (bias and
+    presence/frequency through a logits processor written from the OpenAI definitions), and plain
+    greedy rows beside them are untouched. Multi-step rounds are asked for; adjusted rows must
+    keep the one-step path."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     from kvmesh.engine.core import EngineCore
@@ -244,11 +245,16 @@ def test_penalties_match_hf_on_the_gpu(bench):
     settings = [dict(repetition_penalty=1.3), dict(presence_penalty=1.5, frequency_penalty=0.5),
                 dict(repetition_penalty=1.2, presence_penalty=-0.5, frequency_penalty=1.0)]
 
-    class OutputCountPenalty(LogitsProcessor):
-        def __init__(self, start, presence, frequency):
-            self.start, self.presence, self.frequency = start, presence, frequency
+    class OpenAIAdjust(LogitsProcessor):
+        """logit_bias, then presence / frequency over the generated tokens, as OpenAI defines them."""
+
+        def __init__(self, start, presence, frequency, bias):
+            self.start, self.presence, self.frequency, self.bias = start, presence, frequency, bias
 
         def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            for t, b in self.bias.items():
+                scores[:, t] += b
             counts = torch.zeros_like(scores)
             out = input_ids[:, self.start:]
             counts.scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
@@ -256,10 +262,8 @@ def test_penalties_match_hf_on_the_gpu(bench):
 
     def hf_greedy(prompt, s):
         t = torch.tensor([prompt], device="cuda")
-        procs = LogitsProcessorList()
-        if s.get("presence_penalty") or s.get("frequency_penalty"):
-            procs.append(OutputCountPenalty(len(prompt), s.get("presence_penalty", 0.0),
-                                            s.get("frequency_penalty", 0.0)))
+        procs = LogitsProcessorList([OpenAIAdjust(len(prompt), s.get("presence_penalty", 0.0),
+                                                  s.get("frequency_penalty", 0.0), s.get("logit_bias", {}))])
         with torch.inference_mode():
             o = hf.generate(t, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
                             repetition_penalty=s.get("repetition_penalty", 1.0), logits_processor=procs,
@@ -290,6 +294,10 @@ def test_penalties_match_hf_on_the_gpu(bench):
     per_row = [{}] * len(prompts)
     for i, s in zip(repeats, settings):
         per_row[i] = s
+    # one more row with a logit bias alone: its greedy first token banned, another token pushed up
+    j = next(i for i in range(len(prompts)) if i not in repeats[:3])
+    per_row[j] = dict(logit_bias={plain[j][0]: -100.0, 17: 5.0})
+    assert sum(1 for i in range(len(prompts)) if not per_row[i]) >= 1
     eng, got = run(per_row)
     for i, s in enumerate(per_row):
         if not s:

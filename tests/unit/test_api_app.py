@@ -160,6 +160,15 @@ def test_errors(app_client):
         "presence_penalty"
     assert err(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}],
                                                     "repetition_penalty": 0}), 400)["param"] == "repetition_penalty"
+    assert c.post("/v1/completions", json={"prompt": "a", "logit_bias": {"5": -100, "7": 2}}).status_code == 200
+    assert fake.added[-1].params.logit_bias == ((5, -100.0), (7, 2.0))
+    for bias in ({"x": 1}, {"-1": 1}, {"100000": 1}, {"5": 101}, {"5": "high"}):
+        assert err(c.post("/v1/completions", json={"prompt": "a", "logit_bias": bias}), 400)["param"] == \
+            "logit_bias", bias
+    chat = {"messages": [{"role": "user", "content": "a"}]}
+    assert c.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"}}).status_code == 200
+    assert err(c.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}}),
+               400)["param"] == "response_format"
     fake.fail = EngineRejectedError("queue_full", "waiting queue is full")
     r = c.post("/v1/completions", json={"prompt": "a"})
     assert err(r, 503) and r.headers["retry-after"] == "1"

@@ -138,8 +138,11 @@ def test_draws_follow_filtered_distribution(by_sort):
 
 
 def _penalized_reference(row: torch.Tensor, p: SamplingParams, prompt: list[int], out: list[int]) -> torch.Tensor:
-    """Token by token, as the rules read: repetition over prompt + output, then frequency and presence."""
+    """Token by token, as the rules read: the logit bias, then repetition over prompt + output, then
+    frequency and presence."""
     x = row.clone()
+    for t, b in p.logit_bias:
+        x[t] += b
     for t in set(prompt) | set(out):
         x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
     for t in set(out):
@@ -148,19 +151,23 @@ def _penalized_reference(row: torch.Tensor, p: SamplingParams, prompt: list[int]
 
 
 def test_penalties_match_the_rules():
-    from kvmesh.engine.sampler import apply_penalties
+    from kvmesh.engine.sampler import adjust_logits
 
     gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(4, 50, generator=gen) * 3
+    logits = torch.randn(5, 50, generator=gen) * 3
     params = [SamplingParams(temperature=0, repetition_penalty=1.5),
               SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4),
               SamplingParams(temperature=0.5),  # no penalty: row untouched
-              SamplingParams(repetition_penalty=0.8, frequency_penalty=1.0, presence_penalty=2.0)]
-    hist = [([1, 2, 2, 40], [7, 7, 3]), ([5], [9, 9, 9, 11]), ([1], [2]), ([0, 49], [49, 49, 3])]
-    got = apply_penalties(logits, params, hist)
+              SamplingParams(repetition_penalty=0.8, frequency_penalty=1.0, presence_penalty=2.0,
+                             logit_bias={49: 3.0, 0: -1.5}),
+              SamplingParams(logit_bias={4: -100, 10: 7.5})]  # bias only: no history needed
+    hist = [([1, 2, 2, 40], [7, 7, 3]), ([5], [9, 9, 9, 11]), ([1], [2]), ([0, 49], [49, 49, 3]), None]
+    got = adjust_logits(logits, params, hist)
     assert torch.equal(logits[2], got[2]) and not torch.equal(logits, got)  # input not modified in place
     for i in (0, 1, 3):
         torch.testing.assert_close(got[i], _penalized_reference(logits[i], params[i], *hist[i]))
+    torch.testing.assert_close(got[4], _penalized_reference(logits[4], params[4], [], []))
+    assert got[4][4] < logits[4][4] - 99 and adjust_logits(logits[4:], params[4:], None)[0][10] == got[4][10]
 
 
 def test_penalties_change_the_greedy_token_and_keep_raw_logprobs():
@@ -177,3 +184,6 @@ def test_penalties_change_the_greedy_token_and_keep_raw_logprobs():
     assert res.logprob == pytest.approx(torch.log_softmax(row[0], -1)[6].item())  # raw distribution
     with pytest.raises(ValueError, match="histories"):
         s.sample(row, [pen], [None])
+    # a logit bias alone needs no history: -100 on the argmax hands the greedy pick to the runner-up
+    assert s.sample(row, [plain.with_(logit_bias={4: -100})], [None])[0].token_id == 6
+    assert s.sample(row, [plain.with_(logit_bias={9: 100})], [None])[0].token_id == 9

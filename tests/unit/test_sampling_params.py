@@ -27,6 +27,14 @@ pytestmark = pytest.mark.unit
     ({"frequency_penalty": float("nan")}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"logit_bias": {5: 101}}, "logit_bias"),
+    ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {True: 1.0}}, "logit_bias"),
+    ({"logit_bias": {5: "x"}}, "logit_bias"),
+    ({"logit_bias": [(5, 1.0), (5, 2.0)]}, "logit_bias"),
+    ({"logit_bias": [5]}, "logit_bias"),
 ])
 def test_rejects(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -39,12 +47,21 @@ def test_normalises_stop_to_tuple():
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.7).greedy
 
 
+def test_logit_bias_is_stored_sorted_and_adjusts_logits():
+    p = SamplingParams(logit_bias={9: -100, 2: 0.5})
+    assert p.logit_bias == ((2, 0.5), (9, -100))
+    assert p.adjusts_logits and not p.penalized
+    assert not SamplingParams().adjusts_logits
+    assert SamplingParams(presence_penalty=0.1).adjusts_logits
+
+
 def test_roundtrips_through_msgpack():
     import msgspec
 
     from kvmesh.engine.messages import EngineCoreRequest
 
     req = EngineCoreRequest("r1", [1, 2, 3], SamplingParams(n=2, stop=("x",), temperature=0.5, seed=7,
-                                                            frequency_penalty=0.5, repetition_penalty=1.1))
+                                                            frequency_penalty=0.5, repetition_penalty=1.1,
+                                                            logit_bias={7: -100, 3: 2.5}))
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=EngineCoreRequest)
-    assert back == req and back.params.stop == ("x",)
+    assert back == req and back.params.stop == ("x",) and back.params.logit_bias == ((3, 2.5), (7, -100))
