@@ -79,13 +79,17 @@ def build_engine(loaded, **kw) -> EngineCore:
     return eng
 
 
+PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5)  # the --penalized rows
+
+
 def run_requests(eng: EngineCore, prompts, max_tokens: int, deadline: float | None = None, tag: str = "r",
-                 sampled: bool = False):
+                 sampled: bool = False, penalized: bool = False):
     """Submit all prompts, step to completion. Returns (outputs, timing dict). ``sampled``:
-    temperature 0.8, top-p 0.95, no seed (drawn on the device) instead of greedy."""
+    temperature 0.8, top-p 0.95, no seed (drawn on the device) instead of greedy; ``penalized``:
+    greedy with `PENALTIES` (one step at a time, the penalties applied on the device)."""
     n = len(prompts)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8 if sampled else 0.0,
-                            top_p=0.95 if sampled else 1.0)
+                            top_p=0.95 if sampled else 1.0, **(PENALTIES if penalized else {}))
     outs: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -299,7 +303,8 @@ def weight_bytes_per_step(eng: EngineCore, B: int) -> int:
     return n
 
 
-def engine_decode(eng: EngineCore, B: int, P: int, N: int, bw: float, seed: int, sampled: bool = False) -> dict:
+def engine_decode(eng: EngineCore, B: int, P: int, N: int, bw: float, seed: int, sampled: bool = False,
+                  penalized: bool = False) -> dict:
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(100, 120000, (B, P), generator=g).tolist()
     runner = eng.runner
@@ -318,7 +323,7 @@ def engine_decode(eng: EngineCore, B: int, P: int, N: int, bw: float, seed: int,
     runner.execute = execute
     g0 = runner.num_graph_steps
     try:
-        outs, t = run_requests(eng, prompts, N, tag=f"d{B}_", sampled=sampled)
+        outs, t = run_requests(eng, prompts, N, tag=f"d{B}_", sampled=sampled, penalized=penalized)
     finally:
         runner.execute = inner
     assert all(len(v) == N for v in outs.values()), "requests did not all reach max_tokens"
@@ -389,23 +394,26 @@ def bench_8b(args, bw: float) -> EngineCore:
     run_requests(eng, torch.randint(100, 120000, (4, P)).tolist(), 8, tag="warm")  # prefill kernels compile
     dec = []
     K = args.multi_steps
-    # (GEMV kernel, steps per round, batch, sampled, async scheduling); multi-step rounds with and
-    # without async scheduling side by side at each batch size
-    plan = [("1", k, b, False, a) for b in (1, 32, 128) for k in (1, K) for a in (False, True)]
+    # (GEMV kernel, steps per round, batch, sampled, async scheduling, penalized); multi-step rounds
+    # with and without async scheduling side by side at each batch size
+    plan = [("1", k, b, False, a, False) for b in (1, 32, 128) for k in (1, K) for a in (False, True)]
     if args.gemv_ab:  # batch 1 with cuBLAS first (KVMESH_GEMV=0), then everything with the GEMV kernel
-        plan = [("0", k, 1, False, False) for k in (1, K)] + plan
+        plan = [("0", k, 1, False, False, False) for k in (1, K)] + plan
     if args.sampled:  # temperature 0.8, top-p 0.95, unseeded: one step, then multi-step rounds
-        plan += [("1", k, b, True, True) for k in (1, K) for b in (1, 32, 128)]
-    for gemv, K, B, sampled, lazy in plan:
+        plan += [("1", k, b, True, True, False) for k in (1, K) for b in (1, 32, 128)]
+    if args.penalized:  # greedy + PENALTIES, rounds asked for (penalized rows take one step at a time)
+        plan += [("1", K, b, False, True, True) for b in (1, 32, 128)]
+    for gemv, K, B, sampled, lazy, penalized in plan:
         if os.environ.get("KVMESH_GEMV", "1") != gemv:
             set_switch(eng, gemv)
         eng.multi_steps = K  # --num-scheduler-steps, switched on the built engine
         eng.async_scheduling = lazy
         rounds0, chained0 = eng.num_multi_step_rounds, eng.num_chained_rounds
-        r = engine_decode(eng, B, P, N, bw, seed=B, sampled=sampled)
+        r = engine_decode(eng, B, P, N, bw, seed=B, sampled=sampled, penalized=penalized)
         r["steps_per_round"] = K
         r["gemv"] = gemv == "1"
         r["sampled"] = sampled
+        r["penalized"] = penalized
         r["async_scheduling"] = lazy
         r["multi_step_rounds"] = eng.num_multi_step_rounds - rounds0
         r["chained_rounds"] = eng.num_chained_rounds - chained0
@@ -473,7 +481,8 @@ def table() -> str:
         for r in R["decode"]:
             hf = f"{r['hf_out_tok_s']:.1f}" if "hf_out_tok_s" in r else "-"
             x = f"{r['ratio_e2e_vs_hf']:.1f}" if "ratio_e2e_vs_hf" in r else "-"
-            lines.append(f"{'triton' if r.get('gemv', True) else 'cublas':>6}{'*' if r.get('sampled') else ' '}{r.get('steps_per_round', 1):>5}{'yes' if r.get('async_scheduling') else 'no':>6} {r['B']:>5} {r['decode_tok_s']:>12.1f} {r['e2e_tok_s']:>10.1f} {hf:>9} {x:>6} "
+            mark = "*" if r.get("sampled") else "p" if r.get("penalized") else " "
+            lines.append(f"{'triton' if r.get('gemv', True) else 'cublas':>6}{mark}{r.get('steps_per_round', 1):>5}{'yes' if r.get('async_scheduling') else 'no':>6} {r['B']:>5} {r['decode_tok_s']:>12.1f} {r['e2e_tok_s']:>10.1f} {hf:>9} {x:>6} "
                          f"{r['gpu_step_ms']:>11.3f} {r['step_GB']:>8.2f} {r['roofline_tok_s']:>9.1f} "
                          f"{100 * r['frac_roofline']:>5.1f}% {100 * r['gpu_only_frac_roofline']:>13.1f}%"
                          + (f"  (A/B: {AB_NAMES[r['ab']]} {'on' if r['on'] else 'off'})" if r.get("ab") else ""))
@@ -481,6 +490,8 @@ def table() -> str:
             lines.append("  * = sampled (temperature 0.8, top-p 0.95, unseeded); rounds: "
                          + ", ".join(f"{r['steps_per_round']}x{r['B']}: {r['multi_step_rounds']}"
                                      for r in R["decode"] if r.get("sampled")))
+        if any(r.get("penalized") for r in R["decode"]):
+            lines.append(f"  p = greedy with {PENALTIES} (each step's tokens on the host: one step at a time)")
     tp = R.get("throughput")
     if tp:
         lines.append(f"throughput (steps/round {tp.get('steps_per_round', 1)}): {tp['completed']}/{tp['prompts']} prompts x (1024 in, 128 out) in {tp['s']:.1f}s: "
@@ -500,6 +511,8 @@ def main() -> int:
     ap.add_argument("--multi-steps", type=int, default=8, help="num_scheduler_steps of the second decode pass")
     ap.add_argument("--sampled", action="store_true",
                     help="also decode with temperature 0.8 / top-p 0.95 (unseeded), one step and multi-step")
+    ap.add_argument("--penalized", action="store_true",
+                    help=f"also decode greedy with {PENALTIES} at batch 1, 32 and 128")
     ap.add_argument("--tma-ab", nargs="?", const="128", default="", metavar="BATCHES",
                     help="after the plan: these batch sizes (comma list; 128 when none is given) with the TMA "
                          "decode attention off / on / off / on")

@@ -235,8 +235,8 @@ class EngineCore:
                 owners.append((r, c))
         if not owners:
             return outputs
-        hist = ([(r.prompt_token_ids, r.output_token_ids) for r, _ in owners]
-                if any(p.adjusts_logits for p in row_params) else None)
+        hist = ([(r.prompt_array, r.output_array()) if r.params.penalized else None for r, _ in owners]
+                if any(p.penalized for p in row_params) else None)
         samples = self.sampler.sample(logits[row_src], row_params, row_gens, hist)
         forks: dict[str, list[SampleResult]] = {}
         for (r, c), res in zip(owners, samples):

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from .hashing import BlockHash, block_hashes_for
 from .sampling_params import SamplingParams
@@ -77,6 +80,27 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self._all
+
+    @functools.cached_property
+    def prompt_array(self) -> np.ndarray:
+        """The prompt as an int64 array, built once: a penalized request's sampler reads it every step."""
+        return np.asarray(self.prompt_token_ids, dtype=np.int64)
+
+    def output_array(self) -> np.ndarray:
+        """The output so far as an int64 array (a view), extended by only the tokens added since the
+        last call: a penalized request's sampler reads it every step, so converting the whole list
+        each time would cost O(output) per step."""
+        buf, n = getattr(self, "_out_buf", None), getattr(self, "_out_n", 0)
+        new = self.output_token_ids[n:]
+        if new:
+            if buf is None or len(buf) < n + len(new):
+                grown = np.empty(max(16, 2 * (n + len(new))), dtype=np.int64)
+                if n:
+                    grown[:n] = buf[:n]
+                buf = self._out_buf = grown
+            buf[n:n + len(new)] = new
+            n = self._out_n = n + len(new)
+        return buf[:n] if buf is not None else np.zeros(0, dtype=np.int64)
 
     @property
     def num_tokens(self) -> int:

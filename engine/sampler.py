@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .host_copy import to_device
@@ -179,37 +180,60 @@ def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                   histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None) -> torch.Tensor:
     """The rows whose params `adjusts_logits`, on a copy (``histories[i]``: that row's prompt and
-    output token ids so far; needed for `penalized` rows only). The logit bias first (OpenAI: added
-    to the model's logits; ids past the vocabulary ignored, the API rejects them), then the
-    repetition penalty (every token of the prompt or the output: a positive logit is divided by it,
-    a negative one multiplied), then ``frequency_penalty x count + presence_penalty x (count > 0)``
-    subtracted for each generated token. Other rows are returned as they were."""
+    output token ids so far, lists or int arrays; needed for `penalized` rows only). The logit
+    bias first (OpenAI: added to the model's logits; ids past the vocabulary ignored, the API
+    rejects them), then the repetition penalty (every token of the prompt or the output: a
+    positive logit is divided by it, a negative one multiplied), then ``frequency_penalty x count
+    + presence_penalty x (count > 0)`` subtracted for each generated token. Other rows are
+    returned as they were.
+
+    All rows at once and sparse: each rule is one gather / scatter over the flat positions
+    ``row * V + token`` of every row's tokens, joined on the host (numpy) and copied to the
+    device once, so the device work is a few small kernels whatever the number of rows and no
+    ``[rows, V]`` buffer is built. Repeated tokens are harmless: a repeated position writes the
+    same value (computed from one gather), and the frequency penalty is a scatter-add, once per
+    occurrence."""
     rows = [i for i, p in enumerate(params) if p.adjusts_logits]
     if not rows:
         return logits
     if histories is None and any(params[i].penalized for i in rows):
         raise ValueError("penalized sampling rows need the request's token histories")
-    x = logits.clone()
-    V = x.shape[-1]
-    for i in rows:
-        p = params[i]
-        if p.logit_bias:
-            bias = [(t, b) for t, b in p.logit_bias if t < V]
-            if bias:
-                ids = to_device([t for t, _ in bias], x.device, torch.int64)
-                x[i, ids] += to_device([b for _, b in bias], x.device, x.dtype)
-        if not p.penalized:
-            continue
-        prompt, out = histories[i]
-        if p.repetition_penalty != 1:
-            seen = to_device(sorted({t for t in (*prompt, *out) if 0 <= t < V}), x.device, torch.int64)
-            v = x[i, seen]
-            x[i, seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-        if out and (p.frequency_penalty or p.presence_penalty):
-            counts = torch.bincount(to_device([t for t in out if 0 <= t < V], x.device, torch.int64),
-                                    minlength=V).to(x.dtype)
-            x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+    x = logits.clone(memory_format=torch.contiguous_format)
+    flat, V, dev = x.view(-1), x.shape[-1], x.device
+    bias = [(i * V + t, b) for i in rows for t, b in params[i].logit_bias if t < V]
+    if bias:
+        pos, val = zip(*bias)
+        flat.index_put_((to_device(pos, dev, torch.int64),), to_device(val, dev, x.dtype), accumulate=True)
+    rep = [i for i in rows if params[i].repetition_penalty != 1]
+    if rep:
+        pos, per = _positions(rep, [np.concatenate([np.asarray(histories[i][0], dtype=np.int64),
+                                                    np.asarray(histories[i][1], dtype=np.int64)]) for i in rep],
+                              V, [params[i].repetition_penalty for i in rep])
+        if len(pos):
+            pos, pen = to_device(pos, dev, torch.int64), to_device(per, dev, x.dtype)
+            v = flat[pos]
+            flat[pos] = torch.where(v > 0, v / pen, v * pen)
+    cnt = [i for i in rows if (params[i].frequency_penalty or params[i].presence_penalty) and len(histories[i][1])]
+    if cnt:
+        out = [np.asarray(histories[i][1], dtype=np.int64) for i in cnt]
+        pos, freq = _positions(cnt, out, V, [params[i].frequency_penalty for i in cnt])
+        _, pres = _positions(cnt, out, V, [params[i].presence_penalty for i in cnt])
+        if len(pos):
+            pos = to_device(pos, dev, torch.int64)
+            flat.index_put_((pos,), -to_device(freq, dev, x.dtype), accumulate=True)
+            flat[pos] = flat[pos] - to_device(pres, dev, x.dtype)
     return x
+
+
+def _positions(rows: list[int], ids: list[np.ndarray], V: int, per_row: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """Flat positions ``row * V + id`` of every id in ``ids[k]`` (row ``rows[k]``; ids outside
+    ``[0, V)`` skipped), and ``per_row[k]`` repeated for each."""
+    n = [len(a) for a in ids]
+    flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+    base = np.repeat(np.asarray(rows, dtype=np.int64) * V, n)
+    val = np.repeat(np.asarray(per_row, dtype=np.float32), n)
+    ok = (flat >= 0) & (flat < V)
+    return base[ok] + flat[ok], val[ok]
 
 
 def _results(logits: torch.Tensor, ids: list[int], params: Sequence[SamplingParams]) -> list[SampleResult]:

@@ -187,3 +187,21 @@ def test_penalties_change_the_greedy_token_and_keep_raw_logprobs():
     # a logit bias alone needs no history: -100 on the argmax hands the greedy pick to the runner-up
     assert s.sample(row, [plain.with_(logit_bias={4: -100})], [None])[0].token_id == 6
     assert s.sample(row, [plain.with_(logit_bias={9: 100})], [None])[0].token_id == 9
+
+
+def test_request_token_arrays_follow_the_lists():
+    """The penalty histories the core hands the sampler: the prompt as an array, and the output
+    extended incrementally; both must always equal the request's lists."""
+    from kvmesh.engine.request import Request
+
+    r = Request("r", [5, 6, 7], SamplingParams(presence_penalty=1.0), block_size=4, model_identity="m")
+    assert r.prompt_array.tolist() == [5, 6, 7] and r.output_array().tolist() == []
+    seen = []
+    for step in range(40):  # grows past the first buffers, sometimes several tokens between calls
+        for k in range(1 + step % 3):
+            tok = 100 + step * 3 + k
+            r.append_output_token(tok)
+            seen.append(tok)
+        if step % 4:
+            assert r.output_array().tolist() == seen == r.output_token_ids
+    assert r.output_array().tolist() == r.output_token_ids
