@@ -38,7 +38,7 @@ from kvmesh import kernels
 from .config import EngineConfig
 from .models.llama import AttentionMetadata, LlamaForCausalLM
 from .host_copy import to_device
-from .sampler import draw_on_device
+from .sampler import LogitAdjustment, draw_on_device
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger("kvmesh.engine")
@@ -147,10 +147,11 @@ class _Round:
     """A multi-step round queued on the device: its inputs (graph buffers or eager tensors, advanced
     in place from step to step), its tokens on the device and, once copied, on the host."""
 
-    __slots__ = ("B", "params", "rand", "graph", "inputs", "toks", "host", "event")
+    __slots__ = ("B", "params", "rand", "adjust", "graph", "inputs", "toks", "host", "event")
 
-    def __init__(self, B: int, params: list, rand: list[int]) -> None:
+    def __init__(self, B: int, params: list, rand: list[int], adjust: LogitAdjustment | None = None) -> None:
         self.B, self.params, self.rand = B, params, rand
+        self.adjust = adjust  # logit bias / penalties, extended on the device by each step's tokens
         self.graph = 0  # padded batch size of the CUDA graph it replays; 0: eager
         self.inputs: tuple = ()
         self.toks: torch.Tensor | None = None
@@ -334,6 +335,9 @@ class ModelRunner:
         if rand and any(sched.scheduled[j].request.generator is not None for j in rand):
             raise ValueError("a decode round draws on the device: seeded requests take the one-step path")
         rnd = _Round(p.B, params, rand)
+        adjusted = any(sp.adjusts_logits for sp in params)
+        hist = [(s.request.prompt_array, s.request.output_array()) if s.request.params.penalized else None
+                for s in sched.scheduled] if adjusted else None
         if self._uses_graph(p):
             rnd.graph = next(s for s in self.graph_sizes if s >= p.B)
             ids, pos, m = self._graph_views(rnd.graph)
@@ -350,6 +354,8 @@ class ModelRunner:
                                      seq_lens=up(p.seq_lens), max_query_len=1, max_seq_len=p.max_seq_len)
             rnd.inputs = (up(p.ids), up(p.pos), meta)
             first = self.model(rnd.inputs[0], rnd.inputs[1], self.kv_cache, meta, None)
+        if adjusted:
+            rnd.adjust = LogitAdjustment.build(params, hist, first.shape[-1], first.device)
         self._run_steps(rnd, k, first)
         return rnd
 
@@ -357,7 +363,7 @@ class ModelRunner:
         """Queue ``k`` more decode steps for the same sequences behind ``prev``, before its tokens
         reach the host: the first step's inputs are ``prev``'s last tokens, on the device.
         ``block_ids``: each sequence's blocks, now covering ``k`` more positions."""
-        rnd = _Round(prev.B, prev.params, prev.rand)
+        rnd = _Round(prev.B, prev.params, prev.rand, prev.adjust)  # its histories run on from prev's
         rnd.graph, rnd.inputs = prev.graph, prev.inputs
         bt = self._block_table(block_ids)
         if rnd.graph:
@@ -386,7 +392,11 @@ class ModelRunner:
             if i:
                 self._step_inputs(rnd, toks[i - 1])
                 logits = self._forward_again(rnd)
+            if rnd.adjust is not None:
+                logits = rnd.adjust.apply(logits)
             toks[i] = draw_on_device(logits, rnd.params, rnd.rand) if rnd.rand else logits.argmax(-1)
+            if rnd.adjust is not None:
+                rnd.adjust.extend(toks[i])
         if rnd.graph:
             self.num_graph_steps += k
         else:

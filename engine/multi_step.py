@@ -12,7 +12,9 @@ What keeps it exact:
 
 * Only rounds where every scheduled request decodes one token of an unfinished
   output, greedily or (GPU) by unseeded sampling, without logprobs, and the
-  connector moves nothing. Anything else (a prefill chunk, a seeded request, a
+  connector moves nothing. A logit bias and penalties go along: the round's
+  `sampler.LogitAdjustment` is built from the host's histories at launch and
+  extended on the device by every step's tokens (chained rounds share it). Anything else (a prefill chunk, a seeded request, a
   transfer) runs the ordinary one-step path. Unseeded GPU sampling is not
   reproducible in either path; a seed keeps its per-request CPU generator.
 * ``k`` is cut to the fewest tokens any request may still produce (``max_tokens``,
@@ -64,7 +66,7 @@ def plan_steps(sched: SchedulerOutput, kv: KVCacheManager, k_max: int, sample_on
         r, p = s.request, s.request.params
         if s.num_tokens != 1 or r.num_computed_tokens + 1 != r.num_tokens or r.num_output_tokens == 0:
             return 0
-        if p.logprobs is not None or p.adjusts_logits:  # both need the host's view of every step
+        if p.logprobs is not None:  # logprobs are computed on the host, from every step's logits
             return 0
         if not p.greedy and (r.generator is not None or not sample_on_device):
             return 0

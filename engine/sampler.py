@@ -177,52 +177,102 @@ def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.where(top_p < 1.0, prefix.view(torch.float32), 0.0)
 
 
-def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None) -> torch.Tensor:
-    """The rows whose params `adjusts_logits`, on a copy (``histories[i]``: that row's prompt and
-    output token ids so far, lists or int arrays; needed for `penalized` rows only). The logit
-    bias first (OpenAI: added to the model's logits; ids past the vocabulary ignored, the API
-    rejects them), then the repetition penalty (every token of the prompt or the output: a
-    positive logit is divided by it, a negative one multiplied), then ``frequency_penalty x count
-    + presence_penalty x (count > 0)`` subtracted for each generated token. Other rows are
-    returned as they were.
+class LogitAdjustment:
+    """A batch's logit bias and penalties as flat positions ``row * V + token`` on the device.
 
-    All rows at once and sparse: each rule is one gather / scatter over the flat positions
-    ``row * V + token`` of every row's tokens, joined on the host (numpy) and copied to the
-    device once, so the device work is a few small kernels whatever the number of rows and no
-    ``[rows, V]`` buffer is built. Repeated tokens are harmless: a repeated position writes the
-    same value (computed from one gather), and the frequency penalty is a scatter-add, once per
-    occurrence."""
-    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
-    if not rows:
-        return logits
-    if histories is None and any(params[i].penalized for i in rows):
-        raise ValueError("penalized sampling rows need the request's token histories")
-    x = logits.clone(memory_format=torch.contiguous_format)
-    flat, V, dev = x.view(-1), x.shape[-1], x.device
-    bias = [(i * V + t, b) for i in rows for t, b in params[i].logit_bias if t < V]
-    if bias:
-        pos, val = zip(*bias)
-        flat.index_put_((to_device(pos, dev, torch.int64),), to_device(val, dev, x.dtype), accumulate=True)
-    rep = [i for i in rows if params[i].repetition_penalty != 1]
-    if rep:
-        pos, per = _positions(rep, [np.concatenate([np.asarray(histories[i][0], dtype=np.int64),
-                                                    np.asarray(histories[i][1], dtype=np.int64)]) for i in rep],
-                              V, [params[i].repetition_penalty for i in rep])
-        if len(pos):
-            pos, pen = to_device(pos, dev, torch.int64), to_device(per, dev, x.dtype)
-            v = flat[pos]
-            flat[pos] = torch.where(v > 0, v / pen, v * pen)
-    cnt = [i for i in rows if (params[i].frequency_penalty or params[i].presence_penalty) and len(histories[i][1])]
-    if cnt:
-        out = [np.asarray(histories[i][1], dtype=np.int64) for i in cnt]
-        pos, freq = _positions(cnt, out, V, [params[i].frequency_penalty for i in cnt])
-        _, pres = _positions(cnt, out, V, [params[i].presence_penalty for i in cnt])
-        if len(pos):
-            pos = to_device(pos, dev, torch.int64)
-            flat.index_put_((pos,), -to_device(freq, dev, x.dtype), accumulate=True)
-            flat[pos] = flat[pos] - to_device(pres, dev, x.dtype)
-    return x
+    Rules, in order: the logit bias (OpenAI: added to the model's logits; ids past the
+    vocabulary ignored, the API rejects them), the repetition penalty (every token of the prompt
+    or the output: a positive logit is divided by it, a negative one multiplied), then
+    ``frequency_penalty x count + presence_penalty x (count > 0)`` subtracted for each generated
+    token. Each rule is one gather / scatter over its positions, whatever the number of rows,
+    and no ``[rows, V]`` buffer is built. Repeated tokens are harmless: a repeated position
+    writes the same value (computed from one gather), and the frequency penalty is a
+    scatter-add, once per occurrence.
+
+    Built once from the host's token histories; `extend` appends the token each row just drew,
+    on the device, so a multi-step or async round (engine/multi_step.py) keeps applying the
+    penalties without the host seeing its tokens. The one-step path builds one per step."""
+
+    def __init__(self, V: int, device: torch.device) -> None:
+        self.V, self.device = V, device
+        z = torch.zeros(0, dtype=torch.int64, device=device)
+        f = torch.zeros(0, dtype=torch.float32, device=device)
+        self.bias_pos, self.bias_val = z, f
+        self.rep_pos, self.rep_val, self.rep_rows, self.rep_row_val = z, f, None, f
+        self.out_pos, self.freq_val, self.pres_val = z, f, f
+        self.cnt_rows, self.cnt_freq, self.cnt_pres = None, f, f
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], histories, V: int,
+              device: torch.device) -> "LogitAdjustment | None":
+        """For rows whose params `adjusts_logits` (``histories[i]``: that row's prompt and output
+        ids so far, lists or int arrays; needed for `penalized` rows only); None when no row does."""
+        rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+        if not rows:
+            return None
+        if histories is None and any(params[i].penalized for i in rows):
+            raise ValueError("penalized sampling rows need the request's token histories")
+        a = cls(V, device)
+
+        def up(values, dtype):
+            return to_device(values, device, dtype)
+
+        bias = [(i * V + t, b) for i in rows for t, b in params[i].logit_bias if t < V]
+        if bias:
+            pos, val = zip(*bias)
+            a.bias_pos, a.bias_val = up(pos, torch.int64), up(val, torch.float32)
+        rep = [i for i in rows if params[i].repetition_penalty != 1]
+        if rep:
+            ids = [np.concatenate([np.asarray(histories[i][0], dtype=np.int64),
+                                   np.asarray(histories[i][1], dtype=np.int64)]) for i in rep]
+            pen = [params[i].repetition_penalty for i in rep]
+            pos, val = _positions(rep, ids, V, pen)
+            a.rep_pos, a.rep_val = up(pos, torch.int64), up(val, torch.float32)
+            a.rep_rows, a.rep_row_val = up(rep, torch.int64), up(pen, torch.float32)
+        cnt = [i for i in rows if params[i].frequency_penalty or params[i].presence_penalty]
+        if cnt:
+            out = [np.asarray(histories[i][1], dtype=np.int64) for i in cnt]
+            freq = [params[i].frequency_penalty for i in cnt]
+            pres = [params[i].presence_penalty for i in cnt]
+            pos, fv = _positions(cnt, out, V, freq)
+            _, pv = _positions(cnt, out, V, pres)
+            a.out_pos, a.freq_val, a.pres_val = up(pos, torch.int64), up(fv, torch.float32), up(pv, torch.float32)
+            a.cnt_rows = up(cnt, torch.int64)
+            a.cnt_freq, a.cnt_pres = up(freq, torch.float32), up(pres, torch.float32)
+        return a
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The adjusted logits, on a copy (``logits``: ``[rows, V]``, the rows `build` saw)."""
+        x = logits.clone(memory_format=torch.contiguous_format)
+        flat, dt = x.view(-1), x.dtype
+        if self.bias_pos.numel():
+            flat.index_put_((self.bias_pos,), self.bias_val.to(dt), accumulate=True)
+        if self.rep_pos.numel():
+            v, pen = flat[self.rep_pos], self.rep_val.to(dt)
+            flat[self.rep_pos] = torch.where(v > 0, v / pen, v * pen)
+        if self.out_pos.numel():
+            flat.index_put_((self.out_pos,), -self.freq_val.to(dt), accumulate=True)
+            flat[self.out_pos] = flat[self.out_pos] - self.pres_val.to(dt)
+        return x
+
+    def extend(self, tokens: torch.Tensor) -> None:
+        """Each row drew ``tokens[row]`` (on the device): it joins that row's history."""
+        if self.rep_rows is not None:
+            new = self.rep_rows * self.V + tokens[self.rep_rows]
+            self.rep_pos = torch.cat([self.rep_pos, new])
+            self.rep_val = torch.cat([self.rep_val, self.rep_row_val])
+        if self.cnt_rows is not None:
+            new = self.cnt_rows * self.V + tokens[self.cnt_rows]
+            self.out_pos = torch.cat([self.out_pos, new])
+            self.freq_val = torch.cat([self.freq_val, self.cnt_freq])
+            self.pres_val = torch.cat([self.pres_val, self.cnt_pres])
+
+
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], histories) -> torch.Tensor:
+    """``logits`` with each row's logit bias and penalties applied (`LogitAdjustment`), on a copy;
+    ``logits`` itself when no row has any."""
+    a = LogitAdjustment.build(params, histories, logits.shape[-1], logits.device)
+    return logits if a is None else a.apply(logits)
 
 
 def _positions(rows: list[int], ids: list[np.ndarray], V: int, per_row: list[float]) -> tuple[np.ndarray, np.ndarray]:

@@ -88,8 +88,7 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """The logits are changed before sampling (penalties or a logit bias): such rows are
-        sampled on the one-step path, which has every step's tokens on the host."""
+        """The logits are changed before sampling (penalties or a logit bias; `sampler.LogitAdjustment`)."""
         return self.penalized or bool(self.logit_bias)
 
     @property

@@ -138,8 +138,7 @@ def test_chat_helper_uses_template(make_llm, expected, prompt_ids):
 def test_repetition_penalty_matches_hf(make_llm, hf_model, prompt_ids, smol):
     """HF's ``repetition_penalty`` is the same rule (every prompt or generated token's logit divided
     when positive, multiplied when negative), so greedy tokens must match HF's token for token,
-    batched, and with multi-step rounds asked for (penalized requests keep the one-step path: the
-    penalty needs each step's tokens on the host)."""
+    batched, and in multi-step rounds (the penalty then follows each step's token on the device)."""
     ids = [prompt_ids[i] for i in (0, 3, 8, 12)]
     eos = set(smol.config.eos_token_ids)
     want = []
@@ -156,6 +155,38 @@ def test_repetition_penalty_matches_hf(make_llm, hf_model, prompt_ids, smol):
     pen = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, repetition_penalty=1.3)
     llm = make_llm(num_scheduler_steps=4)
     _assert_same(llm.generate(ids, pen), want)
-    assert llm.engine.num_multi_step_rounds == 0
+    assert llm.engine.num_multi_step_rounds > 0
     s = llm.stats()
     assert s["num_free_blocks"] == s["num_total_blocks"]
+
+
+def test_logit_adjustments_in_rounds_match_one_step(make_llm, prompt_ids):
+    """A logit bias and every penalty, mixed in one batch with plain greedy rows: multi-step rounds
+    (4 steps, with and without async scheduling: chained rounds share the device-side history)
+    give exactly the one-step tokens, where the host rebuilds the history every step."""
+
+    ids = [prompt_ids[i] for i in (0, 3, 8, 12, 5)]
+    n = 24
+    base = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    params = [base.with_(repetition_penalty=1.3), base.with_(presence_penalty=1.5, frequency_penalty=0.7),
+              base.with_(logit_bias={ids[2][0]: 4.0, 17: -100}, repetition_penalty=0.9, frequency_penalty=0.4),
+              base, base.with_(presence_penalty=-1.0)]
+
+    def run(**kw):
+        llm = make_llm(**kw)
+        outs = llm.generate(ids, params)
+        return llm, [o.outputs[0].token_ids for o in outs]
+
+    _, want = run(num_scheduler_steps=1, async_scheduling=False)
+    for kw in (dict(num_scheduler_steps=4, async_scheduling=False), dict(num_scheduler_steps=4, async_scheduling=True),
+               dict(num_scheduler_steps=1, async_scheduling=True)):
+        llm, got = run(**kw)
+        assert got == want, kw
+        assert llm.engine.num_multi_step_rounds > 0, kw
+        if kw["async_scheduling"]:
+            assert llm.engine.num_chained_rounds > 0, kw
+        s = llm.stats()
+        assert s["num_free_blocks"] == s["num_total_blocks"]
+    unadjusted = make_llm().generate(ids, [base] * len(ids))
+    changed = [i for i in range(len(ids)) if unadjusted[i].outputs[0].token_ids != want[i]]
+    assert set(changed) >= {0, 1, 2}, changed  # the adjustments did something on those rows

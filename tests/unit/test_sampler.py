@@ -205,3 +205,29 @@ def test_request_token_arrays_follow_the_lists():
         if step % 4:
             assert r.output_array().tolist() == seen == r.output_token_ids
     assert r.output_array().tolist() == r.output_token_ids
+
+
+def test_logit_adjustment_extended_by_drawn_tokens_equals_a_rebuild():
+    """What a multi-step round does (build once, then `extend` with each step's tokens on the
+    device) gives the logits the one-step path gets by rebuilding from the grown histories."""
+    from kvmesh.engine.sampler import LogitAdjustment, adjust_logits
+
+    gen = torch.Generator().manual_seed(4)
+    V = 40
+    params = [SamplingParams(repetition_penalty=1.4, frequency_penalty=0.5, logit_bias={3: 2.0}),
+              SamplingParams(),  # untouched row between adjusted ones
+              SamplingParams(presence_penalty=1.2),  # no output yet: only `extend` gives it history
+              SamplingParams(repetition_penalty=0.7)]
+    hist = [([1, 2], [5, 5]), None, ([7], []), ([0], [9])]
+    a = LogitAdjustment.build(params, hist, V, torch.device("cpu"))
+    grown = [(list(h[0]), list(h[1])) if h else None for h in hist]
+    for _ in range(5):
+        logits = torch.randn(4, V, generator=gen) * 3
+        want = adjust_logits(logits, params, grown)
+        torch.testing.assert_close(a.apply(logits), want)
+        assert torch.equal(a.apply(logits)[1], logits[1])
+        tok = want.argmax(-1)
+        a.extend(tok)
+        for i, h in enumerate(grown):
+            if h:
+                h[1].append(int(tok[i]))
