@@ -130,26 +130,24 @@ def rows_gemv_chunks(x, w, cfg, silu_mul=False):
     return torch.cat([rows_gemv(x[i:i + 4], w, cfg, silu_mul) for i in range(0, x.shape[0], 4)])
 
 
-def rows_gemv(x, w, cfg, silu_mul=False):
+def _launch(kernel, x, w, cfg, silu_mul, **rows):
+    """``x @ w.T`` through one of the two kernels (``rows``: its row-tile constant), one program per
+    BLOCK_N output columns."""
     M, (N, K) = x.shape[0], w.shape
     bn, bk, warps, stages = cfg
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    rows_gemv_kernel[(triton.cdiv(N, bn),)](
+    kernel[(triton.cdiv(N, bn),)](
         x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), SILU_MUL=silu_mul,
-        EVEN=N % bn == 0 and K % bk == 0, M_PAD=min(4, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages)
+        EVEN=N % bn == 0 and K % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **rows)
     return y
+
+
+def rows_gemv(x, w, cfg, silu_mul=False):
+    return _launch(rows_gemv_kernel, x, w, cfg, silu_mul, M_PAD=min(4, triton.next_power_of_2(x.shape[0])))
 
 
 def skinny_gemm(x, w, cfg, silu_mul=False):
-    M, (N, K) = x.shape[0], w.shape
-    bn, bk, warps, stages = cfg
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    skinny_gemm_kernel[(triton.cdiv(N, bn),)](
-        x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), SILU_MUL=silu_mul,
-        EVEN=N % bn == 0 and K % bk == 0, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages)
-    return y
+    return _launch(skinny_gemm_kernel, x, w, cfg, silu_mul, BLOCK_M=max(16, triton.next_power_of_2(x.shape[0])))
 
 
 def main() -> int:
