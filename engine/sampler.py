@@ -214,8 +214,8 @@ class LogitAdjustment:
             raise ValueError("penalized sampling rows need the request's token histories")
         a = cls(V, device)
 
-        def up(values, dtype):
-            return to_device(values, device, dtype)
+        def up(values, dtype):  # nothing to copy (a row with no output yet): no pinned buffer of size 0
+            return to_device(values, device, dtype) if len(values) else torch.zeros(0, dtype=dtype, device=device)
 
         bias = [(i * V + t, b) for i in rows for t, b in params[i].logit_bias if t < V]
         if bias:
