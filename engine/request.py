@@ -71,6 +71,9 @@ class Request:
     first_scheduled_time: float | None = None
     generator: Any = None  # torch.Generator for seeded sampling
     forked: bool = False  # an n > 1 parent whose children have been created
+    # the output as an int64 array for the sampler's penalties, filled up to _out_n (see output_array)
+    _out_buf: np.ndarray | None = field(default=None, init=False, repr=False)
+    _out_n: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._all: list[int] = list(self.prompt_token_ids)
@@ -90,7 +93,7 @@ class Request:
         """The output so far as an int64 array (a view), extended by only the tokens added since the
         last call: a penalized request's sampler reads it every step, so converting the whole list
         each time would cost O(output) per step."""
-        buf, n = getattr(self, "_out_buf", None), getattr(self, "_out_n", 0)
+        buf, n = self._out_buf, self._out_n
         new = self.output_token_ids[n:]
         if new:
             if buf is None or len(buf) < n + len(new):
