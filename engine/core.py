@@ -275,7 +275,7 @@ class EngineCore:
                 except Exception:  # cur's own tokens decide below whether the requests fail
                     log.exception("queueing the next round failed")
         try:
-            tokens = self.runner.collect(cur.handle)
+            results = self.runner.collect(cur.handle)
         except Exception as e:
             log.exception("forward pass failed")
             self._inflight = None  # same requests: they fail now
@@ -284,12 +284,12 @@ class EngineCore:
         self.num_multi_step_rounds += 1
         self.num_computed_tokens += cur.k * len(cur.reqs)
         outs: list[EngineCoreOutput] = []
-        for step_tokens in tokens:
-            for r, tok in zip(cur.reqs, step_tokens):
+        for step in results:
+            for r, res in zip(cur.reqs, step):
                 if r.is_finished:
                     continue  # stopped at an earlier step (or aborted): this token is past its end
                 r.num_computed_tokens += 1
-                outs.extend(self._append(r, SampleResult(tok)))
+                outs.extend(self._append(r, res))
         return outs if cur.k == 1 else merge_outputs(outs)  # one step: already one output per sequence
 
     def _fork(self, parent: Request, results: list[SampleResult]) -> list[EngineCoreOutput]:

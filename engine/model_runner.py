@@ -38,7 +38,8 @@ from kvmesh import kernels
 from .config import EngineConfig
 from .models.llama import AttentionMetadata, LlamaForCausalLM
 from .host_copy import to_device
-from .sampler import LogitAdjustment, draw_on_device
+from .sampler import (LogitAdjustment, SampleResult, device_logprobs, draw_on_device, logprob_width,
+                      results_with_logprobs)
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger("kvmesh.engine")
@@ -147,15 +148,16 @@ class _Round:
     """A multi-step round queued on the device: its inputs (graph buffers or eager tensors, advanced
     in place from step to step), its tokens on the device and, once copied, on the host."""
 
-    __slots__ = ("B", "params", "rand", "adjust", "graph", "inputs", "toks", "host", "event")
+    __slots__ = ("B", "params", "rand", "adjust", "lp_k", "graph", "inputs", "toks", "host", "event")
 
     def __init__(self, B: int, params: list, rand: list[int], adjust: LogitAdjustment | None = None) -> None:
         self.B, self.params, self.rand = B, params, rand
         self.adjust = adjust  # logit bias / penalties, extended on the device by each step's tokens
+        self.lp_k = logprob_width(params)  # top logprobs per row and step; None: nobody asked
         self.graph = 0  # padded batch size of the CUDA graph it replays; 0: eager
         self.inputs: tuple = ()
         self.toks: torch.Tensor | None = None
-        self.host: torch.Tensor | None = None
+        self.host: tuple[torch.Tensor, ...] = ()  # tokens (+ chosen logprobs, top values, top ids)
         self.event: torch.cuda.Event | None = None
 
 
@@ -379,35 +381,44 @@ class ModelRunner:
         self._run_steps(rnd, k, self._forward_again(rnd))
         return rnd
 
-    def collect(self, rnd: "_Round") -> list[list[int]]:
-        """Wait for a round's tokens: ``tokens[i][j]``, step ``i``, sequence ``j``."""
+    def collect(self, rnd: "_Round") -> list[list[SampleResult]]:
+        """Wait for a round's tokens: ``results[i][j]``, step ``i``, sequence ``j`` (with logprobs
+        for the sequences that asked for them)."""
         if rnd.event is not None:
             rnd.event.synchronize()
-        return rnd.host.tolist()
+        host = [h.tolist() for h in rnd.host]
+        if rnd.lp_k is None:
+            return [[SampleResult(t) for t in step] for step in host[0]]
+        return [results_with_logprobs(*step) for step in zip(host[0], [rnd.params] * len(host[0]), *host[1:])]
 
     def _run_steps(self, rnd: "_Round", k: int, logits: torch.Tensor) -> None:
         """Draw from the first step's ``logits``, then run the other ``k - 1`` steps; tokens to the host."""
         toks = torch.empty((k, rnd.B), dtype=torch.int64, device=self.device)
+        lps = []  # per step, with logprobs: (chosen, top values, top ids) of the raw distribution
         for i in range(k):
             if i:
                 self._step_inputs(rnd, toks[i - 1])
                 logits = self._forward_again(rnd)
+            raw = logits
             if rnd.adjust is not None:
                 logits = rnd.adjust.apply(logits)
             toks[i] = draw_on_device(logits, rnd.params, rnd.rand) if rnd.rand else logits.argmax(-1)
             if rnd.adjust is not None:
                 rnd.adjust.extend(toks[i])
+            if rnd.lp_k is not None:
+                lps.append(device_logprobs(raw, toks[i], rnd.lp_k))
         if rnd.graph:
             self.num_graph_steps += k
         else:
             self.num_eager_steps += k
         rnd.toks = toks
+        out = (toks,) + tuple(torch.stack(a) for a in zip(*lps))
         if self.cuda:
-            rnd.host = toks.to("cpu", non_blocking=True)
+            rnd.host = tuple(t.to("cpu", non_blocking=True) for t in out)
             rnd.event = torch.cuda.Event()
             rnd.event.record()
         else:
-            rnd.host = toks
+            rnd.host = out
 
     def _step_inputs(self, rnd: "_Round", tok: torch.Tensor) -> None:
         ids, pos, meta = rnd.inputs

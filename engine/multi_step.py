@@ -11,12 +11,15 @@ times and hands back ``k`` tokens per sequence in one copy (``--num-scheduler-st
 What keeps it exact:
 
 * Only rounds where every scheduled request decodes one token of an unfinished
-  output, greedily or (GPU) by unseeded sampling, without logprobs, and the
-  connector moves nothing. A logit bias and penalties go along: the round's
-  `sampler.LogitAdjustment` is built from the host's histories at launch and
-  extended on the device by every step's tokens (chained rounds share it). Anything else (a prefill chunk, a seeded request, a
-  transfer) runs the ordinary one-step path. Unseeded GPU sampling is not
-  reproducible in either path; a seed keeps its per-request CPU generator.
+  output, greedily or (GPU) by unseeded sampling, and the connector moves
+  nothing. Anything else (a prefill chunk, a seeded request, a transfer) runs the
+  ordinary one-step path. Unseeded GPU sampling is not reproducible in either
+  path; a seed keeps its per-request CPU generator.
+* Logprobs come along: each step's are taken on the device from its raw logits
+  (`sampler.device_logprobs`) and copied with the tokens. So do a logit bias and
+  penalties: the round's `sampler.LogitAdjustment` is built from the host's
+  histories at launch and extended on the device by every step's token (chained
+  rounds share it).
 * ``k`` is cut to the fewest tokens any request may still produce (``max_tokens``,
   ``max_model_len``), so only a stop token (EOS, ``stop_token_ids``) wastes steps.
   The host appends tokens in step order and checks stops as usual; a sequence's
@@ -65,8 +68,6 @@ def plan_steps(sched: SchedulerOutput, kv: KVCacheManager, k_max: int, sample_on
     for s in sched.scheduled:
         r, p = s.request, s.request.params
         if s.num_tokens != 1 or r.num_computed_tokens + 1 != r.num_tokens or r.num_output_tokens == 0:
-            return 0
-        if p.logprobs is not None:  # logprobs are computed on the host, from every step's logits
             return 0
         if not p.greedy and (r.generator is not None or not sample_on_device):
             return 0
@@ -120,7 +121,7 @@ def _reserve(kv: KVCacheManager, reqs: list[Request], pending: int, k: int) -> b
 
 
 def merge_outputs(outs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-    """One output per sequence: its tokens of all steps in order, the finish fields of the last."""
+    """One output per sequence: its tokens (and logprobs) of all steps in order, the finish fields of the last."""
     merged: dict[tuple[str, int], EngineCoreOutput] = {}
     for o in outs:
         key = (o.request_id, o.index)
@@ -129,6 +130,8 @@ def merge_outputs(outs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
             merged[key] = o
             continue
         m.new_token_ids = m.new_token_ids + o.new_token_ids
+        if o.new_logprobs is not None:
+            m.new_logprobs = (m.new_logprobs or []) + o.new_logprobs
         m.finish_reason = o.finish_reason
         m.stop_reason = o.stop_reason
         m.kv_transfer_params = o.kv_transfer_params

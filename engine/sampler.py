@@ -286,24 +286,45 @@ def _positions(rows: list[int], ids: list[np.ndarray], V: int, per_row: list[flo
     return base[ok] + flat[ok], val[ok]
 
 
-def _results(logits: torch.Tensor, ids: list[int], params: Sequence[SamplingParams]) -> list[SampleResult]:
-    """Wrap the chosen ids; rows that asked for logprobs get them from the raw distribution."""
-    if not any(p.logprobs is not None for p in params):
-        return [SampleResult(t) for t in ids]
-    logprobs = torch.log_softmax(logits, -1)
+def logprob_width(params: Sequence[SamplingParams]) -> int | None:
+    """How many top logprobs a batch needs per row (the most any row asked for); None: no row
+    asked for logprobs."""
+    return max((p.logprobs for p in params if p.logprobs is not None), default=None)
+
+
+def device_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """On the device, from the raw distribution: the chosen ids' logprobs ``[rows]`` and the ``k``
+    most likely (logprobs, ids) ``[rows, k]``."""
+    lsm = torch.log_softmax(logits.float(), -1)
+    chosen = lsm.gather(1, ids[:, None])[:, 0]
+    if k:
+        top_v, top_i = lsm.topk(k, -1)
+    else:
+        top_v, top_i = lsm[:, :0], torch.zeros((lsm.shape[0], 0), dtype=torch.int64, device=lsm.device)
+    return chosen, top_v, top_i
+
+
+def results_with_logprobs(ids: list[int], params: Sequence[SamplingParams], chosen: list[float],
+                          top_v: list[list[float]], top_i: list[list[int]]) -> list[SampleResult]:
+    """`SampleResult` per row from `device_logprobs`' arrays, on the host: each row that asked for
+    logprobs gets its own number of top entries."""
     out = []
-    for i, (tok, p) in enumerate(zip(ids, params)):
+    for j, (tok, p) in enumerate(zip(ids, params)):
         res = SampleResult(tok)
         if p.logprobs is not None:
-            row = logprobs[i]
-            res.logprob = float(row[tok])
-            if p.logprobs > 0:
-                vals, idx = torch.topk(row, p.logprobs)
-                res.top_logprobs = list(zip(idx.tolist(), vals.tolist()))
-            else:
-                res.top_logprobs = []
+            res.logprob = chosen[j]
+            res.top_logprobs = list(zip(top_i[j][:p.logprobs], top_v[j][:p.logprobs]))
         out.append(res)
     return out
+
+
+def _results(logits: torch.Tensor, ids: list[int], params: Sequence[SamplingParams]) -> list[SampleResult]:
+    """Wrap the chosen ids; rows that asked for logprobs get them from the raw distribution."""
+    k = logprob_width(params)
+    if k is None:
+        return [SampleResult(t) for t in ids]
+    arrays = device_logprobs(logits, torch.tensor(ids, device=logits.device), k)
+    return results_with_logprobs(ids, params, *(a.tolist() for a in arrays))
 
 
 def draw_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], rand: list[int],

@@ -190,3 +190,30 @@ def test_logit_adjustments_in_rounds_match_one_step(make_llm, prompt_ids):
     unadjusted = make_llm().generate(ids, [base] * len(ids))
     changed = [i for i in range(len(ids)) if unadjusted[i].outputs[0].token_ids != want[i]]
     assert set(changed) >= {0, 1, 2}, changed  # the adjustments did something on those rows
+
+
+def test_logprobs_in_rounds_match_one_step(make_llm, prompt_ids):
+    """Requests with logprobs (0, 2 and 5 top entries, one with a penalty, beside a plain row) run
+    in multi-step and async rounds, with each step's logprobs taken on the device from the raw
+    logits: the same tokens, chosen logprobs and top entries as the one-step path."""
+    ids = [prompt_ids[i] for i in (1, 4, 9, 2)]
+    base = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    params = [base.with_(logprobs=0), base.with_(logprobs=2), base.with_(logprobs=5, presence_penalty=0.8), base]
+
+    def run(**kw):
+        llm = make_llm(**kw)
+        return llm, [o.outputs[0] for o in llm.generate(ids, params)]
+
+    _, want = run(num_scheduler_steps=1, async_scheduling=False)
+    assert want[3].logprobs is None and all(len(e["top"]) == 5 for e in want[2].logprobs)
+    for kw in (dict(num_scheduler_steps=4, async_scheduling=False), dict(num_scheduler_steps=1, async_scheduling=True)):
+        llm, got = run(**kw)
+        assert llm.engine.num_multi_step_rounds > 0, kw
+        for g, w in zip(got, want):
+            assert g.token_ids == w.token_ids, kw
+            assert (g.logprobs is None) == (w.logprobs is None)
+            for eg, ew in zip(g.logprobs or [], w.logprobs or []):
+                assert eg["token_id"] == ew["token_id"]
+                assert eg["logprob"] == pytest.approx(ew["logprob"], abs=1e-5)
+                assert [t for t, _ in eg["top"]] == [t for t, _ in ew["top"]]
+                assert [v for _, v in eg["top"]] == pytest.approx([v for _, v in ew["top"]], abs=1e-5)
