@@ -235,8 +235,7 @@ class EngineCore:
                 owners.append((r, c))
         if not owners:
             return outputs
-        hist = ([(r.prompt_array, r.output_array()) if r.params.penalized else None for r, _ in owners]
-                if any(p.penalized for p in row_params) else None)
+        hist = [r.penalty_history() for r, _ in owners] if any(p.penalized for p in row_params) else None
         samples = self.sampler.sample(logits[row_src], row_params, row_gens, hist)
         forks: dict[str, list[SampleResult]] = {}
         for (r, c), res in zip(owners, samples):

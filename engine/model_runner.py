@@ -338,8 +338,7 @@ class ModelRunner:
             raise ValueError("a decode round draws on the device: seeded requests take the one-step path")
         rnd = _Round(p.B, params, rand)
         adjusted = any(sp.adjusts_logits for sp in params)
-        hist = [(s.request.prompt_array, s.request.output_array()) if s.request.params.penalized else None
-                for s in sched.scheduled] if adjusted else None
+        hist = [s.request.penalty_history() for s in sched.scheduled] if adjusted else None
         if self._uses_graph(p):
             rnd.graph = next(s for s in self.graph_sizes if s >= p.B)
             ids, pos, m = self._graph_views(rnd.graph)

@@ -105,6 +105,11 @@ class Request:
             n = self._out_n = n + len(new)
         return buf[:n] if buf is not None else np.zeros(0, dtype=np.int64)
 
+    def penalty_history(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(prompt, output so far) as arrays when the request's penalties need them, else None:
+        the ``histories`` entry of `sampler.LogitAdjustment.build`."""
+        return (self.prompt_array, self.output_array()) if self.params.penalized else None
+
     @property
     def num_tokens(self) -> int:
         return len(self._all)

@@ -185,22 +185,26 @@ class LogitAdjustment:
     or the output: a positive logit is divided by it, a negative one multiplied), then
     ``frequency_penalty x count + presence_penalty x (count > 0)`` subtracted for each generated
     token. Each rule is one gather / scatter over its positions, whatever the number of rows,
-    and no ``[rows, V]`` buffer is built. Repeated tokens are harmless: a repeated position
-    writes the same value (computed from one gather), and the frequency penalty is a
-    scatter-add, once per occurrence.
+    and no ``[rows, V]`` buffer is built; a position's penalty is its row's (``pos // V``).
+    Repeated tokens are harmless: a repeated position writes the same value (computed from one
+    gather), and the frequency penalty is a scatter-add, once per occurrence.
 
     Built once from the host's token histories; `extend` appends the token each row just drew,
     on the device, so a multi-step or async round (engine/multi_step.py) keeps applying the
     penalties without the host seeing its tokens. The one-step path builds one per step."""
 
-    def __init__(self, V: int, device: torch.device) -> None:
-        self.V, self.device = V, device
+    def __init__(self, params: Sequence[SamplingParams], V: int, device: torch.device) -> None:
+        self.V = V
+
+        def per_row(values, dtype=torch.float32):
+            return to_device(values, device, dtype)
+
         z = torch.zeros(0, dtype=torch.int64, device=device)
-        f = torch.zeros(0, dtype=torch.float32, device=device)
-        self.bias_pos, self.bias_val = z, f
-        self.rep_pos, self.rep_val, self.rep_rows, self.rep_row_val = z, f, None, f
-        self.out_pos, self.freq_val, self.pres_val = z, f, f
-        self.cnt_rows, self.cnt_freq, self.cnt_pres = None, f, f
+        self.bias_pos, self.bias_val, self.rep_pos, self.out_pos = z, z.float(), z, z
+        self.rep_rows = self.cnt_rows = None  # rows whose drawn tokens `extend` adds to each rule
+        self.rep = per_row([p.repetition_penalty for p in params])
+        self.freq = per_row([p.frequency_penalty for p in params])
+        self.pres = per_row([p.presence_penalty for p in params])
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], histories, V: int,
@@ -212,33 +216,25 @@ class LogitAdjustment:
             return None
         if histories is None and any(params[i].penalized for i in rows):
             raise ValueError("penalized sampling rows need the request's token histories")
-        a = cls(V, device)
+        a = cls(params, V, device)
 
-        def up(values, dtype):  # nothing to copy (a row with no output yet): no pinned buffer of size 0
+        def up(values, dtype=torch.int64):  # nothing to copy (a row with no output yet): no pinned buffer of size 0
             return to_device(values, device, dtype) if len(values) else torch.zeros(0, dtype=dtype, device=device)
 
         bias = [(i * V + t, b) for i in rows for t, b in params[i].logit_bias if t < V]
         if bias:
             pos, val = zip(*bias)
-            a.bias_pos, a.bias_val = up(pos, torch.int64), up(val, torch.float32)
+            a.bias_pos, a.bias_val = up(pos), up(val, torch.float32)
         rep = [i for i in rows if params[i].repetition_penalty != 1]
         if rep:
-            ids = [np.concatenate([np.asarray(histories[i][0], dtype=np.int64),
-                                   np.asarray(histories[i][1], dtype=np.int64)]) for i in rep]
-            pen = [params[i].repetition_penalty for i in rep]
-            pos, val = _positions(rep, ids, V, pen)
-            a.rep_pos, a.rep_val = up(pos, torch.int64), up(val, torch.float32)
-            a.rep_rows, a.rep_row_val = up(rep, torch.int64), up(pen, torch.float32)
+            a.rep_pos = up(_positions(rep, [np.concatenate([np.asarray(histories[i][0], dtype=np.int64),
+                                                            np.asarray(histories[i][1], dtype=np.int64)])
+                                            for i in rep], V))
+            a.rep_rows = up(rep)
         cnt = [i for i in rows if params[i].frequency_penalty or params[i].presence_penalty]
         if cnt:
-            out = [np.asarray(histories[i][1], dtype=np.int64) for i in cnt]
-            freq = [params[i].frequency_penalty for i in cnt]
-            pres = [params[i].presence_penalty for i in cnt]
-            pos, fv = _positions(cnt, out, V, freq)
-            _, pv = _positions(cnt, out, V, pres)
-            a.out_pos, a.freq_val, a.pres_val = up(pos, torch.int64), up(fv, torch.float32), up(pv, torch.float32)
-            a.cnt_rows = up(cnt, torch.int64)
-            a.cnt_freq, a.cnt_pres = up(freq, torch.float32), up(pres, torch.float32)
+            a.out_pos = up(_positions(cnt, [np.asarray(histories[i][1], dtype=np.int64) for i in cnt], V))
+            a.cnt_rows = up(cnt)
         return a
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -248,24 +244,20 @@ class LogitAdjustment:
         if self.bias_pos.numel():
             flat.index_put_((self.bias_pos,), self.bias_val.to(dt), accumulate=True)
         if self.rep_pos.numel():
-            v, pen = flat[self.rep_pos], self.rep_val.to(dt)
+            v, pen = flat[self.rep_pos], self.rep.to(dt)[self.rep_pos // self.V]
             flat[self.rep_pos] = torch.where(v > 0, v / pen, v * pen)
         if self.out_pos.numel():
-            flat.index_put_((self.out_pos,), -self.freq_val.to(dt), accumulate=True)
-            flat[self.out_pos] = flat[self.out_pos] - self.pres_val.to(dt)
+            row = self.out_pos // self.V
+            flat.index_put_((self.out_pos,), -self.freq.to(dt)[row], accumulate=True)
+            flat[self.out_pos] = flat[self.out_pos] - self.pres.to(dt)[row]
         return x
 
     def extend(self, tokens: torch.Tensor) -> None:
         """Each row drew ``tokens[row]`` (on the device): it joins that row's history."""
         if self.rep_rows is not None:
-            new = self.rep_rows * self.V + tokens[self.rep_rows]
-            self.rep_pos = torch.cat([self.rep_pos, new])
-            self.rep_val = torch.cat([self.rep_val, self.rep_row_val])
+            self.rep_pos = torch.cat([self.rep_pos, self.rep_rows * self.V + tokens[self.rep_rows]])
         if self.cnt_rows is not None:
-            new = self.cnt_rows * self.V + tokens[self.cnt_rows]
-            self.out_pos = torch.cat([self.out_pos, new])
-            self.freq_val = torch.cat([self.freq_val, self.cnt_freq])
-            self.pres_val = torch.cat([self.pres_val, self.cnt_pres])
+            self.out_pos = torch.cat([self.out_pos, self.cnt_rows * self.V + tokens[self.cnt_rows]])
 
 
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], histories) -> torch.Tensor:
@@ -275,15 +267,13 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], histor
     return logits if a is None else a.apply(logits)
 
 
-def _positions(rows: list[int], ids: list[np.ndarray], V: int, per_row: list[float]) -> tuple[np.ndarray, np.ndarray]:
-    """Flat positions ``row * V + id`` of every id in ``ids[k]`` (row ``rows[k]``; ids outside
-    ``[0, V)`` skipped), and ``per_row[k]`` repeated for each."""
-    n = [len(a) for a in ids]
+def _positions(rows: list[int], ids: list[np.ndarray], V: int) -> np.ndarray:
+    """Flat positions ``row * V + id`` of every id in ``ids[k]`` (row ``rows[k]``); ids outside
+    ``[0, V)`` skipped."""
     flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
-    base = np.repeat(np.asarray(rows, dtype=np.int64) * V, n)
-    val = np.repeat(np.asarray(per_row, dtype=np.float32), n)
+    base = np.repeat(np.asarray(rows, dtype=np.int64) * V, [len(a) for a in ids])
     ok = (flat >= 0) & (flat < V)
-    return base[ok] + flat[ok], val[ok]
+    return base[ok] + flat[ok]
 
 
 def logprob_width(params: Sequence[SamplingParams]) -> int | None:

@@ -147,7 +147,6 @@ def test_tma_descriptor_kept_per_cache_view(gen):
     assert ops._tma_view(k) is first
 
 
-
 def test_pdl_only_for_one_token_calls_on_hopper(monkeypatch):
     """Programmatic dependent launch (`ops._pdl`): launch options for one-token calls on Hopper and
     newer; none for more tokens, none with KVMESH_PDL=0, none without such a GPU (the CPU here)."""
@@ -158,6 +157,7 @@ def test_pdl_only_for_one_token_calls_on_hopper(monkeypatch):
     assert ops._pdl(t, 2) == {} and ops._pdl(t, 128) == {}
     monkeypatch.setenv("KVMESH_PDL", "0")
     assert ops._pdl(t, 1) == {}
+
 
 def test_tma_heuristic_needs_many_programs(monkeypatch):
     """On a TMA-capable GPU, decode goes through the TMA kernel from 3 programs per SM (the
