@@ -241,15 +241,17 @@ class LogitAdjustment:
         """The adjusted logits, on a copy (``logits``: ``[rows, V]``, the rows `build` saw)."""
         x = logits.clone(memory_format=torch.contiguous_format)
         flat, dt = x.view(-1), x.dtype
+        # scatter_add_ (atomics: one kernel) and index_copy_, not index_put_: on CUDA an accumulating
+        # index_put_ sorts its indices first, a chain of small kernels on every step of a round
         if self.bias_pos.numel():
-            flat.index_put_((self.bias_pos,), self.bias_val.to(dt), accumulate=True)
+            flat.scatter_add_(0, self.bias_pos, self.bias_val.to(dt))
         if self.rep_pos.numel():
-            v, pen = flat[self.rep_pos], self.rep.to(dt)[self.rep_pos // self.V]
-            flat[self.rep_pos] = torch.where(v > 0, v / pen, v * pen)
+            v, pen = flat.index_select(0, self.rep_pos), self.rep.to(dt)[self.rep_pos // self.V]
+            flat.index_copy_(0, self.rep_pos, torch.where(v > 0, v / pen, v * pen))
         if self.out_pos.numel():
             row = self.out_pos // self.V
-            flat.index_put_((self.out_pos,), -self.freq.to(dt)[row], accumulate=True)
-            flat[self.out_pos] = flat[self.out_pos] - self.pres.to(dt)[row]
+            flat.scatter_add_(0, self.out_pos, -self.freq.to(dt)[row])
+            flat.index_copy_(0, self.out_pos, flat.index_select(0, self.out_pos) - self.pres.to(dt)[row])
         return x
 
     def extend(self, tokens: torch.Tensor) -> None:

@@ -306,3 +306,48 @@ def test_penalties_match_hf_on_the_gpu(bench):
         assert got[i] != plain[i], f"row {i} {s}: the penalty changed nothing"
         assert got[i] == hf_greedy(prompts[i], s), (i, s)
     assert eng.num_multi_step_rounds > 0
+
+
+def test_logprobs_in_rounds_match_one_step_on_the_gpu(bench):
+    """Requests with logprobs (0, 2 and 5 top entries, one with a penalty, beside a plain row) in
+    8-step async rounds replayed from CUDA graphs: each step's logprobs are taken on the device from
+    the raw logits and copied with the tokens. float32: the same tokens, chosen logprobs and top
+    entries as one step at a time."""
+    from kvmesh.engine.core import EngineCore
+    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.models.random_init import random_model
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    loaded = random_model(bench.small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=12)
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (30, 90, 14, 61)]
+    base = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = [base.with_(logprobs=0), base.with_(logprobs=2), base.with_(logprobs=5, presence_penalty=0.8), base]
+
+    def run(steps, lazy):
+        eng, _ = EngineCore.from_model(loaded=loaded, device="cuda", dtype="float32", num_kv_blocks=512,
+                                       max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512,
+                                       num_scheduler_steps=steps, async_scheduling=lazy)
+        toks, lps = {}, {}
+        for i, (p, s) in enumerate(zip(prompts, params)):
+            eng.add_request(EngineCoreRequest(request_id=f"l{i}", prompt_token_ids=p, params=s))
+            toks[f"l{i}"], lps[f"l{i}"] = [], []
+        while eng.has_unfinished():
+            for o in eng.step():
+                toks[o.request_id].extend(o.new_token_ids)
+                lps[o.request_id].extend(o.new_logprobs or [])
+        eng.check_integrity()
+        assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+        return eng, toks, lps
+
+    _, want_t, want_l = run(1, False)
+    eng, got_t, got_l = run(8, True)
+    assert eng.num_multi_step_rounds > 0 and eng.num_chained_rounds > 0 and eng.runner.num_graph_steps > 0
+    assert got_t == want_t
+    assert want_l["l3"] == [] and [len(want_l[f"l{i}"]) for i in range(3)] == [24] * 3
+    for rid in ("l0", "l1", "l2"):
+        for (gc, gtop), (wc, wtop) in zip(got_l[rid], want_l[rid]):
+            assert gc == pytest.approx(wc, abs=1e-4)
+            assert [t for t, _ in gtop] == [t for t, _ in wtop]
+            assert [v for _, v in gtop] == pytest.approx([v for _, v in wtop], abs=1e-4)
+    assert [len(top) for _, top in got_l["l2"]] == [5] * 24 and all(len(top) == 2 for _, top in got_l["l1"])
