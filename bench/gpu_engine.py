@@ -85,7 +85,8 @@ PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5)  # the --penalize
 def run_requests(eng: EngineCore, prompts, max_tokens: int, deadline: float | None = None, tag: str = "r",
                  sampled: bool = False, penalized: bool = False):
     """Submit all prompts, step to completion. Returns (outputs, timing dict). ``sampled``:
-    temperature 0.8, top-p 0.95, no seed (drawn on the device) instead of greedy; ``penalized``:
+    temperature 0.8, top-p 0.95, no seed (drawn on the device) instead of greedy, or ``"seeded"``:
+    the same with a seed per request (each from its own generator on the device); ``penalized``:
     greedy with `PENALTIES` (applied on the device, in rounds like plain greedy)."""
     n = len(prompts)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8 if sampled else 0.0,
@@ -93,7 +94,8 @@ def run_requests(eng: EngineCore, prompts, max_tokens: int, deadline: float | No
     outs: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        eng.add_request(EngineCoreRequest(request_id=f"{tag}{i}", prompt_token_ids=list(p), params=params))
+        eng.add_request(EngineCoreRequest(request_id=f"{tag}{i}", prompt_token_ids=list(p),
+                                          params=params.with_(seed=i) if sampled == "seeded" else params))
         outs[f"{tag}{i}"] = []
     t_all_first = None
     n_started = 0
@@ -397,10 +399,14 @@ def bench_8b(args, bw: float) -> EngineCore:
     # (GEMV kernel, steps per round, batch, sampled, async scheduling, penalized); multi-step rounds
     # with and without async scheduling side by side at each batch size
     plan = [("1", k, b, False, a, False) for b in (1, 32, 128) for k in (1, K) for a in (False, True)]
+    if args.no_greedy:
+        plan = []
     if args.gemv_ab:  # batch 1 with cuBLAS first (KVMESH_GEMV=0), then everything with the GEMV kernel
         plan = [("0", k, 1, False, False, False) for k in (1, K)] + plan
     if args.sampled:  # temperature 0.8, top-p 0.95, unseeded: one step, then multi-step rounds
         plan += [("1", k, b, True, True, False) for k in (1, K) for b in (1, 32, 128)]
+    if args.seeded:  # the same with a seed per request, 8-step async rounds
+        plan += [("1", K, b, "seeded", True, False) for b in (1, 32, 128)]
     if args.penalized:  # greedy + PENALTIES, 8-step async rounds
         plan += [("1", K, b, False, True, True) for b in (1, 32, 128)]
     for gemv, K, B, sampled, lazy, penalized in plan:
@@ -481,15 +487,15 @@ def table() -> str:
         for r in R["decode"]:
             hf = f"{r['hf_out_tok_s']:.1f}" if "hf_out_tok_s" in r else "-"
             x = f"{r['ratio_e2e_vs_hf']:.1f}" if "ratio_e2e_vs_hf" in r else "-"
-            mark = "*" if r.get("sampled") else "p" if r.get("penalized") else " "
+            mark = {True: "*", "seeded": "s"}.get(r.get("sampled"), "p" if r.get("penalized") else " ")
             lines.append(f"{'triton' if r.get('gemv', True) else 'cublas':>6}{mark}{r.get('steps_per_round', 1):>5}{'yes' if r.get('async_scheduling') else 'no':>6} {r['B']:>5} {r['decode_tok_s']:>12.1f} {r['e2e_tok_s']:>10.1f} {hf:>9} {x:>6} "
                          f"{r['gpu_step_ms']:>11.3f} {r['step_GB']:>8.2f} {r['roofline_tok_s']:>9.1f} "
                          f"{100 * r['frac_roofline']:>5.1f}% {100 * r['gpu_only_frac_roofline']:>13.1f}%"
                          + (f"  (A/B: {AB_NAMES[r['ab']]} {'on' if r['on'] else 'off'})" if r.get("ab") else ""))
         if any(r.get("sampled") for r in R["decode"]):
-            lines.append("  * = sampled (temperature 0.8, top-p 0.95, unseeded); rounds: "
-                         + ", ".join(f"{r['steps_per_round']}x{r['B']}: {r['multi_step_rounds']}"
-                                     for r in R["decode"] if r.get("sampled")))
+            lines.append("  * = sampled (temperature 0.8, top-p 0.95, unseeded), s = the same, seeded; rounds: "
+                         + ", ".join(f"{r['steps_per_round']}x{r['B']}{'s' if r['sampled'] == 'seeded' else ''}: "
+                                     f"{r['multi_step_rounds']}" for r in R["decode"] if r.get("sampled")))
         if any(r.get("penalized") for r in R["decode"]):
             lines.append(f"  p = greedy with {PENALTIES}")
     tp = R.get("throughput")
@@ -511,6 +517,9 @@ def main() -> int:
     ap.add_argument("--multi-steps", type=int, default=8, help="num_scheduler_steps of the second decode pass")
     ap.add_argument("--sampled", action="store_true",
                     help="also decode with temperature 0.8 / top-p 0.95 (unseeded), one step and multi-step")
+    ap.add_argument("--no-greedy", action="store_true", help="skip the greedy rows (with --sampled / --seeded / ...)")
+    ap.add_argument("--seeded", action="store_true",
+                    help="also decode sampled with a seed per request, 8-step async rounds, at batch 1, 32 and 128")
     ap.add_argument("--penalized", action="store_true",
                     help=f"also decode greedy with {PENALTIES} at batch 1, 32 and 128")
     ap.add_argument("--tma-ab", nargs="?", const="128", default="", metavar="BATCHES",

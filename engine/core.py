@@ -150,10 +150,20 @@ class EngineCore:
             arrival_time=req.arrival_time or time.monotonic(),
         )
         if req.params.seed is not None:
-            r.generator = torch.Generator().manual_seed(req.params.seed)
+            r.generator = self._generator(req.params.seed)
         self.scheduler.add_request(r)  # may raise QueueFullError, before any state changes below
         self.requests[r.request_id] = r
         self.groups[r.request_id] = [r.request_id]
+
+    def _on_device(self) -> bool:
+        """Random rows are drawn where the logits are (`sampler.draw_on_device`; a GPU runner)."""
+        return getattr(self.runner, "sample_on_device", False)
+
+    def _generator(self, seed: int) -> torch.Generator:
+        """A seeded request's own generator, on the device its draws are made on: a seeded request
+        then samples on the GPU, in multi-step rounds too, and its tokens do not depend on its batch."""
+        dev = getattr(self.runner, "device", "cpu") if self._on_device() else "cpu"
+        return torch.Generator(device=dev).manual_seed(seed)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         for ext in request_ids:
@@ -204,7 +214,7 @@ class EngineCore:
                 self.connector.start_load_kv(sched.connector_meta)
             return outputs
         if self.multi_steps > 1 or self.async_scheduling:
-            k = plan_steps(sched, self.kv, self.multi_steps, getattr(self.runner, "sample_on_device", False))
+            k = plan_steps(sched, self.kv, self.multi_steps, self._on_device())
             if k:
                 return outputs + self._step_multi(sched, k)
         self.num_steps += 1
@@ -236,7 +246,7 @@ class EngineCore:
         if not owners:
             return outputs
         hist = [r.penalty_history() for r, _ in owners] if any(p.penalized for p in row_params) else None
-        samples = self.sampler.sample(logits[row_src], row_params, row_gens, hist)
+        samples = self.sampler.sample(logits[row_src], row_params, row_gens, hist, on_device=self._on_device())
         forks: dict[str, list[SampleResult]] = {}
         for (r, c), res in zip(owners, samples):
             if c > 0:
@@ -308,7 +318,7 @@ class EngineCore:
             child.num_cached_tokens = parent.num_cached_tokens
             child.first_scheduled_time = parent.first_scheduled_time
             if parent.params.seed is not None:
-                child.generator = torch.Generator().manual_seed(parent.params.seed + i)
+                child.generator = self._generator(parent.params.seed + i)
             self.kv.fork(parent, child)
             child.status = RequestStatus.RUNNING
             self.scheduler.running.append(child)

@@ -148,10 +148,12 @@ class _Round:
     """A multi-step round queued on the device: its inputs (graph buffers or eager tensors, advanced
     in place from step to step), its tokens on the device and, once copied, on the host."""
 
-    __slots__ = ("B", "params", "rand", "adjust", "lp_k", "graph", "inputs", "toks", "host", "event")
+    __slots__ = ("B", "params", "rand", "gens", "adjust", "lp_k", "graph", "inputs", "toks", "host", "event")
 
-    def __init__(self, B: int, params: list, rand: list[int], adjust: LogitAdjustment | None = None) -> None:
+    def __init__(self, B: int, params: list, rand: list[int], gens: list,
+                 adjust: LogitAdjustment | None = None) -> None:
         self.B, self.params, self.rand = B, params, rand
+        self.gens = gens  # per row: a seeded request's own generator, else None
         self.adjust = adjust  # logit bias / penalties, extended on the device by each step's tokens
         self.lp_k = logprob_width(params)  # top logprobs per row and step; None: nobody asked
         self.graph = 0  # padded batch size of the CUDA graph it replays; 0: eager
@@ -175,8 +177,9 @@ class ModelRunner:
             configure_cpu_threads()
         self.device = torch.device(config.device)
         self.cuda = self.device.type == "cuda"
-        # Unseeded random rows may be drawn inside multi-step rounds (engine/multi_step.py): on a GPU,
-        # where the one-step path draws on the device too. The CPU keeps its seeded per-row draws.
+        # Random rows (seeded ones from their own generators) may be drawn inside multi-step rounds
+        # (engine/multi_step.py): on a GPU, where the one-step path draws on the device the same way.
+        # The CPU keeps its per-row multinomial draws and the one-step path.
         self.sample_on_device = self.cuda
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.cache.block_size
@@ -324,8 +327,8 @@ class ModelRunner:
         """Queue ``k`` decode steps on the device (engine/multi_step.py decides when); no host wait.
 
         Every scheduled request decodes one token and its blocks already cover ``k`` more
-        positions. Step ``i + 1`` reads step ``i``'s token from the device (argmax, or an
-        unseeded random draw: `sampler.draw_on_device`), so the host builds inputs once;
+        positions. Step ``i + 1`` reads step ``i``'s token from the device (argmax, or a
+        random draw, seeded or not: `sampler.draw_on_device`), so the host builds inputs once;
         `collect` reads all ``k x B`` tokens in one copy, and `continue_multi` may queue the
         next round behind this one before that (async scheduling)."""
         self._apply_copies(sched)
@@ -334,9 +337,7 @@ class ModelRunner:
             raise ValueError("a decode round needs a pure decode step")
         params = [s.request.params for s in sched.scheduled]
         rand = [j for j, sp in enumerate(params) if not sp.greedy]
-        if rand and any(sched.scheduled[j].request.generator is not None for j in rand):
-            raise ValueError("a decode round draws on the device: seeded requests take the one-step path")
-        rnd = _Round(p.B, params, rand)
+        rnd = _Round(p.B, params, rand, [s.request.generator for s in sched.scheduled])
         adjusted = any(sp.adjusts_logits for sp in params)
         hist = [s.request.penalty_history() for s in sched.scheduled] if adjusted else None
         if self._uses_graph(p):
@@ -364,7 +365,7 @@ class ModelRunner:
         """Queue ``k`` more decode steps for the same sequences behind ``prev``, before its tokens
         reach the host: the first step's inputs are ``prev``'s last tokens, on the device.
         ``block_ids``: each sequence's blocks, now covering ``k`` more positions."""
-        rnd = _Round(prev.B, prev.params, prev.rand, prev.adjust)  # its histories run on from prev's
+        rnd = _Round(prev.B, prev.params, prev.rand, prev.gens, prev.adjust)  # histories run on from prev's
         rnd.graph, rnd.inputs = prev.graph, prev.inputs
         bt = self._block_table(block_ids)
         if rnd.graph:
@@ -401,7 +402,7 @@ class ModelRunner:
             raw = logits
             if rnd.adjust is not None:
                 logits = rnd.adjust.apply(logits)
-            toks[i] = draw_on_device(logits, rnd.params, rnd.rand) if rnd.rand else logits.argmax(-1)
+            toks[i] = draw_on_device(logits, rnd.params, rnd.rand, generators=rnd.gens) if rnd.rand else logits.argmax(-1)
             if rnd.adjust is not None:
                 rnd.adjust.extend(toks[i])
             if rnd.lp_k is not None:

@@ -3,7 +3,7 @@
 Why: a decode step of a large batch spends about a third of its time on the host
 (scheduling, input build, output handling) while the GPU waits; measured on the
 H200 at batch 128: 6.6 ms of GPU work in a 9.7 ms step. When every sequence of a
-round decodes greedily or samples without a seed (on a GPU), the next step's input
+round decodes greedily or samples on a GPU, the next step's input
 is a token the device chose itself (argmax, or the exponential-race draw of
 `sampler.draw_on_device`): the runner plans once, replays the decode graph ``k``
 times and hands back ``k`` tokens per sequence in one copy (``--num-scheduler-steps``).
@@ -11,10 +11,11 @@ times and hands back ``k`` tokens per sequence in one copy (``--num-scheduler-st
 What keeps it exact:
 
 * Only rounds where every scheduled request decodes one token of an unfinished
-  output, greedily or (GPU) by unseeded sampling, and the connector moves
-  nothing. Anything else (a prefill chunk, a seeded request, a transfer) runs the
-  ordinary one-step path. Unseeded GPU sampling is not reproducible in either
-  path; a seed keeps its per-request CPU generator.
+  output, greedily or (GPU) by sampling, and the connector moves nothing. Anything
+  else (a prefill chunk, a transfer) runs the ordinary one-step path. Unseeded GPU
+  sampling is not reproducible in either path; a seeded request draws from its own
+  generator on the device, one vocabulary row per token in both paths, so its
+  tokens are the same in rounds, in one step and in any batch.
 * Logprobs come along: each step's are taken on the device from its raw logits
   (`sampler.device_logprobs`) and copied with the tokens. So do a logit bias and
   penalties: the round's `sampler.LogitAdjustment` is built from the host's
@@ -58,9 +59,9 @@ from .scheduler import Scheduler, SchedulerOutput
 def plan_steps(sched: SchedulerOutput, kv: KVCacheManager, k_max: int, sample_on_device: bool = False) -> int:
     """How many decode steps this round may run on the device; 0: not a round (the one-step path).
 
-    ``sample_on_device``: the runner draws unseeded random samples on the device (a GPU), so
-    such requests may run in rounds too; on the CPU they keep the one-step path and its
-    seeded default generator. When it returns ``k >= 1``, every scheduled request holds
+    ``sample_on_device``: the runner draws random samples on the device (a GPU; a seeded request
+    from its own generator there), so such requests may run in rounds too; on the CPU they keep
+    the one-step path and its multinomial draws. When it returns ``k >= 1``, every scheduled request holds
     blocks for ``k`` more positions and ``ScheduledRequest.block_ids`` lists them."""
     meta = sched.connector_meta
     if k_max < 1 or not sched.scheduled or meta.loads or meta.saves:
@@ -69,7 +70,7 @@ def plan_steps(sched: SchedulerOutput, kv: KVCacheManager, k_max: int, sample_on
         r, p = s.request, s.request.params
         if s.num_tokens != 1 or r.num_computed_tokens + 1 != r.num_tokens or r.num_output_tokens == 0:
             return 0
-        if not p.greedy and (r.generator is not None or not sample_on_device):
+        if not p.greedy and not sample_on_device:
             return 0
     reqs = [s.request for s in sched.scheduled]
     k = _fit(reqs, 0, k_max)

@@ -320,10 +320,14 @@ def _results(logits: torch.Tensor, ids: list[int], params: Sequence[SamplingPara
 
 
 def draw_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], rand: list[int],
-                   by_sort: bool | None = None) -> torch.Tensor:
+                   by_sort: bool | None = None, generators: Sequence[torch.Generator | None] | None = None
+                   ) -> torch.Tensor:
     """Token ids ``[rows]`` chosen where the logits are, without a host sync: argmax, except the
-    ``rand`` rows (unseeded random sampling), which are filtered as the CPU rules say and drawn
-    by the exponential race ``argmax(p / E)``. Used per step and inside multi-step rounds.
+    ``rand`` rows (random sampling), which are filtered as the CPU rules say and drawn by the
+    exponential race ``argmax(p / E)``. Used per step and inside multi-step rounds.
+    ``generators[i]``: row ``i``'s own generator (a seeded request), on the logits' device: its
+    ``E`` comes from it, one row of the vocabulary's size per draw, so a seeded request's tokens
+    do not depend on its batch, on rounds or on async scheduling. Other rows share the default one.
     ``by_sort``: see `_filter_logits_batched`."""
     tok = logits.argmax(-1)
     if rand:
@@ -331,7 +335,11 @@ def draw_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], rand:
         x = logits if sel is None else logits.index_select(0, sel)
         x = _filter_logits_batched(x, [params[i] for i in rand], by_sort)
         probs = x.softmax(-1)
-        race = probs / torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(probs).exponential_()
+        for k, i in enumerate(rand):
+            if generators is not None and generators[i] is not None:
+                noise[k].exponential_(generator=generators[i])
+        race = probs / noise
         drawn = race.argmax(-1)
         tok = drawn if sel is None else tok.index_copy_(0, sel, drawn)
     return tok
@@ -344,13 +352,17 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                generators: Sequence[torch.Generator | None],
-               histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None) -> list[SampleResult]:
+               histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
+               on_device: bool | None = None) -> list[SampleResult]:
         """``logits[i]`` is sampled with ``params[i]``; rows may repeat for n > 1 forks. Rows with
-        penalties need ``histories[i]`` = (prompt ids, output ids so far); see `adjust_logits`."""
+        penalties need ``histories[i]`` = (prompt ids, output ids so far); see `adjust_logits`.
+        ``on_device``: draw as multi-step rounds do (`draw_on_device`; the default on a GPU), so
+        that a seeded request draws the same way in both paths."""
         raw = logits.float()
         logits = adjust_logits(raw, params, histories)
-        if logits.is_cuda:
-            ids = self._ids_device(logits, params, generators)
+        if logits.is_cuda if on_device is None else on_device:
+            ids = draw_on_device(logits, params, [i for i, p in enumerate(params) if not p.greedy],
+                                 generators=generators).tolist()
         else:
             greedy_rows = [i for i, p in enumerate(params) if p.greedy]
             greedy_tok = dict(zip(greedy_rows, logits[greedy_rows].argmax(-1).tolist())) if greedy_rows else {}
@@ -363,14 +375,3 @@ class Sampler:
                     gen = generators[i] or self.default_generator
                     ids.append(int(torch.multinomial(probs, 1, generator=gen).item()))
         return _results(raw, ids, params)
-
-    def _ids_device(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                    generators: Sequence[torch.Generator | None]) -> list[int]:
-        """GPU path: tokens decided on the device, one device-to-host copy of the ids."""
-        rand = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
-        seeded = [i for i, p in enumerate(params) if not p.greedy and generators[i] is not None]
-        ids = draw_on_device(logits, params, rand).tolist()
-        for i in seeded:  # reproducible per request: the request's CPU generator, as on the CPU path
-            probs = _filter_logits(logits[i], params[i]).softmax(-1).cpu()
-            ids[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
-        return ids

@@ -97,10 +97,10 @@ def test_device_sampling(bench):
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1),
               SamplingParams(temperature=0.7, top_p=1e-6), SamplingParams(temperature=1.0, min_p=0.999),
               SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=1.0)]
-    gens = [None, None, None, None, torch.Generator().manual_seed(5), None]
+    gens = [None, None, None, None, torch.Generator(device="cuda").manual_seed(5), None]
     out = [r.token_id for r in s.sample(logits, params, gens)]
     assert out[:4] == greedy[:4]
-    again = s.sample(logits[4:5], [params[4]], [torch.Generator().manual_seed(5)])[0].token_id
+    again = s.sample(logits[4:5], [params[4]], [torch.Generator(device="cuda").manual_seed(5)])[0].token_id
     assert again == out[4]
     assert all(0 <= t < 32000 for t in out)
     # Unseeded draws follow the distribution: a 2-token distribution, many draws.
@@ -308,11 +308,12 @@ def test_penalties_match_hf_on_the_gpu(bench):
     assert eng.num_multi_step_rounds > 0
 
 
-def test_logprobs_in_rounds_match_one_step_on_the_gpu(bench):
-    """Requests with logprobs (0, 2 and 5 top entries, one with a penalty, beside a plain row) in
-    8-step async rounds replayed from CUDA graphs: each step's logprobs are taken on the device from
-    the raw logits and copied with the tokens. float32: the same tokens, chosen logprobs and top
-    entries as one step at a time."""
+def test_logprobs_and_seeds_in_rounds_match_one_step_on_the_gpu(bench):
+    """Requests with logprobs (0, 2 and 5 top entries, one with a penalty, beside a plain row) and
+    a seeded sampled request in 8-step async rounds replayed from CUDA graphs: each step's
+    logprobs are taken on the device from the raw logits and copied with the tokens, the seeded
+    row draws from its own CUDA generator. float32: the same tokens, chosen logprobs and top
+    entries as one step at a time, and the seeded row's tokens as when it runs alone."""
     from kvmesh.engine.core import EngineCore
     from kvmesh.engine.messages import EngineCoreRequest
     from kvmesh.engine.models.random_init import random_model
@@ -320,16 +321,17 @@ def test_logprobs_in_rounds_match_one_step_on_the_gpu(bench):
 
     loaded = random_model(bench.small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=12)
     g = torch.Generator().manual_seed(13)
-    prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (30, 90, 14, 61)]
+    prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (30, 90, 14, 61, 45)]
     base = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    params = [base.with_(logprobs=0), base.with_(logprobs=2), base.with_(logprobs=5, presence_penalty=0.8), base]
+    params = [base.with_(logprobs=0), base.with_(logprobs=2), base.with_(logprobs=5, presence_penalty=0.8), base,
+              base.with_(temperature=1.0, seed=21)]
 
-    def run(steps, lazy):
+    def run(steps, lazy, rows=5):
         eng, _ = EngineCore.from_model(loaded=loaded, device="cuda", dtype="float32", num_kv_blocks=512,
                                        max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512,
                                        num_scheduler_steps=steps, async_scheduling=lazy)
         toks, lps = {}, {}
-        for i, (p, s) in enumerate(zip(prompts, params)):
+        for i, (p, s) in list(enumerate(zip(prompts, params)))[-rows:]:
             eng.add_request(EngineCoreRequest(request_id=f"l{i}", prompt_token_ids=p, params=s))
             toks[f"l{i}"], lps[f"l{i}"] = [], []
         while eng.has_unfinished():
@@ -344,6 +346,8 @@ def test_logprobs_in_rounds_match_one_step_on_the_gpu(bench):
     eng, got_t, got_l = run(8, True)
     assert eng.num_multi_step_rounds > 0 and eng.num_chained_rounds > 0 and eng.runner.num_graph_steps > 0
     assert got_t == want_t
+    _, alone, _ = run(1, False, rows=1)
+    assert alone["l4"] == got_t["l4"] and len(set(alone["l4"])) > 1
     assert want_l["l3"] == [] and [len(want_l[f"l{i}"]) for i in range(3)] == [24] * 3
     for rid in ("l0", "l1", "l2"):
         for (gc, gtop), (wc, wtop) in zip(got_l[rid], want_l[rid]):

@@ -97,9 +97,9 @@ def test_num_scheduler_steps_must_be_positive(make_llm):
         make_llm(num_scheduler_steps=0)
 
 
-def test_unseeded_sampling_runs_multi_step_only_where_drawn_on_device(make_llm, smol):
-    """Unseeded sampled requests join multi-step rounds when the runner draws on the device (a
-    GPU; forced here on the CPU runner), else they keep the one-step path. top_k=1 makes the
+def test_sampling_runs_multi_step_only_where_drawn_on_device(make_llm, smol):
+    """Sampled requests, seeded or not, join multi-step rounds when the runner draws on the device
+    (a GPU; forced here on the CPU runner), else they keep the one-step path. top_k=1 makes the
     draw deterministic, so those rows must equal greedy decoding token for token."""
     tok = smol.tokenizer
     ids = [tok(p).input_ids for p in PROMPTS]
@@ -119,11 +119,25 @@ def test_unseeded_sampling_runs_multi_step_only_where_drawn_on_device(make_llm, 
         if i % 2:
             assert toks == greedy[i][0]
     _check_clean(dev)
-    # a seeded request holds its batch to one step (its tokens come from its own CPU generator)
-    seeded = make_llm(num_scheduler_steps=4)
-    seeded.engine.runner.sample_on_device = True
-    seeded.generate(ids[:1], SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True))
-    assert seeded.engine.num_multi_step_rounds == 0
+    # a seeded request draws from its own generator in both paths: its tokens are the same in
+    # rounds (async or not) as one step at a time, alone or beside other sampled requests
+    seed = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=12, ignore_eos=True)
+
+    def seeded(batch, **kw):
+        llm = make_llm(**kw)
+        llm.engine.runner.sample_on_device = True
+        out = _tokens(llm.generate(ids[:batch], [seed] + params[1:batch]))
+        _check_clean(llm)
+        return llm, out[0][0]
+
+    _, alone = seeded(1)
+    assert len(set(alone)) > 1 and alone != greedy[0][0]  # a real draw, not the argmax
+    for kw in (dict(num_scheduler_steps=4), dict(num_scheduler_steps=3, async_scheduling=True)):
+        llm, got = seeded(len(ids), **kw)
+        assert llm.engine.num_multi_step_rounds > 0 and got == alone, kw
+    llm2 = make_llm()
+    llm2.engine.runner.sample_on_device = True
+    assert _tokens(llm2.generate(ids[:1], seed.with_(seed=6)))[0][0] != alone  # the seed matters
 
 
 def test_async_scheduling_equals_waiting_for_each_round(make_llm, smol):
