@@ -29,7 +29,7 @@ if ``kvmesh.engine`` does not import, ``kvmesh``, ``kvmesh.engine`` and
    128 out, all submitted at once; output and total tokens/s. A deadline cuts the run
    short if needed (reported).
 
-Prints a table last; writes ``gpu_engine.json`` under ``$OUT`` (or the cwd).
+Prints a table last; writes ``gpu_engine.json`` (``--json NAME``: two runs in one call) under ``$OUT`` (or the cwd).
 """
 from __future__ import annotations
 
@@ -530,6 +530,7 @@ def main() -> int:
                          "programmatic dependent launch off / on / off / on")
     ap.add_argument("--gemv-ab", action="store_true",
                     help="also time batch 1 with cuBLAS GEMVs (KVMESH_GEMV=0) before the default GEMV kernel")
+    ap.add_argument("--json", default="gpu_engine.json", help="file name of the results under $OUT (or the cwd)")
     ap.add_argument("--budget-s", type=float, default=560.0, help="whole-run deadline (throughput is cut to fit)")
     args = ap.parse_args()
     import triton
@@ -563,7 +564,7 @@ def main() -> int:
     if "throughput" not in skip and eng is not None:
         eng.multi_steps, eng.async_scheduling = args.multi_steps, True
         stage("throughput", lambda: throughput(eng, args.prompts, T_START + args.budget_s))
-    with open(os.path.join(out_dir, "gpu_engine.json"), "w") as f:
+    with open(os.path.join(out_dir, args.json), "w") as f:
         json.dump(R, f, indent=1, default=str)
     print(table(), flush=True)
     return status
