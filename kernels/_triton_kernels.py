@@ -707,3 +707,73 @@ def gemv_kernel(
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _race_probs(x_ptr, idx, ok, temp, m, inv_s):
+    """A row's probabilities at ``idx``: ``softmax(x / temp)`` from its max ``m`` and ``1 / sum``;
+    the same expression in every pass, so the threshold search and the draw agree bit for bit."""
+    v = tl.load(x_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32) / temp
+    return tl.exp(v - m) * inv_s
+
+
+@triton.jit
+def top_p_race_kernel(
+    x_ptr, noise_ptr, temp_ptr, top_p_ptr, out_ptr,
+    V, x_stride, noise_stride,
+    BLOCK: tl.constexpr, BITS: tl.constexpr,
+):
+    """One program per row: temperature, top-p and the exponential-race draw in a few passes
+    over the row's logits, no sort and no ``[rows, V]`` intermediate.
+
+    Pass 1 finds the softmax's max and sum (online, per lane). Then the top-p threshold ``t``,
+    the largest probability with ``mass(p >= t) > top_p`` (what the sort rule keeps, see
+    `sampler._top_p_threshold`), is searched on the bit pattern of non-negative float32
+    (ordered like the integers), ``BITS`` bits per pass: each pass sums the mass at or above
+    each of the ``2**BITS`` candidate prefixes at once and keeps the largest whose mass still
+    exceeds ``top_p``. The last pass draws ``argmax(p / noise)`` over the tokens ``p >= t``
+    (``noise``: Exp(1) per token, made by the caller so seeded rows can use their generators)."""
+    row = tl.program_id(0).to(tl.int64)
+    temp = tl.load(temp_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    xr = x_ptr + row * x_stride
+    nr = noise_ptr + row * noise_stride
+    offs = tl.arange(0, BLOCK)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        v = tl.load(xr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) / temp
+        m_new = tl.maximum(m, v)
+        live = m_new > float("-inf")
+        s = tl.where(live, s * tl.exp(m - m_new) + tl.exp(v - m_new), 0.0)
+        m = m_new
+    mx = tl.max(m, 0)
+    inv_s = 1.0 / tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0), 0)
+    prefix = tl.zeros([1], tl.int64)
+    if top_p < 1.0:
+        j = tl.arange(0, 1 << BITS).to(tl.int64)
+        for shift in tl.static_range(32 - BITS, -1, -BITS):
+            cand = prefix + (j << shift)  # [2**BITS] bit patterns; j = 0 is the prefix itself
+            mass = tl.zeros([1 << BITS], tl.float32)
+            for start in range(0, V, BLOCK):
+                idx = start + offs
+                p = _race_probs(xr, idx, idx < V, temp, mx, inv_s)
+                key = p.to(tl.int32, bitcast=True).to(tl.int64)
+                mass += tl.sum(tl.where(key[None, :] >= cand[:, None], p[None, :], 0.0), 1)
+            jm = tl.maximum(tl.sum((mass > top_p).to(tl.int64), 0) - 1, 0)
+            prefix = prefix + (jm << shift)
+    best = tl.full([BLOCK], -1.0, tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int64)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        ok = idx < V
+        p = _race_probs(xr, idx, ok, temp, mx, inv_s)
+        key = p.to(tl.int32, bitcast=True).to(tl.int64)
+        e = tl.load(nr + idx, mask=ok, other=1.0)
+        r = tl.where(ok & (key >= prefix), p / e, -1.0)
+        better = r > best
+        best = tl.where(better, r, best)
+        best_i = tl.where(better, idx.to(tl.int64), best_i)
+    top = tl.max(best, 0)
+    tl.store(out_ptr + row, tl.min(tl.where(best == top, best_i, V), 0))

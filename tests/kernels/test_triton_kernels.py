@@ -404,3 +404,75 @@ def test_argument_errors_are_clear(gen):
         K.write_kv(q[:, :2], q[:, :2], k, v, torch.zeros(5, dtype=torch.int64))
     with pytest.raises(ValueError, match="differ in length"):
         K.copy_blocks(torch.zeros(4, 8), torch.tensor([0]), torch.tensor([1, 2]))
+
+
+def _top_p_between(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Per row, a top_p that keeps exactly ``keep[row]`` tokens under the sort rule, half a token's
+    mass away from either boundary (so float rounding cannot move it)."""
+    sp = probs.sort(-1, descending=True).values
+    before = sp.cumsum(-1) - sp
+    idx = keep[:, None]
+    return (before.gather(1, idx - 1) + before.gather(1, idx)).squeeze(1) / 2
+
+
+@pytest.mark.parametrize("V", [700, 2500])
+def test_top_p_race(gen, V):
+    """The fused top-p + exponential race against the sorting reference. Rows with chosen nucleus
+    sizes (1 token, a few, most of the row), top_p = 1, temperatures below and above 1. Random
+    noise: the same token. Then the boundary itself: noise that lets the last kept token win if
+    it is kept, or the first excluded one win if it is (wrongly) kept."""
+    R = 7
+    logits = torch.randn(R, V, generator=gen) * 3
+    logits[5, : V // 2] = float("-inf")  # masked tokens (a logit bias of -inf) never drawn
+    temp = torch.tensor([1.0, 0.7, 1.3, 0.5, 1.0, 2.0, 0.9])
+    probs = (logits / temp[:, None]).softmax(-1)
+    keep = torch.tensor([1, 5, 40, V // 3, 2, V // 4, 3])
+    # a boundary token of some mass, or float32 cannot tell the two sides of it apart
+    keep = torch.minimum(keep, (probs > 1e-4).sum(-1) - 1).clamp_(min=1)
+    top_p = _top_p_between(probs, keep)
+    top_p[6] = 1.0
+    noise = torch.empty(R, V).exponential_(generator=gen)
+    want = K.top_p_race_reference(logits, temp, top_p, noise)
+    assert torch.equal(K.top_p_race(logits, temp, top_p, noise), want)
+    assert torch.isfinite(logits[5, want[5]])
+    order = probs.sort(-1, descending=True).indices
+    rows = torch.arange(R)
+    for pos, must_win in ((keep - 1, True), (keep, False)):  # last kept / first excluded token
+        tok = order[rows, pos.clamp(max=V - 1)]
+        n = torch.full((R, V), 1e6)
+        n[rows, tok] = 1e-30
+        got = K.top_p_race(logits, temp, top_p, n)
+        assert torch.equal(got, K.top_p_race_reference(logits, temp, top_p, n))
+        assert torch.equal(got == tok, torch.full((R,), must_win) | (top_p >= 1.0)), (pos, got, tok)
+
+
+def test_top_p_race_in_the_sampler_equals_the_filter_path(gen):
+    """`sampler.draw_on_device` with the fused kernel and with the batched filter, on the same
+    noise (each row seeded with its own generator): the same tokens, seeded rows beside greedy ones."""
+    from kvmesh.engine.sampler import draw_on_device
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    V = 900
+    logits = torch.randn(5, V, generator=gen) * 2.5
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.2, seed=2), SamplingParams(temperature=0.6, top_p=0.5, seed=3),
+              SamplingParams(temperature=1.0, top_p=0.99, seed=4)]
+    rand = [0, 2, 3, 4]
+
+    def draw(fused):
+        gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+        return draw_on_device(logits, params, rand, generators=gens, fused=fused)
+
+    a, b = draw(True), draw(False)
+    assert torch.equal(a, b) and a[1] == logits[1].argmax()
+
+
+def test_top_p_race_argument_errors():
+    x = torch.randn(2, 8)
+    t = torch.ones(2)
+    with pytest.raises(ValueError, match="noise shape"):
+        K.top_p_race(x, t, t, torch.ones(2, 7))
+    with pytest.raises(ValueError, match="dtype"):
+        K.top_p_race(x.double(), t, t, torch.ones(2, 8))
+    with pytest.raises(ValueError, match="top_p has 3 rows"):
+        K.top_p_race(x, t, torch.ones(3), torch.ones(2, 8))
