@@ -35,7 +35,7 @@ from checkout import import_checkout  # noqa: E402
 S = import_checkout("kvmesh.engine.sampler")
 from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
 
-PATHS = {"sort": True, "sort-free": False}  # the batched filter's two top-p forms (fused=False)
+PATHS = {"sort": True, "sort-free": False}
 CASES = (("peaked", "peaked", 0), ("flat", "flat", 0), ("peaked k50", "peaked", 50))  # name, logits, top_k
 
 
@@ -126,20 +126,10 @@ def main():
                      sync_free=sync_free(logits, params, rand) if dev == "cuda" else "n/a (cpu)")
             for path, by_sort in PATHS.items():
                 def call(by_sort=by_sort):
-                    return S.draw_on_device(logits, params, rand, by_sort=by_sort, fused=False)
+                    return S.draw_on_device(logits, params, rand, by_sort=by_sort)
                 r[f"{path}_ms"] = time_ms(call, dev, args.warmup, iters)
                 r[f"{path}_peak_MiB"] = peak_mib(call, dev)
             r["speedup"] = r["sort_ms"] / r["sort-free_ms"]
-            if not top_k:  # the fused kernel (kvmesh.kernels.top_p_race) takes temperature + top-p rows
-                def seeded(fused):  # the same noise for both: one seeded generator per row
-                    gens = [torch.Generator(device=dev).manual_seed(i) for i in range(B)]
-                    return S.draw_on_device(logits, params, rand, generators=gens, fused=fused)
-                r["fused_tokens_differing"] = int((seeded(True) != seeded(False)).sum())
-
-                def fused_call():
-                    return S.draw_on_device(logits, params, rand, fused=True)
-                r["fused_ms"] = time_ms(fused_call, dev, args.warmup, iters)
-                r["fused_peak_MiB"] = peak_mib(fused_call, dev)
             rows.append(r)
             print(f"  {r}", flush=True)
     if os.environ.get("OUT"):
@@ -148,14 +138,12 @@ def main():
     print(f"\n== draw_on_device, T {args.temperature}, top_p {args.top_p}, vocab {V}, fp32, {env['device']} "
           f"(torch {env['torch']}), median of {iters}")
     print("case       |     B | nucleus mean (max) | sort ms | sort-free ms | speedup | peak MiB sort / free | "
-          "rows differing | sync-free | fused ms (x sort-free, tokens differing)")
+          "rows differing | sync-free")
     for r in rows:
         mem = "n/a" if r["sort_peak_MiB"] is None else f"{r['sort_peak_MiB']:.0f} / {r['sort-free_peak_MiB']:.0f}"
         print(f"{r['case']:10s} | {r['B']:5d} | {r['nucleus_mean']:9.1f} ({r['nucleus_max']:6d}) | "
               f"{r['sort_ms']:7.3f} | {r['sort-free_ms']:12.3f} | {r['speedup']:6.2f}x | {mem:20s} | "
-              f"{r['rows_differing']:3d} ({r['tokens_differing']} tok) | {r['sync_free']} | "
-              + (f"{r['fused_ms']:.3f} ({r['sort-free_ms'] / r['fused_ms']:.2f}x, {r['fused_tokens_differing']})"
-                 if "fused_ms" in r else "-"))
+              f"{r['rows_differing']:3d} ({r['tokens_differing']} tok) | {r['sync_free']}")
 
 
 if __name__ == "__main__":

@@ -62,10 +62,6 @@ def _filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 # 0.33 ms at one row, where its fixed number of passes costs more than sorting one row.
 TOP_P_BY_SORT = os.environ.get("KVMESH_SAMPLER_SORT", "0") == "1"
 SORT_FREE_MIN_ROWS = 32
-# Rows with temperature and top-p only (no top-k, no min-p) are drawn on a GPU by one fused
-# kernel (`kvmesh.kernels.top_p_race`: a few passes over each row, no [rows, V] intermediates)
-# unless KVMESH_SAMPLER_FUSED=0.
-FUSED_TOP_P = os.environ.get("KVMESH_SAMPLER_FUSED", "1") == "1"
 
 
 def _filter_logits_batched(x: torch.Tensor, params: Sequence[SamplingParams],
@@ -323,41 +319,28 @@ def _results(logits: torch.Tensor, ids: list[int], params: Sequence[SamplingPara
     return results_with_logprobs(ids, params, *(a.tolist() for a in arrays))
 
 
-def _fusable(params: Sequence[SamplingParams], V: int) -> bool:
-    """Rows the fused top-p kernel draws exactly as `_filter_logits_batched` + the race would."""
-    return all(not (p.top_k and 0 < p.top_k < V) and p.min_p == 0.0 for p in params)
-
-
 def draw_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], rand: list[int],
-                   by_sort: bool | None = None, generators: Sequence[torch.Generator | None] | None = None,
-                   fused: bool | None = None) -> torch.Tensor:
+                   by_sort: bool | None = None, generators: Sequence[torch.Generator | None] | None = None
+                   ) -> torch.Tensor:
     """Token ids ``[rows]`` chosen where the logits are, without a host sync: argmax, except the
     ``rand`` rows (random sampling), which are filtered as the CPU rules say and drawn by the
     exponential race ``argmax(p / E)``. Used per step and inside multi-step rounds.
     ``generators[i]``: row ``i``'s own generator (a seeded request), on the logits' device: its
     ``E`` comes from it, one row of the vocabulary's size per draw, so a seeded request's tokens
     do not depend on its batch, on rounds or on async scheduling. Other rows share the default one.
-    ``by_sort``: see `_filter_logits_batched`. ``fused``: draw with `kvmesh.kernels.top_p_race`
-    (default: on a GPU, when every random row uses temperature and top-p only)."""
+    ``by_sort``: see `_filter_logits_batched`."""
     tok = logits.argmax(-1)
     if rand:
         sel = to_device(rand, logits.device, torch.int64) if len(rand) != len(params) else None
         x = logits if sel is None else logits.index_select(0, sel)
-        sub = [params[i] for i in rand]
-        noise = torch.empty(x.shape, dtype=torch.float32, device=x.device).exponential_()
+        x = _filter_logits_batched(x, [params[i] for i in rand], by_sort)
+        probs = x.softmax(-1)
+        noise = torch.empty_like(probs).exponential_()
         for k, i in enumerate(rand):
             if generators is not None and generators[i] is not None:
                 noise[k].exponential_(generator=generators[i])
-        if fused is None:
-            fused = FUSED_TOP_P and x.is_cuda and _fusable(sub, x.shape[-1])
-        if fused:
-            from kvmesh.kernels import top_p_race
-
-            cols = to_device([[max(p.temperature, 1e-5), p.top_p] for p in sub], x.device, torch.float32)
-            drawn = top_p_race(x.float().contiguous(), cols[:, 0].contiguous(), cols[:, 1].contiguous(), noise)
-        else:
-            probs = _filter_logits_batched(x, sub, by_sort).softmax(-1)
-            drawn = (probs / noise).argmax(-1)
+        race = probs / noise
+        drawn = race.argmax(-1)
         tok = drawn if sel is None else tok.index_copy_(0, sel, drawn)
     return tok
 

@@ -20,7 +20,6 @@ from .ops import (
     scatter_blocks,
     silu_and_mul,
     silu_mul_linear,
-    top_p_race,
     write_kv,
 )
 from .reference import (
@@ -34,7 +33,6 @@ from .reference import (
     scatter_blocks_reference,
     silu_and_mul_reference,
     silu_mul_linear_reference,
-    top_p_race_reference,
     write_kv_reference,
 )
 
@@ -53,7 +51,6 @@ __all__ = [
     "scatter_blocks",
     "silu_and_mul",
     "silu_mul_linear",
-    "top_p_race",
     "write_kv",
     "copy_blocks_reference",
     "gather_blocks_reference",
@@ -65,6 +62,5 @@ __all__ = [
     "scatter_blocks_reference",
     "silu_and_mul_reference",
     "silu_mul_linear_reference",
-    "top_p_race_reference",
     "write_kv_reference",
 ]

@@ -721,40 +721,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-# --------------------------------------------------------------------------- sampling
-
-
-def top_p_race(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-               noise: torch.Tensor) -> torch.Tensor:
-    """Token ids ``[rows]`` (int64): per row, temperature, top-p and the exponential race
-    ``argmax(p / noise)`` over the kept tokens, in one launch (``logits``, ``noise``: float32
-    ``[rows, V]``, last dim contiguous; ``temperature``, ``top_p``: float32 ``[rows]``)."""
-    fn = "top_p_race"
-    _check_dim(fn, "logits", logits, 2)
-    _check_dtype(fn, "logits", logits, (torch.float32,))
-    _check_dtype(fn, "noise", noise, (torch.float32,))
-    if noise.shape != logits.shape:
-        _fail(fn, f"noise shape {tuple(noise.shape)} != logits shape {tuple(logits.shape)}")
-    for name, t in (("temperature", temperature), ("top_p", top_p)):
-        _check_dim(fn, name, t, 1)
-        _check_dtype(fn, name, t, (torch.float32,))
-        if t.shape[0] != logits.shape[0]:
-            _fail(fn, f"{name} has {t.shape[0]} rows, logits {logits.shape[0]}")
-    _check_device(fn, "logits", logits, noise=noise, temperature=temperature, top_p=top_p)
-    _check_last_contig(fn, "logits", logits)
-    _check_last_contig(fn, "noise", noise)
-    if backend(logits) == "reference":
-        return _ref.top_p_race_reference(logits, temperature, top_p, noise)
-    rows, V = logits.shape
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows:
-        _k(logits).top_p_race_kernel[(rows,)](
-            logits, noise, temperature.contiguous(), top_p.contiguous(), out, V, logits.stride(0), noise.stride(0),
-            BLOCK=min(1024, _p2(V)), BITS=4, num_warps=8,
-        )
-    return out
-
-
 # --------------------------------------------------------------------------- fused decode helpers
 
 

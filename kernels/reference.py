@@ -194,16 +194,3 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def silu_mul_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The MLP's down projection of ``silu(gate) * up`` for a gate|up row ``x``."""
     return F.linear(silu_and_mul_reference(x), weight)
-
-
-def top_p_race_reference(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                         noise: torch.Tensor) -> torch.Tensor:
-    """Per row: ``softmax(logits / temperature)``, the tokens the sorted top-p rule keeps (a token
-    is kept while the mass before it, in descending order, is at most ``top_p``; every token tied
-    with the last kept one too), then the exponential race ``argmax(p / noise)`` over them."""
-    probs = (logits.float() / temperature[:, None]).softmax(-1)
-    sorted_p = probs.sort(-1, descending=True).values
-    kept = ((sorted_p.cumsum(-1) - sorted_p) <= top_p[:, None]).sum(-1, keepdim=True).clamp_(min=1)
-    t = torch.where(top_p < 1.0, sorted_p.gather(1, kept - 1)[:, 0], 0.0)
-    race = torch.where(probs >= t[:, None], probs / noise, -1.0)
-    return race.argmax(-1)
