@@ -68,6 +68,7 @@ class EngineCore:
         lazy = config.scheduler.async_scheduling
         self.async_scheduling = rounds and (getattr(self.runner, "cuda", False) if lazy is None else lazy)
         self.num_multi_step_rounds = 0
+        self.num_round_steps = 0  # decode steps run inside those rounds (part of num_steps)
         self.num_chained_rounds = 0  # rounds queued behind one in flight (async scheduling)
         self._inflight: _InFlight | None = None
 
@@ -290,6 +291,7 @@ class EngineCore:
             self._inflight = None  # same requests: they fail now
             return [self._finish(r, RequestStatus.FINISHED_ERROR, error=str(e)) for r in cur.reqs if not r.is_finished]
         self.num_steps += cur.k
+        self.num_round_steps += cur.k
         self.num_multi_step_rounds += 1
         self.num_computed_tokens += cur.k * len(cur.reqs)
         outs: list[EngineCoreOutput] = []
@@ -400,6 +402,8 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             num_computed_tokens=self.num_computed_tokens,
+            num_round_steps=self.num_round_steps,
+            num_chained_rounds=self.num_chained_rounds,
         )
 
     def check_integrity(self) -> None:

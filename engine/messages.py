@@ -54,3 +54,6 @@ class EngineStats(msgspec.Struct):
     num_preemptions: int = 0
     num_steps: int = 0
     num_computed_tokens: int = 0  # tokens the model ran (excludes prefix-cache hits and connector loads)
+    # of num_steps, the decode steps run in multi-step / async rounds (the device fed its own tokens back)
+    num_round_steps: int = 0
+    num_chained_rounds: int = 0  # rounds queued behind the one in flight (async scheduling)

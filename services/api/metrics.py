@@ -1,4 +1,4 @@
-"""Prometheus metrics with vLLM's names and ``model_name`` label.
+"""Prometheus metrics with vLLM's names (and `kvmesh:engine_*` where vLLM has none) and a ``model_name`` label.
 
 Two sources, neither on the engine's per-token path:
 * histograms and per-request counters are observed here, in the API process,
@@ -51,6 +51,17 @@ class ServerMetrics:
                              L, buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              L, buckets=E2E_BUCKETS, registry=r)
+        # Whether decode runs on the fast path: a step the device chose its own next input for
+        # (multi-step / async rounds) or one the host planned (prefill, mixed batch, KV transfer,
+        # CPU engine). A falling round share with the same traffic means something pushes batches
+        # off the fast path.
+        self.engine_steps = Counter("kvmesh:engine_steps",
+                                    "Engine steps by path: round = decode steps in multi-step / async rounds "
+                                    "(tokens fed back on the device), one_step = every other step.",
+                                    L + ["path"], registry=r)
+        self.chained_rounds = Counter("kvmesh:engine_chained_rounds",
+                                      "Decode rounds queued behind the one in flight (async scheduling).", L,
+                                      registry=r)
         self.queue_time = Histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.", L,
                                     buckets=E2E_BUCKETS, registry=r)
@@ -63,8 +74,10 @@ class ServerMetrics:
         self._last = EngineStats()
         for g in (self.num_running, self.num_waiting, self.kv_usage):
             g.labels(m).set(0)
-        for c in (self.prefix_queries, self.prefix_hits, self.preemptions):
+        for c in (self.prefix_queries, self.prefix_hits, self.preemptions, self.chained_rounds):
             c.labels(m)
+        for path in ("round", "one_step"):
+            self.engine_steps.labels(m, path)
 
     # ---- from the engine ----------------------------------------------------
     def on_stats(self, s: EngineStats) -> None:
@@ -75,9 +88,14 @@ class ServerMetrics:
         last = self._last
         for counter, new, old in ((self.prefix_queries, s.prefix_cache_queries, last.prefix_cache_queries),
                                   (self.prefix_hits, s.prefix_cache_hits, last.prefix_cache_hits),
-                                  (self.preemptions, s.num_preemptions, last.num_preemptions)):
+                                  (self.preemptions, s.num_preemptions, last.num_preemptions),
+                                  (self.chained_rounds, s.num_chained_rounds, last.num_chained_rounds)):
             if new > old:
                 counter.labels(m).inc(new - old)
+        for path, new, old in (("round", s.num_round_steps, last.num_round_steps),
+                               ("one_step", s.num_steps - s.num_round_steps, last.num_steps - last.num_round_steps)):
+            if new > old:
+                self.engine_steps.labels(m, path).inc(new - old)
         self._last = s
 
     def on_queue_time(self, seconds: float) -> None:

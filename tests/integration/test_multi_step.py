@@ -75,6 +75,8 @@ def test_multi_step_equals_one_step_with_stops_and_sampling(make_llm, smol):
     assert got == want
     # The sampled request held the batch to one step while it ran; the rest ran multi-step rounds after.
     assert multi.engine.num_multi_step_rounds > 0
+    s = multi.engine.stats()  # what /metrics reports as kvmesh:engine_steps_total{path=round|one_step}
+    assert 0 < s.num_round_steps < s.num_steps and s.num_round_steps <= 4 * multi.engine.num_multi_step_rounds
     _check_clean(multi)
     _check_clean(one)
 

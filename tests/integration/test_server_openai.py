@@ -360,7 +360,8 @@ def test_metrics_parse_and_move(http):
                  "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:time_to_first_token_seconds",
                  "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
                  "vllm:request_queue_time_seconds", "vllm:num_preemptions", "vllm:prompt_tokens",
-                 "vllm:generation_tokens", "vllm:request_success"):
+                 "vllm:generation_tokens", "vllm:request_success", "kvmesh:engine_steps",
+                 "kvmesh:engine_chained_rounds"):
         assert name in names, name
     assert 'model_name="smol"' in text
     before = wait_idle(http, 0.0)
@@ -377,4 +378,7 @@ def test_metrics_parse_and_move(http):
     # queue time is reported by the engine once per request; it arrives with the outputs
     assert after["vllm:request_queue_time_seconds_count"] >= before["vllm:request_queue_time_seconds_count"] + 1
     assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
+    # a CPU engine runs one step at a time: prefill + 2 decode steps, no rounds
+    one, rnd = "kvmesh:engine_steps_total{path=one_step}", "kvmesh:engine_steps_total{path=round}"
+    assert after[one] >= before[one] + 3 and after[rnd] == before[rnd] == 0
     json.dumps(after)  # plain numbers

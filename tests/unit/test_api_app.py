@@ -194,10 +194,15 @@ def test_health_and_metrics_open_without_key(app_client):
 
 def test_metrics_counters_advance_by_delta():
     m = ServerMetrics("m")
-    m.on_stats(EngineStats(prefix_cache_queries=10, num_preemptions=1))
-    m.on_stats(EngineStats(prefix_cache_queries=15, num_preemptions=1))
+    m.on_stats(EngineStats(prefix_cache_queries=10, num_preemptions=1, num_steps=5, num_round_steps=0))
+    m.on_stats(EngineStats(prefix_cache_queries=15, num_preemptions=1, num_steps=30, num_round_steps=24,
+                           num_chained_rounds=2))
     text = m.render().decode()
     assert 'vllm:prefix_cache_queries_total{model_name="m"} 15.0' in text
     assert 'vllm:num_preemptions_total{model_name="m"} 1.0' in text
+    # 30 steps, 24 of them in device rounds: 6 one-step
+    assert 'kvmesh:engine_steps_total{model_name="m",path="round"} 24.0' in text
+    assert 'kvmesh:engine_steps_total{model_name="m",path="one_step"} 6.0' in text
+    assert 'kvmesh:engine_chained_rounds_total{model_name="m"} 2.0' in text
     m.observe_finished("length", 0.5)
     assert 'vllm:request_success_total{finished_reason="length",model_name="m"} 1.0' in m.render().decode()
