@@ -402,7 +402,8 @@ class ModelRunner:
             raw = logits
             if rnd.adjust is not None:
                 logits = rnd.adjust.apply(logits)
-            toks[i] = draw_on_device(logits, rnd.params, rnd.rand, generators=rnd.gens) if rnd.rand else logits.argmax(-1)
+            toks[i] = (draw_on_device(logits, rnd.params, rnd.rand, generators=rnd.gens) if rnd.rand
+                       else logits.argmax(-1))
             if rnd.adjust is not None:
                 rnd.adjust.extend(toks[i])
             if rnd.lp_k is not None:
