@@ -193,18 +193,14 @@ class LogitAdjustment:
     on the device, so a multi-step or async round (engine/multi_step.py) keeps applying the
     penalties without the host seeing its tokens. The one-step path builds one per step."""
 
-    def __init__(self, params: Sequence[SamplingParams], V: int, device: torch.device) -> None:
+    def __init__(self, V: int, device: torch.device) -> None:
         self.V = V
-
-        def per_row(values, dtype=torch.float32):
-            return to_device(values, device, dtype)
-
         z = torch.zeros(0, dtype=torch.int64, device=device)
         self.bias_pos, self.bias_val, self.rep_pos, self.out_pos = z, z.float(), z, z
         self.rep_rows = self.cnt_rows = None  # rows whose drawn tokens `extend` adds to each rule
-        self.rep = per_row([p.repetition_penalty for p in params])
-        self.freq = per_row([p.frequency_penalty for p in params])
-        self.pres = per_row([p.presence_penalty for p in params])
+        # per-row values, uploaded only for the rules some row uses: repetition; (frequency, presence)
+        self.rep: torch.Tensor | None = None
+        self.freq_pres: torch.Tensor | None = None
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], histories, V: int,
@@ -216,7 +212,7 @@ class LogitAdjustment:
             return None
         if histories is None and any(params[i].penalized for i in rows):
             raise ValueError("penalized sampling rows need the request's token histories")
-        a = cls(params, V, device)
+        a = cls(V, device)
 
         def up(values, dtype=torch.int64):  # nothing to copy (a row with no output yet): no pinned buffer of size 0
             return to_device(values, device, dtype) if len(values) else torch.zeros(0, dtype=dtype, device=device)
@@ -231,10 +227,12 @@ class LogitAdjustment:
                                                             np.asarray(histories[i][1], dtype=np.int64)])
                                             for i in rep], V))
             a.rep_rows = up(rep)
+            a.rep = up([p.repetition_penalty for p in params], torch.float32)
         cnt = [i for i in rows if params[i].frequency_penalty or params[i].presence_penalty]
         if cnt:
             a.out_pos = up(_positions(cnt, [np.asarray(histories[i][1], dtype=np.int64) for i in cnt], V))
             a.cnt_rows = up(cnt)
+            a.freq_pres = up([(p.frequency_penalty, p.presence_penalty) for p in params], torch.float32)
         return a
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -249,9 +247,9 @@ class LogitAdjustment:
             v, pen = flat.index_select(0, self.rep_pos), self.rep.to(dt)[self.rep_pos // self.V]
             flat.index_copy_(0, self.rep_pos, torch.where(v > 0, v / pen, v * pen))
         if self.out_pos.numel():
-            row = self.out_pos // self.V
-            flat.scatter_add_(0, self.out_pos, -self.freq.to(dt)[row])
-            flat.index_copy_(0, self.out_pos, flat.index_select(0, self.out_pos) - self.pres.to(dt)[row])
+            fp = self.freq_pres.to(dt)[self.out_pos // self.V]
+            flat.scatter_add_(0, self.out_pos, -fp[:, 0])
+            flat.index_copy_(0, self.out_pos, flat.index_select(0, self.out_pos) - fp[:, 1])
         return x
 
     def extend(self, tokens: torch.Tensor) -> None:
@@ -310,13 +308,14 @@ def results_with_logprobs(ids: list[int], params: Sequence[SamplingParams], chos
     return out
 
 
-def _results(logits: torch.Tensor, ids: list[int], params: Sequence[SamplingParams]) -> list[SampleResult]:
-    """Wrap the chosen ids; rows that asked for logprobs get them from the raw distribution."""
+def _results(logits: torch.Tensor, ids: torch.Tensor, params: Sequence[SamplingParams]) -> list[SampleResult]:
+    """Wrap the chosen ids (``ids``: on the logits' device); rows that asked for logprobs get them
+    from the raw distribution."""
     k = logprob_width(params)
     if k is None:
-        return [SampleResult(t) for t in ids]
-    arrays = device_logprobs(logits, torch.tensor(ids, device=logits.device), k)
-    return results_with_logprobs(ids, params, *(a.tolist() for a in arrays))
+        return [SampleResult(t) for t in ids.tolist()]
+    arrays = device_logprobs(logits, ids, k)
+    return results_with_logprobs(ids.tolist(), params, *(a.tolist() for a in arrays))
 
 
 def draw_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], rand: list[int],
@@ -335,10 +334,12 @@ def draw_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], rand:
         x = logits if sel is None else logits.index_select(0, sel)
         x = _filter_logits_batched(x, [params[i] for i in rand], by_sort)
         probs = x.softmax(-1)
-        noise = torch.empty_like(probs).exponential_()
-        for k, i in enumerate(rand):
-            if generators is not None and generators[i] is not None:
-                noise[k].exponential_(generator=generators[i])
+        own = [(k, generators[i]) for k, i in enumerate(rand) if generators is not None and generators[i] is not None]
+        noise = torch.empty_like(probs)
+        if len(own) < len(rand):  # the unseeded rows share the default generator
+            noise.exponential_()
+        for k, g in own:
+            noise[k].exponential_(generator=g)
         race = probs / noise
         drawn = race.argmax(-1)
         tok = drawn if sel is None else tok.index_copy_(0, sel, drawn)
@@ -362,7 +363,7 @@ class Sampler:
         logits = adjust_logits(raw, params, histories)
         if logits.is_cuda if on_device is None else on_device:
             ids = draw_on_device(logits, params, [i for i, p in enumerate(params) if not p.greedy],
-                                 generators=generators).tolist()
+                                 generators=generators)
         else:
             greedy_rows = [i for i, p in enumerate(params) if p.greedy]
             greedy_tok = dict(zip(greedy_rows, logits[greedy_rows].argmax(-1).tolist())) if greedy_rows else {}
@@ -374,4 +375,5 @@ class Sampler:
                     probs = _filter_logits(logits[i], p).softmax(-1).cpu()
                     gen = generators[i] or self.default_generator
                     ids.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+            ids = torch.tensor(ids, dtype=torch.int64, device=raw.device)
         return _results(raw, ids, params)
