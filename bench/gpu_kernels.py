@@ -374,6 +374,54 @@ def check_elementwise(gen):
         record(f"silu_and_mul {tag}", elem_err(K.silu_and_mul(g), K.silu_and_mul_reference(g), dtype), ub)
 
 
+def top_p_rule_err(p, top_p, t):
+    """How far ``t`` misses the top-p rule, in float64 mass: 0 when ``t`` is a token of its row (0
+    where ``top_p >= 1``) with ``mass(p > t) <= top_p < mass(p >= t)``; else the largest violation
+    (1 for a value that is no token of its row). The kernel sums masses in float32, so a row
+    whose cumulative mass lies within rounding of ``top_p`` may land one token off: bound 3e-5."""
+    p64, err = p.double(), 0.0
+    for i in range(p.shape[0]):
+        tp, ti = float(top_p[i]), t[i]
+        if tp >= 1.0:
+            err = max(err, 0.0 if float(ti) == 0.0 else 1.0)
+            continue
+        if not bool((p[i] == ti).any()):
+            return 1.0
+        ge, gt = float(p64[i][p[i] >= ti].sum()), float(p64[i][p[i] > ti].sum())
+        err = max(err, gt - tp, tp - ge)
+    return err
+
+
+def top_p_rows(gen, rows, V):
+    """Rows of three shapes (N(0,1) logits; a trained LM's decay in random order; a few tied
+    values), with top_p values from tiny to 1."""
+    flat = torch.randn(rows, V, device=DEV, generator=gen)
+    rank = torch.arange(1, V + 1, device=DEV).float().log()
+    peaked = (-1.8 * rank + 0.3 * torch.randn(rows, V, device=DEV, generator=gen))
+    peaked = peaked.gather(1, torch.rand(rows, V, device=DEV, generator=gen).argsort(-1))
+    ties = torch.randint(0, 6, (rows, V), device=DEV, generator=gen).float()
+    top_p = torch.rand(rows, device=DEV, generator=gen)
+    top_p[::4] = 1.0
+    top_p[1::4] = 0.95
+    return {"flat": flat.softmax(-1), "peaked": peaked.softmax(-1), "ties": ties.softmax(-1)}, top_p
+
+
+def check_top_p(gen, rows=6, V=3000):
+    """`top_p_threshold` against the rule (float64 masses, `top_p_rule_err`) and against the
+    reference (rows differing: printed); on the device also the engine's width, and the same
+    result bit for bit on a second call."""
+    shapes = [(rows, V)] + ([(128, 128256), (1, 128256)] if DEV == "cuda" else [])
+    for R, V in shapes:
+        probs, top_p = top_p_rows(gen, R, V)
+        for name, p in probs.items():
+            t = K.top_p_threshold(p, top_p)
+            ref = K.top_p_threshold_reference(p, top_p)
+            differ = int((t != ref).sum())
+            again = 0.0 if torch.equal(K.top_p_threshold(p, top_p), t) else 1.0
+            record(f"top_p_threshold {name} {R}x{V}", max(top_p_rule_err(p, top_p, t), again), 3e-5,
+                   rows_differing_from_reference=differ)
+
+
 def check_fused(gen):
     """The decode-path fusions: one-row GEMV (+bias, + silu_and_mul) against a float64 product
     of the same rounded inputs (bound 8e-3 bf16: the output rounding plus fp32 order), and
@@ -735,7 +783,7 @@ def main():
     print("env:", RESULTS["env"], flush=True)
     t0 = time.time()
     print("checks:", flush=True)
-    checks = [check_write_kv, check_blocks, check_elementwise, check_fused, check_attention]
+    checks = [check_write_kv, check_blocks, check_elementwise, check_fused, check_top_p, check_attention]
     if DEV == "cuda":
         checks += [check_cuda_graph, check_pdl]
     for fn in checks:

@@ -35,7 +35,24 @@ from checkout import import_checkout  # noqa: E402
 S = import_checkout("kvmesh.engine.sampler")
 from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
 
-PATHS = {"sort": True, "sort-free": False}
+# name: (by_sort, top-p threshold); "sort-free torch" is the radix search in torch ops (the
+# kernels' reference, the sampler's GPU path before the Triton passes)
+PATHS = {"sort": (True, None), "sort-free torch": (False, "reference"), "sort-free": (False, None)}
+
+
+class threshold_by:
+    """Run the sampler with `top_p_threshold_reference` in place of the kernels (``"reference"``)."""
+
+    def __init__(self, which):
+        self.which = which
+
+    def __enter__(self):
+        self.saved = S._top_p_threshold
+        if self.which == "reference":
+            S._top_p_threshold = S.kernels.top_p_threshold_reference
+
+    def __exit__(self, *exc):
+        S._top_p_threshold = self.saved
 CASES = (("peaked", "peaked", 0), ("flat", "flat", 0), ("peaked k50", "peaked", 50))  # name, logits, top_k
 
 
@@ -78,6 +95,19 @@ def peak_mib(fn, dev: str) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def profile(fn, dev: str, what: str) -> None:
+    """The kernels of ten calls of ``fn``, by total device time."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(10):
+            fn()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if dev == "cuda" else "cpu_time_total"
+    print(f"\n-- profile, default draw, {what}, 10 calls")
+    print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60), flush=True)
+
+
 def sync_free(logits, params, rand) -> str:
     """'yes', or the error a host sync raised in the sort-free draw."""
     torch.cuda.synchronize()
@@ -100,6 +130,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--profile", action="store_true", help="print the device kernels of the default draw at the largest batch")
     args = ap.parse_args()
     dev = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
     batches = [int(b) for b in (args.batches or ("1,32,128" if dev == "cuda" else "1,8")).split(",")]
@@ -117,19 +148,26 @@ def main():
             logits = make_logits(kind, B, V, dev, gen)
             params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=top_k)] * B
             rand = list(range(B))
-            kept = {path: torch.isfinite(S._filter_logits_batched(logits, params, by_sort=by_sort))
-                    for path, by_sort in PATHS.items()}
+            kept = {}
+            for path, (by_sort, which) in PATHS.items():
+                with threshold_by(which):
+                    kept[path] = torch.isfinite(S._filter_logits_batched(logits, params, by_sort=by_sort))
             r = dict(case=name, B=B, nucleus_mean=kept["sort-free"].sum(-1).float().mean().item(),
                      nucleus_max=int(kept["sort-free"].sum(-1).max()),
                      rows_differing=int((kept["sort"] != kept["sort-free"]).any(-1).sum()),
                      tokens_differing=int((kept["sort"] != kept["sort-free"]).sum()),
+                     rows_differing_torch=int((kept["sort-free torch"] != kept["sort-free"]).any(-1).sum()),
                      sync_free=sync_free(logits, params, rand) if dev == "cuda" else "n/a (cpu)")
-            for path, by_sort in PATHS.items():
+            for path, (by_sort, which) in PATHS.items():
                 def call(by_sort=by_sort):
                     return S.draw_on_device(logits, params, rand, by_sort=by_sort)
-                r[f"{path}_ms"] = time_ms(call, dev, args.warmup, iters)
-                r[f"{path}_peak_MiB"] = peak_mib(call, dev)
+                with threshold_by(which):
+                    r[f"{path}_ms"] = time_ms(call, dev, args.warmup, iters)
+                    r[f"{path}_peak_MiB"] = peak_mib(call, dev)
             r["speedup"] = r["sort_ms"] / r["sort-free_ms"]
+            r["speedup_torch"] = r["sort-free torch_ms"] / r["sort-free_ms"]
+            if args.profile and B == max(batches):
+                profile(call, dev, f"{name}, B {B}")
             rows.append(r)
             print(f"  {r}", flush=True)
     if os.environ.get("OUT"):
@@ -137,13 +175,14 @@ def main():
             json.dump(dict(env=env, rows=rows), f, indent=1)
     print(f"\n== draw_on_device, T {args.temperature}, top_p {args.top_p}, vocab {V}, fp32, {env['device']} "
           f"(torch {env['torch']}), median of {iters}")
-    print("case       |     B | nucleus mean (max) | sort ms | sort-free ms | speedup | peak MiB sort / free | "
-          "rows differing | sync-free")
+    print("case       |     B | nucleus mean (max) | sort ms | torch radix ms | sort-free ms | vs sort | vs torch | "
+          "peak MiB sort / free | rows differing sort (torch) | sync-free")
     for r in rows:
         mem = "n/a" if r["sort_peak_MiB"] is None else f"{r['sort_peak_MiB']:.0f} / {r['sort-free_peak_MiB']:.0f}"
         print(f"{r['case']:10s} | {r['B']:5d} | {r['nucleus_mean']:9.1f} ({r['nucleus_max']:6d}) | "
-              f"{r['sort_ms']:7.3f} | {r['sort-free_ms']:12.3f} | {r['speedup']:6.2f}x | {mem:20s} | "
-              f"{r['rows_differing']:3d} ({r['tokens_differing']} tok) | {r['sync_free']}")
+              f"{r['sort_ms']:7.3f} | {r['sort-free torch_ms']:14.3f} | {r['sort-free_ms']:12.3f} | "
+              f"{r['speedup']:6.2f}x | {r['speedup_torch']:7.2f}x | {mem:20s} | "
+              f"{r['rows_differing']:3d} ({r['tokens_differing']} tok) ({r['rows_differing_torch']}) | {r['sync_free']}")
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@ On a GPU the tokens are chosen on the device and reach the host in ONE copy per
 step: greedy rows by argmax, unseeded random rows by a batched filter (the same
 temperature/top-k/top-p/min-p rules as the per-row CPU code, without sorting the
 vocabulary: top-p is a per-row probability threshold, found among the top-k
-candidates or by a radix search over probability mass) and the exponential-race
-draw ``argmax(p / E)``, ``E ~ Exp(1)``, which needs no host sync.
-Seeded rows still draw on the CPU from the request's own generator, so a seed
-gives the same tokens whatever else is in the batch. CPU logits take the
+candidates or by a radix search over probability mass, `kvmesh.kernels.top_p_threshold`)
+and the exponential-race draw ``argmax(p / E)``, ``E ~ Exp(1)``, which needs no host
+sync. A seeded row's ``E`` comes from the request's own generator on the device, so
+a seed gives the same tokens whatever else is in the batch. CPU logits take the
 original per-row path unchanged.
 """
 from __future__ import annotations
@@ -24,6 +24,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
+
+from kvmesh import kernels
 
 from .host_copy import to_device
 from .sampling_params import SamplingParams
@@ -58,8 +60,9 @@ def _filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 # KVMESH_SAMPLER_SORT=1: the device path finds top-k / top-p by sorting the whole vocabulary (the
 # original implementation, kept as the benchmark's baseline); default: sort-free (`_top_p_threshold`)
 # from SORT_FREE_MIN_ROWS rows up. Measured on an H200 at vocab 128,256 (bench/gpu_sampler.py,
-# 2026-11-29 20:18 UTC): sort-free 2.08 vs 2.97 ms at 128 rows, 0.83 vs 0.94 at 32, but 0.69 vs
-# 0.33 ms at one row, where its fixed number of passes costs more than sorting one row.
+# 2026-11-30 20:15 UTC, whole draws, T 0.8, top-p 0.95): sort-free 0.88-0.90 vs 2.9-3.1 ms at 128
+# rows, 0.46-0.67 vs 0.94-1.10 at 32, but 0.39-0.68 vs 0.31-0.56 ms at one row, where sorting one
+# row costs less than the filter's fixed chain of launches.
 TOP_P_BY_SORT = os.environ.get("KVMESH_SAMPLER_SORT", "0") == "1"
 SORT_FREE_MIN_ROWS = 32
 
@@ -136,45 +139,10 @@ def _top_p_threshold_sorted(probs: torch.Tensor, top_p: torch.Tensor) -> torch.T
 
 
 def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Per row, the smallest probability the top-p rule keeps (0 where ``top_p >= 1``), without sorting.
-
-    The sort rule keeps a token iff the mass of the tokens before it in descending order is
-    at most ``top_p``; with distinct probabilities that is every token ``>= t``, where ``t`` is
-    the largest token probability with ``mass(p >= t) > top_p``. Non-negative float32 values
-    order like their int32 bit patterns, so ``t`` is found a few bits at a time, like a radix
-    select that counts probability mass instead of tokens: each pass adds the probability of
-    every token under the prefix chosen so far into a per-row histogram over its next bits
-    (``scatter_add_``; other tokens add 0 to their own digit's bin, which keeps the atomics
-    spread out), and takes the largest digit where the mass at or above it (plus the mass
-    above the prefix) exceeds ``top_p``. Passes of up to 16 bits, never more bins than the row
-    has tokens, give ``t`` exactly: two passes at a 128K vocabulary, each a few elementwise
-    ops over ``[rows, V]``. The work is the same for every row and every decision stays on
-    the device, so there is no host sync, and no segmented sort of values and int64 indices.
-
-    Ties: every token equal to ``t`` is kept (the sort keeps an arbitrary subset of them, in
-    whatever order it put them), as top-k keeps every token tied with the k-th. The masses are
-    float32 sums in another order than the sort's cumsum, so a row whose cumulative mass lies
-    within rounding of ``top_p`` may keep one token more or fewer than the sort would."""
-    key = probs.view(torch.int32)
-    rows = probs.shape[0]
-    prefix = torch.zeros(rows, dtype=torch.int32, device=probs.device)
-    above = torch.zeros(rows, device=probs.device)  # mass of the tokens above the prefix
-    most = min(16, max(8, probs.shape[-1].bit_length() - 1))
-    shift = 31  # bits of a non-negative float32 still to decide, from the top
-    while shift:
-        bits = min(most, shift)
-        first = shift == 31  # every token is under the (empty) prefix
-        shift -= bits
-        digit = key >> shift if shift else key
-        if not first:
-            digit = digit & ((1 << bits) - 1)
-        w = probs if first else torch.where((key >> (shift + bits)) == prefix[:, None], probs, 0.0)
-        hist = torch.zeros(rows, 1 << bits, device=probs.device).scatter_add_(1, digit.long(), w).flip(-1)
-        mass_ge = above[:, None] + hist.cumsum(-1)  # mass at or above each digit, largest digit first
-        j = (mass_ge <= top_p[:, None]).sum(-1, keepdim=True).clamp_(max=(1 << bits) - 1)
-        above = (mass_ge - hist).gather(1, j)[:, 0]
-        prefix = (prefix << bits) | ((1 << bits) - 1 - j[:, 0]).int()
-    return torch.where(top_p < 1.0, prefix.view(torch.float32), 0.0)
+    """Per row, the smallest probability the top-p rule keeps (0 where ``top_p >= 1``), by a
+    radix search over probability mass (`kvmesh.kernels.top_p_threshold`: a Triton kernel on
+    a GPU, its torch reference on the CPU)."""
+    return kernels.top_p_threshold(probs, top_p)
 
 
 class LogitAdjustment:

@@ -20,6 +20,7 @@ from .ops import (
     scatter_blocks,
     silu_and_mul,
     silu_mul_linear,
+    top_p_threshold,
     write_kv,
 )
 from .reference import (
@@ -33,6 +34,7 @@ from .reference import (
     scatter_blocks_reference,
     silu_and_mul_reference,
     silu_mul_linear_reference,
+    top_p_threshold_reference,
     write_kv_reference,
 )
 
@@ -51,6 +53,7 @@ __all__ = [
     "scatter_blocks",
     "silu_and_mul",
     "silu_mul_linear",
+    "top_p_threshold",
     "write_kv",
     "copy_blocks_reference",
     "gather_blocks_reference",
@@ -62,5 +65,6 @@ __all__ = [
     "scatter_blocks_reference",
     "silu_and_mul_reference",
     "silu_mul_linear_reference",
+    "top_p_threshold_reference",
     "write_kv_reference",
 ]

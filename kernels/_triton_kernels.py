@@ -707,3 +707,69 @@ def gemv_kernel(
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+# --------------------------------------------------------------------------- sampling
+@_jit_unspecialized("V", "CHUNK")
+def top_p_hist_kernel(probs_ptr, prefix_ptr, hist_ptr, stride_row, V, CHUNK,
+                      SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr):
+    """One radix pass of `top_p_threshold` over one CHUNK of one row: the probability mass of
+    each BITS-bit digit (bits SHIFT.. of the float32 bit pattern) among the tokens whose higher
+    bits equal the row's prefix so far (every token in the FIRST pass), added into the row's
+    histogram.
+
+    Masses are fixed-point integers, ``p * 2**62`` (exact for every p above 2**-39; smaller
+    ones lose less than 2**-62 each), summed with int64 atomics: integer addition does not
+    depend on order, so every program of a row can add into one histogram and the result is
+    the same bit for bit on every run (a seeded request's draw must not change with timing),
+    where float atomics would reorder the sums. A row's total stays below 2**63."""
+    NB: tl.constexpr = 1 << BITS
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    if FIRST:
+        prefix = 0
+    else:
+        prefix = tl.load(prefix_ptr + row)
+    base = probs_ptr + row.to(tl.int64) * stride_row
+    hist = hist_ptr + row.to(tl.int64) * NB
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    for off in range(start, end, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        ok = idx < end
+        p = tl.load(base + idx, mask=ok, other=0.0)
+        key = p.to(tl.int32, bitcast=True)
+        if not FIRST:
+            ok = ok & ((key >> (SHIFT + BITS)) == prefix)
+        mass = (p * 4611686018427387904.0).to(tl.int64)  # 2**62
+        tl.atomic_add(hist + ((key >> SHIFT) & (NB - 1)), mass, mask=ok & (mass > 0), sem="relaxed")
+
+
+@triton.jit
+def top_p_select_kernel(hist_ptr, top_p_ptr, prefix_ptr, above_ptr, out_ptr,
+                        BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
+    """After a `top_p_hist_kernel` pass, one program per row: the largest digit at which the
+    mass at or above it (plus the mass above the prefix) exceeds ``top_p`` joins the prefix
+    (the last digit when none does, as the mass can fall short of 1 by rounding); the mass of
+    the larger digits joins ``above``. After the LAST pass the prefix is the threshold's bit
+    pattern (0 where ``top_p >= 1``)."""
+    NB: tl.constexpr = 1 << BITS
+    row = tl.program_id(0)
+    d = tl.arange(0, NB)
+    h = tl.load(hist_ptr + row.to(tl.int64) * NB + NB - 1 - d)  # largest digit first
+    tp = tl.load(top_p_ptr + row)
+    limit = (tl.minimum(tp, 1.0) * 4611686018427387904.0).to(tl.int64)
+    if FIRST:
+        above = tl.zeros((), dtype=tl.int64)
+        prefix = 0
+    else:
+        above = tl.load(above_ptr + row)
+        prefix = tl.load(prefix_ptr + row)
+    mass_ge = above + tl.cumsum(h, 0)
+    j = tl.minimum(tl.sum((mass_ge <= limit).to(tl.int32), 0), NB - 1)
+    above = tl.sum(tl.where(d == j, mass_ge - h, 0), 0)
+    prefix = (prefix << BITS) | (NB - 1 - j)
+    tl.store(prefix_ptr + row, prefix)
+    tl.store(above_ptr + row, above)
+    if LAST:
+        tl.store(out_ptr + row, tl.where(tp < 1.0, prefix.to(tl.float32, bitcast=True), 0.0))

@@ -829,3 +829,58 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch
     if not _gemv_applies(x, weight, None):
         return F.linear(silu_and_mul(x), weight)
     return _gemv(x, weight, None, True, config)
+
+
+# --------------------------------------------------------------------------- sampling
+
+_TOP_P_BITS = 10  # three passes over the 30 bits a probability <= 1 can set
+_TOP_P_BLOCK = 1024
+
+
+def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row of ``probs`` ``[rows, V]`` (float32, each row a distribution), the smallest
+    probability the top-p rule keeps, 0 where ``top_p[row] >= 1``: the largest token probability
+    ``t`` with ``mass(p >= t) > top_p`` (see `top_p_threshold_reference`). Ties with ``t`` are kept.
+
+    On a GPU: three radix passes of 10 bits, each a histogram of probability mass built by
+    (row, chunk) programs, so that every row is spread over the whole device, then a
+    one-program-per-row select. The masses are exact fixed-point sums (see
+    `top_p_hist_kernel`), so the result is the same on every run; it can differ from the
+    reference's float32 sums only where a row's cumulative mass lies within float rounding of
+    ``top_p``, by one token. Nothing here waits for the device."""
+    fn = "top_p_threshold"
+    _check_dim(fn, "probs", probs, 2)
+    _check_dtype(fn, "probs", probs, (torch.float32,))
+    _check_last_contig(fn, "probs", probs)
+    _check_dim(fn, "top_p", top_p, 1)
+    _check_dtype(fn, "top_p", top_p, (torch.float32,))
+    if top_p.shape[0] != probs.shape[0]:
+        _fail(fn, f"top_p has {top_p.shape[0]} entries for {probs.shape[0]} rows")
+    _check_device(fn, "probs", probs, top_p=top_p)
+    if backend(probs) == "reference":
+        return _ref.top_p_threshold_reference(probs, top_p)
+    rows, V = probs.shape
+    out = torch.zeros(rows, dtype=torch.float32, device=probs.device)
+    if rows == 0 or V == 0:
+        return out
+    top_p = top_p.contiguous()
+    tiles = triton_cdiv(V, _TOP_P_BLOCK)
+    # about 16 programs per SM in all (measured best of 4 and 16); a chunk is whole tiles
+    chunks = max(1, min(tiles, triton_cdiv(16 * _num_sms(probs.device), rows)))
+    chunk = triton_cdiv(tiles, chunks) * _TOP_P_BLOCK
+    chunks = triton_cdiv(V, chunk)
+    passes = triton_cdiv(30, _TOP_P_BITS)
+    hist = torch.zeros(passes, rows, 1 << _TOP_P_BITS, dtype=torch.int64, device=probs.device)
+    prefix = torch.empty(rows, dtype=torch.int32, device=probs.device)
+    above = torch.empty(rows, dtype=torch.int64, device=probs.device)
+    kern = _k(probs)
+    for i in range(passes):
+        shift = 30 - (i + 1) * _TOP_P_BITS
+        first, last = i == 0, i == passes - 1
+        kern.top_p_hist_kernel[(rows, chunks)](
+            probs, prefix, hist[i], probs.stride(0), V, chunk,
+            SHIFT=shift, BITS=_TOP_P_BITS, FIRST=first, BLOCK=_TOP_P_BLOCK, num_warps=4,
+        )
+        kern.top_p_select_kernel[(rows,)](hist[i], top_p, prefix, above, out, BITS=_TOP_P_BITS, FIRST=first,
+                                          LAST=last, num_warps=4)
+    return out

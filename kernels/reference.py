@@ -194,3 +194,45 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def silu_mul_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The MLP's down projection of ``silu(gate) * up`` for a gate|up row ``x``."""
     return F.linear(silu_and_mul_reference(x), weight)
+
+
+def top_p_threshold_reference(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest probability the top-p rule keeps (0 where ``top_p >= 1``), without sorting.
+
+    The sort rule keeps a token iff the mass of the tokens before it in descending order is
+    at most ``top_p``; with distinct probabilities that is every token ``>= t``, where ``t`` is
+    the largest token probability with ``mass(p >= t) > top_p``. Non-negative float32 values
+    order like their int32 bit patterns, so ``t`` is found a few bits at a time, like a radix
+    select that counts probability mass instead of tokens: each pass adds the probability of
+    every token under the prefix chosen so far into a per-row histogram over its next bits
+    (``scatter_add_``; other tokens add 0 to their own digit's bin, which keeps the atomics
+    spread out), and takes the largest digit where the mass at or above it (plus the mass
+    above the prefix) exceeds ``top_p``. Passes of up to 16 bits, never more bins than the row
+    has tokens, give ``t`` exactly: two passes at a 128K vocabulary, each a few elementwise
+    ops over ``[rows, V]``. The work is the same for every row and every decision stays on
+    the device, so there is no host sync, and no segmented sort of values and int64 indices.
+
+    Ties: every token equal to ``t`` is kept (the sort keeps an arbitrary subset of them, in
+    whatever order it put them), as top-k keeps every token tied with the k-th. The masses are
+    float32 sums in another order than the sort's cumsum, so a row whose cumulative mass lies
+    within rounding of ``top_p`` may keep one token more or fewer than the sort would."""
+    key = probs.view(torch.int32)
+    rows = probs.shape[0]
+    prefix = torch.zeros(rows, dtype=torch.int32, device=probs.device)
+    above = torch.zeros(rows, device=probs.device)  # mass of the tokens above the prefix
+    most = min(16, max(8, probs.shape[-1].bit_length() - 1))
+    shift = 31  # bits of a non-negative float32 still to decide, from the top
+    while shift:
+        bits = min(most, shift)
+        first = shift == 31  # every token is under the (empty) prefix
+        shift -= bits
+        digit = key >> shift if shift else key
+        if not first:
+            digit = digit & ((1 << bits) - 1)
+        w = probs if first else torch.where((key >> (shift + bits)) == prefix[:, None], probs, 0.0)
+        hist = torch.zeros(rows, 1 << bits, device=probs.device).scatter_add_(1, digit.long(), w).flip(-1)
+        mass_ge = above[:, None] + hist.cumsum(-1)  # mass at or above each digit, largest digit first
+        j = (mass_ge <= top_p[:, None]).sum(-1, keepdim=True).clamp_(max=(1 << bits) - 1)
+        above = (mass_ge - hist).gather(1, j)[:, 0]
+        prefix = (prefix << bits) | ((1 << bits) - 1 - j[:, 0]).int()
+    return torch.where(top_p < 1.0, prefix.view(torch.float32), 0.0)

@@ -404,3 +404,34 @@ def test_argument_errors_are_clear(gen):
         K.write_kv(q[:, :2], q[:, :2], k, v, torch.zeros(5, dtype=torch.int64))
     with pytest.raises(ValueError, match="differ in length"):
         K.copy_blocks(torch.zeros(4, 8), torch.tensor([0]), torch.tensor([1, 2]))
+
+
+def _gpu_kernels_bench(monkeypatch):
+    """bench/gpu_kernels.py on the CPU (its checks are the one definition of correct)."""
+    import importlib.util
+    import os
+
+    monkeypatch.setenv("KVMESH_BENCH_DEVICE", "cpu")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu_kernels.py")
+    spec = importlib.util.spec_from_file_location("kvmesh_bench_gpu_kernels_cpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_top_p_threshold(gen, monkeypatch):
+    """The radix-pass kernels keep the top-p rule (float64 masses; flat, peaked and tied rows;
+    top_p from tiny to 1), give the same bits on a second call, and find exact thresholds
+    where the masses are exact binary fractions (a mass equal to top_p does not exceed it)."""
+    assert K.backend(torch.zeros(1)) == "interpret"
+    bench = _gpu_kernels_bench(monkeypatch)
+    bench.FAILED.clear()
+    bench.check_top_p(gen)
+    assert not bench.FAILED, bench.FAILED
+    p = torch.tensor([[0.4, 0.3, 0.3], [0.5, 0.25, 0.25], [0.5, 0.375, 0.125]])
+    assert K.top_p_threshold(p, torch.tensor([0.5, 0.6, 0.5])).tolist() == pytest.approx([0.3, 0.25, 0.375])
+    assert K.top_p_threshold(p, torch.tensor([1.0, 0.1, 0.875])).tolist() == pytest.approx([0.0, 0.5, 0.125])
+    with pytest.raises(ValueError, match="float32"):
+        K.top_p_threshold(p.double(), torch.tensor([0.5, 0.6, 0.5]))
+    with pytest.raises(ValueError, match="2 entries for 3 rows"):
+        K.top_p_threshold(p, torch.tensor([0.5, 0.6]))
