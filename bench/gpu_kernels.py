@@ -422,6 +422,24 @@ def check_top_p(gen, rows=6, V=3000):
                    rows_differing_from_reference=differ)
 
 
+def check_race(gen, rows=6, V=3000):
+    """`race_argmax` = its reference, token for token: the rows of `top_p_rows` with fresh
+    exponential noise and their top-p thresholds (also 0, and the largest probability: one
+    token left), and tied quotients (noise of ones) where the first index must win."""
+    shapes = [(rows, V)] + ([(128, 128256), (1, 128256)] if DEV == "cuda" else [])
+    for R, V in shapes:
+        probs, top_p = top_p_rows(gen, R, V)
+        for name, p in probs.items():
+            noise = torch.empty_like(p).exponential_(generator=gen)
+            t = K.top_p_threshold_reference(p, top_p)
+            t[0] = p[0].max()
+            t[-1] = 0.0
+            for tag, e in (("", noise), (" ties", torch.ones_like(p))):
+                got, ref = K.race_argmax(p, e, t), K.race_argmax_reference(p, e, t)
+                kept = bool((p.gather(1, got[:, None])[:, 0] >= t).all())
+                record(f"race_argmax {name}{tag} {R}x{V}", float((got != ref).sum()) + (0.0 if kept else 1.0), 0.0)
+
+
 def check_fused(gen):
     """The decode-path fusions: one-row GEMV (+bias, + silu_and_mul) against a float64 product
     of the same rounded inputs (bound 8e-3 bf16: the output rounding plus fp32 order), and
@@ -783,7 +801,7 @@ def main():
     print("env:", RESULTS["env"], flush=True)
     t0 = time.time()
     print("checks:", flush=True)
-    checks = [check_write_kv, check_blocks, check_elementwise, check_fused, check_top_p, check_attention]
+    checks = [check_write_kv, check_blocks, check_elementwise, check_fused, check_top_p, check_race, check_attention]
     if DEV == "cuda":
         checks += [check_cuda_graph, check_pdl]
     for fn in checks:

@@ -38,6 +38,7 @@ from kvmesh import kernels
 from .config import EngineConfig
 from .models.llama import AttentionMetadata, LlamaForCausalLM
 from .host_copy import to_device
+from .sampling_params import SamplingParams
 from .sampler import (LogitAdjustment, SampleResult, device_logprobs, draw_on_device, logprob_width,
                       results_with_logprobs)
 from .scheduler import SchedulerOutput
@@ -212,6 +213,7 @@ class ModelRunner:
         self.warm_up_configs = 0
         if self.cuda:
             self._warm_up_attention()
+            self._warm_up_sampler()
 
     # ---- memory ---------------------------------------------------------------------------
     def _profile_reserve(self) -> int:
@@ -510,6 +512,16 @@ class ModelRunner:
         self.warm_up_s = time.perf_counter() - t0
         self.warm_up_configs = len(configs)
         log.info("compiled %d attention launch configurations in %.1fs", len(configs), self.warm_up_s)
+
+    def _warm_up_sampler(self) -> None:
+        """Compile the device sampler's Triton kernels (the top-p search, forced here whatever the
+        row count, and the race) on one dummy draw, so a pod's first sampled batch does not wait
+        for the JIT either. Their variants depend only on the vocabulary (a row stride)."""
+        V = self.config.model.vocab_size
+        logits = torch.zeros((2, V), dtype=torch.float32, device=self.device)
+        params = [SamplingParams(temperature=0.8, top_p=0.9, min_p=0.01)] * 2
+        draw_on_device(logits, params, [0, 1], by_sort=False)
+        torch.cuda.synchronize(self.device)
 
     # ---- CUDA graphs ----------------------------------------------------------------------
     def _graph_layout(self) -> tuple[int, ...]:

@@ -60,16 +60,20 @@ def _filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 # KVMESH_SAMPLER_SORT=1: the device path finds top-k / top-p by sorting the whole vocabulary (the
 # original implementation, kept as the benchmark's baseline); default: sort-free (`_top_p_threshold`)
 # from SORT_FREE_MIN_ROWS rows up. Measured on an H200 at vocab 128,256 (bench/gpu_sampler.py,
-# 2026-11-30 20:15 UTC, whole draws, T 0.8, top-p 0.95): sort-free 0.88-0.90 vs 2.9-3.1 ms at 128
-# rows, 0.46-0.67 vs 0.94-1.10 at 32, but 0.39-0.68 vs 0.31-0.56 ms at one row, where sorting one
-# row costs less than the filter's fixed chain of launches.
+# 2026-11-30 20:23 UTC, whole draws, T 0.8, top-p 0.95): sort-free 0.63-0.67 vs 2.9 ms at 128 rows,
+# 0.41-0.42 vs 0.93-0.94 at 32, but at one row even (0.37-0.38 vs 0.38-0.41) or behind with top-k.
 TOP_P_BY_SORT = os.environ.get("KVMESH_SAMPLER_SORT", "0") == "1"
 SORT_FREE_MIN_ROWS = 32
 
 
-def _filter_logits_batched(x: torch.Tensor, params: Sequence[SamplingParams],
-                           by_sort: bool | None = None) -> torch.Tensor:
-    """Rows of ``x`` (one row per params) filtered as `_filter_logits` does, all at once, in float32.
+def _filter_batched(x: torch.Tensor, params: Sequence[SamplingParams], by_sort: bool | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` (one row per params) filtered as `_filter_logits` does, all at once, in float32:
+    returns ``(logits, probs, lo)``, the logits after temperature and top-k (and top-p when
+    sorting), their softmax, and per row the smallest probability kept (``[rows]``): a token stays
+    iff ``probs >= lo``. Top-p and min-p become that one threshold, so the draw needs neither a
+    masked copy of the row nor a second softmax: renormalising the kept tokens scales them all
+    by one factor, which changes no comparison (min-p's ``p >= min_p * max p`` included).
 
     Host decisions depend on ``params`` only, never on device values, and the per-row settings
     travel in one queued copy, so this never waits for the device (multi-step rounds rely on
@@ -87,28 +91,34 @@ def _filter_logits_batched(x: torch.Tensor, params: Sequence[SamplingParams],
     temp, top_p, min_p, k = cols[:, :1], cols[:, 1:2], cols[:, 2:3], cols[:, 3:].long()
     x = x.float() / temp
     use_p = any(p.top_p < 1.0 for p in params)
+    lo = torch.zeros_like(top_p[:, 0])
     if by_sort:
         x = _top_k_top_p_by_sort(x, k if any(ks) else None, top_p if use_p else None)
+        probs = x.softmax(-1)
     else:
         xk = x
         if any(ks):
             vals, cand = torch.topk(x, max(ks))
             kth = vals.gather(1, (k - 1).clamp_(min=0)).masked_fill(k == 0, float("-inf"))
             xk = x.masked_fill(x < kth, float("-inf"))  # keeps every token tied with the k-th, as the CPU rule
+        probs = xk.softmax(-1)
         if use_p:
-            probs = xk.softmax(-1)
-            t = torch.zeros_like(top_p[:, 0])
             if any(p.top_p < 1.0 and not kk for p, kk in zip(params, ks)):
                 # top-k rows' results are not used here; their masked zeros would all pile onto one bin
-                t = _top_p_threshold(probs if xk is x else x.softmax(-1), top_p[:, 0])
+                lo = _top_p_threshold(probs if xk is x else x.softmax(-1), top_p[:, 0])
             if any(ks):  # a top-k row keeps only tokens among its candidates (and ties of the k-th)
-                t = torch.where(k[:, 0] > 0, _top_p_threshold_sorted(probs.gather(1, cand), top_p[:, 0]), t)
-            xk = xk.masked_fill(probs < t[:, None], float("-inf"))
+                lo = torch.where(k[:, 0] > 0, _top_p_threshold_sorted(probs.gather(1, cand), top_p[:, 0]), lo)
         x = xk
     if any(p.min_p > 0.0 for p in params):
-        probs = x.softmax(-1)
-        x = x.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
-    return x
+        lo = torch.maximum(lo, min_p[:, 0] * probs.max(-1).values)
+    return x, probs, lo
+
+
+def _filter_logits_batched(x: torch.Tensor, params: Sequence[SamplingParams],
+                           by_sort: bool | None = None) -> torch.Tensor:
+    """`_filter_batched` as masked logits: the dropped tokens at ``-inf``."""
+    x, probs, lo = _filter_batched(x, params, by_sort)
+    return x.masked_fill(probs < lo[:, None], float("-inf"))
 
 
 def _top_k_top_p_by_sort(x: torch.Tensor, k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -291,27 +301,25 @@ def draw_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], rand:
                    ) -> torch.Tensor:
     """Token ids ``[rows]`` chosen where the logits are, without a host sync: argmax, except the
     ``rand`` rows (random sampling), which are filtered as the CPU rules say and drawn by the
-    exponential race ``argmax(p / E)``. Used per step and inside multi-step rounds.
+    exponential race ``argmax(p / E)`` over the kept tokens (`kvmesh.kernels.race_argmax`: one
+    pass over ``p`` and ``E``, no filtered copy). Used per step and inside multi-step rounds.
     ``generators[i]``: row ``i``'s own generator (a seeded request), on the logits' device: its
     ``E`` comes from it, one row of the vocabulary's size per draw, so a seeded request's tokens
     do not depend on its batch, on rounds or on async scheduling. Other rows share the default one.
     ``by_sort``: see `_filter_logits_batched`."""
-    tok = logits.argmax(-1)
-    if rand:
-        sel = to_device(rand, logits.device, torch.int64) if len(rand) != len(params) else None
-        x = logits if sel is None else logits.index_select(0, sel)
-        x = _filter_logits_batched(x, [params[i] for i in rand], by_sort)
-        probs = x.softmax(-1)
-        own = [(k, generators[i]) for k, i in enumerate(rand) if generators is not None and generators[i] is not None]
-        noise = torch.empty_like(probs)
-        if len(own) < len(rand):  # the unseeded rows share the default generator
-            noise.exponential_()
-        for k, g in own:
-            noise[k].exponential_(generator=g)
-        race = probs / noise
-        drawn = race.argmax(-1)
-        tok = drawn if sel is None else tok.index_copy_(0, sel, drawn)
-    return tok
+    if not rand:
+        return logits.argmax(-1)
+    sel = to_device(rand, logits.device, torch.int64) if len(rand) != len(params) else None
+    x = logits if sel is None else logits.index_select(0, sel)
+    _, probs, lo = _filter_batched(x, [params[i] for i in rand], by_sort)
+    own = [(k, generators[i]) for k, i in enumerate(rand) if generators is not None and generators[i] is not None]
+    noise = torch.empty_like(probs)
+    if len(own) < len(rand):  # the unseeded rows share the default generator
+        noise.exponential_()
+    for k, g in own:
+        noise[k].exponential_(generator=g)
+    drawn = kernels.race_argmax(probs, noise, lo)
+    return drawn if sel is None else logits.argmax(-1).index_copy_(0, sel, drawn)
 
 
 class Sampler:

@@ -773,3 +773,36 @@ def top_p_select_kernel(hist_ptr, top_p_ptr, prefix_ptr, above_ptr, out_ptr,
     tl.store(above_ptr + row, above)
     if LAST:
         tl.store(out_ptr + row, tl.where(tp < 1.0, prefix.to(tl.float32, bitcast=True), 0.0))
+
+
+@_jit_unspecialized("V", "CHUNK")
+def race_argmax_kernel(probs_ptr, noise_ptr, lo_ptr, val_ptr, idx_ptr, stride_p, stride_n, V, CHUNK,
+                       BLOCK: tl.constexpr):
+    """`race_argmax` over one CHUNK of one row: the largest ``p / E`` among the tokens with
+    ``p >= lo`` and its first index, written as this (row, chunk)'s partial. Each lane keeps its
+    own best (strictly larger replaces, so the first index wins among equals) and the lanes
+    meet once at the end. The quotient is IEEE-rounded (``div_rn``), as torch's, so the
+    kernel and the reference rank the same values."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    lo = tl.load(lo_ptr + row)
+    pbase = probs_ptr + row.to(tl.int64) * stride_p
+    nbase = noise_ptr + row.to(tl.int64) * stride_n
+    best = tl.full((BLOCK,), -1.0, dtype=tl.float32)
+    best_i = tl.zeros((BLOCK,), dtype=tl.int32)
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    for off in range(start, end, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        ok = idx < end
+        p = tl.load(pbase + idx, mask=ok, other=0.0)
+        e = tl.load(nbase + idx, mask=ok, other=1.0)
+        r = tl.where(ok & (p >= lo), tl.math.div_rn(p, e), -1.0)
+        take = r > best
+        best = tl.where(take, r, best)
+        best_i = tl.where(take, idx, best_i)
+    m = tl.max(best, 0)
+    i = tl.min(tl.where(best == m, best_i, 2147483647), 0)
+    out = row * tl.num_programs(1) + c
+    tl.store(val_ptr + out, m)
+    tl.store(idx_ptr + out, i)

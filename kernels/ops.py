@@ -884,3 +884,44 @@ def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         kern.top_p_select_kernel[(rows,)](hist[i], top_p, prefix, above, out, BITS=_TOP_P_BITS, FIRST=first,
                                           LAST=last, num_warps=4)
     return out
+
+
+_RACE_BLOCK = 1024
+
+
+def race_argmax(probs: torch.Tensor, noise: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Per row of ``probs`` ``[rows, V]``, the first index of the largest ``probs / noise`` among
+    the tokens with ``probs >= lo[row]``: the device sampler's draw (``noise ~ Exp(1)``), with
+    top-p / min-p given as the threshold ``lo``. One pass over both tensors by (row, chunk)
+    programs, then an argmax over the few partials per row, instead of a masked copy, a softmax
+    of it, a quotient tensor and an argmax over ``[rows, V]``. A row's probabilities need not
+    sum to 1 (any positive scale draws the same token). Returns int64 ``[rows]``."""
+    fn = "race_argmax"
+    _check_dim(fn, "probs", probs, 2)
+    _check_dtype(fn, "probs", probs, (torch.float32,))
+    _check_last_contig(fn, "probs", probs)
+    if noise.shape != probs.shape or noise.dtype != probs.dtype:
+        _fail(fn, f"noise must match probs ({tuple(probs.shape)}, {probs.dtype}); got "
+                  f"{tuple(noise.shape)}, {noise.dtype}")
+    _check_last_contig(fn, "noise", noise)
+    _check_dim(fn, "lo", lo, 1)
+    _check_dtype(fn, "lo", lo, (torch.float32,))
+    if lo.shape[0] != probs.shape[0]:
+        _fail(fn, f"lo has {lo.shape[0]} entries for {probs.shape[0]} rows")
+    _check_device(fn, "probs", probs, noise=noise, lo=lo)
+    if backend(probs) == "reference":
+        return _ref.race_argmax_reference(probs, noise, lo)
+    rows, V = probs.shape
+    if rows == 0 or V == 0:
+        return torch.zeros(rows, dtype=torch.int64, device=probs.device)
+    lo = lo.contiguous()
+    tiles = triton_cdiv(V, _RACE_BLOCK)
+    chunks = max(1, min(tiles, triton_cdiv(16 * _num_sms(probs.device), rows)))
+    chunk = triton_cdiv(tiles, chunks) * _RACE_BLOCK
+    chunks = triton_cdiv(V, chunk)
+    val = torch.empty(rows, chunks, dtype=torch.float32, device=probs.device)
+    idx = torch.empty(rows, chunks, dtype=torch.int32, device=probs.device)
+    _k(probs).race_argmax_kernel[(rows, chunks)](
+        probs, noise, lo, val, idx, probs.stride(0), noise.stride(0), V, chunk, BLOCK=_RACE_BLOCK, num_warps=4,
+    )
+    return idx.gather(1, val.argmax(1, keepdim=True))[:, 0].long()

@@ -236,3 +236,10 @@ def top_p_threshold_reference(probs: torch.Tensor, top_p: torch.Tensor) -> torch
         above = (mass_ge - hist).gather(1, j)[:, 0]
         prefix = (prefix << bits) | ((1 << bits) - 1 - j[:, 0]).int()
     return torch.where(top_p < 1.0, prefix.view(torch.float32), 0.0)
+
+
+def race_argmax_reference(probs: torch.Tensor, noise: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index of the largest ``probs / noise`` among the tokens with
+    ``probs >= lo`` (the exponential race: with ``noise ~ Exp(1)`` it draws a kept token with
+    probability proportional to ``probs``); int64 ``[rows]``."""
+    return torch.where(probs >= lo[:, None], probs / noise, -1.0).argmax(-1)

@@ -34,7 +34,7 @@ def bench():
 
 
 def test_no_triton_compiles_while_serving(bench):
-    """After engine start (graph capture + attention warm-up), a workload of every batch shape the
+    """After engine start (graph capture, attention and sampler warm-up), a workload of every batch shape the
     scheduler makes (chunked prefill over cached context, mixed prefill/decode batches, lone short
     prompts that split KV, decode at many batch sizes, eager and in graphs) compiles nothing new:
     a fresh pod's first requests never wait for the Triton JIT. First in this file on purpose:
@@ -57,10 +57,18 @@ def test_no_triton_compiles_while_serving(bench):
         prompt = torch.randint(3, 32000, (n,), generator=g).tolist()
         eng.add_request(EngineCoreRequest(request_id=f"w{i}", prompt_token_ids=prompt,
                                           params=SamplingParams(max_tokens=int(3 + (i * 7) % 20), ignore_eos=True,
-                                                                temperature=0.0 if i % 3 else 0.8)))
+                                                                temperature=0.0 if i % 3 else 0.8,
+                                                                top_p=0.9 if i % 2 else 1.0)))
         for _ in range(i % 4):
             eng.step()
             step += 1
+    while eng.has_unfinished():
+        eng.step()
+        step += 1
+    for i in range(32):  # a full batch of top-p rows: the device sampler's sort-free search
+        eng.add_request(EngineCoreRequest(request_id=f"p{i}", prompt_token_ids=[5 + i, 7, 9],
+                                          params=SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.8,
+                                                                top_p=0.9)))
     while eng.has_unfinished():
         eng.step()
         step += 1

@@ -41,8 +41,8 @@ def gen():
     return g
 
 
-@pytest.mark.parametrize("check", ["check_write_kv", "check_blocks", "check_elementwise", "check_top_p", "check_attention",
-                                   "check_cuda_graph", "check_pdl"])
+@pytest.mark.parametrize("check", ["check_write_kv", "check_blocks", "check_elementwise", "check_top_p", "check_race",
+                                   "check_attention", "check_cuda_graph", "check_pdl"])
 def test_kernel_family(bench, gen, check):
     bench.FAILED.clear()
     getattr(bench, check)(gen)

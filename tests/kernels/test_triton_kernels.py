@@ -435,3 +435,17 @@ def test_top_p_threshold(gen, monkeypatch):
         K.top_p_threshold(p.double(), torch.tensor([0.5, 0.6, 0.5]))
     with pytest.raises(ValueError, match="2 entries for 3 rows"):
         K.top_p_threshold(p, torch.tensor([0.5, 0.6]))
+
+
+def test_race_argmax(gen, monkeypatch):
+    """The draw's kernel picks the reference's token on every row (thresholds from none to one
+    token left; tied quotients: the first index), and only kept tokens."""
+    bench = _gpu_kernels_bench(monkeypatch)
+    bench.FAILED.clear()
+    bench.check_race(gen)
+    assert not bench.FAILED, bench.FAILED
+    p = torch.tensor([[0.1, 0.4, 0.4, 0.1]])
+    assert K.race_argmax(p, torch.ones_like(p), torch.tensor([0.0])).tolist() == [1]
+    assert K.race_argmax(p, torch.tensor([[1.0, 1.0, 0.5, 0.01]]), torch.tensor([0.2])).tolist() == [2]
+    with pytest.raises(ValueError, match="noise must match"):
+        K.race_argmax(p, torch.ones(1, 3), torch.tensor([0.0]))
