@@ -530,6 +530,8 @@ def main() -> int:
                          "programmatic dependent launch off / on / off / on")
     ap.add_argument("--gemv-ab", action="store_true",
                     help="also time batch 1 with cuBLAS GEMVs (KVMESH_GEMV=0) before the default GEMV kernel")
+    ap.add_argument("--sort-free-min-rows", type=int, default=None, metavar="N",
+                    help="the device sampler's SORT_FREE_MIN_ROWS for this run (rows from which top-p needs no sort)")
     ap.add_argument("--json", default="gpu_engine.json", help="file name of the results under $OUT (or the cwd)")
     ap.add_argument("--budget-s", type=float, default=560.0, help="whole-run deadline (throughput is cut to fit)")
     args = ap.parse_args()
@@ -539,6 +541,8 @@ def main() -> int:
     R["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     transformers=transformers.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                     args=vars(args))
+    if args.sort_free_min_rows is not None:
+        import_checkout("kvmesh.engine.sampler").SORT_FREE_MIN_ROWS = args.sort_free_min_rows
     skip = set(filter(None, args.skip.split(",")))
     out_dir = os.environ.get("OUT", ".")
     status = 0

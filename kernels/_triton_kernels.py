@@ -20,13 +20,21 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 def _fix_interpreter() -> None:
-    """Work around two Triton 3.6 interpreter bugs (interpreter only; idempotent).
+    """Work around three Triton 3.6 interpreter gaps (interpreter only; idempotent).
 
     1. Scalars are 1-element arrays converted with ``int(array)``, which numpy
        >= 2.4 refuses, so ``range(scalar_tensor)`` fails: re-patch ``__index__``.
     2. ``tl.dot`` on bfloat16 runs ``np.matmul`` on the raw uint16 bit patterns
        (numpy has no bf16): widen bf16 operands to fp32 first, which is exact and
        is what the tensor cores do before accumulating in fp32.
+    3. Triton's own helpers written in Triton (``tl.cdiv``, ``tl.sum``, ``tl.cumsum``
+       and their combine functions) are interpreter functions only if triton was
+       imported with ``TRITON_INTERPRET=1`` already set; imported before (by
+       transformers, say), they are compiler objects and an interpreted kernel that
+       calls one fails ("Cannot call @triton.jit'd outside of the scope of a
+       kernel"). While an interpreted kernel runs, those module attributes are
+       swapped for interpreter functions, and put back after it (the compiled path
+       in the same process keeps seeing the originals).
 
     Known remaining difference: the interpreter rounds fp32 -> bf16 casts toward
     zero where the GPU rounds to nearest even, so interpreted bf16 outputs may be 1
@@ -60,6 +68,25 @@ def _fix_interpreter() -> None:
 
         create_dot._kvmesh_patched = True
         builder.create_dot = create_dot
+
+    orig_patch_lang = interp._patch_lang
+    if not getattr(orig_patch_lang, "_kvmesh_patched", False):
+        from triton.runtime.jit import JITFunction
+
+        wrapped = {}
+
+        def patch_lang(fn):
+            scope = orig_patch_lang(fn)
+            for obj in (tl, tl.standard, tl.math, tl.core.tensor):
+                for name, value in list(vars(obj).items()):
+                    if isinstance(value, JITFunction):  # keyed by id: hashing one walks its globals
+                        if id(value) not in wrapped:
+                            wrapped[id(value)] = (value, interp.InterpretedFunction(value.fn))
+                        scope.set_attr(obj, name, wrapped[id(value)][1])
+            return scope
+
+        patch_lang._kvmesh_patched = True
+        interp._patch_lang = patch_lang
 
 
 if globals().get("_FORCE_INTERPRET", False):

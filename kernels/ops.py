@@ -833,6 +833,14 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch
 
 # --------------------------------------------------------------------------- sampling
 
+def _fresh(v: torch.Tensor) -> torch.Tensor:
+    """A per-row vector in memory of its own. The sampler passes columns of one settings tensor;
+    ``contiguous()`` keeps a one-row column as it is, 4 bytes into that tensor, and Triton
+    compiles another variant for a pointer that is not 16-byte aligned: a sampled batch of one
+    would wait for the JIT in the middle of serving."""
+    return v.clone(memory_format=torch.contiguous_format)
+
+
 _TOP_P_BITS = 10  # three passes over the 30 bits a probability <= 1 can set
 _TOP_P_BLOCK = 1024
 
@@ -863,7 +871,7 @@ def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(rows, dtype=torch.float32, device=probs.device)
     if rows == 0 or V == 0:
         return out
-    top_p = top_p.contiguous()
+    top_p = _fresh(top_p)
     tiles = triton_cdiv(V, _TOP_P_BLOCK)
     # about 16 programs per SM in all (measured best of 4 and 16); a chunk is whole tiles
     chunks = max(1, min(tiles, triton_cdiv(16 * _num_sms(probs.device), rows)))
@@ -914,7 +922,7 @@ def race_argmax(probs: torch.Tensor, noise: torch.Tensor, lo: torch.Tensor) -> t
     rows, V = probs.shape
     if rows == 0 or V == 0:
         return torch.zeros(rows, dtype=torch.int64, device=probs.device)
-    lo = lo.contiguous()
+    lo = _fresh(lo)
     tiles = triton_cdiv(V, _RACE_BLOCK)
     chunks = max(1, min(tiles, triton_cdiv(16 * _num_sms(probs.device), rows)))
     chunk = triton_cdiv(tiles, chunks) * _RACE_BLOCK
