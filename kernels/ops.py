@@ -841,6 +841,16 @@ def _fresh(v: torch.Tensor) -> torch.Tensor:
     return v.clone(memory_format=torch.contiguous_format)
 
 
+def _row_chunks(rows: int, V: int, block: int, device: torch.device) -> tuple[int, int]:
+    """``(chunks, chunk)``: each of ``rows`` rows of ``V`` tokens split into chunks of whole
+    ``block``-token tiles, about 16 (row, chunk) programs per SM in all (the top-p probe measured
+    16 a little faster than 4), so that a few rows still fill the device."""
+    tiles = triton_cdiv(V, block)
+    chunks = max(1, min(tiles, triton_cdiv(16 * _num_sms(device), rows)))
+    chunk = triton_cdiv(tiles, chunks) * block
+    return triton_cdiv(V, chunk), chunk
+
+
 _TOP_P_BITS = 10  # three passes over the 30 bits a probability <= 1 can set
 _TOP_P_BLOCK = 1024
 
@@ -872,11 +882,7 @@ def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     if rows == 0 or V == 0:
         return out
     top_p = _fresh(top_p)
-    tiles = triton_cdiv(V, _TOP_P_BLOCK)
-    # about 16 programs per SM in all (measured best of 4 and 16); a chunk is whole tiles
-    chunks = max(1, min(tiles, triton_cdiv(16 * _num_sms(probs.device), rows)))
-    chunk = triton_cdiv(tiles, chunks) * _TOP_P_BLOCK
-    chunks = triton_cdiv(V, chunk)
+    chunks, chunk = _row_chunks(rows, V, _TOP_P_BLOCK, probs.device)
     passes = triton_cdiv(30, _TOP_P_BITS)
     hist = torch.zeros(passes, rows, 1 << _TOP_P_BITS, dtype=torch.int64, device=probs.device)
     prefix = torch.empty(rows, dtype=torch.int32, device=probs.device)
@@ -923,10 +929,7 @@ def race_argmax(probs: torch.Tensor, noise: torch.Tensor, lo: torch.Tensor) -> t
     if rows == 0 or V == 0:
         return torch.zeros(rows, dtype=torch.int64, device=probs.device)
     lo = _fresh(lo)
-    tiles = triton_cdiv(V, _RACE_BLOCK)
-    chunks = max(1, min(tiles, triton_cdiv(16 * _num_sms(probs.device), rows)))
-    chunk = triton_cdiv(tiles, chunks) * _RACE_BLOCK
-    chunks = triton_cdiv(V, chunk)
+    chunks, chunk = _row_chunks(rows, V, _RACE_BLOCK, probs.device)
     val = torch.empty(rows, chunks, dtype=torch.float32, device=probs.device)
     idx = torch.empty(rows, chunks, dtype=torch.int32, device=probs.device)
     _k(probs).race_argmax_kernel[(rows, chunks)](
