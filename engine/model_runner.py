@@ -39,7 +39,7 @@ from .config import EngineConfig
 from .models.llama import AttentionMetadata, LlamaForCausalLM
 from .host_copy import to_device
 from .sampling_params import SamplingParams
-from .sampler import (DrawPlan, LogitAdjustment, SampleResult, device_logprobs, draw_on_device, logprob_width,
+from .sampler import (LogitAdjustment, SampleResult, device_logprobs, draw_on_device, logprob_width,
                       results_with_logprobs)
 from .scheduler import SchedulerOutput
 
@@ -149,15 +149,13 @@ class _Round:
     """A multi-step round queued on the device: its inputs (graph buffers or eager tensors, advanced
     in place from step to step), its tokens on the device and, once copied, on the host."""
 
-    __slots__ = ("B", "params", "rand", "gens", "adjust", "draw", "lp_k", "graph", "inputs", "toks", "host",
-                 "event")
+    __slots__ = ("B", "params", "rand", "gens", "adjust", "lp_k", "graph", "inputs", "toks", "host", "event")
 
     def __init__(self, B: int, params: list, rand: list[int], gens: list,
-                 adjust: LogitAdjustment | None = None, draw: DrawPlan | None = None) -> None:
+                 adjust: LogitAdjustment | None = None) -> None:
         self.B, self.params, self.rand = B, params, rand
         self.gens = gens  # per row: a seeded request's own generator, else None
         self.adjust = adjust  # logit bias / penalties, extended on the device by each step's tokens
-        self.draw = draw  # the random rows' settings on the device, built at the first draw, then shared
         self.lp_k = logprob_width(params)  # top logprobs per row and step; None: nobody asked
         self.graph = 0  # padded batch size of the CUDA graph it replays; 0: eager
         self.inputs: tuple = ()
@@ -369,7 +367,7 @@ class ModelRunner:
         """Queue ``k`` more decode steps for the same sequences behind ``prev``, before its tokens
         reach the host: the first step's inputs are ``prev``'s last tokens, on the device.
         ``block_ids``: each sequence's blocks, now covering ``k`` more positions."""
-        rnd = _Round(prev.B, prev.params, prev.rand, prev.gens, prev.adjust, prev.draw)  # histories run on
+        rnd = _Round(prev.B, prev.params, prev.rand, prev.gens, prev.adjust)  # histories run on from prev's
         rnd.graph, rnd.inputs = prev.graph, prev.inputs
         bt = self._block_table(block_ids)
         if rnd.graph:
@@ -406,9 +404,8 @@ class ModelRunner:
             raw = logits
             if rnd.adjust is not None:
                 logits = rnd.adjust.apply(logits)
-            if rnd.rand and rnd.draw is None:
-                rnd.draw = DrawPlan(rnd.params, rnd.rand, logits.shape[-1], logits.device, generators=rnd.gens)
-            toks[i] = draw_on_device(logits, rnd.params, rnd.rand, plan=rnd.draw) if rnd.rand else logits.argmax(-1)
+            toks[i] = (draw_on_device(logits, rnd.params, rnd.rand, generators=rnd.gens) if rnd.rand
+                       else logits.argmax(-1))
             if rnd.adjust is not None:
                 rnd.adjust.extend(toks[i])
             if rnd.lp_k is not None:

@@ -68,46 +68,14 @@ TOP_P_BY_SORT = os.environ.get("KVMESH_SAMPLER_SORT", "0") == "1"
 SORT_FREE_MIN_ROWS = 1
 
 
-class DrawPlan:
-    """What a batch's random draw needs from its params, prepared once: the rows that sample, their
-    settings on the device (one queued copy), the host decisions (sorting or not, which rules
-    some row uses, the largest top-k) and the seeded rows' generators. A multi-step round's params
-    do not change, so its steps, and the rounds that continue it, share one plan instead of
-    rebuilding lists and copies on every step."""
-
-    __slots__ = ("rand", "sel", "by_sort", "ks", "max_k", "use_p", "search", "use_min_p",
-                 "temp", "top_p", "min_p", "k", "own")
-
-    def __init__(self, params: Sequence[SamplingParams], rand: list[int] | None, V: int, device: torch.device,
-                 by_sort: bool | None = None, generators: Sequence[torch.Generator | None] | None = None) -> None:
-        """``params``: the batch's rows; ``rand``: the ones that sample (None: all of them)."""
-        self.rand = list(range(len(params))) if rand is None else rand
-        self.sel = to_device(self.rand, device, torch.int64) if len(self.rand) != len(params) else None
-        sub = [params[i] for i in self.rand]
-        self.by_sort = (TOP_P_BY_SORT or len(sub) < SORT_FREE_MIN_ROWS) if by_sort is None else by_sort
-        self.ks = [p.top_k if (p.top_k and 0 < p.top_k < V) else 0 for p in sub]
-        self.max_k = max(self.ks, default=0)
-        self.use_p = any(p.top_p < 1.0 for p in sub)
-        # top-k rows search their candidates; the radix search over whole rows only for the others
-        self.search = any(p.top_p < 1.0 and not k for p, k in zip(sub, self.ks))
-        self.use_min_p = any(p.min_p > 0.0 for p in sub)
-        cols = to_device([[max(p.temperature, 1e-5), p.top_p, p.min_p, k] for p, k in zip(sub, self.ks)], device,
-                         torch.float32)
-        self.temp, self.min_p, self.k = cols[:, :1], cols[:, 2], cols[:, 3:].long()
-        self.top_p = cols[:, 1].clone()  # contiguous, in memory of its own: what the kernels take
-        self.own = [(j, generators[i]) for j, i in enumerate(self.rand)
-                    if generators is not None and generators[i] is not None]
-
-
-def _filter_batched(x: torch.Tensor, params: Sequence[SamplingParams] | None, by_sort: bool | None = None,
-                    plan: DrawPlan | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _filter_batched(x: torch.Tensor, params: Sequence[SamplingParams], by_sort: bool | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of ``x`` (one row per params) filtered as `_filter_logits` does, all at once, in float32:
     returns ``(logits, probs, lo)``, the logits after temperature and top-k (and top-p when
     sorting), their softmax, and per row the smallest probability kept (``[rows]``): a token stays
     iff ``probs >= lo``. Top-p and min-p become that one threshold, so the draw needs neither a
     masked copy of the row nor a second softmax: renormalising the kept tokens scales them all
     by one factor, which changes no comparison (min-p's ``p >= min_p * max p`` included).
-    ``plan``: the rows' `DrawPlan` (every row of ``x`` samples), else built from ``params``.
 
     Host decisions depend on ``params`` only, never on device values, and the per-row settings
     travel in one queued copy, so this never waits for the device (multi-step rounds rely on
@@ -116,28 +84,35 @@ def _filter_batched(x: torch.Tensor, params: Sequence[SamplingParams] | None, by
     keeps the tokens at or above a per-row probability threshold, found among those ``topk``
     candidates for a top-k row (`_top_p_threshold_sorted`) and by a radix search over the whole
     row otherwise (`_top_p_threshold`)."""
-    pl = plan if plan is not None else DrawPlan(params, None, x.shape[-1], x.device, by_sort)
-    k, top_p = pl.k, pl.top_p
-    x = x.float() / pl.temp
-    lo = torch.zeros_like(top_p)
-    if pl.by_sort:
-        x = _top_k_top_p_by_sort(x, k if pl.max_k else None, top_p[:, None] if pl.use_p else None)
+    if by_sort is None:
+        by_sort = TOP_P_BY_SORT or len(params) < SORT_FREE_MIN_ROWS
+    V = x.shape[-1]
+    ks = [p.top_k if (p.top_k and 0 < p.top_k < V) else 0 for p in params]
+    cols = to_device([[max(p.temperature, 1e-5), p.top_p, p.min_p, k] for p, k in zip(params, ks)], x.device,
+                     torch.float32)
+    temp, top_p, min_p, k = cols[:, :1], cols[:, 1:2], cols[:, 2:3], cols[:, 3:].long()
+    x = x.float() / temp
+    use_p = any(p.top_p < 1.0 for p in params)
+    lo = torch.zeros_like(top_p[:, 0])
+    if by_sort:
+        x = _top_k_top_p_by_sort(x, k if any(ks) else None, top_p if use_p else None)
         probs = x.softmax(-1)
     else:
         xk = x
-        if pl.max_k:
-            vals, cand = torch.topk(x, pl.max_k)
+        if any(ks):
+            vals, cand = torch.topk(x, max(ks))
             kth = vals.gather(1, (k - 1).clamp_(min=0)).masked_fill(k == 0, float("-inf"))
             xk = x.masked_fill(x < kth, float("-inf"))  # keeps every token tied with the k-th, as the CPU rule
         probs = xk.softmax(-1)
-        if pl.use_p:
-            if pl.search:  # (top-k rows' zeros outside their candidates would all pile onto one bin)
-                lo = _top_p_threshold(probs if xk is x else x.softmax(-1), top_p)
-            if pl.max_k:  # a top-k row keeps only tokens among its candidates (and ties of the k-th)
-                lo = torch.where(k[:, 0] > 0, _top_p_threshold_sorted(probs.gather(1, cand), top_p), lo)
+        if use_p:
+            if any(p.top_p < 1.0 and not kk for p, kk in zip(params, ks)):
+                # top-k rows' results are not used here; their masked zeros would all pile onto one bin
+                lo = _top_p_threshold(probs if xk is x else x.softmax(-1), top_p[:, 0])
+            if any(ks):  # a top-k row keeps only tokens among its candidates (and ties of the k-th)
+                lo = torch.where(k[:, 0] > 0, _top_p_threshold_sorted(probs.gather(1, cand), top_p[:, 0]), lo)
         x = xk
-    if pl.use_min_p:
-        lo = torch.maximum(lo, pl.min_p * probs.max(-1).values)
+    if any(p.min_p > 0.0 for p in params):
+        lo = torch.maximum(lo, min_p[:, 0] * probs.max(-1).values)
     return x, probs, lo
 
 
@@ -324,8 +299,8 @@ def _results(logits: torch.Tensor, ids: torch.Tensor, params: Sequence[SamplingP
 
 
 def draw_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], rand: list[int],
-                   by_sort: bool | None = None, generators: Sequence[torch.Generator | None] | None = None,
-                   plan: DrawPlan | None = None) -> torch.Tensor:
+                   by_sort: bool | None = None, generators: Sequence[torch.Generator | None] | None = None
+                   ) -> torch.Tensor:
     """Token ids ``[rows]`` chosen where the logits are, without a host sync: argmax, except the
     ``rand`` rows (random sampling), which are filtered as the CPU rules say and drawn by the
     exponential race ``argmax(p / E)`` over the kept tokens (`kvmesh.kernels.race_argmax`: one
@@ -333,20 +308,20 @@ def draw_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], rand:
     ``generators[i]``: row ``i``'s own generator (a seeded request), on the logits' device: its
     ``E`` comes from it, one row of the vocabulary's size per draw, so a seeded request's tokens
     do not depend on its batch, on rounds or on async scheduling. Other rows share the default one.
-    ``plan``: the batch's `DrawPlan` (a round passes its own; then ``by_sort`` and ``generators``
-    are the plan's), else built here. ``by_sort``: see `_filter_batched`."""
+    ``by_sort``: see `_filter_logits_batched`."""
     if not rand:
         return logits.argmax(-1)
-    pl = plan if plan is not None else DrawPlan(params, rand, logits.shape[-1], logits.device, by_sort, generators)
-    x = logits if pl.sel is None else logits.index_select(0, pl.sel)
-    _, probs, lo = _filter_batched(x, None, plan=pl)
+    sel = to_device(rand, logits.device, torch.int64) if len(rand) != len(params) else None
+    x = logits if sel is None else logits.index_select(0, sel)
+    _, probs, lo = _filter_batched(x, [params[i] for i in rand], by_sort)
+    own = [(k, generators[i]) for k, i in enumerate(rand) if generators is not None and generators[i] is not None]
     noise = torch.empty_like(probs)
-    if len(pl.own) < len(pl.rand):  # the unseeded rows share the default generator
+    if len(own) < len(rand):  # the unseeded rows share the default generator
         noise.exponential_()
-    for j, g in pl.own:
-        noise[j].exponential_(generator=g)
+    for k, g in own:
+        noise[k].exponential_(generator=g)
     drawn = kernels.race_argmax(probs, noise, lo)
-    return drawn if pl.sel is None else logits.argmax(-1).index_copy_(0, pl.sel, drawn)
+    return drawn if sel is None else logits.argmax(-1).index_copy_(0, sel, drawn)
 
 
 class Sampler:

@@ -834,12 +834,10 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch
 # --------------------------------------------------------------------------- sampling
 
 def _fresh(v: torch.Tensor) -> torch.Tensor:
-    """A per-row vector, contiguous and 16-byte aligned, copied only where it is not. Triton
-    compiles another variant for a pointer that is not aligned, and ``contiguous()`` keeps a
-    one-row column of a settings tensor where it is, 4 bytes in: a sampled batch of one would
-    have waited for the JIT in the middle of serving."""
-    if v.is_contiguous() and v.data_ptr() % 16 == 0:
-        return v
+    """A per-row vector in memory of its own. The sampler passes columns of one settings tensor;
+    ``contiguous()`` keeps a one-row column as it is, 4 bytes into that tensor, and Triton
+    compiles another variant for a pointer that is not 16-byte aligned: a sampled batch of one
+    would wait for the JIT in the middle of serving."""
     return v.clone(memory_format=torch.contiguous_format)
 
 

@@ -231,30 +231,3 @@ def test_logit_adjustment_extended_by_drawn_tokens_equals_a_rebuild():
         for i, h in enumerate(grown):
             if h:
                 h[1].append(int(tok[i]))
-
-
-@pytest.mark.parametrize("by_sort", [False, True], ids=["sort-free", "sort"])
-def test_one_draw_plan_serves_many_steps(by_sort):
-    """A round builds its `DrawPlan` once and reuses it every step: the tokens are the ones a plan
-    built per step gives (same noise), for a subset of sampling rows with every rule, a seeded
-    row among them, and greedy rows beside them."""
-    from kvmesh.engine.sampler import DrawPlan
-
-    gen = torch.Generator().manual_seed(2)
-    steps = [torch.randn(6, 300, generator=gen) * 3 for _ in range(4)]
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9),
-              SamplingParams(temperature=1.0, top_k=20, min_p=0.05), SamplingParams(temperature=0.7, seed=3),
-              SamplingParams(temperature=0.0), SamplingParams(temperature=1.2, top_p=0.5, top_k=50)]
-    rand = [1, 2, 3, 5]
-
-    def run(shared: bool):
-        torch.manual_seed(9)
-        gens = [None, None, None, torch.Generator().manual_seed(3), None, None]
-        plan = DrawPlan(params, rand, 300, torch.device("cpu"), by_sort, gens) if shared else None
-        return [draw_on_device(x, params, rand, by_sort, gens, plan=plan) for x in steps]
-
-    shared, fresh = run(True), run(False)
-    for x, a, b in zip(steps, shared, fresh):
-        assert torch.equal(a, b)
-        assert a[0] == x[0].argmax() and a[4] == x[4].argmax()
-    assert len({tuple(a[[1, 3]].tolist()) for a in shared}) > 1  # real draws, step after step
