@@ -63,7 +63,7 @@ def _filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 # (bench/gpu_sampler.py, 2026-11-30 20:23 UTC, whole draws, T 0.8, top-p 0.95): sort-free 0.63-0.67 vs
 # 2.9 ms at 128 rows, 0.41-0.42 vs 0.93-0.94 at 32, even at one row (0.37-0.38 vs 0.38-0.41 ms of
 # wall time, launches included); in the 8B engine at batch 1 (bench/gpu_engine.py --sampled
-# --sort-free-min-rows 32 / 1, four runs alternating, 20:36 UTC) 236.9-237.8 vs 231.1-231.6 tok/s.
+# --sort-free-min-rows 32 / 1, four runs alternating, 20:34 UTC) 236.9-237.8 vs 231.1-231.6 tok/s.
 TOP_P_BY_SORT = os.environ.get("KVMESH_SAMPLER_SORT", "0") == "1"
 SORT_FREE_MIN_ROWS = 1
 
