@@ -308,7 +308,7 @@ def draw_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], rand:
     ``generators[i]``: row ``i``'s own generator (a seeded request), on the logits' device: its
     ``E`` comes from it, one row of the vocabulary's size per draw, so a seeded request's tokens
     do not depend on its batch, on rounds or on async scheduling. Other rows share the default one.
-    ``by_sort``: see `_filter_logits_batched`."""
+    ``by_sort``: see `_filter_batched`."""
     if not rand:
         return logits.argmax(-1)
     sel = to_device(rand, logits.device, torch.int64) if len(rand) != len(params) else None
