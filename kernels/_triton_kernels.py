@@ -772,7 +772,7 @@ def top_p_hist_kernel(probs_ptr, prefix_ptr, hist_ptr, stride_row, V, CHUNK,
         tl.atomic_add(hist + ((key >> SHIFT) & (NB - 1)), mass, mask=ok & (mass > 0), sem="relaxed")
 
 
-@triton.jit
+@_jit
 def top_p_select_kernel(hist_ptr, top_p_ptr, prefix_ptr, above_ptr, out_ptr,
                         BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
     """After a `top_p_hist_kernel` pass, one program per row: the largest digit at which the

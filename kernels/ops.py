@@ -834,10 +834,13 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch
 # --------------------------------------------------------------------------- sampling
 
 def _fresh(v: torch.Tensor) -> torch.Tensor:
-    """A per-row vector in memory of its own. The sampler passes columns of one settings tensor;
-    ``contiguous()`` keeps a one-row column as it is, 4 bytes into that tensor, and Triton
-    compiles another variant for a pointer that is not 16-byte aligned: a sampled batch of one
-    would wait for the JIT in the middle of serving."""
+    """A per-row vector, contiguous and 16-byte aligned, copied only where it is not. The sampler
+    passes columns of one settings tensor; ``contiguous()`` keeps a one-row column as it is, 4
+    bytes into that tensor, and Triton compiles another variant for a pointer that is not 16-byte
+    aligned: a sampled batch of one would wait for the JIT in the middle of serving. The race's
+    threshold is a fresh tensor already and is not copied again."""
+    if v.is_contiguous() and v.data_ptr() % 16 == 0:
+        return v
     return v.clone(memory_format=torch.contiguous_format)
 
 
@@ -878,9 +881,9 @@ def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     if backend(probs) == "reference":
         return _ref.top_p_threshold_reference(probs, top_p)
     rows, V = probs.shape
-    out = torch.zeros(rows, dtype=torch.float32, device=probs.device)
     if rows == 0 or V == 0:
-        return out
+        return torch.zeros(rows, dtype=torch.float32, device=probs.device)
+    out = torch.empty(rows, dtype=torch.float32, device=probs.device)  # the last select writes every row
     top_p = _fresh(top_p)
     chunks, chunk = _row_chunks(rows, V, _TOP_P_BLOCK, probs.device)
     passes = triton_cdiv(30, _TOP_P_BITS)
