@@ -438,6 +438,39 @@ def check_race(gen, rows=6, V=3000):
                 got, ref = K.race_argmax(p, e, t), K.race_argmax_reference(p, e, t)
                 kept = bool((p.gather(1, got[:, None])[:, 0] >= t).all())
                 record(f"race_argmax {name}{tag} {R}x{V}", float((got != ref).sum()) + (0.0 if kept else 1.0), 0.0)
+            # Noise made inside the pass: the same tokens as the race over that noise written out.
+            seeds = random_seeds(gen, R)
+            got = K.race_argmax(p, None, t, seeds=seeds)
+            ref = K.race_argmax_reference(p, K.race_noise(seeds, V), t)
+            kept = bool((p.gather(1, got[:, None])[:, 0] >= t).all())
+            record(f"race_argmax {name} seeded {R}x{V}", float((got != ref).sum()) + (0.0 if kept else 1.0), 0.0)
+
+
+def random_seeds(gen, rows):
+    """``[rows, 2]`` (seed, draw counter): random 63-bit seeds and counters, with the extremes."""
+    seeds = torch.randint(0, 2 ** 62, (rows, 2), generator=gen, device=DEV) * 2
+    seeds[:, 1] %= 1 << 31
+    seeds[0] = torch.tensor([0, 0])
+    seeds[-1] = torch.tensor([2 ** 63 - 1, 2 ** 31 - 1])
+    return seeds
+
+
+def check_race_noise(gen, rows=6, V=3000):
+    """`race_noise` = its reference: relative error bound 0 in the interpreter (numpy's log, as
+    the reference) and 2e-5 on a GPU (its log; below 1/64 both take the same series); the same
+    bits on a second call; equal (seed, counter) rows equal, a counter one apart different."""
+    shapes = [(rows, V)] + ([(128, 128256), (5, 1000)] if DEV == "cuda" else [])
+    for R, V in shapes:
+        seeds = random_seeds(gen, R)
+        seeds[1] = seeds[2]
+        seeds[3] = seeds[2] + torch.tensor([0, 1], device=DEV)
+        got = K.race_noise(seeds, V)
+        ref = K.race_noise_reference(seeds.cpu(), V).to(DEV)
+        err = float(((got - ref).abs() / ref).max())
+        again = torch.equal(got, K.race_noise(seeds, V))
+        streams = torch.equal(got[1], got[2]) and not bool((got[2] == got[3]).all())
+        record(f"race_noise {R}x{V}", err + (0.0 if again and streams else 1.0),
+               0.0 if DEV == "cpu" else 2e-5, mean=float(got.mean()))
 
 
 def check_fused(gen):
@@ -801,7 +834,8 @@ def main():
     print("env:", RESULTS["env"], flush=True)
     t0 = time.time()
     print("checks:", flush=True)
-    checks = [check_write_kv, check_blocks, check_elementwise, check_fused, check_top_p, check_race, check_attention]
+    checks = [check_write_kv, check_blocks, check_elementwise, check_fused, check_top_p, check_race, check_race_noise,
+              check_attention]
     if DEV == "cuda":
         checks += [check_cuda_graph, check_pdl]
     for fn in checks:

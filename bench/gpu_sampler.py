@@ -14,7 +14,8 @@ queued copy, where the original code made blocking copies), ``sort-free`` the de
 Triton radix search, `kvmesh.kernels.top_p_threshold`), ``torch radix`` the same search in torch
 ops (its reference, the default before the kernels; ``vs torch`` is its time over the default's). Before
 timing, the tokens the two filters keep are compared row by row (a row within float rounding
-of top_p may differ by a token: reported, not failed), and on a GPU the sort-free draw runs
+of top_p may differ by a token: reported, not failed), ``seeded`` is the default with every row
+seeded (a `NoiseStream` each: the same one launch), and on a GPU the sort-free draw runs
 once under ``torch.cuda.set_sync_debug_mode("error")`` (a host sync raises). Times: CUDA events around
 each call after a warm-up, median of ``--iters`` (on the CPU: wall clock, small default
 shapes, to check the script runs). Prints a table last; writes ``gpu_sampler.json`` under
@@ -166,6 +167,9 @@ def main():
                 with threshold_by(which):
                     r[f"{path}_ms"] = time_ms(call, dev, args.warmup, iters)
                     r[f"{path}_peak_MiB"] = peak_mib(call, dev)
+            streams = [S.NoiseStream(i) for i in range(B)]  # every row seeded: its own (seed, draw count)
+            r["seeded_ms"] = time_ms(lambda: S.draw_on_device(logits, params, rand, by_sort=False, generators=streams),
+                                     dev, args.warmup, iters)
             r["speedup"] = r["sort_ms"] / r["sort-free_ms"]
             r["speedup_torch"] = r["sort-free torch_ms"] / r["sort-free_ms"]
             if args.profile and B == max(batches):
@@ -178,12 +182,12 @@ def main():
     print(f"\n== draw_on_device, T {args.temperature}, top_p {args.top_p}, vocab {V}, fp32, {env['device']} "
           f"(torch {env['torch']}), median of {iters}")
     print("case       |     B | nucleus mean (max) | sort ms | torch radix ms | sort-free ms | vs sort | vs torch | "
-          "peak MiB sort / free | rows differing sort (torch) | sync-free")
+          "seeded ms | peak MiB sort / free | rows differing sort (torch) | sync-free")
     for r in rows:
         mem = "n/a" if r["sort_peak_MiB"] is None else f"{r['sort_peak_MiB']:.0f} / {r['sort-free_peak_MiB']:.0f}"
         print(f"{r['case']:10s} | {r['B']:5d} | {r['nucleus_mean']:9.1f} ({r['nucleus_max']:6d}) | "
               f"{r['sort_ms']:7.3f} | {r['sort-free torch_ms']:14.3f} | {r['sort-free_ms']:12.3f} | "
-              f"{r['speedup']:6.2f}x | {r['speedup_torch']:7.2f}x | {mem:20s} | "
+              f"{r['speedup']:6.2f}x | {r['speedup_torch']:7.2f}x | {r['seeded_ms']:9.3f} | {mem:20s} | "
               f"{r['rows_differing']:3d} ({r['tokens_differing']} tok) ({r['rows_differing_torch']}) | {r['sync_free']}")
 
 

@@ -22,7 +22,7 @@ from .messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from .model_runner import ModelRunner
 from .multi_step import merge_outputs, plan_next_round, plan_steps
 from .request import Request, RequestStatus
-from .sampler import SampleResult, Sampler
+from .sampler import NoiseStream, SampleResult, Sampler
 from .scheduler import Scheduler
 
 log = logging.getLogger("kvmesh.engine")
@@ -160,11 +160,14 @@ class EngineCore:
         """Random rows are drawn where the logits are (`sampler.draw_on_device`; a GPU runner)."""
         return getattr(self.runner, "sample_on_device", False)
 
-    def _generator(self, seed: int) -> torch.Generator:
-        """A seeded request's own generator, on the device its draws are made on: a seeded request
-        then samples on the GPU, in multi-step rounds too, and its tokens do not depend on its batch."""
-        dev = getattr(self.runner, "device", "cpu") if self._on_device() else "cpu"
-        return torch.Generator(device=dev).manual_seed(seed)
+    def _generator(self, seed: int) -> torch.Generator | NoiseStream:
+        """A seeded request's own random stream: where draws are made on the device, a
+        `NoiseStream` (the race's noise from the seed and a draw count: the request samples on the
+        GPU, in multi-step rounds too, in the batch's one launch); else a CPU generator for the
+        per-row multinomial. Either way its tokens do not depend on its batch."""
+        if self._on_device():
+            return NoiseStream(seed)
+        return torch.Generator(device="cpu").manual_seed(seed)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         for ext in request_ids:

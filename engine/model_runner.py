@@ -154,7 +154,7 @@ class _Round:
     def __init__(self, B: int, params: list, rand: list[int], gens: list,
                  adjust: LogitAdjustment | None = None) -> None:
         self.B, self.params, self.rand = B, params, rand
-        self.gens = gens  # per row: a seeded request's own generator, else None
+        self.gens = gens  # per row: a seeded request's NoiseStream, else None
         self.adjust = adjust  # logit bias / penalties, extended on the device by each step's tokens
         self.lp_k = logprob_width(params)  # top logprobs per row and step; None: nobody asked
         self.graph = 0  # padded batch size of the CUDA graph it replays; 0: eager
@@ -178,7 +178,7 @@ class ModelRunner:
             configure_cpu_threads()
         self.device = torch.device(config.device)
         self.cuda = self.device.type == "cuda"
-        # Random rows (seeded ones from their own generators) may be drawn inside multi-step rounds
+        # Random rows (seeded ones from their NoiseStreams) may be drawn inside multi-step rounds
         # (engine/multi_step.py): on a GPU, where the one-step path draws on the device the same way.
         # The CPU keeps its per-row multinomial draws and the one-step path.
         self.sample_on_device = self.cuda

@@ -13,9 +13,9 @@ What keeps it exact:
 * Only rounds where every scheduled request decodes one token of an unfinished
   output, greedily or (GPU) by sampling, and the connector moves nothing. Anything
   else (a prefill chunk, a transfer) runs the ordinary one-step path. Unseeded GPU
-  sampling is not reproducible in either path; a seeded request draws from its own
-  generator on the device, one vocabulary row per token in both paths, so its
-  tokens are the same in rounds, in one step and in any batch.
+  sampling is not reproducible in either path; a seeded request's noise comes from
+  its seed and its draw count (`sampler.NoiseStream`) in both paths, so its tokens
+  are the same in rounds, in one step and in any batch.
 * Logprobs come along: each step's are taken on the device from its raw logits
   (`sampler.device_logprobs`) and copied with the tokens. So do a logit bias and
   penalties: the round's `sampler.LogitAdjustment` is built from the host's
@@ -60,7 +60,7 @@ def plan_steps(sched: SchedulerOutput, kv: KVCacheManager, k_max: int, sample_on
     """How many decode steps this round may run on the device; 0: not a round (the one-step path).
 
     ``sample_on_device``: the runner draws random samples on the device (a GPU; a seeded request
-    from its own generator there), so such requests may run in rounds too; on the CPU they keep
+    from its `NoiseStream` there), so such requests may run in rounds too; on the CPU they keep
     the one-step path and its multinomial draws. When it returns ``k >= 1``, every scheduled request holds
     blocks for ``k`` more positions and ``ScheduledRequest.block_ids`` lists them."""
     meta = sched.connector_meta

@@ -12,9 +12,9 @@ temperature/top-k/top-p/min-p rules as the per-row CPU code, without sorting the
 vocabulary: top-p is a per-row probability threshold, found among the top-k
 candidates or by a radix search over probability mass, `kvmesh.kernels.top_p_threshold`)
 and the exponential-race draw ``argmax(p / E)``, ``E ~ Exp(1)``, which needs no host
-sync. A seeded row's ``E`` comes from the request's own generator on the device, so
-a seed gives the same tokens whatever else is in the batch. CPU logits take the
-original per-row path unchanged.
+sync. ``E`` is counter-based noise made inside the race from a seed and a draw counter
+per row (`NoiseStream`), so a seed gives the same tokens whatever else is in the
+batch. CPU logits take the original per-row path unchanged.
 """
 from __future__ import annotations
 
@@ -298,29 +298,52 @@ def _results(logits: torch.Tensor, ids: torch.Tensor, params: Sequence[SamplingP
     return results_with_logprobs(ids.tolist(), params, *(a.tolist() for a in arrays))
 
 
+class NoiseStream:
+    """A seeded request's random draws on the device. Draw ``n`` (the request's n-th random token
+    drawn on the device) races with the noise `kernels.race_noise` makes from (seed, n): the host
+    counting draws is all the state there is. So a seed gives the same tokens whatever else is in
+    the batch, in one-step and multi-step rounds, with or without async scheduling (the host
+    takes draws in the order it queues them), and seeded rows are drawn in the same single
+    launch as unseeded ones (a generator per row meant one launch per seeded row and step)."""
+
+    __slots__ = ("seed", "draws")
+
+    def __init__(self, seed: int) -> None:
+        self.seed = int(seed) % (1 << 63)
+        self.draws = 0
+
+    def take(self) -> tuple[int, int]:
+        """(seed, draw counter) of the next draw."""
+        n = self.draws
+        self.draws = n + 1
+        return self.seed, n
+
+
 def draw_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], rand: list[int],
-                   by_sort: bool | None = None, generators: Sequence[torch.Generator | None] | None = None
+                   by_sort: bool | None = None, generators: Sequence[NoiseStream | None] | None = None
                    ) -> torch.Tensor:
     """Token ids ``[rows]`` chosen where the logits are, without a host sync: argmax, except the
     ``rand`` rows (random sampling), which are filtered as the CPU rules say and drawn by the
     exponential race ``argmax(p / E)`` over the kept tokens (`kvmesh.kernels.race_argmax`: one
-    pass over ``p`` and ``E``, no filtered copy). Used per step and inside multi-step rounds.
-    ``generators[i]``: row ``i``'s own generator (a seeded request), on the logits' device: its
-    ``E`` comes from it, one row of the vocabulary's size per draw, so a seeded request's tokens
-    do not depend on its batch, on rounds or on async scheduling. Other rows share the default one.
-    ``by_sort``: see `_filter_batched`."""
+    pass over ``p``, the noise ``E`` made in the same pass from a seed and a draw counter per
+    row, no filtered copy). Used per step and inside multi-step rounds. ``generators[i]``: row
+    ``i``'s `NoiseStream` (a seeded request); the other rows share one key drawn from torch's
+    default generator per call, told apart by their row. ``by_sort``: see `_filter_batched`."""
     if not rand:
         return logits.argmax(-1)
     sel = to_device(rand, logits.device, torch.int64) if len(rand) != len(params) else None
     x = logits if sel is None else logits.index_select(0, sel)
     _, probs, lo = _filter_batched(x, [params[i] for i in rand], by_sort)
-    own = [(k, generators[i]) for k, i in enumerate(rand) if generators is not None and generators[i] is not None]
-    noise = torch.empty_like(probs)
-    if len(own) < len(rand):  # the unseeded rows share the default generator
-        noise.exponential_()
-    for k, g in own:
-        noise[k].exponential_(generator=g)
-    drawn = kernels.race_argmax(probs, noise, lo)
+    seeds, key = [], None
+    for k, i in enumerate(rand):
+        stream = generators[i] if generators is not None else None
+        if stream is not None:
+            seeds.append(stream.take())
+        else:
+            if key is None:
+                key = int(torch.randint(1 << 62, (), dtype=torch.int64))
+            seeds.append((key, k))
+    drawn = kernels.race_argmax(probs, None, lo, seeds=to_device(seeds, probs.device, torch.int64))
     return drawn if sel is None else logits.argmax(-1).index_copy_(0, sel, drawn)
 
 

@@ -802,34 +802,100 @@ def top_p_select_kernel(hist_ptr, top_p_ptr, prefix_ptr, above_ptr, out_ptr,
         tl.store(out_ptr + row, tl.where(tp < 1.0, prefix.to(tl.float32, bitcast=True), 0.0))
 
 
+@_jit
+def _exp_noise(w):
+    """``Exp(1)`` noise from a 32-bit Philox word (`race_noise_reference` defines it): ``u`` =
+    (top 23 bits + 1/2) / 2**23 is uniform in (0, 1), exact in float32 (no zero or infinite
+    noise), and the noise is ``-log(u)``; where that is small (``1 - u`` below 1/64, also exact)
+    by its series in ``1 - u``, since a fast ``log`` near 1 loses the relative precision that
+    decides how often a rare token wins the race."""
+    k = (w >> 9).to(tl.float32)
+    u = (k + 0.5) * 1.1920928955078125e-07
+    v = (8388607.5 - k) * 1.1920928955078125e-07
+    series = v * (1.0 + v * (0.5 + v * (0.3333333432674408 + v * 0.25)))
+    return tl.where(v < 0.015625, series, -tl.log(u))
+
+
+@_jit
+def _noise_group(key, ctr, off, LANES: tl.constexpr):
+    """The noise of tokens ``off + j * LANES + [0, LANES)``, j = 0..3 (``off`` a multiple of
+    4 * LANES): one Philox-4x32 block per lane, its four words the four sub-blocks. The Philox
+    counter is the lane's index in the row (low word) and the row's draw counter ``ctr`` (high
+    word), the key the row's seed, so a token's noise depends on nothing but (seed, draw, token)."""
+    g = (off // (4 * LANES)) * LANES + tl.arange(0, LANES)
+    w0, w1, w2, w3 = tl.randint4x(key, (ctr << 32) | g.to(tl.int64))
+    return _exp_noise(w0), _exp_noise(w1), _exp_noise(w2), _exp_noise(w3)
+
+
+@_jit
+def _race_step(pbase, idx, e, end, lo, best, best_i):
+    """One tile of the race: ``p / E`` where ``p >= lo`` replaces a lane's best when strictly larger."""
+    ok = idx < end
+    p = tl.load(pbase + idx, mask=ok, other=0.0)
+    r = tl.where(ok & (p >= lo), tl.math.div_rn(p, e), -1.0)
+    take = r > best
+    return tl.where(take, r, best), tl.where(take, idx, best_i)
+
+
 @_jit_unspecialized("V", "CHUNK")
-def race_argmax_kernel(probs_ptr, noise_ptr, lo_ptr, val_ptr, idx_ptr, stride_p, stride_n, V, CHUNK,
-                       BLOCK: tl.constexpr):
+def race_argmax_kernel(probs_ptr, noise_ptr, seed_ptr, lo_ptr, val_ptr, idx_ptr, stride_p, stride_n, V, CHUNK,
+                       BLOCK: tl.constexpr, SEEDED: tl.constexpr):
     """`race_argmax` over one CHUNK of one row: the largest ``p / E`` among the tokens with
     ``p >= lo`` and its first index, written as this (row, chunk)'s partial. Each lane keeps its
     own best (strictly larger replaces, so the first index wins among equals) and the lanes
     meet once at the end. The quotient is IEEE-rounded (``div_rn``), as torch's, so the
-    kernel and the reference rank the same values."""
+    kernel and the reference rank the same values. SEEDED: ``E`` is not read but made here from
+    the row's (seed, draw counter) at ``seed_ptr`` (`_noise_group`, BLOCK = 4 lanes' groups)."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     lo = tl.load(lo_ptr + row)
     pbase = probs_ptr + row.to(tl.int64) * stride_p
-    nbase = noise_ptr + row.to(tl.int64) * stride_n
-    best = tl.full((BLOCK,), -1.0, dtype=tl.float32)
-    best_i = tl.zeros((BLOCK,), dtype=tl.int32)
     start = c * CHUNK
     end = tl.minimum(start + CHUNK, V)
-    for off in range(start, end, BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        ok = idx < end
-        p = tl.load(pbase + idx, mask=ok, other=0.0)
-        e = tl.load(nbase + idx, mask=ok, other=1.0)
-        r = tl.where(ok & (p >= lo), tl.math.div_rn(p, e), -1.0)
-        take = r > best
-        best = tl.where(take, r, best)
-        best_i = tl.where(take, idx, best_i)
+    if SEEDED:
+        LANES: tl.constexpr = BLOCK // 4
+        key = tl.load(seed_ptr + 2 * row)
+        ctr = tl.load(seed_ptr + 2 * row + 1)
+        best = tl.full((LANES,), -1.0, dtype=tl.float32)
+        best_i = tl.zeros((LANES,), dtype=tl.int32)
+        for off in range(start, end, BLOCK):
+            e0, e1, e2, e3 = _noise_group(key, ctr, off, LANES)
+            lane = off + tl.arange(0, LANES)
+            best, best_i = _race_step(pbase, lane, e0, end, lo, best, best_i)
+            best, best_i = _race_step(pbase, lane + LANES, e1, end, lo, best, best_i)
+            best, best_i = _race_step(pbase, lane + 2 * LANES, e2, end, lo, best, best_i)
+            best, best_i = _race_step(pbase, lane + 3 * LANES, e3, end, lo, best, best_i)
+    else:
+        nbase = noise_ptr + row.to(tl.int64) * stride_n
+        best = tl.full((BLOCK,), -1.0, dtype=tl.float32)
+        best_i = tl.zeros((BLOCK,), dtype=tl.int32)
+        for off in range(start, end, BLOCK):
+            idx = off + tl.arange(0, BLOCK)
+            e = tl.load(nbase + idx, mask=idx < end, other=1.0)
+            best, best_i = _race_step(pbase, idx, e, end, lo, best, best_i)
     m = tl.max(best, 0)
     i = tl.min(tl.where(best == m, best_i, 2147483647), 0)
     out = row * tl.num_programs(1) + c
     tl.store(val_ptr + out, m)
     tl.store(idx_ptr + out, i)
+
+
+@_jit_unspecialized("V", "CHUNK")
+def race_noise_kernel(seed_ptr, noise_ptr, stride_n, V, CHUNK, BLOCK: tl.constexpr):
+    """The noise `race_argmax_kernel` makes with SEEDED, written out (`race_noise`): what the
+    tests compare with the reference, and what the seeded race must rank the same as."""
+    LANES: tl.constexpr = BLOCK // 4
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    key = tl.load(seed_ptr + 2 * row)
+    ctr = tl.load(seed_ptr + 2 * row + 1)
+    nbase = noise_ptr + row.to(tl.int64) * stride_n
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    for off in range(start, end, BLOCK):
+        e0, e1, e2, e3 = _noise_group(key, ctr, off, LANES)
+        lane = off + tl.arange(0, LANES)
+        tl.store(nbase + lane, e0, mask=lane < end)
+        tl.store(nbase + lane + LANES, e1, mask=lane + LANES < end)
+        tl.store(nbase + lane + 2 * LANES, e2, mask=lane + 2 * LANES < end)
+        tl.store(nbase + lane + 3 * LANES, e3, mask=lane + 3 * LANES < end)

@@ -906,36 +906,82 @@ def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 _RACE_BLOCK = 1024
 
 
-def race_argmax(probs: torch.Tensor, noise: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+def race_argmax(probs: torch.Tensor, noise: torch.Tensor | None, lo: torch.Tensor, *,
+                seeds: torch.Tensor | None = None) -> torch.Tensor:
     """Per row of ``probs`` ``[rows, V]``, the first index of the largest ``probs / noise`` among
     the tokens with ``probs >= lo[row]``: the device sampler's draw (``noise ~ Exp(1)``), with
     top-p / min-p given as the threshold ``lo``. One pass over both tensors by (row, chunk)
     programs, then an argmax over the few partials per row, instead of a masked copy, a softmax
     of it, a quotient tensor and an argmax over ``[rows, V]``. A row's probabilities need not
-    sum to 1 (any positive scale draws the same token). Returns int64 ``[rows]``."""
+    sum to 1 (any positive scale draws the same token). Returns int64 ``[rows]``.
+
+    ``seeds`` (int64 ``[rows, 2]``: a seed and a draw counter per row) instead of ``noise``: the
+    noise is `race_noise` of them, made inside the pass and never stored. One launch whatever
+    the rows' seeds, where a tensor of noise takes one generator call per seeded row."""
     fn = "race_argmax"
     _check_dim(fn, "probs", probs, 2)
     _check_dtype(fn, "probs", probs, (torch.float32,))
     _check_last_contig(fn, "probs", probs)
-    if noise.shape != probs.shape or noise.dtype != probs.dtype:
-        _fail(fn, f"noise must match probs ({tuple(probs.shape)}, {probs.dtype}); got "
-                  f"{tuple(noise.shape)}, {noise.dtype}")
-    _check_last_contig(fn, "noise", noise)
+    if (noise is None) == (seeds is None):
+        _fail(fn, "give exactly one of noise and seeds")
+    if noise is not None:
+        if noise.shape != probs.shape or noise.dtype != probs.dtype:
+            _fail(fn, f"noise must match probs ({tuple(probs.shape)}, {probs.dtype}); got "
+                      f"{tuple(noise.shape)}, {noise.dtype}")
+        _check_last_contig(fn, "noise", noise)
+    else:
+        _check_seeds(fn, seeds, probs.shape[0])
     _check_dim(fn, "lo", lo, 1)
     _check_dtype(fn, "lo", lo, (torch.float32,))
     if lo.shape[0] != probs.shape[0]:
         _fail(fn, f"lo has {lo.shape[0]} entries for {probs.shape[0]} rows")
-    _check_device(fn, "probs", probs, noise=noise, lo=lo)
+    _check_device(fn, "probs", probs, lo=lo, **({"noise": noise} if noise is not None else {"seeds": seeds}))
     if backend(probs) == "reference":
+        if noise is None:
+            noise = _ref.race_noise_reference(seeds, probs.shape[1])
         return _ref.race_argmax_reference(probs, noise, lo)
     rows, V = probs.shape
     if rows == 0 or V == 0:
         return torch.zeros(rows, dtype=torch.int64, device=probs.device)
     lo = _fresh(lo)
+    seeded = noise is None
+    if seeded:
+        seeds = seeds.contiguous()
     chunks, chunk = _row_chunks(rows, V, _RACE_BLOCK, probs.device)
     val = torch.empty(rows, chunks, dtype=torch.float32, device=probs.device)
     idx = torch.empty(rows, chunks, dtype=torch.int32, device=probs.device)
     _k(probs).race_argmax_kernel[(rows, chunks)](
-        probs, noise, lo, val, idx, probs.stride(0), noise.stride(0), V, chunk, BLOCK=_RACE_BLOCK, num_warps=4,
+        probs, probs if seeded else noise, seeds if seeded else lo, lo, val, idx,
+        probs.stride(0), 0 if seeded else noise.stride(0), V, chunk, BLOCK=_RACE_BLOCK, SEEDED=seeded,
+        num_warps=4,
     )
     return idx.gather(1, val.argmax(1, keepdim=True))[:, 0].long()
+
+
+def race_noise(seeds: torch.Tensor, V: int) -> torch.Tensor:
+    """The ``Exp(1)`` noise ``[rows, V]`` (float32) that ``race_argmax(..., seeds=seeds)`` draws
+    with: row ``r``'s from Philox-4x32-10 keyed by ``seeds[r, 0]`` at draw counter ``seeds[r, 1]``
+    (`race_noise_reference` defines the layout). A request that keeps its seed and counts its
+    draws gets the same noise in any batch, round or process."""
+    fn = "race_noise"
+    _check_seeds(fn, seeds, None)
+    if V < 0:
+        _fail(fn, f"V must be >= 0, got {V}")
+    if backend(seeds) == "reference":
+        return _ref.race_noise_reference(seeds, V)
+    rows = seeds.shape[0]
+    noise = torch.empty(rows, V, dtype=torch.float32, device=seeds.device)
+    if rows == 0 or V == 0:
+        return noise
+    chunks, chunk = _row_chunks(rows, V, _RACE_BLOCK, seeds.device)
+    _k(seeds).race_noise_kernel[(rows, chunks)](seeds.contiguous(), noise, noise.stride(0), V, chunk,
+                                                 BLOCK=_RACE_BLOCK, num_warps=4)
+    return noise
+
+
+def _check_seeds(fn: str, seeds: torch.Tensor, rows: int | None) -> None:
+    _check_dim(fn, "seeds", seeds, 2)
+    _check_dtype(fn, "seeds", seeds, (torch.int64,))
+    rows = seeds.shape[0] if rows is None else rows
+    if seeds.shape != (rows, 2):
+        _fail(fn, f"seeds must be [rows, 2] (seed, draw counter) for {rows} rows, got {tuple(seeds.shape)}")

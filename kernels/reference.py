@@ -15,6 +15,7 @@ A *slot* is ``block_id * block_size + offset``; slot ``-1`` marks padding.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -243,3 +244,53 @@ def race_argmax_reference(probs: torch.Tensor, noise: torch.Tensor, lo: torch.Te
     ``probs >= lo`` (the exponential race: with ``noise ~ Exp(1)`` it draws a kept token with
     probability proportional to ``probs``); int64 ``[rows]``."""
     return torch.where(probs >= lo[:, None], probs / noise, -1.0).argmax(-1)
+
+
+# Counter-based draw noise (`race_noise`): token t of a row takes output (t % 1024) // 256 of the
+# Philox-4x32-10 block at counter (t // 1024) * 256 + t % 256, high word the row's draw counter.
+NOISE_GROUP = 1024
+_NOISE_LANES = NOISE_GROUP // 4
+
+
+def _philox4x32(c0: np.ndarray, c1: np.ndarray, k0: np.ndarray, k1: np.ndarray, rounds: int = 10):
+    """Philox-4x32 on uint64 arrays holding 32-bit words (counter words 2 and 3 zero), as
+    Triton's `tl.randint4x` computes it: the products of two 32-bit words fit in 64 bits."""
+    m32 = np.uint64(0xFFFFFFFF)
+    c2 = np.zeros_like(c0)
+    c3 = np.zeros_like(c0)
+    ra, rb = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    ka, kb = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
+    for _ in range(rounds):
+        pa, pb = ra * c0, rb * c2
+        c0, c1, c2, c3 = ((pb >> np.uint64(32)) ^ c1 ^ k0, pb & m32,
+                          (pa >> np.uint64(32)) ^ c3 ^ k1, pa & m32)
+        k0, k1 = (k0 + ka) & m32, (k1 + kb) & m32
+    return c0, c1, c2, c3
+
+
+def race_noise_reference(seeds: torch.Tensor, V: int) -> torch.Tensor:
+    """``Exp(1)`` noise ``[rows, V]`` (float32) of `race_noise`: row ``r`` keyed by ``seeds[r, 0]``
+    (63 bits) at draw counter ``seeds[r, 1]``. A uniform ``u`` is the top 23 bits of a Philox word
+    plus one half, over 2**23 (in (0, 1), exact in float32), and the noise is ``-log(u)``, by the
+    series ``v + v**2/2 + v**3/3 + v**4/4`` in ``v = 1 - u`` below ``v = 1/64`` (relative error
+    under 2e-8 there, where a fast ``log`` near 1 is not precise)."""
+    s = seeds.detach().cpu().numpy().astype(np.uint64)
+    rows = s.shape[0]
+    t = np.arange(V, dtype=np.uint64)
+    ctr = (t // np.uint64(NOISE_GROUP)) * np.uint64(_NOISE_LANES) + t % np.uint64(_NOISE_LANES)
+    lane = ((t % np.uint64(NOISE_GROUP)) // np.uint64(_NOISE_LANES)).astype(np.int64)
+    m32 = np.uint64(0xFFFFFFFF)
+    c0 = np.broadcast_to(ctr[None, :], (rows, V))
+    c1 = np.broadcast_to(s[:, 1:2] & m32, (rows, V))
+    k0 = np.broadcast_to(s[:, 0:1] & m32, (rows, V))
+    k1 = np.broadcast_to((s[:, 0:1] >> np.uint64(32)) & m32, (rows, V))
+    words = np.stack(_philox4x32(c0, c1, k0, k1), 0)  # [4, rows, V]
+    w = np.take_along_axis(words, np.broadcast_to(lane[None, None, :], (1, rows, V)), 0)[0]
+    k = (w >> np.uint64(9)).astype(np.float32)
+    f = np.float32
+    u = (k + f(0.5)) * f(2.0 ** -23)
+    v = (f(8388607.5) - k) * f(2.0 ** -23)  # 1 - u, exact
+    series = v * (f(1.0) + v * (f(0.5) + v * (f(1 / 3) + v * f(0.25))))
+    with np.errstate(divide="ignore"):
+        e = np.where(v < f(1 / 64), series, -np.log(u))
+    return torch.from_numpy(e.astype(np.float32)).to(seeds.device)

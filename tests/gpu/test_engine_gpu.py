@@ -95,7 +95,7 @@ def test_greedy_matches_hf_graphs_and_eager(bench):
 
 def test_device_sampling(bench):
     """top_k=1 and a tiny top_p reduce to greedy; seeded rows are reproducible; one batch mixes all."""
-    from kvmesh.engine.sampler import Sampler
+    from kvmesh.engine.sampler import NoiseStream, Sampler
     from kvmesh.engine.sampling_params import SamplingParams
 
     torch.manual_seed(0)
@@ -105,10 +105,10 @@ def test_device_sampling(bench):
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1),
               SamplingParams(temperature=0.7, top_p=1e-6), SamplingParams(temperature=1.0, min_p=0.999),
               SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=1.0)]
-    gens = [None, None, None, None, torch.Generator(device="cuda").manual_seed(5), None]
+    gens = [None, None, None, None, NoiseStream(5), None]
     out = [r.token_id for r in s.sample(logits, params, gens)]
     assert out[:4] == greedy[:4]
-    again = s.sample(logits[4:5], [params[4]], [torch.Generator(device="cuda").manual_seed(5)])[0].token_id
+    again = s.sample(logits[4:5], [params[4]], [NoiseStream(5)])[0].token_id
     assert again == out[4]
     assert all(0 <= t < 32000 for t in out)
     # Unseeded draws follow the distribution: a 2-token distribution, many draws.

@@ -449,3 +449,19 @@ def test_race_argmax(gen, monkeypatch):
     assert K.race_argmax(p, torch.tensor([[1.0, 1.0, 0.5, 0.01]]), torch.tensor([0.2])).tolist() == [2]
     with pytest.raises(ValueError, match="noise must match"):
         K.race_argmax(p, torch.ones(1, 3), torch.tensor([0.0]))
+    with pytest.raises(ValueError, match="exactly one of noise and seeds"):
+        K.race_argmax(p, None, torch.tensor([0.0]))
+    with pytest.raises(ValueError, match=r"seeds must be \[rows, 2\]"):
+        K.race_argmax(p, None, torch.tensor([0.0]), seeds=torch.zeros(2, 2, dtype=torch.int64))
+
+
+def test_race_noise(gen, monkeypatch):
+    """The noise made inside the seeded race is its reference's bit for bit (the interpreter
+    runs numpy's log, as the reference does), repeatable, and a function of (seed, counter)."""
+    assert K.backend(torch.zeros(1)) == "interpret"
+    bench = _gpu_kernels_bench(monkeypatch)
+    bench.FAILED.clear()
+    bench.check_race_noise(gen)
+    assert not bench.FAILED, bench.FAILED
+    with pytest.raises(ValueError, match="int64"):
+        K.race_noise(torch.zeros(2, 2, dtype=torch.int32), 10)
