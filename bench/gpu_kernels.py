@@ -394,7 +394,7 @@ def top_p_rule_err(p, top_p, t):
 
 def top_p_rows(gen, rows, V):
     """Rows of three shapes (N(0,1) logits; a trained LM's decay in random order; a few tied
-    values), with top_p values from tiny to 1."""
+    values), with top_p values from tiny to 1 (0.95, random, 0.99995, 1 in turn)."""
     flat = torch.randn(rows, V, device=DEV, generator=gen)
     rank = torch.arange(1, V + 1, device=DEV).float().log()
     peaked = (-1.8 * rank + 0.3 * torch.randn(rows, V, device=DEV, generator=gen))
@@ -403,7 +403,29 @@ def top_p_rows(gen, rows, V):
     top_p = torch.rand(rows, device=DEV, generator=gen)
     top_p[::4] = 1.0
     top_p[1::4] = 0.95
+    top_p[3::4] = 0.99995  # within 1e-4 of 1: every token counted (no floor)
     return {"flat": flat.softmax(-1), "peaked": peaked.softmax(-1), "ties": ties.softmax(-1)}, top_p
+
+
+def check_softmax(gen, rows=6, V=3000):
+    """`softmax_temperature` against its reference (torch: divide, softmax): per row the largest
+    difference over the row's largest probability, and the relative difference of every entry
+    above 1e-6 of it, bound 2e-5 (the exponentials' rounding); float32 and bf16 logits, per-row
+    temperatures from the sampler's floor 1e-5 (one-hot) to 7, a row with -inf entries."""
+    shapes = [(rows, V)] + ([(128, 128256), (1, 128256)] if DEV == "cuda" else [])
+    for R, V in shapes:
+        x = torch.randn(R, V, device=DEV, generator=gen) * 3
+        x[0, ::7] = float("-inf")
+        temps = torch.tensor([1e-5, 0.3, 0.8, 1.0, 2.0, 7.0], device=DEV).repeat(R // 6 + 1)[:R]
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            got = K.softmax_temperature(xd, temps)
+            ref = K.softmax_temperature_reference(xd, temps)
+            top = ref.max(-1, keepdim=True).values
+            big = ref > 1e-6 * top
+            err = max(float(((got - ref).abs() / top).max()),
+                      float(((got - ref).abs() / ref.clamp_min(1e-38))[big].max()))
+            record(f"softmax_temperature {str(dtype)[6:]} {R}x{V}", err, 2e-5)
 
 
 def check_top_p(gen, rows=6, V=3000):
@@ -834,7 +856,8 @@ def main():
     print("env:", RESULTS["env"], flush=True)
     t0 = time.time()
     print("checks:", flush=True)
-    checks = [check_write_kv, check_blocks, check_elementwise, check_fused, check_top_p, check_race, check_race_noise,
+    checks = [check_write_kv, check_blocks, check_elementwise, check_fused, check_softmax, check_top_p, check_race,
+              check_race_noise,
               check_attention]
     if DEV == "cuda":
         checks += [check_cuda_graph, check_pdl]

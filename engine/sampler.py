@@ -68,8 +68,8 @@ TOP_P_BY_SORT = os.environ.get("KVMESH_SAMPLER_SORT", "0") == "1"
 SORT_FREE_MIN_ROWS = 1
 
 
-def _filter_batched(x: torch.Tensor, params: Sequence[SamplingParams], by_sort: bool | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _filter_batched(x: torch.Tensor, params: Sequence[SamplingParams], by_sort: bool | None = None,
+                    want_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Rows of ``x`` (one row per params) filtered as `_filter_logits` does, all at once, in float32:
     returns ``(logits, probs, lo)``, the logits after temperature and top-k (and top-p when
     sorting), their softmax, and per row the smallest probability kept (``[rows]``): a token stays
@@ -83,7 +83,10 @@ def _filter_batched(x: torch.Tensor, params: Sequence[SamplingParams], by_sort: 
     original sort or not): top-k reads the k-th value from ``topk`` up to the largest k in the batch, and top-p
     keeps the tokens at or above a per-row probability threshold, found among those ``topk``
     candidates for a top-k row (`_top_p_threshold_sorted`) and by a radix search over the whole
-    row otherwise (`_top_p_threshold`)."""
+    row otherwise (`_top_p_threshold`). ``want_logits=False`` (the draw needs only ``probs`` and
+    ``lo``): without top-k or sorting the probabilities come straight from the raw logits
+    (`kernels.softmax_temperature`: no tempered float32 copy of the rows) and the logits
+    returned are None."""
     if by_sort is None:
         by_sort = TOP_P_BY_SORT or len(params) < SORT_FREE_MIN_ROWS
     V = x.shape[-1]
@@ -91,13 +94,19 @@ def _filter_batched(x: torch.Tensor, params: Sequence[SamplingParams], by_sort: 
     cols = to_device([[max(p.temperature, 1e-5), p.top_p, p.min_p, k] for p, k in zip(params, ks)], x.device,
                      torch.float32)
     temp, top_p, min_p, k = cols[:, :1], cols[:, 1:2], cols[:, 2:3], cols[:, 3:].long()
-    x = x.float() / temp
     use_p = any(p.top_p < 1.0 for p in params)
     lo = torch.zeros_like(top_p[:, 0])
-    if by_sort:
+    if not (want_logits or by_sort or any(ks)):
+        probs = kernels.softmax_temperature(x, temp[:, 0])
+        if use_p:
+            lo = _top_p_threshold(probs, top_p[:, 0])
+        x = None
+    elif by_sort:
+        x = x.float() / temp
         x = _top_k_top_p_by_sort(x, k if any(ks) else None, top_p if use_p else None)
         probs = x.softmax(-1)
     else:
+        x = x.float() / temp
         xk = x
         if any(ks):
             vals, cand = torch.topk(x, max(ks))
@@ -333,7 +342,7 @@ def draw_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], rand:
         return logits.argmax(-1)
     sel = to_device(rand, logits.device, torch.int64) if len(rand) != len(params) else None
     x = logits if sel is None else logits.index_select(0, sel)
-    _, probs, lo = _filter_batched(x, [params[i] for i in rand], by_sort)
+    _, probs, lo = _filter_batched(x, [params[i] for i in rand], by_sort, want_logits=False)
     seeds, key = [], None
     for k, i in enumerate(rand):
         stream = generators[i] if generators is not None else None

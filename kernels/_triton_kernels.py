@@ -738,12 +738,73 @@ def gemv_kernel(
 
 # --------------------------------------------------------------------------- sampling
 @_jit_unspecialized("V", "CHUNK")
-def top_p_hist_kernel(probs_ptr, prefix_ptr, hist_ptr, stride_row, V, CHUNK,
+def softmax_stats_kernel(x_ptr, temp_ptr, m_ptr, s_ptr, stride_x, V, CHUNK, BLOCK: tl.constexpr):
+    """First half of `softmax_temperature`: the max of ``x / T`` over one CHUNK of one row and
+    the sum of ``exp(x / T - max)`` there, per lane online, lanes merged once."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    t = tl.load(temp_ptr + row)
+    base = x_ptr + row.to(tl.int64) * stride_x
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    for off in range(start, end, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        z = tl.math.div_rn(tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32), t)
+        m_new = tl.maximum(m, z)
+        ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # a lane that saw only -inf: 0 (no inf - inf)
+        acc = acc * tl.exp(m - ref) + tl.exp(z - ref)
+        m = m_new
+    mx = tl.max(m, 0)
+    total = tl.sum(acc * tl.exp(m - tl.where(mx > float("-inf"), mx, 0.0)), 0)
+    out = row * tl.num_programs(1) + c
+    tl.store(m_ptr + out, mx)
+    tl.store(s_ptr + out, total)
+
+
+@_jit_unspecialized("V", "CHUNK")
+def softmax_write_kernel(x_ptr, temp_ptr, m_ptr, s_ptr, p_ptr, stride_x, stride_p, V, CHUNK,
+                         CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Second half of `softmax_temperature`: the row's max and sum from its chunks' partials,
+    then ``exp(x / T - max) / sum`` over one CHUNK."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    n = tl.num_programs(1)
+    t = tl.load(temp_ptr + row)
+    j = tl.arange(0, CHUNKS_PAD)
+    ms = tl.load(m_ptr + row * n + j, mask=j < n, other=float("-inf"))
+    ss = tl.load(s_ptr + row * n + j, mask=j < n, other=0.0)
+    mx = tl.max(ms, 0)
+    mx = tl.where(mx > float("-inf"), mx, 0.0)
+    total = tl.sum(ss * tl.exp(ms - mx), 0)
+    base = x_ptr + row.to(tl.int64) * stride_x
+    pbase = p_ptr + row.to(tl.int64) * stride_p
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    for off in range(start, end, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        ok = idx < end
+        z = tl.math.div_rn(tl.load(base + idx, mask=ok, other=float("-inf")).to(tl.float32), t)
+        tl.store(pbase + idx, tl.math.div_rn(tl.exp(z - mx), total), mask=ok)
+
+
+@_jit_unspecialized("V", "CHUNK")
+def top_p_hist_kernel(probs_ptr, prefix_ptr, hist_ptr, top_p_ptr, stride_row, V, CHUNK,
                       SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr):
     """One radix pass of `top_p_threshold` over one CHUNK of one row: the probability mass of
     each BITS-bit digit (bits SHIFT.. of the float32 bit pattern) among the tokens whose higher
     bits equal the row's prefix so far (every token in the FIRST pass), added into the row's
     histogram.
+
+    Tokens below ``floor = (1 - top_p) / (2 V)`` are left out: together they hold at most half of
+    ``1 - top_p``, so the tokens at or above the floor hold more than ``top_p``, the threshold is
+    at or above the floor, and every mass the select compares (digits at or above the
+    threshold's; a digit straddling the floor still counts more than ``top_p``) is unchanged.
+    A trained LM's row has almost all of its vocabulary far below it, and those tokens all fell
+    into a few digits whose atomics serialised (the first pass took longer on such rows than
+    on flat ones). Rows with ``top_p`` within 1e-4 of 1 count every token (normalisation
+    rounding could otherwise exceed the margin); rows with ``top_p >= 1`` (no top-p) do nothing.
 
     Masses are fixed-point integers, ``p * 2**62`` (exact for every p above 2**-39; smaller
     ones lose less than 2**-62 each), summed with int64 atomics: integer addition does not
@@ -753,6 +814,10 @@ def top_p_hist_kernel(probs_ptr, prefix_ptr, hist_ptr, stride_row, V, CHUNK,
     NB: tl.constexpr = 1 << BITS
     row = tl.program_id(0)
     c = tl.program_id(1)
+    tp = tl.load(top_p_ptr + row)
+    if tp >= 1.0:
+        return
+    floor = tl.where(tp <= 0.9999, 0.5 * (1.0 - tp) / V, 0.0)
     if FIRST:
         prefix = 0
     else:
@@ -765,6 +830,7 @@ def top_p_hist_kernel(probs_ptr, prefix_ptr, hist_ptr, stride_row, V, CHUNK,
         idx = off + tl.arange(0, BLOCK)
         ok = idx < end
         p = tl.load(base + idx, mask=ok, other=0.0)
+        ok = ok & (p >= floor)
         key = p.to(tl.int32, bitcast=True)
         if not FIRST:
             ok = ok & ((key >> (SHIFT + BITS)) == prefix)

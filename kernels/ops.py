@@ -854,6 +854,44 @@ def _row_chunks(rows: int, V: int, block: int, device: torch.device) -> tuple[in
     return triton_cdiv(V, chunk), chunk
 
 
+_SOFTMAX_BLOCK = 1024
+
+
+def softmax_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``softmax(logits / temperature[row])`` per row of ``logits`` ``[rows, V]`` (any float
+    dtype), float32 ``[rows, V]``: the device sampler's probabilities. Two passes of (row, chunk)
+    programs, the first leaving each chunk's max and sum of exponentials, the second merging a
+    row's few partials and writing; so a few rows still spread over the whole device, where
+    dividing into a float32 copy and a one-block-per-row softmax wrote and read the row twice
+    more. The quotient ``x / T`` is IEEE-rounded as torch's; the exponentials and the sum's order
+    differ from torch's (relative differences of a few float32 ulps)."""
+    fn = "softmax_temperature"
+    _check_dim(fn, "logits", logits, 2)
+    _check_dtype(fn, "logits", logits, _FLOATS)
+    _check_last_contig(fn, "logits", logits)
+    _check_dim(fn, "temperature", temperature, 1)
+    _check_dtype(fn, "temperature", temperature, (torch.float32,))
+    if temperature.shape[0] != logits.shape[0]:
+        _fail(fn, f"temperature has {temperature.shape[0]} entries for {logits.shape[0]} rows")
+    _check_device(fn, "logits", logits, temperature=temperature)
+    if backend(logits) == "reference":
+        return _ref.softmax_temperature_reference(logits, temperature)
+    rows, V = logits.shape
+    probs = torch.empty(rows, V, dtype=torch.float32, device=logits.device)
+    if rows == 0 or V == 0:
+        return probs
+    temperature = _fresh(temperature)
+    chunks, chunk = _row_chunks(rows, V, _SOFTMAX_BLOCK, logits.device)
+    m = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    s = torch.empty_like(m)
+    kern = _k(logits)
+    kern.softmax_stats_kernel[(rows, chunks)](logits, temperature, m, s, logits.stride(0), V, chunk,
+                                              BLOCK=_SOFTMAX_BLOCK, num_warps=4)
+    kern.softmax_write_kernel[(rows, chunks)](logits, temperature, m, s, probs, logits.stride(0), probs.stride(0),
+                                              V, chunk, CHUNKS_PAD=_p2(chunks), BLOCK=_SOFTMAX_BLOCK, num_warps=4)
+    return probs
+
+
 _TOP_P_BITS = 10  # three passes over the 30 bits a probability <= 1 can set
 _TOP_P_BLOCK = 1024
 
@@ -895,7 +933,7 @@ def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         shift = 30 - (i + 1) * _TOP_P_BITS
         first, last = i == 0, i == passes - 1
         kern.top_p_hist_kernel[(rows, chunks)](
-            probs, prefix, hist[i], probs.stride(0), V, chunk,
+            probs, prefix, hist[i], top_p, probs.stride(0), V, chunk,
             SHIFT=shift, BITS=_TOP_P_BITS, FIRST=first, BLOCK=_TOP_P_BLOCK, num_warps=4,
         )
         kern.top_p_select_kernel[(rows,)](hist[i], top_p, prefix, above, out, BITS=_TOP_P_BITS, FIRST=first,

@@ -197,6 +197,11 @@ def silu_mul_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Te
     return F.linear(silu_and_mul_reference(x), weight)
 
 
+def softmax_temperature_reference(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``softmax(logits / temperature[row])`` per row, in float32."""
+    return (logits.float() / temperature[:, None]).softmax(-1)
+
+
 def top_p_threshold_reference(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Per row, the smallest probability the top-p rule keeps (0 where ``top_p >= 1``), without sorting.
 

@@ -455,6 +455,18 @@ def test_race_argmax(gen, monkeypatch):
         K.race_argmax(p, None, torch.tensor([0.0]), seeds=torch.zeros(2, 2, dtype=torch.int64))
 
 
+def test_softmax_temperature(gen, monkeypatch):
+    """The sampler's two-pass softmax of logits over per-row temperatures matches torch's within
+    float32 rounding (bf16 and fp32 logits, temperatures 1e-5 to 7, -inf entries)."""
+    assert K.backend(torch.zeros(1)) == "interpret"
+    bench = _gpu_kernels_bench(monkeypatch)
+    bench.FAILED.clear()
+    bench.check_softmax(gen)
+    assert not bench.FAILED, bench.FAILED
+    with pytest.raises(ValueError, match="2 entries for 3 rows"):
+        K.softmax_temperature(torch.zeros(3, 5), torch.ones(2))
+
+
 def test_race_noise(gen, monkeypatch):
     """The noise made inside the seeded race is its reference's bit for bit (the interpreter
     runs numpy's log, as the reference does), repeatable, and a function of (seed, counter)."""
