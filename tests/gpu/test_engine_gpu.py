@@ -11,7 +11,6 @@ device tool, e.g.:
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -22,15 +21,10 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
 
-_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu_engine.py")
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("kvmesh_bench_gpu_engine", _BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_bench):
+    return load_bench("gpu_engine.py")
 
 
 def test_no_triton_compiles_while_serving(bench):

@@ -10,7 +10,6 @@ definition of "correct". Run through the device tool, e.g.:
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -21,15 +20,10 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
 
-_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu_kernels.py")
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("kvmesh_bench_gpu_kernels", _BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_bench):
+    return load_bench("gpu_kernels.py")
 
 
 @pytest.fixture

@@ -419,15 +419,20 @@ def _gpu_kernels_bench(monkeypatch):
     return mod
 
 
+def _bench_check(monkeypatch, gen, name: str) -> None:
+    """Run ``bench/gpu_kernels.py``'s ``check_<name>`` in the interpreter; none of its checks may fail."""
+    assert K.backend(torch.zeros(1)) == "interpret"
+    bench = _gpu_kernels_bench(monkeypatch)
+    bench.FAILED.clear()
+    getattr(bench, f"check_{name}")(gen)
+    assert not bench.FAILED, bench.FAILED
+
+
 def test_top_p_threshold(gen, monkeypatch):
     """The radix-pass kernels keep the top-p rule (float64 masses; flat, peaked and tied rows;
     top_p from tiny to 1), give the same bits on a second call, and find exact thresholds
     where the masses are exact binary fractions (a mass equal to top_p does not exceed it)."""
-    assert K.backend(torch.zeros(1)) == "interpret"
-    bench = _gpu_kernels_bench(monkeypatch)
-    bench.FAILED.clear()
-    bench.check_top_p(gen)
-    assert not bench.FAILED, bench.FAILED
+    _bench_check(monkeypatch, gen, "top_p")
     p = torch.tensor([[0.4, 0.3, 0.3], [0.5, 0.25, 0.25], [0.5, 0.375, 0.125]])
     assert K.top_p_threshold(p, torch.tensor([0.5, 0.6, 0.5])).tolist() == pytest.approx([0.3, 0.25, 0.375])
     assert K.top_p_threshold(p, torch.tensor([1.0, 0.1, 0.875])).tolist() == pytest.approx([0.0, 0.5, 0.125])
@@ -440,10 +445,7 @@ def test_top_p_threshold(gen, monkeypatch):
 def test_race_argmax(gen, monkeypatch):
     """The draw's kernel picks the reference's token on every row (thresholds from none to one
     token left; tied quotients: the first index), and only kept tokens."""
-    bench = _gpu_kernels_bench(monkeypatch)
-    bench.FAILED.clear()
-    bench.check_race(gen)
-    assert not bench.FAILED, bench.FAILED
+    _bench_check(monkeypatch, gen, "race")
     p = torch.tensor([[0.1, 0.4, 0.4, 0.1]])
     assert K.race_argmax(p, torch.ones_like(p), torch.tensor([0.0])).tolist() == [1]
     assert K.race_argmax(p, torch.tensor([[1.0, 1.0, 0.5, 0.01]]), torch.tensor([0.2])).tolist() == [2]
@@ -458,11 +460,7 @@ def test_race_argmax(gen, monkeypatch):
 def test_softmax_temperature(gen, monkeypatch):
     """The sampler's two-pass softmax of logits over per-row temperatures matches torch's within
     float32 rounding (bf16 and fp32 logits, temperatures 1e-5 to 7, -inf entries)."""
-    assert K.backend(torch.zeros(1)) == "interpret"
-    bench = _gpu_kernels_bench(monkeypatch)
-    bench.FAILED.clear()
-    bench.check_softmax(gen)
-    assert not bench.FAILED, bench.FAILED
+    _bench_check(monkeypatch, gen, "softmax")
     with pytest.raises(ValueError, match="2 entries for 3 rows"):
         K.softmax_temperature(torch.zeros(3, 5), torch.ones(2))
 
@@ -470,10 +468,6 @@ def test_softmax_temperature(gen, monkeypatch):
 def test_race_noise(gen, monkeypatch):
     """The noise made inside the seeded race is its reference's bit for bit (the interpreter
     runs numpy's log, as the reference does), repeatable, and a function of (seed, counter)."""
-    assert K.backend(torch.zeros(1)) == "interpret"
-    bench = _gpu_kernels_bench(monkeypatch)
-    bench.FAILED.clear()
-    bench.check_race_noise(gen)
-    assert not bench.FAILED, bench.FAILED
+    _bench_check(monkeypatch, gen, "race_noise")
     with pytest.raises(ValueError, match="int64"):
         K.race_noise(torch.zeros(2, 2, dtype=torch.int32), 10)
