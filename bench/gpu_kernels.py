@@ -443,7 +443,7 @@ def check_topk(gen, rows=4, V=1500):
         for name, x in (("randn", torch.randn(R, V, device=DEV, generator=gen) * 3),
                         ("ties", torch.randint(0, 8, (R, V), device=DEV, generator=gen).float())):
             # The interpreter runs tl.topk's bitonic stages in numpy: small max_k there (1,024 took minutes).
-            for max_k in (1, 50, 64, 65, 256, 1000, 1024, 2000) if DEV == "cuda" else (1, 50, 1400):
+            for max_k in (1, 50, 256, 1000, 2000) if DEV == "cuda" else (1, 50, 1400):
                 k = torch.randint(1, max_k + 1, (R,), device=DEV, generator=gen)
                 k[0], k[-1] = max_k, 0
                 for dtype in (torch.float32, torch.bfloat16) if DEV == "cuda" else (torch.float32,):

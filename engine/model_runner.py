@@ -514,16 +514,13 @@ class ModelRunner:
         log.info("compiled %d attention launch configurations in %.1fs", len(configs), self.warm_up_s)
 
     def _warm_up_sampler(self) -> None:
-        """Compile the device sampler's Triton kernels (softmax, the top-p search, forced here
-        whatever the row count, the race, and top-k's floor at each of its candidate sizes) on
-        dummy draws, so a pod's first sampled batch does not wait for the JIT either. Their
-        variants depend only on the vocabulary (a row stride) and those sizes."""
+        """Compile the device sampler's Triton kernels (the top-p search, forced here whatever the
+        row count, and the race) on one dummy draw, so a pod's first sampled batch does not wait
+        for the JIT either. Their variants depend only on the vocabulary (a row stride)."""
         V = self.config.model.vocab_size
         logits = torch.zeros((2, V), dtype=torch.float32, device=self.device)
-        for top_k in (0, 50, 200, 1000):
-            if top_k < V:
-                params = [SamplingParams(temperature=0.8, top_p=0.9, min_p=0.01, top_k=top_k)] * 2
-                draw_on_device(logits, params, [0, 1], by_sort=False)
+        params = [SamplingParams(temperature=0.8, top_p=0.9, min_p=0.01)] * 2
+        draw_on_device(logits, params, [0, 1], by_sort=False)
         torch.cuda.synchronize(self.device)
 
     # ---- CUDA graphs ----------------------------------------------------------------------

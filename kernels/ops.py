@@ -896,19 +896,15 @@ def softmax_temperature(logits: torch.Tensor, temperature: torch.Tensor,
 
 
 _TOPK_BLOCK = 1024
-# Candidates kept per block: three sizes, so three compiled variants cover every top-k up to 1,024
-# (the runner compiles them at start); a bitonic top-64 of 1,024 values costs about what a top-2 does.
-_TOPK_SIZES = (64, 256, 1024)
 
 
 def topk_threshold(logits: torch.Tensor, temperature: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
     """Per row of ``logits`` ``[rows, V]``, the ``k[row]``-th largest value of ``logits /
     temperature[row]`` (float32 ``[rows]``; -inf where ``k[row] == 0``): the floor top-k keeps,
     ties included, for `softmax_temperature`. ``max_k`` (a host int, >= every ``k``) sizes the
-    search. Up to 1,024: each 1,024-token block's 64, 256 or 1,024 largest values (the first size
-    >= ``max_k``) by a bitonic sort in registers, then ``topk`` over those candidates only (a row's
-    k largest are among them), instead of a radix select over the whole vocabulary; above,
-    ``topk`` over the row."""
+    search. Up to 1,024: each 1,024-token block's ``p2(max_k)`` largest values by a bitonic sort
+    in registers, then ``topk`` over those candidates only (a row's k largest are among them),
+    instead of a radix select over the whole vocabulary; above, ``topk`` over the row."""
     fn = "topk_threshold"
     _check_dim(fn, "logits", logits, 2)
     _check_dtype(fn, "logits", logits, _FLOATS)
@@ -918,11 +914,11 @@ def topk_threshold(logits: torch.Tensor, temperature: torch.Tensor, k: torch.Ten
     rows, V = logits.shape
     if not 1 <= max_k <= V:
         _fail(fn, f"max_k must be in [1, {V}], got {max_k}")
-    if backend(logits) == "reference" or max_k > _TOPK_SIZES[-1]:
+    if backend(logits) == "reference" or _p2(max_k) > _TOPK_BLOCK:
         return _ref.topk_threshold_reference(logits, temperature, k, max_k)
     if rows == 0:
         return torch.empty(0, dtype=torch.float32, device=logits.device)
-    kp = next(n for n in _TOPK_SIZES if n >= max_k)
+    kp = max(2, _p2(max_k))  # tl.topk of one value does not reshape
     blocks = triton_cdiv(V, _TOPK_BLOCK)
     cand = torch.empty(rows, blocks * kp, dtype=torch.float32, device=logits.device)
     _k(logits).topk_block_kernel[(rows, blocks)](logits, _fresh(temperature), cand, logits.stride(0), V,
