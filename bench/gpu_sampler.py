@@ -7,7 +7,7 @@ Every row samples with temperature 0.8, top_p 0.95 from float32 logits, in two s
 embedded SmolLM2 measured here on CPU, 217 sampled steps at T 0.8: rank 2/10/100/1k/10k at
 1.7/5.0/9.2/13.3/18.5 below the max, nucleus mean 21, median 5, max 593 tokens), and ``flat``,
 N(0, 1) (the random-weights benchmark model's case: the nucleus is most of the vocabulary).
-A third case adds top_k 50 to the peaked rows (the draw: top-k as a per-row floor, `kernels.topk_threshold`).
+A third case adds top_k 50 to the peaked rows (top-p then works on the ``topk`` candidates).
 The mean nucleus size is printed per case. ``sort`` is the original sort (``by_sort=True``,
 ``KVMESH_SAMPLER_SORT=1`` in the engine; its per-row settings now reach the GPU by the same
 queued copy, where the original code made blocking copies), ``sort-free`` the default (the
@@ -154,11 +154,7 @@ def main():
             kept = {}
             for path, (by_sort, which) in PATHS.items():
                 with threshold_by(which):
-                    if path == "sort-free":  # the draw's own path: probabilities and per-row thresholds
-                        _, pr, lo = S._filter_batched(logits, params, by_sort=False, want_logits=False)
-                        kept[path] = (pr >= lo[:, None]) & (pr > 0)
-                    else:
-                        kept[path] = torch.isfinite(S._filter_logits_batched(logits, params, by_sort=by_sort))
+                    kept[path] = torch.isfinite(S._filter_logits_batched(logits, params, by_sort=by_sort))
             r = dict(case=name, B=B, nucleus_mean=kept["sort-free"].sum(-1).float().mean().item(),
                      nucleus_max=int(kept["sort-free"].sum(-1).max()),
                      rows_differing=int((kept["sort"] != kept["sort-free"]).any(-1).sum()),

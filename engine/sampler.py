@@ -84,10 +84,9 @@ def _filter_batched(x: torch.Tensor, params: Sequence[SamplingParams], by_sort: 
     keeps the tokens at or above a per-row probability threshold, found among those ``topk``
     candidates for a top-k row (`_top_p_threshold_sorted`) and by a radix search over the whole
     row otherwise (`_top_p_threshold`). ``want_logits=False`` (the draw needs only ``probs`` and
-    ``lo``; the logits returned are None), without sorting: the probabilities come straight from
-    the raw logits (`kernels.softmax_temperature`: no tempered float32 copy of the rows), top-k
-    as a per-row floor found without ``topk`` over the vocabulary (`kernels.topk_threshold`), and
-    top-p by the radix search over what top-k kept."""
+    ``lo``): without top-k or sorting the probabilities come straight from the raw logits
+    (`kernels.softmax_temperature`: no tempered float32 copy of the rows) and the logits
+    returned are None."""
     if by_sort is None:
         by_sort = TOP_P_BY_SORT or len(params) < SORT_FREE_MIN_ROWS
     V = x.shape[-1]
@@ -97,11 +96,8 @@ def _filter_batched(x: torch.Tensor, params: Sequence[SamplingParams], by_sort: 
     temp, top_p, min_p, k = cols[:, :1], cols[:, 1:2], cols[:, 2:3], cols[:, 3:].long()
     use_p = any(p.top_p < 1.0 for p in params)
     lo = torch.zeros_like(top_p[:, 0])
-    if not (want_logits or by_sort):
-        # Top-k's floor (the k-th tempered value) drops the rest before the softmax renormalises
-        # the kept tokens, exactly as the masked softmax below; top-p then searches those.
-        floor = kernels.topk_threshold(x, temp[:, 0], k[:, 0], max(ks)) if any(ks) else None
-        probs = kernels.softmax_temperature(x, temp[:, 0], floor)
+    if not (want_logits or by_sort or any(ks)):
+        probs = kernels.softmax_temperature(x, temp[:, 0])
         if use_p:
             lo = _top_p_threshold(probs, top_p[:, 0])
         x = None

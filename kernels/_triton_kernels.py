@@ -737,33 +737,21 @@ def gemv_kernel(
 
 
 # --------------------------------------------------------------------------- sampling
-@_jit
-def _tempered(base, idx, end, t, fl):
-    """``x / T`` (IEEE quotient, as torch's) at ``idx``; -inf past ``end`` and below the floor."""
-    z = tl.math.div_rn(tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32), t)
-    return tl.where(z >= fl, z, float("-inf"))
-
-
 @_jit_unspecialized("V", "CHUNK")
-def softmax_stats_kernel(x_ptr, temp_ptr, floor_ptr, m_ptr, s_ptr, stride_x, V, CHUNK, BLOCK: tl.constexpr,
-                         FLOOR: tl.constexpr):
+def softmax_stats_kernel(x_ptr, temp_ptr, m_ptr, s_ptr, stride_x, V, CHUNK, BLOCK: tl.constexpr):
     """First half of `softmax_temperature`: the max of ``x / T`` over one CHUNK of one row and
-    the sum of ``exp(x / T - max)`` there, per lane online, lanes merged once. FLOOR: values
-    of ``x / T`` below the row's floor count as -inf (top-k)."""
+    the sum of ``exp(x / T - max)`` there, per lane online, lanes merged once."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     t = tl.load(temp_ptr + row)
-    if FLOOR:
-        fl = tl.load(floor_ptr + row)
-    else:
-        fl = float("-inf")
     base = x_ptr + row.to(tl.int64) * stride_x
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
     acc = tl.zeros((BLOCK,), tl.float32)
     start = c * CHUNK
     end = tl.minimum(start + CHUNK, V)
     for off in range(start, end, BLOCK):
-        z = _tempered(base, off + tl.arange(0, BLOCK), end, t, fl)
+        idx = off + tl.arange(0, BLOCK)
+        z = tl.math.div_rn(tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32), t)
         m_new = tl.maximum(m, z)
         ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # a lane that saw only -inf: 0 (no inf - inf)
         acc = acc * tl.exp(m - ref) + tl.exp(z - ref)
@@ -776,18 +764,14 @@ def softmax_stats_kernel(x_ptr, temp_ptr, floor_ptr, m_ptr, s_ptr, stride_x, V, 
 
 
 @_jit_unspecialized("V", "CHUNK")
-def softmax_write_kernel(x_ptr, temp_ptr, floor_ptr, m_ptr, s_ptr, p_ptr, stride_x, stride_p, V, CHUNK,
-                         CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, FLOOR: tl.constexpr):
+def softmax_write_kernel(x_ptr, temp_ptr, m_ptr, s_ptr, p_ptr, stride_x, stride_p, V, CHUNK,
+                         CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """Second half of `softmax_temperature`: the row's max and sum from its chunks' partials,
-    then ``exp(x / T - max) / sum`` over one CHUNK (0 below the floor)."""
+    then ``exp(x / T - max) / sum`` over one CHUNK."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     n = tl.num_programs(1)
     t = tl.load(temp_ptr + row)
-    if FLOOR:
-        fl = tl.load(floor_ptr + row)
-    else:
-        fl = float("-inf")
     j = tl.arange(0, CHUNKS_PAD)
     ms = tl.load(m_ptr + row * n + j, mask=j < n, other=float("-inf"))
     ss = tl.load(s_ptr + row * n + j, mask=j < n, other=0.0)
@@ -800,22 +784,9 @@ def softmax_write_kernel(x_ptr, temp_ptr, floor_ptr, m_ptr, s_ptr, p_ptr, stride
     end = tl.minimum(start + CHUNK, V)
     for off in range(start, end, BLOCK):
         idx = off + tl.arange(0, BLOCK)
-        z = _tempered(base, idx, end, t, fl)
-        tl.store(pbase + idx, tl.math.div_rn(tl.exp(z - mx), total), mask=idx < end)
-
-
-@_jit_unspecialized("V")
-def topk_block_kernel(x_ptr, temp_ptr, out_ptr, stride_x, V, BLOCK: tl.constexpr, KP: tl.constexpr):
-    """First stage of `topk_threshold`: the KP largest values of ``x / T`` (descending) in one
-    BLOCK of one row, by a bitonic sort in registers (`tl.topk`). A row's k largest values are
-    among its blocks' KP largest (k <= KP), so the second stage selects from these only."""
-    row = tl.program_id(0)
-    b = tl.program_id(1)
-    t = tl.load(temp_ptr + row)
-    idx = b * BLOCK + tl.arange(0, BLOCK)
-    z = _tempered(x_ptr + row.to(tl.int64) * stride_x, idx, V, t, float("-inf"))
-    vals = tl.topk(z, KP)
-    tl.store(out_ptr + (row.to(tl.int64) * tl.num_programs(1) + b) * KP + tl.arange(0, KP), vals)
+        ok = idx < end
+        z = tl.math.div_rn(tl.load(base + idx, mask=ok, other=float("-inf")).to(tl.float32), t)
+        tl.store(pbase + idx, tl.math.div_rn(tl.exp(z - mx), total), mask=ok)
 
 
 @_jit_unspecialized("V", "CHUNK")

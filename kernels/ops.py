@@ -857,12 +857,9 @@ def _row_chunks(rows: int, V: int, block: int, device: torch.device) -> tuple[in
 _SOFTMAX_BLOCK = 1024
 
 
-def softmax_temperature(logits: torch.Tensor, temperature: torch.Tensor,
-                        floor: torch.Tensor | None = None) -> torch.Tensor:
+def softmax_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """``softmax(logits / temperature[row])`` per row of ``logits`` ``[rows, V]`` (any float
-    dtype), float32 ``[rows, V]``: the device sampler's probabilities. ``floor`` (float32
-    ``[rows]``, optional): tempered values below ``floor[row]`` are dropped (probability 0), as
-    top-k drops the tokens below its k-th value (`topk_threshold`). Two passes of (row, chunk)
+    dtype), float32 ``[rows, V]``: the device sampler's probabilities. Two passes of (row, chunk)
     programs, the first leaving each chunk's max and sum of exponentials, the second merging a
     row's few partials and writing; so a few rows still spread over the whole device, where
     dividing into a float32 copy and a one-block-per-row softmax wrote and read the row twice
@@ -872,68 +869,27 @@ def softmax_temperature(logits: torch.Tensor, temperature: torch.Tensor,
     _check_dim(fn, "logits", logits, 2)
     _check_dtype(fn, "logits", logits, _FLOATS)
     _check_last_contig(fn, "logits", logits)
-    _check_rows(fn, "temperature", temperature, logits, torch.float32)
-    if floor is not None:
-        _check_rows(fn, "floor", floor, logits, torch.float32)
+    _check_dim(fn, "temperature", temperature, 1)
+    _check_dtype(fn, "temperature", temperature, (torch.float32,))
+    if temperature.shape[0] != logits.shape[0]:
+        _fail(fn, f"temperature has {temperature.shape[0]} entries for {logits.shape[0]} rows")
+    _check_device(fn, "logits", logits, temperature=temperature)
     if backend(logits) == "reference":
-        return _ref.softmax_temperature_reference(logits, temperature, floor)
+        return _ref.softmax_temperature_reference(logits, temperature)
     rows, V = logits.shape
     probs = torch.empty(rows, V, dtype=torch.float32, device=logits.device)
     if rows == 0 or V == 0:
         return probs
     temperature = _fresh(temperature)
-    fl = temperature if floor is None else _fresh(floor)
     chunks, chunk = _row_chunks(rows, V, _SOFTMAX_BLOCK, logits.device)
     m = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     s = torch.empty_like(m)
     kern = _k(logits)
-    kern.softmax_stats_kernel[(rows, chunks)](logits, temperature, fl, m, s, logits.stride(0), V, chunk,
-                                              BLOCK=_SOFTMAX_BLOCK, FLOOR=floor is not None, num_warps=4)
-    kern.softmax_write_kernel[(rows, chunks)](logits, temperature, fl, m, s, probs, logits.stride(0), probs.stride(0),
-                                              V, chunk, CHUNKS_PAD=_p2(chunks), BLOCK=_SOFTMAX_BLOCK,
-                                              FLOOR=floor is not None, num_warps=4)
+    kern.softmax_stats_kernel[(rows, chunks)](logits, temperature, m, s, logits.stride(0), V, chunk,
+                                              BLOCK=_SOFTMAX_BLOCK, num_warps=4)
+    kern.softmax_write_kernel[(rows, chunks)](logits, temperature, m, s, probs, logits.stride(0), probs.stride(0),
+                                              V, chunk, CHUNKS_PAD=_p2(chunks), BLOCK=_SOFTMAX_BLOCK, num_warps=4)
     return probs
-
-
-_TOPK_BLOCK = 1024
-
-
-def topk_threshold(logits: torch.Tensor, temperature: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
-    """Per row of ``logits`` ``[rows, V]``, the ``k[row]``-th largest value of ``logits /
-    temperature[row]`` (float32 ``[rows]``; -inf where ``k[row] == 0``): the floor top-k keeps,
-    ties included, for `softmax_temperature`. ``max_k`` (a host int, >= every ``k``) sizes the
-    search. Up to 1,024: each 1,024-token block's ``p2(max_k)`` largest values by a bitonic sort
-    in registers, then ``topk`` over those candidates only (a row's k largest are among them),
-    instead of a radix select over the whole vocabulary; above, ``topk`` over the row."""
-    fn = "topk_threshold"
-    _check_dim(fn, "logits", logits, 2)
-    _check_dtype(fn, "logits", logits, _FLOATS)
-    _check_last_contig(fn, "logits", logits)
-    _check_rows(fn, "temperature", temperature, logits, torch.float32)
-    _check_rows(fn, "k", k, logits, torch.int64)
-    rows, V = logits.shape
-    if not 1 <= max_k <= V:
-        _fail(fn, f"max_k must be in [1, {V}], got {max_k}")
-    if backend(logits) == "reference" or _p2(max_k) > _TOPK_BLOCK:
-        return _ref.topk_threshold_reference(logits, temperature, k, max_k)
-    if rows == 0:
-        return torch.empty(0, dtype=torch.float32, device=logits.device)
-    kp = max(2, _p2(max_k))  # tl.topk of one value does not reshape
-    blocks = triton_cdiv(V, _TOPK_BLOCK)
-    cand = torch.empty(rows, blocks * kp, dtype=torch.float32, device=logits.device)
-    _k(logits).topk_block_kernel[(rows, blocks)](logits, _fresh(temperature), cand, logits.stride(0), V,
-                                                 BLOCK=_TOPK_BLOCK, KP=kp, num_warps=4)
-    kth = cand.topk(max_k, dim=-1).values.gather(1, (k - 1).clamp(min=0)[:, None])[:, 0]
-    return torch.where(k > 0, kth, float("-inf"))
-
-
-def _check_rows(fn: str, name: str, t: torch.Tensor, like: torch.Tensor, dtype: torch.dtype) -> None:
-    """``t`` is a ``dtype`` vector of one entry per row of ``like``, on its device."""
-    _check_dim(fn, name, t, 1)
-    _check_dtype(fn, name, t, (dtype,))
-    if t.shape[0] != like.shape[0]:
-        _fail(fn, f"{name} has {t.shape[0]} entries for {like.shape[0]} rows")
-    _check_device(fn, "logits", like, **{name: t})
 
 
 _TOP_P_BITS = 10  # three passes over the 30 bits a probability <= 1 can set

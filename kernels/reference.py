@@ -197,25 +197,9 @@ def silu_mul_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Te
     return F.linear(silu_and_mul_reference(x), weight)
 
 
-def softmax_temperature_reference(logits: torch.Tensor, temperature: torch.Tensor,
-                                  floor: torch.Tensor | None = None) -> torch.Tensor:
-    """``softmax(logits / temperature[row])`` per row, in float32; with ``floor``, the tempered
-    values below ``floor[row]`` dropped first (-inf: probability 0)."""
-    z = logits.float() / temperature[:, None]
-    if floor is not None:
-        z = z.masked_fill(z < floor[:, None], float("-inf"))
-    return z.softmax(-1)
-
-
-def topk_threshold_reference(logits: torch.Tensor, temperature: torch.Tensor, k: torch.Tensor,
-                             max_k: int) -> torch.Tensor:
-    """Per row, the ``k[row]``-th largest value of ``logits / temperature[row]`` (float32; -inf
-    where ``k[row] == 0``): top-k keeps the tokens at or above it, ties included. ``max_k`` >=
-    every ``k``."""
-    z = logits.float() / temperature[:, None]
-    vals = z.topk(max_k, dim=-1).values
-    kth = vals.gather(1, (k.long() - 1).clamp(min=0)[:, None])[:, 0]
-    return torch.where(k > 0, kth, float("-inf"))
+def softmax_temperature_reference(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``softmax(logits / temperature[row])`` per row, in float32."""
+    return (logits.float() / temperature[:, None]).softmax(-1)
 
 
 def top_p_threshold_reference(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

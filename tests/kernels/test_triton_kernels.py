@@ -465,16 +465,6 @@ def test_softmax_temperature(gen, monkeypatch):
         K.softmax_temperature(torch.zeros(3, 5), torch.ones(2))
 
 
-def test_topk_threshold(gen, monkeypatch):
-    """Top-k's floor from the two-stage search (block top-KP in registers, then topk over the
-    candidates) is the reference's k-th value bit for bit, ties and rows without top-k included."""
-    _bench_check(monkeypatch, gen, "topk")
-    with pytest.raises(ValueError, match="max_k must be in"):
-        K.topk_threshold(torch.zeros(2, 5), torch.ones(2), torch.ones(2, dtype=torch.int64), 6)
-    with pytest.raises(ValueError, match="k has dtype"):
-        K.topk_threshold(torch.zeros(2, 5), torch.ones(2), torch.ones(2, dtype=torch.int32), 1)
-
-
 def test_race_noise(gen, monkeypatch):
     """The noise made inside the seeded race is its reference's bit for bit (the interpreter
     runs numpy's log, as the reference does), repeatable, and a function of (seed, counter)."""
