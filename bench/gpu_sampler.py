@@ -154,7 +154,11 @@ def main():
             kept = {}
             for path, (by_sort, which) in PATHS.items():
                 with threshold_by(which):
-                    kept[path] = torch.isfinite(S._filter_logits_batched(logits, params, by_sort=by_sort))
+                    if path == "sort-free":  # the draw's own path: probabilities and per-row thresholds
+                        _, pr, lo = S._filter_batched(logits, params, by_sort=False, want_logits=False)
+                        kept[path] = (pr >= lo[:, None]) & (pr > 0)
+                    else:
+                        kept[path] = torch.isfinite(S._filter_logits_batched(logits, params, by_sort=by_sort))
             r = dict(case=name, B=B, nucleus_mean=kept["sort-free"].sum(-1).float().mean().item(),
                      nucleus_max=int(kept["sort-free"].sum(-1).max()),
                      rows_differing=int((kept["sort"] != kept["sort-free"]).any(-1).sum()),

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvmesh import SamplingParams
-from kvmesh.engine.sampler import (_filter_logits, _filter_logits_batched, _top_p_threshold, _top_p_threshold_sorted,
-                                   draw_on_device)
+from kvmesh.engine.sampler import (_filter_batched, _filter_logits, _filter_logits_batched, _top_p_threshold,
+                                   _top_p_threshold_sorted, draw_on_device)
 
 pytestmark = pytest.mark.unit
 
@@ -38,12 +38,19 @@ CASES = {
 
 
 def _check_rows(x: torch.Tensor, params: list[SamplingParams], by_sort: bool) -> None:
+    """The batched filter keeps what the per-row rules keep, with their probabilities; sort-free,
+    so does the draw's own path (probabilities and per-row thresholds, no masked logits)."""
     got = _filter_logits_batched(x, params, by_sort=by_sort)
+    _, probs, lo = _filter_batched(x, params, by_sort=False, want_logits=False)
     for i, p in enumerate(params):
         ref = _filter_logits(x[i], p)
         kept = torch.isfinite(ref)
         assert torch.equal(torch.isfinite(got[i]), kept), (i, p, int(kept.sum()), int(torch.isfinite(got[i]).sum()))
         assert (got[i].softmax(-1) - ref.softmax(-1)).abs().max() <= 1e-6
+        if not by_sort:
+            drawn = (probs[i] >= lo[i]) & (probs[i] > 0)
+            assert torch.equal(drawn, kept), (i, p, int(kept.sum()), int(drawn.sum()))
+            assert (probs[i] * drawn / (probs[i] * drawn).sum() - ref.softmax(-1)).abs().max() <= 1e-6
 
 
 @pytest.mark.parametrize("by_sort", [False, True], ids=["sort-free", "sort"])
