@@ -737,6 +737,12 @@ def gemv_kernel(
 
 
 # --------------------------------------------------------------------------- sampling
+@_jit
+def _tempered(base, idx, end, t):
+    """``x / T`` at ``idx`` in float32 (IEEE quotient, as torch's); -inf from ``end`` on."""
+    return tl.math.div_rn(tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32), t)
+
+
 @_jit_unspecialized("V", "CHUNK")
 def softmax_stats_kernel(x_ptr, temp_ptr, m_ptr, s_ptr, stride_x, V, CHUNK, BLOCK: tl.constexpr):
     """First half of `softmax_temperature`: the max of ``x / T`` over one CHUNK of one row and
@@ -750,8 +756,7 @@ def softmax_stats_kernel(x_ptr, temp_ptr, m_ptr, s_ptr, stride_x, V, CHUNK, BLOC
     start = c * CHUNK
     end = tl.minimum(start + CHUNK, V)
     for off in range(start, end, BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        z = tl.math.div_rn(tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32), t)
+        z = _tempered(base, off + tl.arange(0, BLOCK), end, t)
         m_new = tl.maximum(m, z)
         ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # a lane that saw only -inf: 0 (no inf - inf)
         acc = acc * tl.exp(m - ref) + tl.exp(z - ref)
@@ -784,9 +789,8 @@ def softmax_write_kernel(x_ptr, temp_ptr, m_ptr, s_ptr, p_ptr, stride_x, stride_
     end = tl.minimum(start + CHUNK, V)
     for off in range(start, end, BLOCK):
         idx = off + tl.arange(0, BLOCK)
-        ok = idx < end
-        z = tl.math.div_rn(tl.load(base + idx, mask=ok, other=float("-inf")).to(tl.float32), t)
-        tl.store(pbase + idx, tl.math.div_rn(tl.exp(z - mx), total), mask=ok)
+        z = _tempered(base, idx, end, t)
+        tl.store(pbase + idx, tl.math.div_rn(tl.exp(z - mx), total), mask=idx < end)
 
 
 @_jit_unspecialized("V", "CHUNK")

@@ -854,6 +854,15 @@ def _row_chunks(rows: int, V: int, block: int, device: torch.device) -> tuple[in
     return triton_cdiv(V, chunk), chunk
 
 
+def _check_per_row(fn: str, name: str, t: torch.Tensor, rows_name: str, rows_of: torch.Tensor) -> None:
+    """``t`` is a float32 vector of one entry per row of ``rows_of``, on its device."""
+    _check_dim(fn, name, t, 1)
+    _check_dtype(fn, name, t, (torch.float32,))
+    if t.shape[0] != rows_of.shape[0]:
+        _fail(fn, f"{name} has {t.shape[0]} entries for {rows_of.shape[0]} rows")
+    _check_device(fn, rows_name, rows_of, **{name: t})
+
+
 _SOFTMAX_BLOCK = 1024
 
 
@@ -869,11 +878,7 @@ def softmax_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torc
     _check_dim(fn, "logits", logits, 2)
     _check_dtype(fn, "logits", logits, _FLOATS)
     _check_last_contig(fn, "logits", logits)
-    _check_dim(fn, "temperature", temperature, 1)
-    _check_dtype(fn, "temperature", temperature, (torch.float32,))
-    if temperature.shape[0] != logits.shape[0]:
-        _fail(fn, f"temperature has {temperature.shape[0]} entries for {logits.shape[0]} rows")
-    _check_device(fn, "logits", logits, temperature=temperature)
+    _check_per_row(fn, "temperature", temperature, "logits", logits)
     if backend(logits) == "reference":
         return _ref.softmax_temperature_reference(logits, temperature)
     rows, V = logits.shape
@@ -911,11 +916,7 @@ def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     _check_dim(fn, "probs", probs, 2)
     _check_dtype(fn, "probs", probs, (torch.float32,))
     _check_last_contig(fn, "probs", probs)
-    _check_dim(fn, "top_p", top_p, 1)
-    _check_dtype(fn, "top_p", top_p, (torch.float32,))
-    if top_p.shape[0] != probs.shape[0]:
-        _fail(fn, f"top_p has {top_p.shape[0]} entries for {probs.shape[0]} rows")
-    _check_device(fn, "probs", probs, top_p=top_p)
+    _check_per_row(fn, "top_p", top_p, "probs", probs)
     if backend(probs) == "reference":
         return _ref.top_p_threshold_reference(probs, top_p)
     rows, V = probs.shape
@@ -969,11 +970,8 @@ def race_argmax(probs: torch.Tensor, noise: torch.Tensor | None, lo: torch.Tenso
         _check_last_contig(fn, "noise", noise)
     else:
         _check_seeds(fn, seeds, probs.shape[0])
-    _check_dim(fn, "lo", lo, 1)
-    _check_dtype(fn, "lo", lo, (torch.float32,))
-    if lo.shape[0] != probs.shape[0]:
-        _fail(fn, f"lo has {lo.shape[0]} entries for {probs.shape[0]} rows")
-    _check_device(fn, "probs", probs, lo=lo, **({"noise": noise} if noise is not None else {"seeds": seeds}))
+    _check_per_row(fn, "lo", lo, "probs", probs)
+    _check_device(fn, "probs", probs, **({"noise": noise} if noise is not None else {"seeds": seeds}))
     if backend(probs) == "reference":
         if noise is None:
             noise = _ref.race_noise_reference(seeds, probs.shape[1])

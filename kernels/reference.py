@@ -281,16 +281,16 @@ def race_noise_reference(seeds: torch.Tensor, V: int) -> torch.Tensor:
     under 2e-8 there, where a fast ``log`` near 1 is not precise)."""
     s = seeds.detach().cpu().numpy().astype(np.uint64)
     rows = s.shape[0]
-    t = np.arange(V, dtype=np.uint64)
-    ctr = (t // np.uint64(NOISE_GROUP)) * np.uint64(_NOISE_LANES) + t % np.uint64(_NOISE_LANES)
-    lane = ((t % np.uint64(NOISE_GROUP)) // np.uint64(_NOISE_LANES)).astype(np.int64)
+    groups = -(-V // NOISE_GROUP)
+    n = groups * _NOISE_LANES  # counter (t // 1024) * 256 + t % 256 runs over 0 .. n - 1
     m32 = np.uint64(0xFFFFFFFF)
-    c0 = np.broadcast_to(ctr[None, :], (rows, V))
-    c1 = np.broadcast_to(s[:, 1:2] & m32, (rows, V))
-    k0 = np.broadcast_to(s[:, 0:1] & m32, (rows, V))
-    k1 = np.broadcast_to((s[:, 0:1] >> np.uint64(32)) & m32, (rows, V))
-    words = np.stack(_philox4x32(c0, c1, k0, k1), 0)  # [4, rows, V]
-    w = np.take_along_axis(words, np.broadcast_to(lane[None, None, :], (1, rows, V)), 0)[0]
+    c0 = np.broadcast_to(np.arange(n, dtype=np.uint64)[None, :], (rows, n))
+    c1 = np.broadcast_to(s[:, 1:2] & m32, (rows, n))
+    k0 = np.broadcast_to(s[:, 0:1] & m32, (rows, n))
+    k1 = np.broadcast_to((s[:, 0:1] >> np.uint64(32)) & m32, (rows, n))
+    words = np.stack(_philox4x32(c0, c1, k0, k1), 0)  # [4, rows, n]: word j of each counter
+    # token g * 1024 + j * 256 + l takes word j of counter g * 256 + l
+    w = words.reshape(4, rows, groups, _NOISE_LANES).transpose(1, 2, 0, 3).reshape(rows, groups * NOISE_GROUP)[:, :V]
     k = (w >> np.uint64(9)).astype(np.float32)
     f = np.float32
     u = (k + f(0.5)) * f(2.0 ** -23)
