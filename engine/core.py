@@ -407,6 +407,7 @@ class EngineCore:
             num_computed_tokens=self.num_computed_tokens,
             num_round_steps=self.num_round_steps,
             num_chained_rounds=self.num_chained_rounds,
+            num_held_requests=len(self.scheduler.delayed_free),
         )
 
     def check_integrity(self) -> None:

@@ -57,3 +57,4 @@ class EngineStats(msgspec.Struct):
     # of num_steps, the decode steps run in multi-step / async rounds (the device fed its own tokens back)
     num_round_steps: int = 0
     num_chained_rounds: int = 0  # rounds queued behind the one in flight (async scheduling)
+    num_held_requests: int = 0  # finished requests whose blocks a connector holds for a remote reader

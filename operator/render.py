@@ -25,7 +25,7 @@ import hashlib
 import json
 from typing import Any, Mapping
 
-from .spec import InferenceServiceSpec, ObjectMeta, RoleSpec
+from .spec import DEFAULT_ROUTER_IMAGE, InferenceServiceSpec, ObjectMeta, RoleSpec
 
 API_GROUP = "serving.kvmesh.io"
 API_VERSION = f"{API_GROUP}/v1alpha1"
@@ -35,6 +35,16 @@ MANAGER = "kvmesh-operator"
 HTTP_PORT = 8000
 KV_EVENTS_PORT = 5557
 NIXL_SIDE_CHANNEL_PORT = 5600
+# Graceful shutdown: the router drops a pod as soon as its endpoint is `terminating`; preStop waits
+# PRESTOP_S so that has happened before the server stops accepting, then the server finishes its
+# streams and (prefill) its leased blocks within SHUTDOWN_TIMEOUT_S; the grace period covers both.
+PRESTOP_S = 5
+SHUTDOWN_TIMEOUT_S = 45
+TERMINATION_GRACE_S = PRESTOP_S + SHUTDOWN_TIMEOUT_S + 10
+# Torch, Triton, tokenizers and HF write caches under $HOME/XDG dirs; the root filesystem is
+# read-only, so they all go to the pod's /tmp emptyDir.
+CACHE_ENV = (("HOME", "/tmp"), ("XDG_CACHE_HOME", "/tmp/.cache"), ("HF_HOME", "/tmp/hf"),
+             ("TRITON_CACHE_DIR", "/tmp/triton"), ("TORCHINDUCTOR_CACHE_DIR", "/tmp/inductor"))
 REDIS_PORT = 6379
 GPU_RESOURCE = "nvidia.com/gpu"
 MODEL_MOUNT = "/models"
@@ -94,15 +104,17 @@ def _object(api_version: str, kind: str, name: str, meta: ObjectMeta, component:
 
 
 def engine_config(spec: InferenceServiceSpec, meta: ObjectMeta) -> dict[str, Any]:
-    """What the ConfigMap carries: settings without a CLI flag of their own, plus a record of
-    the ones passed as flags so a pod's config is inspectable in one place."""
+    """What the ConfigMap carries: a record of the settings the pods run with, inspectable in one
+    place (`kubectl get cm NAME-config`). The engine reads its flags, not this; its hash in the pod
+    template rolls the pods when a setting changes."""
     e = spec.engine
     return {
         "model": {"source": spec.model.source, "name": spec.model.name or meta.name,
                   "path": model_path(spec)},
         "engine": {"blockSize": e.block_size, "maxNumBatchedTokens": e.max_num_batched_tokens,
                    "maxNumSeqs": e.max_num_seqs, "dtype": e.dtype,
-                   "gpuMemoryUtilization": e.gpu_memory_utilization},
+                   "gpuMemoryUtilization": e.gpu_memory_utilization,
+                   "kvCacheMemoryGB": e.kv_cache_memory_gb},
         "kvConnector": {"type": spec.connector.type, "redisUrl": redis_url(spec, meta)},
         "ports": {"http": HTTP_PORT, "kvEvents": KV_EVENTS_PORT,
                   "nixlSideChannel": NIXL_SIDE_CHANNEL_PORT},
@@ -158,9 +170,35 @@ def _pod_scheduling(role: RoleSpec) -> dict[str, Any]:
     return out
 
 
+# spec.engine field -> `kvmesh serve` flag: every CRD engine setting reaches the engine through
+# this table, and a unit test parses the rendered args with the real CLI parser and compares the
+# resulting engine settings with the spec (tests/unit/test_operator_render.py).
+ENGINE_FLAGS: tuple[tuple[str, str], ...] = (
+    ("block_size", "--block-size"),
+    ("max_num_batched_tokens", "--max-num-batched-tokens"),
+    ("max_num_seqs", "--max-num-seqs"),
+    ("dtype", "--dtype"),
+    ("gpu_memory_utilization", "--gpu-memory-utilization"),
+    ("kv_cache_memory_gb", "--kv-cache-memory-gb"),
+)
+
+
+def worker_gpus(spec: InferenceServiceSpec, role: str) -> int:
+    r = spec.role(role)
+    return 1 if r.gpus is None else r.gpus
+
+
+def nixl_config() -> dict[str, Any]:
+    """The NIXL side channel listens on every pod address at a fixed port (the one the Services
+    and NetworkPolicies name) and advertises the pod IP, so a decode pod can reach it."""
+    return {"side_channel_host": "0.0.0.0", "side_channel_port": NIXL_SIDE_CHANNEL_PORT,
+            "advertise_host": "$(POD_IP)"}
+
+
 def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> list[str]:
     """`kvmesh serve` flags (kvmesh/commands/serve.py). The embedded model is the CLI default,
-    so --model is passed only for weights on a volume. $(POD_NAME) is expanded by the kubelet."""
+    so --model is passed only for weights on a volume. $(POD_NAME) and $(POD_IP) are expanded by
+    the kubelet. Workers with `gpus: 0` run the CPU engine."""
     e = spec.engine
     args = ["serve"]
     if spec.model.source != "embedded":
@@ -172,14 +210,21 @@ def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> lis
         "--kv-connector", spec.connector.type,
     ]
     url = redis_url(spec, meta)
-    if url:
+    if spec.connector.type == "nixl":
+        args += ["--kv-connector-config", json.dumps(nixl_config(), sort_keys=True)]
+    elif url:
         args += ["--kv-connector-config", json.dumps({"url": url}, sort_keys=True)]
+    for attr, flag in ENGINE_FLAGS:
+        value = getattr(e, attr)
+        if attr == "dtype" and value == "auto":
+            continue  # the engine's own choice for the device (bfloat16 on a GPU, float32 on a CPU)
+        args += [flag, str(value)]
+    if worker_gpus(spec, role) == 0:
+        args += ["--device", "cpu"]
     args += [
-        "--block-size", str(e.block_size),
-        "--max-num-batched-tokens", str(e.max_num_batched_tokens),
-        "--max-num-seqs", str(e.max_num_seqs),
         "--kv-events-endpoint", f"tcp://*:{KV_EVENTS_PORT}",
         "--engine-id", "$(POD_NAME)",
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
     ]
     return args
 
@@ -250,13 +295,7 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-            {"name": "KVMESH_CONFIG", "value": f"{CONFIG_MOUNT}/engine.json"},
-            {"name": "KVMESH_MODEL_NAME", "value": spec.model.name or meta.name},
-            {"name": "KVMESH_DTYPE", "value": spec.engine.dtype},
-            {"name": "KVMESH_GPU_MEMORY_UTILIZATION",
-             "value": str(spec.engine.gpu_memory_utilization)},
-            {"name": "KVMESH_KV_EVENTS_PORT", "value": str(KV_EVENTS_PORT)},
-            {"name": "KVMESH_NIXL_SIDE_CHANNEL_PORT", "value": str(NIXL_SIDE_CHANNEL_PORT)},
+            *_cache_env(),
         ],
         "ports": [
             {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
@@ -267,13 +306,16 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
                            "periodSeconds": 5, "failureThreshold": 3},
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"},
                          "periodSeconds": 5, "failureThreshold": 120},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"},
+                          "periodSeconds": 10, "failureThreshold": 6},
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},
         "resources": _resources(r, default_gpus=1),
         "securityContext": _security_context(),
         "volumeMounts": mounts,
     }
     replicas = None if spec.autoscaling.enabled else r.replicas
     return _deployment(spec, meta, role, container,
-                       {"volumes": volumes, "terminationGracePeriodSeconds": 60,
+                       {"volumes": volumes, "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
                         **_pod_scheduling(r)},
                        replicas, config_hash, {LABEL_WORKER: "true"})
 
@@ -300,22 +342,28 @@ def _router_args(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[str]:
     return args
 
 
+def _cache_env() -> list[dict[str, str]]:
+    return [{"name": k, "value": v} for k, v in CACHE_ENV]
+
+
 def _router(spec: InferenceServiceSpec, meta: ObjectMeta, config_hash: str) -> Manifest:
     r = spec.router
     container = {
         "name": "router",
-        "image": r.image or spec.image,
+        "image": r.image or DEFAULT_ROUTER_IMAGE,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["kvmesh"],
         "args": _router_args(spec, meta),
         "env": [
             {"name": "POD_NAMESPACE",
              "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-            {"name": "KVMESH_CONFIG", "value": f"{CONFIG_MOUNT}/engine.json"},
-            {"name": "KVMESH_KV_EVENTS_PORT", "value": str(KV_EVENTS_PORT)},
+            *_cache_env(),
         ],
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"},
+                          "periodSeconds": 10, "failureThreshold": 6},
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},
         "resources": _resources(r, default_gpus=0),
         "securityContext": _security_context(),
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
@@ -325,6 +373,7 @@ def _router(spec: InferenceServiceSpec, meta: ObjectMeta, config_hash: str) -> M
         "serviceAccountName": f"{meta.name}-router",
         "volumes": [{"name": "config", "configMap": {"name": f"{meta.name}-config"}},
                     {"name": "tmp", "emptyDir": {}}, *_model_volumes(spec)],
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
         **_pod_scheduling(r),
     }
     return _deployment(spec, meta, "router", container, pod_extra, r.replicas, config_hash, {})
@@ -423,7 +472,10 @@ def _redis(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manifest]:
         "name": "redis",
         "image": spec.connector.redis_image,
         "imagePullPolicy": spec.image_pull_policy,
-        "args": ["--save", "", "--appendonly", "no"],
+        # No persistence (a cache, rebuilt by prefill); protected mode off because pods reach it
+        # over the pod network, which the NetworkPolicy restricts.
+        "args": ["--save", "", "--appendonly", "no", "--protected-mode", "no",
+                 "--bind", "0.0.0.0", "--dir", "/data"],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
         "securityContext": _security_context(),

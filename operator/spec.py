@@ -11,8 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from kvmesh import __version__
+
 ROLES = ("prefill", "decode", "router")
-DEFAULT_IMAGE = "ghcr.io/kvmesh/worker:0.1.0"
+# Exactly what `make images` builds (scripts/images.sh); the CRD's defaults name the same refs
+# (tests/unit/test_operator_render.py checks both).
+IMAGE_REPOSITORY = "ghcr.io/kvmesh"
+DEFAULT_IMAGE = f"{IMAGE_REPOSITORY}/worker:{__version__}"
+DEFAULT_ROUTER_IMAGE = f"{IMAGE_REPOSITORY}/router:{__version__}"
+DEFAULT_REDIS_IMAGE = f"{IMAGE_REPOSITORY}/redis:{__version__}"
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,7 @@ class EngineSpec:
     max_num_seqs: int = 128
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gb: float = 2.0
 
     @staticmethod
     def parse(d: Mapping[str, Any]) -> "EngineSpec":
@@ -51,6 +59,7 @@ class EngineSpec:
             max_num_seqs=int(d.get("maxNumSeqs", 128)),
             dtype=d.get("dtype", "auto"),
             gpu_memory_utilization=float(d.get("gpuMemoryUtilization", 0.9)),
+            kv_cache_memory_gb=float(d.get("kvCacheMemoryGB", 2.0)),
         )
 
 
@@ -59,7 +68,7 @@ class ConnectorSpec:
     type: str = "nixl"
     redis_url: str | None = None
     redis_managed: bool = False
-    redis_image: str = "redis:7-alpine"
+    redis_image: str = DEFAULT_REDIS_IMAGE
 
     @staticmethod
     def parse(d: Mapping[str, Any]) -> "ConnectorSpec":
@@ -68,7 +77,7 @@ class ConnectorSpec:
             type=d.get("type", "nixl"),
             redis_url=r.get("url"),
             redis_managed=bool(r.get("managed", False)),
-            redis_image=r.get("image", "redis:7-alpine"),
+            redis_image=r.get("image", DEFAULT_REDIS_IMAGE),
         )
 
 

@@ -33,9 +33,6 @@ def problems(spec: InferenceServiceSpec) -> list[str]:
         if parts.scheme not in ("redis", "rediss") or not parts.hostname:
             out.append(
                 f"kvConnector.redis.url {url!r} is not a redis:// or rediss:// URL with a host")
-    for role in ("prefill", "decode"):
-        if spec.role(role).gpus == 0:
-            out.append(f"{role}.gpus must be at least 1: workers need a GPU")
     if spec.autoscaling.enabled:
         for role in ("prefill", "decode"):
             if spec.role(role).replicas == 0:

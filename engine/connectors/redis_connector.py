@@ -254,7 +254,21 @@ class RedisConnector(KVConnector):
         # Loads run synchronously inside start_load_kv, so nothing can still be writing into its blocks.
         self._done.discard(rid)
         self._failed.discard(rid)
-        return False, None
+        p = request.kv_transfer_params
+        if not (isinstance(p, dict) and p.get("do_remote_decode") is True) or not self.save_enabled:
+            return False, None
+        # Content-addressed: the blocks are already in Redis (save_kv runs in the step that computed
+        # them, before this request's answer leaves), so nothing is held. The params tell the caller
+        # (the router) that the P/D path worked and how much a decode pod can load; the decode pod
+        # looks the blocks up by their hashes, never by anything named here.
+        bs = self.layout.block_size if self.layout else 1
+        n_full = min(request.num_computed_tokens, request.num_prompt_tokens) // bs
+        n_full = min(n_full, len(request.block_hashes))
+        params: dict[str, Any] = {"kv_connector": "redis", "do_remote_prefill": False, "do_remote_decode": False,
+                                  "remote_num_tokens": n_full * bs}
+        if n_full:
+            params["remote_block_hash"] = request.block_hashes[n_full - 1].hex()
+        return False, params
 
     # ---- worker side ----------------------------------------------------------
     def start_load_kv(self, meta: ConnectorMetadata) -> None:

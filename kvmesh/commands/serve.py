@@ -37,6 +37,9 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
     g.add_argument("--redis-url", default=None, help="Redis for --kv-connector redis (same as config key `url`)")
     g.add_argument("--stats-interval", type=float, default=0.5, help="seconds between engine stats snapshots")
     g.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to finish open requests and hand over KV blocks held for "
+                        "remote readers before exiting (keep it below the pod's grace period)")
 
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
@@ -87,7 +90,7 @@ def configs_from_args(args: argparse.Namespace):
                        served_model_names=tuple(args.served_model_name or ()), api_key=args.api_key or None,
                        max_body_bytes=args.max_body_bytes, ipc_dir=args.engine_ipc_dir,
                        engine_input_addr=args.engine_input_addr, engine_output_addr=args.engine_output_addr,
-                       uvicorn_log_level=args.log_level)
+                       uvicorn_log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     addrs = engine_addresses(cfg)
     kw = engine_kwargs(args)
     kw.update(max_waiting=args.max_waiting, engine_id=args.engine_id)

@@ -17,6 +17,9 @@ class ServerConfig:
     engine_input_addr: str | None = None  # explicit ZMQ endpoints (e.g. tcp://127.0.0.1:5555) instead of ipc
     engine_output_addr: str | None = None
     uvicorn_log_level: str = "warning"
+    # On SIGTERM: stop accepting, let open requests and streams finish, then let the engine hand over
+    # blocks held for remote readers; all within this many seconds (the pod's grace period covers it).
+    shutdown_timeout: float = 30.0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -26,5 +29,7 @@ class ServerConfig:
             raise ValueError(f"port out of range: {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.shutdown_timeout < 0:
+            raise ValueError("shutdown_timeout must be >= 0")
         if (self.engine_input_addr is None) != (self.engine_output_addr is None):
             raise ValueError("give both engine addresses or neither")

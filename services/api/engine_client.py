@@ -115,14 +115,15 @@ class EngineClient:
     def healthy(self) -> bool:
         return self.ready is not None and self.dead_reason is None
 
-    async def close(self) -> None:
+    async def close(self, drain_s: float = 0.0) -> None:
+        """Stop the engine; ``drain_s`` lets it first hand over blocks it holds for remote readers."""
         if self.dead_reason is None and self.proc is not None and self.proc.poll() is None:
-            self._send(wire.Shutdown())
+            self._send(wire.Shutdown(drain_s=drain_s))
         for t in self._tasks:
             t.cancel()
         if self.proc is not None:
             try:
-                await asyncio.to_thread(self.proc.wait, 5)
+                await asyncio.to_thread(self.proc.wait, 5 + drain_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

@@ -120,6 +120,7 @@ class EngineProcess:
         self._last_stats: wire.EngineStats | None = None
         self._last_stats_time = 0.0
         self._running = True
+        self._drain_deadline = 0.0
 
     # ---- messages -----------------------------------------------------------
     def _send(self, msg) -> None:
@@ -129,7 +130,10 @@ class EngineProcess:
         c = self.engine.config
         self._send(wire.Ready(pid=os.getpid(), model_name=c.model.name, max_model_len=c.scheduler.max_model_len,
                               block_size=c.cache.block_size, num_kv_blocks=self.engine.kv.pool.num_blocks,
-                              role=c.role))
+                              role=c.role, dtype=c.dtype, device=c.device, max_num_seqs=c.scheduler.max_num_seqs,
+                              max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
+                              gpu_memory_utilization=c.cache.gpu_memory_utilization,
+                              kv_connector=getattr(getattr(self.engine, "connector", None), "name", "none")))
 
     def _handle(self, raw: bytes) -> None:
         try:
@@ -164,6 +168,7 @@ class EngineProcess:
             self.maybe_send_stats(force=True)
         elif isinstance(msg, wire.Shutdown):
             self._running = False
+            self._drain_deadline = time.monotonic() + max(0.0, msg.drain_s)
 
     def _prepare(self, req):
         """The connector's background check of the request's kv_transfer_params, if it needs one."""
@@ -268,7 +273,19 @@ class EngineProcess:
                 if self.cfg.parent_pid is not None and not _alive(self.cfg.parent_pid):
                     log.warning("API server process %d is gone; engine exiting", self.cfg.parent_pid)
                     break
+        self._hand_over()
         self.close()
+
+    def _hand_over(self) -> None:
+        """On shutdown, keep stepping while blocks are held for remote readers (a prefill pod's leased
+        blocks), until they are pulled, their leases expire, or the drain deadline passes: a decode pod
+        mid-read must not find its source gone. The API server has already finished its requests."""
+        while self._pending_transfers() and time.monotonic() < self._drain_deadline:
+            self.step_once()
+            self.maybe_send_stats()
+            time.sleep(0.005)
+        if self._pending_transfers():
+            log.warning("shutting down with blocks still held for remote readers (drain deadline passed)")
 
     def _pending_transfers(self) -> bool:
         check = getattr(self.engine, "has_pending_transfers", None)

@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import signal
+import time
 
 import uvicorn
 
@@ -44,17 +45,31 @@ async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
         _remove_ipc_dir(cfg, proc_cfg)
         raise
     metrics = ServerMetrics(cfg.served_model_names[0] if cfg.served_model_names else ready.model_name)
+    metrics.on_ready(ready)
     client.on_stats = metrics.on_stats
     client.on_queue_time = metrics.on_queue_time
     metrics.on_stats(client.stats)
     app = build_app(cfg, client, loaded.tokenizer, metrics)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.uvicorn_log_level,
-                                           timeout_graceful_shutdown=5, lifespan="off"))
+                                           timeout_graceful_shutdown=cfg.shutdown_timeout, lifespan="off"))
     log.info("serving %s on http://%s:%d (role %s)", ready.model_name, cfg.host, cfg.port, ready.role)
+    stop_requested: list[float] = []
+    uvicorn_exit = server.handle_exit
+
+    def handle_exit(sig, frame) -> None:  # uvicorn installs this for SIGTERM/SIGINT while serving
+        stop_requested.append(time.monotonic())
+        uvicorn_exit(sig, frame)
+
+    server.handle_exit = handle_exit
     try:
-        await server.serve()
+        await server.serve()  # on SIGTERM: stops accepting, waits for open requests (shutdown_timeout)
     finally:
-        await client.close()
+        # uvicorn re-raises the captured SIGTERM as KeyboardInterrupt after its graceful stop; the
+        # engine gets what is left of the timeout to hand over blocks held for remote readers.
+        drain = 0.0
+        if stop_requested:
+            drain = max(0.0, cfg.shutdown_timeout - (time.monotonic() - stop_requested[0]))
+        await client.close(drain_s=drain)
         _remove_ipc_dir(cfg, proc_cfg)
     return 0
 

@@ -62,6 +62,17 @@ class ServerMetrics:
         self.chained_rounds = Counter("kvmesh:engine_chained_rounds",
                                       "Decode rounds queued behind the one in flight (async scheduling).", L,
                                       registry=r)
+        self.computed_tokens = Counter("kvmesh:engine_computed_tokens",
+                                       "Tokens the model ran (prefix-cache hits and KV loaded by a "
+                                       "connector excluded).", L, registry=r)
+        self.held_requests = Gauge("kvmesh:kv_held_requests",
+                                   "Finished requests whose KV blocks are held for a remote reader "
+                                   "(prefill role, until pulled or the lease expires).", L, registry=r)
+        self.engine_info = Gauge("kvmesh:engine_config_info",
+                                 "The running engine's settings as labels (value 1).",
+                                 L + ["role", "dtype", "device", "block_size", "num_kv_blocks", "max_num_seqs",
+                                      "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
+                                      "kv_connector"], registry=r)
         self.queue_time = Histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.", L,
                                     buckets=E2E_BUCKETS, registry=r)
@@ -72,9 +83,10 @@ class ServerMetrics:
         self._gen, self._prompt = self.generation_tokens.labels(m), self.prompt_tokens.labels(m)
         self._success = {reason: self.request_success.labels(m, reason) for reason in FINISH_REASONS}
         self._last = EngineStats()
-        for g in (self.num_running, self.num_waiting, self.kv_usage):
+        for g in (self.num_running, self.num_waiting, self.kv_usage, self.held_requests):
             g.labels(m).set(0)
-        for c in (self.prefix_queries, self.prefix_hits, self.preemptions, self.chained_rounds):
+        for c in (self.prefix_queries, self.prefix_hits, self.preemptions, self.chained_rounds,
+                  self.computed_tokens):
             c.labels(m)
         for path in ("round", "one_step"):
             self.engine_steps.labels(m, path)
@@ -85,11 +97,13 @@ class ServerMetrics:
         self.num_running.labels(m).set(s.num_running)
         self.num_waiting.labels(m).set(s.num_waiting)
         self.kv_usage.labels(m).set(s.kv_cache_usage)
+        self.held_requests.labels(m).set(s.num_held_requests)
         last = self._last
         for counter, new, old in ((self.prefix_queries, s.prefix_cache_queries, last.prefix_cache_queries),
                                   (self.prefix_hits, s.prefix_cache_hits, last.prefix_cache_hits),
                                   (self.preemptions, s.num_preemptions, last.num_preemptions),
-                                  (self.chained_rounds, s.num_chained_rounds, last.num_chained_rounds)):
+                                  (self.chained_rounds, s.num_chained_rounds, last.num_chained_rounds),
+                                  (self.computed_tokens, s.num_computed_tokens, last.num_computed_tokens)):
             if new > old:
                 counter.labels(m).inc(new - old)
         for path, new, old in (("round", s.num_round_steps, last.num_round_steps),
@@ -97,6 +111,13 @@ class ServerMetrics:
             if new > old:
                 self.engine_steps.labels(m, path).inc(new - old)
         self._last = s
+
+    def on_ready(self, ready) -> None:
+        """The engine's settings (a `wire.Ready`), once at start."""
+        self.engine_info.labels(
+            self.model_name, ready.role, ready.dtype, ready.device, str(ready.block_size), str(ready.num_kv_blocks),
+            str(ready.max_num_seqs), str(ready.max_num_batched_tokens), str(ready.max_model_len),
+            f"{ready.gpu_memory_utilization:g}", ready.kv_connector).set(1)
 
     def on_queue_time(self, seconds: float) -> None:
         self._queue.observe(seconds)

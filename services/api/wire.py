@@ -36,7 +36,9 @@ class AbortSequence(msgspec.Struct, tag="abort_seq"):
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
-    pass
+    # Seconds the engine may keep stepping to hand over blocks it holds for remote readers
+    # (prefill's leased blocks) before it exits; requests still running are aborted.
+    drain_s: float = 0.0
 
 
 class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
@@ -56,6 +58,14 @@ class Ready(msgspec.Struct, tag="ready"):
     block_size: int
     num_kv_blocks: int
     role: str
+    # What the engine actually runs with, reported on /metrics (kvmesh:engine_config_info) so a
+    # setting changed in the CRD can be checked on the running pod.
+    dtype: str = ""
+    device: str = ""
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    gpu_memory_utilization: float = 0.0
+    kv_connector: str = ""
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

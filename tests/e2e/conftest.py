@@ -36,6 +36,7 @@ E2E_ENV = {
     "KWOK_GPUS_PER_NODE": "16",
 }
 RELEASE = "kvmesh"
+KWOK_NS_PREFIX = "t-"  # namespaces of the kwok tier (fake pods); the real-pod tier uses r-
 OPERATOR_NS = "kvmesh-system"
 OPERATOR_SA = "kvmesh-operator"
 RESULTS = Path(os.environ.get("KVMESH_E2E_RESULTS", ROOT / "bench-results" / "e2e-operator.json"))
@@ -159,7 +160,8 @@ class Operator:
         self.starts += 1
         log = open(self.log_dir / f"operator-{self.starts}.log", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.operator", "--all-namespaces"],
+            # `t-*` only: the real-pod tier's operator pod (tests/e2e/realpods.py) owns `r-*`.
+            [sys.executable, "-m", "kvmesh.operator", "--namespace", f"{KWOK_NS_PREFIX}*"],
             env={**os.environ, "KUBECONFIG": str(self.kubeconfig),
                  "KVMESH_OPERATOR_RESYNC_SECONDS": "3", **env},
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -216,8 +218,19 @@ def operator(chart: Cluster, sa_kubeconfig: Path,
 @pytest.fixture
 def ns(chart: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace per test, with a bound `models` PVC for the examples that mount one."""
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    chart.kubectl("create", "namespace", name)
+    name = f"{KWOK_NS_PREFIX}{uuid.uuid4().hex[:8]}"
+    # The kwok tier's pods belong on the fake GPU nodes, which are tainted like real GPU nodes
+    # (nvidia.com/gpu:NoSchedule): the namespace pins them there (PodNodeSelector) and tolerates
+    # the taint (PodTolerationRestriction), so its CPU pods (the router) never reach the real node.
+    chart.apply(f"""
+apiVersion: v1
+kind: Namespace
+metadata:
+  name: {name}
+  annotations:
+    scheduler.alpha.kubernetes.io/node-selector: type=kwok
+    scheduler.alpha.kubernetes.io/defaultTolerations: '[{{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}}]'
+""")
     pv = f"models-{name}"
     chart.apply(f"""
 apiVersion: v1

@@ -91,7 +91,8 @@ def test_defaults_are_applied_by_the_api_server(chart: Cluster, ns: str) -> None
     chart.apply(EXAMPLES["minimal"].read_text(), ns)
     spec = chart.get("inferenceservice", "tiny", ns)["spec"]
     assert spec["engine"] == {"blockSize": 16, "maxNumBatchedTokens": 8192, "maxNumSeqs": 128,
-                              "dtype": "auto", "gpuMemoryUtilization": 0.9}
+                              "dtype": "auto", "gpuMemoryUtilization": 0.9,
+                              "kvCacheMemoryGB": 2.0}
     assert spec["kvConnector"] == {"type": "nixl"}
     assert spec["model"] == {"source": "embedded"}
     assert spec["prefill"] == {"replicas": 1} and spec["autoscaling"]["enabled"] is False

@@ -64,6 +64,9 @@ def reference(make_llm, prompts):
 
 def _metric(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics", timeout=30).text
+    if "{" in name:  # one labelled series, exactly
+        vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)]
+        return sum(vals)
     vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
     return sum(vals)
 
@@ -71,7 +74,8 @@ def _metric(url: str, name: str) -> float:
 def test_pd_greedy_equals_single_engine_and_decode_skips_received_tokens(topo, prompts, reference):
     prefill = next(w for w in topo.workers if w.role == "prefill")
     decode = next(w for w in topo.workers if w.role == "decode")
-    before = _metric(topo.router_url, "kvmesh:router_pd_decisions_total")
+    pd = 'kvmesh:router_pd_decisions_total{path="prefill_decode"}'
+    before = _metric(topo.router_url, pd)
     for name, ids in prompts.items():
         r = httpx.post(topo.router_url + "/v1/completions",
                        json={"prompt": ids, "max_tokens": 8, "temperature": 0}, timeout=600)
@@ -81,7 +85,9 @@ def test_pd_greedy_equals_single_engine_and_decode_skips_received_tokens(topo, p
         # Everything but the block holding the last prompt token came from the prefill pod.
         received = ((len(ids) - 1) // BS) * BS
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == received, name
-    assert _metric(topo.router_url, "kvmesh:router_pd_decisions_total") >= before + 3
+    # Both connectors report their P/D path as such (Redis too: its params say what decode can load).
+    assert _metric(topo.router_url, pd) == before + 3
+    assert _metric(topo.router_url, 'kvmesh:router_pd_decisions_total{path="fallback_no_params"}') == 0
     # The prefill pod's blocks held for the reader return to its pool.
     deadline = time.monotonic() + 120
     while _metric(prefill.url, "vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:

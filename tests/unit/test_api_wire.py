@@ -52,8 +52,11 @@ class FakeEngine:
     """Two steps per request, one token each; enough to test the loop around it."""
 
     def __init__(self, max_waiting: int = 2) -> None:
-        self.config = SimpleNamespace(model=SimpleNamespace(name="fake"), scheduler=SimpleNamespace(max_model_len=64),
-                                      cache=SimpleNamespace(block_size=16), role="both")
+        self.config = SimpleNamespace(model=SimpleNamespace(name="fake"),
+                                      scheduler=SimpleNamespace(max_model_len=64, max_num_seqs=4,
+                                                                max_num_batched_tokens=64),
+                                      cache=SimpleNamespace(block_size=16, gpu_memory_utilization=0.9),
+                                      role="both", dtype="float32", device="cpu")
         self.kv = SimpleNamespace(pool=SimpleNamespace(num_blocks=8))
         self.requests: dict = {}
         self.max_waiting = max_waiting

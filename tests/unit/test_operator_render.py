@@ -25,7 +25,7 @@ from kvmesh.operator.validate import problems
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml")) + sorted((ROOT / "examples" / "cpu").glob("*.yaml"))
 GOLDEN = Path(__file__).parent / "golden"
 META = {"namespace": "demo", "uid": "00000000-0000-0000-0000-000000000001", "generation": 1}
 
@@ -57,10 +57,14 @@ def rendered(example: Path) -> list[dict[str, Any]]:
     return render(obj["spec"], {**META, "name": obj["metadata"]["name"]})
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def example_id(p: Path) -> str:
+    return p.stem if p.parent.name == "examples" else f"{p.parent.name}-{p.stem}"
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=example_id)
 def test_render_matches_golden(example: Path) -> None:
     out = rendered(example)
-    golden = GOLDEN / f"operator-{example.stem}.yaml"
+    golden = GOLDEN / f"operator-{example_id(example)}.yaml"
     text = yaml.safe_dump_all(out, sort_keys=True)
     if os.environ.get("KVMESH_UPDATE_GOLDEN") == "1":
         golden.write_text(text)
@@ -110,8 +114,8 @@ def test_minimal_layout_and_ownership() -> None:
     assert "--model" not in decode["args"]  # the embedded model is the CLI default
     assert decode["args"][:7] == ["serve", "--served-model-name", "tiny", "--role", "decode",
                                   "--port", "8000"]
-    assert decode["args"][-4:] == ["--kv-events-endpoint", "tcp://*:5557",
-                                   "--engine-id", "$(POD_NAME)"]
+    assert decode["args"][-6:] == ["--kv-events-endpoint", "tcp://*:5557",
+                                   "--engine-id", "$(POD_NAME)", "--shutdown-timeout", "45"]
     assert decode["resources"]["limits"][GPU_RESOURCE] == 1
     assert decode["securityContext"]["readOnlyRootFilesystem"] is True
     router = objs[("Deployment", "tiny-router")]["spec"]["template"]["spec"]["containers"][0]
@@ -150,7 +154,6 @@ def test_engine_change_rolls_pods_through_config_hash() -> None:
     ({"engine": {"maxNumBatchedTokens": 32, "maxNumSeqs": 64}}, "must be >= engine.maxNumSeqs"),
     ({"engine": {"maxNumBatchedTokens": 1000}}, "multiple of engine.blockSize"),
     ({"kvConnector": {"type": "redis", "redis": {"url": "http://x"}}}, "not a redis://"),
-    ({"decode": {"gpus": 0}}, "decode.gpus must be at least 1"),
 ])
 def test_semantic_problems(spec: dict[str, Any], fragment: str) -> None:
     found = problems(InferenceServiceSpec.parse(spec))
@@ -188,3 +191,93 @@ def test_status_when_applies_fail() -> None:
     assert got == {"Ready": ("False", "ReconcileFailed"), "Progressing": ("False", "Blocked"),
                    "Degraded": ("True", "ApplyFailed")}
     assert "403 forbidden" in st["conditions"][2]["message"]
+
+
+def _engine_settings_from_args(args: list[str]):
+    """Feed rendered container args through the real `kvmesh` CLI parser and the same code the
+    server runs (configs_from_args), returning what the engine process would be built with."""
+    from kvmesh.cli import build_parser
+    from kvmesh.commands.serve import configs_from_args
+
+    expanded = [a.replace("$(POD_NAME)", "pod-0").replace("$(POD_IP)", "10.0.0.7") for a in args]
+    ns = build_parser().parse_args(expanded)
+    return configs_from_args(ns)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=example_id)
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_every_engine_field_reaches_the_engine(example: Path, role: str) -> None:
+    from kvmesh.operator.render import ENGINE_FLAGS
+
+    obj = load(example)
+    spec = InferenceServiceSpec.parse(obj["spec"])
+    objs = by_kind(rendered(example))
+    c = objs[("Deployment", f"{obj['metadata']['name']}-{role}")]["spec"]["template"]["spec"]["containers"][0]
+    server, proc = _engine_settings_from_args(c["args"])
+    kw = proc.engine_kwargs
+    assert proc.role == role and server.role == role
+    e = spec.engine
+    # every CRD engine property has a flag, and every flag's value arrives unchanged
+    crd_fields = set(crd_schema()["properties"]["spec"]["properties"]["engine"]["properties"])
+    camel = {"block_size": "blockSize", "max_num_batched_tokens": "maxNumBatchedTokens",
+             "max_num_seqs": "maxNumSeqs", "dtype": "dtype", "gpu_memory_utilization": "gpuMemoryUtilization",
+             "kv_cache_memory_gb": "kvCacheMemoryGB"}
+    assert {camel[a] for a, _ in ENGINE_FLAGS} == crd_fields
+    for attr, _ in ENGINE_FLAGS:
+        want = getattr(e, attr)
+        if attr == "dtype" and want == "auto":
+            want = None  # the engine's default for its device
+        assert kw[attr] == want, attr
+    gpus = spec.role(role).gpus
+    assert kw["device"] == ("cpu" if gpus == 0 else None)
+    assert proc.kv_connector == spec.connector.type
+    if spec.connector.type == "nixl":
+        # the side channel must be reachable from other pods: fixed port, pod IP advertised
+        assert proc.kv_connector_config == {"side_channel_host": "0.0.0.0", "side_channel_port": 5600,
+                                            "advertise_host": "10.0.0.7"}
+        port_names = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert port_names["nixl"] == 5600
+    assert server.shutdown_timeout > 0
+    grace = objs[("Deployment", f"{obj['metadata']['name']}-{role}")]["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"]
+    assert grace > server.shutdown_timeout + c["lifecycle"]["preStop"]["sleep"]["seconds"]
+
+
+def test_nixl_connector_takes_the_rendered_side_channel_options() -> None:
+    """The options the operator renders are ones the NIXL connector accepts (no TypeError at start)."""
+    import inspect
+
+    from kvmesh.engine.connectors.nixl_connector import NixlConnector
+    from kvmesh.operator.render import nixl_config
+
+    params = inspect.signature(NixlConnector.__init__).parameters
+    assert set(nixl_config()) <= set(params)
+
+
+def test_cpu_workers_request_no_gpu_and_run_the_cpu_engine() -> None:
+    objs = by_kind(rendered(ROOT / "examples" / "cpu" / "minimal.yaml"))
+    for role in ("prefill", "decode"):
+        c = objs[("Deployment", f"tiny-cpu-{role}")]["spec"]["template"]["spec"]["containers"][0]
+        assert GPU_RESOURCE not in c.get("resources", {}).get("limits", {})
+        assert c["args"][c["args"].index("--device") + 1] == "cpu"
+        env = {v["name"]: v.get("value") for v in c["env"]}
+        assert env["HOME"] == "/tmp" and env["TRITON_CACHE_DIR"].startswith("/tmp/")
+    assert not problems(InferenceServiceSpec.parse(load(ROOT / "examples" / "cpu" / "minimal.yaml")["spec"]))
+
+
+def test_default_images_are_what_make_images_builds() -> None:
+    from kvmesh import __version__
+    from kvmesh.operator.spec import DEFAULT_IMAGE, DEFAULT_REDIS_IMAGE, DEFAULT_ROUTER_IMAGE
+
+    script = (ROOT / "scripts" / "images.sh").read_text()
+    for ref in (DEFAULT_IMAGE, DEFAULT_ROUTER_IMAGE, DEFAULT_REDIS_IMAGE):
+        assert ref.endswith(f":{__version__}")
+        name = ref.split("/")[-1].split(":")[0]
+        assert f"{name}" in script
+    props = crd_schema()["properties"]["spec"]["properties"]
+    assert props["image"]["default"] == DEFAULT_IMAGE
+    assert props["kvConnector"]["properties"]["redis"]["properties"]["image"]["default"] == DEFAULT_REDIS_IMAGE
+    chart = yaml.safe_load((ROOT / "charts" / "kvmesh" / "Chart.yaml").read_text())
+    values = yaml.safe_load((ROOT / "charts" / "kvmesh" / "values.yaml").read_text())
+    assert chart["appVersion"] == __version__
+    assert values["operator"]["image"]["repository"] == "ghcr.io/kvmesh/operator"
