@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvmesh-installed
 INSTALL_INPUTS := pyproject.toml scripts/install.sh requirements/constraints.txt requirements/extra.txt
 
-.PHONY: install serve test test-unit test-integration e2e gpu-test bench-offline bench-serve bench-router cluster-up cluster-down clean
+.PHONY: install serve test test-unit test-integration e2e gpu-test bench-offline bench-serve bench-router cluster-up cluster-down clean images
 
 install: $(STAMP)
 
@@ -41,6 +41,9 @@ bench-offline: install
 
 bench-serve: install
 	$(VENV)/bin/kvmesh bench serve --base-url http://127.0.0.1:8000 --dataset random --num-prompts 32 --request-rate inf
+
+images: install
+	@bash scripts/images.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,19 +1,24 @@
-# kvmesh operator: kopf + kubernetes client, no torch. Runs as non-root with a read-only root
-# filesystem (the chart mounts an emptyDir at /tmp).
-FROM python:3.12-slim AS build
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY kvmesh ./kvmesh
-COPY operator ./operator
-COPY engine ./engine
-COPY kernels ./kernels
-COPY services ./services
-# --no-deps: the operator needs none of the engine's heavy dependencies.
-RUN pip install --no-cache-dir --prefix=/install --no-deps . \
- && pip install --no-cache-dir --prefix=/install kopf kubernetes pyyaml
+# kvmesh operator: `python -m kvmesh.operator` (kopf + kubernetes client + pyyaml, no torch: the
+# kvmesh wheel goes in with --no-deps). Runs as uid 65532 with a read-only root filesystem (the
+# chart mounts an emptyDir at /tmp). Built by scripts/images.sh (wheels mounted at /wheels).
+ARG BASE_IMAGE=localhost/kvmesh/base:bookworm
+FROM ${BASE_IMAGE}
 
-FROM python:3.12-slim
-COPY --from=build /install /usr/local
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+ENV PATH=/opt/kvmesh/bin:$PATH \
+    PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/tmp XDG_CACHE_HOME=/tmp/.cache
+
+COPY locks/operator.txt /opt/kvmesh-locks/operator.txt
+RUN python3 -m venv /opt/kvmesh \
+ && /opt/kvmesh/bin/pip install -q --no-index --find-links /wheels --no-deps -r /opt/kvmesh-locks/operator.txt \
+ && rm -rf /tmp/* /root/.cache
+
+COPY dist/ /opt/kvmesh-dist/
+RUN /opt/kvmesh/bin/pip install -q --no-index --no-deps /opt/kvmesh-dist/kvmesh-*.whl \
+ && rm -rf /opt/kvmesh-dist /tmp/* /root/.cache \
+ && echo 'nonroot:x:65532:65532:nonroot:/tmp:/usr/sbin/nologin' >> /etc/passwd \
+ && echo 'nonroot:x:65532:' >> /etc/group
+
 USER 65532:65532
+WORKDIR /tmp
 ENTRYPOINT ["python", "-m", "kvmesh.operator"]
