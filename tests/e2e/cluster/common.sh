@@ -18,3 +18,34 @@ ETCD_PEER_PORT="${ETCD_PEER_PORT:-23801}"
 APISERVER_PORT="${APISERVER_PORT:-26443}"
 KWOK_PORT="${KWOK_PORT:-20247}"
 KUBECONFIG_PATH="$KVMESH_CLUSTER_DIR/kubeconfig"
+COREDNS_BIN="$KVMESH_CACHE/coredns-v$COREDNS_VERSION/bin"
+NODE_IMAGES_DIR="$KVMESH_CACHE/node-images-r$NODE_IMAGES_REV"
+# Images of the real node: the sandbox (pause) image and a tiny static probe (HTTP server and
+# client, DNS lookup, in-cluster apiserver check) that the smoke test runs.
+PAUSE_IMAGE=registry.k8s.io/pause:3.10
+PROBE_IMAGE=kvmesh.local/e2e-probe:0.1
+RUNC_WRAPPER="$(cd "$HERE/../../.." && pwd)/scripts/oci/runc-wrapper"
+
+# --- The real node (kubelet + containerd + kube-proxy + CoreDNS), unless KVMESH_REAL_NODE=0 ---
+KVMESH_REAL_NODE="${KVMESH_REAL_NODE:-1}"
+NODE_NAME="${NODE_NAME:-kvmesh-node-0}"
+# A bridge of our own; its gateway address is the node IP (kubelet refuses loopback node IPs,
+# and `kubectl logs/exec` need an address the apiserver can dial). 10.245.0.0/24: not kwok's
+# fake 10.244.0.0/16 and not routed anywhere on this machine (up.sh checks `ip route`).
+NODE_BRIDGE="${NODE_BRIDGE:-kvmesh0}"
+POD_CIDR="${POD_CIDR:-10.245.0.0/24}"
+NODE_IP="${NODE_IP:-10.245.0.1}"
+SERVICE_CIDR=10.96.0.0/16
+KUBELET_PORT="${KUBELET_PORT:-20250}"
+KUBELET_HEALTHZ_PORT="${KUBELET_HEALTHZ_PORT:-20248}"
+KUBE_PROXY_HEALTHZ_PORT="${KUBE_PROXY_HEALTHZ_PORT:-20256}"
+KUBE_PROXY_METRICS_PORT="${KUBE_PROXY_METRICS_PORT:-20249}"
+COREDNS_READY_PORT="${COREDNS_READY_PORT:-20181}"
+# Only one real node per machine: kube-proxy owns the machine-wide KUBE-* iptables chains.
+# The owner file names the cluster dir that holds it.
+REAL_NODE_OWNER=/run/kvmesh-real-node.owner
+# containerd's root (content store, unpacked image snapshots) outlives a cluster: re-importing the
+# ~8 GB of image tars from `make images` at every cluster-up would cost minutes. It is a cache like
+# the binaries: nothing runs from it once the cluster is down (container state lives in the
+# cluster dir), and stale containers are removed before the kubelet starts.
+NODE_CONTAINERD_ROOT="${NODE_CONTAINERD_ROOT:-$KVMESH_CACHE/node-containerd}"

@@ -1,0 +1,240 @@
+"""Helpers for the real-pod tier: the chart installed with `helm install` (the operator as a pod
+from the image `make images` builds), InferenceServices whose pods run on the cluster's real node,
+and the probes the tests read (pod /metrics over pod IPs, the router through its ClusterIP).
+
+Why a second chart release: the kwok tier runs its operator as a local process watching `t-*`
+namespaces (so it can be killed mid-reconcile); this tier's operator pod watches `r-*`, so the two
+never reconcile the same object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+from .conftest import ROOT, Cluster, wait_for, wait_ready
+
+REAL_NODE_LABEL = "kvmesh.io/real-node"
+REAL_RELEASE = "kvmesh-real"
+REAL_OPERATOR_NS = "kvmesh-real"
+REAL_NS_PREFIX = "r-"
+CPU_EXAMPLES = {p.stem: p for p in sorted((ROOT / "examples" / "cpu").glob("*.yaml"))}
+MAX_TOKENS = 8
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (Prometheus text format)."""
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.eE+-]+|NaN)$", text, re.M):
+        got = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(1) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def series(text: str, name: str) -> list[dict[str, str]]:
+    """The label sets of every sample of `name`."""
+    out = []
+    for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} ", text, re.M):
+        out.append(dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(1))))
+    return out
+
+
+@dataclass
+class Service:
+    """One InferenceService running on the real node."""
+
+    c: Cluster
+    name: str
+    ns: str
+
+    def pods(self, component: str | None = None) -> list[dict[str, Any]]:
+        sel = f"app.kubernetes.io/instance={self.name}"
+        if component:
+            sel += f",app.kubernetes.io/component={component}"
+        return [p for p in self.c.list("pods", self.ns, sel) if not p["metadata"].get("deletionTimestamp")]
+
+    def pod_urls(self, component: str) -> dict[str, str]:
+        return {p["metadata"]["name"]: f"http://{p['status']['podIP']}:8000"
+                for p in self.pods(component) if p["status"].get("podIP")}
+
+    @property
+    def url(self) -> str:
+        svc = self.c.get("service", self.name, self.ns)
+        return f"http://{svc['spec']['clusterIP']}:80"
+
+    def router_metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=30).text
+
+    def pod_metrics(self, url: str) -> str:
+        return httpx.get(url + "/metrics", timeout=30).text
+
+    def routed(self, timeout: float = 300) -> None:
+        """The router answers through the ClusterIP and counts every worker pod healthy (its
+        discovery and health checks trail the pods' readiness by a few seconds)."""
+        wait_for("router via ClusterIP", lambda: httpx.get(self.url + "/health", timeout=5).status_code == 200,
+                 timeout)
+
+        def all_seen() -> bool:
+            m = self.router_metrics()
+            urls = set(self.pod_urls("prefill").values()) | set(self.pod_urls("decode").values())
+            return all(metric(m, "kvmesh:router_pod_healthy", pod=u) == 1 for u in urls)
+        wait_for("router sees every worker pod healthy", all_seen, timeout, 1.0)
+
+    def idle(self, component: str, timeout: float = 180) -> None:
+        """Every pod of the role holds no request and no block (nothing leaked)."""
+        def clean() -> bool:
+            for url in self.pod_urls(component).values():
+                m = self.pod_metrics(url)
+                if (metric(m, "vllm:kv_cache_usage_perc") or metric(m, "vllm:num_requests_running")
+                        or metric(m, "vllm:num_requests_waiting") or metric(m, "kvmesh:kv_held_requests")):
+                    return False
+            return True
+        wait_for(f"{self.ns}/{self.name} {component} pods idle with every block free", clean, timeout, 1.0)
+
+
+def real_node_name(c: Cluster) -> str:
+    nodes = json.loads(c.kubectl("get", "nodes", "-l", f"{REAL_NODE_LABEL}=true", "-o", "json"))["items"]
+    assert nodes, "the test cluster has no real node (tests/e2e/cluster/up.sh starts one)"
+    return nodes[0]["metadata"]["name"]
+
+
+def install_chart(c: Cluster) -> None:
+    """`helm install` as a user would, plus the test's namespace scope and a short resync."""
+    c.helm("upgrade", "--install", REAL_RELEASE, str(ROOT / "charts" / "kvmesh"), "-n", REAL_OPERATOR_NS,
+           "--create-namespace", "--set", f"operator.watchNamespaces={{{REAL_NS_PREFIX}*}}",
+           "--set", "operator.resyncSeconds=3", "--wait", "--timeout", "5m", timeout=360)
+
+
+def operator_pods(c: Cluster) -> list[dict[str, Any]]:
+    return [p for p in c.list("pods", REAL_OPERATOR_NS, "app.kubernetes.io/name=kvmesh")
+            if not p["metadata"].get("deletionTimestamp")]
+
+
+def new_namespace(c: Cluster) -> str:
+    name = f"{REAL_NS_PREFIX}{uuid.uuid4().hex[:8]}"
+    c.kubectl("create", "namespace", name)
+    return name
+
+
+def delete_namespace(c: Cluster, name: str) -> None:
+    # Waits, so the next test's pods get the node's CPU and memory.
+    c.kubectl("delete", "namespace", name, "--wait=true", "--timeout=240s", timeout=300, check=False)
+
+
+def deploy(c: Cluster, example: str, ns: str, timeout: float = 900) -> tuple[Service, dict[str, Any]]:
+    manifest = CPU_EXAMPLES[example].read_text()
+    import yaml
+
+    name = yaml.safe_load(manifest)["metadata"]["name"]
+    c.apply(manifest, ns)
+    obj = wait_ready(c, name, ns, timeout)
+    return Service(c, name, ns), obj
+
+
+def wait_rolled_out(svc: Service, timeout: float = 900) -> None:
+    """Every Deployment of the service has all its replicas on the latest template, Ready."""
+    def done() -> bool:
+        deps = svc.c.list("deployment.apps", svc.ns, f"app.kubernetes.io/instance={svc.name}")
+        for d in deps:
+            st, want = d.get("status") or {}, d["spec"].get("replicas", 1)
+            if (st.get("observedGeneration") != d["metadata"]["generation"] or st.get("updatedReplicas") != want
+                    or st.get("readyReplicas") != want or st.get("replicas") != want):
+                return False
+        return True
+    wait_for(f"{svc.ns}/{svc.name} rolled out", done, timeout, 2.0)
+    wait_ready(svc.c, svc.name, svc.ns, timeout)
+
+
+def host_pids_of(pod_name: str, needle: str = "kvmesh") -> list[int]:
+    """Host PIDs of a pod's processes (the node runs on this machine), found by the POD_NAME the
+    pod spec puts in their environment."""
+    want = f"POD_NAME={pod_name}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if want in env and needle.encode() in cmd:
+            out.append(int(d.name))
+    return sorted(out)
+
+
+def kill_main_process(pod_name: str) -> int:
+    """SIGKILL the container's main process (the API server; its engine child follows it)."""
+    pids = host_pids_of(pod_name)
+    assert pids, f"no process of {pod_name} found on this host"
+    ppid = {p: int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) for p in pids}
+    main = next(p for p in pids if ppid[p] not in pids)
+    os.kill(main, signal.SIGKILL)
+    return main
+
+
+@dataclass
+class Load:
+    """Requests sent back to back from a few threads until stopped; every outcome recorded."""
+
+    send: Callable[[int], str | None]  # returns None on success, else what went wrong
+    threads: int = 2
+    ok: int = 0
+    failures: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _workers: list[threading.Thread] = field(default_factory=list)
+
+    def __enter__(self) -> "Load":
+        for i in range(self.threads):
+            t = threading.Thread(target=self._run, args=(i,), daemon=True)
+            t.start()
+            self._workers.append(t)
+        return self
+
+    def _run(self, i: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            try:
+                err = self.send(i * 100_000 + n)
+            except Exception as e:  # a transport error is a failed request too
+                err = f"{type(e).__name__}: {e}"
+            with self._lock:
+                if err is None:
+                    self.ok += 1
+                else:
+                    self.failures.append(err)
+            n += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        for t in self._workers:
+            t.join(timeout=300)
+
+    def wait_ok(self, n: int, timeout: float = 300) -> None:
+        wait_for(f"{n} successful requests under load", lambda: self.ok >= n, timeout, 0.5)
+
+
+def ready_pods_on(node: str, pods: list[dict[str, Any]]) -> list[str]:
+    """Names of pods that are not Running and Ready on `node` (empty when all are)."""
+    bad = []
+    for p in pods:
+        conds = {c["type"]: c["status"] for c in p["status"].get("conditions") or ()}
+        if p["spec"].get("nodeName") != node or p["status"].get("phase") != "Running" or conds.get("Ready") != "True":
+            bad.append(f"{p['metadata']['name']} ({p['spec'].get('nodeName')}, {p['status'].get('phase')})")
+    return bad
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,345 @@
+"""Must show, with real pods on the test cluster's real node (kubelet, containerd, runc, CNI,
+kube-proxy, CoreDNS) running the images `make images` builds:
+
+* `kubectl apply -f` of each CPU example reaches Ready=True with every pod Running and Ready, and
+  the official `openai` client, through the InferenceService's Service, gets the offline engine's
+  greedy tokens for prompts shorter than a block, an exact multiple of it, and many blocks long,
+  streamed and not;
+* P/D over NIXL and over Redis: the decode pod computes only what it did not receive, the prefill
+  pod's held blocks go back to its pool, the router records the prefill->decode path, and its
+  index is fed by the pods' KV events over pod IPs (a repeated long prefix goes to its pod);
+* faults: a prefill pod deleted with requests in flight, the decode container's main process
+  killed, the router pod deleted, the operator pod restarted mid-reconcile, a rolling update of
+  an engine setting and a decode scale-down under a steady stream; no wrong token, no leaked
+  block, zero failed requests where the pods drain;
+* an engine field changed in the CRD changes what the running engine reports on /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from kvmesh import SamplingParams
+
+from .conftest import Cluster, record, wait_for, wait_ready
+from .realpods import (CPU_EXAMPLES, MAX_TOKENS, REAL_OPERATOR_NS, Load, Service, delete_namespace, deploy,
+                       install_chart, kill_main_process, metric, new_namespace, operator_pods, ready_pods_on,
+                       real_node_name, series, wait_rolled_out)
+
+pytestmark = pytest.mark.e2e
+BS = 16  # the CPU examples' block size
+
+
+@pytest.fixture(scope="session")
+def real_node(chart: Cluster) -> str:
+    return real_node_name(chart)
+
+
+@pytest.fixture(scope="session")
+def real_operator(chart: Cluster, real_node: str) -> Cluster:
+    t0 = time.monotonic()
+    install_chart(chart)
+    pods = wait_for("operator pod Ready", lambda: [p for p in operator_pods(chart)
+                                                   if not ready_pods_on(real_node, [p])], 300)
+    assert pods[0]["spec"]["containers"][0]["image"] == "ghcr.io/kvmesh/operator:0.1.0"
+    record("real.helm_install_to_operator_ready_seconds", round(time.monotonic() - t0, 1))
+    return chart
+
+
+@pytest.fixture
+def rns(real_operator: Cluster) -> Iterator[str]:
+    name = new_namespace(real_operator)
+    yield name
+    delete_namespace(real_operator, name)
+
+
+@pytest.fixture(scope="session")
+def prompts(smol) -> dict[str, list[int]]:
+    text = ("The history of computing spans centuries, from mechanical calculators and punched cards to "
+            "vacuum tubes, transistors and integrated circuits. ") * 30
+    ids = smol.tokenizer(text).input_ids
+    # shorter than a block, an exact multiple of it, and many blocks (past the router's selective
+    # P/D threshold of 256 uncached tokens, so it goes prefill -> decode)
+    assert len(ids) >= 420
+    return {"short": ids[:5], "exact": ids[:4 * BS], "long": ids[:420]}
+
+
+@pytest.fixture(scope="session")
+def reference(make_llm, prompts) -> dict[str, str]:
+    llm = make_llm()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    return {k: llm.generate([v], params)[0].outputs[0].text for k, v in prompts.items()}
+
+
+def client(svc: Service) -> openai.OpenAI:
+    return openai.OpenAI(base_url=svc.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def complete(svc: Service, ids: list[int], stream: bool, max_tokens: int = MAX_TOKENS) -> tuple[str, str, Any]:
+    """(text, decode pod url, usage) of one greedy completion through the router's Service."""
+    cl = client(svc)
+    if not stream:
+        raw = cl.completions.with_raw_response.create(model=svc.name, prompt=ids, max_tokens=max_tokens,
+                                                      temperature=0)
+        body = raw.parse()
+        return body.choices[0].text, raw.headers.get("x-kvmesh-pod", ""), body.usage
+    with cl.completions.with_streaming_response.create(model=svc.name, prompt=ids, max_tokens=max_tokens,
+                                                       temperature=0, stream=True,
+                                                       stream_options={"include_usage": True}) as resp:
+        pod = resp.headers.get("x-kvmesh-pod", "")
+        text, usage = "", None
+        for chunk in resp.parse():
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if chunk.usage is not None:
+                usage = chunk.usage
+    return text, pod, usage
+
+
+def first_token_seconds(svc: Service, ids: list[int]) -> float:
+    t0 = time.monotonic()
+    stream = client(svc).completions.create(model=svc.name, prompt=ids, max_tokens=4, temperature=0, stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            break
+    stream.close()
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("example", sorted(CPU_EXAMPLES))
+def test_cpu_example_serves_the_offline_engines_tokens(example: str, real_operator: Cluster, real_node: str,
+                                                       rns: str, prompts, reference) -> None:
+    t0 = time.monotonic()
+    svc, obj = deploy(real_operator, example, rns)
+    t_ready = time.monotonic() - t0
+    pods = svc.pods()
+    assert not ready_pods_on(real_node, pods), ready_pods_on(real_node, pods)
+    want = {"prefill", "decode", "router"} | ({"redis"} if example == "pd-redis" else set())
+    assert {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods} == want
+    images = {c["image"] for p in pods for c in p["spec"]["containers"]}
+    assert images <= {"ghcr.io/kvmesh/worker:0.1.0", "ghcr.io/kvmesh/router:0.1.0",
+                      "ghcr.io/kvmesh/redis:0.1.0"}, images
+    # the router answers through the Service's ClusterIP (kube-proxy) once its endpoints exist
+    svc.routed()
+    # a prompt of its own: the checks below need caches that have not seen theirs
+    ttft = first_token_seconds(svc, list(reversed(prompts["long"][:300])))
+    record(f"real.apply_to_ready_seconds.{example}", round(t_ready, 1))
+    record(f"real.apply_to_first_token_seconds.{example}", round(time.monotonic() - t0, 1))
+    record(f"real.first_token_after_ready_seconds.{example}", round(ttft, 2))
+
+    decodes = svc.pod_urls("decode")
+    workers = set(decodes.values()) | set(svc.pod_urls("prefill").values())
+    paths: list[str] = []
+    for name in ("long", "short", "exact"):  # long first: nothing cached anywhere, so it takes P/D
+        ids = prompts[name]
+        for stream in (False, True):
+            svc.idle("decode")  # the snapshot that reports idle pods carries their final counters
+            before = {u: metric(svc.pod_metrics(u), "kvmesh:engine_computed_tokens_total")
+                      for u in decodes.values()}
+            pd_before = pd_counts(svc)
+            text, pod, usage = complete(svc, ids, stream)
+            path = taken(pd_before, pd_counts(svc))
+            paths.append(path)
+            assert text == reference[name], (name, stream)
+            assert pod in decodes.values(), (pod, decodes)
+            cached = usage.prompt_tokens_details.cached_tokens
+            if path == "prefill_decode":
+                # every full block but the one holding the last prompt token came from outside
+                assert cached == ((len(ids) - 1) // BS) * BS, (name, stream, usage)
+            # the decode pod ran only what it did not have, plus the tokens it generated
+            # (engine counters reach /metrics in snapshots: wait for the one after the request)
+            want = len(ids) - cached + MAX_TOKENS - 1
+            ran = [None]
+
+            def settled() -> bool:
+                ran[0] = metric(svc.pod_metrics(pod), "kvmesh:engine_computed_tokens_total") - before[pod]
+                return ran[0] >= want
+            wait_for("decode pod's computed-token counter", settled, 30, 0.3)
+            time.sleep(1.0)  # a later snapshot must not add more
+            settled()
+            assert ran[0] == want, (name, stream, path, cached, ran[0])
+            svc.idle("prefill")
+    # The long prompt's first request went prefill -> decode; what the decode pod then held went
+    # straight to it (selective P/D); nothing fell back.
+    assert paths[0] == "prefill_decode", paths
+    assert set(paths) <= {"prefill_decode", "decode_only"}, paths
+    # KV events reach the router from every worker pod over its pod IP
+    m = svc.router_metrics()
+    with_events = {s["pod"] for s in series(m, "kvmesh:router_kv_events_total")
+                   if metric(m, "kvmesh:router_kv_events_total", pod=s["pod"]) > 0}
+    assert workers <= with_events, (workers, with_events)
+    svc.idle("prefill")
+    svc.idle("decode")
+
+
+def pd_counts(svc: Service) -> dict[str, float]:
+    m = svc.router_metrics()
+    return {s["path"]: metric(m, "kvmesh:router_pd_decisions_total", path=s["path"])
+            for s in series(m, "kvmesh:router_pd_decisions_total")}
+
+
+def taken(before: dict[str, float], after: dict[str, float]) -> str:
+    (path,) = [p for p, v in after.items() if v > before.get(p, 0.0)]
+    return path
+
+
+def test_repeated_long_prefix_goes_to_the_pod_that_holds_it(real_operator: Cluster, rns: str, smol) -> None:
+    """Two decode pods; the router's index, fed by the pods' KV events, sends a prompt that shares
+    a long prefix with an earlier one to the pod that computed it."""
+    svc, _ = deploy(real_operator, "pd-nixl", rns)
+    assert len(svc.pod_urls("decode")) == 2
+    svc.routed()
+    base = smol.tokenizer("Notes on distributed systems, part one. " * 30).input_ids[:160]
+    placed = {}
+    for k in range(4):
+        prefix = [base[0] + k + 1] + base[1:]  # distinct first block: distinct chains
+        _, pod, _ = complete(svc, prefix, stream=False, max_tokens=2)
+        placed[k] = pod
+        wait_for("KV events of the first request reach the router",
+                 lambda: metric(svc.router_metrics(), "kvmesh:router_index_blocks") >= (len(prefix) // BS), 60)
+        _, again, usage = complete(svc, prefix + base[:20], stream=False, max_tokens=2)
+        assert again == pod, (k, pod, again)
+    m = svc.router_metrics()
+    assert metric(m, "kvmesh:router_kv_events_total") > 0
+    svc.idle("decode")
+
+
+@pytest.fixture(scope="module")
+def faulted(real_operator: Cluster) -> Iterator[Service]:
+    """One P/D-over-NIXL service that the fault tests below take turns to hurt (module scope:
+    each start of the example costs minutes on a CPU node)."""
+    ns = new_namespace(real_operator)
+    svc, _ = deploy(real_operator, "pd-nixl", ns)
+    svc.routed()
+    yield svc
+    delete_namespace(real_operator, ns)
+
+
+def checked_sender(svc: Service, prompts, reference, stream: bool = False):
+    names = sorted(prompts)
+
+    def send(i: int) -> str | None:
+        name = names[i % len(names)]
+        text, _, _ = complete(svc, prompts[name], stream=stream or bool(i % 2))
+        return None if text == reference[name] else f"wrong tokens for {name}: {text!r}"
+    return send
+
+
+def test_prefill_pod_deleted_with_requests_in_flight(faulted: Service, prompts, reference) -> None:
+    (victim,) = [p["metadata"]["name"] for p in faulted.pods("prefill")]
+    with Load(checked_sender(faulted, prompts, reference), threads=3) as load:
+        load.wait_ok(3)
+        faulted.c.kubectl("delete", "pod", victim, "-n", faulted.ns, "--wait=false")
+        wait_for("replacement prefill pod Ready", lambda: any(
+            p["metadata"]["name"] != victim and not ready_pods_on(p["spec"].get("nodeName", ""), [p])
+            for p in faulted.pods("prefill")), 600, 2.0)
+        ok_before = load.ok
+        load.wait_ok(ok_before + 3)
+    assert load.failures == [], load.failures[:5]
+    wait_ready(faulted.c, faulted.name, faulted.ns, 300)
+    faulted.idle("prefill")
+    faulted.idle("decode")
+
+
+def test_decode_main_process_killed_and_restarted(faulted: Service, prompts, reference) -> None:
+    pods = faulted.pods("decode")
+    victim = pods[0]
+    restarts = victim["status"]["containerStatuses"][0]["restartCount"]
+    with Load(checked_sender(faulted, prompts, reference), threads=2) as load:
+        load.wait_ok(2)
+        kill_main_process(victim["metadata"]["name"])
+        wait_for("killed decode container restarted and Ready", lambda: (
+            (p := faulted.c.get("pod", victim["metadata"]["name"], faulted.ns))
+            and p["status"]["containerStatuses"][0]["restartCount"] > restarts
+            and p["status"]["containerStatuses"][0]["ready"]), 600, 2.0)
+        ok_after = load.ok
+        load.wait_ok(ok_after + 4)
+    # Only requests streaming from the killed process may fail (the router cannot move a response
+    # it already started); never a wrong token.
+    assert not [f for f in load.failures if f.startswith("wrong tokens")], load.failures
+    assert len(load.failures) <= 2, load.failures
+    faulted.idle("prefill")
+    faulted.idle("decode")
+
+
+def test_router_pod_deleted(faulted: Service, prompts, reference) -> None:
+    (old,) = [p["metadata"]["name"] for p in faulted.pods("router")]
+    faulted.c.kubectl("delete", "pod", old, "-n", faulted.ns, "--wait=true", timeout=180)
+    wait_for("new router pod Ready", lambda: [p for p in faulted.pods("router")
+                                              if p["metadata"]["name"] != old
+                                              and not ready_pods_on(p["spec"].get("nodeName", ""), [p])],
+             300, 1.0)
+    faulted.routed()
+    for name, ids in prompts.items():
+        text, _, _ = complete(faulted, ids, stream=True)
+        assert text == reference[name], name
+    # the new router subscribed to the pods' events again
+    assert metric(faulted.router_metrics(), "kvmesh:router_kv_events_total") > 0
+
+
+def test_operator_pod_restarted_mid_reconcile(faulted: Service) -> None:
+    c = faulted.c
+    gen = c.get("inferenceservice", faulted.name, faulted.ns)["metadata"]["generation"]
+    c.kubectl("patch", "inferenceservice", faulted.name, "-n", faulted.ns, "--type=merge",
+              "-p", json.dumps({"spec": {"router": {"resources": {"requests": {"cpu": "110m"}}}}}))
+    for p in operator_pods(c):
+        c.kubectl("delete", "pod", p["metadata"]["name"], "-n", REAL_OPERATOR_NS, "--wait=false")
+    obj = wait_ready(c, faulted.name, faulted.ns, 600)
+    assert obj["status"]["observedGeneration"] == gen + 1
+    deps = c.list("deployment.apps", faulted.ns, f"app.kubernetes.io/instance={faulted.name}")
+    assert sorted(d["metadata"]["name"] for d in deps) == sorted(
+        f"{faulted.name}-{r}" for r in ("prefill", "decode", "router"))
+    wait_rolled_out(faulted)
+
+
+def test_engine_setting_rolled_out_under_load_loses_nothing(faulted: Service, prompts, reference) -> None:
+    c = faulted.c
+    with Load(checked_sender(faulted, prompts, reference), threads=2) as load:
+        load.wait_ok(2)
+        c.kubectl("patch", "inferenceservice", faulted.name, "-n", faulted.ns, "--type=merge",
+                  "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": 16, "kvCacheMemoryGB": 0.2}}}))
+        wait_rolled_out(faulted)
+        ok = load.ok
+        load.wait_ok(ok + 2)
+    assert load.failures == [], load.failures[:5]
+    assert load.ok > 0
+    for role in ("prefill", "decode"):
+        for url in faulted.pod_urls(role).values():
+            info = series(faulted.pod_metrics(url), "kvmesh:engine_config_info")
+            assert info and info[0]["max_num_seqs"] == "16", info
+
+
+def test_decode_scaled_down_under_load_loses_nothing(faulted: Service, prompts, reference) -> None:
+    c = faulted.c
+    assert len(faulted.pods("decode")) == 2
+    with Load(checked_sender(faulted, prompts, reference), threads=3) as load:
+        load.wait_ok(3)
+        c.kubectl("patch", "inferenceservice", faulted.name, "-n", faulted.ns, "--type=merge",
+                  "-p", json.dumps({"spec": {"decode": {"replicas": 1}}}))
+        wait_for("one decode pod left", lambda: len(c.list("pods", faulted.ns,
+                 f"app.kubernetes.io/instance={faulted.name},app.kubernetes.io/component=decode")) == 1, 300, 1.0)
+        ok = load.ok
+        load.wait_ok(ok + 3)
+    assert load.failures == [], load.failures[:5]
+    faulted.idle("decode")
+
+
+def test_changed_engine_fields_reach_the_running_engine(faulted: Service) -> None:
+    c = faulted.c
+    c.kubectl("patch", "inferenceservice", faulted.name, "-n", faulted.ns, "--type=merge",
+              "-p", json.dumps({"spec": {"engine": {"dtype": "bfloat16", "gpuMemoryUtilization": 0.5,
+                                                    "maxNumBatchedTokens": 1024}}}))
+    wait_rolled_out(faulted)
+    for role in ("prefill", "decode"):
+        for url in faulted.pod_urls(role).values():
+            (info,) = series(faulted.pod_metrics(url), "kvmesh:engine_config_info")
+            assert (info["dtype"], info["gpu_memory_utilization"], info["max_num_batched_tokens"],
+                    info["device"], info["role"]) == ("bfloat16", "0.5", "1024", "cpu", role), info
+    text, _, _ = complete(faulted, [1, 2, 3, 4, 5], stream=False)
+    assert text  # the bfloat16 engines serve (their tokens may differ from float32's)
