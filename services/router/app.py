@@ -435,7 +435,8 @@ class Router:
             return
         self.metrics.reported_hit.inc(cached)
         self.metrics.drift.observe(abs(d.hit_tokens - cached))
-        self.metrics.drift_signed.inc(d.hit_tokens - cached)
+        self.metrics.over_predicted.inc(max(0, d.hit_tokens - cached))
+        self.metrics.under_predicted.inc(max(0, cached - d.hit_tokens))
 
     # ---- the request path ---------------------------------------------------
     async def handle(self, path: str, body: dict) -> Response:

@@ -25,9 +25,13 @@ class RouterMetrics:
         self.drift = Histogram("kvmesh:router_index_drift_tokens",
                                "predicted minus reported cached tokens, absolute, per request", buckets=_TOK,
                                registry=r)
-        self.drift_signed = Counter("kvmesh:router_index_drift_signed_tokens",
-                                    "sum of predicted minus reported cached tokens (>0: index over-predicts)",
-                                    registry=r)
+        # Two counters, not one signed sum: a Prometheus counter only goes up (a negative inc raises).
+        self.over_predicted = Counter("kvmesh:router_index_overpredicted_tokens",
+                                      "predicted cached tokens the pod did not have (sum over requests)",
+                                      registry=r)
+        self.under_predicted = Counter("kvmesh:router_index_underpredicted_tokens",
+                                       "cached tokens the pod had beyond the prediction (sum over requests)",
+                                       registry=r)
         self.index_blocks = Gauge("kvmesh:router_index_blocks", "block entries in the global prefix index",
                                   ["model"], registry=r)
         self.upstream_latency = Histogram("kvmesh:router_upstream_latency_seconds",

@@ -484,3 +484,22 @@ def test_endpoint_slice_parsing_and_metrics_scrape():
     text = ('# HELP x\nvllm:num_requests_running{model_name="a"} 2.0\nvllm:num_requests_running{model_name="b"} 1.0\n'
             'vllm:num_requests_waiting{model_name="a"} 3.0\nvllm:kv_cache_usage_perc{model_name="a"} 0.5\n')
     assert parse_vllm_metrics(text) == {"running": 3.0, "waiting": 3.0, "kv_usage": 0.5}
+
+
+@pytest.mark.parametrize("predicted, reported", [(32, 0), (0, 48), (16, 16)])
+def test_index_drift_is_recorded_in_both_directions(predicted: int, reported: int) -> None:
+    """A pod reporting more cached tokens than predicted is drift too, not an error (a counter
+    cannot go down, so each direction has its own)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from kvmesh.services.router.app import Router
+    from kvmesh.services.router.metrics import RouterMetrics
+
+    router = SimpleNamespace(metrics=RouterMetrics())
+    Router.observe_usage(router, SimpleNamespace(hit_tokens=predicted),
+                         {"prompt_tokens_details": {"cached_tokens": reported}})
+    text = generate_latest(router.metrics.registry).decode()
+    assert f"kvmesh:router_index_overpredicted_tokens_total {float(max(0, predicted - reported))}" in text
+    assert f"kvmesh:router_index_underpredicted_tokens_total {float(max(0, reported - predicted))}" in text
