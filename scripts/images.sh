@@ -11,13 +11,14 @@
 #   wheels    wheelhouse + locks: every wheel the images install, downloaded on the host with pip
 #             (the builds mount it at /wheels and install with --no-index: no network in them)
 #   <image>   buildah bud --layers of docker/<image>.Dockerfile, context = a staging folder
-#   export    podman save --format docker-archive, one tar per image
+#   export    podman save --format docker-archive: worker + router in one archive (shared layers), one
+#             tar for each other image
 #   verify    runs each image read-only, as its non-root user, with --tmpfs /tmp
 #
 # Images: ghcr.io/kvmesh/{worker,router,operator,redis}:<version of pyproject.toml>.
 #
 # Output, under $KVMESH_CACHE/images/ (KVMESH_CACHE defaults to ~/.cache/kvmesh):
-#   <name>-<version>.tar   docker-archive of one image (`ctr -n k8s.io images import FILE`,
+#   <name>-<version>.tar   docker-archive (engine-<version>.tar holds worker and router; `ctr -n k8s.io images import FILE`,
 #                          `podman load -i FILE`, `kind load image-archive FILE`)
 #   manifest.tsv           one line per image, tab-separated, no header:
 #                              <ref> <TAB> <absolute tar path> <TAB> <image id (sha256:...)>
@@ -71,8 +72,8 @@ command -v /usr/sbin/runc >/dev/null 2>&1 || [[ " ${need[*]-} " == *" runc "* ]]
 if [ ${#need[@]} -gt 0 ]; then
   heavy=1; log "apt packages: ${need[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq || true
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+  $SUDO apt-get -o DPkg::Lock::Timeout=900 update -qq || true
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get -o DPkg::Lock::Timeout=900 install -y -qq "${need[@]}" >/dev/null
 fi
 record tools "$t" $heavy
 BUD=(buildah --runtime "$RUNTIME" bud --layers --network host)
@@ -196,20 +197,36 @@ for name in $IMAGES; do
 done
 
 # --- export ------------------------------------------------------------------------------------
+# The worker and the router share their big torch layer: one multi-image archive holds both, so the
+# layer is written, copied and imported once (~4 GB less per build and per node).
 MANIFEST="$OUT/manifest.tsv"
 : > "$MANIFEST.part"
-for name in $IMAGES; do
+groups=()
+if [[ " $IMAGES " == *" worker "* && " $IMAGES " == *" router "* ]]; then
+  groups+=("engine:worker router")
+  rest=$(echo " $IMAGES " | sed 's/ worker / /; s/ router / /')
+else
+  rest=$IMAGES
+fi
+for name in $rest; do groups+=("$name:$name"); done
+for g in "${groups[@]}"; do
+  file=${g%%:*}; names=${g#*:}
   t=$(now); heavy=0
-  tar="$OUT/$name-$VERSION.tar"
-  if [ ! -f "$tar" ] || [ "$(cat "$tar.id" 2>/dev/null)" != "${ID[$name]}" ]; then
-    heavy=1; log "podman save ${REF[$name]} -> $tar"
+  tar="$OUT/$file-$VERSION.tar"
+  key=""; refs=()
+  for name in $names; do key+="${ID[$name]} "; refs+=("${REF[$name]}"); done
+  if [ ! -f "$tar" ] || [ "$(cat "$tar.id" 2>/dev/null)" != "$key" ]; then
+    heavy=1; log "podman save ${refs[*]} -> $tar"
     rm -f "$tar" "$tar.id"
-    podman save --quiet --format docker-archive -o "$tar.part" "${REF[$name]}"
-    mv "$tar.part" "$tar"; echo "${ID[$name]}" > "$tar.id"
+    podman save --quiet --format docker-archive --multi-image-archive -o "$tar.part" "${refs[@]}"
+    mv "$tar.part" "$tar"; echo "$key" > "$tar.id"
   fi
-  printf '%s\t%s\tsha256:%s\n' "${REF[$name]}" "$tar" "${ID[$name]}" >> "$MANIFEST.part"
-  record "export:$name" "$t" $heavy
+  for name in $names; do
+    printf '%s\t%s\tsha256:%s\n' "${REF[$name]}" "$tar" "${ID[$name]}" >> "$MANIFEST.part"
+  done
+  record "export:$file" "$t" $heavy
 done
+rm -f "$OUT"/worker-"$VERSION".tar* "$OUT"/router-"$VERSION".tar*  # single-image archives of earlier builds
 mv "$MANIFEST.part" "$MANIFEST"
 
 # --- verify ------------------------------------------------------------------------------------

@@ -193,7 +193,7 @@ GO
 build_node_images() {
   [[ -f "$NODE_IMAGES_DIR/.done" ]] && return 0
   command -v gcc >/dev/null && [[ -f /usr/lib/x86_64-linux-gnu/libc.a ]] || {
-    DEBIAN_FRONTEND=noninteractive apt-get install -y gcc libc6-dev >&2; }
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=900 install -y gcc libc6-dev >&2; }
   local W="$KVMESH_CACHE/src/node-images-r$NODE_IMAGES_REV"
   rm -rf "$W"; mkdir -p "$W/pause/rootfs" "$W/probe/rootfs" "$NODE_IMAGES_DIR" && cd "$W"
   log "node images (pause, probe)"
@@ -360,8 +360,8 @@ install_node_packages() {
   [[ -x /usr/lib/cni/bridge ]] || missing+=(containernetworking-plugins)
   if (( ${#missing[@]} )); then
     log "apt-get install ${missing[*]}"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" >&2 || {
-      apt-get update >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" >&2; }
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=900 install -y "${missing[@]}" >&2 || {
+      apt-get -o DPkg::Lock::Timeout=900 update >&2 && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=900 install -y "${missing[@]}" >&2; }
   fi
 }
 
