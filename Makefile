@@ -21,9 +21,12 @@ serve: install
 # fixture simply waits for whatever is still going.
 # The kernel tests run in their own process: Triton's interpreter copy of the kernels must not share
 # a process with code that already imported the compiled copy.
-test: install
+# The Go build needs nothing from the virtualenv, so it starts before the install; the images need
+# its Python, so they start right after.
+test:
 	@mkdir -p $(HOME)/.cache/kvmesh; \
 	nice -n 19 bash tests/e2e/cluster/build.sh > $(HOME)/.cache/kvmesh/cluster-build.log 2>&1 & \
+	$(MAKE) --no-print-directory install || exit 1; \
 	nice -n 19 bash scripts/images.sh > $(HOME)/.cache/kvmesh/images-build.log 2>&1 & \
 	$(PY) -m pytest -q -m "not gpu" tests/kernels; rc1=$$?; \
 	$(PY) -m pytest -q -m "not gpu" tests/unit tests/integration tests/e2e; rc2=$$?; \

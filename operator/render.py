@@ -336,7 +336,8 @@ def _router_args(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[str]:
             "--port-name", "http",
             "--kv-events-port", str(KV_EVENTS_PORT),
             "--block-size", str(spec.engine.block_size),
-            "--served-model-name", spec.model.name or meta.name]
+            "--served-model-name", spec.model.name or meta.name,
+            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     if spec.model.source != "embedded":
         args += ["--model", model_path(spec)]
     return args
@@ -376,7 +377,11 @@ def _router(spec: InferenceServiceSpec, meta: ObjectMeta, config_hash: str) -> M
         "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
         **_pod_scheduling(r),
     }
-    return _deployment(spec, meta, "router", container, pod_extra, r.replicas, config_hash, {})
+    # No engine config hash on the router: its args carry what it needs (block size, model), and an
+    # engine-only change must not restart it (its prefix index and the requests in flight).
+    dep = _deployment(spec, meta, "router", container, pod_extra, r.replicas, "", {})
+    del dep["spec"]["template"]["metadata"]["annotations"]
+    return dep
 
 
 def _router_rbac(meta: ObjectMeta) -> list[Manifest]:

@@ -60,6 +60,9 @@ def register(sub) -> None:
     p.add_argument("--read-timeout", type=float, default=600.0)
     p.add_argument("--max-retries", type=int, default=2)
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let requests in flight finish before exiting "
+                        "(keep it below the pod's grace period)")
     p.set_defaults(func=run)
 
 
@@ -88,7 +91,8 @@ def config_from_args(args: argparse.Namespace):
                         k8s_namespace=args.namespace, k8s_selectors=selectors, k8s_port_name=args.port_name,
                         kv_events_port=args.kv_events_port, kv_replay_port=args.kv_replay_port,
                         health_interval=args.health_interval, connect_timeout=args.connect_timeout,
-                        read_timeout=args.read_timeout, max_retries=args.max_retries, log_level=args.log_level)
+                        read_timeout=args.read_timeout, max_retries=args.max_retries, log_level=args.log_level,
+                        shutdown_timeout=args.shutdown_timeout)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -629,7 +629,7 @@ async def serve(cfg: RouterConfig, ready: "asyncio.Event | None" = None) -> int:
     await router.start()
     app = build_app(router)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                                           lifespan="off", timeout_graceful_shutdown=5))
+                                           lifespan="off", timeout_graceful_shutdown=cfg.shutdown_timeout))
     log.info("router on http://%s:%d, policy %s, %d pods, %s event loop", cfg.host, cfg.port, cfg.policy,
              len(router.pods), type(asyncio.get_running_loop()).__module__.split(".")[0])
     try:

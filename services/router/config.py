@@ -123,6 +123,9 @@ class RouterConfig:
     pending_ttl: float = 30.0  # predicted index entries for event-publishing pods
     approx_capacity: int = 1 << 20  # predicted blocks kept per pod without events
     log_level: str = "warning"
+    # On SIGTERM: stop accepting, then let requests in flight (a prefill + decode round trip, a long
+    # stream) finish for up to this long; uvicorn answers 500 for any still unanswered after it.
+    shutdown_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

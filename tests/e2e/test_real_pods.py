@@ -21,7 +21,6 @@ import json
 import time
 from typing import Any, Iterator
 
-import httpx
 import openai
 import pytest
 
@@ -189,12 +188,23 @@ def taken(before: dict[str, float], after: dict[str, float]) -> str:
     return path
 
 
-def test_repeated_long_prefix_goes_to_the_pod_that_holds_it(real_operator: Cluster, rns: str, smol) -> None:
-    """Two decode pods; the router's index, fed by the pods' KV events, sends a prompt that shares
-    a long prefix with an earlier one to the pod that computed it."""
-    svc, _ = deploy(real_operator, "pd-nixl", rns)
-    assert len(svc.pod_urls("decode")) == 2
+@pytest.fixture(scope="module")
+def faulted(real_operator: Cluster) -> Iterator[Service]:
+    """One P/D-over-NIXL service that the fault tests below take turns to hurt (module scope:
+    each start of the example costs minutes on a CPU node)."""
+    ns = new_namespace(real_operator)
+    svc, _ = deploy(real_operator, "pd-nixl", ns)
     svc.routed()
+    yield svc
+    delete_namespace(real_operator, ns)
+
+
+def test_repeated_long_prefix_goes_to_the_pod_that_holds_it(faulted: Service, smol) -> None:
+    """Two decode pods; the router's index, fed by the pods' KV events, sends a prompt that shares
+    a long prefix with an earlier one to the pod that computed it. (First user of the `faulted`
+    service, before any fault.)"""
+    svc = faulted
+    assert len(svc.pod_urls("decode")) == 2
     base = smol.tokenizer("Notes on distributed systems, part one. " * 30).input_ids[:160]
     placed = {}
     for k in range(4):
@@ -208,17 +218,6 @@ def test_repeated_long_prefix_goes_to_the_pod_that_holds_it(real_operator: Clust
     m = svc.router_metrics()
     assert metric(m, "kvmesh:router_kv_events_total") > 0
     svc.idle("decode")
-
-
-@pytest.fixture(scope="module")
-def faulted(real_operator: Cluster) -> Iterator[Service]:
-    """One P/D-over-NIXL service that the fault tests below take turns to hurt (module scope:
-    each start of the example costs minutes on a CPU node)."""
-    ns = new_namespace(real_operator)
-    svc, _ = deploy(real_operator, "pd-nixl", ns)
-    svc.routed()
-    yield svc
-    delete_namespace(real_operator, ns)
 
 
 def checked_sender(svc: Service, prompts, reference, stream: bool = False):

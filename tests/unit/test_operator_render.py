@@ -281,3 +281,21 @@ def test_default_images_are_what_make_images_builds() -> None:
     values = yaml.safe_load((ROOT / "charts" / "kvmesh" / "values.yaml").read_text())
     assert chart["appVersion"] == __version__
     assert values["operator"]["image"]["repository"] == "ghcr.io/kvmesh/operator"
+
+
+def test_router_drains_within_its_grace_period_and_survives_engine_changes() -> None:
+    """The router finishes requests in flight on SIGTERM within the pod's grace period (uvicorn
+    answers 500 to what is still open after its timeout), and an engine-only change does not
+    restart it."""
+    from kvmesh.cli import build_parser
+    from kvmesh.commands.router import config_from_args
+
+    a = by_kind(render({"engine": {"maxNumSeqs": 64}}, {**META, "name": "x"}))
+    b = by_kind(render({"engine": {"maxNumSeqs": 32}}, {**META, "name": "x"}))
+    key = ("Deployment", "x-router")
+    assert a[key]["spec"]["template"] == b[key]["spec"]["template"]
+    pod = a[key]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    args = [x.replace("$(POD_NAMESPACE)", "demo") for x in c["args"]]
+    cfg = config_from_args(build_parser().parse_args(args))
+    assert 0 < cfg.shutdown_timeout < pod["terminationGracePeriodSeconds"] - c["lifecycle"]["preStop"]["sleep"]["seconds"]
