@@ -60,4 +60,4 @@ cluster-down:
 	@bash tests/e2e/cluster/down.sh
 
 bench-router: install
-	$(VENV)/bin/kvmesh bench router --trace ../shared/traces/mooncake/conversation_trace.jsonl --instances 8 --policies round-robin,kvmesh,sglang,vllm --select conversations --window-s 600 --requests 160 --rate 4 --repeats 3 --json bench-results/router.json
+	$(VENV)/bin/kvmesh bench router --trace bench/traces/mooncake/conversation_trace.jsonl --instances 8 --policies round-robin,kvmesh,sglang,vllm --select conversations --window-s 600 --requests 160 --rate 4 --repeats 3 --json bench-results/router.json

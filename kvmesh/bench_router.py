@@ -2,7 +2,7 @@
 (`kvmesh serve --simulate`, real scheduler/prefix cache/KV events/API, modelled H200 latency)
 through several routing policies in one run.
 
-    kvmesh bench router --trace ../shared/traces/mooncake/conversation_trace.jsonl \\
+    kvmesh bench router --trace bench/traces/mooncake/conversation_trace.jsonl \\
         --instances 8 --policies round-robin,kvmesh,sglang,vllm --json bench-results/router.json
 
 Policies: ``round-robin`` and ``kvmesh`` (`kvmesh router --policy round-robin|kv-aware`),

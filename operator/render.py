@@ -48,7 +48,6 @@ CACHE_ENV = (("HOME", "/tmp"), ("XDG_CACHE_HOME", "/tmp/.cache"), ("HF_HOME", "/
 REDIS_PORT = 6379
 GPU_RESOURCE = "nvidia.com/gpu"
 MODEL_MOUNT = "/models"
-CONFIG_MOUNT = "/etc/kvmesh"
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -147,7 +146,7 @@ def _security_context() -> dict[str, Any]:
 
 
 def _resources(role: RoleSpec, default_gpus: int) -> dict[str, Any]:
-    gpus = default_gpus if role.gpus is None else role.gpus
+    gpus = _gpus(role, default_gpus)
     requests = {k: v for k, v in sorted(role.requests.items())}
     limits = {k: v for k, v in sorted(role.limits.items())}
     if gpus:
@@ -183,14 +182,14 @@ ENGINE_FLAGS: tuple[tuple[str, str], ...] = (
 )
 
 
-def worker_gpus(spec: InferenceServiceSpec, role: str) -> int:
-    r = spec.role(role)
-    return 1 if r.gpus is None else r.gpus
+def _gpus(role: RoleSpec, default: int) -> int:
+    """GPUs per pod: the role's own count, else 1 for workers and 0 for the router."""
+    return default if role.gpus is None else role.gpus
 
 
 def nixl_config() -> dict[str, Any]:
     """The NIXL side channel listens on every pod address at a fixed port (the one the Services
-    and NetworkPolicies name) and advertises the pod IP, so a decode pod can reach it."""
+    name) and advertises the pod IP, so a decode pod can reach it."""
     return {"side_channel_host": "0.0.0.0", "side_channel_port": NIXL_SIDE_CHANNEL_PORT,
             "advertise_host": "$(POD_IP)"}
 
@@ -219,7 +218,7 @@ def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> lis
         if attr == "dtype" and value == "auto":
             continue  # the engine's own choice for the device (bfloat16 on a GPU, float32 on a CPU)
         args += [flag, str(value)]
-    if worker_gpus(spec, role) == 0:
+    if _gpus(spec.role(role), default=1) == 0:
         args += ["--device", "cpu"]
     args += [
         "--kv-events-endpoint", f"tcp://*:{KV_EVENTS_PORT}",
@@ -240,7 +239,7 @@ def _deployment(spec: InferenceServiceSpec, meta: ObjectMeta, component: str,
                      "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "template": {
             "metadata": {"labels": pod_labels,
-                         "annotations": {ANNOTATION_CONFIG_HASH: config_hash}},
+                         **({"annotations": {ANNOTATION_CONFIG_HASH: config_hash}} if config_hash else {})},
             "spec": {
                 "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
                                     "fsGroup": 1000,
@@ -276,11 +275,9 @@ def _model_volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
 
 def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash: str) -> Manifest:
     r = spec.role(role)
-    mounts = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
-              {"name": "tmp", "mountPath": "/tmp"},
+    mounts = [{"name": "tmp", "mountPath": "/tmp"},
               {"name": "dshm", "mountPath": "/dev/shm"}]
     volumes: list[dict[str, Any]] = [
-        {"name": "config", "configMap": {"name": f"{meta.name}-config"}},
         {"name": "tmp", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
     ]
@@ -347,7 +344,7 @@ def _cache_env() -> list[dict[str, str]]:
     return [{"name": k, "value": v} for k, v in CACHE_ENV]
 
 
-def _router(spec: InferenceServiceSpec, meta: ObjectMeta, config_hash: str) -> Manifest:
+def _router(spec: InferenceServiceSpec, meta: ObjectMeta) -> Manifest:
     r = spec.router
     container = {
         "name": "router",
@@ -367,21 +364,17 @@ def _router(spec: InferenceServiceSpec, meta: ObjectMeta, config_hash: str) -> M
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},
         "resources": _resources(r, default_gpus=0),
         "securityContext": _security_context(),
-        "volumeMounts": [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
-                         {"name": "tmp", "mountPath": "/tmp"}, *_model_mounts(spec)],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *_model_mounts(spec)],
     }
     pod_extra = {
         "serviceAccountName": f"{meta.name}-router",
-        "volumes": [{"name": "config", "configMap": {"name": f"{meta.name}-config"}},
-                    {"name": "tmp", "emptyDir": {}}, *_model_volumes(spec)],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, *_model_volumes(spec)],
         "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
         **_pod_scheduling(r),
     }
     # No engine config hash on the router: its args carry what it needs (block size, model), and an
     # engine-only change must not restart it (its prefix index and the requests in flight).
-    dep = _deployment(spec, meta, "router", container, pod_extra, r.replicas, "", {})
-    del dep["spec"]["template"]["metadata"]["annotations"]
-    return dep
+    return _deployment(spec, meta, "router", container, pod_extra, r.replicas, "", {})
 
 
 def _router_rbac(meta: ObjectMeta) -> list[Manifest]:
@@ -477,8 +470,8 @@ def _redis(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manifest]:
         "name": "redis",
         "image": spec.connector.redis_image,
         "imagePullPolicy": spec.image_pull_policy,
-        # No persistence (a cache, rebuilt by prefill); protected mode off because pods reach it
-        # over the pod network, which the NetworkPolicy restricts.
+        # No persistence (a cache, rebuilt by prefill); protected mode off because the workers
+        # reach it over the pod network (it refuses every non-loopback client otherwise).
         "args": ["--save", "", "--appendonly", "no", "--protected-mode", "no",
                  "--bind", "0.0.0.0", "--dir", "/data"],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
@@ -489,7 +482,6 @@ def _redis(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manifest]:
     dep = _deployment(spec, meta, "redis", container,
                       {"volumes": [{"name": "data", "emptyDir": {}}]}, 1, "", {})
     dep["spec"]["strategy"] = {"type": "Recreate"}
-    del dep["spec"]["template"]["metadata"]["annotations"]
     svc = _object("v1", "Service", f"{meta.name}-redis", meta, "redis")
     svc["spec"] = {"type": "ClusterIP", "selector": selector(meta, "redis"),
                    "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": "redis",
@@ -518,7 +510,7 @@ def render(spec: InferenceServiceSpec | Mapping[str, Any],
         out += _redis(spec, meta)
     out += [_worker(spec, meta, "prefill", config_hash),
             _worker(spec, meta, "decode", config_hash),
-            _router(spec, meta, config_hash)]
+            _router(spec, meta)]
     out += _services(meta)
     out += [_pdb(meta, c) for c in ("prefill", "decode", "router")]
     if spec.autoscaling.enabled:

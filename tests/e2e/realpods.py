@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import ROOT, Cluster, wait_for, wait_ready
 
@@ -32,22 +31,20 @@ CPU_EXAMPLES = {p.stem: p for p in sorted((ROOT / "examples" / "cpu").glob("*.ya
 MAX_TOKENS = 8
 
 
+def _samples(text: str):
+    for family in text_string_to_metric_families(text):
+        yield from family.samples
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` whose labels include `labels` (Prometheus text format)."""
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.eE+-]+|NaN)$", text, re.M):
-        got = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(1) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return sum(s.value for s in _samples(text)
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def series(text: str, name: str) -> list[dict[str, str]]:
     """The label sets of every sample of `name`."""
-    out = []
-    for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} ", text, re.M):
-        out.append(dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(1))))
-    return out
+    return [dict(s.labels) for s in _samples(text) if s.name == name]
 
 
 @dataclass
@@ -226,7 +223,7 @@ class Load:
         wait_for(f"{n} successful requests under load", lambda: self.ok >= n, timeout, 0.5)
 
 
-def ready_pods_on(node: str, pods: list[dict[str, Any]]) -> list[str]:
+def not_ready_on(node: str, pods: list[dict[str, Any]]) -> list[str]:
     """Names of pods that are not Running and Ready on `node` (empty when all are)."""
     bad = []
     for p in pods:
@@ -236,5 +233,3 @@ def ready_pods_on(node: str, pods: list[dict[str, Any]]) -> list[str]:
     return bad
 
 
-def now() -> float:
-    return time.monotonic()

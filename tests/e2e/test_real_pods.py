@@ -28,7 +28,7 @@ from kvmesh import SamplingParams
 
 from .conftest import Cluster, record, wait_for, wait_ready
 from .realpods import (CPU_EXAMPLES, MAX_TOKENS, REAL_OPERATOR_NS, Load, Service, delete_namespace, deploy,
-                       install_chart, kill_main_process, metric, new_namespace, operator_pods, ready_pods_on,
+                       install_chart, kill_main_process, metric, new_namespace, operator_pods, not_ready_on,
                        real_node_name, series, wait_rolled_out)
 
 pytestmark = pytest.mark.e2e
@@ -45,7 +45,7 @@ def real_operator(chart: Cluster, real_node: str) -> Cluster:
     t0 = time.monotonic()
     install_chart(chart)
     pods = wait_for("operator pod Ready", lambda: [p for p in operator_pods(chart)
-                                                   if not ready_pods_on(real_node, [p])], 300)
+                                                   if not not_ready_on(real_node, [p])], 300)
     assert pods[0]["spec"]["containers"][0]["image"] == "ghcr.io/kvmesh/operator:0.1.0"
     record("real.helm_install_to_operator_ready_seconds", round(time.monotonic() - t0, 1))
     return chart
@@ -118,7 +118,7 @@ def test_cpu_example_serves_the_offline_engines_tokens(example: str, real_operat
     svc, obj = deploy(real_operator, example, rns)
     t_ready = time.monotonic() - t0
     pods = svc.pods()
-    assert not ready_pods_on(real_node, pods), ready_pods_on(real_node, pods)
+    assert not not_ready_on(real_node, pods), not_ready_on(real_node, pods)
     want = {"prefill", "decode", "router"} | ({"redis"} if example == "pd-redis" else set())
     assert {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods} == want
     images = {c["image"] for p in pods for c in p["spec"]["containers"]}
@@ -236,7 +236,7 @@ def test_prefill_pod_deleted_with_requests_in_flight(faulted: Service, prompts, 
         load.wait_ok(3)
         faulted.c.kubectl("delete", "pod", victim, "-n", faulted.ns, "--wait=false")
         wait_for("replacement prefill pod Ready", lambda: any(
-            p["metadata"]["name"] != victim and not ready_pods_on(p["spec"].get("nodeName", ""), [p])
+            p["metadata"]["name"] != victim and not not_ready_on(p["spec"].get("nodeName", ""), [p])
             for p in faulted.pods("prefill")), 600, 2.0)
         ok_before = load.ok
         load.wait_ok(ok_before + 3)
@@ -272,7 +272,7 @@ def test_router_pod_deleted(faulted: Service, prompts, reference) -> None:
     faulted.c.kubectl("delete", "pod", old, "-n", faulted.ns, "--wait=true", timeout=180)
     wait_for("new router pod Ready", lambda: [p for p in faulted.pods("router")
                                               if p["metadata"]["name"] != old
-                                              and not ready_pods_on(p["spec"].get("nodeName", ""), [p])],
+                                              and not not_ready_on(p["spec"].get("nodeName", ""), [p])],
              300, 1.0)
     faulted.routed()
     for name, ids in prompts.items():

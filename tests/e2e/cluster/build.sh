@@ -96,18 +96,28 @@ build_k8s_node() {
   touch "$K8S_BIN/.done-node"
 }
 
+# go_main_build NAME VERSION MODULE BIN_DIR: build BIN_DIR/NAME from a one-file wrapper module whose
+# main.go comes on stdin, for binaries that cannot be `go install`ed as they are (etcd's server
+# module has a relative replace; CoreDNS's own main links every plugin).
+go_main_build() {
+  local name="$1" version="$2" module="$3" bin="$4"
+  [[ -f "$bin/.done" ]] && return 0
+  local W="$KVMESH_CACHE/src/$name-v$version"
+  rm -rf "$W"; mkdir -p "$W" && cd "$W"
+  go mod init "example.invalid/${name}bin" >/dev/null 2>&1
+  cat > main.go
+  go get "$module@v$version"
+  go mod tidy
+  mkdir -p "$bin"
+  go build -trimpath -ldflags "$LDFLAGS_BASE" -o "$bin/$name" .
+  touch "$bin/.done"
+}
+
 build_etcd() {
   [[ -f "$ETCD_BIN/.done" ]] && return 0
-  local W="$KVMESH_CACHE/src/etcd-v$ETCD_VERSION"
-  rm -rf "$W"; mkdir -p "$W" && cd "$W"
   log "etcd v$ETCD_VERSION"
-  go mod init example.invalid/etcdbin >/dev/null 2>&1
-  printf 'package main\n\nimport (\n\t"os"\n\n\t"go.etcd.io/etcd/server/v3/etcdmain"\n)\n\nfunc main() { etcdmain.Main(os.Args) }\n' > main.go
-  go get "go.etcd.io/etcd/server/v3@v$ETCD_VERSION"
-  go mod tidy
-  mkdir -p "$ETCD_BIN"
-  go build -trimpath -ldflags "$LDFLAGS_BASE" -o "$ETCD_BIN/etcd" .
-  touch "$ETCD_BIN/.done"
+  printf 'package main\n\nimport (\n\t"os"\n\n\t"go.etcd.io/etcd/server/v3/etcdmain"\n)\n\nfunc main() { etcdmain.Main(os.Args) }\n' \
+    | go_main_build etcd "$ETCD_VERSION" go.etcd.io/etcd/server/v3 "$ETCD_BIN"
 }
 
 build_kwok() {
@@ -142,11 +152,8 @@ install_tools() {
 # The directive list keeps upstream's order (it decides plugin chaining), filtered to ours.
 build_coredns() {
   [[ -f "$COREDNS_BIN/.done" ]] && return 0
-  local W="$KVMESH_CACHE/src/coredns-v$COREDNS_VERSION"
-  rm -rf "$W"; mkdir -p "$W" && cd "$W"
   log "coredns v$COREDNS_VERSION (minimal plugin set)"
-  go mod init example.invalid/corednsbin >/dev/null 2>&1
-  cat > main.go <<'GO'
+  go_main_build coredns "$COREDNS_VERSION" github.com/coredns/coredns "$COREDNS_BIN" <<'GO'
 package main
 
 import (
@@ -177,11 +184,6 @@ func init() {
 
 func main() { coremain.Run() }
 GO
-  go get "github.com/coredns/coredns@v$COREDNS_VERSION"
-  go mod tidy
-  mkdir -p "$COREDNS_BIN"
-  go build -trimpath -ldflags "$LDFLAGS_BASE" -o "$COREDNS_BIN/coredns" .
-  touch "$COREDNS_BIN/.done"
 }
 
 # Images for a node without a registry: docker-archive tars made from a rootfs directory
