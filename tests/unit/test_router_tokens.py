@@ -5,6 +5,8 @@ import random
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def rt():

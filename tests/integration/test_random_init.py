@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 transformers = pytest.importorskip("transformers")
 
 
