@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.engine.config import Role
+
 
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 8000
-    role: str = "both"  # both | prefill | decode: passed to the engine, the API is the same
+    role: Role = "both"  # passed to the engine (which validates it); the API is the same for every role
     served_model_names: tuple[str, ...] = ()  # empty: the engine's model name
     api_key: str | None = None  # every endpoint but /health and /metrics needs "Authorization: Bearer <key>"
     max_body_bytes: int = 8 << 20  # larger bodies get 413
@@ -23,8 +25,6 @@ class ServerConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.role not in ("both", "prefill", "decode"):
-            raise ValueError(f"role must be both|prefill|decode, got {self.role!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         if self.max_body_bytes < 1024:

@@ -6,7 +6,7 @@ the same messages. Unknown fields are ignored, as OpenAI and vLLM do.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -89,5 +89,3 @@ class DetokenizeRequest(BaseModel):
     model: Optional[str] = None
     tokens: list[int]
 
-
-Role = Literal["both", "prefill", "decode"]

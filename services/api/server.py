@@ -20,7 +20,7 @@ from kvmesh import __version__
 
 from .config import ServerConfig
 from .engine_client import EngineClient
-from .errors import APIError, error_body, error_response
+from kvmesh.services.errors import APIError, error_body, error_response
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .serving import Event, Generation, Serving

@@ -22,12 +22,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from kvmesh.engine.chat import ChatContentError, render_chat
 from kvmesh.engine.messages import EngineCoreRequest
 from kvmesh.engine.output_processor import RequestState
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.services.errors import APIError, bad_request
 
 from .engine_client import EngineClient, EngineDeadError, EngineRejectedError, RequestStream
-from .errors import APIError, bad_request
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 
@@ -275,26 +276,12 @@ class Serving:
 
     def chat_prompt(self, messages: list, add_generation_prompt: bool = True, continue_final_message: bool = False,
                     kwargs: dict | None = None) -> list[int]:
-        msgs = []
-        for m in messages:
-            content = m.content
-            if isinstance(content, list):  # content parts: only text is supported
-                texts = []
-                for part in content:
-                    if part.get("type") != "text":
-                        raise bad_request(f"unsupported content part type {part.get('type')!r}", "messages")
-                    texts.append(str(part.get("text", "")))
-                content = "\n".join(texts)
-            msgs.append({"role": m.role, "content": content or ""})
         try:
-            out = self.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, tokenize=True, **(kwargs or {}))
+            return render_chat(self.tokenizer, messages, add_generation_prompt, continue_final_message, kwargs)
+        except ChatContentError as e:
+            raise bad_request(str(e), "messages") from e
         except Exception as e:  # jinja errors from a template that rejects the conversation
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return list(out)
 
     def token_str(self, tok: int) -> str:
         s = self._token_str.get(tok)
@@ -305,8 +292,7 @@ class Serving:
 
     def new_generation(self, prefix: str, prompts: list[_Prompt], params: SamplingParams,
                        req: _Sampling) -> Generation:
-        for p in prompts:
-            self.check_prompt(p.token_ids)
+        """The generation of already checked prompts (`check_prompt`, by the prepare_* methods)."""
         from kvmesh.engine.connectors.common import check_kv_transfer_params
 
         problem = check_kv_transfer_params(req.kv_transfer_params)

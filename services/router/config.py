@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.engine.config import ROLES, Role
+
 POLICIES = ("kv-aware", "round-robin", "least-load")
 
 
@@ -67,13 +69,13 @@ class ScoringWeights:
 @dataclass(frozen=True)
 class PodSpec:
     url: str  # http://host:port
-    role: str = "worker"  # worker | prefill | decode
+    role: Role = "both"  # the engine's roles; `kvmesh router --worker` gives "both"
     events: str | None = None  # ZMQ PUB endpoint of the pod's KV events (None: approximate mode)
     replay: str | None = None  # ZMQ ROUTER replay endpoint
 
     def __post_init__(self) -> None:
-        if self.role not in ("worker", "prefill", "decode"):
-            raise ValueError(f"pod role must be worker|prefill|decode, got {self.role!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"pod role must be one of {ROLES}, got {self.role!r}")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"pod url must start with http:// or https://, got {self.url!r}")
 

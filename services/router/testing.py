@@ -141,7 +141,8 @@ class IdTokenizer:
 
 def start_router(cfg, tokenizer=None):
     """Run a `Router` + app on a thread; returns (ThreadServer, Router)."""
-    from .app import Router, build_app
+    from .app import build_app
+    from .router import Router
 
     router = Router(cfg, tokenizer=tokenizer)
     srv = ThreadServer(build_app(router), port=cfg.port or None, on_start=router.start, on_stop=router.close)

@@ -1,10 +1,12 @@
 """Tokenization in the router, the same way the engine's API server does it.
 
 The router must hash exactly the token ids the pod will see, so it loads the
-pod's tokenizer (`load_model(path, load_weights=False)`) and applies the chat
-template with the same arguments as `kvmesh.services.api.serving`.
+pod's tokenizer (`load_model(path, load_weights=False)`) and renders chats with
+the engine's own `kvmesh.engine.chat`, as the API server does.
 A request the router cannot tokenize is still routed (by load), never refused:
-the pod is the authority on what is valid.
+the pod is the authority on what is valid. The one exception is content the
+chat renderer rejects (`ChatContentError`, a non-text part), which every pod
+would refuse the same way.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvmesh.engine.chat import ChatContentError, chat_messages, render_chat, template_args
 from kvmesh.engine.hashing import block_hashes_for, external_hash
 
 from .token_cache import PieceCache
@@ -57,7 +60,8 @@ class RouterTokenizer:
             self._pool = None
 
     def prompt_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
-        """Token ids of the (first) prompt of a completions or chat body; None if not tokenizable."""
+        """Token ids of the (first) prompt of a completions or chat body; None if not tokenizable.
+        Raises `ChatContentError` for a chat no pod would accept."""
         try:
             if path.endswith("chat/completions"):
                 return self._chat(body)
@@ -72,6 +76,8 @@ class RouterTokenizer:
                     return self._encode(first)
                 if isinstance(first, list) and all(isinstance(x, int) for x in first):
                     return list(first)
+        except ChatContentError:
+            raise
         except Exception:
             return None
         return None
@@ -86,25 +92,18 @@ class RouterTokenizer:
         return list(self.tokenizer(text, add_special_tokens=True).input_ids)
 
     def _chat(self, body: dict[str, Any]) -> list[int] | None:
-        msgs = []
-        for m in body.get("messages") or []:
-            content = m.get("content")
-            if isinstance(content, list):
-                content = "\n".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
-            msgs.append({"role": m.get("role"), "content": content or ""})
-        if not msgs:
+        messages = body.get("messages")
+        if not messages:
             return None
-        cont = bool(body.get("continue_final_message", False))
-        kw = dict(add_generation_prompt=bool(body.get("add_generation_prompt", True)) and not cont,
-                  continue_final_message=cont, **(body.get("chat_template_kwargs") or {}))
+        gen, cont = bool(body.get("add_generation_prompt", True)), bool(body.get("continue_final_message", False))
+        kwargs = body.get("chat_template_kwargs")
         if self.pieces is not None and _text_chars(body) > self.pieces.piece_chars:
             # The rendered conversation, tokenized in cached pieces: earlier turns come from the cache.
             # (`tokenize=True` tokenizes the rendered text without adding special tokens: the same ids.)
-            return self.pieces.encode(self.tokenizer.apply_chat_template(msgs, tokenize=False, **kw))
-        out = self.tokenizer.apply_chat_template(msgs, tokenize=True, **kw)
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return list(out)
+            text = self.tokenizer.apply_chat_template(chat_messages(messages), tokenize=False,
+                                                      **template_args(gen, cont, kwargs))
+            return self.pieces.encode(text)
+        return render_chat(self.tokenizer, messages, gen, cont, kwargs)
 
     def block_hashes(self, ids: list[int], block_size: int, cache_salt: str | None) -> list[int]:
         """The wire (64-bit) hashes of the prompt's full blocks, as the engine computes them."""

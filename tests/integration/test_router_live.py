@@ -42,7 +42,7 @@ def cluster(tmp_path_factory):
                              "--engine-id", f"pod{i}", "--stats-interval", "0.1"],
                             env=ENV, log_path=str(d / f"pod{i}.log"))
         pods.append(srv)
-        specs.append(PodSpec(srv.base_url, "worker", ev, rep))
+        specs.append(PodSpec(srv.base_url, "both", ev, rep))
     try:
         for p in pods:
             p.proc = None

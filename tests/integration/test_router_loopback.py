@@ -161,15 +161,42 @@ def test_upstream_timeout_is_an_openai_error_and_close_frees_the_client():
     try:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, timeout=30)
         assert r.status_code == 504, r.text
-        assert r.json()["error"]["type"] == "server_error" and "ReadTimeout" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "GatewayTimeoutError" and "ReadTimeout" in r.json()["error"]["message"]
         assert router.pods[slow.url].healthy  # slow is not gone: no retry, no marking down
         assert router.pods[slow.url].inflight_requests == 0
         r = httpx.post(srv.url + "/v1/completions", content=b"{not json", timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
     finally:
         srv.stop()
         slow.stop()
     assert router.upstream.session is None  # shutdown closed the session and its pooled connections
+
+
+def test_non_text_content_parts_are_refused_like_the_pod_refuses_them():
+    """The router renders chats with the engine's `chat_messages`: a non-text part is a 400 in the
+    pods' error schema, and no pod sees the request."""
+    from kvmesh.engine.chat import chat_messages
+
+    class ChatTokenizer(IdTokenizer):
+        def prompt_ids(self, path, body):
+            if path.endswith("chat/completions"):
+                return [len(m["content"]) for m in chat_messages(body["messages"])]
+            return super().prompt_ids(path, body)
+
+    pod = FakePod().start()
+    cfg = RouterConfig(port=free_port(), block_size=BS, pods=(PodSpec(pod.url),), health_interval=60)
+    srv, _ = start_router(cfg, ChatTokenizer())
+    try:
+        text = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+        assert httpx.post(srv.url + "/v1/chat/completions", json=text, timeout=30).status_code == 200
+        image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=image, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["type"] == "BadRequestError" and err["param"] == "messages"
+        assert "image_url" in err["message"] and len(pod.bodies) == 1
+    finally:
+        srv.stop()
+        pod.stop()
 
 
 def test_stream_is_relayed_chunk_by_chunk():

@@ -166,6 +166,8 @@ def test_errors(app_client):
         assert err(c.post("/v1/completions", json={"prompt": "a", "logit_bias": bias}), 400)["param"] == \
             "logit_bias", bias
     chat = {"messages": [{"role": "user", "content": "a"}]}
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    assert "image_url" in err(c.post("/v1/chat/completions", json=image), 400)["message"]
     assert c.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"}}).status_code == 200
     assert err(c.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}}),
                400)["param"] == "response_format"

@@ -17,7 +17,7 @@ def test_parse_pod_spec():
     s = parse_pod_spec("http://10.0.0.1:8000,replay=tcp://10.0.0.1:9", "decode", events_port=5557)
     assert s == PodSpec("http://10.0.0.1:8000", "decode", "tcp://10.0.0.1:5557", "tcp://10.0.0.1:9")
     with pytest.raises(ValueError):
-        parse_pod_spec("http://x:1,bogus=1", "worker")
+        parse_pod_spec("http://x:1,bogus=1", "both")
     with pytest.raises(ValueError):
         RouterConfig(policy="nope")
 
@@ -118,7 +118,7 @@ def test_private_follow_up_passes_the_balance_guard():
 
 
 def test_router_tracks_blocks_in_flight_per_pod():
-    from kvmesh.services.router.app import Router
+    from kvmesh.services.router.router import Router
     from kvmesh.services.router.testing import IdTokenizer
 
     r = Router(RouterConfig(block_size=BS), tokenizer=IdTokenizer())
@@ -208,7 +208,7 @@ def test_hit_value_is_measured_against_a_typical_prompt():
 
 
 def test_pending_prefill_tokens_released_at_first_byte():
-    from kvmesh.services.router.app import Flight
+    from kvmesh.services.router.router import Flight
 
     p = Pod(PodSpec("http://a:1"))
     p.inflight_tokens = 500
@@ -219,7 +219,7 @@ def test_pending_prefill_tokens_released_at_first_byte():
 
 
 def test_endpoint_slice_parsing_and_metrics_scrape():
-    from kvmesh.services.router.app import parse_vllm_metrics
+    from kvmesh.services.router.scrape import parse_vllm_metrics
     from kvmesh.services.router.discovery import endpoints_from_slice
 
     sl = {"ports": [{"name": "metrics", "port": 9000}, {"name": "http", "port": 8000}],
@@ -241,7 +241,7 @@ def test_index_drift_is_recorded_in_both_directions(predicted: int, reported: in
 
     from prometheus_client import generate_latest
 
-    from kvmesh.services.router.app import Router
+    from kvmesh.services.router.router import Router
     from kvmesh.services.router.metrics import RouterMetrics
 
     router = SimpleNamespace(metrics=RouterMetrics())

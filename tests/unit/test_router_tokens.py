@@ -15,6 +15,21 @@ def rt():
     return RouterTokenizer(None)
 
 
+def test_chat_is_rendered_by_the_engine_and_non_text_parts_are_refused(rt):
+    """The router's chat ids are the engine's `render_chat` ids (what the pod computes); a non-text
+    content part is refused as the API server refuses it, not dropped."""
+    from kvmesh.engine.chat import ChatContentError, render_chat
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    body = {"messages": [{"role": "user", "content": parts}], "continue_final_message": False}
+    assert rt.prompt_ids("/v1/chat/completions", body) == render_chat(rt.tokenizer, body["messages"])
+    assert render_chat(rt.tokenizer, body["messages"]) == render_chat(
+        rt.tokenizer, [{"role": "user", "content": "Hello\nthere"}])
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    with pytest.raises(ChatContentError, match="image_url"):
+        rt.prompt_ids("/v1/chat/completions", image)
+
+
 def test_fast_encode_equals_the_hf_tokenizer(rt):
     rng = random.Random(7)
     words = ["alpha", " beta", "γ", "漢字", "🎉", "\n", "\t", "  ", "12345", "!!", "<|im_start|>", "don't"]
@@ -127,8 +142,8 @@ def test_piece_cache_refuses_tokenizers_it_cannot_cut():
 
 def test_removed_pod_leaves_no_health_series():
     """A pod that left (EndpointSlice update) must not keep reporting healthy: alerts count healthy pods."""
-    from kvmesh.services.router.app import Router
     from kvmesh.services.router.config import PodSpec, RouterConfig
+    from kvmesh.services.router.router import Router
     from kvmesh.services.router.testing import IdTokenizer
 
     r = Router(RouterConfig(block_size=16), tokenizer=IdTokenizer())

@@ -1,7 +1,9 @@
 """Errors in OpenAI's schema: ``{"error": {"message", "type", "param", "code"}}``.
 
 ``type`` follows vLLM (``BadRequestError``, ``NotFoundError``, ...) and ``code``
-is the HTTP status, so clients written against vLLM see the same bodies.
+is the HTTP status, so clients written against vLLM see the same bodies. The API
+server and the router both answer through this module: a client behind the
+router sees the same ``type`` whether the router or the pod refused it.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ _TYPES = {
     413: "RequestEntityTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",
+    502: "BadGatewayError",
     503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
 }
 
 

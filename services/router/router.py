@@ -1,0 +1,412 @@
+"""The router: pod membership, health and load, the choice of pod, P/D, and the relay of answers.
+
+Request path (``/v1/completions``, ``/v1/chat/completions``):
+
+1. tokenize with the pods' tokenizer and hash the full blocks with the engine's
+   own `block_hashes_for` (model identity + ``cache_salt``);
+2. choose a decode-capable pod (role ``both`` or ``decode``) by policy;
+3. P/D (`pd`): when prefill pods exist and the chosen decode pod would still have to
+   compute at least ``pd_min_uncached`` tokens, prefill on a prefill pod first, then
+   send the original request to the decode pod with the returned params.
+   Otherwise (selective P/D) go straight to the decode pod. Any prefill failure,
+   missing params, or a decode pod rejecting the params falls back to the
+   decode pod computing the prompt itself: slower, never a wrong token;
+4. forward, streaming bytes through untouched; a connect failure marks the pod
+   down (until its health check passes) and retries on another pod, which is
+   safe because nothing reached the client yet.
+
+All pod traffic goes through one `Upstream` client (upstream.py); load gauges come from the
+pods' ``/metrics`` (scrape.py).
+
+The pod's reported ``usage.prompt_tokens_details.cached_tokens`` is compared
+with the prediction to measure index drift.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import msgspec
+from fastapi.responses import Response, StreamingResponse
+
+from kvmesh.engine.chat import ChatContentError
+from kvmesh.services.errors import APIError, bad_request
+
+from . import pd
+from .config import PodSpec, RouterConfig
+from .events import EventHub
+from .index import PrefixIndex
+from .metrics import RouterMetrics
+from .policy import Decision, Pod, least_load, predicted_cached_tokens, round_robin, score_pods, shared_hits
+from .scrape import parse_vllm_metrics
+from .upstream import Upstream, UpstreamError, UpstreamResponse
+
+log = logging.getLogger("kvmesh.router")
+
+DECODE_ROLES = ("both", "decode")  # pods that can answer a request (the rest only prefill)
+WHOLE = "worker"  # the ``phase`` label of a request one pod answers alone (no P/D)
+PROMPT_WINDOW = 256  # requests the typical prompt length is averaged over
+NO_DECODE_POD = "no healthy pod that can decode (role both or decode)"
+
+_json = msgspec.json.Decoder()
+
+
+def json_object(content: bytes) -> dict:
+    """``content`` parsed as a JSON object; ``{}`` if it is not one."""
+    try:
+        out = _json.decode(content)
+    except msgspec.DecodeError:
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+class Flight:
+    """One request in flight to a pod: what it adds to the pod's load until it ends.
+
+    ``tokens`` (the uncached prompt tokens) count as pending prefill work only until the first
+    streamed byte comes back (the first token exists, so the prefill is done); non-streaming
+    responses hold them until the end."""
+
+    __slots__ = ("pod", "tokens", "done", "hashes")
+
+    def __init__(self, pod: Pod, tokens: int, hashes: list[int] | tuple = ()) -> None:
+        self.pod, self.tokens, self.done, self.hashes = pod, tokens, False, hashes
+
+    def prefilled(self) -> None:
+        if self.tokens:
+            self.pod.inflight_tokens -= self.tokens
+            self.tokens = 0
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, tokenizer=None) -> None:
+        from .tokens import RouterTokenizer
+
+        self.cfg = cfg
+        self.metrics = RouterMetrics()
+        self.tok = tokenizer or RouterTokenizer(cfg.model)
+        self.model = cfg.served_model_name or self.tok.model_name
+        self.ns = self.tok.identity  # index namespace: the model identity the hashes are salted with
+        self.index = PrefixIndex(cfg.pending_ttl, cfg.approx_capacity, cfg.weights.evict_halflife_s)
+        self.hub = EventHub(self.index, on_event=lambda pod, kind: self.metrics.kv_events.labels(pod, kind).inc())
+        self.pods: dict[str, Pod] = {}
+        self.mean_prompt = 0.0  # typical prompt length, the scale of a hit's value (see `score_pods`)
+        self._prompts = 0
+        self.upstream = Upstream(cfg.connect_timeout, cfg.read_timeout)
+        self._tasks: list[asyncio.Task] = []
+        self._discovery = None
+        for spec in cfg.pods:
+            self.add_pod(spec)
+
+    # ---- membership ---------------------------------------------------------
+    def add_pod(self, spec: PodSpec) -> None:
+        if spec.url in self.pods:
+            return
+        self.pods[spec.url] = Pod(spec)
+        self.metrics.pod_healthy.labels(spec.url, spec.role).set(1)
+        if spec.events:
+            self.hub.add_pod(spec.url, self.ns, spec.events, spec.replay)
+        log.info("pod added: %s (%s, events %s)", spec.url, spec.role, spec.events or "none: approximate")
+
+    def remove_pod(self, url: str) -> None:
+        pod = self.pods.pop(url, None)
+        if pod is None:
+            return
+        if pod.spec.events:
+            self.hub.remove_pod(url)
+        self.index.clear_pod(url)
+        try:  # a departed pod's series must not keep reporting it healthy (alerts count healthy pods)
+            self.metrics.pod_healthy.remove(url, pod.spec.role)
+        except KeyError:
+            pass
+        log.info("pod removed: %s", url)
+
+    def set_healthy(self, pod: Pod, ok: bool, why: str = "") -> None:
+        if pod.healthy and not ok:
+            log.warning("pod %s is down: %s", pod.url, why)
+            self.index.clear_pod(pod.url)  # a crashed pod comes back empty; under-predicting is safe
+        elif ok and not pod.healthy:
+            log.info("pod %s is healthy again", pod.url)
+        pod.healthy = ok
+        pod.last_error = why
+        self.metrics.pod_healthy.labels(pod.url, pod.spec.role).set(1 if ok else 0)
+
+    # ---- lifecycle ----------------------------------------------------------
+    async def start(self) -> None:
+        c = self.cfg
+        await self.upstream.start()
+        await self.check_all()
+        self._tasks.append(asyncio.create_task(self._health_loop()))
+        if c.discovery == "k8s":
+            from .discovery import K8sDiscovery
+
+            self._discovery = K8sDiscovery(c, asyncio.get_running_loop(), self.add_pod, self.remove_pod)
+            self._discovery.start()
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self._discovery is not None:
+            self._discovery.stop()
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # a probe in flight ends before its session
+        self._tasks.clear()
+        await self.upstream.close()
+        self.hub.close()
+        if hasattr(self.tok, "close"):
+            self.tok.close()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval)
+            try:
+                await self.check_all()
+            except Exception:  # never let the loop die
+                log.exception("health loop")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(p) for p in list(self.pods.values())))
+        self.index.expire()
+        for model, n in self.index.size().items():
+            self.metrics.index_blocks.labels(model if model != self.ns else self.model).set(n)
+        for url, v in self.index.eviction_pressure(list(self.pods)).items():
+            self.metrics.pod_evict_pressure.labels(url).set(v)
+        s = self.hub.stats
+        self.metrics.kv_gaps.set(s.gaps)
+        self.metrics.kv_replayed.set(s.replayed)
+        self.metrics.kv_resyncs.set(s.resyncs)
+
+    async def _check(self, pod: Pod) -> None:
+        t = self.cfg.connect_timeout
+        try:
+            status, _ = await self.upstream.get(pod.url + "/health", t)
+            ok = status == 200
+            pod.probe_timeouts = 0
+            self.set_healthy(pod, ok, "" if ok else f"/health returned {status}")
+            if ok:
+                before = (pod.inflight_requests, pod.routed)
+                status, text = await self.upstream.get(pod.url + "/metrics", t)
+                if status == 200:
+                    got = parse_vllm_metrics(text.decode("utf-8", "replace"))
+                    pod.observe_scrape(got.get("running", 0.0), got.get("waiting", 0.0), got.get("kv_usage"),
+                                       *before)
+        except UpstreamError as e:
+            if e.timeout:
+                # A pod saturated by requests answers probes late; only repeated timeouts take it out.
+                pod.probe_timeouts += 1
+                if pod.probe_timeouts >= self.cfg.health_timeouts_down:
+                    self.set_healthy(pod, False, f"{pod.probe_timeouts} probe timeouts: {e.reason}")
+            else:  # refused or reset: the pod is gone
+                self.set_healthy(pod, False, str(e))
+
+    # ---- choosing -----------------------------------------------------------
+    def candidates(self, roles: tuple[str, ...], exclude: set[str] = frozenset()) -> list[Pod]:  # type: ignore[assignment]
+        return [p for p in self.pods.values() if p.spec.role in roles and p.healthy and p.url not in exclude]
+
+    def pick(self, pods: list[Pod], hashes: list[int], plen: int) -> Decision:
+        bs = self.cfg.block_size
+        if self.cfg.policy == "kv-aware":
+            urls = [p.url for p in pods]
+            hits = self.index.match(self.ns, hashes, urls) if hashes else {}
+            pressure = self.index.eviction_pressure(urls) if self.cfg.weights.evict else None
+            private, hot = shared_hits(pods, hits, hashes)
+            d = score_pods(pods, hits, plen, bs, self.cfg.weights, ref_len=self.mean_prompt, pressure=pressure,
+                           private=private, hot=hot)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("route plen=%d -> %s (%s, hit %d blocks) hits=%s load=%s evict=%s", plen, d.pod.url,
+                          d.reason, d.hit_blocks, {p.url: hits.get(p.url, 0) for p in pods},
+                          {p.url: (p.load, p.inflight_tokens, round(p.recent, 1)) for p in pods},
+                          {u: round(v) for u, v in (pressure or {}).items()})
+            return d
+        pod = round_robin(pods) if self.cfg.policy == "round-robin" else least_load(pods)
+        hb = self.index.match(self.ns, hashes, [pod.url])[pod.url] if hashes else 0
+        return Decision(pod, hb, predicted_cached_tokens(hb, plen, bs), self.cfg.policy.replace("-", "_"))
+
+    def _begin(self, d: Decision, hashes: list[int], plen: int) -> "Flight":
+        p = d.pod
+        p.inflight_requests += 1
+        fl = Flight(p, max(plen - d.hit_tokens, 0), hashes)
+        p.inflight_tokens += fl.tokens
+        p.inflight_blocks.update(hashes)
+        p.routed += 1
+        p.note_routed(time.monotonic(), self.cfg.weights.share_halflife_s)
+        if hashes:
+            self.index.record_routed(p.url, self.ns, hashes)
+        self.metrics.decisions.labels(p.url, p.spec.role, d.reason).inc()
+        self.metrics.pod_inflight.labels(p.url).set(p.inflight_requests)
+        return fl
+
+    def _end(self, fl: "Flight") -> None:
+        if fl.done:
+            return
+        fl.prefilled()
+        fl.done = True
+        fl.pod.inflight_requests -= 1
+        held = fl.pod.inflight_blocks
+        for h in fl.hashes:
+            n = held[h] - 1
+            if n > 0:
+                held[h] = n
+            else:
+                del held[h]
+        self.metrics.pod_inflight.labels(fl.pod.url).set(fl.pod.inflight_requests)
+
+    async def send(self, roles: tuple[str, ...], path: str, body: dict, hashes: list[int], plen: int, phase: str,
+                   first: Decision | None = None, timeout: float | None = None
+                   ) -> tuple[Decision, UpstreamResponse, "Flight"]:
+        """POST to a pod of ``roles`` (``first`` if given), retrying elsewhere on connect failure.
+
+        Returns the decision and the response with headers read, body still streaming. The caller
+        owns all three: it must release the response and call `_end` with the flight.
+        """
+        exclude: set[str] = set()
+        last = "no healthy pod"
+        for attempt in range(self.cfg.max_retries + 1):
+            if first is not None and attempt == 0 and first.pod.healthy:
+                d = first
+            else:
+                pods = self.candidates(roles, exclude)
+                if not pods:
+                    break
+                d = self.pick(pods, hashes, plen)
+            fl = self._begin(d, hashes, plen)
+            t0 = time.monotonic()
+            try:
+                resp = await self.upstream.post(d.pod.url + path, body, timeout)
+            except UpstreamError as e:
+                self._end(fl)
+                if not e.gone:
+                    raise APIError(504 if e.timeout else 502, f"upstream {d.pod.url}: {e}") from e
+                # nothing reached the client: safe to try another pod; this one stays out until healthy
+                self.set_healthy(d.pod, False, str(e))
+                d.pod.failures += 1
+                exclude.add(d.pod.url)
+                self.metrics.retries.labels(e.reason).inc()
+                last = f"{d.pod.url}: {e}"
+                continue
+            except BaseException:
+                self._end(fl)
+                raise
+            self.metrics.upstream_latency.labels(phase).observe(time.monotonic() - t0)
+            return d, resp, fl
+        raise APIError(503, f"no pod could take the request ({last})")
+
+    def observe_usage(self, d: Decision, usage: Any) -> None:
+        try:
+            cached = usage.get("prompt_tokens_details", {}).get("cached_tokens")
+        except AttributeError:
+            return
+        if not isinstance(cached, int):
+            return
+        self.metrics.reported_hit.inc(cached)
+        self.metrics.drift.observe(abs(d.hit_tokens - cached))
+        self.metrics.over_predicted.inc(max(0, d.hit_tokens - cached))
+        self.metrics.under_predicted.inc(max(0, cached - d.hit_tokens))
+
+    # ---- the request path ---------------------------------------------------
+    async def handle(self, path: str, body: dict) -> Response:
+        try:
+            ids = await self.tok.prompt_ids_async(path, body)
+        except ChatContentError as e:  # the pod would refuse it the same way
+            raise bad_request(str(e), "messages") from e
+        plen = len(ids) if ids else 0
+        hashes = self.tok.block_hashes(ids, self.cfg.block_size, body.get("cache_salt")) if ids else []
+        self.metrics.prompt_tokens.inc(plen)
+        if plen:
+            self._prompts += 1  # running mean of prompt lengths, over the last ~PROMPT_WINDOW requests
+            self.mean_prompt += (plen - self.mean_prompt) / min(self._prompts, PROMPT_WINDOW)
+        stream = bool(body.get("stream"))
+        pods = self.candidates(DECODE_ROLES)
+        if not pods:
+            raise APIError(503, NO_DECODE_POD)
+        dd = self.pick(pods, hashes, plen)
+        self.metrics.predicted_hit.inc(dd.hit_tokens)
+        params = None
+        pd_path = None
+        if self.candidates(("prefill",)) and dd.pod.spec.role == "decode":
+            pd_path = pd.plan(body, ids, plen, dd.hit_tokens, self.cfg.pd_min_uncached)
+            if pd_path == pd.PREFILL_DECODE:
+                params, pd_path = await self.prefill(path, body, hashes, plen)
+            self.metrics.pd.labels(pd_path).inc()
+        phase = "decode" if pd_path else WHOLE
+        dbody = body if params is None else {**body, "kv_transfer_params": params}
+        d, resp, fl = await self.send(DECODE_ROLES, path, dbody, hashes, plen, phase, dd)
+        if params is not None and resp.status >= 400:
+            # the decode pod refused the transfer (bad/expired params): recompute there, never guess
+            resp.release()
+            self._end(fl)
+            self.metrics.pd.labels("fallback_decode_rejected").inc()
+            d, resp, fl = await self.send(DECODE_ROLES, path, body, hashes, plen, "decode", d)
+        measure = pd_path in (None, "decode_only")
+        return await self.relay(d, resp, fl, stream, phase, measure)
+
+    async def prefill(self, path: str, body: dict, hashes: list[int], plen: int) -> tuple[dict | None, str]:
+        """Prefill on a prefill pod: (the transfer params for the decode pod or None, the P/D path)."""
+        t0 = time.monotonic()
+        try:
+            d, resp, fl = await self.send(("prefill",), path, pd.prefill_body(body), hashes, plen, "prefill",
+                                          timeout=self.cfg.prefill_timeout)
+        except APIError as e:
+            log.warning("prefill failed, decode recomputes: %s", e.message)
+            return None, "fallback_prefill_unavailable"
+        try:
+            content = await resp.read()
+        except UpstreamError as e:
+            log.warning("prefill failed, decode recomputes: %s", e)
+            return None, "fallback_prefill_error"
+        finally:
+            resp.release()
+            self._end(fl)
+            self.metrics.upstream_total.labels("prefill").observe(time.monotonic() - t0)
+        if resp.status != 200:
+            log.warning("prefill %s returned %d, decode recomputes", d.pod.url, resp.status)
+            return None, "fallback_prefill_status"
+        params = json_object(content).get("kv_transfer_params")
+        if not isinstance(params, dict):
+            return None, "fallback_no_params"
+        return params, pd.PREFILL_DECODE
+
+    async def relay(self, d: Decision, resp: UpstreamResponse, fl: "Flight", stream: bool, phase: str,
+                    measure: bool) -> Response:
+        t0 = time.monotonic()
+        headers = {"x-kvmesh-pod": d.pod.url}
+        retry_after = resp.headers.get("retry-after")
+        if retry_after is not None:
+            headers["retry-after"] = retry_after
+        ctype = resp.headers.get("content-type", "application/json")
+        if not stream or resp.status != 200 or not ctype.startswith("text/event-stream"):
+            try:
+                content = await resp.read()
+            except UpstreamError as e:
+                raise APIError(504 if e.timeout else 502, f"upstream {d.pod.url}: {e}") from e
+            finally:
+                resp.release()
+                self._end(fl)
+                self.metrics.upstream_total.labels(phase).observe(time.monotonic() - t0)
+            if measure and resp.status == 200:
+                self.observe_usage(d, json_object(content).get("usage") or {})
+            return Response(content, status_code=resp.status, media_type=ctype, headers=headers)
+
+        async def body() -> AsyncIterator[bytes]:
+            tail = b""
+            try:
+                async for chunk in resp.chunks():
+                    fl.prefilled()  # the first streamed byte follows the first token: prefill is done
+                    if measure and b"cached_tokens" in chunk or tail:
+                        tail = (tail + chunk)[-65536:]
+                    yield chunk
+            finally:
+                resp.release()
+                self._end(fl)
+                self.metrics.upstream_total.labels(phase).observe(time.monotonic() - t0)
+                if measure and tail:
+                    self._usage_from_sse(d, tail)
+
+        return StreamingResponse(body(), status_code=200, media_type=ctype, headers=headers)
+
+    def _usage_from_sse(self, d: Decision, tail: bytes) -> None:
+        for line in tail.split(b"\n"):
+            if line.startswith(b"data: {") and b"cached_tokens" in line:
+                self.observe_usage(d, json_object(line[6:]).get("usage") or {})
+                return
