@@ -19,9 +19,9 @@ What each row measures, for ``n`` blocks of the engine's real block size
                     connector turns it off: it spins a core per agent).
 * ``cma_raw``     - ``process_vm_readv`` of the same blocks from the same process, no UCX: the one-host
                     data path UCX picks for a READ in both modes (its ``cma`` transport), i.e. the ceiling.
-* ``redis_load``  - the Redis connector's own load path (``RedisConnector._load``: MGET, header + crc32
-                    check, payloads received into the KV tensor) against a local redis-server;
-                    ``redis_save`` is its save path (pipelined SET from views of the blocks).
+* ``redis_load``  - the Redis connector's own load path (``RedisConnector._load``: pipelined MGETs through
+                    redis-py, header + crc32 check, copy into the KV tensor) against a local redis-server;
+                    ``redis_save`` is its save path (pipelined SET of header + block bytes).
 * ``redis-benchmark GET/SET`` - redis-server's own C client at the same value size, 1 connection,
                     pipeline 16, run right before each Redis measurement: the ceiling of one client.
 
@@ -232,7 +232,7 @@ def _redis_benchmark(port: int, test: str, size: int) -> float | None:
     return float(m.group(1)) * size / 1e9 if m else None
 
 
-def bench_redis(sizes: list[int], reps: int, raw_io: bool = True) -> dict[str, dict[int, float | None]]:
+def bench_redis(sizes: list[int], reps: int) -> dict[str, dict[int, float | None]]:
     """The connector's save and load paths against a local redis-server; next to each, in the same minute,
     ``redis-benchmark`` SET / GET at the same value size (the ceiling of one client on this box)."""
     from kvmesh.engine.connector import ConnectorMetadata
@@ -248,7 +248,7 @@ def bench_redis(sizes: list[int], reps: int, raw_io: bool = True) -> dict[str, d
         n_max = max(sizes)
         kv = torch.randn(n_max, *BLOCK_SHAPE)
         cfg = SimpleNamespace(role="prefill", model=SimpleNamespace(identity=lambda: "bench-model"))
-        conn = RedisConnector(cfg, url=f"redis://127.0.0.1:{port}/0", ttl_s=600, raw_io=raw_io)
+        conn = RedisConnector(cfg, url=f"redis://127.0.0.1:{port}/0", ttl_s=600)
         conn.register_kv_cache(kv)
         for _ in range(100):
             try:
@@ -285,7 +285,6 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default="bench/results/kv_transfer.json")
     ap.add_argument("--skip", default="", help="comma-separated: nixl,nixl_none,nixl_pt,redis")
-    ap.add_argument("--redis-py", action="store_true", help="Redis through redis-py (raw_io=False), for comparison")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("KVMESH_CPU_THREADS", "1")))
     sizes = [int(x) for x in args.blocks.split(",")]
@@ -293,7 +292,7 @@ def main() -> None:
     block_bytes = int(np.prod(BLOCK_SHAPE)) * 4
     res: dict = {"block_bytes": block_bytes, "block_shape": BLOCK_SHAPE, "dtype": "float32", "reps": args.reps,
                  "host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
-                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "redis_raw_io": not args.redis_py,
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "rows": []}
     mc = Memcpy(max(sizes))
     memcpy = {n: _median_time(mc.fn(n), args.reps) for n in sizes}
@@ -302,7 +301,7 @@ def main() -> None:
     nixl_none = bench_nixl(sizes, args.reps, "none", mc) if not {"nixl", "nixl_none"} & skip else {}
     nixl_pt = bench_nixl(sizes, args.reps, "peer", mc, prog_thread=True) if not {"nixl", "nixl_pt"} & skip else {}
     del mc
-    red = bench_redis(sizes, args.reps, raw_io=not args.redis_py) if "redis" not in skip else {}
+    red = bench_redis(sizes, args.reps) if "redis" not in skip else {}
 
     def gb(n, t):
         return n * block_bytes / t / 1e9 if t else None

@@ -21,6 +21,11 @@ Load side: admission asks Redis (one ``EXISTS`` pipeline) how many consecutive
 blocks beyond the local prefix hit exist; the load itself is one ``MGET`` per
 chunk, verified, then copied into the request's freshly allocated blocks.
 
+All I/O goes through redis-py. Its hiredis command packer copies every argument into
+one new ``bytes`` per command (about 1 GB/s for block-sized values), so the client is
+built with redis-py's Python packer, which hands values above its cutoff to the socket
+as they are; a block's value is then copied once (header + payload) on save.
+
 Loads are reported as async (``get_finished``) so a failure can still fall back
 to recompute: a synchronous load would already have counted the tokens computed.
 """
@@ -67,21 +72,6 @@ def encode_block(layout_sig: bytes, block_hash: bytes, payload: bytes | memoryvi
                      _POST.pack(block_hash, len(payload), crc), payload))
 
 
-def _check_header(header: memoryview, layout_sig: bytes, block_hash: bytes, block_bytes: int) -> int:
-    """Verify a value's header (exactly the header's bytes) for a payload of ``block_bytes``; return its crc32."""
-    magic, version, ll = _PRE.unpack_from(header, 0)
-    if magic != MAGIC or version != FORMAT_VERSION:
-        raise BlockFormatError(f"unknown format {magic!r} v{version}")
-    if ll != len(layout_sig) or bytes(header[_PRE.size:_PRE.size + ll]) != layout_sig:
-        raise BlockFormatError(f"layout {bytes(header[_PRE.size:_PRE.size + ll])!r} is not {layout_sig!r}")
-    h, n, crc = _POST.unpack_from(header, _PRE.size + ll)
-    if h != block_hash:
-        raise BlockFormatError("block hash in the header differs from the key")
-    if n != block_bytes:
-        raise BlockFormatError(f"header says {n} payload bytes, layout needs {block_bytes}")
-    return crc
-
-
 def decode_block(value: bytes, layout_sig: bytes, block_hash: bytes, block_bytes: int) -> memoryview:
     """Verify a stored value against what this engine expects; return a view of the payload."""
     mv = memoryview(value)
@@ -114,13 +104,12 @@ class RedisConnector(KVConnector):
     def __init__(self, engine_config: "EngineConfig | None" = None, *, url: str = "redis://127.0.0.1:6379/0",
                  ttl_s: int | None = 3600, save: bool | None = None, load: bool = True,
                  save_decode_blocks: bool = True, socket_timeout_s: float = 2.0,
-                 max_batch_bytes: int = 64 << 20, client: Any = None, raw_io: bool = True) -> None:
+                 max_batch_bytes: int = 64 << 20, client: Any = None) -> None:
         """``save`` defaults to every role but ``decode`` (prefill fills the store, decode reads it);
         turn it on for decode too to make Redis a shared prefix cache of generated text as well.
         ``ttl_s=None`` leaves expiry to Redis' own ``maxmemory-policy`` (e.g. allkeys-lru).
-        ``raw_io``: move block bytes with the connector's own RESP client (``redis_wire``: payloads are
-        received straight into the KV tensor and sent from it, no Python-side copies) for a CPU KV cache
-        and a ``redis://`` or ``unix://`` URL; otherwise, or with ``raw_io=False``, through redis-py."""
+        ``max_batch_bytes`` bounds the block bytes of one ``MGET`` or ``SET`` pipeline (and so the
+        replies and encoded values held at once)."""
         self.url = url
         self.ttl_s = ttl_s
         self._save_opt = save
@@ -129,11 +118,6 @@ class RedisConnector(KVConnector):
         self.socket_timeout_s = socket_timeout_s
         self.max_batch_bytes = max_batch_bytes
         self._client = client
-        self.raw_io = raw_io and client is None
-        # Bytes per MGET on the raw path (measured on loopback: 2-4 MiB beat 64 MiB by 1.5-2x).
-        self.raw_chunk_bytes = 4 << 20
-        self.raw_depth = 4  # MGETs in flight on the raw path (bounded by max_batch_bytes too)
-        self._raw = None  # redis_wire.RespConnection, opened on first use
         self.layout: BlockLayout | None = None
         self.kv_cache: torch.Tensor | None = None
         self.prefix = ""
@@ -157,13 +141,18 @@ class RedisConnector(KVConnector):
         if self._client is None:
             import redis
             from redis.backoff import NoBackoff
+            from redis.connection import Encoder, PythonRespSerializer
             from redis.retry import Retry
 
             # No client-side retries: a failed lookup or load is answered by recomputing, which is
             # cheaper than stalling the engine loop through a backoff schedule during an outage.
+            # The Python packer sends block values without re-copying them (see the module docstring);
+            # 1 MiB socket reads: hiredis parses a large reply fed in few big pieces several times faster.
             self._client = redis.Redis.from_url(self.url, socket_timeout=self.socket_timeout_s,
                                                 socket_connect_timeout=self.socket_timeout_s,
-                                                retry=Retry(NoBackoff(), 0))
+                                                retry=Retry(NoBackoff(), 0), socket_read_size=1 << 20,
+                                                command_packer=PythonRespSerializer(6000, Encoder(
+                                                    "utf-8", "strict", False).encode))
         return self._client
 
     @property
@@ -291,128 +280,24 @@ class RedisConnector(KVConnector):
                 self.stats["blocks_loaded"] += len(spec["block_ids"])
                 self.stats["bytes_loaded"] += len(spec["block_ids"]) * self.layout.block_bytes  # type: ignore[union-attr]
 
-    # ---- raw RESP fast path (CPU KV cache) --------------------------------------
-    def _raw_conn(self):
-        """The RESP connection for bulk I/O, or None when the redis-py path must be used."""
-        if not self.raw_io or self.kv_cache is None or self.kv_cache.device.type != "cpu":
-            return None
-        if self._raw is None:
-            from .redis_wire import RespConnection
+    def _load(self, block_ids: list[int], hashes: list[bytes]) -> None:
+        """One ``MGET`` per ``max_batch_bytes`` of blocks; each value is verified, then copied into its block.
 
-            self._raw = RespConnection.from_url(self.url, self.socket_timeout_s)
-            if self._raw is None:
-                self.raw_io = False  # a URL it does not speak (TLS): redis-py from now on
-        return self._raw
-
-    def _drop_raw(self) -> None:
-        if self._raw is not None:
-            self._raw.close()
-            self._raw = None
-
-    def _header_len(self) -> int:
-        return _PRE.size + len(self._sig) + _POST.size
-
-    def _load_raw(self, conn, block_ids: list[int], hashes: list[bytes]) -> None:
-        """MGETs of ``raw_chunk_bytes``, up to ``raw_depth`` in flight; each payload is received straight into
-        its destination block, then its header and crc32 are checked there.
-
-        Not all-or-nothing in memory: a bad value may already have landed in its (freshly allocated, not yet
-        computed) block, but the load then fails as a whole and the scheduler recomputes those blocks.
+        A chunk's values are all checked before any of them is copied, but an earlier chunk's blocks may
+        already hold their bytes when a later one fails: they are freshly allocated, not yet computed blocks
+        of this request, and the scheduler recomputes them all after a failed load.
         """
-        from .redis_wire import command
-
-        assert self.layout is not None and self.kv_cache is not None
-        lay = self.layout
-        hl = self._header_len()
-        # Small MGETs, several in flight: the server copies a reply into its buffers before writing any
-        # of it, so one big MGET leaves the client idle for that copy; small ones overlap it with reading.
-        per = max(1, min(self.max_batch_bytes, self.raw_chunk_bytes) // lay.block_bytes)
-        depth = max(1, min(self.raw_depth, self.max_batch_bytes // (per * lay.block_bytes)))
-        chunks = [(i, hashes[i:i + per]) for i in range(0, len(hashes), per)]
-        flat = self.kv_cache.view(self.kv_cache.shape[0], -1).view(torch.uint8).numpy()
-        header = bytearray(hl)
-        hv = memoryview(header)
-
-        def ask(chunk: list[bytes]) -> None:
-            conn.send([command(b"MGET", *(self.key(h).encode() for h in chunk))])
-
-        for c in range(min(depth, len(chunks))):
-            ask(chunks[c][1])
-        for c, (i, chunk) in enumerate(chunks):
-            if c + depth < len(chunks):
-                ask(chunks[c + depth][1])
-            if conn.read_array_len() != len(chunk):
-                raise RuntimeError("MGET answered a different number of values")
-            for j, h in enumerate(chunk):
-                n = conn.read_bulk_len()
-                if n < 0:
-                    raise KeyError(h.hex()[:16])
-                if n != hl + lay.block_bytes:
-                    raise BlockFormatError(f"value is {n} bytes, a block of this layout is {hl + lay.block_bytes}")
-                conn.read_into(hv)
-                dst = memoryview(flat[block_ids[i + j]])
-                conn.read_into(dst)
-                conn.skip_crlf()
-                crc = _check_header(hv, self._sig, h, lay.block_bytes)
-                if crc32(dst) != crc:
-                    raise BlockFormatError("checksum mismatch")
-
-    def _save_raw(self, conn, ids: list[int], hashes: list[bytes]) -> None:
-        """Pipelined ``SET key value EX ttl`` per chunk, the value sent as header + a view of the block."""
-        from .redis_wire import RespError
-
         assert self.layout is not None and self.kv_cache is not None
         bb = self.layout.block_bytes
-        hl = self._header_len()
-        flat = self.kv_cache.view(self.kv_cache.shape[0], -1).view(torch.uint8).numpy()
-        tail = b"\r\n" if self.ttl_s is None else b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (
-            len(str(int(self.ttl_s))), int(self.ttl_s))
-        nargs = 3 if self.ttl_s is None else 5
         per = max(1, self.max_batch_bytes // bb)
-        for i in range(0, len(ids), per):
-            bufs: list[Any] = []
-            for b, h in zip(ids[i:i + per], hashes[i:i + per]):
-                payload = memoryview(flat[b])
-                key = self.key(h).encode()
-                bufs.append(b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (nargs, len(key), key, hl + bb)
-                            + _PRE.pack(MAGIC, FORMAT_VERSION, len(self._sig)) + self._sig
-                            + _POST.pack(h, bb, crc32(payload)))
-                bufs.append(payload)
-                bufs.append(tail)
-            conn.send(bufs)  # synchronous: the bytes are in the kernel before the block can be reused
-            errors = []
-            for _ in range(len(bufs) // 3):
-                try:
-                    conn.read_simple()
-                except RespError as e:  # e.g. OOM: the rest of the pipeline still answers
-                    errors.append(str(e))
-            if errors:
-                raise RuntimeError(f"{len(errors)} SETs failed: {errors[0]}")
-
-    def _load(self, block_ids: list[int], hashes: list[bytes]) -> None:
-        """MGET in byte-bounded chunks and verify every value (all or nothing: any bad value fails the load)."""
-        if not hashes:
-            return
-        conn = self._raw_conn()
-        if conn is not None:
-            try:
-                self._load_raw(conn, block_ids, hashes)
-            except BaseException:
-                self._drop_raw()  # the stream position is unknown: reconnect next time
-                raise
-            return
-        assert self.layout is not None and self.kv_cache is not None
-        lay = self.layout
-        per = max(1, self.max_batch_bytes // lay.block_bytes)
-        staged: list[tuple[int, memoryview]] = []
         for i in range(0, len(hashes), per):
             chunk = hashes[i:i + per]
-            values = self.client.mget([self.key(h) for h in chunk])
-            for j, (h, v) in enumerate(zip(chunk, values)):
+            staged: list[tuple[int, memoryview]] = []
+            for j, (h, v) in enumerate(zip(chunk, self.client.mget([self.key(h) for h in chunk]))):
                 if v is None:
                     raise KeyError(h.hex()[:16])
-                staged.append((block_ids[i + j], decode_block(v, self._sig, h, lay.block_bytes)))
-        self._copy_in(staged)
+                staged.append((block_ids[i + j], decode_block(v, self._sig, h, bb)))
+            self._copy_in(staged)
 
     def _copy_in(self, staged: list[tuple[int, memoryview]]) -> None:
         """One contiguous copy per block straight from the Redis reply (no gather/scatter temporaries)."""
@@ -446,16 +331,6 @@ class RedisConnector(KVConnector):
             hashes.extend(spec["hashes"])
         try:
             bb = self.layout.block_bytes
-            conn = self._raw_conn()
-            if conn is not None:
-                try:
-                    self._save_raw(conn, ids, hashes)
-                except BaseException:
-                    self._drop_raw()
-                    raise
-                self.stats["blocks_saved"] += len(ids)
-                self.stats["bytes_saved"] += len(ids) * bb
-                return
             per = max(1, self.max_batch_bytes // bb)
             for i in range(0, len(ids), per):
                 views = self._block_bytes_view(ids[i:i + per])
@@ -478,7 +353,6 @@ class RedisConnector(KVConnector):
         return set(), done, failed
 
     def close(self) -> None:
-        self._drop_raw()
         if self._client is not None:
             try:
                 self._client.close()

@@ -17,6 +17,7 @@ import torch
 
 from kvmesh.engine.connectors import make_connector
 from kvmesh.engine.connectors.redis_connector import BlockFormatError, decode_block, encode_block
+from kvmesh.engine.args import EngineArgs
 from kvmesh.engine.core import EngineCore
 from kvmesh.topology import free_port as _free_port
 
@@ -103,13 +104,13 @@ def prompts(smol):
 
 @pytest.fixture(scope="module")
 def reference(smol, one_thread, prompts):
-    eng, _ = EngineCore.from_model(None, num_kv_blocks=32, loaded=smol)
+    eng, _ = EngineCore.from_model(EngineArgs(num_kv_blocks=32), loaded=smol)
     return {k: run_request(eng, f"ref-{k}", p, MAX_NEW)["tokens"] for k, p in prompts.items()}
 
 
 def _engine(smol, url, role="both", loaded=None, **opts):
     conn = make_connector("redis", None, url=url, ttl_s=600, **opts)
-    eng, _ = EngineCore.from_model(None, num_kv_blocks=32, role=role, connector=conn, loaded=loaded or smol)
+    eng, _ = EngineCore.from_model(EngineArgs(num_kv_blocks=32, role=role), connector=conn, loaded=loaded or smol)
     return eng
 
 
@@ -179,7 +180,7 @@ def test_shared_prefix_across_instances_and_isolation(smol, one_thread, redis_se
     # Another instance with a prompt sharing the first 2 blocks, then diverging: loads exactly those 2.
     b = _engine(smol, redis_server.url)
     branch = prompts["long"][: 2 * BS] + prompts["short"] + prompts["long"][:9]
-    ref_b, _ = EngineCore.from_model(None, num_kv_blocks=32, loaded=smol)
+    ref_b, _ = EngineCore.from_model(EngineArgs(num_kv_blocks=32), loaded=smol)
     want = run_request(ref_b, "ref-branch", branch, MAX_NEW)["tokens"]
     out = run_request(b, "b-branch", branch, MAX_NEW)
     assert out["tokens"] == want
@@ -280,52 +281,51 @@ def test_redis_stopped_mid_run_recomputes(smol, one_thread, prompts, reference):
         srv.stop()
 
 
-@pytest.mark.parametrize("raw_chunk_blocks, raw_depth", [(1, 1), (2, 4), (64, 1)])
-def test_raw_io_path_equals_redis_py_path(redis_server, raw_chunk_blocks, raw_depth):
-    """The connector's own RESP client (payloads received into / sent from the KV tensor) stores and loads
-    exactly what the redis-py path does, in any chunking, and rejects the same bad values."""
+@pytest.mark.parametrize("chunk_blocks", [1, 2, 64])
+def test_save_and_load_store_exact_bytes_in_any_chunking(redis_server, chunk_blocks):
+    """What one connector saves (pipelined SETs, any chunk size, on a non-zero db) another loads exactly,
+    in any order and chunking; both a flipped payload byte and a missing key fail the load, after which
+    the connection still works."""
     from types import SimpleNamespace
 
     from kvmesh.engine.connector import ConnectorMetadata
     from kvmesh.engine.connectors.redis_connector import RedisConnector
 
-    cfg = SimpleNamespace(role="prefill", model=SimpleNamespace(identity=lambda: "raw-io-test"))
+    cfg = SimpleNamespace(role="prefill", model=SimpleNamespace(identity=lambda: "chunking-test"))
     n = 7
     src = torch.randn(n, 2, 2, BS, 2, 8)
-    url = redis_server.url[:-1] + "3"  # db 3: SELECT on the raw connection
-    raw = RedisConnector(cfg, url=url, ttl_s=60)
-    raw.register_kv_cache(src)
-    raw.raw_chunk_bytes, raw.raw_depth = raw_chunk_blocks * raw.layout.block_bytes, raw_depth
+    url = redis_server.url[:-1] + "3"  # db 3: SELECT on the connector's connection
+    block_bytes = src[0].numel() * src.element_size()
+    saver = RedisConnector(cfg, url=url, ttl_s=60, max_batch_bytes=chunk_blocks * block_bytes)
+    saver.register_kv_cache(src)
     hashes = [os.urandom(32) for _ in range(n)]
-    raw.save_kv(ConnectorMetadata(saves={"r": {"block_ids": list(range(n)), "hashes": hashes}}))
-    assert raw.stats["save_errors"] == 0 and raw.stats["blocks_saved"] == n
+    saver.save_kv(ConnectorMetadata(saves={"r": {"block_ids": list(range(n)), "hashes": hashes}}))
+    assert saver.stats["save_errors"] == 0 and saver.stats["blocks_saved"] == n
     import redis
 
     db3 = redis.Redis(port=redis_server.port, db=3)
     assert db3.dbsize() == n and redis_server.client.dbsize() == 0
-    assert 0 < db3.ttl(raw.key(hashes[0])) <= 60
-    # redis-py's decode of what the raw path stored, and the raw path's load, both give the source bytes.
+    assert 0 < db3.ttl(saver.key(hashes[0])) <= 60
+    # A plain client's decode of what was stored, and the connector's load, both give the source bytes.
     for h, b in zip(hashes, range(n)):
-        payload = decode_block(db3.get(raw.key(h)), raw._sig, h, raw.layout.block_bytes)
+        payload = decode_block(db3.get(saver.key(h)), saver._sig, h, saver.layout.block_bytes)
         assert bytes(payload) == src[b].numpy().tobytes()
-    for raw_io in (True, False):
-        dst = torch.zeros_like(src)
-        c = RedisConnector(cfg, url=url, raw_io=raw_io)
-        c.register_kv_cache(dst)
-        order = [3, 0, 6, 1, 5, 2, 4]
-        c._load(order, [hashes[i] for i in order])
-        assert torch.equal(dst, src), raw_io
-        # A flipped payload byte fails the checksum; a missing key fails as KeyError; the connection recovers.
-        db3.setrange(raw.key(hashes[2]), 200, b"\xff\x00")
-        with pytest.raises(BlockFormatError):
-            c._load([0, 1, 2, 3], hashes[:4])
-        db3.delete(raw.key(hashes[2]))
-        with pytest.raises(KeyError):
-            c._load([0, 1, 2, 3], hashes[:4])
-        dst.zero_()
-        c._load([4, 5, 6], hashes[4:])
-        assert torch.equal(dst[4:], src[4:])
-        c.close()
-        raw.save_kv(ConnectorMetadata(saves={"r": {"block_ids": [2], "hashes": [hashes[2]]}}))  # restore
-    raw.close()
+    dst = torch.zeros_like(src)
+    c = RedisConnector(cfg, url=url, max_batch_bytes=chunk_blocks * block_bytes)
+    c.register_kv_cache(dst)
+    order = [3, 0, 6, 1, 5, 2, 4]
+    c._load(order, [hashes[i] for i in order])
+    assert torch.equal(dst, src)
+    # A flipped payload byte fails the checksum; a missing key fails as KeyError; the connection recovers.
+    db3.setrange(saver.key(hashes[2]), 200, b"\xff\x00")
+    with pytest.raises(BlockFormatError):
+        c._load([0, 1, 2, 3], hashes[:4])
+    db3.delete(saver.key(hashes[2]))
+    with pytest.raises(KeyError):
+        c._load([0, 1, 2, 3], hashes[:4])
+    dst.zero_()
+    c._load([4, 5, 6], hashes[4:])
+    assert torch.equal(dst[4:], src[4:])
+    c.close()
+    saver.close()
     db3.close()
