@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+from kvmesh.health import wait_healthy
 from kvmesh.services.api.testing import ServerProcess
 from kvmesh.topology import Topology, TopologyConfig, free_port
 
@@ -57,7 +58,7 @@ def main() -> int:
         router = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port",
                                    str(port), *sum((["--worker", w.base_url] for w in workers), [])],
                                   start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        Topology._wait_healthy(f"http://127.0.0.1:{port}", time.monotonic() + 300, router, "router")
+        wait_healthy(f"http://127.0.0.1:{port}", 300, router, "router")
         results["aggregated (2 workers)"] = bench(f"http://127.0.0.1:{port}", args, "agg", args.out_dir)
     finally:
         if router is not None:

@@ -38,7 +38,7 @@ import time
 import httpx
 
 from kvmesh.bench_router import (Proc, free_port, group_cpu_s, ideal_hit_ratio, load_trace, replay, scrape,
-                                 wait_http, word_vocab)
+                                 wait_ready, word_vocab)
 from kvmesh.bench_router import build_requests as _build_requests
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,7 +91,7 @@ def start_router(policy: str, workers: list[dict], tmp: str, args) -> tuple[Proc
     # peers run outside the repo: its top-level operator/ folder would shadow the stdlib module there
     p = Proc(cmd, log, env, cwd=None if policy.startswith("kvmesh") else tempfile.gettempdir())
     try:
-        wait_http(url + "/health", 120, p)
+        wait_ready(url, 120, p)
     except RuntimeError:
         p.stop()
         raise
@@ -141,7 +141,7 @@ def overhead(args) -> dict:
     out: dict[str, dict] = {}
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health", 60, pod)
+        wait_ready(url, 60, pod)
         workers = [{"url": url, "events": None, "replay": None}]
         vocab = word_vocab()
         prompt: str | list[str] = "".join(vocab[i * 7 % 5000] for i in range(args.overhead_words))
@@ -159,7 +159,7 @@ def overhead(args) -> dict:
                 rp = Proc([sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(rport),
                            "--worker", url], os.path.join(logs, f"overhead-{pol}.log"), env)
                 rurl = f"http://127.0.0.1:{rport}"
-                wait_http(rurl + "/health", 120, rp)
+                wait_ready(rurl, 120, rp)
             else:
                 started = start_router("sglang", workers, "", args)
                 if started is None:
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
             procs.append(Proc(cmd, os.path.join(logs, f"worker{i}.log"), env))
             workers.append(w)
         for w, p in zip(workers, procs):
-            wait_http(w["url"] + "/health", 900, p)
+            wait_ready(w["url"], 900, p)
         model = httpx.get(workers[0]["url"] + "/v1/models").json()["data"][0]["id"]
         for w in workers:  # warm-up, so the first policy does not pay for cold workers
             for k in range(2):

@@ -8,7 +8,8 @@ never saw the image would answer as if it had.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 
 class ChatContentError(ValueError):

@@ -63,6 +63,7 @@ import tempfile
 import time
 from collections import defaultdict
 
+from kvmesh.health import wait_healthy
 from kvmesh.topology import free_port
 
 H200_PREFILL_MS_PER_TOKEN = 0.035  # engine/sim_runner.py
@@ -297,32 +298,20 @@ def group_cpu_s(sid: int) -> float:
     return total / tick
 
 
-def wait_http(url: str, timeout: float, proc: Proc | None = None) -> None:
-    import httpx
+def wait_ready(url: str, timeout: float, proc: Proc) -> None:
+    """`wait_healthy` on ``url`` while ``proc`` runs; the error names its log."""
+    wait_healthy(url, timeout, proc.p, f"{url} (log {proc.log.name})")
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.p.poll() is not None:
-            raise RuntimeError(f"process exited ({proc.p.returncode}); see {proc.log.name}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready after {timeout}s")
+
+SCRAPED = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total")
 
 
 def scrape(url: str) -> dict[str, float]:
     import httpx
 
-    out: dict[str, float] = defaultdict(float)
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        for name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-                     "vllm:request_success_total"):
-            if line.startswith(name):
-                out[name] += float(line.rsplit(" ", 1)[1])
-    return out
+    from kvmesh.services.router.scrape import sum_samples
+
+    return {**dict.fromkeys(SCRAPED, 0.0), **sum_samples(httpx.get(url + "/metrics", timeout=10).text, SCRAPED)}
 
 
 def peer_command(policy: str, args) -> list[str] | None:
@@ -380,7 +369,7 @@ def start_router(policy: str, workers: list[dict], args) -> tuple[Proc, str]:
         env = {}
     p = Proc(cmd, log, env, cwd=cwd)
     try:
-        wait_http(url + "/health", 120, p)
+        wait_ready(url, 120, p)
     except BaseException:  # not started, or interrupted while starting
         p.stop()
         raise
@@ -509,7 +498,7 @@ def run(args: argparse.Namespace) -> int:
             workers.append(w)
         print(f"starting {args.instances} simulated instances (logs in {args.log_dir}) ...", file=sys.stderr)
         for w, p in zip(workers, procs):
-            wait_http(w["url"] + "/health", 900, p)
+            wait_ready(w["url"], 900, p)
         model = httpx.get(workers[0]["url"] + "/v1/models").json()["data"][0]["id"]
         max_len = args.max_model_len
         runs: dict[str, list[dict]] = defaultdict(list)

@@ -15,8 +15,9 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
+
+from .health import exited, wait_healthy, wait_until
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class Topology:
     router_url: str = ""
 
     # ---- start --------------------------------------------------------------
-    def start(self) -> "Topology":
+    def start(self) -> Topology:
         cfg = self.config
         try:
             if cfg.kv_connector == "redis":
@@ -77,7 +78,7 @@ class Topology:
                     self._start_worker(role, i, threads)
             deadline = time.monotonic() + cfg.startup_timeout_s
             for w in self.workers:
-                self._wait_healthy(w.url, deadline, w.proc, f"{w.role} worker")
+                wait_healthy(w.url, deadline - time.monotonic(), w.proc, f"{w.role} worker at {w.url}")
             self._start_router(deadline)
         except BaseException:
             self.stop()
@@ -100,16 +101,16 @@ class Topology:
         port = free_port(self.config.host)
         p = self._spawn("redis", [exe, "--port", str(port), "--bind", self.config.host, "--save", "",
                                    "--appendonly", "no", "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"])
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if p.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {p.returncode}")
+
+        def accepts() -> bool:
             try:
                 with socket.create_connection((self.config.host, port), timeout=0.5):
-                    return f"redis://{self.config.host}:{port}/0"
+                    return True
             except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("redis-server did not start")
+                return False
+
+        wait_until(accepts, 20, "redis-server", exited(p), poll=0.1)
+        return f"redis://{self.config.host}:{port}/0"
 
     def _start_worker(self, role: str, i: int, threads: int) -> None:
         cfg = self.config
@@ -142,21 +143,7 @@ class Topology:
         argv += list(cfg.router_args)
         p = self._spawn("router", argv)
         self.router_url = f"http://{cfg.host}:{cfg.port}"
-        self._wait_healthy(self.router_url, deadline, p, "router")
-
-    @staticmethod
-    def _wait_healthy(url: str, deadline: float, proc: subprocess.Popen | None, what: str) -> None:
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"{what} at {url} exited with code {proc.returncode}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"{what} at {url} not healthy in time")
+        wait_healthy(self.router_url, deadline - time.monotonic(), p, f"router at {self.router_url}")
 
     # ---- stop ---------------------------------------------------------------
     def stop(self, timeout: float = 15.0) -> None:
@@ -185,7 +172,7 @@ class Topology:
                 pass
         self.procs.clear()
 
-    def __enter__(self) -> "Topology":
+    def __enter__(self) -> Topology:
         return self.start()
 
     def __exit__(self, *exc) -> None:

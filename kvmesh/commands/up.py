@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     try:
         topo.start()
-    except (RuntimeError, TimeoutError) as e:
+    except RuntimeError as e:  # redis-server missing, or a process died or was not ready in time
         print(f"error: {e}", file=sys.stderr)
         return 1
     for w in topo.workers:

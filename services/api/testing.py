@@ -10,10 +10,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
-import httpx
-
+from kvmesh.health import wait_healthy
 from kvmesh.topology import free_port
 
 
@@ -26,24 +24,18 @@ class ServerProcess:
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 600.0) -> "ServerProcess":
+    def start(self, timeout: float = 600.0) -> ServerProcess:
         out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                *self.args]
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with code {self.proc.returncode} (log: {self.log_path})")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"server did not become healthy in {timeout}s (log: {self.log_path})")
+        try:
+            wait_healthy(self.base_url, timeout, self.proc, f"server (log: {self.log_path})")
+        except BaseException:
+            self.stop()  # its engine child too
+            raise
+        return self
 
     def engine_pid(self) -> int | None:
         """Pid of the engine-core child (found through /proc, so it works whatever the server reports)."""
@@ -77,7 +69,7 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             pass
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -14,7 +14,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from kvmesh.services.errors import APIError, error_response
+from kvmesh.services.errors import APIError, bad_request, error_response
 
 from .config import RouterConfig
 from .router import DECODE_ROLES, NO_DECODE_POD, Router
@@ -34,9 +34,9 @@ def build_app(router: Router) -> FastAPI:
             try:
                 body = _json.decode(await request.body())
             except msgspec.DecodeError:
-                raise APIError(400, "request body is not JSON")
+                raise bad_request("request body is not JSON") from None
             if not isinstance(body, dict):
-                raise APIError(400, "request body must be a JSON object")
+                raise bad_request("request body must be a JSON object")
             resp = await router.handle(path, body)
             status = resp.status_code
             return resp
@@ -94,7 +94,7 @@ def build_app(router: Router) -> FastAPI:
     return app
 
 
-async def serve(cfg: RouterConfig, ready: "asyncio.Event | None" = None) -> int:
+async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> int:
     import uvicorn
 
     router = Router(cfg)

@@ -26,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 from fastapi.responses import Response, StreamingResponse
@@ -223,7 +224,7 @@ class Router:
         hb = self.index.match(self.ns, hashes, [pod.url])[pod.url] if hashes else 0
         return Decision(pod, hb, predicted_cached_tokens(hb, plen, bs), self.cfg.policy.replace("-", "_"))
 
-    def _begin(self, d: Decision, hashes: list[int], plen: int) -> "Flight":
+    def _begin(self, d: Decision, hashes: list[int], plen: int) -> Flight:
         p = d.pod
         p.inflight_requests += 1
         fl = Flight(p, max(plen - d.hit_tokens, 0), hashes)
@@ -237,7 +238,7 @@ class Router:
         self.metrics.pod_inflight.labels(p.url).set(p.inflight_requests)
         return fl
 
-    def _end(self, fl: "Flight") -> None:
+    def _end(self, fl: Flight) -> None:
         if fl.done:
             return
         fl.prefilled()
@@ -254,7 +255,7 @@ class Router:
 
     async def send(self, roles: tuple[str, ...], path: str, body: dict, hashes: list[int], plen: int, phase: str,
                    first: Decision | None = None, timeout: float | None = None
-                   ) -> tuple[Decision, UpstreamResponse, "Flight"]:
+                   ) -> tuple[Decision, UpstreamResponse, Flight]:
         """POST to a pod of ``roles`` (``first`` if given), retrying elsewhere on connect failure.
 
         Returns the decision and the response with headers read, body still streaming. The caller
@@ -367,7 +368,7 @@ class Router:
             return None, "fallback_no_params"
         return params, pd.PREFILL_DECODE
 
-    async def relay(self, d: Decision, resp: UpstreamResponse, fl: "Flight", stream: bool, phase: str,
+    async def relay(self, d: Decision, resp: UpstreamResponse, fl: Flight, stream: bool, phase: str,
                     measure: bool) -> Response:
         t0 = time.monotonic()
         headers = {"x-kvmesh-pod": d.pod.url}

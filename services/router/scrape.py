@@ -8,7 +8,7 @@ series it wants go to the parser.
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 

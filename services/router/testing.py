@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvmesh.health import wait_until
 from kvmesh.topology import free_port
 
 
@@ -42,11 +42,10 @@ class ThreadServer:
                     await self.on_stop()
         asyncio.run(main())
 
-    def start(self) -> "ThreadServer":
+    def start(self) -> ThreadServer:
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: self.server.started, 30, f"server on {self.url}",
+                   lambda: None if self.thread.is_alive() else "stopped", poll=0.02)
         return self
 
     def stop(self) -> None:
@@ -108,7 +107,7 @@ class FakePod:
         self.server = ThreadServer(app)
         self.url = self.server.url
 
-    def start(self) -> "FakePod":
+    def start(self) -> FakePod:
         self.server.start()
         return self
 

@@ -6,7 +6,7 @@ tell a pod that is gone (retry elsewhere, mark it down) from one that is slow.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import aiohttp
 import msgspec
@@ -50,7 +50,7 @@ class UpstreamResponse:
     async def read(self) -> bytes:
         try:
             return await self._r.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             raise _upstream_error(e) from e
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -58,7 +58,7 @@ class UpstreamResponse:
         try:
             async for chunk in self._r.content.iter_any():
                 yield chunk
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             raise _upstream_error(e) from e
 
     def release(self) -> None:
@@ -103,7 +103,7 @@ class Upstream:
         try:
             r = await self.session.post(url, data=msgspec.json.encode(body), headers=_JSON_HEADERS,
                                         timeout=self._stream_timeout(read_timeout or self.read_timeout))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             raise _upstream_error(e) from e
         return UpstreamResponse(r)
 
@@ -113,6 +113,6 @@ class Upstream:
         try:
             async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 return r.status, await r.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             raise _upstream_error(e) from e
 

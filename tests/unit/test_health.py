@@ -1,0 +1,27 @@
+"""The one readiness wait: a deadline, and a dead process ends the wait at once."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvmesh.health import NotReadyError, wait_until
+
+pytestmark = pytest.mark.unit
+
+
+def test_wait_until_returns_once_ready():
+    calls = iter([False, False, True])
+    wait_until(lambda: next(calls), 5, "thing", poll=0.001)
+
+
+def test_a_gone_process_ends_the_wait_before_the_deadline():
+    t0 = time.monotonic()
+    with pytest.raises(NotReadyError, match="server exited with code 3"):
+        wait_until(lambda: False, 60, "server", lambda: "exited with code 3")
+    assert time.monotonic() - t0 < 1
+
+
+def test_the_deadline_ends_the_wait():
+    with pytest.raises(NotReadyError, match="not ready in 0.05 s"):
+        wait_until(lambda: False, 0.05, "server", lambda: None, poll=0.01)
