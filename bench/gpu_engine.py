@@ -55,6 +55,7 @@ def import_engine():
 
 
 import_engine()
+from kvmesh.engine.args import EngineArgs  # noqa: E402
 from kvmesh.engine.core import EngineCore  # noqa: E402
 from kvmesh.engine.messages import EngineCoreRequest  # noqa: E402
 from kvmesh.engine.models import random_init  # noqa: E402
@@ -75,7 +76,7 @@ def small_config() -> dict:
 
 
 def build_engine(loaded, **kw) -> EngineCore:
-    eng, _ = EngineCore.from_model(loaded=loaded, device=DEV, dtype="bfloat16", **kw)
+    eng, _ = EngineCore.from_model(EngineArgs(device=DEV, dtype="bfloat16", **kw), loaded=loaded)
     return eng
 
 

@@ -243,6 +243,7 @@ class Worker:
     def op_build(self, p):
         torch = self.torch
         from kvmesh.engine.connectors.nixl_connector import NixlConnector
+        from kvmesh.engine.args import EngineArgs
         from kvmesh.engine.core import EngineCore
         from kvmesh.engine.models import random_init
 
@@ -252,11 +253,11 @@ class Worker:
                                           dtype=self.dtype, device=self.dev, seed=0)
         conn = NixlConnector(lease_s=120.0, transfer_timeout_s=60.0, handshake_timeout_s=10.0,
                              ucx_error_handling_mode=p["ucx_mode"])
-        self.engine, _ = EngineCore.from_model(
-            None, loaded=loaded, role=p["role"], connector=conn, device=self.dev,
-            dtype="bfloat16" if self.cuda else "float32", num_kv_blocks=p["num_kv_blocks"],
-            max_model_len=p["max_model_len"], max_num_batched_tokens=p["max_num_batched_tokens"],
-            max_num_seqs=p["max_num_seqs"], engine_id=f"{p['role']}-{self.idx}", seed=0)
+        args = EngineArgs(role=p["role"], device=self.dev, dtype="bfloat16" if self.cuda else "float32",
+                          num_kv_blocks=p["num_kv_blocks"], max_model_len=p["max_model_len"],
+                          max_num_batched_tokens=p["max_num_batched_tokens"], max_num_seqs=p["max_num_seqs"],
+                          engine_id=f"{p['role']}-{self.idx}", seed=0)
+        self.engine, _ = EngineCore.from_model(args, loaded=loaded, connector=conn)
         del loaded
         gc.collect()
         w = self.engine.runner

@@ -102,11 +102,12 @@ def api_hop(base_url: str, prompt_len: int, repeat: int) -> dict:
     Alternating pairs cancel the drift of a shared machine's load; short, distinct prompts (no cache hit)
     keep the model's share small so the hop's own cost shows. Both sides use KVMESH_CPU_THREADS.
     """
+    from kvmesh.engine.args import EngineArgs
     from kvmesh.engine.core import EngineCore
     from kvmesh.engine.messages import EngineCoreRequest
     from kvmesh.engine.sampling_params import SamplingParams
 
-    engine, _ = EngineCore.from_model(None, num_kv_blocks=512, max_model_len=2048)
+    engine, _ = EngineCore.from_model(EngineArgs(num_kv_blocks=512, max_model_len=2048))
     params = SamplingParams(max_tokens=1, temperature=0)
     rng = random.Random(7)
     http_t, direct = [], []

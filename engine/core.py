@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 import torch
 
-from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .args import EngineArgs
+from .config import EngineConfig
 from .connector import KVConnector
 from .kv_cache_manager import KVCacheManager
 from .kv_events import KVCacheEvent
@@ -74,43 +75,21 @@ class EngineCore:
 
     # ---- construction -------------------------------------------------------
     @classmethod
-    def from_model(cls, model: str | None = None, *, block_size: int = 16, num_kv_blocks: int | None = None,
-                   max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                   enable_prefix_caching: bool = True, dtype: str | None = None, device: str | None = None,
-                   max_model_len: int | None = None, long_prefill_token_threshold: int = 0,
-                   num_scheduler_steps: int = 1, async_scheduling: bool | None = None,
-                   max_waiting: int = 0, role: str = "both", seed: int = 0, engine_id: str = "kvmesh-0",
-                   kv_cache_memory_gb: float = 2.0, gpu_memory_utilization: float = 0.9,
-                   connector: KVConnector | None = None, loaded=None,
+    def from_model(cls, args: EngineArgs | None = None, *, connector: KVConnector | None = None, loaded=None,
                    simulate: dict | None = None) -> tuple["EngineCore", object]:
-        """Load a model and build an engine; returns ``(engine, tokenizer)``.
+        """Load ``args.model`` (or take ``loaded``) and build an engine; returns ``(engine, tokenizer)``.
 
-        ``simulate``: SimulatedRunner options (engine/sim_runner.py); no weights are loaded."""
-        loaded = loaded or load_model(model, load_weights=simulate is None)
+        ``simulate``: SimulatedRunner options (engine/sim_runner.py); no weights are loaded, the
+        engine runs on the CPU in float32 and the KV pool defaults to the simulator's size."""
+        args = args or EngineArgs()
+        loaded = loaded or load_model(args.model, load_weights=simulate is None)
         if simulate is not None:
-            device, dtype = "cpu", "float32"
-            if num_kv_blocks is None:
-                from .sim_runner import DEFAULT_NUM_KV_BLOCKS
+            from .sim_runner import DEFAULT_NUM_KV_BLOCKS
 
-                num_kv_blocks = DEFAULT_NUM_KV_BLOCKS
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-        mcfg = loaded.config
-        max_len = min(max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        config = EngineConfig(
-            model_path=loaded.source,
-            model=mcfg,
-            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                              enable_prefix_caching=enable_prefix_caching, kv_cache_memory_gb=kv_cache_memory_gb,
-                              gpu_memory_utilization=gpu_memory_utilization),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                      max_model_len=max_len,
-                                      long_prefill_token_threshold=long_prefill_token_threshold,
-                                      num_scheduler_steps=num_scheduler_steps,
-                                      async_scheduling=async_scheduling,
-                                      max_waiting=max_waiting),
-            role=role, dtype=dtype, device=device, seed=seed, engine_id=engine_id,
-        )
+            args = replace(args, device="cpu", dtype="float32",
+                           num_kv_blocks=args.num_kv_blocks if args.num_kv_blocks is not None
+                           else DEFAULT_NUM_KV_BLOCKS)
+        config = args.create_engine_config(loaded.config, loaded.source)
         return cls(config, loaded.state_dict, connector, simulate=simulate), loaded.tokenizer
 
     # ---- requests -----------------------------------------------------------

@@ -25,6 +25,9 @@ import hashlib
 import json
 from typing import Any, Mapping
 
+from kvmesh.cli_fields import flag_of
+from kvmesh.engine.args import EngineArgs
+
 from .spec import DEFAULT_ROUTER_IMAGE, InferenceServiceSpec, ObjectMeta, RoleSpec
 
 API_GROUP = "serving.kvmesh.io"
@@ -106,14 +109,10 @@ def engine_config(spec: InferenceServiceSpec, meta: ObjectMeta) -> dict[str, Any
     """What the ConfigMap carries: a record of the settings the pods run with, inspectable in one
     place (`kubectl get cm NAME-config`). The engine reads its flags, not this; its hash in the pod
     template rolls the pods when a setting changes."""
-    e = spec.engine
     return {
         "model": {"source": spec.model.source, "name": spec.model.name or meta.name,
                   "path": model_path(spec)},
-        "engine": {"blockSize": e.block_size, "maxNumBatchedTokens": e.max_num_batched_tokens,
-                   "maxNumSeqs": e.max_num_seqs, "dtype": e.dtype,
-                   "gpuMemoryUtilization": e.gpu_memory_utilization,
-                   "kvCacheMemoryGB": e.kv_cache_memory_gb},
+        "engine": spec.engine.to_crd(),
         "kvConnector": {"type": spec.connector.type, "redisUrl": redis_url(spec, meta)},
         "ports": {"http": HTTP_PORT, "kvEvents": KV_EVENTS_PORT,
                   "nixlSideChannel": NIXL_SIDE_CHANNEL_PORT},
@@ -169,17 +168,11 @@ def _pod_scheduling(role: RoleSpec) -> dict[str, Any]:
     return out
 
 
-# spec.engine field -> `kvmesh serve` flag: every CRD engine setting reaches the engine through
-# this table, and a unit test parses the rendered args with the real CLI parser and compares the
-# resulting engine settings with the spec (tests/unit/test_operator_render.py).
-ENGINE_FLAGS: tuple[tuple[str, str], ...] = (
-    ("block_size", "--block-size"),
-    ("max_num_batched_tokens", "--max-num-batched-tokens"),
-    ("max_num_seqs", "--max-num-seqs"),
-    ("dtype", "--dtype"),
-    ("gpu_memory_utilization", "--gpu-memory-utilization"),
-    ("kv_cache_memory_gb", "--kv-cache-memory-gb"),
-)
+# spec.engine field -> `kvmesh serve` flag, from the settings' declarations (engine/args.py): every
+# CRD engine setting reaches the engine through this table, and a unit test parses the rendered args
+# with the real CLI parser and compares the resulting engine settings with the spec
+# (tests/unit/test_operator_render.py).
+ENGINE_FLAGS: tuple[tuple[str, str], ...] = tuple((f.name, flag_of(f)) for f in EngineArgs.crd_fields())
 
 
 def _gpus(role: RoleSpec, default: int) -> int:
@@ -198,7 +191,6 @@ def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> lis
     """`kvmesh serve` flags (kvmesh/commands/serve.py). The embedded model is the CLI default,
     so --model is passed only for weights on a volume. $(POD_NAME) and $(POD_IP) are expanded by
     the kubelet. Workers with `gpus: 0` run the CPU engine."""
-    e = spec.engine
     args = ["serve"]
     if spec.model.source != "embedded":
         args += ["--model", model_path(spec)]
@@ -214,10 +206,9 @@ def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> lis
     elif url:
         args += ["--kv-connector-config", json.dumps({"url": url}, sort_keys=True)]
     for attr, flag in ENGINE_FLAGS:
-        value = getattr(e, attr)
-        if attr == "dtype" and value == "auto":
-            continue  # the engine's own choice for the device (bfloat16 on a GPU, float32 on a CPU)
-        args += [flag, str(value)]
+        value = getattr(spec.engine, attr)
+        if value is not None:  # None (dtype: auto): the engine's own choice for the device
+            args += [flag, str(value)]
     if _gpus(spec.role(role), default=1) == 0:
         args += ["--device", "cpu"]
     args += [

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kvmesh import __version__
+from kvmesh.engine.args import EngineArgs
 
 ROLES = ("prefill", "decode", "router")
 # Exactly what `make images` builds (scripts/images.sh); the CRD's defaults name the same refs
@@ -39,27 +40,6 @@ class ModelSpec:
             path=d.get("path"),
             claim_name=vol.get("claimName"),
             sub_path=vol.get("subPath"),
-        )
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    block_size: int = 16
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 128
-    dtype: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_gb: float = 2.0
-
-    @staticmethod
-    def parse(d: Mapping[str, Any]) -> "EngineSpec":
-        return EngineSpec(
-            block_size=int(d.get("blockSize", 16)),
-            max_num_batched_tokens=int(d.get("maxNumBatchedTokens", 8192)),
-            max_num_seqs=int(d.get("maxNumSeqs", 128)),
-            dtype=d.get("dtype", "auto"),
-            gpu_memory_utilization=float(d.get("gpuMemoryUtilization", 0.9)),
-            kv_cache_memory_gb=float(d.get("kvCacheMemoryGB", 2.0)),
         )
 
 
@@ -148,7 +128,7 @@ class InferenceServiceSpec:
     image: str
     image_pull_policy: str
     model: ModelSpec
-    engine: EngineSpec
+    engine: EngineArgs  # spec.engine: the settings the CRD exposes (engine/args.py); the rest stay CLI defaults
     connector: ConnectorSpec
     prefill: RoleSpec
     decode: RoleSpec
@@ -161,7 +141,7 @@ class InferenceServiceSpec:
             image=spec.get("image", DEFAULT_IMAGE),
             image_pull_policy=spec.get("imagePullPolicy", "IfNotPresent"),
             model=ModelSpec.parse(spec.get("model") or {}),
-            engine=EngineSpec.parse(spec.get("engine") or {}),
+            engine=EngineArgs.from_crd(spec.get("engine") or {}),
             connector=ConnectorSpec.parse(spec.get("kvConnector") or {}),
             prefill=RoleSpec.parse(spec.get("prefill") or {}),
             decode=RoleSpec.parse(spec.get("decode") or {}),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .engine_args import add_engine_args, engine_kwargs
+from kvmesh.engine.args import EngineArgs
 
 
 def register(sub) -> None:
@@ -14,7 +14,7 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
 
 
@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
-        llm = LLM(model=args.model, **engine_kwargs(args))
+        llm = LLM(args=EngineArgs.from_cli_args(args))
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
         else:

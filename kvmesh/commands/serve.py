@@ -5,8 +5,9 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import asdict
 
-from .engine_args import add_engine_args, engine_kwargs
+from kvmesh.engine.args import EngineArgs
 
 
 def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> None:
@@ -14,19 +15,17 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
     g = p.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--role", choices=["both", "prefill", "decode"], default=default_role)
+    EngineArgs.add_cli_args(g, section="server")  # --role, --max-waiting, --engine-id
+    p.set_defaults(role=default_role)
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in `model` (default: the model's name)")
     g.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
                    help="require `Authorization: Bearer KEY` on all endpoints but /health and /metrics "
                         "(default: $KVMESH_API_KEY)")
-    g.add_argument("--max-waiting", type=int, default=0,
-                   help="bound on the engine's waiting queue; beyond it requests get 503 + Retry-After (0: unbounded)")
     g.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     g.add_argument("--engine-ipc-dir", default=None, help="directory for the engine's ipc sockets (default: temp)")
     g.add_argument("--engine-input-addr", default=None, help="ZMQ endpoint for requests (instead of ipc)")
     g.add_argument("--engine-output-addr", default=None, help="ZMQ endpoint for outputs (instead of ipc)")
-    g.add_argument("--engine-id", default="kvmesh-0", help="this engine's id in KV events and transfer params")
     g.add_argument("--kv-events-endpoint", default=None,
                    help="bind a ZMQ PUB socket here for KV cache events, e.g. tcp://*:5557")
     g.add_argument("--kv-events-replay-endpoint", default=None,
@@ -76,7 +75,7 @@ def simulate_kwargs(args: argparse.Namespace) -> dict | None:
 def register(sub) -> None:
     p = sub.add_parser("serve", help="run an OpenAI-compatible server")
     add_server_args(p)
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     add_simulate_args(p)
     p.set_defaults(func=run)
 
@@ -92,8 +91,8 @@ def configs_from_args(args: argparse.Namespace):
                        engine_input_addr=args.engine_input_addr, engine_output_addr=args.engine_output_addr,
                        uvicorn_log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     addrs = engine_addresses(cfg)
-    kw = engine_kwargs(args)
-    kw.update(max_waiting=args.max_waiting, engine_id=args.engine_id)
+    # The engine process gets the model and role as fields of its own; the rest by EngineArgs field name.
+    kw = {k: v for k, v in asdict(EngineArgs.from_cli_args(args)).items() if k not in ("model", "role")}
     sim = simulate_kwargs(args)
     if sim is not None:
         kw["simulate"] = sim

@@ -3,66 +3,66 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.cli_fields import cli
 from kvmesh.engine.config import ROLES, Role
 
 POLICIES = ("kv-aware", "round-robin", "least-load")
+HOT_LIMIT_SCOPES = ("hot", "all", "off")
+DISCOVERY = ("static", "k8s")
 
 
 @dataclass(frozen=True)
 class ScoringWeights:
-    """How a candidate pod is scored (higher wins); see `policy.score_pods`.
+    """How a candidate pod is scored (higher wins; `policy.score_pods`); each weight's flag and help
+    are on its field.
 
-    ``hit``: weight of the fraction of the prompt the pod already holds.
-    ``load``: weight of the pod's request load relative to the mean load.
-    ``tokens``: weight of the uncached prompt tokens in flight to the pod relative to the mean.
-    ``kv``: weight of the pod's KV usage (0..1), so a nearly full pod (which would evict) is avoided.
-    ``balance_abs`` / ``balance_rel``: a pod whose load exceeds ``balance_rel * mean + balance_abs``
-    is not eligible while another pod is; this bounds how far a hot prefix can pile up. For a pod
-    whose matched prefix is hot (shared by two or more of its in-flight requests) the limit is
-    ``max(balance_rel * mean, mean + balance_abs)`` (`policy.hot_limit`); ``hot_limit_scope``
-    "all" gives every pod that limit and "off" none (the A/Bs in BENCHMARKS.md that chose "hot").
-    ``share``: weight of the pod's share of recently routed requests relative to the mean (requests
-    decay with ``share_halflife_s``). In-flight load only sees the present; with prefix affinity a
-    pod's future arrivals follow the conversations it already holds, so placing new work where
-    recent routings were fewest keeps the per-pod request count even without moving warm prefixes.
-    ``evict``: weight of the pod's eviction pressure (blocks it reported removed, decayed with
-    ``evict_halflife_s``) relative to the mean, applied to the part of the request no pod holds:
-    new prefixes go where they will not push out conversations that are about to return, while a
-    cached prefix is not moved by it. Zero while no pod evicts (a cache with room). Off by default:
-    on the Mooncake replay under KV pressure it gained at most ~0.01 of hit ratio and raised the
-    request imbalance (docs/router.md).
-    ``private_guard``: a follow-up whose cached prefix (at least half its prompt) no other
-    in-flight request on the pod shares keeps that pod eligible up to this multiple of the balance
-    limit; 1 turns the exemption off. Hot shared prefixes (many concurrent requests) never get it.
-    ``affinity``: weight of the fraction of *this* prompt the pod holds. The hit term measures a hit
-    against a typical prompt, so a short follow-up (80 of its 95 tokens cached) is worth little there
-    and one extra request in flight sends it elsewhere, recomputing most of it; this term keeps such
-    follow-ups with their prefix when the pods are otherwise close.
-    ``share_new``: extra share weight, scaled by the part of the prompt no pod holds: new
-    conversations are placed by recent routings (pods holding many conversations, which bring their
-    follow-ups, get fewer new ones) without pulling follow-ups off their prefix. Off by default: on
-    the Mooncake replay 0.3 evened the request count (imbalance 1.28 vs 1.37 over 6 rounds) at the
-    cost of TTFT p90 (1.27 vs 1.15 s), since new conversations then go by count, not by queue.
-    Defaults of the three: docs/router.md, "Scoring" (6 interleaved rounds each, 2026-11-30).
+    Why the defaults: the hit term leads and the load, token and KV terms are a fifth of it each, so
+    a cached prefix keeps its requests until its pod is clearly busier than the others, and the
+    balance guard (``balance_rel * mean + balance_abs``, stricter for hot prefixes) bounds how far
+    a shared prefix piles up. ``share`` places new work where recent routings were fewest (a pod's
+    future arrivals follow the conversations it holds), ``affinity`` keeps a short follow-up with
+    its prefix and ``private_guard`` lets it past the guard: each raised the Mooncake replay's hit
+    ratio or TTFT p90. ``evict`` and ``share_new`` are off: the first added at most a hundredth of
+    hit ratio under KV pressure and raised the imbalance, the second evened the request count at
+    the cost of TTFT p90. The A/Bs: docs/router.md, "Scoring"; current figures: BENCHMARKS.md.
     """
 
-    hit: float = 1.0
-    load: float = 0.2
-    tokens: float = 0.2
-    kv: float = 0.2
-    balance_abs: float = 2.0
-    balance_rel: float = 1.25
-    share: float = 0.15
-    share_halflife_s: float = 120.0
-    evict: float = 0.0
-    evict_halflife_s: float = 120.0
-    share_new: float = 0.0
-    private_guard: float = 2.0
-    affinity: float = 0.2
-    hot_limit_scope: str = "hot"  # hot | all | off
+    hit: float = field(default=1.0, metadata=cli(
+        "weight of the fraction of the prompt the pod holds, against a typical prompt's length",
+        flag="--weight-hit"))
+    load: float = field(default=0.2, metadata=cli(
+        "weight of the pod's request load relative to the mean", flag="--weight-load"))
+    tokens: float = field(default=0.2, metadata=cli(
+        "weight of the uncached prompt tokens in flight to the pod relative to the mean", flag="--weight-tokens"))
+    kv: float = field(default=0.2, metadata=cli(
+        "weight of the pod's KV usage (0..1), so a nearly full pod (which would evict) is avoided",
+        flag="--weight-kv"))
+    balance_abs: float = field(default=2.0, metadata=cli(
+        "a pod whose load exceeds balance_rel * mean + balance_abs is not eligible while another is"))
+    balance_rel: float = field(default=1.25, metadata=cli("see --balance-abs"))
+    share: float = field(default=0.15, metadata=cli(
+        "weight of the pod's share of recently routed requests", flag="--weight-share"))
+    share_halflife_s: float = field(default=120.0, metadata=cli(
+        "seconds over which a routed request's share decays by half", flag="--share-halflife"))
+    evict: float = field(default=0.0, metadata=cli(
+        "weight of the pod's eviction pressure (from KV events) for the uncached part of a request",
+        flag="--weight-evict"))
+    evict_halflife_s: float = field(default=120.0, metadata=cli(
+        "seconds over which a reported eviction's weight decays by half", flag="--evict-halflife"))
+    share_new: float = field(default=0.0, metadata=cli(
+        "extra share weight, scaled by the part of the prompt no pod holds", flag="--weight-share-new"))
+    private_guard: float = field(default=2.0, metadata=cli(
+        "a follow-up whose cached prefix no other in-flight request shares may go to its pod "
+        "up to this multiple of the balance limit (1: off)"))
+    affinity: float = field(default=0.2, metadata=cli(
+        "weight of the fraction of the request's own prompt that the pod holds", flag="--weight-affinity"))
+    hot_limit_scope: str = field(default="hot", metadata=cli(
+        "which pods get the stricter balance limit max(rel * mean, mean + abs): those whose "
+        "matched prefix other in-flight requests share (hot), every pod, or none",
+        choices=list(HOT_LIMIT_SCOPES)))
 
     def __post_init__(self) -> None:
-        if self.hot_limit_scope not in ("hot", "all", "off"):
+        if self.hot_limit_scope not in HOT_LIMIT_SCOPES:
             raise ValueError(f"hot_limit_scope must be hot|all|off, got {self.hot_limit_scope!r}")
 
 
@@ -101,38 +101,45 @@ def parse_pod_spec(text: str, role: str, events_port: int | None = None,
 
 @dataclass(frozen=True)
 class RouterConfig:
-    host: str = "0.0.0.0"
-    port: int = 8080
-    model: str | None = None  # engine model path (tokenizer + identity); None: the embedded model
-    served_model_name: str | None = None  # name in /v1/models (default: the model's name)
-    block_size: int = 16  # must equal the pods' --block-size
-    policy: str = "kv-aware"
+    """Fields with `cli` metadata are `kvmesh router` flags (kvmesh/commands/router.py); the pods and
+    selectors come from flags of their own, the rest are fixed."""
+
+    host: str = field(default="0.0.0.0", metadata=cli())
+    port: int = field(default=8080, metadata=cli())
+    model: str | None = field(default=None, metadata=cli(
+        "the pods' model (tokenizer + hash identity); default: embedded"))
+    served_model_name: str | None = field(default=None, metadata=cli())  # name in /v1/models (None: the model's)
+    block_size: int = field(default=16, metadata=cli("must equal the pods' --block-size"))
+    kv_events_port: int | None = field(default=None, metadata=cli(
+        "pods publish KV events on tcp://HOST:PORT (for pods without events=)"))
+    kv_replay_port: int | None = field(default=None, metadata=cli())
+    policy: str = field(default="kv-aware", metadata=cli(choices=list(POLICIES)))
     weights: ScoringWeights = field(default_factory=ScoringWeights)
-    pd_min_uncached: int = 256  # selective P/D: below this many uncached tokens on decode, skip prefill
+    pd_min_uncached: int = field(default=256, metadata=cli(
+        "selective P/D: skip the prefill pod when decode would compute fewer tokens than this"))
     pods: tuple[PodSpec, ...] = ()
-    discovery: str = "static"  # static | k8s
-    k8s_namespace: str = "default"
+    discovery: str = field(default="static", metadata=cli(choices=list(DISCOVERY)))
+    k8s_namespace: str = field(default="default", metadata=cli(flag="--namespace"))
     k8s_selectors: tuple[tuple[str, str], ...] = ()  # (role, label selector)
-    k8s_port_name: str = "http"
-    kv_events_port: int | None = None  # for discovered pods
-    kv_replay_port: int | None = None
-    health_interval: float = 2.0  # seconds between health checks / metrics scrapes
+    k8s_port_name: str = field(default="http", metadata=cli(
+        "EndpointSlice port name of the pods' HTTP port", flag="--port-name"))
+    health_interval: float = field(default=2.0, metadata=cli())  # seconds between health checks / scrapes
     health_timeouts_down: int = 3  # consecutive probe timeouts before a pod that still accepts connections is out
-    connect_timeout: float = 2.0
-    read_timeout: float = 600.0  # max gap between bytes from an upstream
+    connect_timeout: float = field(default=2.0, metadata=cli())
+    read_timeout: float = field(default=600.0, metadata=cli())  # max gap between bytes from an upstream
     prefill_timeout: float = 300.0
-    max_retries: int = 2  # other pods tried after a connect failure
+    max_retries: int = field(default=2, metadata=cli())  # other pods tried after a connect failure
     pending_ttl: float = 30.0  # predicted index entries for event-publishing pods
     approx_capacity: int = 1 << 20  # predicted blocks kept per pod without events
-    log_level: str = "warning"
-    # On SIGTERM: stop accepting, then let requests in flight (a prefill + decode round trip, a long
-    # stream) finish for up to this long; uvicorn answers 500 for any still unanswered after it.
-    shutdown_timeout: float = 30.0
+    log_level: str = field(default="warning", metadata=cli())
+    # uvicorn answers 500 for any request still unanswered after it.
+    shutdown_timeout: float = field(default=30.0, metadata=cli(
+        "on SIGTERM, seconds to let requests in flight finish before exiting (keep it below the pod's grace period)"))
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.discovery not in ("static", "k8s"):
+        if self.discovery not in DISCOVERY:
             raise ValueError("discovery must be static or k8s")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")

@@ -124,9 +124,8 @@ def hot_limit(mean_load: float, w: ScoringWeights) -> float:
     instead of the sum of the two. With the sum a system prompt that every request shares held
     three of four pods at up to 32 requests each while the fourth idled (``L > 1.25 * 3L/4 + 2``
     only from L = 33); with this limit the fourth pod takes it from 9. Only hot prefixes get it:
-    copying one to another pod costs one prefill there, which the next requests sharing it reuse.
-    Applied to every request it cost the Mooncake replay 0.006 of hit ratio; this way, nothing
-    (BENCHMARKS.md, "Router (issue 6)", session 8).
+    copying one to another pod costs one prefill there, which the next requests sharing it reuse;
+    applied to every pod it lowered the hit ratio of the Mooncake replay (docs/router.md, "Scoring").
     It bounds the busiest pod, not the idlest: with five pods or more one may still stay idle
     while the others hold such a prefix at up to 1.25 times the mean."""
     return max(w.balance_rel * mean_load, mean_load + w.balance_abs)

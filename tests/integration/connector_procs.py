@@ -18,14 +18,14 @@ IDLE_POLL_S = 0.005
 
 def _build(spec: dict, loaded):
     from kvmesh.engine.connectors import make_connector
+    from kvmesh.engine.args import EngineArgs
     from kvmesh.engine.core import EngineCore
 
     connector = make_connector(spec.get("connector", "none"), None, **spec.get("connector_opts", {}))
-    engine, _ = EngineCore.from_model(
-        None, num_kv_blocks=spec.get("num_kv_blocks", 64), role=spec.get("role", "both"),
-        engine_id=spec.get("engine_id", "kvmesh-0"), connector=connector, loaded=loaded,
-        max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
-    )
+    args = EngineArgs(num_kv_blocks=spec.get("num_kv_blocks", 64), role=spec.get("role", "both"),
+                      engine_id=spec.get("engine_id", "kvmesh-0"),
+                      max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048))
+    engine, _ = EngineCore.from_model(args, connector=connector, loaded=loaded)
     return engine
 
 
@@ -110,9 +110,10 @@ def worker(conn, spec: dict) -> None:
                     res = run_request(engine, *args)
                 elif cmd == "ref":  # same weights, no connector: what a single engine answers
                     if ref is None:
+                        from kvmesh.engine.args import EngineArgs
                         from kvmesh.engine.core import EngineCore
 
-                        ref, _ = EngineCore.from_model(None, num_kv_blocks=64, loaded=loaded)
+                        ref, _ = EngineCore.from_model(EngineArgs(num_kv_blocks=64), loaded=loaded)
                     res = run_request(ref, *args)
                 elif cmd == "validate":  # the connector's admission check: None or the ValueError's text
                     try:

@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def test_random_model_matches_hf_greedy():
+    from kvmesh.engine.args import EngineArgs
     from kvmesh.engine.core import EngineCore
     from kvmesh.engine.messages import EngineCoreRequest
     from kvmesh.engine.models.random_init import hf_model_from_state_dict, random_model, scaled_config
@@ -21,8 +22,8 @@ def test_random_model_matches_hf_greedy():
     lm = random_model(cfg, dtype=torch.float32, seed=1)
     assert lm.config.rope_scaling_dict["rope_type"] == "llama3"
     hf = hf_model_from_state_dict(cfg, lm.state_dict, "cpu", torch.float32)
-    eng, _ = EngineCore.from_model(loaded=lm, device="cpu", dtype="float32", num_kv_blocks=64,
-                                   max_num_batched_tokens=40, max_model_len=256)
+    eng, _ = EngineCore.from_model(EngineArgs(device="cpu", dtype="float32", num_kv_blocks=64,
+                                              max_num_batched_tokens=40, max_model_len=256), loaded=lm)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 33, 60)]
     for i, p in enumerate(prompts):

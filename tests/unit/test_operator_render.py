@@ -243,6 +243,23 @@ def test_every_engine_field_reaches_the_engine(example: Path, role: str) -> None
     assert grace > server.shutdown_timeout + c["lifecycle"]["preStop"]["sleep"]["seconds"]
 
 
+@pytest.mark.parametrize("crd_file", [ROOT / "crds" / "inferenceservices.yaml",
+                                      ROOT / "charts" / "kvmesh" / "crds" / "inferenceservices.yaml"],
+                         ids=["crds", "chart"])
+def test_crd_engine_properties_are_the_engine_args_exposed_to_it(crd_file: Path) -> None:
+    """Each EngineArgs field that names a CRD property (engine/args.py) is in the CRD's
+    spec.engine with the same default, and the CRD has no engine property without such a field."""
+    from kvmesh.engine.args import CRD, EngineArgs
+
+    crd = yaml.safe_load(crd_file.read_text())
+    props = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "engine"]["properties"]
+    declared = {f.metadata[CRD].name: f.metadata[CRD].default for f in EngineArgs.crd_fields()}
+    assert set(declared) == set(props)
+    for name, default in declared.items():
+        assert props[name]["default"] == default, name
+
+
 def test_nixl_connector_takes_the_rendered_side_channel_options() -> None:
     """The options the operator renders are ones the NIXL connector accepts (no TypeError at start)."""
     import inspect

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.engine import loader
+from kvmesh.engine.args import EngineArgs
 from kvmesh.engine.core import EngineCore
 from kvmesh.engine.kv_events import BlockStored
 from kvmesh.engine.messages import EngineCoreRequest
@@ -22,7 +23,7 @@ def loaded():
 
 
 def make(loaded, **sim):
-    eng, tok = EngineCore.from_model(None, loaded=loaded, num_kv_blocks=64, simulate={**SIM, **sim})
+    eng, tok = EngineCore.from_model(EngineArgs(num_kv_blocks=64), loaded=loaded, simulate={**SIM, **sim})
     if hasattr(eng, "set_kv_events"):
         eng.set_kv_events(True)
     return eng, tok
@@ -49,7 +50,7 @@ def test_no_weights_loaded(monkeypatch, loaded):
         return real(model, load_weights=load_weights, **kw)
 
     monkeypatch.setattr("kvmesh.engine.core.load_model", spy)
-    eng, tok = EngineCore.from_model(None, simulate=dict(SIM))
+    eng, tok = EngineCore.from_model(simulate=dict(SIM))
     assert calls == [False]
     assert isinstance(eng.runner, SimulatedRunner)
     assert eng.kv.pool.num_blocks == 2048  # realistic default capacity

@@ -1,0 +1,142 @@
+"""`EngineArgs`: every setting an engine is built from, declared once.
+
+Each field carries its default, its command-line flag and help (kvmesh.cli_fields) and, when an
+InferenceService exposes it, its property under ``spec.engine`` in the CRD (`CrdProperty`). The
+CLI (`add_cli_args`, `from_cli_args`), `EngineCore.from_model`, `LLM` and the operator's rendering
+(kvmesh/operator/render.py) all read these fields; the checks on values stay in the config
+dataclasses built by `create_engine_config` (engine/config.py).
+
+This module imports no torch: the operator reads it too.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from kvmesh.cli_fields import add_arguments, cli, scalar_type, values_from
+
+from .config import ROLES, CacheConfig, EngineConfig, ModelConfig, Role, SchedulerConfig
+
+CRD = "crd"
+
+
+@dataclass(frozen=True)
+class CrdProperty:
+    """Where a setting sits in the CRD: ``spec.engine.<name>``, with the CRD's own default (the
+    operator's pods are sized for a GPU, so it may differ from the CLI's), and the CRD value that
+    means "leave the flag out, let the engine choose" (``unset``)."""
+
+    name: str
+    default: Any
+    unset: Any = None
+
+
+def _setting(default: Any, help: str | None = None, *, crd: CrdProperty | None = None, **cli_kw: Any):
+    meta = cli(help, **cli_kw)
+    if crd is not None:
+        meta[CRD] = crd
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Defaults are the config dataclasses' own where the setting lands unchanged in one of them."""
+
+    model: str | None = _setting(None, "HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    block_size: int = _setting(CacheConfig.block_size, crd=CrdProperty("blockSize", 16))
+    max_num_batched_tokens: int = _setting(SchedulerConfig.max_num_batched_tokens,
+                                           crd=CrdProperty("maxNumBatchedTokens", 8192))
+    max_num_seqs: int = _setting(SchedulerConfig.max_num_seqs, crd=CrdProperty("maxNumSeqs", 128))
+    max_model_len: int | None = _setting(None)  # None: the model's max_position_embeddings
+    long_prefill_token_threshold: int = _setting(SchedulerConfig.long_prefill_token_threshold)
+    num_scheduler_steps: int = _setting(
+        SchedulerConfig.num_scheduler_steps,
+        "decode steps run back to back on the device per scheduling round, for greedy and unseeded sampled "
+        "requests (1: off); cuts host time per token, emits tokens in bursts of this size")
+    async_scheduling: bool | None = _setting(
+        SchedulerConfig.async_scheduling,
+        "queue the next decode step (or round of --num-scheduler-steps) on the device before reading the tokens "
+        "of the one running, so host work overlaps the device (default: on for a GPU, off on the CPU)",
+        action=argparse.BooleanOptionalAction)
+    enable_prefix_caching: bool = _setting(CacheConfig.enable_prefix_caching, flag="--no-enable-prefix-caching",
+                                           action="store_false")
+    dtype: str | None = _setting(None, choices=["float32", "bfloat16", "float16"],
+                                 crd=CrdProperty("dtype", "auto", unset="auto"))
+    device: str | None = _setting(None, "cpu, cuda, cuda:1 (default: cuda if available)")
+    gpu_memory_utilization: float = _setting(CacheConfig.gpu_memory_utilization,
+                                             crd=CrdProperty("gpuMemoryUtilization", 0.9))
+    kv_cache_memory_gb: float = _setting(CacheConfig.kv_cache_memory_gb,
+                                         "CPU KV pool budget when --num-kv-blocks is unset",
+                                         crd=CrdProperty("kvCacheMemoryGB", 2.0))
+    num_kv_blocks: int | None = _setting(CacheConfig.num_kv_blocks, "KV pool size in blocks (default: from memory)")
+    seed: int = _setting(EngineConfig.seed)
+    # Flags of the server commands (kvmesh serve/prefill/decode): the "server" section.
+    role: Role = _setting(EngineConfig.role, choices=list(ROLES), section="server")
+    max_waiting: int = _setting(
+        SchedulerConfig.max_waiting,
+        "bound on the engine's waiting queue; beyond it requests get 503 + Retry-After (0: unbounded)",
+        section="server")
+    engine_id: str = _setting(EngineConfig.engine_id, "this engine's id in KV events and transfer params",
+                              section="server")
+
+    # ---- command line -------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, container: argparse._ActionsContainer, section: str = "") -> None:
+        """The flags of one section: the engine's own (``""``: an "engine" group of ``container``) or
+        ``"server"`` (added to ``container`` as it is)."""
+        if section == "":
+            container = container.add_argument_group("engine")
+        add_arguments(container, cls, section)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        return cls(**values_from(ns, cls))
+
+    # ---- CRD (kvmesh/operator) ----------------------------------------------
+    @classmethod
+    def crd_fields(cls) -> Iterator[dataclasses.Field]:
+        """Fields an InferenceService sets (``spec.engine``), in the order the operator passes them."""
+        return (f for f in dataclasses.fields(cls) if CRD in f.metadata)
+
+    @classmethod
+    def from_crd(cls, spec_engine: Mapping[str, Any]) -> "EngineArgs":
+        """The settings of an InferenceService's ``spec.engine``, its CRD defaults filling the gaps."""
+        kw: dict[str, Any] = {}
+        for f in cls.crd_fields():
+            p: CrdProperty = f.metadata[CRD]
+            raw = spec_engine.get(p.name, p.default)
+            kw[f.name] = None if raw == p.unset else scalar_type(cls, f)(raw)
+        return cls(**kw)
+
+    def to_crd(self) -> dict[str, Any]:
+        """``spec.engine`` as the CRD spells it (the inverse of `from_crd` on its fields)."""
+        out: dict[str, Any] = {}
+        for f in self.crd_fields():
+            p: CrdProperty = f.metadata[CRD]
+            value = getattr(self, f.name)
+            out[p.name] = p.unset if value is None else value
+        return out
+
+    # ---- the engine's configuration -----------------------------------------
+    def create_engine_config(self, model: ModelConfig, model_path: str) -> EngineConfig:
+        """The configs the engine runs with, for a loaded model; device and dtype left unset are
+        chosen here (cuda when available; bfloat16 on a GPU, float32 on the CPU)."""
+        device = self.device
+        if device is None:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = self.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+        max_len = min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+        return self._pick(
+            EngineConfig, model_path=model_path, model=model, dtype=dtype, device=device,
+            cache=self._pick(CacheConfig),
+            scheduler=self._pick(SchedulerConfig, max_model_len=max_len),
+        )
+
+    def _pick(self, cls: type, **given: Any) -> Any:
+        """``cls`` built from the fields of the same name, ``given`` taking precedence."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(cls) if f.name not in given}
+        return cls(**own, **given)
