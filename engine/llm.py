@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence, Union
 
-from .args import EngineArgs
+from .chat import render_chat
 from .core import EngineCore
 from .messages import EngineCoreRequest
 from .output_processor import RequestOutput, RequestState
@@ -14,15 +14,14 @@ PromptType = Union[str, Sequence[int]]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, args: EngineArgs | None = None, loaded=None,
-                 **engine_args) -> None:
-        """``args``, or the `EngineArgs` fields as keywords (``LLM(max_num_seqs=4)``); ``loaded``: an
-        already loaded model (engine/loader.py), reused across engines."""
-        if args is None:
-            args = EngineArgs(model=model, **engine_args)
-        elif model is not None or engine_args:
-            raise TypeError("give either args or EngineArgs fields as keywords, not both")
-        self.engine, self.tokenizer = EngineCore.from_model(args, loaded=loaded)
+    def __init__(self, model: str | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
+                 dtype: str | None = None, device: str | None = None, **engine_kwargs) -> None:
+        self.engine, self.tokenizer = EngineCore.from_model(
+            model, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching, dtype=dtype, device=device, **engine_kwargs,
+        )
         self._ids = itertools.count()
 
     # ---- tokenization -------------------------------------------------------
@@ -35,12 +34,10 @@ class LLM:
         return None, ids
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """The conversation's prompt ids, rendered as the API server renders them (`render_chat`)."""
         if not messages:
             raise ValueError("messages is empty")
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return list(out)
+        return render_chat(self.tokenizer, messages)
 
     # ---- generation ---------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],

@@ -29,6 +29,8 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
+from kvmesh.engine.config import ROLES, Role
+
 from . import wire
 
 log = logging.getLogger("kvmesh.api.engine_proc")
@@ -41,8 +43,8 @@ class EngineProcConfig:
     input_addr: str  # ZMQ endpoint the API binds and pushes requests to (we connect, PULL)
     output_addr: str  # ZMQ endpoint the API binds and pulls outputs from (we connect, PUSH)
     model: str | None = None
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # EngineArgs fields (not model, role), "simulate"
-    role: str = "both"
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # EngineCore.from_model keyword arguments
+    role: Role = "both"
     kv_connector: str = "none"
     kv_connector_config: dict[str, Any] = field(default_factory=dict)
     kv_events_endpoint: str | None = None  # ZMQ PUB endpoint to bind for KV events (None: events dropped)
@@ -53,8 +55,8 @@ class EngineProcConfig:
     parent_pid: int | None = None  # exit when this process disappears
 
     def __post_init__(self) -> None:
-        if self.role not in ("both", "prefill", "decode"):
-            raise ValueError(f"role must be both|prefill|decode, got {self.role!r}")
+        if self.role not in ROLES:  # here, not only in the engine: a bad role fails before a process starts
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.stats_interval <= 0:
             raise ValueError("stats_interval must be > 0")
 
@@ -101,14 +103,10 @@ class EngineProcess:
         self.push.setsockopt(zmq.LINGER, 1000)
         self.push.connect(cfg.output_addr)
         if engine is None:
-            from kvmesh.engine.args import EngineArgs
             from kvmesh.engine.core import EngineCore
 
             connector = connector_factory(cfg)
-            kw = dict(cfg.engine_kwargs)
-            simulate = kw.pop("simulate", None)
-            engine, _ = EngineCore.from_model(EngineArgs(model=cfg.model, role=cfg.role, **kw), connector=connector,
-                                              simulate=simulate)
+            engine, _ = EngineCore.from_model(cfg.model, role=cfg.role, connector=connector, **cfg.engine_kwargs)
             hook = getattr(connector, "on_engine_started", None)
             if hook is not None:  # lets a connector see the built engine (KV layout, engine id) once
                 hook(engine)

@@ -7,31 +7,26 @@ configuration, never this file. `build_app` takes an already started
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import time
-from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvmesh import __version__
+from kvmesh.services.errors import APIError, error_body, error_response
 
 from .config import ServerConfig
 from .engine_client import EngineClient
-from kvmesh.services.errors import APIError, error_body, error_response
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .serving import Event, Generation, Serving
+from .responses import Answer, answer
+from .serving import Event, Serving
 
 log = logging.getLogger("kvmesh.api.server")
 
 OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key (probes, scrapers)
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 class BodyLimitMiddleware:
@@ -181,152 +176,69 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         model, gen = serving.prepare_completion(req)
-        gen.start()
-        created = int(time.time())
-        rid = gen.stream.request_id
         k = req.logprobs or 0
+        offsets: dict[int, int] = {}  # streamed text so far per choice (the logprobs' text_offset)
 
-        def chunk_choice(ev: Event, text: str, offset: int) -> dict:
-            lp = serving.legacy_logprobs(ev.logprobs, offset, k) if req.logprobs is not None and ev.logprobs else None
-            return {"index": ev.choice, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason,
+        def echoed(p) -> str:
+            return p.text if p.text is not None else tokenizer.decode(p.token_ids)
+
+        def lead() -> list[dict]:
+            if not req.echo:
+                return []
+            out = []
+            for idx, _, p in gen.outputs():
+                text = echoed(p)
+                offsets[idx] = len(text)
+                out.append({"index": idx, "text": text, "logprobs": None, "finish_reason": None})
+            return out
+
+        def delta(ev: Event) -> dict:
+            off = offsets.get(ev.choice, 0)
+            offsets[ev.choice] = off + len(ev.text)
+            lp = serving.legacy_logprobs(ev.logprobs, off, k) if req.logprobs is not None and ev.logprobs else None
+            return {"index": ev.choice, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason,
                     "stop_reason": ev.stop_reason}
 
-        if req.stream:
-            first = await _first_event(gen, raw)
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        def choices() -> list[dict]:
+            out = []
+            for idx, o, p in gen.outputs():
+                prefix = echoed(p) if req.echo else ""
+                lp = None
+                if req.logprobs is not None and o.logprobs is not None:
+                    lp = serving.legacy_logprobs(o.logprobs, len(prefix), k)
+                out.append({"index": idx, "text": prefix + o.text, "logprobs": lp,
+                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+            return out
 
-            async def events() -> AsyncIterator[str]:
-                offsets: dict[int, int] = {}
-                if req.echo:
-                    for idx, _, p in gen.outputs():
-                        text = p.text if p.text is not None else tokenizer.decode(p.token_ids)
-                        offsets[idx] = len(text)
-                        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                    "choices": [{"index": idx, "text": text, "logprobs": None,
-                                                 "finish_reason": None}]})
-                async for ev in _chain(first, gen):
-                    if not ev.text and not ev.finish_reason and not ev.logprobs:
-                        continue
-                    off = offsets.get(ev.choice, 0)
-                    offsets[ev.choice] = off + len(ev.text)
-                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                "choices": [chunk_choice(ev, ev.text, off)]})
-                if include_usage:
-                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                "choices": [], "usage": gen.usage()})
-
-            return _stream_response(events(), gen)
-
-        await _consume(gen, raw)
-        choices = []
-        for idx, out, p in gen.outputs():
-            prefix = ""
-            if req.echo:
-                prefix = p.text if p.text is not None else tokenizer.decode(p.token_ids)
-            lp = None
-            if req.logprobs is not None and out.logprobs is not None:
-                lp = serving.legacy_logprobs(out.logprobs, len(prefix), k)
-            choices.append({"index": idx, "text": prefix + out.text, "logprobs": lp,
-                            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
-        body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-                "usage": gen.usage()}
-        return _with_transfer_params(body, gen)
+        return await answer(Answer("text_completion", "text_completion", choices, delta, lead), gen, raw, model,
+                            req.stream, _include_usage(req))
 
     # ---- chat ---------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request):
         model, gen = serving.prepare_chat(req)
-        gen.start()
-        created = int(time.time())
-        rid = gen.stream.request_id
         k = req.top_logprobs or 0
 
-        if req.stream:
-            first = await _first_event(gen, raw)
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        def lead() -> list[dict]:
+            return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None} for i in range(req.n)]
 
-            def chunk(choices: list[dict]) -> str:
-                return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                             "choices": choices})
+        def delta(ev: Event) -> dict:
+            lp = serving.chat_logprobs(ev.logprobs, k) if req.logprobs and ev.logprobs else None
+            return {"index": ev.choice, "delta": {"content": ev.text} if ev.text else {}, "logprobs": lp,
+                    "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason}
 
-            async def events() -> AsyncIterator[str]:
-                for i in range(req.n):
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}])
-                async for ev in _chain(first, gen):
-                    if not ev.text and not ev.finish_reason and not ev.logprobs:
-                        continue
-                    lp = serving.chat_logprobs(ev.logprobs, k) if req.logprobs and ev.logprobs else None
-                    delta = {"content": ev.text} if ev.text else {}
-                    yield chunk([{"index": ev.choice, "delta": delta, "logprobs": lp,
-                                  "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason}])
-                if include_usage:
-                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                "model": model, "choices": [], "usage": gen.usage()})
+        def choices() -> list[dict]:
+            return [{"index": idx, "message": {"role": "assistant", "content": o.text},
+                     "logprobs": serving.chat_logprobs(o.logprobs, k) if req.logprobs and o.logprobs is not None
+                     else None, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                    for idx, o, _ in gen.outputs()]
 
-            return _stream_response(events(), gen)
-
-        await _consume(gen, raw)
-        choices = []
-        for idx, out, _ in gen.outputs():
-            lp = serving.chat_logprobs(out.logprobs, k) if req.logprobs and out.logprobs is not None else None
-            choices.append({"index": idx, "message": {"role": "assistant", "content": out.text},
-                            "logprobs": lp, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
-        body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-                "usage": gen.usage()}
-        return _with_transfer_params(body, gen)
+        return await answer(Answer("chat.completion", "chat.completion.chunk", choices, delta, lead), gen, raw,
+                            model, req.stream, _include_usage(req))
 
     return app
 
 
-def _stream_response(events: AsyncIterator[str], gen: Generation) -> StreamingResponse:
-    """SSE framing shared by both endpoints: an engine error becomes an error event, the
-    generation is always closed (aborting it if the client left), and the stream ends with [DONE]."""
-
-    async def framed() -> AsyncIterator[str]:
-        try:
-            async for chunk in events:
-                yield chunk
-        except APIError as e:
-            yield _sse(error_body(e.status, e.message, e.param))
-        finally:
-            gen.close()
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(framed(), media_type="text/event-stream")
-
-
-def _with_transfer_params(body: dict, gen: Generation) -> dict:
-    """A prefill answer carries the params a decode pod needs to pull its blocks."""
-    if gen.kv_transfer_params_out is not None:
-        body["kv_transfer_params"] = gen.kv_transfer_params_out
-    return body
-
-
-async def _consume(gen: Generation, raw: Request) -> None:
-    """Run a non-streaming generation to the end; a client that disconnects aborts it."""
-    try:
-        async for _ in gen.events(raw.is_disconnected):
-            pass
-    finally:
-        gen.close()
-
-
-async def _first_event(gen: Generation, raw: Request) -> Event | None:
-    """Wait for the first event before sending headers, so a rejection still gets its status code."""
-    try:
-        async for ev in gen.events(raw.is_disconnected):
-            return ev
-    except BaseException:
-        gen.close()
-        raise
-    gen.close()  # finished without events or client gone
-    return None
-
-
-async def _chain(first: Event | None, gen: Generation) -> AsyncIterator[Event]:
-    if first is None:
-        return
-    yield first
-    async for ev in gen.events():
-        yield ev
+def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
