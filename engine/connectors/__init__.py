@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..connector import KVConnector
-from .common import check_kv_transfer_params
+from ..kv_transfer_params import check_kv_transfer_params
 
 CONNECTORS = ("none", "nixl", "redis")
 

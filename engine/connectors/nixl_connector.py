@@ -52,7 +52,8 @@ import zmq
 
 from ..connector import ConnectorMetadata, KVConnector
 from ..request import RequestStatus
-from .common import BlockLayout, check_kv_transfer_params
+from ..kv_transfer_params import check_kv_transfer_params
+from .common import BlockLayout
 
 if TYPE_CHECKING:
     import torch
