@@ -293,7 +293,7 @@ class Serving:
     def new_generation(self, prefix: str, prompts: list[_Prompt], params: SamplingParams,
                        req: _Sampling) -> Generation:
         """The generation of already checked prompts (`check_prompt`, by the prepare_* methods)."""
-        from kvmesh.engine.connectors.common import check_kv_transfer_params
+        from kvmesh.engine.kv_transfer_params import check_kv_transfer_params
 
         problem = check_kv_transfer_params(req.kv_transfer_params)
         if problem is not None:
