@@ -1,0 +1,91 @@
+"""Prefill side: finished requests' blocks held for one remote reader each, under a lease.
+
+Shared between the engine thread (``hold``, ``collect``) and the side-channel thread (``answer``) under
+one lock. A hold ends when the reader's READ notification arrives, when the reader releases it over the
+side channel, or when its lease runs out (a claim extends the lease to cover the read).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .nixl_side_channel import DONE_PREFIX
+
+log = logging.getLogger("kvmesh.connector.nixl")
+
+
+@dataclass
+class Held:
+    """A finished request's blocks kept for one remote reader."""
+
+    request_id: str
+    block_ids: list[int]
+    deadline: float
+    claimed: bool = False
+    since: float = field(default_factory=time.monotonic)
+
+
+class HeldBlocks:
+    """Transfer id -> held blocks, and the request ids released since the last ``collect``."""
+
+    def __init__(self, stats: dict[str, int]) -> None:
+        self._stats = stats
+        self._lock = threading.Lock()
+        self._held: dict[str, Held] = {}
+        self._released: list[str] = []
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def hold(self, transfer_id: str, request_id: str, block_ids: list[int], lease_s: float) -> None:
+        with self._lock:
+            self._held[transfer_id] = Held(request_id, list(block_ids), time.monotonic() + lease_s)
+
+    def answer(self, msg: dict, meta: dict | None) -> dict:
+        """The side-channel reply to a ``claim`` or ``release`` (side-channel thread)."""
+        op = msg.get("op")
+        xid = msg.get("transfer_id")
+        with self._lock:
+            held = self._held.get(xid)
+            if held is None:
+                return {"ok": False, "error": f"unknown or expired transfer {xid!r}"}
+            if op == "claim":
+                ids = msg.get("block_ids")
+                if not isinstance(ids, list) or not set(ids) <= set(held.block_ids):
+                    return {"ok": False, "error": "block ids are not those held for this transfer"}
+                held.claimed = True
+                held.deadline = max(held.deadline, time.monotonic() + float(msg.get("timeout_s", 0)) + 5.0)
+                return {"ok": True, "meta": meta}
+            if op == "release":
+                del self._held[xid]
+                self._released.append(held.request_id)
+                return {"ok": True}
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def collect(self, notifs: dict[str, list[bytes]], done_sending: set[str]) -> None:
+        """Add to ``done_sending`` every request whose hold ended: read (notified), released or expired."""
+        now = time.monotonic()
+        with self._lock:
+            for msgs in notifs.values():
+                for m in msgs:
+                    if m.startswith(DONE_PREFIX):
+                        held = self._held.pop(m[len(DONE_PREFIX):].decode(errors="replace"), None)
+                        if held is not None:
+                            done_sending.add(held.request_id)
+                            self._stats["sends_done"] += 1
+            for rid in self._released:
+                done_sending.add(rid)
+                self._stats["sends_released"] += 1
+            self._released.clear()
+            for xid, held in list(self._held.items()):
+                if now >= held.deadline:
+                    del self._held[xid]
+                    done_sending.add(held.request_id)
+                    self._stats["leases_expired"] += 1
+                    log.warning("lease of request %s expired after %.1fs (%s); freeing %d blocks",
+                                held.request_id, now - held.since,
+                                "its reader did not finish" if held.claimed else "no reader came",
+                                len(held.block_ids))

@@ -1,0 +1,114 @@
+"""Decode side: one pull of a prefill engine's blocks, from the side-channel claim to the READ's end.
+
+The claim runs on a helper thread (it only speaks ZMQ); everything that touches NIXL runs on the engine
+thread, in ``Pull.poll``, which ``NixlConnector.get_finished`` calls every step. Every path ends by
+``deadline``: a pull never holds its blocks longer than the handshake and transfer timeouts allow.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .common import BlockLayout
+from .nixl_agent import KVAgent
+from .nixl_side_channel import DONE_PREFIX, PROTOCOL_VERSION
+
+log = logging.getLogger("kvmesh.connector.nixl")
+
+
+@dataclass
+class Pull:
+    """One pull, from claim to completion."""
+
+    request_id: str
+    transfer_id: str
+    remote_engine_id: str
+    host: str
+    port: int
+    local_ids: list[int]
+    remote_ids: list[int]
+    future: concurrent.futures.Future | None = None  # the claim: the prefill's meta
+    handle: Any = None
+    agent_name: str | None = None
+    deadline: float = 0.0
+    abort_deadline: float | None = None  # set once a timed-out read could not be aborted
+    abandoned: bool = False  # the request was aborted while loading: free its blocks when the read stops
+    started: float = field(default_factory=time.monotonic)
+    posted: float | None = None  # when the READ was posted (claim done, remote agent known)
+
+    @property
+    def notif(self) -> bytes:
+        return DONE_PREFIX + self.transfer_id.encode()
+
+    def start_read(self, agent: KVAgent, meta: dict, layout: BlockLayout, model_identity: str) -> None:
+        """Check what the claim answered against this engine, then post the READ."""
+        if meta.get("version") != PROTOCOL_VERSION:
+            raise RuntimeError(f"remote speaks protocol {meta.get('version')}, this engine {PROTOCOL_VERSION}")
+        if meta["layout"] != layout.signature():
+            raise RuntimeError(f"KV layout differs: remote {meta['layout']}, local {layout.signature()}")
+        if meta["model_identity"] != model_identity:
+            raise RuntimeError(f"remote serves another model: {meta['model_identity']}")
+        r = agent.remote(meta)
+        if any(not (0 <= b < r.num_blocks) for b in self.remote_ids):
+            raise RuntimeError(f"remote block ids out of range [0, {r.num_blocks})")
+        self.agent_name = r.agent_name
+        self.handle = agent.read(self.local_ids, r, self.remote_ids, self.notif)
+        self.posted = time.monotonic()
+
+    def release_handle(self, agent: KVAgent | None) -> bool:
+        if self.handle is None or agent is None:
+            return True
+        if not agent.release(self.handle):
+            return False
+        self.handle = None
+        return True
+
+    def poll(self, agent: KVAgent, now: float, layout: BlockLayout, model_identity: str,
+             transfer_timeout_s: float) -> bool | None:
+        """True: loaded; False: failed; None: still going. Every path is bounded by ``deadline``."""
+        if self.handle is None:
+            assert self.future is not None
+            if not self.future.done():
+                return None  # the claim itself is bounded by handshake_timeout_s
+            try:
+                self.start_read(agent, self.future.result(), layout, model_identity)
+            except Exception as e:
+                log.warning("request %s: KV pull from %s failed before the read: %s; recomputing",
+                            self.request_id, self.remote_engine_id, e)
+                if self.handle is not None:
+                    self.release_handle(agent)
+                return False
+            return None
+        try:
+            state = agent.state(self.handle)
+        except Exception as e:
+            log.warning("request %s: NIXL read failed: %s", self.request_id, e)
+            state = "ERR"
+        if state == "DONE":
+            self.release_handle(agent)
+            return True
+        if state == "PROC" and now < self.deadline:
+            return None
+        if state == "PROC":
+            # Timed out: abort the read before its blocks can be reused; if NIXL cannot abort yet, keep
+            # the blocks for one more timeout period, then give up on the transfer either way.
+            if not self.release_handle(agent):
+                if self.abort_deadline is None:
+                    self.abort_deadline = now + transfer_timeout_s
+                if now < self.abort_deadline:
+                    return None
+                log.error("request %s: read could not be aborted; dropping it", self.request_id)
+            log.warning("request %s: KV read timed out after %.1fs; recomputing", self.request_id,
+                        now - self.started)
+            return False
+        log.warning("request %s: NIXL read ended in %s; recomputing", self.request_id, state)
+        self.release_handle(agent)
+        if self.agent_name is not None:
+            try:  # let the prefill side free its blocks now rather than at lease expiry
+                agent.send_notif(self.agent_name, self.notif)
+            except Exception:
+                pass
+        return False
