@@ -24,13 +24,20 @@ CRD = "crd"
 
 @dataclass(frozen=True)
 class CrdProperty:
-    """Where a setting sits in the CRD: ``spec.engine.<name>``, with the CRD's own default (the
-    operator's pods are sized for a GPU, so it may differ from the CLI's), and the CRD value that
-    means "leave the flag out, let the engine choose" (``unset``)."""
+    """A setting's property in the InferenceService CRD: ``spec.engine.<name>``.
+
+    ``default`` is the CRD's own (the operator's pods are sized for a GPU, so it may differ from the
+    CLI's); ``unset`` is the CRD value that leaves the flag out so the engine chooses. The schema
+    (kvmesh/operator/crd.py writes it into crds/) takes its type from the field, its enum from
+    ``enum`` or else from the flag's choices plus ``unset``, and the bounds and description here."""
 
     name: str
     default: Any
     unset: Any = None
+    enum: tuple[Any, ...] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    description: str | None = None
 
 
 def _setting(default: Any, help: str | None = None, *, crd: CrdProperty | None = None, **cli_kw: Any):
@@ -45,10 +52,15 @@ class EngineArgs:
     """Defaults are the config dataclasses' own where the setting lands unchanged in one of them."""
 
     model: str | None = _setting(None, "HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    block_size: int = _setting(CacheConfig.block_size, crd=CrdProperty("blockSize", 16))
-    max_num_batched_tokens: int = _setting(SchedulerConfig.max_num_batched_tokens,
-                                           crd=CrdProperty("maxNumBatchedTokens", 8192))
-    max_num_seqs: int = _setting(SchedulerConfig.max_num_seqs, crd=CrdProperty("maxNumSeqs", 128))
+    block_size: int = _setting(
+        CacheConfig.block_size,
+        crd=CrdProperty("blockSize", 16, enum=(8, 16, 32, 64, 128),
+                        description="Tokens per KV block; prefill and decode must agree for KV transfer."))
+    max_num_batched_tokens: int = _setting(
+        SchedulerConfig.max_num_batched_tokens,
+        crd=CrdProperty("maxNumBatchedTokens", 8192, minimum=16, maximum=1 << 20))
+    max_num_seqs: int = _setting(SchedulerConfig.max_num_seqs,
+                                 crd=CrdProperty("maxNumSeqs", 128, minimum=1, maximum=4096))
     max_model_len: int | None = _setting(None)  # None: the model's max_position_embeddings
     long_prefill_token_threshold: int = _setting(SchedulerConfig.long_prefill_token_threshold)
     num_scheduler_steps: int = _setting(
@@ -65,11 +77,15 @@ class EngineArgs:
     dtype: str | None = _setting(None, choices=["float32", "bfloat16", "float16"],
                                  crd=CrdProperty("dtype", "auto", unset="auto"))
     device: str | None = _setting(None, "cpu, cuda, cuda:1 (default: cuda if available)")
-    gpu_memory_utilization: float = _setting(CacheConfig.gpu_memory_utilization,
-                                             crd=CrdProperty("gpuMemoryUtilization", 0.9))
-    kv_cache_memory_gb: float = _setting(CacheConfig.kv_cache_memory_gb,
-                                         "CPU KV pool budget when --num-kv-blocks is unset",
-                                         crd=CrdProperty("kvCacheMemoryGB", 2.0))
+    gpu_memory_utilization: float = _setting(
+        CacheConfig.gpu_memory_utilization,
+        crd=CrdProperty("gpuMemoryUtilization", 0.9, minimum=0.05, maximum=0.99,
+                        description="GPU workers size their KV pool to this share of device memory."))
+    kv_cache_memory_gb: float = _setting(
+        CacheConfig.kv_cache_memory_gb, "CPU KV pool budget when --num-kv-blocks is unset",
+        crd=CrdProperty("kvCacheMemoryGB", 2.0, minimum=0.01, maximum=4096,
+                        description="CPU workers (gpus 0) size their KV pool to this many GB of host memory; "
+                                    "count it in the pod's memory request."))
     num_kv_blocks: int | None = _setting(CacheConfig.num_kv_blocks, "KV pool size in blocks (default: from memory)")
     seed: int = _setting(EngineConfig.seed)
     # Flags of the server commands (kvmesh serve/prefill/decode): the "server" section.
