@@ -1,15 +1,16 @@
-"""Issue 4 in one device call: every kernel checked against its reference, the kernel
-benchmarks, the engine benchmarks, then one table of the figures the issue asks for.
+"""The whole GPU benchmark in one command: every kernel checked against its reference, the
+kernel benchmarks, the engine benchmarks, then one table of the headline figures.
 
-    python3 bench/gpu_all.py [--budget-s 560]          # on the device (carry .whl: docs/gpu.md)
+    python3 bench/gpu_all.py [--budget-s 560]          # on a machine with one CUDA GPU
     python3 bench/gpu_all.py --summarize DIR           # the table again from DIR's JSON files
 
-Runs ``bench/gpu_kernels.py --no-variants`` (checks on fresh random shapes, decode / prefill
-against copy and SDPA) and then ``bench/gpu_engine.py`` (greedy tokens against HF, decode at
-batch 1 / 32 / 128 against the roofline and HF ``generate()``, offline throughput) as separate
-processes, each with its own CUDA context and the time that is left, both writing their JSON
-under ``$OUT``. Then prints the summary last and writes ``gpu_all.json`` there. Exit status: 1 when
-a check failed, the greedy comparison failed or a script did not finish.
+Needs the kvmesh package installed (docs/gpu.md). Runs ``bench/gpu_kernels.py --no-variants``
+(checks on fresh random shapes, decode / prefill against copy and SDPA) and then
+``bench/gpu_engine.py`` (greedy tokens against HF, decode at batch 1 / 32 / 128 against the
+roofline and HF ``generate()``, offline throughput) as separate processes, each with its own CUDA
+context and the time that is left, both writing their JSON under ``$OUT`` (default: the current
+directory). Then prints the summary last and writes ``gpu_all.json`` there. Exit status: 1 when a
+check failed, the greedy comparison failed or a script did not finish.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _load(path: str) -> dict | None:
 
 
 def summarize(out_dir: str, rcs: dict[str, int] | None = None) -> tuple[list[str], dict, bool]:
-    """The issue's figures from ``gpu_kernels.json`` and ``gpu_engine.json`` in ``out_dir``."""
+    """The headline figures from ``gpu_kernels.json`` and ``gpu_engine.json`` in ``out_dir``."""
     k = _load(os.path.join(out_dir, "gpu_kernels.json"))
     e = _load(os.path.join(out_dir, "gpu_engine.json"))
     lines, summary, ok = [], {"returncodes": rcs or {}}, True

@@ -2,9 +2,7 @@
 
     PYTHONUNBUFFERED=1 timeout 590 python3 bench/gpu_engine.py [--prompts 1000] [--quick]
 
-Runs from a plain checkout (the lent H200 gets a copy of the repo, not an install):
-if ``kvmesh.engine`` does not import, ``kvmesh``, ``kvmesh.engine`` and
-``kvmesh.kernels`` are loaded from ``kvmesh/``, ``engine/`` and ``kernels/``.
+Needs the kvmesh package installed (docs/gpu.md) and one CUDA GPU.
 
 1. Correctness (small Llama-3-style model: hidden 2048, 4 layers, 16 heads, 4 KV heads,
    head 128, vocab 32000, llama3 rope scaling; random bf16 weights): 32 random
@@ -41,25 +39,15 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from kvmesh.engine.args import EngineArgs
+from kvmesh.engine.core import EngineCore
+from kvmesh.engine.messages import EngineCoreRequest
+from kvmesh.engine.models import random_init
+from kvmesh.engine.sampling_params import SamplingParams
+
 T_START = time.time()
 TIE_TOL = 0.05
 
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checkout import import_checkout  # noqa: E402
-
-
-def import_engine():
-    return import_checkout("kvmesh.engine.core")
-
-
-import_engine()
-from kvmesh.engine.args import EngineArgs  # noqa: E402
-from kvmesh.engine.core import EngineCore  # noqa: E402
-from kvmesh.engine.messages import EngineCoreRequest  # noqa: E402
-from kvmesh.engine.models import random_init  # noqa: E402
-from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
 
 DEV = "cuda"
 R: dict = {}
@@ -145,8 +133,8 @@ def check_correctness(quick: bool) -> None:
         def execute(sched, inner=inner, captured=captured):
             logits, rows = inner(sched)
             for k, j in enumerate(rows):
-                r = sched.scheduled[j].request
-                captured[(r.request_id, r.num_tokens - 1)] = logits[k].float().clone()
+                r = sched.scheduled[j]
+                captured[(r.request_id, len(r.all_token_ids) - 1)] = logits[k].float().clone()
             return logits, rows
 
         if mode != "multi":  # multi-step rounds keep logits on the device; their tokens are compared instead
@@ -258,7 +246,7 @@ def graph_inputs_consistent(r, B: int) -> bool:
     """Whether the static graph buffers hold B whole decode rows (one token each, contexts within
     the model, pages in the pool). After a run whose last steps had fewer sequences, rows past them
     hold what other batch sizes left (the engine rewrites every row before each replay, so it never
-    reads them); replaying those faulted on the H200 (batch 48, 2026-11-30). Then: no figure."""
+    reads them); replaying those can fault. Then: no figure."""
     o, W = r._graph_layout(), r.max_blocks_per_seq
     buf = r.graph_buf.cpu()
     qsl, sl = buf[o[3]:o[3] + B + 1], buf[o[4]:o[4] + B]
@@ -531,8 +519,6 @@ def main() -> int:
                          "programmatic dependent launch off / on / off / on")
     ap.add_argument("--gemv-ab", action="store_true",
                     help="also time batch 1 with cuBLAS GEMVs (KVMESH_GEMV=0) before the default GEMV kernel")
-    ap.add_argument("--sort-free-min-rows", type=int, default=None, metavar="N",
-                    help="the device sampler's SORT_FREE_MIN_ROWS for this run (rows from which top-p needs no sort)")
     ap.add_argument("--json", default="gpu_engine.json", help="file name of the results under $OUT (or the cwd)")
     ap.add_argument("--budget-s", type=float, default=560.0, help="whole-run deadline (throughput is cut to fit)")
     args = ap.parse_args()
@@ -542,8 +528,6 @@ def main() -> int:
     R["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     transformers=transformers.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                     args=vars(args))
-    if args.sort_free_min_rows is not None:
-        import_checkout("kvmesh.engine.sampler").SORT_FREE_MIN_ROWS = args.sort_free_min_rows
     skip = set(filter(None, args.skip.split(",")))
     out_dir = os.environ.get("OUT", ".")
     status = 0

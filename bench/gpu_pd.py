@@ -1,12 +1,11 @@
 """Prefill on one GPU, decode on another, KV moved VRAM->VRAM by the NIXL connector; all in one run.
 
-    # on the 2-GPU machine (carry .whl: msgspec, nixl, nixl_cu13, pyzmq wheels; see docs/gpu_pd.md)
+    # two GPUs; the kvmesh package and NIXL (nixl, nixl-cu13) installed (docs/gpu_pd.md)
     PYTHONUNBUFFERED=1 timeout 570 python3 bench/gpu_pd.py --budget-s 540
     # CPU check of the same logic (small model, DRAM):
     KVMESH_CPU_THREADS=1 .venv/bin/python bench/gpu_pd.py --cpu
 
-Runs from a plain checkout (``kvmesh`` need not be installed: the same import shim as
-bench/gpu_engine.py). Two worker processes, A on ``cuda:0`` and B on ``cuda:1`` (both GPUs
+Two worker processes, A on ``cuda:0`` and B on ``cuda:1`` (both GPUs
 visible to both, so UCX can use cuda_ipc over NVLink); the driver (this process) feeds them.
 
 0. Probe: imports (zmq, msgspec, nixl), GPU count, peer access, ``nvidia-smi topo -m``.
@@ -60,7 +59,6 @@ import uuid
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T0 = time.time()
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ[_k] = _v  # NVLink multicast stays off (shared host); inherited by the workers
@@ -68,14 +66,6 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
-
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checkout import import_checkout  # noqa: E402
-
-
-def import_engine():
-    return import_checkout("kvmesh.engine.core")
 
 
 def model_config(cpu: bool) -> dict:
@@ -100,7 +90,6 @@ class Worker:
         import torch
 
         self.torch = torch
-        import_engine()
         self.dev = a["devices"][idx]
         if self.dev.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.dev))
@@ -751,10 +740,8 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     deadline = T0 + args.budget_s
     os.makedirs(args.out_dir, exist_ok=True)
-    sys.path.insert(0, ROOT)
     import torch
 
-    import_engine()
     R: dict = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
                "sizes": args.sizes, "modes": modes, "errors": [], "not_run": []}
     out_json = os.path.join(args.out_dir, "gpu_pd.json")

@@ -1,4 +1,4 @@
-"""The serving measurements of issue 3, in one run; prints a markdown table.
+"""The serving measurements (BENCHMARKS.md), in one run; prints a markdown table.
 
 1. `kvmesh serve` (embedded model, CPU) loaded by `kvmesh bench serve` at request
    rates 1, 4 and inf (random dataset, fixed input/output lengths);

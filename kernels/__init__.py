@@ -1,31 +1,16 @@
 """GPU kernels of kvmesh (Triton) with pure-torch references.
 
-Every public function checks its arguments and dispatches per call: compiled
-Triton on CUDA tensors, the Triton interpreter on CPU tensors when
-``TRITON_INTERPRET=1``, else the torch reference in `kvmesh.kernels.reference`.
-See docs/kernels.md for the KV layout, tolerances and measurements.
+Every public function checks its arguments and dispatches per call: compiled Triton on CUDA
+tensors, the Triton interpreter on CPU tensors when ``TRITON_INTERPRET=1``, else the torch
+reference in `kvmesh.kernels.reference` (see `kvmesh.kernels._dispatch`). Wrappers live in one
+module per family (attention, kv_cache, elementwise, matmul, sampling), kernel bodies in
+`kvmesh.kernels._triton`. See docs/kernels.md for the KV layout, tolerances and measurements.
 """
-from .ops import (
-    attention_config,
-    backend,
-    copy_blocks,
-    gather_blocks,
-    gemv_config,
-    gemv_enabled,
-    linear,
-    paged_attention,
-    race_argmax,
-    race_noise,
-    softmax_temperature,
-    rms_norm,
-    rope,
-    rope_write_kv,
-    scatter_blocks,
-    silu_and_mul,
-    silu_mul_linear,
-    top_p_threshold,
-    write_kv,
-)
+from ._dispatch import backend
+from .attention import attention_config, paged_attention
+from .elementwise import rms_norm, rope, silu_and_mul
+from .kv_cache import copy_blocks, gather_blocks, rope_write_kv, write_kv
+from .matmul import gemv_config, gemv_enabled, linear, silu_mul_linear
 from .reference import (
     copy_blocks_reference,
     gather_blocks_reference,
@@ -33,16 +18,16 @@ from .reference import (
     paged_attention_reference,
     race_argmax_reference,
     race_noise_reference,
-    softmax_temperature_reference,
     rms_norm_reference,
     rope_reference,
     rope_write_kv_reference,
-    scatter_blocks_reference,
     silu_and_mul_reference,
     silu_mul_linear_reference,
+    softmax_temperature_reference,
     top_p_threshold_reference,
     write_kv_reference,
 )
+from .sampling import race_argmax, race_noise, softmax_temperature, top_p_threshold
 
 __all__ = [
     "attention_config",
@@ -59,7 +44,6 @@ __all__ = [
     "rms_norm",
     "rope",
     "rope_write_kv",
-    "scatter_blocks",
     "silu_and_mul",
     "silu_mul_linear",
     "top_p_threshold",
@@ -74,7 +58,6 @@ __all__ = [
     "rms_norm_reference",
     "rope_reference",
     "rope_write_kv_reference",
-    "scatter_blocks_reference",
     "silu_and_mul_reference",
     "silu_mul_linear_reference",
     "top_p_threshold_reference",

@@ -124,11 +124,6 @@ def gather_blocks_reference(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> 
     return kv_cache[block_ids.long()].contiguous()
 
 
-def scatter_blocks_reference(kv_cache: torch.Tensor, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
-    """Unpack a contiguous buffer into the given blocks (KV transfer receive side)."""
-    kv_cache[block_ids.long()] = packed.to(kv_cache.dtype)
-
-
 def rms_norm_reference(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -1,23 +1,41 @@
-"""Shared by the GPU tests: each loads one ``bench/gpu_*.py`` script as a module, so the
-benchmark's checks and the tests are one definition of correct."""
+"""Shared by the GPU tests (marker ``gpu``; they skip without CUDA): the marker itself, a CUDA
+generator with a fresh printed seed, and ``bench/gpu_engine.py`` imported as a module, so the
+engine benchmark's correctness check and the tests are one definition of correct. The kernel
+checks come from tests/kernel_checks.py."""
 from __future__ import annotations
 
 import importlib.util
 import os
 
 import pytest
+import torch
 
-_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_BENCH = os.path.join(_HERE, "..", "..", "bench")
 
 
-def _load(script: str):
-    spec = importlib.util.spec_from_file_location(f"kvmesh_bench_{script[:-3]}", os.path.join(_BENCH, script))
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by marker
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+    for item in items:
+        if str(item.path).startswith(_HERE + os.sep):
+            item.add_marker(pytest.mark.gpu)
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def engine_bench():
+    """``bench/gpu_engine.py`` imported under a name of its own."""
+    spec = importlib.util.spec_from_file_location("kvmesh_bench_gpu_engine", os.path.join(_BENCH, "gpu_engine.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-@pytest.fixture(scope="session")
-def load_bench():
-    """``load_bench("gpu_engine.py")``: ``bench/<script>`` imported under a name of its own."""
-    return _load
+@pytest.fixture
+def gen():
+    g = torch.Generator(device="cuda")
+    seed = int.from_bytes(os.urandom(4), "little")
+    g.manual_seed(seed)
+    print("seed", seed)
+    return g

@@ -7,7 +7,7 @@ device tool, e.g.:
 
     python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py
 
-``make test`` deselects the ``gpu`` marker; without CUDA these tests skip.
+``make test`` leaves tests/gpu out; without CUDA these tests skip (tests/gpu/conftest.py).
 """
 from __future__ import annotations
 
@@ -16,18 +16,8 @@ import os
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
-]
 
-
-@pytest.fixture(scope="module")
-def bench(load_bench):
-    return load_bench("gpu_engine.py")
-
-
-def test_no_triton_compiles_while_serving(bench):
+def test_no_triton_compiles_while_serving(engine_bench):
     """After engine start (graph capture, attention and sampler warm-up), a workload of every batch shape the
     scheduler makes (chunked prefill over cached context, mixed prefill/decode batches, lone short
     prompts that split KV, decode at many batch sizes, eager and in graphs) compiles nothing new:
@@ -38,8 +28,8 @@ def test_no_triton_compiles_while_serving(bench):
     from kvmesh.engine.models.random_init import random_model
     from kvmesh.engine.sampling_params import SamplingParams
 
-    loaded = random_model(bench.small_config(), name="small-random", dtype=torch.bfloat16, device="cuda", seed=3)
-    eng = bench.build_engine(loaded, num_kv_blocks=1024, max_num_batched_tokens=256, max_num_seqs=32,
+    loaded = random_model(engine_bench.small_config(), name="small-random", dtype=torch.bfloat16, device="cuda", seed=3)
+    eng = engine_bench.build_engine(loaded, num_kv_blocks=1024, max_num_batched_tokens=256, max_num_seqs=32,
                              max_model_len=1024)
     assert eng.runner.warm_up_configs > 0
     before = _compiled_variants()
@@ -73,9 +63,9 @@ def test_no_triton_compiles_while_serving(bench):
 
 
 
-def test_greedy_matches_hf_graphs_and_eager(bench):
-    bench.check_correctness(quick=True)
-    res = bench.R["correctness"]
+def test_greedy_matches_hf_graphs_and_eager(engine_bench):
+    engine_bench.check_correctness(quick=True)
+    res = engine_bench.R["correctness"]
     assert res["graphs"]["graph_steps"] > 0, "decode never used a CUDA graph"
     assert res["eager"]["graph_steps"] == 0
     # multi-step decode (8 graph replays per round, argmax fed back on the device): same tokens as one step
@@ -87,7 +77,7 @@ def test_greedy_matches_hf_graphs_and_eager(bench):
     assert res["pass"], res
 
 
-def test_device_sampling(bench):
+def test_device_sampling(engine_bench):
     """top_k=1 and a tiny top_p reduce to greedy; seeded rows are reproducible; one batch mixes all."""
     from kvmesh.engine.sampler import NoiseStream, Sampler
     from kvmesh.engine.sampling_params import SamplingParams
@@ -117,13 +107,13 @@ def _compiled_variants() -> dict[str, int]:
     """Compiled variants per Triton kernel of kvmesh.kernels, on every device."""
     from triton.runtime.jit import JITFunction
 
-    from kvmesh.kernels import _triton_kernels as tk
+    from kvmesh.kernels import _triton as tk
 
     return {name: sum(len(c[0]) for c in f.device_caches.values())
             for name, f in vars(tk).items() if isinstance(f, JITFunction)}
 
 
-def test_sampled_requests_run_multi_step_on_the_gpu(bench):
+def test_sampled_requests_run_multi_step_on_the_gpu(engine_bench):
     """Unseeded sampled requests decode in multi-step rounds, drawn on the device; with top_k=1
     the draw is deterministic and must give the greedy one-step tokens. In float32: bf16 logits
     tie at the top often enough that top_k=1 (which keeps every tied maximum) and argmax (the
@@ -134,7 +124,7 @@ def test_sampled_requests_run_multi_step_on_the_gpu(bench):
     from kvmesh.engine.models.random_init import random_model
     from kvmesh.engine.sampling_params import SamplingParams
 
-    loaded = random_model(bench.small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=4)
+    loaded = random_model(engine_bench.small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=4)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (20, 77, 150, 33)]
 
@@ -165,7 +155,7 @@ def test_sampled_requests_run_multi_step_on_the_gpu(bench):
     assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
 
 
-def test_async_scheduling_matches_waiting_rounds_on_the_gpu(bench):
+def test_async_scheduling_matches_waiting_rounds_on_the_gpu(engine_bench):
     """Rounds queued behind the one in flight (graph replays that read the previous round's last
     tokens on the device, block tables uploaded behind it) give exactly the tokens of rounds that
     wait for each other. float32, so equality is exact; a stop mid-round and different lengths
@@ -176,7 +166,7 @@ def test_async_scheduling_matches_waiting_rounds_on_the_gpu(bench):
     from kvmesh.engine.models.random_init import random_model
     from kvmesh.engine.sampling_params import SamplingParams
 
-    loaded = random_model(bench.small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=6)
+    loaded = random_model(engine_bench.small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=6)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (20, 77, 150, 33, 64, 9)]
 
@@ -226,13 +216,13 @@ def test_async_scheduling_matches_waiting_rounds_on_the_gpu(bench):
     assert got3 == want3 and eng.num_chained_rounds > 0 and eng.runner.num_graph_steps == 0
 
 
-def test_penalties_match_hf_on_the_gpu(bench):
+def test_penalties_match_hf_on_the_gpu(engine_bench):
     """Sampling penalties and a logit bias on CUDA logits, batched: greedy rows with
     ``repetition_penalty``, ``presence_penalty`` / ``frequency_penalty``, all three, or a
     ``logit_bias`` give HF ``generate()``'s tokens on the same float32 weights (bias and
     presence/frequency through a logits processor written from the OpenAI definitions), and plain
     greedy rows beside them are untouched. In 4-step rounds: the histories then grow on the device
-    (`sampler.LogitAdjustment.extend`)."""
+    (`logit_adjustment.LogitAdjustment.extend`)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     from kvmesh.engine.args import EngineArgs
@@ -241,7 +231,7 @@ def test_penalties_match_hf_on_the_gpu(bench):
     from kvmesh.engine.models.random_init import hf_model_from_state_dict, random_model
     from kvmesh.engine.sampling_params import SamplingParams
 
-    cfg = bench.small_config()
+    cfg = engine_bench.small_config()
     loaded = random_model(cfg, name="small-random", dtype=torch.float32, device="cuda", seed=8)
     hf = hf_model_from_state_dict(cfg, loaded.state_dict, "cuda", torch.float32)
     g = torch.Generator().manual_seed(9)
@@ -313,7 +303,7 @@ def test_penalties_match_hf_on_the_gpu(bench):
     assert eng.num_multi_step_rounds > 0
 
 
-def test_logprobs_and_seeds_in_rounds_match_one_step_on_the_gpu(bench):
+def test_logprobs_and_seeds_in_rounds_match_one_step_on_the_gpu(engine_bench):
     """Requests with logprobs (0, 2 and 5 top entries, one with a penalty, beside a plain row) and
     a seeded sampled request in 8-step async rounds replayed from CUDA graphs: each step's
     logprobs are taken on the device from the raw logits and copied with the tokens, the seeded
@@ -325,7 +315,7 @@ def test_logprobs_and_seeds_in_rounds_match_one_step_on_the_gpu(bench):
     from kvmesh.engine.models.random_init import random_model
     from kvmesh.engine.sampling_params import SamplingParams
 
-    loaded = random_model(bench.small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=12)
+    loaded = random_model(engine_bench.small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=12)
     g = torch.Generator().manual_seed(13)
     prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (30, 90, 14, 61, 45)]
     base = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -1,10 +1,9 @@
 """Run the Triton kernels under Triton's interpreter on the CPU.
 
-`kvmesh.kernels` decides per call: CPU tensors go to the interpreter when
-``TRITON_INTERPRET=1`` is set *at call time* (it keeps a separately imported,
-interpreted copy of its kernels), so setting the variable per test with
-monkeypatch is enough and robust to import order; it does not leak into other
-test directories (where the engine's CPU path must stay on the fast reference).
+`kvmesh.kernels` sends CPU tensors to the Triton kernels when ``TRITON_INTERPRET=1`` is set at
+call time. Each test sets it and points the kernel lookup at an interpreted copy of the kernel
+bodies (tests/kernels/triton_interpreter.py), both undone after the test, so the engine's CPU path in
+other test directories stays on the fast reference.
 """
 from __future__ import annotations
 
@@ -13,10 +12,17 @@ import os
 import pytest
 import torch
 
+from kvmesh.kernels import _dispatch
+
+from triton_interpreter import interpreted_kernels
+
 
 @pytest.fixture(autouse=True)
 def triton_interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    compiled = _dispatch.kernels_for
+    interpreted = interpreted_kernels()
+    monkeypatch.setattr(_dispatch, "kernels_for", lambda t: compiled(t) if t.is_cuda else interpreted)
     yield
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kvmesh.kernels as K
-from kvmesh.kernels import ops
+from kvmesh.kernels import _dispatch, attention, matmul
 
 pytestmark = pytest.mark.unit
 
@@ -121,7 +121,7 @@ def test_decode_tma_falls_back_where_no_descriptor_fits(gen):
     so the pointer kernel runs and the result is still right; a prefill cannot ask for TMA."""
     q, k, v, bt, qsl, sl = make_paged(gen, [1, 1, 1], [9, 40, 16], 8, 2, 32, 16, torch.bfloat16)
     k_hm, v_hm = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
-    assert ops._tma_view(k_hm) is None and ops._tma_view(k) is not None
+    assert attention._tma_view(k_hm) is None and attention._tma_view(k) is not None
     out = torch.full_like(q, float("nan"))
     K.paged_attention(q, k_hm, v_hm, bt, qsl, sl, 32 ** -0.5, out=out, max_query_len=1, tma=True)
     ref = K.paged_attention_reference(q.float(), k.float(), v.float(), bt, qsl, sl, 32 ** -0.5)
@@ -135,28 +135,28 @@ def test_tma_descriptor_kept_per_cache_view(gen):
     objects every step) and a layout without one is remembered too; another layer's view gets
     its own, and results stay right when the kept descriptor is used."""
     q, k, v, bt, qsl, sl = make_paged(gen, [1, 1], [40, 9], 8, 2, 32, 16, torch.bfloat16)
-    first = ops._tma_view(k)
-    assert first is not None and ops._tma_view(k) is first and ops._tma_view(v) is not first
+    first = attention._tma_view(k)
+    assert first is not None and attention._tma_view(k) is first and attention._tma_view(v) is not first
     k_hm = k.transpose(1, 2).contiguous().transpose(1, 2)
-    assert ops._tma_view(k_hm) is None and ops._tma_view(k_hm) is None
+    assert attention._tma_view(k_hm) is None and attention._tma_view(k_hm) is None
     ref = K.paged_attention_reference(q.float(), k.float(), v.float(), bt, qsl, sl, 32 ** -0.5)
     for _ in range(2):
         out = torch.full_like(q, float("nan"))
         K.paged_attention(q, k, v, bt, qsl, sl, 32 ** -0.5, out=out, max_query_len=1, tma=True)
         assert rel_err(out, ref) < ATT_BOUND[torch.bfloat16]
-    assert ops._tma_view(k) is first
+    assert attention._tma_view(k) is first
 
 
 def test_pdl_only_for_one_token_calls_on_hopper(monkeypatch):
-    """Programmatic dependent launch (`ops._pdl`): launch options for one-token calls on Hopper and
+    """Programmatic dependent launch (`kvmesh.kernels._dispatch.pdl`): launch options for one-token calls on Hopper and
     newer; none for more tokens, none with KVMESH_PDL=0, none without such a GPU (the CPU here)."""
     t = torch.zeros(1)
-    assert ops._pdl(t, 1) == {}
-    monkeypatch.setattr(ops, "_hopper", lambda device: True)
-    assert ops._pdl(t, 1) == {"PDL": True, "launch_pdl": True}
-    assert ops._pdl(t, 2) == {} and ops._pdl(t, 128) == {}
+    assert _dispatch.pdl(t, 1) == {}
+    monkeypatch.setattr(_dispatch, "hopper", lambda device: True)
+    assert _dispatch.pdl(t, 1) == {"PDL": True, "launch_pdl": True}
+    assert _dispatch.pdl(t, 2) == {} and _dispatch.pdl(t, 128) == {}
     monkeypatch.setenv("KVMESH_PDL", "0")
-    assert ops._pdl(t, 1) == {}
+    assert _dispatch.pdl(t, 1) == {}
 
 
 def test_tma_heuristic_needs_many_programs(monkeypatch):
@@ -165,15 +165,15 @@ def test_tma_heuristic_needs_many_programs(monkeypatch):
     program per SM (batch 1 and 8), through the pointer kernel in between (batch 32), and never
     for prefill or fp32; the interpreter and older GPUs never choose it."""
     dev = torch.device("cpu")
-    assert not ops.attention_config(128, 128, 32, 8, 128, 1, 576, dev, torch.bfloat16)["tma"]
-    monkeypatch.setattr(ops, "_has_tma", lambda device: True)
-    cfg = lambda b, q=1, dt=torch.bfloat16: ops.attention_config(b * q, b, 32, 8, 128, q, 576, dev, dt)  # noqa: E731
+    assert not attention.attention_config(128, 128, 32, 8, 128, 1, 576, dev, torch.bfloat16)["tma"]
+    monkeypatch.setattr(attention, "_has_tma", lambda device: True)
+    cfg = lambda b, q=1, dt=torch.bfloat16: attention.attention_config(b * q, b, 32, 8, 128, q, 576, dev, dt)  # noqa: E731
     assert cfg(128)["tma"] and cfg(64)["tma"] and (cfg(64)["num_warps"], cfg(64)["num_stages"]) == (2, 6)
     assert not cfg(32)["tma"] and not cfg(128, q=4)["tma"] and not cfg(128, dt=torch.float32)["tma"]
     assert cfg(64)["num_segments"] == 1 and (cfg(8)["tma"], cfg(8)["num_segments"]) == (True, 8)
     assert (cfg(1)["tma"], cfg(1)["num_segments"], cfg(1)["num_warps"]) == (True, 16, 2)
     assert not cfg(1, dt=torch.float32)["tma"] and cfg(1, dt=torch.float32)["num_segments"] > 1
-    assert not ops.attention_config(128, 128, 32, 8, 128, 1, 576, dev, torch.bfloat16, allow_tma=False)["tma"]
+    assert not attention.attention_config(128, 128, 32, 8, 128, 1, 576, dev, torch.bfloat16, allow_tma=False)["tma"]
 
 
 def test_decode_no_hints_fp32(gen):
@@ -213,9 +213,9 @@ def test_head_fastest_grid_mixed(gen):
 
 def test_split_kv_heuristic_chooses_split_for_few_long_sequences():
     dev = torch.device("cpu")
-    few_long = ops.attention_config(2, 2, 32, 8, 128, 1, 32768, dev, torch.bfloat16)
-    many = ops.attention_config(128, 128, 32, 8, 128, 1, 4096, dev, torch.bfloat16)
-    prefill = ops.attention_config(4096, 2, 32, 8, 128, 2048, 4096, dev, torch.bfloat16)
+    few_long = attention.attention_config(2, 2, 32, 8, 128, 1, 32768, dev, torch.bfloat16)
+    many = attention.attention_config(128, 128, 32, 8, 128, 1, 4096, dev, torch.bfloat16)
+    prefill = attention.attention_config(4096, 2, 32, 8, 128, 2048, 4096, dev, torch.bfloat16)
     assert few_long["num_segments"] > 1
     assert many["num_segments"] == 1 and prefill["num_segments"] == 1
     assert prefill["block_m"] > few_long["block_m"]
@@ -226,10 +226,10 @@ def test_decode_heuristic_short_contexts():
     # into (up to 16) one-tile segments; many sequences use 64-key tiles; a mid-size batch keeps
     # 128-key tiles; long contexts keep 128-key tiles whatever the batch.
     dev = torch.device("cpu")
-    one = ops.attention_config(1, 1, 32, 8, 128, 1, 576, dev, torch.bfloat16)
-    mid = ops.attention_config(32, 32, 32, 8, 128, 1, 576, dev, torch.bfloat16)
-    many = ops.attention_config(128, 128, 32, 8, 128, 1, 576, dev, torch.bfloat16)
-    many_long = ops.attention_config(128, 128, 32, 8, 128, 1, 4096, dev, torch.bfloat16)
+    one = attention.attention_config(1, 1, 32, 8, 128, 1, 576, dev, torch.bfloat16)
+    mid = attention.attention_config(32, 32, 32, 8, 128, 1, 576, dev, torch.bfloat16)
+    many = attention.attention_config(128, 128, 32, 8, 128, 1, 576, dev, torch.bfloat16)
+    many_long = attention.attention_config(128, 128, 32, 8, 128, 1, 4096, dev, torch.bfloat16)
     assert one["num_segments"] == 16 and one["tile_n"] == 64
     assert mid["num_segments"] == 1 and mid["tile_n"] == 128
     assert many["num_segments"] == 1 and (many["tile_n"], many["num_stages"]) == (64, 2)
@@ -259,12 +259,6 @@ def test_block_moves(gen):
     assert torch.equal(kv, expect)
     ids = perm[6:10].to(torch.int32)
     assert torch.equal(K.gather_blocks(kv, ids), K.gather_blocks_reference(kv, ids))
-    # fp32 buffer into a bf16 cache exercises the cast; values are bf16-representable
-    # because the interpreter truncates fp32 -> bf16 where the GPU rounds.
-    packed = torch.randn(4, 2, 2, 16, 2, 16, generator=gen).to(torch.bfloat16).float()
-    K.scatter_blocks_reference(expect, ids, packed)
-    K.scatter_blocks(kv, ids, packed)
-    assert torch.equal(kv, expect)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -367,8 +361,8 @@ def test_silu_mul_linear(gen, dtype):
 def test_gemv_dispatch(gen, monkeypatch):
     """Only single rows take the GEMV kernel; KVMESH_GEMV=0 turns it off; bad shapes are errors."""
     calls = []
-    real = ops._gemv
-    monkeypatch.setattr(ops, "_gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    real = matmul._gemv
+    monkeypatch.setattr(matmul, "_gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     w = torch.randn(16, 32, generator=gen)
     K.linear(torch.randn(1, 32, generator=gen), w)
     K.linear(torch.randn(3, 32, generator=gen), w)
@@ -406,26 +400,15 @@ def test_argument_errors_are_clear(gen):
         K.copy_blocks(torch.zeros(4, 8), torch.tensor([0]), torch.tensor([1, 2]))
 
 
-def _gpu_kernels_bench(monkeypatch):
-    """bench/gpu_kernels.py on the CPU (its checks are the one definition of correct)."""
-    import importlib.util
-    import os
-
-    monkeypatch.setenv("KVMESH_BENCH_DEVICE", "cpu")
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu_kernels.py")
-    spec = importlib.util.spec_from_file_location("kvmesh_bench_gpu_kernels_cpu", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _bench_check(monkeypatch, gen, name: str) -> None:
-    """Run ``bench/gpu_kernels.py``'s ``check_<name>`` in the interpreter; none of its checks may fail."""
+    """Run tests/kernel_checks.py's ``check_<name>`` in the interpreter; none of its checks may fail."""
+    import kernel_checks
+
     assert K.backend(torch.zeros(1)) == "interpret"
-    bench = _gpu_kernels_bench(monkeypatch)
-    bench.FAILED.clear()
-    getattr(bench, f"check_{name}")(gen)
-    assert not bench.FAILED, bench.FAILED
+    monkeypatch.setattr(kernel_checks, "DEV", "cpu")
+    kernel_checks.FAILED.clear()
+    getattr(kernel_checks, f"check_{name}")(gen)
+    assert not kernel_checks.FAILED, kernel_checks.FAILED
 
 
 def test_top_p_threshold(gen, monkeypatch):

@@ -1,0 +1,34 @@
+"""Triton kernel bodies of `kvmesh.kernels`, launched only by its wrappers (which check the
+arguments and choose the launch configuration). One module per family; the wrappers reach every
+kernel through this package."""
+from .attention import paged_attention_kernel, paged_decode_tma_kernel, reduce_segments_kernel
+from .cache import block_copy_kernel, rope_write_kv_kernel, write_kv_kernel
+from .elementwise import rms_norm_kernel, rope_kernel, silu_and_mul_kernel
+from .gemv import gemv_kernel
+from .sampling import (
+    race_argmax_kernel,
+    race_noise_kernel,
+    softmax_stats_kernel,
+    softmax_write_kernel,
+    top_p_hist_kernel,
+    top_p_select_kernel,
+)
+
+__all__ = [
+    "block_copy_kernel",
+    "gemv_kernel",
+    "paged_attention_kernel",
+    "paged_decode_tma_kernel",
+    "race_argmax_kernel",
+    "race_noise_kernel",
+    "reduce_segments_kernel",
+    "rms_norm_kernel",
+    "rope_kernel",
+    "rope_write_kv_kernel",
+    "silu_and_mul_kernel",
+    "softmax_stats_kernel",
+    "softmax_write_kernel",
+    "top_p_hist_kernel",
+    "top_p_select_kernel",
+    "write_kv_kernel",
+]

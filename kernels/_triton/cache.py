@@ -1,0 +1,120 @@
+"""Writes into the paged KV cache and whole-block moves."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import grid_dependency
+
+
+@triton.jit
+def write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    HKV: tl.constexpr, HKV_PAD: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """One program per token: copy its [Hkv, D] key and value into the slot's page.
+
+    Padding slots (-1) return before touching memory, which is what lets the
+    runner pad a batch to a CUDA-graph size without a scratch block."""
+    grid_dependency(PDL)
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, HKV_PAD)
+    d = tl.arange(0, D_PAD)
+    mask = (h[:, None] < HKV) & (d[None, :] < HEAD_D)
+    t64 = t.to(tl.int64)
+    k = tl.load(key_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(value_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
+    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
+    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def block_copy_kernel(
+    src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr,
+    stride_src, stride_dst, numel,
+    SRC_INDEXED: tl.constexpr, DST_INDEXED: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Copy one CHUNK of block ``i``: ``dst[dst_ids[i]] = src[src_ids[i]]``.
+
+    Serves copy_blocks (both sides indexed), gather (dst packed) and scatter (src
+    packed); a block of the all-layer KV tensor is one contiguous byte range, so
+    this is a plain vectorised memcpy per block."""
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    if SRC_INDEXED:
+        s = tl.load(src_ids_ptr + i).to(tl.int64)
+    else:
+        s = i.to(tl.int64)
+    if DST_INDEXED:
+        d = tl.load(dst_ids_ptr + i).to(tl.int64)
+    else:
+        d = i.to(tl.int64)
+    offs = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < numel
+    x = tl.load(src_ptr + s * stride_src + offs, mask=mask)
+    tl.store(dst_ptr + d * stride_dst + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rope_write_kv_kernel(
+    pos_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cs_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh, stride_cs,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """One program per token: rotate its query heads (written to ``qo``), rotate its key heads
+    and write them with its values straight into the token's cache slot.
+
+    This is `rope_kernel` twice plus `write_kv_kernel` in one launch: at batch 1 each of
+    those moves a few KiB, so three launches per layer cost more than their work. The
+    rotated key never goes back to memory except in the cache, where attention reads it."""
+    grid_dependency(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.arange(0, HALF_PAD)
+    j_ok = j < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + j, mask=j_ok, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
+
+    hq = tl.arange(0, HQ_PAD)
+    mq = (hq[:, None] < HQ) & j_ok[None, :]
+    qb = q_ptr + t * stride_qt + hq[:, None] * stride_qh + j[None, :]
+    q1 = tl.load(qb, mask=mq, other=0.0).to(tl.float32)
+    q2 = tl.load(qb + HALF, mask=mq, other=0.0).to(tl.float32)
+    ob = qo_ptr + t * stride_qot + hq[:, None] * stride_qoh + j[None, :]
+    tl.store(ob, (q1 * cos[None, :] - q2 * sin[None, :]).to(qo_ptr.dtype.element_ty), mask=mq)
+    tl.store(ob + HALF, (q2 * cos[None, :] + q1 * sin[None, :]).to(qo_ptr.dtype.element_ty), mask=mq)
+
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        hk = tl.arange(0, HKV_PAD)
+        mk = (hk[:, None] < HKV) & j_ok[None, :]
+        kb = k_ptr + t * stride_kt + hk[:, None] * stride_kh + j[None, :]
+        k1 = tl.load(kb, mask=mk, other=0.0).to(tl.float32)
+        k2 = tl.load(kb + HALF, mask=mk, other=0.0).to(tl.float32)
+        # round to the key's dtype first: that is what the unfused path stores and then casts
+        r1 = (k1 * cos[None, :] - k2 * sin[None, :]).to(k_ptr.dtype.element_ty)
+        r2 = (k2 * cos[None, :] + k1 * sin[None, :]).to(k_ptr.dtype.element_ty)
+        kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + hk[:, None] * stride_kch + j[None, :]
+        tl.store(kc, r1.to(k_cache_ptr.dtype.element_ty), mask=mk)
+        tl.store(kc + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=mk)
+        vb = v_ptr + t * stride_vt + hk[:, None] * stride_vh + j[None, :]
+        vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + hk[:, None] * stride_vch + j[None, :]
+        tl.store(vc, tl.load(vb, mask=mk).to(v_cache_ptr.dtype.element_ty), mask=mk)
+        tl.store(vc + HALF, tl.load(vb + HALF, mask=mk).to(v_cache_ptr.dtype.element_ty), mask=mk)

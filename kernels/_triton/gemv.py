@@ -1,0 +1,79 @@
+"""The one-row GEMV of decode at batch 1 (optionally fused with SiLU-and-multiply)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import grid_dependency
+from .elementwise import silu_mul
+
+
+@triton.jit
+def _gemv_w(rows, n_ok, k, k_ok, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """One [BLOCK_N, BLOCK_K] weight tile, streamed once (``evict_first``)."""
+    if EVEN_K:
+        if EVEN_N:
+            w = tl.load(rows + k[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(rows + k[None, :], mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+    else:
+        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _gemv_x(x_ptr, k, k_ok, K, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
+    """The input chunk at ``k`` in fp32; with SILU_MUL ``silu(gate) * up`` rounded like `silu_and_mul`."""
+    if SILU_MUL:
+        if EVEN_K:
+            g = tl.load(x_ptr + k)
+            u = tl.load(x_ptr + K + k)
+        else:
+            g = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+            u = tl.load(x_ptr + K + k, mask=k_ok, other=0.0)
+        xf = silu_mul(g, u, x_ptr).to(tl.float32)
+    else:
+        if EVEN_K:
+            xf = tl.load(x_ptr + k).to(tl.float32)
+        else:
+            xf = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+    return xf
+
+
+@triton.jit
+def gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """``y = w @ x (+ b)`` for ONE input row: the decode step at batch 1, where every
+    projection is a matrix-vector product bound by reading the weights once.
+
+    Each program owns BLOCK_N output rows and streams their weights in BLOCK_K
+    chunks, keeping a [BLOCK_N, BLOCK_K] fp32 partial product that is summed once at
+    the end (so the loop body is loads and FMAs only). Weights are loaded with
+    ``evict_first``: they are read once per step and would otherwise push the KV
+    and activations out of L2. With SILU_MUL the input is a gate|up row of width 2K
+    and ``silu(gate) * up`` is formed on the fly, rounded like `silu_and_mul`, which
+    removes that launch before the down projection. The first weight tile is loaded
+    before `_grid_dependency`: weights do not depend on the kernel before this one, so
+    under programmatic dependent launch their stream starts while that kernel finishes."""
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    rows = w_ptr + n.to(tl.int64)[:, None] * stride_w
+    k = tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    w = _gemv_w(rows, n_ok, k, k_ok, EVEN_N, EVEN_K)
+    grid_dependency(PDL)
+    acc = w.to(tl.float32) * _gemv_x(x_ptr, k, k_ok, K, SILU_MUL, EVEN_K)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = _gemv_w(rows, n_ok, k, k_ok, EVEN_N, EVEN_K)
+        acc += w.to(tl.float32) * _gemv_x(x_ptr, k, k_ok, K, SILU_MUL, EVEN_K)[None, :]
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)

@@ -1,0 +1,132 @@
+"""Writes into the paged KV cache and whole-block moves within it.
+
+The caches the model passes are per-layer strided views of the engine's one KV tensor
+``[num_blocks, layers, 2, block_size, Hkv, D]``, so block strides are passed to the kernels, never
+assumed; a slot of -1 (a padding token of a CUDA-graph batch) is skipped.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _dispatch
+from . import reference as _ref
+from ._checks import INTS, check_dim, check_dtype, check_kv_write, check_rope, fail
+from ._dispatch import backend, cdiv, p2, pdl
+
+
+def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Write new keys/values ``[T, Hkv, D]`` into their cache slots; slot -1 is skipped.
+
+    The caches are per-layer strided views of the engine's KV tensor, so their
+    block stride is passed to the kernel rather than assumed."""
+    fn = "write_kv"
+    check_kv_write(fn, key, value, k_cache, v_cache, slot_mapping)
+    T, Hkv, D = key.shape
+    be = backend(key)
+    if be == "reference":
+        return _ref.write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+    if T == 0:
+        return None
+    _dispatch.kernels_for(key).write_kv_kernel[(T,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HKV=Hkv, HKV_PAD=p2(Hkv), HEAD_D=D, D_PAD=p2(D), BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4 if Hkv * D >= 1024 else 1, **pdl(key, T),
+    )
+    return None
+
+
+def _check_kv_tensor(fn, kv_cache):
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() < 2:
+        fail(fn, "kv_cache must be a tensor [num_blocks, ...]")
+    if kv_cache.numel() > 0 and not kv_cache[0].is_contiguous():
+        fail(fn, f"each block of kv_cache must be contiguous (strides {kv_cache.stride()})")
+
+
+def _check_ids(fn, name, ids, device):
+    check_dim(fn, name, ids, 1)
+    check_dtype(fn, name, ids, INTS)
+    if ids.device != device:
+        fail(fn, f"{name} is on {ids.device} but kv_cache is on {device}")
+
+
+_CHUNK = 2048
+
+
+def _launch_block_copy(src, dst, src_ids, dst_ids, n):
+    numel = math.prod(src.shape[1:])
+    chunk = min(_CHUNK, p2(max(numel, 16)))
+    grid = (n, cdiv(numel, chunk))
+    dummy = src_ids if src_ids is not None else dst_ids
+    _dispatch.kernels_for(src).block_copy_kernel[grid](
+        src, dst, src_ids if src_ids is not None else dummy, dst_ids if dst_ids is not None else dummy,
+        src.stride(0), dst.stride(0), numel,
+        SRC_INDEXED=src_ids is not None, DST_INDEXED=dst_ids is not None, CHUNK=chunk, num_warps=4,
+    )
+
+
+def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy whole blocks (every layer, K and V) ``src[i] -> dst[i]`` (copy-on-write).
+
+    ``dst`` must not repeat and must not overlap ``src``: the copies run in
+    parallel (the reference reads all sources first; a parallel copy cannot, and
+    checking would need the values on the host)."""
+    fn = "copy_blocks"
+    _check_kv_tensor(fn, kv_cache)
+    _check_ids(fn, "src", src, kv_cache.device)
+    _check_ids(fn, "dst", dst, kv_cache.device)
+    if src.shape != dst.shape:
+        fail(fn, f"src {tuple(src.shape)} and dst {tuple(dst.shape)} differ in length")
+    be = backend(kv_cache)
+    if be == "reference":
+        return _ref.copy_blocks_reference(kv_cache, src, dst)
+    if src.numel() == 0:
+        return None
+    _launch_block_copy(kv_cache, kv_cache, src, dst, src.shape[0])
+    return None
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Pack blocks into a new contiguous ``[n, *block_shape]`` buffer (KV send side)."""
+    fn = "gather_blocks"
+    _check_kv_tensor(fn, kv_cache)
+    _check_ids(fn, "block_ids", block_ids, kv_cache.device)
+    be = backend(kv_cache)
+    if be == "reference":
+        return _ref.gather_blocks_reference(kv_cache, block_ids)
+    out = torch.empty((block_ids.shape[0], *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
+    if block_ids.numel() == 0:
+        return out
+    _launch_block_copy(kv_cache, out, block_ids, None, block_ids.shape[0])
+    return out
+
+
+def rope_write_kv(positions, query, key, value, k_cache, v_cache, slot_mapping, cos_sin_cache) -> torch.Tensor:
+    """`rope` on query and key, then `write_kv` of the rotated key and the value, in one
+    launch; returns the rotated query. Same checks and semantics as the two calls."""
+    fn = "rope_write_kv"
+    check_rope(fn, positions, query, key, cos_sin_cache)
+    check_kv_write(fn, key, value, k_cache, v_cache, slot_mapping)
+    T, Hq, D = query.shape
+    Hkv = key.shape[1]
+    if backend(query) == "reference":
+        return _ref.rope_write_kv_reference(positions, query, key, value, k_cache, v_cache, slot_mapping,
+                                            cos_sin_cache)
+    qo = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if T == 0:
+        return qo
+    half = D // 2
+    _dispatch.kernels_for(query).rope_write_kv_kernel[(T,)](
+        positions, query, key, value, qo, k_cache, v_cache, slot_mapping, cos_sin_cache,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        qo.stride(0), qo.stride(1), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HQ=Hq, HQ_PAD=p2(Hq), HKV=Hkv, HKV_PAD=p2(Hkv), HALF=half, HALF_PAD=p2(half),
+        BLOCK_SIZE=k_cache.shape[1], num_warps=4 if Hq * D >= 2048 else 1, **pdl(query, T),
+    )
+    return qo
