@@ -219,8 +219,8 @@ def test_pending_prefill_tokens_released_at_first_byte():
 
 
 def test_endpoint_slice_parsing_and_metrics_scrape():
-    from kvmesh.services.router.scrape import parse_vllm_metrics
     from kvmesh.services.router.discovery import endpoints_from_slice
+    from kvmesh.services.router.scrape import parse_vllm_metrics
 
     sl = {"ports": [{"name": "metrics", "port": 9000}, {"name": "http", "port": 8000}],
           "endpoints": [{"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
@@ -241,8 +241,8 @@ def test_index_drift_is_recorded_in_both_directions(predicted: int, reported: in
 
     from prometheus_client import generate_latest
 
-    from kvmesh.services.router.router import Router
     from kvmesh.services.router.metrics import RouterMetrics
+    from kvmesh.services.router.router import Router
 
     router = SimpleNamespace(metrics=RouterMetrics())
     Router.observe_usage(router, SimpleNamespace(hit_tokens=predicted),
