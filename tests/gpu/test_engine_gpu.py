@@ -2,8 +2,8 @@
 
 Uses the same correctness check as ``bench/gpu_engine.py`` (small Llama-3-style model
 with random bf16 weights, greedy tokens teacher-forced through HF on the same
-tensors; near-tie tolerance and logit error bounds stated there). Run through the
-device tool, e.g.:
+tensors; near-tie tolerance and logit error bounds stated there). On a machine with a GPU and
+the package installed:
 
     python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py
 
