@@ -1,16 +1,22 @@
 """Shared fixtures: the embedded model loaded once per session, and the HF oracle on the same weights.
 
-Every test carries exactly one tier marker (pyproject's markers say what each tier may do); a test
-without one would silently fall out of every `make test-*` selection, so collection refuses it.
+Every test carries exactly one tier marker (pyproject's markers say what each tier may do), the one
+of the folder it sits in: a test without one would silently fall out of every `make test-*`
+selection, and one in the wrong folder would run in a process it was not meant for, so collection
+refuses both.
 """
 from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 
 TIERS = ("unit", "integration", "e2e", "gpu")
+# The tier of each folder under tests/ (the kernel tests are unit tests with a process of their own).
+FOLDER_TIER = {"unit": "unit", "kernels": "unit", "integration": "integration", "e2e": "e2e", "gpu": "gpu"}
+TESTS = Path(__file__).parent
 # The e2e session fixture builds the Kubernetes binaries and images and starts the cluster inside the
 # first e2e test's setup (each step bounded by its own subprocess timeout); the others keep
 # pyproject's per-test timeout.
@@ -21,13 +27,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     bad = []
     for item in items:
         tiers = [t for t in TIERS if item.get_closest_marker(t) is not None]
+        folder = item.path.relative_to(TESTS).parts[0] if item.path.is_relative_to(TESTS) else None
+        want = FOLDER_TIER.get(folder) if folder else None
         if len(tiers) != 1:
             bad.append(f"{item.nodeid}: {', '.join(tiers) or 'no tier marker'}")
+        elif want is not None and tiers != [want]:
+            bad.append(f"{item.nodeid}: marked {tiers[0]} in tests/{folder}/ (the {want} tier)")
         elif tiers == ["e2e"] and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
     if bad:
-        raise pytest.UsageError(f"each test needs exactly one tier marker of {', '.join(TIERS)} "
-                                "(pytestmark = pytest.mark.<tier> in its module):\n  " + "\n  ".join(bad))
+        raise pytest.UsageError(f"each test needs exactly one tier marker of {', '.join(TIERS)}, the one of its "
+                                "folder (pytestmark = pytest.mark.<tier> in its module):\n  " + "\n  ".join(bad))
 
 
 @pytest.fixture(scope="session")
