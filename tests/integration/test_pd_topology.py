@@ -63,12 +63,14 @@ def reference(make_llm, prompts):
 
 
 def _metric(url: str, name: str) -> float:
+    """A sample summed over its label sets; ``name{k="v",...}``: the one series with exactly those labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base, _, rest = name.partition("{")
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', rest)) if rest else None
     text = httpx.get(url + "/metrics", timeout=30).text
-    if "{" in name:  # one labelled series, exactly
-        vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)]
-        return sum(vals)
-    vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
-    return sum(vals)
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == base and (labels is None or s.labels == labels))
 
 
 def test_pd_greedy_equals_single_engine_and_decode_skips_received_tokens(topo, prompts, reference):
