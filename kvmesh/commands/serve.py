@@ -85,7 +85,7 @@ def configs_from_args(args: argparse.Namespace):
     from kvmesh.services.api.engine_proc import EngineProcConfig
     from kvmesh.services.api.launcher import engine_addresses
 
-    cfg = ServerConfig(host=args.host, port=args.port,
+    cfg = ServerConfig(host=args.host, port=args.port, role=args.role,
                        served_model_names=tuple(args.served_model_name or ()), api_key=args.api_key or None,
                        max_body_bytes=args.max_body_bytes, ipc_dir=args.engine_ipc_dir,
                        engine_input_addr=args.engine_input_addr, engine_output_addr=args.engine_output_addr,

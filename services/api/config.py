@@ -3,11 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.engine.config import Role
+
 
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 8000
+    role: Role = "both"  # what the engine runs as (checked by the CLI and the engine); the API is the same
     served_model_names: tuple[str, ...] = ()  # empty: the engine's model name
     api_key: str | None = None  # every endpoint but /health and /metrics needs "Authorization: Bearer <key>"
     max_body_bytes: int = 8 << 20  # larger bodies get 413
