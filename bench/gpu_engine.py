@@ -247,10 +247,10 @@ def graph_inputs_consistent(r, B: int) -> bool:
     the model, pages in the pool). After a run whose last steps had fewer sequences, rows past them
     hold what other batch sizes left (the engine rewrites every row before each replay, so it never
     reads them); replaying those can fault. Then: no figure."""
-    o, W = r._graph_layout(), r.max_blocks_per_seq
-    buf = r.graph_buf.cpu()
-    qsl, sl = buf[o[3]:o[3] + B + 1], buf[o[4]:o[4] + B]
-    bt = buf[o[5]:o[6]].view(-1, W)[:B]
+    o, W = r.graphs.layout, r.max_blocks_per_seq
+    buf = r.graphs.buf.cpu()
+    qsl, sl = buf[o.query_start_loc:o.query_start_loc + B + 1], buf[o.seq_lens:o.seq_lens + B]
+    bt = buf[o.block_tables:o.end].view(-1, W)[:B]
     whole = torch.equal(qsl, torch.arange(B + 1, dtype=qsl.dtype))
     if not whole or not bool(((sl >= 1) & (sl <= r.max_model_len)).all()):
         log(f"replay of batch {B}: graph inputs not a whole batch of {B}; no GPU-only figure")
@@ -267,9 +267,9 @@ def replay_ms(eng: EngineCore, B: int) -> float:
     """Pure GPU time of one decode step: replay batch B's graph on the inputs its last step left
     in the static buffers (contexts ~P+N; it rewrites the last, unfinished and uncached, KV slot)."""
     r = eng.runner
-    if B not in r.graphs or not graph_inputs_consistent(r, B):
+    if r.graphs is None or B not in r.graphs.captured or not graph_inputs_consistent(r, B):
         return float("nan")
-    g, _ = r.graphs[B]
+    g, _ = r.graphs.captured[B]
     for _ in range(3):
         g.replay()
     ts = []
@@ -344,10 +344,10 @@ def set_switch(eng: EngineCore, flag: str, var: str = "KVMESH_GEMV") -> None:
     launch) to ``flag`` and recapture the decode graphs, which hold what was chosen at capture."""
     os.environ[var] = flag
     runner = eng.runner
-    runner.graphs = {}
+    runner.graphs.captured.clear()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    runner._capture_graphs()
+    runner.graphs.capture()
     log(f"{var}={flag}: graphs recaptured in {runner.graph_capture_s:.1f}s")
 
 
