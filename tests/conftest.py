@@ -3,11 +3,12 @@
 Every test carries exactly one tier marker (pyproject's markers say what each tier may do), the one
 of the folder it sits in: a test without one would silently fall out of every `make test-*`
 selection, and one in the wrong folder would run in a process it was not meant for, so collection
-refuses both.
+refuses both. A unit test that connects or binds a network socket fails.
 """
 from __future__ import annotations
 
 import os
+import socket
 import warnings
 from pathlib import Path
 
@@ -38,6 +39,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if bad:
         raise pytest.UsageError(f"each test needs exactly one tier marker of {', '.join(TIERS)}, the one of its "
                                 "folder (pytestmark = pytest.mark.<tier> in its module):\n  " + "\n  ".join(bad))
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_use_no_network(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unit tier's promise (no network), kept by refusing connect and bind on IP sockets."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(name: str, real):
+        def call(sock: socket.socket, address, *args):
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                raise RuntimeError(f"a unit test may not open network sockets ({name} {address!r}): "
+                                   "it belongs in tests/integration")
+            return real(sock, address, *args)
+        return call
+
+    for name in ("connect", "connect_ex", "bind"):
+        monkeypatch.setattr(socket.socket, name, refuse(name, getattr(socket.socket, name)))
 
 
 @pytest.fixture(scope="session")
