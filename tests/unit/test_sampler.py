@@ -1,13 +1,14 @@
-"""The device sampling path (`draw_on_device`), run here on CPU tensors: its batched filter keeps
-exactly what the per-row reference `_filter_logits` keeps, and its draws follow that distribution."""
+"""The sampling filters and draws, run here on CPU tensors: the device path's batched filter
+(`filter_batched`) and the CPU's per-row rule (`filter_row`) keep exactly what a plain sort-based
+reference of the rules keeps, and the device draws follow that distribution."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kvmesh import SamplingParams
-from kvmesh.engine.sampler import (_filter_batched, _filter_logits, _filter_logits_batched, _top_p_threshold,
-                                   _top_p_threshold_sorted, draw_on_device)
+from kvmesh.engine.device_draw import draw_on_device
+from kvmesh.engine.sampling_filter import filter_batched, filter_row, top_p_threshold, top_p_threshold_sorted
 
 pytestmark = pytest.mark.unit
 
@@ -37,52 +38,73 @@ CASES = {
 }
 
 
-def _check_rows(x: torch.Tensor, params: list[SamplingParams], by_sort: bool) -> None:
-    """The batched filter keeps what the per-row rules keep, with their probabilities; sort-free,
-    so does the draw's own path (probabilities and per-row thresholds, no masked logits)."""
-    got = _filter_logits_batched(x, params, by_sort=by_sort)
-    _, probs, lo = _filter_batched(x, params, by_sort=False, want_logits=False)
+def _reference(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The rules as written, on one row, with a full sort: temperature; top-k keeps the tokens at or
+    above the k-th largest logit; top-p keeps the smallest prefix of the descending order whose mass
+    reaches top_p (a token stays iff the mass before it is <= top_p); min-p drops what is below
+    min_p x the largest remaining probability. Returns the masked logits (dropped: -inf)."""
+    x = row / max(p.temperature, 1e-5)
+    if p.top_k and 0 < p.top_k < x.numel():
+        x = x.masked_fill(x < x.sort(descending=True).values[p.top_k - 1], float("-inf"))
+    if p.top_p < 1.0:
+        sx, order = x.sort(descending=True)
+        sp = sx.softmax(-1)
+        x = x.clone()
+        x[order[sp.cumsum(-1) - sp > p.top_p]] = float("-inf")
+    if p.min_p > 0.0:
+        pr = x.softmax(-1)
+        x = x.masked_fill(pr < p.min_p * pr.max(), float("-inf"))
+    return x
+
+
+def _kept(probs: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """What the device draw can pick: at or above the row's threshold, and not masked out."""
+    return (probs >= lo[:, None]) & (probs > 0)
+
+
+def _check_rows(x: torch.Tensor, params: list[SamplingParams]) -> None:
+    """The batched filter (probabilities and per-row thresholds, the draw's own inputs) and the
+    per-row rule keep what the reference keeps, with its probabilities."""
+    probs, lo = filter_batched(x, params)
+    drawn_all = _kept(probs, lo)
     for i, p in enumerate(params):
-        ref = _filter_logits(x[i], p)
+        ref = _reference(x[i], p)
         kept = torch.isfinite(ref)
-        assert torch.equal(torch.isfinite(got[i]), kept), (i, p, int(kept.sum()), int(torch.isfinite(got[i]).sum()))
-        assert (got[i].softmax(-1) - ref.softmax(-1)).abs().max() <= 1e-6
-        if not by_sort:
-            drawn = (probs[i] >= lo[i]) & (probs[i] > 0)
-            assert torch.equal(drawn, kept), (i, p, int(kept.sum()), int(drawn.sum()))
-            assert (probs[i] * drawn / (probs[i] * drawn).sum() - ref.softmax(-1)).abs().max() <= 1e-6
+        row = filter_row(x[i], p)
+        assert torch.equal(torch.isfinite(row), kept), (i, p, int(kept.sum()), int(torch.isfinite(row).sum()))
+        assert (row.softmax(-1) - ref.softmax(-1)).abs().max() <= 1e-6
+        drawn = drawn_all[i]
+        assert torch.equal(drawn, kept), (i, p, int(kept.sum()), int(drawn.sum()))
+        assert (probs[i] * drawn / (probs[i] * drawn).sum() - ref.softmax(-1)).abs().max() <= 1e-6
 
 
-@pytest.mark.parametrize("by_sort", [False, True], ids=["sort-free", "sort"])
 @pytest.mark.parametrize("kind", ["peaked", "flat"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_batched_filter_matches_reference(case, kind, by_sort):
+def test_batched_filter_matches_reference(case, kind):
     gen = torch.Generator().manual_seed(2 * list(CASES).index(case) + (kind == "flat"))
-    _check_rows(_logits(kind, 6, gen), [SamplingParams(**CASES[case])] * 6, by_sort)
+    _check_rows(_logits(kind, 6, gen), [SamplingParams(**CASES[case])] * 6)
 
 
 def test_llama3_vocabulary():
     """128,256 tokens: the radix search takes two passes (16 + 15 bits) instead of three."""
     gen = torch.Generator().manual_seed(9)
     x = torch.cat([_logits("peaked", 2, gen, 128256), _logits("flat", 2, gen, 128256)])
-    _check_rows(x, [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=1.0, top_p=0.5)] * 2,
-                by_sort=False)
+    _check_rows(x, [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=1.0, top_p=0.5)] * 2)
 
 
-@pytest.mark.parametrize("by_sort", [False, True], ids=["sort-free", "sort"])
-def test_mixed_batch_matches_reference(by_sort):
+def test_mixed_batch_matches_reference():
     """Every kind of row in one batch: per-row settings must not leak between rows."""
     gen = torch.Generator().manual_seed(7)
     kinds = ["peaked", "flat"] * len(CASES)
     params = [SamplingParams(**CASES[c]) for c in CASES for _ in range(2)]
     x = torch.cat([_logits(k, 1, gen) for k in kinds])
-    _check_rows(x, params, by_sort)
+    _check_rows(x, params)
 
 
 def test_top_p_keeps_nucleus_of_flat_rows():
     """Flat rows: the nucleus is most of the vocabulary (the random-weights model's case)."""
     x = _logits("flat", 4, torch.Generator().manual_seed(3))
-    kept = torch.isfinite(_filter_logits_batched(x, [SamplingParams(temperature=0.8, top_p=0.95)] * 4)).sum(-1)
+    kept = _kept(*filter_batched(x, [SamplingParams(temperature=0.8, top_p=0.95)] * 4)).sum(-1)
     assert (kept > V // 2).all()
 
 
@@ -99,13 +121,13 @@ def test_top_p_threshold_exact_with_ties():
     for top_p in (0.1, 0.5, 0.9, 0.999):
         w = torch.randint(1, 6, (8, 300), generator=gen).float() ** 3  # 5 distinct values per row
         p = w / w.sum(-1, keepdim=True)
-        t = _top_p_threshold(p, torch.full((8,), top_p))
+        t = top_p_threshold(p, torch.full((8,), top_p))
         for i in range(8):
             assert float(t[i]) == _threshold_by_rule(p[i], top_p)
     # exact binary fractions: a mass equal to top_p does not exceed it (the sort rule's ``>``); rows
     # in descending order, so the top-k candidates' version applies too
     p = torch.tensor([[0.4, 0.3, 0.3], [0.5, 0.25, 0.25], [0.5, 0.375, 0.125]])
-    for fn in (_top_p_threshold, _top_p_threshold_sorted):
+    for fn in (top_p_threshold, top_p_threshold_sorted):
         assert fn(p, torch.tensor([0.5, 0.6, 0.5])).tolist() == pytest.approx([0.3, 0.25, 0.375])
         assert fn(p, torch.tensor([1.0, 0.1, 0.875])).tolist() == pytest.approx([0.0, 0.5, 0.125])
 
@@ -118,26 +140,25 @@ def test_filter_keeps_ties_at_the_threshold(top_k):
     past its ``topk`` candidates (top_k 150: ~65 tokens per value)."""
     x = torch.randint(0, 6, (8, 400), generator=torch.Generator().manual_seed(5)).float()
     for top_p in (0.3, 0.6, 0.9):
-        got = _filter_logits_batched(x, [SamplingParams(top_p=top_p, top_k=top_k)] * 8, by_sort=False)
+        got = _kept(*filter_batched(x, [SamplingParams(top_p=top_p, top_k=top_k)] * 8))
         for i in range(8):
             xi = x[i] if not top_k else x[i].masked_fill(x[i] < torch.topk(x[i], top_k).values[-1], float("-inf"))
             p = xi.softmax(-1)
-            assert torch.equal(torch.isfinite(got[i]), p >= _threshold_by_rule(p, top_p))
+            assert torch.equal(got[i], p >= _threshold_by_rule(p, top_p))
 
 
-@pytest.mark.parametrize("by_sort", [False, True], ids=["sort-free", "sort"])
-def test_draws_follow_filtered_distribution(by_sort):
+def test_draws_follow_filtered_distribution():
     """20k exponential-race draws of a small peaked distribution (temperature, top-k, top-p,
     min-p), with greedy rows mixed in: frequencies within 0.02 of the filtered probabilities
     (the standard error is at most 0.0035); filtered-out tokens are never drawn."""
     torch.manual_seed(1234)
     logits = torch.tensor([4.0, 3.5, 3.0, 2.0, 1.0, 0.5, 0.0, -1.0, -3.0, -8.0])
     params = [SamplingParams(temperature=0.9, top_k=7, top_p=0.9, min_p=0.05), SamplingParams(temperature=0.0)]
-    expected = _filter_logits(logits, params[0]).softmax(-1)
+    expected = _reference(logits, params[0]).softmax(-1)
     assert 0 < int((expected > 0).sum()) < 7  # top-p and min-p both cut something
     n = 20_000
     rows = [params[i % 2] for i in range(2 * n)]
-    tok = draw_on_device(logits.expand(2 * n, -1), rows, list(range(0, 2 * n, 2)), by_sort=by_sort)
+    tok = draw_on_device(logits.expand(2 * n, -1), rows, list(range(0, 2 * n, 2)))
     assert (tok[1::2] == 0).all()
     freq = torch.bincount(tok[::2], minlength=len(logits)).float() / n
     assert (freq - expected).abs().max() < 0.02
@@ -158,7 +179,7 @@ def _penalized_reference(row: torch.Tensor, p: SamplingParams, prompt: list[int]
 
 
 def test_penalties_match_the_rules():
-    from kvmesh.engine.sampler import adjust_logits
+    from kvmesh.engine.logit_adjustment import adjust_logits
 
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 50, generator=gen) * 3
@@ -217,7 +238,7 @@ def test_request_token_arrays_follow_the_lists():
 def test_logit_adjustment_extended_by_drawn_tokens_equals_a_rebuild():
     """What a multi-step round does (build once, then `extend` with each step's tokens on the
     device) gives the logits the one-step path gets by rebuilding from the grown histories."""
-    from kvmesh.engine.sampler import LogitAdjustment, adjust_logits
+    from kvmesh.engine.logit_adjustment import LogitAdjustment, adjust_logits
 
     gen = torch.Generator().manual_seed(4)
     V = 40
