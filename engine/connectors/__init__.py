@@ -6,7 +6,8 @@ imports (nixl, redis) happen only for the connector actually chosen.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..connector import KVConnector
 from ..kv_transfer_params import check_kv_transfer_params

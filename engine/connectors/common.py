@@ -25,7 +25,7 @@ class BlockLayout:
     dev_id: int
 
     @classmethod
-    def of(cls, kv_cache: torch.Tensor) -> "BlockLayout":
+    def of(cls, kv_cache: torch.Tensor) -> BlockLayout:
         if not kv_cache.is_contiguous():
             raise ValueError("the KV cache must be contiguous to be addressed block by block")
         n = kv_cache.shape[0]

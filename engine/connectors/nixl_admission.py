@@ -10,7 +10,7 @@ import collections
 import concurrent.futures
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .common import BlockLayout
 from .nixl_side_channel import PROTOCOL_VERSION

@@ -41,7 +41,7 @@ def block_descs(base: int, n: int, block_bytes: int, dev: int) -> np.ndarray:
 class KVAgent:
     """The agent, its registration of the KV pool and the remote pools it reads from."""
 
-    def __init__(self, name: str, kv_cache: "torch.Tensor", layout: BlockLayout, backends: list[str],
+    def __init__(self, name: str, kv_cache: torch.Tensor, layout: BlockLayout, backends: list[str],
                  ucx_error_handling_mode: str, progress_thread: bool) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 

@@ -72,7 +72,7 @@ log = logging.getLogger("kvmesh.connector.nixl")
 class NixlConnector(KVConnector):
     name = "nixl"
 
-    def __init__(self, engine_config: "EngineConfig | None" = None, *, side_channel_host: str = "127.0.0.1",
+    def __init__(self, engine_config: EngineConfig | None = None, *, side_channel_host: str = "127.0.0.1",
                  side_channel_port: int = 0, advertise_host: str | None = None, lease_s: float = 30.0,
                  handshake_timeout_s: float = 5.0, transfer_timeout_s: float = 30.0,
                  backends: tuple[str, ...] = ("UCX",), serve: bool | None = None,
@@ -146,7 +146,7 @@ class NixlConnector(KVConnector):
         assert self.engine_config is not None, "configure() was not called"
         return self.engine_config.cache.block_size
 
-    def register_kv_cache(self, kv_cache: "torch.Tensor") -> None:
+    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
         if self.engine_config is None:
             raise RuntimeError("NixlConnector needs the engine config before register_kv_cache")
         self.layout = lay = BlockLayout.of(kv_cache)
@@ -234,13 +234,13 @@ class NixlConnector(KVConnector):
         return meta_problem(meta, params, identity, self.layout)
 
     # ---- scheduler side -------------------------------------------------------
-    def _remote_params(self, request: "Request") -> dict | None:
+    def _remote_params(self, request: Request) -> dict | None:
         p = request.kv_transfer_params
         if isinstance(p, dict) and p.get("do_remote_prefill") is True:
             return p
         return None
 
-    def _usable_blocks(self, request: "Request") -> int | None:
+    def _usable_blocks(self, request: Request) -> int | None:
         """How many remote blocks belong to this request's prompt; None if the params cannot be used.
 
         The chained hash of the last offered block must equal ours: it covers every
@@ -262,7 +262,7 @@ class NixlConnector(KVConnector):
             return None
         return n
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if request.request_id in self._consumed:
             return 0, False
         n = self._usable_blocks(request)
@@ -270,7 +270,7 @@ class NixlConnector(KVConnector):
             return 0, False
         return max(0, n * self.block_size - num_computed_tokens), True
 
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         p = self._remote_params(request)
         if p is None or request.request_id in self._consumed:
             return
@@ -296,14 +296,14 @@ class NixlConnector(KVConnector):
             local_ids=list(block_ids[start:start + k]), remote_ids=list(p["remote_block_ids"][start:start + k]),
         )
 
-    def build_connector_meta(self, sched_out: "SchedulerOutput | None" = None) -> ConnectorMetadata:
+    def build_connector_meta(self, sched_out: SchedulerOutput | None = None) -> ConnectorMetadata:
         meta = ConnectorMetadata()
         if self._to_load:
             meta.loads = {rid: {"load": ld} for rid, ld in self._to_load.items()}
             self._to_load = {}
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._consumed.discard(rid)
         if rid in self._to_load:  # aborted before its load started: nothing touches its blocks

@@ -16,7 +16,7 @@ A finished READ is announced with a NIXL notification ``DONE_PREFIX + transfer i
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 import zmq

@@ -101,7 +101,7 @@ def decode_block(value: bytes, layout_sig: bytes, block_hash: bytes, block_bytes
 class RedisConnector(KVConnector):
     name = "redis"
 
-    def __init__(self, engine_config: "EngineConfig | None" = None, *, url: str = "redis://127.0.0.1:6379/0",
+    def __init__(self, engine_config: EngineConfig | None = None, *, url: str = "redis://127.0.0.1:6379/0",
                  ttl_s: int | None = 3600, save: bool | None = None, load: bool = True,
                  save_decode_blocks: bool = True, socket_timeout_s: float = 2.0,
                  max_batch_bytes: int = 64 << 20, client: Any = None) -> None:
@@ -180,7 +180,7 @@ class RedisConnector(KVConnector):
             log.warning("redis %s failed (%s): %s; computing locally", what, self.url, e)
 
     # ---- scheduler side -------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.load_enabled or self.kv_cache is None or request.request_id in self._consumed:
             return 0, False
         bs = self.layout.block_size if self.layout else 1
@@ -205,7 +205,7 @@ class RedisConnector(KVConnector):
         self.stats["lookup_hit_blocks"] += n
         return n * bs, n > 0
 
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         if num_external_tokens <= 0 or self.layout is None:
             return
         self._consumed.add(request.request_id)  # a failed load is not retried: recompute instead
@@ -217,7 +217,7 @@ class RedisConnector(KVConnector):
             "hashes": list(request.block_hashes[start:start + n]),
         }
 
-    def build_connector_meta(self, sched_out: "SchedulerOutput | None" = None) -> ConnectorMetadata:
+    def build_connector_meta(self, sched_out: SchedulerOutput | None = None) -> ConnectorMetadata:
         meta = ConnectorMetadata()
         if self._to_load:
             meta.loads, self._to_load = self._to_load, {}
@@ -236,7 +236,7 @@ class RedisConnector(KVConnector):
                                             "hashes": list(r.block_hashes[first:last])}
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._consumed.discard(rid)
         self._to_load.pop(rid, None)
