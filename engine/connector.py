@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .kv_transfer_params import check_kv_transfer_params
+
 if TYPE_CHECKING:
     import concurrent.futures
 
@@ -59,8 +61,6 @@ class KVConnector:
         engine exist, are its block ids in range) overrides this. It may block on I/O for a
         bounded time; ``prepare_kv_transfer_params`` lets a serving loop do that I/O off-thread.
         """
-        from .connectors.common import check_kv_transfer_params
-
         problem = check_kv_transfer_params(params)
         if problem is not None:
             raise ValueError(problem)

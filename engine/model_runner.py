@@ -39,8 +39,9 @@ from .config import EngineConfig
 from .models.llama import AttentionMetadata, LlamaForCausalLM
 from .host_copy import to_device
 from .sampling_params import SamplingParams
-from .sampler import (LogitAdjustment, SampleResult, device_logprobs, draw_on_device, logprob_width,
-                      results_with_logprobs)
+from .device_draw import draw_on_device
+from .logit_adjustment import LogitAdjustment
+from .logprobs import SampleResult, device_logprobs, logprob_width, results_with_logprobs
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger("kvmesh.engine")
@@ -514,13 +515,12 @@ class ModelRunner:
         log.info("compiled %d attention launch configurations in %.1fs", len(configs), self.warm_up_s)
 
     def _warm_up_sampler(self) -> None:
-        """Compile the device sampler's Triton kernels (the top-p search, forced here whatever the
-        row count, and the race) on one dummy draw, so a pod's first sampled batch does not wait
-        for the JIT either. Their variants depend only on the vocabulary (a row stride)."""
+        """Compile the device sampler's Triton kernels (the top-p search and the race) on one dummy
+        draw, so a pod's first sampled batch does not wait for the JIT either. Their variants depend only on the vocabulary (a row stride)."""
         V = self.config.model.vocab_size
         logits = torch.zeros((2, V), dtype=torch.float32, device=self.device)
         params = [SamplingParams(temperature=0.8, top_p=0.9, min_p=0.01)] * 2
-        draw_on_device(logits, params, [0, 1], by_sort=False)
+        draw_on_device(logits, params, [0, 1])
         torch.cuda.synchronize(self.device)
 
     # ---- CUDA graphs ----------------------------------------------------------------------
