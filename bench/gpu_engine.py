@@ -522,8 +522,8 @@ def main() -> int:
     ap.add_argument("--json", default="gpu_engine.json", help="file name of the results under $OUT (or the cwd)")
     ap.add_argument("--budget-s", type=float, default=560.0, help="whole-run deadline (throughput is cut to fit)")
     args = ap.parse_args()
-    import triton
     import transformers
+    import triton
 
     R["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     transformers=transformers.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -231,8 +231,8 @@ class Worker:
     # ---- engine -----------------------------------------------------------------------
     def op_build(self, p):
         torch = self.torch
-        from kvmesh.engine.connectors.nixl_connector import NixlConnector
         from kvmesh.engine.args import EngineArgs
+        from kvmesh.engine.connectors.nixl_connector import NixlConnector
         from kvmesh.engine.core import EngineCore
         from kvmesh.engine.models import random_init
 
@@ -458,8 +458,8 @@ def probe(R: dict, cpu: bool) -> None:
         except Exception as e:
             pr[mod] = f"MISSING ({type(e).__name__}: {e})"[:200]
     try:
-        from nixl._api import nixl_agent  # noqa: F401
         import nixl
+        from nixl._api import nixl_agent  # noqa: F401
         pr["nixl_backend_module"] = getattr(nixl, "__name__", "?")
         pr["nixl_api"] = "ok"
     except Exception as e:

@@ -151,7 +151,7 @@ def _cma_reader(pid: int, dst_base: int, src_base: int, block_bytes: int):
     return make
 
 
-def bench_nixl(sizes: list[int], reps: int, err_mode: str = "peer", memcpy: "Memcpy | None" = None,
+def bench_nixl(sizes: list[int], reps: int, err_mode: str = "peer", memcpy: Memcpy | None = None,
                cma: dict | None = None, prog_thread: bool = False) -> dict[int, tuple[float, float]]:
     """``err_mode`` is UCX's error handling: "peer" (NIXL's default, detects dead peers) or "none". With UCX
     1.23 (nixl 1.5.1) a READ between two processes on one host goes through cma (process_vm_readv) in both

@@ -37,8 +37,17 @@ import time
 
 import httpx
 
-from kvmesh.bench_router import (Proc, free_port, group_cpu_s, ideal_hit_ratio, load_trace, replay, scrape,
-                                 wait_ready, word_vocab)
+from kvmesh.bench_router import (
+    Proc,
+    free_port,
+    group_cpu_s,
+    ideal_hit_ratio,
+    load_trace,
+    replay,
+    scrape,
+    wait_ready,
+    word_vocab,
+)
 from kvmesh.bench_router import build_requests as _build_requests
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -33,7 +33,7 @@ def kernels_for(t: torch.Tensor) -> ModuleType:
     return _bodies()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bodies() -> ModuleType:
     from . import _triton
 
@@ -58,12 +58,12 @@ def hopper(device: torch.device) -> bool:
     return device.type == "cuda" and capability(device_index(device)) >= (9, 0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 

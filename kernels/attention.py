@@ -222,17 +222,17 @@ def paged_attention(
     scale_log2 = float(scale) * 1.4426950408889634
     # Split-KV partials and row stats for `_reduce_segments`; the output itself when not split.
     split = nseg > 1
-    part = m = l = out
+    part = m = l_sum = out
     stride_os = stride_ms = stride_mt = 0
     if split:
         part = torch.empty((nseg, T, Hq, D), dtype=torch.float32, device=query.device)
         m = torch.empty((nseg, T, Hq), dtype=torch.float32, device=query.device)
-        l = torch.empty_like(m)
+        l_sum = torch.empty_like(m)
         stride_os, stride_ms, stride_mt = part.stride(0), m.stride(0), m.stride(1)
     kern = _dispatch.kernels_for(query)
     if cfg["tma"]:
         kern.paged_decode_tma_kernel[(B * Hkv, nseg)](
-            query, descs[0], descs[1], part, m, l,
+            query, descs[0], descs[1], part, m, l_sum,
             block_tables, query_start_loc, seq_lens,
             scale_log2,
             query.stride(0), query.stride(1), part.stride(-3), part.stride(-2), stride_os, stride_ms, stride_mt,
@@ -257,7 +257,7 @@ def paged_attention(
                       K_NATURAL=bool(k_natural), HEAD_FASTEST=hf, NUM_KV_HEADS=Hkv)
         grid = (num_q_blocks * Hkv, 1, nseg) if hf else (num_q_blocks, Hkv, nseg)
         kern.paged_attention_kernel[grid](
-            query, k_cache, v_cache, part, m, l,
+            query, k_cache, v_cache, part, m, l_sum,
             block_tables, query_start_loc, seq_lens,
             scale_log2, B, num_q_blocks,
             query.stride(0), query.stride(1),
@@ -269,17 +269,17 @@ def paged_attention(
             **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(query, T),
         )
     if split:
-        _reduce_segments(kern, part, m, l, out, query_start_loc, B)
+        _reduce_segments(kern, part, m, l_sum, out, query_start_loc, B)
     return out
 
 
-def _reduce_segments(kern, part, m, l, out, query_start_loc, num_seqs) -> None:
-    """Merge the split-KV partials ``part`` / ``m`` / ``l`` ([S, T, Hq, ...]) into ``out``."""
+def _reduce_segments(kern, part, m, l_sum, out, query_start_loc, num_seqs) -> None:
+    """Merge the split-KV partials ``part`` / ``m`` / ``l_sum`` ([S, T, Hq, ...]) into ``out``."""
     nseg, _, Hq, D = part.shape
     dpad = p2(max(D, 16))
     h_block = min(p2(Hq), max(1, 4096 // (dpad * nseg)))
     kern.reduce_segments_kernel[(out.shape[0], cdiv(Hq, h_block))](
-        part, m, l, out, query_start_loc, num_seqs,
+        part, m, l_sum, out, query_start_loc, num_seqs,
         part.stride(0), part.stride(1), part.stride(2),
         m.stride(0), m.stride(1),
         out.stride(0), out.stride(1),

@@ -490,5 +490,6 @@ def check_fused(gen):
     k_got = kv[:, 1, 0].reshape(64 * 16, 8, 128)[slots[ok]]  # rotated keys, in token order
     k_ref = expect[:, 1, 0].reshape(64 * 16, 8, 128)[slots[ok]]
     err = max(rope_err(qo, qr, q, pos, cs, torch.bfloat16), rope_err(k_got, k_ref, k[ok], pos[ok], cs, torch.bfloat16))
-    exact = torch.equal(kv[untouched], expect[untouched]) and torch.equal(kv[:, 1, 1][written], expect[:, 1, 1][written])
+    exact = (torch.equal(kv[untouched], expect[untouched])
+             and torch.equal(kv[:, 1, 1][written], expect[:, 1, 1][written]))
     record("rope_write_kv bf16", err if exact else float("inf"), 2.0)

@@ -41,9 +41,9 @@ def paged_attention_kernel(
 
     Keys are streamed in TILE_N tiles gathered through the block table (a tile may
     span several pages); K_NATURAL loads a K tile as [TILE_N, D] rows (the cache's
-    own order) and transposes it for the product instead of loading it as [D, N]. Tiles that every row of the q block may see run without the
-    causal mask; only the last few (diagonal) tiles pay for it. With NUM_SEG > 1
-    (split-KV / flash-decoding) each program handles one contiguous slice of the key
+    own order) and transposes it for the product instead of loading it as [D, N]. Tiles that
+    every row of the q block may see run without the causal mask; only the last few (diagonal)
+    tiles pay for it. With NUM_SEG > 1 (split-KV / flash-decoding) each program handles one contiguous slice of the key
     tiles and writes an unnormalised partial result plus its row max and sum (log2
     domain) for `reduce_segments_kernel`; that keeps the GPU full when there are few
     sequences with long contexts.
@@ -177,7 +177,8 @@ def paged_attention_kernel(
     out_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SEG > 1:
         # Partial result for this key slice (fp32, unnormalised) + row stats.
-        po = o_ptr + seg.to(tl.int64) * stride_os + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        po = (o_ptr + seg.to(tl.int64) * stride_os + tok[:, None] * stride_ot + head[:, None] * stride_oh
+              + offs_d[None, :])
         tl.store(po, acc, mask=out_mask)
         stat = seg.to(tl.int64) * stride_ms + tok * stride_mt + head
         tl.store(m_ptr + stat, m_i, mask=row_ok)
@@ -217,7 +218,8 @@ def paged_decode_tma_kernel(
     gather rows, but a page is a rectangle), issued asynchronously and software-pipelined by
     ``num_stages`` with no per-element address arithmetic. It reads K/V faster than
     `paged_attention_kernel` from about 3 programs per SM (docs/kernels.md); with one to three,
-    a program cannot keep enough pages in flight and the pointer kernel wins. Sequences without a query token (CUDA-graph padding) do nothing.
+    a program cannot keep enough pages in flight and the pointer kernel wins. Sequences without
+    a query token (CUDA-graph padding) do nothing.
     One query token per sequence is the caller's promise (``max_query_len=1``, which the
     engine's decode batches and graphs keep); a sequence with more gets NaN for all but its
     newest token. (Looping over extra tokens around the page loop was slower: the nested page loop
@@ -327,11 +329,11 @@ def reduce_segments_kernel(
     d_ok = offs_d < HEAD_D
     stat = segs[:, None] * stride_ms + t64 * stride_mt + hs[None, :]  # [S, H]
     m = tl.load(m_ptr + stat, mask=h_ok[None, :], other=float("-inf"))
-    l = tl.load(l_ptr + stat, mask=h_ok[None, :], other=0.0)
+    l_sum = tl.load(l_ptr + stat, mask=h_ok[None, :], other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.math.exp2(m - m_max[None, :])  # [S, H]
-    denom = tl.sum(l * w, 0)
+    denom = tl.sum(l_sum * w, 0)
     denom = tl.where(denom == 0.0, 1.0, denom)
     acc = tl.zeros([H_BLOCK, D_PAD], tl.float32)
     for s in range(NUM_SEG):

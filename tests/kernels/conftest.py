@@ -11,10 +11,9 @@ import os
 
 import pytest
 import torch
+from triton_interpreter import interpreted_kernels
 
 from kvmesh.kernels import _dispatch
-
-from triton_interpreter import interpreted_kernels
 
 
 @pytest.fixture(autouse=True)

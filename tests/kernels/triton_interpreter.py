@@ -88,7 +88,7 @@ def patch_interpreter() -> None:
         interp._patch_lang = patch_lang
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def interpreted_kernels() -> ModuleType:
     """An interpreted copy of `kvmesh.kernels._triton` (its submodules included), imported once."""
     patch_interpreter()
