@@ -68,10 +68,10 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: no per-request cap beyond the step budget
     max_waiting: int = 0  # 0: unbounded admission queue
     # Decode steps run back to back on the device per scheduling round when every scheduled
-    # request is a greedy decode (engine/multi_step.py); 1 turns this off.
+    # request is a greedy decode (engine/decode_rounds.py); 1 turns this off.
     num_scheduler_steps: int = 1
     # Queue the next decode round behind the one on the device before reading its tokens, so the
-    # host's output handling and scheduling overlap the device (engine/multi_step.py). None: on for a
+    # host's output handling and scheduling overlap the device (engine/decode_rounds.py). None: on for a
     # GPU, off on the CPU (whose forward runs on the host thread: nothing to overlap).
     async_scheduling: bool | None = None
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .kv_transfer_params import check_kv_transfer_params
+from .sched_output import ConnectorMetadata
 
 if TYPE_CHECKING:
     import concurrent.futures
@@ -26,15 +27,25 @@ if TYPE_CHECKING:
 
     from .config import EngineConfig
     from .request import Request
-    from .scheduler import SchedulerOutput
+
+__all__ = ["ConnectorMetadata", "ConnectorStep", "KVConnector", "ScheduledWork"]
+
+
+@dataclass(slots=True)
+class ScheduledWork:
+    """One scheduled sequence as the connector's scheduler side sees it: that half lives with
+    the scheduler, so it reads the live request (its hashes, its prompt length); the runner never does."""
+
+    request: "Request"
+    num_tokens: int  # tokens computed this step, from request.num_computed_tokens on
+    block_ids: list[int]
 
 
 @dataclass
-class ConnectorMetadata:
-    """What the scheduler side tells the worker side for one step."""
+class ConnectorStep:
+    """The step `KVConnector.build_connector_meta` plans for."""
 
-    loads: dict[str, dict[str, Any]] = field(default_factory=dict)  # request id -> load spec
-    saves: dict[str, dict[str, Any]] = field(default_factory=dict)  # request id -> save spec
+    scheduled: list[ScheduledWork] = field(default_factory=list)
 
 
 class KVConnector:
@@ -81,7 +92,7 @@ class KVConnector:
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         """Called once the request's blocks exist, so a load can target them."""
 
-    def build_connector_meta(self, sched_out: "SchedulerOutput | None" = None) -> ConnectorMetadata:
+    def build_connector_meta(self, sched_out: ConnectorStep | None = None) -> ConnectorMetadata:
         """Per-step instructions for the worker side; ``sched_out`` says which blocks this step computes."""
         return ConnectorMetadata()
 

@@ -1,14 +1,16 @@
-"""EngineCore: the busy loop ``schedule -> execute -> update``, plus connector hooks and KV events.
+"""EngineCore: the busy loop ``schedule -> connector -> runner -> sampler -> update``, and KV events.
 
 It runs in-process for the offline `LLM` and in its own process behind the
 API server. It never tokenizes or detokenizes: requests arrive as token ids and
-leave as token ids, so the loop's time goes to the model.
+leave as token ids, so the loop's time goes to the model. What a step's tokens do to the
+requests (stops, forks, freeing) is the scheduler's; when a step runs as a decode round on the
+device is engine/decode_rounds.py's.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Iterable
 
 import torch
@@ -16,26 +18,18 @@ import torch
 from .args import EngineArgs
 from .config import EngineConfig
 from .connector import KVConnector
+from .decode_rounds import DecodeRounds, RoundOutcome
 from .kv_cache_manager import KVCacheManager
 from .kv_events import KVCacheEvent
 from .loader import load_model
 from .messages import EngineCoreOutput, EngineCoreRequest, EngineStats
-from .model_runner import ModelRunner
-from .multi_step import merge_outputs, plan_next_round, plan_steps
 from .request import Request, RequestStatus
+from .runner import ModelRunner
 from .sampler import NoiseStream, SampleResult, Sampler
+from .sched_output import SchedulerOutput
 from .scheduler import Scheduler
 
 log = logging.getLogger("kvmesh.engine")
-
-
-@dataclass
-class _InFlight:
-    """A decode round on the device whose tokens the host has not read yet."""
-
-    reqs: list[Request]
-    handle: object  # the runner's handle for `collect` / `continue_multi`
-    k: int
 
 
 class EngineCore:
@@ -53,25 +47,19 @@ class EngineCore:
         self.connector = connector or KVConnector()
         self.connector.configure(config)
         self.connector.register_kv_cache(self.runner.kv_cache)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.connector)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.connector,
+                                   eos_token_ids=config.model.eos_token_ids, make_generator=self._generator)
         self.sampler = Sampler(config.seed)
-        self.requests: dict[str, Request] = {}  # internal id -> request
-        self.groups: dict[str, list[str]] = {}  # external id -> internal ids (n > 1 forks)
         self.model_identity = config.model.identity()
-        self.eos_ids = set(config.model.eos_token_ids)
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model (prefix hits and loaded KV excluded)
-        self._pending: list[EngineCoreOutput] = []
         # Decode rounds (multi-step, async scheduling) need a runner that feeds its own tokens back
         # on the device (the simulated one cannot).
-        rounds = hasattr(self.runner, "launch_multi")
-        self.multi_steps = config.scheduler.num_scheduler_steps if rounds else 1
+        rounds = hasattr(self.runner, "launch_round")
         lazy = config.scheduler.async_scheduling
-        self.async_scheduling = rounds and (getattr(self.runner, "cuda", False) if lazy is None else lazy)
-        self.num_multi_step_rounds = 0
-        self.num_round_steps = 0  # decode steps run inside those rounds (part of num_steps)
-        self.num_chained_rounds = 0  # rounds queued behind one in flight (async scheduling)
-        self._inflight: _InFlight | None = None
+        self.rounds = DecodeRounds(self.scheduler, self.runner,
+                                   config.scheduler.num_scheduler_steps if rounds else 1,
+                                   rounds and (getattr(self.runner, "cuda", False) if lazy is None else lazy))
 
     # ---- construction -------------------------------------------------------
     @classmethod
@@ -131,12 +119,50 @@ class EngineCore:
         )
         if req.params.seed is not None:
             r.generator = self._generator(req.params.seed)
-        self.scheduler.add_request(r)  # may raise QueueFullError, before any state changes below
-        self.requests[r.request_id] = r
-        self.groups[r.request_id] = [r.request_id]
+        self.scheduler.add_request(r)  # may raise QueueFullError, before any state changes
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Unfinished sequences by internal id (the scheduler's registry)."""
+        return self.scheduler.requests
+
+    @property
+    def groups(self) -> dict[str, list[str]]:
+        """External request id -> internal ids of its sequences (n > 1 forks)."""
+        return self.scheduler.groups
+
+    # Round settings, switchable on a built engine (benchmarks compare them), and their counters.
+    @property
+    def multi_steps(self) -> int:
+        return self.rounds.max_steps
+
+    @multi_steps.setter
+    def multi_steps(self, k: int) -> None:
+        self.rounds.max_steps = k
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.rounds.async_scheduling
+
+    @async_scheduling.setter
+    def async_scheduling(self, on: bool) -> None:
+        self.rounds.async_scheduling = on
+
+    @property
+    def num_multi_step_rounds(self) -> int:
+        return self.rounds.num_rounds
+
+    @property
+    def num_round_steps(self) -> int:
+        """Decode steps run inside rounds (part of num_steps)."""
+        return self.rounds.num_round_steps
+
+    @property
+    def num_chained_rounds(self) -> int:
+        return self.rounds.num_chained_rounds
 
     def _on_device(self) -> bool:
-        """Random rows are drawn where the logits are (`sampler.draw_on_device`; a GPU runner)."""
+        """Random rows are drawn where the logits are (`device_draw.draw_on_device`; a GPU runner)."""
         return getattr(self.runner, "sample_on_device", False)
 
     def _generator(self, seed: int) -> torch.Generator | NoiseStream:
@@ -161,7 +187,6 @@ class EngineCore:
         r = self.requests.get(rid)
         if r is not None and not r.is_finished:
             self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
-            self._forget(r)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (an operator's or a benchmark's clean start).
@@ -175,7 +200,7 @@ class EngineCore:
         return self.kv.pool.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self._pending) or self._inflight is not None
+        return bool(self.requests) or self.rounds.in_flight
 
     def has_pending_transfers(self) -> bool:
         """Finished requests whose blocks a connector still holds for a remote reader (lease or pull).
@@ -187,179 +212,50 @@ class EngineCore:
 
     # ---- the loop -----------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        outputs, self._pending = self._pending, []
         self.scheduler.on_connector_finished(*self.connector.get_finished())
-        if self._inflight is not None:  # a round is on the device: its tokens first, nothing scheduled
-            return outputs + self._next_round()
+        if self.rounds.in_flight:  # a round is on the device: its tokens first, nothing scheduled
+            return self._counted(self.rounds.collect())
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if sched.connector_meta.loads:  # only async loads this step: start them, nothing to run
                 self.connector.start_load_kv(sched.connector_meta)
-            return outputs
-        if self.multi_steps > 1 or self.async_scheduling:
-            k = plan_steps(sched, self.kv, self.multi_steps, self._on_device())
+            return []
+        if self.rounds.enabled:
+            k = self.rounds.round_length(sched, self._on_device())
             if k:
-                return outputs + self._step_multi(sched, k)
+                return self._counted(self.rounds.launch(sched, k))
         self.num_steps += 1
         self.connector.start_load_kv(sched.connector_meta)
         try:
             logits, rows = self.runner.execute(sched)
         except Exception as e:  # a model failure fails this step's requests, never the engine
             log.exception("forward pass failed")
-            for s in sched.scheduled:
-                outputs.append(self._finish(s.request, RequestStatus.FINISHED_ERROR, error=str(e)))
-            return outputs
-        self.scheduler.advance(sched)
+            failed = (self.scheduler.fail(s.request_id, str(e)) for s in sched.scheduled)
+            return [o for o in failed if o is not None]
         self.num_computed_tokens += sched.total_tokens
         self.connector.save_kv(sched.connector_meta)
-        if not rows:
-            return outputs
-        # Build the sampling rows: an n > 1 request that just finished its prompt samples n tokens at once.
-        row_params, row_gens, row_src, owners = [], [], [], []
+        return self.scheduler.update_from_output(sched, rows, self._sample(sched, logits, rows))
+
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor, rows: list[int]) -> list[SampleResult]:
+        """Draw each sampling row's tokens: ``num_samples`` per row (n for an n > 1 request that
+        just finished its prompt), in row order."""
+        row_params, row_gens, row_src, hist = [], [], [], []
         for k, j in enumerate(rows):
-            r = sched.scheduled[j].request
-            if r.is_finished:
-                continue
-            copies = r.params.n if (r.params.n > 1 and not r.forked and r.parent_id is None) else 1
-            for c in range(copies):
-                row_params.append(r.params)
-                row_gens.append(r.generator)
+            s = sched.scheduled[j]
+            for _ in range(s.num_samples):
+                row_params.append(s.params)
+                row_gens.append(s.generator)
                 row_src.append(k)
-                owners.append((r, c))
-        if not owners:
-            return outputs
-        hist = [r.penalty_history() for r, _ in owners] if any(p.penalized for p in row_params) else None
-        samples = self.sampler.sample(logits[row_src], row_params, row_gens, hist, on_device=self._on_device())
-        forks: dict[str, list[SampleResult]] = {}
-        for (r, c), res in zip(owners, samples):
-            if c > 0:
-                forks.setdefault(r.request_id, []).append(res)
-        # Fork before the parent appends: a parent that finishes now must not free blocks its children share.
-        for rid, results in forks.items():
-            outputs.extend(self._fork(self.requests[rid], results))
-        for (r, c), res in zip(owners, samples):
-            if c == 0:
-                outputs.extend(self._append(r, res))
-        return outputs
+                hist.append(s.penalty_history)
+        if not row_params:
+            return []
+        histories = hist if any(p.penalized for p in row_params) else None
+        return self.sampler.sample(logits[row_src], row_params, row_gens, histories, on_device=self._on_device())
 
-    def _step_multi(self, sched, k: int) -> list[EngineCoreOutput]:
-        """A round of ``k`` decode steps on the device (engine/multi_step.py); outputs merged per sequence."""
-        reqs = [s.request for s in sched.scheduled]
-        try:
-            handle = self.runner.launch_multi(sched, k)
-        except Exception as e:
-            log.exception("forward pass failed")
-            return [self._finish(r, RequestStatus.FINISHED_ERROR, error=str(e)) for r in reqs]
-        self._inflight = _InFlight(reqs, handle, k)
-        return self._next_round()
-
-    def _next_round(self) -> list[EngineCoreOutput]:
-        """Read the tokens of the round in flight; with async scheduling, queue the next round
-        behind it first (`plan_next_round`), so the device stays busy while the host works."""
-        cur, self._inflight = self._inflight, None
-        if self.async_scheduling:
-            k = plan_next_round(self.scheduler, cur.reqs, cur.k, self.multi_steps)
-            if k:
-                try:
-                    block_ids = [self.kv.get_block_ids(r.request_id) for r in cur.reqs]
-                    self._inflight = _InFlight(cur.reqs, self.runner.continue_multi(cur.handle, k, block_ids), k)
-                    self.num_chained_rounds += 1
-                except Exception:  # cur's own tokens decide below whether the requests fail
-                    log.exception("queueing the next round failed")
-        try:
-            results = self.runner.collect(cur.handle)
-        except Exception as e:
-            log.exception("forward pass failed")
-            self._inflight = None  # same requests: they fail now
-            return [self._finish(r, RequestStatus.FINISHED_ERROR, error=str(e)) for r in cur.reqs if not r.is_finished]
-        self.num_steps += cur.k
-        self.num_round_steps += cur.k
-        self.num_multi_step_rounds += 1
-        self.num_computed_tokens += cur.k * len(cur.reqs)
-        outs: list[EngineCoreOutput] = []
-        for step in results:
-            for r, res in zip(cur.reqs, step):
-                if r.is_finished:
-                    continue  # stopped at an earlier step (or aborted): this token is past its end
-                r.num_computed_tokens += 1
-                outs.extend(self._append(r, res))
-        return outs if cur.k == 1 else merge_outputs(outs)  # one step: already one output per sequence
-
-    def _fork(self, parent: Request, results: list[SampleResult]) -> list[EngineCoreOutput]:
-        """Create the other n-1 sequences of a request; they share the parent's blocks (copy on write)."""
-        parent.forked = True
-        outs = []
-        prompt_len = parent.num_prompt_tokens
-        for i, res in enumerate(results, start=1):
-            child = Request(
-                request_id=f"{parent.request_id}#{i}", prompt_token_ids=parent.prompt_token_ids, params=parent.params,
-                block_size=parent.block_size, model_identity=parent.model_identity, cache_salt=parent.cache_salt,
-                parent_id=parent.request_id, index=i, max_model_len=parent.max_model_len,
-                arrival_time=parent.arrival_time,
-            )
-            child.forked = True
-            child.num_computed_tokens = prompt_len
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.first_scheduled_time = parent.first_scheduled_time
-            if parent.params.seed is not None:
-                child.generator = self._generator(parent.params.seed + i)
-            self.kv.fork(parent, child)
-            child.status = RequestStatus.RUNNING
-            self.scheduler.running.append(child)
-            self.requests[child.request_id] = child
-            self.groups[parent.request_id].append(child.request_id)
-            outs.extend(self._append(child, res))
-        return outs
-
-    def _append(self, r: Request, res: SampleResult) -> list[EngineCoreOutput]:
-        lp = None
-        if r.params.logprobs is not None:
-            lp = [(res.logprob, res.top_logprobs or [])]
-        r.append_output_token(res.token_id)
-        if r.first_token_time is None:
-            r.first_token_time = time.monotonic()
-        status = self._check_stop(r, res.token_id)
-        out = EngineCoreOutput(
-            request_id=r.parent_id or r.request_id, index=r.index, new_token_ids=[res.token_id],
-            new_logprobs=lp, num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=max(r.num_cached_tokens, 0),
-        )
-        if status is not None:
-            params = self.scheduler.finish(r, status)
-            out.finish_reason = r.finish_reason
-            out.stop_reason = r.stop_reason
-            out.kv_transfer_params = params
-            self._forget(r)
-        return [out]
-
-    def _check_stop(self, r: Request, tok: int) -> RequestStatus | None:
-        p = r.params
-        n_out = r.num_output_tokens
-        if n_out >= p.min_tokens:
-            if tok in p.stop_token_ids:
-                r.stop_reason = tok
-                return RequestStatus.FINISHED_STOPPED
-            if not p.ignore_eos and tok in self.eos_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if p.max_tokens is not None and n_out >= p.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if r.num_tokens >= r.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
-
-    def _finish(self, r: Request, status: RequestStatus, error: str | None = None) -> EngineCoreOutput:
-        self.scheduler.finish(r, status)
-        self._forget(r)
-        return EngineCoreOutput(request_id=r.parent_id or r.request_id, index=r.index,
-                                finish_reason=r.finish_reason, error=error,
-                                num_prompt_tokens=r.num_prompt_tokens)
-
-    def _forget(self, r: Request) -> None:
-        self.requests.pop(r.request_id, None)
-        ext = r.parent_id or r.request_id
-        group = self.groups.get(ext)
-        if group is not None and all(g not in self.requests for g in group):
-            # keep the group while the parent's fork is pending (parent finished before forking is impossible)
-            del self.groups[ext]
+    def _counted(self, outcome: RoundOutcome) -> list[EngineCoreOutput]:
+        self.num_steps += outcome.steps
+        self.num_computed_tokens += outcome.tokens
+        return outcome.outputs
 
     # ---- introspection ------------------------------------------------------
     def set_kv_events(self, enabled: bool) -> None:
@@ -391,6 +287,7 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        self.rounds.check_integrity()
 
     def shutdown(self) -> None:
         self.connector.close()

@@ -6,60 +6,53 @@ ones), then admits waiting requests while budget and ``max_num_seqs`` allow.
 When the pool cannot fit a running request, the newest running request is
 preempted by recompute: its blocks go back (their hashes usually keep its
 prefix cached) and it re-enters the queue at the front.
+
+The scheduler also owns what a step's results do to its requests (`update_from_output`:
+appended tokens, stop checks, forks of n > 1 requests, freeing), so the engine core only
+moves data between it, the connector, the runner and the sampler. The runner gets plain
+data (engine/sched_output.py), never a `Request`.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from .config import SchedulerConfig
-from .connector import ConnectorMetadata, KVConnector
+from .connector import ConnectorStep, KVConnector, ScheduledWork
 from .kv_cache_manager import KVCacheManager
+from .messages import EngineCoreOutput
 from .request import Request, RequestStatus
+from .sched_output import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from .sampler import SampleResult
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its configured bound; the caller should retry later."""
 
 
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens
-    block_ids: list[int] = field(default_factory=list)  # the request's block table, filled at the end of schedule()
-
-    @property
-    def completes_prompt(self) -> bool:
-        """After this step every known token has KV, so the model's last logits pick the next token."""
-        return self.request.num_computed_tokens + self.num_tokens >= self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    connector_meta: ConnectorMetadata = field(default_factory=ConnectorMetadata)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.block_copies
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, connector: KVConnector | None = None) -> None:
+    """Owns every live request: its queue, its blocks, and what a step's tokens do to it.
+
+    ``requests`` maps internal ids to live requests (a request leaves it when it finishes);
+    ``groups`` maps an external id to its sequences' internal ids (``id``, ``id#1``, ... for
+    n > 1). ``make_generator(seed)`` gives a fork of a seeded request its own random stream."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, connector: KVConnector | None = None,
+                 eos_token_ids: Iterable[int] = (), make_generator: Callable[[int], Any] | None = None) -> None:
         self.config = config
         self.kv = kv
         self.connector = connector or KVConnector()
+        self.eos_ids = frozenset(eos_token_ids)
+        self.make_generator = make_generator
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.remote_waiting: dict[str, Request] = {}  # loading KV from outside
         self.delayed_free: dict[str, Request] = {}  # finished, blocks kept for a remote reader
+        self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[str]] = {}
         self.num_preemptions = 0
 
     # ---- admission ----------------------------------------------------------
@@ -67,6 +60,8 @@ class Scheduler:
         if self.config.max_waiting and len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         self.waiting.append(request)
+        self.requests[request.request_id] = request
+        self.groups[request.request_id] = [request.request_id]
 
     @property
     def num_unfinished(self) -> int:
@@ -75,6 +70,7 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        work: list[ScheduledWork] = []
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         i = 0
@@ -97,7 +93,7 @@ class Scheduler:
                     break
             if not scheduled:
                 break
-            out.scheduled.append(ScheduledRequest(req, n))
+            work.append(ScheduledWork(req, n, []))
             budget -= n
             i += 1
 
@@ -144,14 +140,28 @@ class Scheduler:
                 req.num_computed_tokens += ext
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                out.scheduled.append(ScheduledRequest(req, n))
+                work.append(ScheduledWork(req, n, []))
                 budget -= n
 
-        for s in out.scheduled:
-            s.block_ids = self.kv.get_block_ids(s.request.request_id)
+        for w in work:
+            w.block_ids = self.kv.get_block_ids(w.request.request_id)
+            out.scheduled.append(self._entry(w))
         out.block_copies = self.kv.take_copies()
-        out.connector_meta = self.connector.build_connector_meta(out)
+        out.connector_meta = self.connector.build_connector_meta(ConnectorStep(work))
         return out
+
+    @staticmethod
+    def _entry(w: ScheduledWork) -> ScheduledRequest:
+        """The runner's plain view of a scheduled request (no per-token work: lists go by reference)."""
+        r, n = w.request, w.num_tokens
+        p = r.params
+        samples, history = 0, None
+        if r.num_computed_tokens + n >= r.num_tokens:
+            samples = p.n if (p.n > 1 and not r.forked and r.parent_id is None) else 1
+            if p.penalized:
+                history = r.penalty_history()
+        return ScheduledRequest(r.request_id, r.all_token_ids, r.num_computed_tokens, n, p, r.generator,
+                                samples, w.block_ids, history)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -162,13 +172,123 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- after the forward pass --------------------------------------------
-    def advance(self, sched: SchedulerOutput) -> None:
-        """Mark the scheduled tokens computed (their KV is now in the cache)."""
-        for s in sched.scheduled:
-            s.request.num_computed_tokens += s.num_tokens
+    def update_from_output(self, sched: SchedulerOutput, rows: list[int],
+                           samples: list[SampleResult]) -> list[EngineCoreOutput]:
+        """Apply a step's results: its tokens have KV now; sampled tokens are appended, stops
+        checked, finished requests freed, and an n > 1 request that finished its prompt forks.
+
+        ``rows``: the entries of ``sched.scheduled`` that sampled, in order; ``samples``: their
+        draws, ``num_samples`` of them per row (the first is the sequence's own, the others
+        start its forks)."""
+        live = [self._live(s.request_id) for s in sched.scheduled]
+        for r, s in zip(live, sched.scheduled):
+            if r is not None:
+                r.num_computed_tokens += s.num_tokens
+        own: list[tuple[Request, SampleResult]] = []
+        forks: list[tuple[Request, list[SampleResult]]] = []
+        k = 0
+        for j in rows:
+            r = live[j]
+            n = sched.scheduled[j].num_samples
+            if r is not None:
+                own.append((r, samples[k]))
+                if n > 1:
+                    forks.append((r, samples[k + 1:k + n]))
+            k += n
+        outputs: list[EngineCoreOutput] = []
+        # Fork before the parent appends: a parent that finishes now must not free blocks its children share.
+        for parent, results in forks:
+            outputs.extend(self.add_forked(parent, results))
+        for r, res in own:
+            outputs.append(self._append(r, res))
+        return outputs
+
+    def update_from_round(self, request_ids: list[str], results: list[list[SampleResult]]) -> list[EngineCoreOutput]:
+        """Apply a decode round's tokens, step by step (``results[i][j]``: step ``i``, sequence ``j``).
+        A sequence that stopped (or was aborted) before a step drops that step's token: it lies
+        past its end. One output per token, in step order."""
+        outputs: list[EngineCoreOutput] = []
+        reqs = [self._live(rid) for rid in request_ids]
+        running = RequestStatus.RUNNING
+        for step in results:
+            for r, res in zip(reqs, step):
+                if r is None or r.status != running:  # finished here at an earlier step, or before the round
+                    continue
+                r.num_computed_tokens += 1
+                outputs.append(self._append(r, res))
+        return outputs
+
+    def _live(self, request_id: str) -> Request | None:
+        """The running request of that id; None once it finished. Nothing is scheduled between a
+        step (or a round in flight) and its update, so a running request of that id is the same one."""
+        r = self.requests.get(request_id)
+        return r if r is not None and r.status == RequestStatus.RUNNING else None
+
+    def add_forked(self, parent: Request, results: list[SampleResult]) -> list[EngineCoreOutput]:
+        """Create the other n-1 sequences of a request, one per draw in ``results``; they share the
+        parent's blocks (copy on write) and run from the next step on."""
+        parent.forked = True
+        outputs = []
+        prompt_len = parent.num_prompt_tokens
+        for i, res in enumerate(results, start=1):
+            child = Request(
+                request_id=f"{parent.request_id}#{i}", prompt_token_ids=parent.prompt_token_ids, params=parent.params,
+                block_size=parent.block_size, model_identity=parent.model_identity, cache_salt=parent.cache_salt,
+                parent_id=parent.request_id, index=i, max_model_len=parent.max_model_len,
+                arrival_time=parent.arrival_time,
+            )
+            child.forked = True
+            child.num_computed_tokens = prompt_len
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.first_scheduled_time = parent.first_scheduled_time
+            if parent.params.seed is not None and self.make_generator is not None:
+                child.generator = self.make_generator(parent.params.seed + i)
+            self.kv.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            self.requests[child.request_id] = child
+            self.groups[parent.request_id].append(child.request_id)
+            outputs.append(self._append(child, res))
+        return outputs
+
+    def _append(self, r: Request, res: SampleResult) -> EngineCoreOutput:
+        lp = None
+        if r.params.logprobs is not None:
+            lp = [(res.logprob, res.top_logprobs or [])]
+        r.append_output_token(res.token_id)
+        if r.first_token_time is None:
+            r.first_token_time = time.monotonic()
+        status = self.stop_status(r, res.token_id)
+        out = EngineCoreOutput(
+            request_id=r.parent_id or r.request_id, index=r.index, new_token_ids=[res.token_id],
+            new_logprobs=lp, num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=max(r.num_cached_tokens, 0),
+        )
+        if status is not None:
+            out.kv_transfer_params = self.finish(r, status)
+            out.finish_reason = r.finish_reason
+            out.stop_reason = r.stop_reason
+        return out
+
+    def stop_status(self, r: Request, tok: int) -> RequestStatus | None:
+        """Whether ``tok``, just appended, ends the sequence: a stop token or EOS (after
+        ``min_tokens``), ``max_tokens``, or the model's context. Sets ``stop_reason`` for a stop token."""
+        p = r.params
+        n_out = r.num_output_tokens
+        if n_out >= p.min_tokens:
+            if tok in p.stop_token_ids:
+                r.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+            if not p.ignore_eos and tok in self.eos_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if r.num_tokens >= r.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
 
     def finish(self, req: Request, status: RequestStatus) -> dict | None:
-        """Take a request out of every queue and free (or hand over) its blocks."""
+        """Take a request out of every queue, free (or hand over) its blocks and forget it;
+        returns the connector's ``kv_transfer_params`` for the caller, if any."""
         req.status = status
         rid = req.request_id
         loading = False
@@ -192,7 +312,25 @@ class Scheduler:
             self.delayed_free[rid] = req
         else:
             self.kv.free(req)
+        self._forget(req)
         return params
+
+    def fail(self, request_id: str, error: str) -> EngineCoreOutput | None:
+        """Finish a request whose step failed (a model error fails its requests, never the engine);
+        None if it already finished."""
+        r = self.requests.get(request_id)
+        if r is None or r.is_finished:
+            return None
+        self.finish(r, RequestStatus.FINISHED_ERROR)
+        return EngineCoreOutput(request_id=r.parent_id or r.request_id, index=r.index,
+                                finish_reason=r.finish_reason, error=error, num_prompt_tokens=r.num_prompt_tokens)
+
+    def _forget(self, r: Request) -> None:
+        self.requests.pop(r.request_id, None)
+        ext = r.parent_id or r.request_id
+        group = self.groups.get(ext)
+        if group is not None and all(g not in self.requests for g in group):
+            del self.groups[ext]
 
     def on_connector_finished(self, done_sending: set[str], done_recving: set[str], failed: set[str]) -> None:
         for rid in done_sending:
@@ -215,6 +353,52 @@ class Scheduler:
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
 
+    # ---- decode rounds (engine/decode_rounds.py) ---------------------------------------
+    def extends_output(self, request_id: str) -> bool:
+        """The request already has output tokens (a decode step, not its prompt's last token)."""
+        r = self.requests.get(request_id)
+        return r is not None and r.num_output_tokens > 0
+
+    def decode_headroom(self, request_ids: list[str], pending: int, k_max: int) -> int:
+        """Decode steps (up to ``k_max``) every listed request may still take after its ``pending``
+        ones without passing ``max_tokens`` or ``max_model_len``; 0 if one of them may take none."""
+        k = k_max
+        for rid in request_ids:
+            r = self.requests[rid]
+            k = min(k, r.max_model_len - r.num_tokens - pending)
+            if r.params.max_tokens is not None:
+                k = min(k, r.params.max_tokens - r.num_output_tokens - pending)
+            if k < 1:
+                return 0
+        return k
+
+    def could_admit(self) -> bool:
+        """A waiting request that the next `schedule` might admit (the batch is not full)."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+
+    def runs_exactly(self, request_ids: list[str]) -> bool:
+        """The running batch is these requests, all still unfinished."""
+        return len(self.running) == len(request_ids) and all(self._live(rid) is not None for rid in request_ids)
+
+    def reserve_decode_slots(self, request_ids: list[str], pending: int, k: int) -> bool:
+        """Blocks for ``pending + k`` more positions of every listed request. False if the pool is
+        short, or a block the round would write is shared with a fork (copy-on-write needs the
+        one-step path); blocks reserved for earlier requests then stay with them (used by their
+        next steps)."""
+        kv = self.kv
+        bs = kv.block_size
+        for rid in request_ids:
+            r = self.requests[rid]
+            if kv.allocate_slots(r, pending + k) is None:
+                return False
+            if any(b.ref_cnt > 1 for b in kv.req_blocks[rid][(r.num_computed_tokens + pending) // bs:]):
+                return False
+        return True
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.kv.get_block_ids(request_id)
+
+    # ---- checks ---------------------------------------------------------------------------
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         held = set(self.kv.req_blocks)
@@ -224,3 +408,11 @@ class Scheduler:
         for r in self.waiting:
             if r.request_id in held:
                 raise AssertionError(f"waiting request {r.request_id} still holds blocks")
+        queued = [r.request_id for r in self.waiting] + [r.request_id for r in self.running] + list(self.remote_waiting)
+        if sorted(queued) != sorted(self.requests):
+            raise AssertionError(f"requests {sorted(self.requests)} differ from those queued {sorted(queued)}")
+        for rid, r in self.requests.items():
+            if r.is_finished or rid in self.delayed_free:
+                raise AssertionError(f"finished request {rid} is still registered")
+            if rid not in self.groups.get(r.parent_id or rid, ()):
+                raise AssertionError(f"request {rid} is in no group")

@@ -38,7 +38,7 @@ import time
 import torch
 
 from .config import EngineConfig
-from .scheduler import SchedulerOutput
+from .sched_output import SchedulerOutput
 
 # Calibration (see the module docstring).
 DEFAULT_PREFILL_MS_PER_TOKEN = 0.035
@@ -93,11 +93,10 @@ class SimulatedRunner:
         t0 = time.perf_counter()
         rows, toks = [], []
         for j, s in enumerate(sched.scheduled):
-            r = s.request
-            end = r.num_computed_tokens + s.num_tokens
-            if end >= r.num_tokens:  # this step reaches the sequence's last token: it samples
+            end = s.num_computed_tokens + s.num_tokens
+            if end >= len(s.all_token_ids):  # this step reaches the sequence's last token: it samples
                 rows.append(j)
-                toks.append(next_token(r.all_token_ids[:end], self.vocab_lo, self.vocab))
+                toks.append(next_token(s.all_token_ids[:end], self.vocab_lo, self.vocab))
         logits = torch.zeros(len(rows), self.width)
         if rows:
             logits[torch.arange(len(rows)), torch.tensor(toks)] = PEAK

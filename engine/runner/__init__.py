@@ -1,0 +1,4 @@
+"""The model runner: a scheduler step's plain data in, last-token logits (or a decode round) out."""
+from .model_runner import ModelRunner
+
+__all__ = ["ModelRunner"]

@@ -1,0 +1,139 @@
+"""CUDA graphs for pure decode steps (one token per sequence, up to the largest graph size).
+
+Each step replays the graph captured for the next padded batch size in ``GRAPH_SIZES``. The
+graphs read one static int32 buffer at fixed offsets (`GraphLayout`): padding tokens have slot
+-1, padding sequences have no query tokens and length 0, so every kernel skips them; the
+attention launch is fixed at capture for ``max_model_len`` (split-KV only where the batch is
+too small to fill the SMs). Prefill and mixed steps run eagerly.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..models.llama import AttentionMetadata, LlamaForCausalLM
+from .inputs import Staging, StepPlan
+
+log = logging.getLogger("kvmesh.engine")
+
+# Padded decode batch sizes that get a CUDA graph (capped at max_num_seqs).
+GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+class GraphLayout(NamedTuple):
+    """Offsets (int32s) of each input in the graphs' static buffer, for ``bmax`` rows; ``end``
+    is its size."""
+
+    ids: int
+    positions: int
+    slots: int
+    query_start_loc: int  # bmax + 1 entries
+    seq_lens: int
+    block_tables: int  # [bmax, max blocks per sequence]
+    end: int
+
+    @classmethod
+    def for_rows(cls, bmax: int, max_blocks_per_seq: int) -> "GraphLayout":
+        return cls(*np.cumsum([0, bmax, bmax, bmax, bmax + 1, bmax, bmax * max_blocks_per_seq]).tolist())
+
+
+class DecodeGraphs:
+    """The captured decode graphs, their static input buffer, and the staging of a step into it."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, staging: Staging, max_num_seqs: int,
+                 max_blocks_per_seq: int, max_model_len: int, device: torch.device) -> None:
+        self.model, self.kv_cache, self.staging = model, kv_cache, staging
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.max_model_len = max_model_len
+        self.device = device
+        self.captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # padded size -> graph, logits
+        self.sizes: list[int] = []
+        self.capture_s = 0.0
+
+    def views(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """``(ids, positions, metadata)`` of the first ``b`` rows of the static buffer."""
+        o = self.layout
+        g = self.buf
+        W = self.max_blocks_per_seq
+        bt = g[o.block_tables:o.end].view(self.sizes[-1], W)[:b]
+        meta = AttentionMetadata(slot_mapping=g[o.slots:o.slots + b], block_tables=bt,
+                                 query_start_loc=g[o.query_start_loc:o.query_start_loc + b + 1],
+                                 seq_lens=g[o.seq_lens:o.seq_lens + b], max_query_len=1,
+                                 max_seq_len=self.max_model_len)
+        return g[o.ids:o.ids + b], g[o.positions:o.positions + b], meta
+
+    def capture(self) -> None:
+        """Capture one graph per padded decode batch size, largest first, sharing one memory pool."""
+        t0 = time.perf_counter()
+        self.sizes = [s for s in GRAPH_SIZES if s <= self.max_num_seqs] or [1]
+        self.layout = o = GraphLayout.for_rows(self.sizes[-1], self.max_blocks_per_seq)
+        self.buf = torch.zeros(o.end, dtype=torch.int32, device=self.device)
+        self.buf[o.slots:o.query_start_loc] = -1  # padding slots: write_kv skips them
+        self.staging.ensure(o.end)
+        pool = None
+        for b in reversed(self.sizes):
+            ids, pos, meta = self.views(b)
+            self.model(ids, pos, self.kv_cache, meta, None)  # warm-up: Triton compiles, cuBLAS picks kernels
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                out = self.model(ids, pos, self.kv_cache, meta, None)
+            pool = g.pool()
+            self.captured[b] = (g, out)
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - t0
+        log.info("captured %d decode CUDA graphs (sizes %s) in %.1fs", len(self.captured), self.sizes,
+                 self.capture_s)
+
+    def fits(self, p: StepPlan) -> bool:
+        """A pure decode step that a captured graph can run."""
+        return bool(self.captured) and p.T == p.B and p.B <= self.sizes[-1] \
+            and p.bt.shape[1] <= self.max_blocks_per_seq
+
+    def size_for(self, b: int) -> int:
+        """The padded batch size whose graph runs ``b`` sequences."""
+        return next(s for s in self.sizes if s >= b)
+
+    def run(self, p: StepPlan) -> torch.Tensor:
+        """Stage the step into the static buffer (padding rows included), replay; logits ``[B, V]``."""
+        b = p.B
+        size = self.size_for(b)
+        o = self.layout
+        W = self.max_blocks_per_seq
+        n = o.block_tables + size * W
+        buf = self.staging.acquire(n)
+        buf[o.ids:o.ids + b] = p.ids
+        buf[o.ids + b:o.ids + size] = 0
+        buf[o.positions:o.positions + b] = p.pos
+        buf[o.positions + b:o.positions + size] = 0
+        buf[o.slots:o.slots + b] = p.slots
+        buf[o.slots + b:o.slots + size] = -1
+        buf[o.query_start_loc:o.query_start_loc + b + 1] = p.qsl
+        buf[o.query_start_loc + b + 1:o.query_start_loc + size + 1] = b
+        buf[o.seq_lens:o.seq_lens + b] = p.seq_lens
+        buf[o.seq_lens + b:o.seq_lens + size] = 0
+        w = p.bt.shape[1]
+        buf[o.block_tables:o.block_tables + size * W].reshape(size, W)[:b, :w] = p.bt  # stale tails are never read (seq_lens)
+        self.staging.upload(self.buf, n)
+        return self.replay(size)[:b]
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Replay the graph of padded size ``size`` on the buffer's current inputs; its logits."""
+        g, out = self.captured[size]
+        g.replay()
+        return out
+
+    def stage_block_tables(self, bt: np.ndarray, B: int) -> None:
+        """New block tables for the first ``B`` rows (a chained round: the blocks grew), uploaded
+        stream-ordered after the reads of the round before."""
+        W = self.max_blocks_per_seq
+        if bt.shape[1] > W:
+            raise ValueError(f"block table of {bt.shape[1]} blocks exceeds the graphs' {W}")
+        buf = self.staging.acquire(B * W)
+        buf[:B * W].reshape(B, W)[:, :bt.shape[1]] = bt
+        self.staging.upload(self.buf[self.layout.block_tables:], B * W)

@@ -1,0 +1,86 @@
+"""How large the KV pool is: bytes per block, the memory budget, and (GPU) the reserve a step needs."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..config import EngineConfig
+from ..models.llama import AttentionMetadata, LlamaForCausalLM
+from .graphs import GRAPH_SIZES
+from .inputs import cdiv
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+def kv_bytes_per_block(config: EngineConfig) -> int:
+    m = config.model
+    return m.num_layers * 2 * config.cache.block_size * m.num_kv_heads * m.head_dim * torch_dtype(config.dtype).itemsize
+
+
+def num_blocks_for(config: EngineConfig, weight_bytes: int = 0, reserve_bytes: int = 0) -> int:
+    """Pool size: explicit, else a memory budget (CPU) or a share of free device memory (GPU).
+
+    On a GPU, ``reserve_bytes`` is what the step still needs beyond what is allocated
+    now (activation peak, graphs, logits); weights are already on the device, so the
+    free memory reported by the driver has them subtracted."""
+    if config.cache.num_kv_blocks is not None:
+        return config.cache.num_kv_blocks
+    per_block = kv_bytes_per_block(config)
+    if config.device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info(torch.device(config.device))
+        budget = int(total * config.cache.gpu_memory_utilization) - (total - free) - reserve_bytes - (1 << 30)
+    else:
+        budget = int(config.cache.kv_cache_memory_gb * (1 << 30))
+    n = budget // per_block
+    if n < 2:
+        raise ValueError("not enough memory for the KV cache; lower the model size or raise the memory budget")
+    return int(n)
+
+
+def configure_cpu_threads() -> None:
+    """Honour KVMESH_CPU_THREADS: OpenMP with more threads than idle cores slows matmuls by 10-30x."""
+    n = os.environ.get("KVMESH_CPU_THREADS")
+    if n:
+        torch.set_num_threads(max(1, int(n)))
+
+
+def profile_reserve(model: LlamaForCausalLM, config: EngineConfig, max_model_len: int, dtype: torch.dtype,
+                    device: torch.device) -> int:
+    """Run the largest eager step once on a scratch cache; return the bytes a step needs on top
+    of what is allocated now (activation peak, graph pool estimate, sampler logits). GPU only."""
+    cfg, sc = config.model, config.scheduler
+    block_size = config.cache.block_size
+    T = max(1, min(sc.max_num_batched_tokens, max_model_len))
+    nb = cdiv(T, block_size) + 1
+    scratch = torch.zeros((nb, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
+                          dtype=dtype, device=device)
+    dev = device
+    i32 = dict(dtype=torch.int32, device=dev)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(T, **i32), block_tables=torch.arange(nb, **i32)[None],
+        query_start_loc=torch.tensor([0, T], **i32), seq_lens=torch.tensor([T], **i32),
+        max_query_len=T, max_seq_len=T)
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    model(torch.zeros(T, **i32), torch.arange(T, **i32), scratch, meta,
+          torch.arange(min(T, sc.max_num_seqs), **i32))
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    del scratch, meta
+    torch.cuda.empty_cache()
+    # Graph outputs (bf16 + fp32 logits per captured size) and the sampler's copies.
+    bmax = min(GRAPH_SIZES[-1], sc.max_num_seqs)
+    logits = 4 * sc.max_num_seqs * cfg.vocab_size * 4
+    graphs = 2 * (sum(s for s in GRAPH_SIZES if s <= bmax) * cfg.vocab_size * 6) + (256 << 20)
+    return peak + logits + graphs

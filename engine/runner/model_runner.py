@@ -1,0 +1,123 @@
+"""Turns a scheduler step into flat model inputs, runs the model, returns last-token logits.
+
+It owns the KV tensor ``[num_blocks, num_layers, 2, block_size, Hkv, D]`` (block
+first, so a block of all layers is one contiguous range for the connectors). The
+inputs are planned and staged as engine/runner/inputs.py says: one host-to-device
+copy per step on a GPU.
+
+GPU only:
+
+* the KV pool is sized from free device memory after a profiling forward pass of
+  ``max_num_batched_tokens`` tokens (the activation peak), minus a reserve for the
+  CUDA graphs and the sampler's logits (engine/runner/memory.py);
+* pure decode steps replay a CUDA graph (engine/runner/graphs.py); prefill and mixed steps
+  run eagerly. ``KVMESH_ENFORCE_EAGER=1`` turns graphs off (debugging, comparisons);
+* every Triton kernel variant is compiled at start-up (engine/runner/warmup.py).
+
+Decode rounds (several steps per host round trip) are engine/runner/rounds.py.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvmesh import kernels
+
+from ..config import EngineConfig
+from ..models.llama import LlamaForCausalLM
+from ..sched_output import SchedulerOutput
+from .graphs import DecodeGraphs
+from .inputs import EagerStager, Staging, StepPlan, cdiv, eager_layout_size, plan_step
+from .memory import configure_cpu_threads, num_blocks_for, profile_reserve, torch_dtype
+from .rounds import DecodeRoundRunner
+from .warmup import attention_launch_configs, warm_up_attention, warm_up_sampler
+
+
+class ModelRunner(DecodeRoundRunner):
+    def __init__(self, config: EngineConfig, state_dict: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        if config.device == "cpu":
+            configure_cpu_threads()
+        self.device = torch.device(config.device)
+        self.cuda = self.device.type == "cuda"
+        # Random rows (seeded ones from their NoiseStreams) may be drawn inside decode rounds
+        # (engine/decode_rounds.py): on a GPU, where the one-step path draws on the device the same way.
+        # The CPU keeps its per-row multinomial draws and the one-step path.
+        self.sample_on_device = self.cuda
+        self.dtype = torch_dtype(config.dtype)
+        self.block_size = config.cache.block_size
+        self.max_model_len = max(config.scheduler.max_model_len, 1)
+        self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
+        m = config.model
+        self.model = LlamaForCausalLM(config.model, state_dict, self.dtype, self.device,
+                                      max_positions=self.max_model_len)
+        self.sched_cfg = config.scheduler
+        n_stage = eager_layout_size(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                                    self.max_blocks_per_seq)
+        self.staging = Staging(n_stage, self.device)
+        self.eager = EagerStager(self.staging)
+        reserve = 0
+        if self.cuda:
+            reserve = profile_reserve(self.model, config, self.max_model_len, self.dtype, self.device)
+        self.num_blocks = num_blocks_for(config, reserve_bytes=reserve)
+        self.kv_cache = torch.zeros(
+            (self.num_blocks, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim),
+            dtype=self.dtype, device=self.device,
+        )
+        self.graphs: DecodeGraphs | None = None
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
+        if self.cuda and os.environ.get("KVMESH_ENFORCE_EAGER", "0") in ("", "0"):
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.staging, self.sched_cfg.max_num_seqs,
+                                       self.max_blocks_per_seq, self.max_model_len, self.device)
+            self.graphs.capture()
+        self.warm_up_s = 0.0
+        self.warm_up_configs = 0
+        if self.cuda:
+            configs = self.attention_launch_configs()
+            self.warm_up_s = warm_up_attention(self.model, self.kv_cache, configs, self.dtype, self.device)
+            self.warm_up_configs = len(configs)
+            warm_up_sampler(self.config.model.vocab_size, self.device)
+
+    @property
+    def graph_sizes(self) -> list[int]:
+        """Padded batch sizes with a captured decode graph (none when eager)."""
+        return self.graphs.sizes if self.graphs is not None else []
+
+    @property
+    def graph_capture_s(self) -> float:
+        return self.graphs.capture_s if self.graphs is not None else 0.0
+
+    def attention_launch_configs(self) -> list[dict]:
+        """Every attention launch configuration this engine's steps can ask for (engine/runner/warmup.py)."""
+        return attention_launch_configs(self.model.cfg, self.sched_cfg, self.max_model_len, self.device, self.dtype)
+
+    # ---- execution ------------------------------------------------------------------------
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Run one step. Returns ``(logits, rows)``: ``logits[j]`` belongs to ``sched.scheduled[rows[j]]``."""
+        self._apply_copies(sched)
+        if not sched.scheduled:
+            return torch.empty(0, self.config.model.vocab_size), []
+        p = plan_step(sched, self.block_size)
+        rows = p.rows.tolist()
+        if self._uses_graph(p):
+            logits = self.graphs.run(p)
+            self.num_graph_steps += 1
+            if len(rows) != p.B:
+                logits = logits.index_select(0, torch.as_tensor(p.rows, device=self.device))
+            return logits, rows
+        self.num_eager_steps += 1
+        return self._run_eager(p), rows
+
+    def _apply_copies(self, sched: SchedulerOutput) -> None:
+        if sched.block_copies:
+            cp = torch.tensor(sched.block_copies, dtype=torch.int64).T.contiguous().to(self.device)
+            kernels.copy_blocks(self.kv_cache, cp[0], cp[1])
+
+    def _uses_graph(self, p: StepPlan) -> bool:
+        return self.graphs is not None and self.graphs.fits(p)
+
+    def _run_eager(self, p: StepPlan) -> torch.Tensor:
+        v, meta = self.eager.stage(p)
+        return self.model(v.ids, v.positions, self.kv_cache, meta, v.logits_idx)
