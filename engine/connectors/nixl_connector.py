@@ -63,8 +63,8 @@ if TYPE_CHECKING:
     import torch
 
     from ..config import EngineConfig
+    from ..connector import ConnectorStep
     from ..request import Request
-    from ..scheduler import SchedulerOutput
 
 log = logging.getLogger("kvmesh.connector.nixl")
 
@@ -296,7 +296,7 @@ class NixlConnector(KVConnector):
             local_ids=list(block_ids[start:start + k]), remote_ids=list(p["remote_block_ids"][start:start + k]),
         )
 
-    def build_connector_meta(self, sched_out: SchedulerOutput | None = None) -> ConnectorMetadata:
+    def build_connector_meta(self, sched_out: ConnectorStep | None = None) -> ConnectorMetadata:
         meta = ConnectorMetadata()
         if self._to_load:
             meta.loads = {rid: {"load": ld} for rid, ld in self._to_load.items()}

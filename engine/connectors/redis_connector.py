@@ -45,8 +45,8 @@ from .common import BlockLayout, model_namespace
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
+    from ..connector import ConnectorStep
     from ..request import Request
-    from ..scheduler import SchedulerOutput
 
 log = logging.getLogger("kvmesh.connector.redis")
 
@@ -217,7 +217,7 @@ class RedisConnector(KVConnector):
             "hashes": list(request.block_hashes[start:start + n]),
         }
 
-    def build_connector_meta(self, sched_out: SchedulerOutput | None = None) -> ConnectorMetadata:
+    def build_connector_meta(self, sched_out: ConnectorStep | None = None) -> ConnectorMetadata:
         meta = ConnectorMetadata()
         if self._to_load:
             meta.loads, self._to_load = self._to_load, {}
