@@ -191,7 +191,7 @@ def test_arrival_and_abort_while_a_round_is_in_flight(make_llm, smol):
 
     for i in range(3):
         eng.add_request(EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=ids[i], params=params))
-    while eng._inflight is None:
+    while not eng.rounds.in_flight:
         run_step()
     # keep rounds chained for a while, then abort one request and add another mid-flight
     while eng.num_chained_rounds < 2:
@@ -201,7 +201,7 @@ def test_arrival_and_abort_while_a_round_is_in_flight(make_llm, smol):
     eng.abort(["r1"])
     eng.add_request(EngineCoreRequest(request_id="r3", prompt_token_ids=ids[3], params=params))
     run_step()  # reads the round in flight; queues nothing behind it
-    assert eng.num_chained_rounds == chained and eng._inflight is None
+    assert eng.num_chained_rounds == chained and not eng.rounds.in_flight
     while eng.has_unfinished():
         run_step()
     assert got["r0"] == ref[0][0] and got["r2"] == ref[2][0] and got["r3"] == ref[3][0]
