@@ -36,7 +36,7 @@ class ScheduledWork:
     """One scheduled sequence as the connector's scheduler side sees it: that half lives with
     the scheduler, so it reads the live request (its hashes, its prompt length); the runner never does."""
 
-    request: "Request"
+    request: Request
     num_tokens: int  # tokens computed this step, from request.num_computed_tokens on
     block_ids: list[int]
 
@@ -52,9 +52,9 @@ class KVConnector:
     """Base connector: loads nothing, keeps nothing. Subclasses override what they need."""
 
     name = "none"
-    engine_config: "EngineConfig | None" = None
+    engine_config: EngineConfig | None = None
 
-    def configure(self, config: "EngineConfig") -> None:
+    def configure(self, config: EngineConfig) -> None:
         """Called by the engine before ``register_kv_cache``.
 
         Connectors are built before the engine (``from_model(connector=...)``), so this is where they
@@ -76,7 +76,7 @@ class KVConnector:
         if problem is not None:
             raise ValueError(problem)
 
-    def prepare_kv_transfer_params(self, params: Any) -> "concurrent.futures.Future | None":
+    def prepare_kv_transfer_params(self, params: Any) -> concurrent.futures.Future | None:
         """Start any slow work ``validate_kv_transfer_params`` needs (e.g. a handshake) in the background.
 
         Returns a future to wait for before calling ``validate`` (which then answers from a cache
@@ -85,23 +85,23 @@ class KVConnector:
         return None
 
     # ---- scheduler side -----------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` that can be loaded from outside, and whether the load is async."""
         return 0, False
 
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         """Called once the request's blocks exist, so a load can target them."""
 
     def build_connector_meta(self, sched_out: ConnectorStep | None = None) -> ConnectorMetadata:
         """Per-step instructions for the worker side; ``sched_out`` says which blocks this step computes."""
         return ConnectorMetadata()
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Return ``(delay_free, kv_transfer_params)``; with ``delay_free`` the connector frees later."""
         return False, None
 
     # ---- worker side --------------------------------------------------------
-    def register_kv_cache(self, kv_cache: "torch.Tensor") -> None:
+    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Receive the engine's KV tensor ``[num_blocks, num_layers, 2, block_size, Hkv, D]``."""
 
     def start_load_kv(self, meta: ConnectorMetadata) -> None:

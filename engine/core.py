@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Iterable
 
 import torch
 
@@ -25,7 +25,7 @@ from .loader import load_model
 from .messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from .request import Request, RequestStatus
 from .runner import ModelRunner
-from .sampler import NoiseStream, SampleResult, Sampler
+from .sampler import NoiseStream, Sampler, SampleResult
 from .sched_output import SchedulerOutput
 from .scheduler import Scheduler
 
@@ -64,7 +64,7 @@ class EngineCore:
     # ---- construction -------------------------------------------------------
     @classmethod
     def from_model(cls, args: EngineArgs | None = None, *, connector: KVConnector | None = None, loaded=None,
-                   simulate: dict | None = None) -> tuple["EngineCore", object]:
+                   simulate: dict | None = None) -> tuple[EngineCore, object]:
         """Load ``args.model`` (or take ``loaded``) and build an engine; returns ``(engine, tokenizer)``.
 
         ``simulate``: SimulatedRunner options (engine/sim_runner.py); no weights are loaded, the

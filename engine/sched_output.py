@@ -37,13 +37,13 @@ class ScheduledRequest:
     all_token_ids: list[int]
     num_computed_tokens: int  # tokens with KV before this step
     num_tokens: int  # tokens to compute this step, from num_computed_tokens on
-    params: "SamplingParams"
+    params: SamplingParams
     generator: Any = None  # a seeded request's stream (device_draw.NoiseStream or a CPU torch.Generator)
     # tokens to draw once this step completes the sequence: n for an n > 1 request finishing its prompt
     num_samples: int = 1
     block_ids: list[int] = field(default_factory=list)
     # (prompt, output so far) int64 arrays for the penalties, when a penalized sequence samples this step
-    penalty_history: "tuple[np.ndarray, np.ndarray] | None" = None
+    penalty_history: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def completes_prompt(self) -> bool:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from .config import SchedulerConfig
 from .connector import ConnectorStep, KVConnector, ScheduledWork

@@ -37,7 +37,7 @@ class GraphLayout(NamedTuple):
     end: int
 
     @classmethod
-    def for_rows(cls, bmax: int, max_blocks_per_seq: int) -> "GraphLayout":
+    def for_rows(cls, bmax: int, max_blocks_per_seq: int) -> GraphLayout:
         return cls(*np.cumsum([0, bmax, bmax, bmax, bmax + 1, bmax, bmax * max_blocks_per_seq]).tolist())
 
 
@@ -118,7 +118,8 @@ class DecodeGraphs:
         buf[o.seq_lens:o.seq_lens + b] = p.seq_lens
         buf[o.seq_lens + b:o.seq_lens + size] = 0
         w = p.bt.shape[1]
-        buf[o.block_tables:o.block_tables + size * W].reshape(size, W)[:b, :w] = p.bt  # stale tails are never read (seq_lens)
+        # stale tails are never read (seq_lens)
+        buf[o.block_tables:o.block_tables + size * W].reshape(size, W)[:b, :w] = p.bt
         self.staging.upload(self.buf, n)
         return self.replay(size)[:b]
 

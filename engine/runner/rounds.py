@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..host_copy import to_device
-from ..models.llama import AttentionMetadata
 from ..device_draw import draw_on_device
+from ..host_copy import to_device
 from ..logit_adjustment import LogitAdjustment
 from ..logprobs import SampleResult, device_logprobs, logprob_width, results_with_logprobs
+from ..models.llama import AttentionMetadata
 from ..sched_output import SchedulerOutput
 from .inputs import block_table, plan_step
 
@@ -50,13 +50,13 @@ class DecodeRoundRunner:
     """`ModelRunner`'s decode-round methods. The attributes below, and ``_apply_copies`` and
     ``_uses_graph``, are the runner's."""
 
-    model: "LlamaForCausalLM"
+    model: LlamaForCausalLM
     kv_cache: torch.Tensor
     device: torch.device
     cuda: bool
     block_size: int
-    staging: "Staging"
-    graphs: "DecodeGraphs | None"
+    staging: Staging
+    graphs: DecodeGraphs | None
     num_graph_steps: int
     num_eager_steps: int
 

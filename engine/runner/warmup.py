@@ -14,8 +14,8 @@ import torch
 from kvmesh import kernels
 
 from ..config import ModelConfig, SchedulerConfig
-from ..models.llama import LlamaForCausalLM
 from ..device_draw import draw_on_device
+from ..models.llama import LlamaForCausalLM
 from ..sampling_params import SamplingParams
 
 log = logging.getLogger("kvmesh.engine")

@@ -7,7 +7,7 @@ import pytest
 
 from kvmesh.engine.config import SchedulerConfig
 from kvmesh.engine.kv_cache_manager import KVCacheManager
-from kvmesh.engine.request import Request, RequestStatus
+from kvmesh.engine.request import Request
 from kvmesh.engine.sampler import SampleResult
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sched_output import ScheduledRequest
