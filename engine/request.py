@@ -69,7 +69,7 @@ class Request:
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
-    generator: Any = None  # seeded sampling: sampler.NoiseStream on a GPU, a CPU torch.Generator else
+    generator: Any = None  # seeded sampling: device_draw.NoiseStream on a GPU, a CPU torch.Generator else
     forked: bool = False  # an n > 1 parent whose children have been created
     # the output as an int64 array for the sampler's penalties, filled up to _out_n (see output_array)
     _out_buf: np.ndarray | None = field(default=None, init=False, repr=False)
@@ -107,7 +107,7 @@ class Request:
 
     def penalty_history(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(prompt, output so far) as arrays when the request's penalties need them, else None:
-        the ``histories`` entry of `sampler.LogitAdjustment.build`."""
+        the ``histories`` entry of `logit_adjustment.LogitAdjustment.build`."""
         return (self.prompt_array, self.output_array()) if self.params.penalized else None
 
     @property

@@ -88,7 +88,7 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """The logits are changed before sampling (penalties or a logit bias; `sampler.LogitAdjustment`)."""
+        """The logits are changed before sampling (penalties or a logit bias; `logit_adjustment.LogitAdjustment`)."""
         return self.penalized or bool(self.logit_bias)
 
     @property
