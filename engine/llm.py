@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence, Union
 
+from .args import EngineArgs
 from .chat import render_chat
 from .core import EngineCore
 from .messages import EngineCoreRequest
@@ -14,14 +15,15 @@ PromptType = Union[str, Sequence[int]]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
-                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
-                 dtype: str | None = None, device: str | None = None, **engine_kwargs) -> None:
-        self.engine, self.tokenizer = EngineCore.from_model(
-            model, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-            enable_prefix_caching=enable_prefix_caching, dtype=dtype, device=device, **engine_kwargs,
-        )
+    def __init__(self, model: str | None = None, *, args: EngineArgs | None = None, loaded=None,
+                 **engine_args) -> None:
+        """``args``, or the `EngineArgs` fields as keywords (``LLM(max_num_seqs=4)``); ``loaded``: an
+        already loaded model (engine/loader.py), reused across engines."""
+        if args is None:
+            args = EngineArgs(model=model, **engine_args)
+        elif model is not None or engine_args:
+            raise TypeError("give either args or EngineArgs fields as keywords, not both")
+        self.engine, self.tokenizer = EngineCore.from_model(args, loaded=loaded)
         self._ids = itertools.count()
 
     # ---- tokenization -------------------------------------------------------

@@ -43,7 +43,7 @@ class EngineProcConfig:
     input_addr: str  # ZMQ endpoint the API binds and pushes requests to (we connect, PULL)
     output_addr: str  # ZMQ endpoint the API binds and pulls outputs from (we connect, PUSH)
     model: str | None = None
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # EngineCore.from_model keyword arguments
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # EngineArgs fields (not model, role), "simulate"
     role: Role = "both"
     kv_connector: str = "none"
     kv_connector_config: dict[str, Any] = field(default_factory=dict)
@@ -103,10 +103,14 @@ class EngineProcess:
         self.push.setsockopt(zmq.LINGER, 1000)
         self.push.connect(cfg.output_addr)
         if engine is None:
+            from kvmesh.engine.args import EngineArgs
             from kvmesh.engine.core import EngineCore
 
             connector = connector_factory(cfg)
-            engine, _ = EngineCore.from_model(cfg.model, role=cfg.role, connector=connector, **cfg.engine_kwargs)
+            kw = dict(cfg.engine_kwargs)
+            simulate = kw.pop("simulate", None)
+            engine, _ = EngineCore.from_model(EngineArgs(model=cfg.model, role=cfg.role, **kw), connector=connector,
+                                              simulate=simulate)
             hook = getattr(connector, "on_engine_started", None)
             if hook is not None:  # lets a connector see the built engine (KV layout, engine id) once
                 hook(engine)
