@@ -192,14 +192,9 @@ class DecodeRounds:
         return [o for o in outs if o is not None]
 
     def check_integrity(self) -> None:
-        """A round in flight writes only into blocks of requests the scheduler still runs (or
-        that finished during it and are gone)."""
-        if self._inflight is None:
-            return
-        running = {r.request_id for r in self.scheduler.running}
-        for rid in self._inflight.request_ids:
-            if rid in self.scheduler.requests and rid not in running:
-                raise AssertionError(f"request {rid} of the round in flight is registered but not running")
+        """The round in flight writes only into blocks reserved for it."""
+        if self._inflight is not None:
+            self.scheduler.check_round_reserved(self._inflight.request_ids, self._inflight.steps)
 
 
 def merge_outputs(outs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:

@@ -399,6 +399,19 @@ class Scheduler:
     def block_ids(self, request_id: str) -> list[int]:
         return self.kv.get_block_ids(request_id)
 
+    def check_round_reserved(self, request_ids: list[str], steps: int) -> None:
+        """A round of ``steps`` in flight writes the KV of each running request's next ``steps``
+        positions: its blocks must cover them (finished requests are gone and skipped)."""
+        bs = self.kv.block_size
+        for rid in request_ids:
+            r = self._live(rid)
+            if r is None:
+                continue
+            held = len(self.kv.req_blocks.get(rid, ())) * bs
+            if held < r.num_computed_tokens + steps:
+                raise AssertionError(f"request {rid} holds {held} slots but its round in flight writes up to "
+                                     f"{r.num_computed_tokens + steps}")
+
     # ---- checks ---------------------------------------------------------------------------
     def check_integrity(self) -> None:
         self.kv.check_integrity()
