@@ -12,6 +12,7 @@ context and the time that is left, both writing their JSON under ``$OUT`` (defau
 directory). Then prints the summary last and writes ``gpu_all.json`` there. Exit status: 1 when a
 check failed, the greedy comparison failed or a script did not finish.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,23 +58,38 @@ def summarize(out_dir: str, rcs: dict[str, int] | None = None) -> tuple[list[str
         passed = sum(c["ok"] for c in checks)
         ok &= passed == len(checks) and not k.get("failed")
         copy = k.get("copy_TBps", float("nan"))
-        lines.append(f"kernels on {env.get('gpu')} ({env.get('date')}): checks {passed}/{len(checks)}, "
-                     f"failed {k.get('failed')}; copy {copy:.2f} TB/s")
+        lines.append(
+            f"kernels on {env.get('gpu')} ({env.get('date')}): checks {passed}/{len(checks)}, "
+            f"failed {k.get('failed')}; copy {copy:.2f} TB/s"
+        )
         rows = []
         for extra, r in [(False, r) for r in k.get("decode", [])] + [(True, r) for r in k.get("decode_extra", [])]:
-            rows.append(dict(B=r["B"], L=r["L"], TBps=r["heuristic"]["TBps"], sdpa_TBps=r["sdpa"]["TBps"],
-                             vs_copy=r["vs_copy"], vs_sdpa=r["vs_sdpa"]))
+            rows.append(
+                dict(
+                    B=r["B"],
+                    L=r["L"],
+                    TBps=r["heuristic"]["TBps"],
+                    sdpa_TBps=r["sdpa"]["TBps"],
+                    vs_copy=r["vs_copy"],
+                    vs_sdpa=r["vs_sdpa"],
+                )
+            )
             goals = ("", "; split-KV, no goal") if extra else (" (goal 90%)", "; goal 100%")
-            lines.append(f"  paged decode {r['B']:>4} x {r['L']:<6} {r['heuristic']['TBps']:.2f} TB/s = "
-                         f"{r['vs_copy']:.0%} of copy{goals[0]}, {r['vs_sdpa']:.0%} of SDPA "
-                         f"({r['sdpa']['TBps']:.2f}{goals[1]})")
+            lines.append(
+                f"  paged decode {r['B']:>4} x {r['L']:<6} {r['heuristic']['TBps']:.2f} TB/s = "
+                f"{r['vs_copy']:.0%} of copy{goals[0]}, {r['vs_sdpa']:.0%} of SDPA "
+                f"({r['sdpa']['TBps']:.2f}{goals[1]})"
+            )
         summary["decode"] = rows
         rows = []
         for r in k.get("prefill", []):
-            rows.append(dict(B=r["B"], S=r["S"], cached=r["cached"], TFLOPs=r["heuristic"]["TFLOPs"],
-                             vs_sdpa=r["vs_sdpa"]))
-            lines.append(f"  prefill {r['B']} x {r['S']}, cached {r['cached']}: {r['heuristic']['TFLOPs']:.0f} "
-                         f"TFLOP/s = {r['vs_sdpa']:.0%} of SDPA flash (goal 70%)")
+            rows.append(
+                dict(B=r["B"], S=r["S"], cached=r["cached"], TFLOPs=r["heuristic"]["TFLOPs"], vs_sdpa=r["vs_sdpa"])
+            )
+            lines.append(
+                f"  prefill {r['B']} x {r['S']}, cached {r['cached']}: {r['heuristic']['TFLOPs']:.0f} "
+                f"TFLOP/s = {r['vs_sdpa']:.0%} of SDPA flash (goal 70%)"
+            )
         summary["prefill"] = rows
     if e is None:
         lines.append("engine: no gpu_engine.json")
@@ -83,27 +99,48 @@ def summarize(out_dir: str, rcs: dict[str, int] | None = None) -> tuple[list[str
         c = e.get("correctness")
         if c:
             ok &= bool(c["pass"])
-            lines.append(f"engine on {env.get('gpu', env.get('device'))}: greedy vs HF "
-                         f"{c['graphs']['match_within_tol']:.2%} of tokens within tolerance -> "
-                         f"{'PASS' if c['pass'] else 'FAIL'}")
+            lines.append(
+                f"engine on {env.get('gpu', env.get('device'))}: greedy vs HF "
+                f"{c['graphs']['match_within_tol']:.2%} of tokens within tolerance -> "
+                f"{'PASS' if c['pass'] else 'FAIL'}"
+            )
         rows = []
         for r in e.get("decode", []):
-            if r.get("sampled") or r.get("penalized") or r.get("ab") or r.get("steps_per_round", 1) != 1 \
-                    or not r.get("async_scheduling"):
+            if (
+                r.get("sampled")
+                or r.get("penalized")
+                or r.get("ab")
+                or r.get("steps_per_round", 1) != 1
+                or not r.get("async_scheduling")
+            ):
                 continue
-            rows.append(dict(B=r["B"], tok_s=r["decode_tok_s"], frac_roofline=r["frac_roofline"],
-                             hf_tok_s=r.get("hf_out_tok_s"), e2e_vs_hf=r.get("ratio_e2e_vs_hf")))
+            rows.append(
+                dict(
+                    B=r["B"],
+                    tok_s=r["decode_tok_s"],
+                    frac_roofline=r["frac_roofline"],
+                    hf_tok_s=r.get("hf_out_tok_s"),
+                    e2e_vs_hf=r.get("ratio_e2e_vs_hf"),
+                )
+            )
             goal = {1: " (goal 80%)", 128: " (goal 75%)"}.get(r["B"], "")
-            hf = f", HF generate() {r['hf_out_tok_s']:.1f} tok/s (e2e x{r['ratio_e2e_vs_hf']:.1f})" \
-                if "hf_out_tok_s" in r else ""
-            lines.append(f"  decode batch {r['B']:>3}: {r['decode_tok_s']:,.1f} tok/s = {r['frac_roofline']:.1%} "
-                         f"of roofline{goal}{hf}")
+            hf = (
+                f", HF generate() {r['hf_out_tok_s']:.1f} tok/s (e2e x{r['ratio_e2e_vs_hf']:.1f})"
+                if "hf_out_tok_s" in r
+                else ""
+            )
+            lines.append(
+                f"  decode batch {r['B']:>3}: {r['decode_tok_s']:,.1f} tok/s = {r['frac_roofline']:.1%} "
+                f"of roofline{goal}{hf}"
+            )
         summary["engine_decode"] = rows
         tp = e.get("throughput")
         if tp:
             summary["throughput"] = tp
-            lines.append(f"  offline {tp['completed']}/{tp['prompts']} x (1,024 in, 128 out): "
-                         f"{tp['output_tok_s']:,.0f} output tok/s, {tp['total_tok_s']:,.0f} total tok/s")
+            lines.append(
+                f"  offline {tp['completed']}/{tp['prompts']} x (1,024 in, 128 out): "
+                f"{tp['output_tok_s']:,.0f} output tok/s, {tp['total_tok_s']:,.0f} total tok/s"
+            )
     for name, rc in (rcs or {}).items():
         if rc != 0:
             lines.append(f"{name} exited with {rc}")

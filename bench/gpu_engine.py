@@ -29,6 +29,7 @@ Needs the kvmesh package installed (docs/gpu.md) and one CUDA GPU.
 
 Prints a table last; writes ``gpu_engine.json`` (``--json NAME``: two runs in one call) under ``$OUT`` (or the cwd).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,9 +59,17 @@ def log(*a):
 
 
 def small_config() -> dict:
-    return random_init.scaled_config(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
-                                     num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-                                     vocab_size=32000, bos_token_id=1, eos_token_id=2)
+    return random_init.scaled_config(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=32000,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 def build_engine(loaded, **kw) -> EngineCore:
@@ -71,20 +80,37 @@ def build_engine(loaded, **kw) -> EngineCore:
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5)  # the --penalized rows
 
 
-def run_requests(eng: EngineCore, prompts, max_tokens: int, deadline: float | None = None, tag: str = "r",
-                 sampled: bool = False, penalized: bool = False):
+def run_requests(
+    eng: EngineCore,
+    prompts,
+    max_tokens: int,
+    deadline: float | None = None,
+    tag: str = "r",
+    sampled: bool = False,
+    penalized: bool = False,
+):
     """Submit all prompts, step to completion. Returns (outputs, timing dict). ``sampled``:
     temperature 0.8, top-p 0.95, no seed (drawn on the device) instead of greedy, or ``"seeded"``:
     the same with a seed per request (each from its own generator on the device); ``penalized``:
     greedy with `PENALTIES` (applied on the device, in rounds like plain greedy)."""
     n = len(prompts)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8 if sampled else 0.0,
-                            top_p=0.95 if sampled else 1.0, **(PENALTIES if penalized else {}))
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        temperature=0.8 if sampled else 0.0,
+        top_p=0.95 if sampled else 1.0,
+        **(PENALTIES if penalized else {}),
+    )
     outs: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        eng.add_request(EngineCoreRequest(request_id=f"{tag}{i}", prompt_token_ids=list(p),
-                                          params=params.with_(seed=i) if sampled == "seeded" else params))
+        eng.add_request(
+            EngineCoreRequest(
+                request_id=f"{tag}{i}",
+                prompt_token_ids=list(p),
+                params=params.with_(seed=i) if sampled == "seeded" else params,
+            )
+        )
         outs[f"{tag}{i}"] = []
     t_all_first = None
     n_started = 0
@@ -116,17 +142,24 @@ def check_correctness(quick: bool) -> None:
     loaded = random_model(hf_cfg, name="small-random", dtype=torch.bfloat16, device=DEV, seed=1)
     g = torch.Generator().manual_seed(1234)
     n_prompts, n_new = (8, 16) if quick else (32, 64)
-    prompts = [torch.randint(3, hf_cfg["vocab_size"], (int(torch.randint(16, 201, (1,), generator=g)),),
-                             generator=g).tolist() for _ in range(n_prompts)]
+    prompts = [
+        torch.randint(3, hf_cfg["vocab_size"], (int(torch.randint(16, 201, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n_prompts)
+    ]
     hf = hf_model_from_state_dict(hf_cfg, loaded.state_dict, DEV, torch.bfloat16)
     res = {}
     for mode in ("graphs", "eager", "multi", "single"):
         os.environ["KVMESH_ENFORCE_EAGER"] = "1" if mode == "eager" else "0"
         # "single": one sequence at a time, so every decode step is the batch-1 graph (one-row GEMV kernel)
-        eng = build_engine(loaded, num_kv_blocks=2048, max_num_batched_tokens=512,
-                           max_num_seqs=1 if mode == "single" else 32,
-                           max_model_len=512, num_scheduler_steps=8 if mode == "multi" else 1,
-                           async_scheduling=mode == "multi")  # one-step modes: every step's logits captured
+        eng = build_engine(
+            loaded,
+            num_kv_blocks=2048,
+            max_num_batched_tokens=512,
+            max_num_seqs=1 if mode == "single" else 32,
+            max_model_len=512,
+            num_scheduler_steps=8 if mode == "multi" else 1,
+            async_scheduling=mode == "multi",
+        )  # one-step modes: every step's logits captured
         captured: dict[tuple[str, int], torch.Tensor] = {}
         inner = eng.runner.execute
 
@@ -146,8 +179,8 @@ def check_correctness(quick: bool) -> None:
         ids = torch.zeros(n_prompts, L, dtype=torch.long, device=DEV)
         mask = torch.zeros_like(ids)
         for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, :len(s)] = 1
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
         with torch.no_grad():
             hl = hf(input_ids=ids, attention_mask=mask).logits.float()
         exact = tie = total = 0
@@ -174,12 +207,21 @@ def check_correctness(quick: bool) -> None:
                 err_den += float((row * row).sum())
                 max_abs = max(max_abs, float(d.abs().max()))
         rel = (err_num / err_den) ** 0.5 if err_den else float("nan")
-        res[mode] = dict(tokens=total, exact_match=exact / total, match_within_tol=tie / total, tol=TIE_TOL,
-                         logits_rel_l2=rel, logits_max_abs=max_abs, logits_std=float(hl[0, :len(prompts[0])].std()),
-                         mismatch_gaps=gaps[:20], graph_steps=eng.runner.num_graph_steps,
-                         eager_steps=eng.runner.num_eager_steps, multi_step_rounds=eng.num_multi_step_rounds,
-                         chained_rounds=eng.num_chained_rounds,
-                         tokens_by_req=outs)
+        res[mode] = dict(
+            tokens=total,
+            exact_match=exact / total,
+            match_within_tol=tie / total,
+            tol=TIE_TOL,
+            logits_rel_l2=rel,
+            logits_max_abs=max_abs,
+            logits_std=float(hl[0, : len(prompts[0])].std()),
+            mismatch_gaps=gaps[:20],
+            graph_steps=eng.runner.num_graph_steps,
+            eager_steps=eng.runner.num_eager_steps,
+            multi_step_rounds=eng.num_multi_step_rounds,
+            chained_rounds=eng.num_chained_rounds,
+            tokens_by_req=outs,
+        )
         log(f"correctness[{mode}]", {k: v for k, v in res[mode].items() if k != "tokens_by_req"})
         del eng, captured
         torch.cuda.empty_cache()
@@ -191,10 +233,16 @@ def check_correctness(quick: bool) -> None:
     res["graphs_vs_eager_token_match"] = sum(x == y for k in a for x, y in zip(a[k], b[k])) / n_tok
     res["multi_vs_graphs_token_match"] = sum(x == y for k in a for x, y in zip(a[k], m[k])) / n_tok
     gr = res["graphs"]
-    res["pass"] = bool(gr["match_within_tol"] >= 0.99 and gr["logits_rel_l2"] <= 2e-2
-                       and res["eager"]["match_within_tol"] >= 0.99 and res["multi"]["match_within_tol"] >= 0.99
-                       and res["multi"]["multi_step_rounds"] > 0 and res["multi"]["chained_rounds"] > 0
-                       and res["single"]["match_within_tol"] >= 0.99 and res["single"]["logits_rel_l2"] <= 2e-2)
+    res["pass"] = bool(
+        gr["match_within_tol"] >= 0.99
+        and gr["logits_rel_l2"] <= 2e-2
+        and res["eager"]["match_within_tol"] >= 0.99
+        and res["multi"]["match_within_tol"] >= 0.99
+        and res["multi"]["multi_step_rounds"] > 0
+        and res["multi"]["chained_rounds"] > 0
+        and res["single"]["match_within_tol"] >= 0.99
+        and res["single"]["logits_rel_l2"] <= 2e-2
+    )
     R["correctness"] = res
     del hf, loaded
     torch.cuda.empty_cache()
@@ -249,8 +297,8 @@ def graph_inputs_consistent(r, B: int) -> bool:
     reads them); replaying those can fault. Then: no figure."""
     o, W = r.graphs.layout, r.max_blocks_per_seq
     buf = r.graphs.buf.cpu()
-    qsl, sl = buf[o.query_start_loc:o.query_start_loc + B + 1], buf[o.seq_lens:o.seq_lens + B]
-    bt = buf[o.block_tables:o.end].view(-1, W)[:B]
+    qsl, sl = buf[o.query_start_loc : o.query_start_loc + B + 1], buf[o.seq_lens : o.seq_lens + B]
+    bt = buf[o.block_tables : o.end].view(-1, W)[:B]
     whole = torch.equal(qsl, torch.arange(B + 1, dtype=qsl.dtype))
     if not whole or not bool(((sl >= 1) & (sl <= r.max_model_len)).all()):
         log(f"replay of batch {B}: graph inputs not a whole batch of {B}; no GPU-only figure")
@@ -294,8 +342,9 @@ def weight_bytes_per_step(eng: EngineCore, B: int) -> int:
     return n
 
 
-def engine_decode(eng: EngineCore, B: int, P: int, N: int, bw: float, seed: int, sampled: bool = False,
-                  penalized: bool = False) -> dict:
+def engine_decode(
+    eng: EngineCore, B: int, P: int, N: int, bw: float, seed: int, sampled: bool = False, penalized: bool = False
+) -> dict:
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(100, 120000, (B, P), generator=g).tolist()
     runner = eng.runner
@@ -328,12 +377,24 @@ def engine_decode(eng: EngineCore, B: int, P: int, N: int, bw: float, seed: int,
     mean_ctx = P + N / 2  # context read per sequence, averaged over the decode steps
     step_bytes = weight_bytes_per_step(eng, B) + B * mean_ctx * kv_per_tok
     roof = B / (step_bytes / bw)
-    r = dict(B=B, prompt=P, new=N, decode_s=dec_s, decode_tok_s=dec_tok / dec_s,
-             e2e_s=t["t1"] - t["t0"], e2e_tok_s=B * N / (t["t1"] - t["t0"]),
-             gpu_step_ms=gpu_step_ms, runner_step_ms=step_ms, gpu_only_tok_s=B / (gpu_step_ms / 1e3),
-             step_GB=step_bytes / 1e9, roofline_tok_s=roof, frac_roofline=(dec_tok / dec_s) / roof,
-             gpu_only_frac_roofline=(B / (gpu_step_ms / 1e3)) / roof,
-             graph_steps=runner.num_graph_steps - g0, steps=t["steps"])
+    r = dict(
+        B=B,
+        prompt=P,
+        new=N,
+        decode_s=dec_s,
+        decode_tok_s=dec_tok / dec_s,
+        e2e_s=t["t1"] - t["t0"],
+        e2e_tok_s=B * N / (t["t1"] - t["t0"]),
+        gpu_step_ms=gpu_step_ms,
+        runner_step_ms=step_ms,
+        gpu_only_tok_s=B / (gpu_step_ms / 1e3),
+        step_GB=step_bytes / 1e9,
+        roofline_tok_s=roof,
+        frac_roofline=(dec_tok / dec_s) / roof,
+        gpu_only_frac_roofline=(B / (gpu_step_ms / 1e3)) / roof,
+        graph_steps=runner.num_graph_steps - g0,
+        steps=t["steps"],
+    )
     log("engine decode", r)
     return r
 
@@ -372,16 +433,23 @@ def bench_8b(args, bw: float) -> EngineCore:
     t0 = time.perf_counter()
     loaded = LoadedModel(config=cfg, state_dict=sd, tokenizer=None, source="random:llama3-8b")
     del sd
-    eng = build_engine(loaded, max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=256,
-                       max_model_len=2048, gpu_memory_utilization=0.9)
+    eng = build_engine(
+        loaded,
+        max_num_batched_tokens=args.max_batched_tokens,
+        max_num_seqs=256,
+        max_model_len=2048,
+        gpu_memory_utilization=0.9,
+    )
     del loaded  # the unfused q/k/v/gate/up tensors go now; the pool was sized with them present
     torch.cuda.empty_cache()
     R["engine_build_s"] = time.perf_counter() - t0
     R["graph_capture_s"] = eng.runner.graph_capture_s
     R["attention_warm_up"] = dict(s=eng.runner.warm_up_s, configs=eng.runner.warm_up_configs)
     R["num_kv_blocks"] = eng.runner.num_blocks
-    log(f"engine built in {R['engine_build_s']:.1f}s ({eng.runner.num_blocks} KV blocks, graphs "
-        f"{eng.runner.graph_sizes} in {eng.runner.graph_capture_s:.1f}s)")
+    log(
+        f"engine built in {R['engine_build_s']:.1f}s ({eng.runner.num_blocks} KV blocks, graphs "
+        f"{eng.runner.graph_sizes} in {eng.runner.graph_capture_s:.1f}s)"
+    )
     run_requests(eng, torch.randint(100, 120000, (4, P)).tolist(), 8, tag="warm")  # prefill kernels compile
     dec = []
     K = args.multi_steps
@@ -442,9 +510,17 @@ def throughput(eng: EngineCore, n_prompts: int, deadline: float) -> None:
     done = [k for k, v in outs.items() if len(v) == N]
     out_tok = sum(len(v) for v in outs.values())
     in_tok = P * len(done)
-    R["throughput"] = dict(prompts=n_prompts, steps_per_round=eng.multi_steps, completed=len(done), cut_by_deadline=t["cut"], s=dt,
-                           output_tok_s=out_tok / dt, total_tok_s=(in_tok + sum(len(outs[k]) for k in done)) / dt,
-                           requests_s=len(done) / dt, steps=t["steps"])
+    R["throughput"] = dict(
+        prompts=n_prompts,
+        steps_per_round=eng.multi_steps,
+        completed=len(done),
+        cut_by_deadline=t["cut"],
+        s=dt,
+        output_tok_s=out_tok / dt,
+        total_tok_s=(in_tok + sum(len(outs[k]) for k in done)) / dt,
+        requests_s=len(done) / dt,
+        steps=t["steps"],
+    )
     log("throughput", R["throughput"])
 
 
@@ -454,44 +530,60 @@ AB_NAMES = {"tma": "TMA attention", "pdl": "programmatic dependent launch"}
 def table() -> str:
     lines = ["", "=" * 100]
     env = R.get("env", {})
-    lines.append(f"kvmesh engine on {env.get('gpu')}  torch {env.get('torch')}  triton {env.get('triton')}  "
-                 f"transformers {env.get('transformers')}  {env.get('date')}")
+    lines.append(
+        f"kvmesh engine on {env.get('gpu')}  torch {env.get('torch')}  triton {env.get('triton')}  "
+        f"transformers {env.get('transformers')}  {env.get('date')}"
+    )
     c = R.get("correctness")
     if c:
         gr, eg = c["graphs"], c["eager"]
-        lines.append(f"correctness (small model, {gr['tokens']} greedy tokens vs HF teacher-forced): "
-                     f"exact {gr['exact_match']:.2%}, within {TIE_TOL} {gr['match_within_tol']:.2%}, logits rel L2 "
-                     f"{gr['logits_rel_l2']:.2e} max|d| {gr['logits_max_abs']:.3f}; eager decode: exact "
-                     f"{eg['exact_match']:.2%} within-tol {eg['match_within_tol']:.2%}; graphs==eager tokens "
-                     f"{c['graphs_vs_eager_token_match']:.2%}; multi-step (8) within-tol "
-                     f"{c['multi']['match_within_tol']:.2%}, ==graphs {c['multi_vs_graphs_token_match']:.2%}; "
-                     f"batch 1 (GEMV) within-tol {c['single']['match_within_tol']:.2%} rel L2 "
-                     f"{c['single']['logits_rel_l2']:.2e}"
-                     f"  -> {'PASS' if c['pass'] else 'FAIL'}")
+        lines.append(
+            f"correctness (small model, {gr['tokens']} greedy tokens vs HF teacher-forced): "
+            f"exact {gr['exact_match']:.2%}, within {TIE_TOL} {gr['match_within_tol']:.2%}, logits rel L2 "
+            f"{gr['logits_rel_l2']:.2e} max|d| {gr['logits_max_abs']:.3f}; eager decode: exact "
+            f"{eg['exact_match']:.2%} within-tol {eg['match_within_tol']:.2%}; graphs==eager tokens "
+            f"{c['graphs_vs_eager_token_match']:.2%}; multi-step (8) within-tol "
+            f"{c['multi']['match_within_tol']:.2%}, ==graphs {c['multi_vs_graphs_token_match']:.2%}; "
+            f"batch 1 (GEMV) within-tol {c['single']['match_within_tol']:.2%} rel L2 "
+            f"{c['single']['logits_rel_l2']:.2e}"
+            f"  -> {'PASS' if c['pass'] else 'FAIL'}"
+        )
     if "copy_TBps" in R:
         lines.append(f"copy bandwidth (D2D, read+write): {R['copy_TBps']:.3f} TB/s")
     if R.get("decode"):
-        lines.append(f"{'gemv':>6} {'steps':>5}{'async':>6} {'batch':>5} {'decode tok/s':>12} {'e2e tok/s':>10} {'HF tok/s':>9} {'x HF':>6} "
-                     f"{'GPU ms/step':>11} {'GB/step':>8} {'roofline':>9} {'%roof':>6} {'%roof GPU-only':>14}")
+        lines.append(
+            f"{'gemv':>6} {'steps':>5}{'async':>6} {'batch':>5} {'decode tok/s':>12} {'e2e tok/s':>10} {'HF tok/s':>9} {'x HF':>6} "
+            f"{'GPU ms/step':>11} {'GB/step':>8} {'roofline':>9} {'%roof':>6} {'%roof GPU-only':>14}"
+        )
         for r in R["decode"]:
             hf = f"{r['hf_out_tok_s']:.1f}" if "hf_out_tok_s" in r else "-"
             x = f"{r['ratio_e2e_vs_hf']:.1f}" if "ratio_e2e_vs_hf" in r else "-"
             mark = {True: "*", "seeded": "s"}.get(r.get("sampled"), "p" if r.get("penalized") else " ")
-            lines.append(f"{'triton' if r.get('gemv', True) else 'cublas':>6}{mark}{r.get('steps_per_round', 1):>5}{'yes' if r.get('async_scheduling') else 'no':>6} {r['B']:>5} {r['decode_tok_s']:>12.1f} {r['e2e_tok_s']:>10.1f} {hf:>9} {x:>6} "
-                         f"{r['gpu_step_ms']:>11.3f} {r['step_GB']:>8.2f} {r['roofline_tok_s']:>9.1f} "
-                         f"{100 * r['frac_roofline']:>5.1f}% {100 * r['gpu_only_frac_roofline']:>13.1f}%"
-                         + (f"  (A/B: {AB_NAMES[r['ab']]} {'on' if r['on'] else 'off'})" if r.get("ab") else ""))
+            lines.append(
+                f"{'triton' if r.get('gemv', True) else 'cublas':>6}{mark}{r.get('steps_per_round', 1):>5}{'yes' if r.get('async_scheduling') else 'no':>6} {r['B']:>5} {r['decode_tok_s']:>12.1f} {r['e2e_tok_s']:>10.1f} {hf:>9} {x:>6} "
+                f"{r['gpu_step_ms']:>11.3f} {r['step_GB']:>8.2f} {r['roofline_tok_s']:>9.1f} "
+                f"{100 * r['frac_roofline']:>5.1f}% {100 * r['gpu_only_frac_roofline']:>13.1f}%"
+                + (f"  (A/B: {AB_NAMES[r['ab']]} {'on' if r['on'] else 'off'})" if r.get("ab") else "")
+            )
         if any(r.get("sampled") for r in R["decode"]):
-            lines.append("  * = sampled (temperature 0.8, top-p 0.95, unseeded), s = the same, seeded; rounds: "
-                         + ", ".join(f"{r['steps_per_round']}x{r['B']}{'s' if r['sampled'] == 'seeded' else ''}: "
-                                     f"{r['multi_step_rounds']}" for r in R["decode"] if r.get("sampled")))
+            lines.append(
+                "  * = sampled (temperature 0.8, top-p 0.95, unseeded), s = the same, seeded; rounds: "
+                + ", ".join(
+                    f"{r['steps_per_round']}x{r['B']}{'s' if r['sampled'] == 'seeded' else ''}: "
+                    f"{r['multi_step_rounds']}"
+                    for r in R["decode"]
+                    if r.get("sampled")
+                )
+            )
         if any(r.get("penalized") for r in R["decode"]):
             lines.append(f"  p = greedy with {PENALTIES}")
     tp = R.get("throughput")
     if tp:
-        lines.append(f"throughput (steps/round {tp.get('steps_per_round', 1)}): {tp['completed']}/{tp['prompts']} prompts x (1024 in, 128 out) in {tp['s']:.1f}s: "
-                     f"{tp['output_tok_s']:.0f} output tok/s, {tp['total_tok_s']:.0f} total tok/s, "
-                     f"{tp['requests_s']:.2f} req/s{' (CUT BY DEADLINE)' if tp['cut_by_deadline'] else ''}")
+        lines.append(
+            f"throughput (steps/round {tp.get('steps_per_round', 1)}): {tp['completed']}/{tp['prompts']} prompts x (1024 in, 128 out) in {tp['s']:.1f}s: "
+            f"{tp['output_tok_s']:.0f} output tok/s, {tp['total_tok_s']:.0f} total tok/s, "
+            f"{tp['requests_s']:.2f} req/s{' (CUT BY DEADLINE)' if tp['cut_by_deadline'] else ''}"
+        )
     lines.append("=" * 100)
     return "\n".join(lines)
 
@@ -504,30 +596,57 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of: correctness,decode,throughput")
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--multi-steps", type=int, default=8, help="num_scheduler_steps of the second decode pass")
-    ap.add_argument("--sampled", action="store_true",
-                    help="also decode with temperature 0.8 / top-p 0.95 (unseeded), one step and multi-step")
+    ap.add_argument(
+        "--sampled",
+        action="store_true",
+        help="also decode with temperature 0.8 / top-p 0.95 (unseeded), one step and multi-step",
+    )
     ap.add_argument("--no-greedy", action="store_true", help="skip the greedy rows (with --sampled / --seeded / ...)")
-    ap.add_argument("--seeded", action="store_true",
-                    help="also decode sampled with a seed per request, 8-step async rounds, at batch 1, 32 and 128")
-    ap.add_argument("--penalized", action="store_true",
-                    help=f"also decode greedy with {PENALTIES} at batch 1, 32 and 128")
-    ap.add_argument("--tma-ab", nargs="?", const="128", default="", metavar="BATCHES",
-                    help="after the plan: these batch sizes (comma list; 128 when none is given) with the TMA "
-                         "decode attention off / on / off / on")
-    ap.add_argument("--pdl-ab", nargs="?", const="1,128", default="", metavar="BATCHES",
-                    help="after the plan: these batch sizes (comma list; 1,128 when none is given) with "
-                         "programmatic dependent launch off / on / off / on")
-    ap.add_argument("--gemv-ab", action="store_true",
-                    help="also time batch 1 with cuBLAS GEMVs (KVMESH_GEMV=0) before the default GEMV kernel")
+    ap.add_argument(
+        "--seeded",
+        action="store_true",
+        help="also decode sampled with a seed per request, 8-step async rounds, at batch 1, 32 and 128",
+    )
+    ap.add_argument(
+        "--penalized", action="store_true", help=f"also decode greedy with {PENALTIES} at batch 1, 32 and 128"
+    )
+    ap.add_argument(
+        "--tma-ab",
+        nargs="?",
+        const="128",
+        default="",
+        metavar="BATCHES",
+        help="after the plan: these batch sizes (comma list; 128 when none is given) with the TMA "
+        "decode attention off / on / off / on",
+    )
+    ap.add_argument(
+        "--pdl-ab",
+        nargs="?",
+        const="1,128",
+        default="",
+        metavar="BATCHES",
+        help="after the plan: these batch sizes (comma list; 1,128 when none is given) with "
+        "programmatic dependent launch off / on / off / on",
+    )
+    ap.add_argument(
+        "--gemv-ab",
+        action="store_true",
+        help="also time batch 1 with cuBLAS GEMVs (KVMESH_GEMV=0) before the default GEMV kernel",
+    )
     ap.add_argument("--json", default="gpu_engine.json", help="file name of the results under $OUT (or the cwd)")
     ap.add_argument("--budget-s", type=float, default=560.0, help="whole-run deadline (throughput is cut to fit)")
     args = ap.parse_args()
     import transformers
     import triton
 
-    R["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                    transformers=transformers.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                    args=vars(args))
+    R["env"] = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        transformers=transformers.__version__,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        args=vars(args),
+    )
     skip = set(filter(None, args.skip.split(",")))
     out_dir = os.environ.get("OUT", ".")
     status = 0

@@ -41,6 +41,7 @@ visible to both, so UCX can use cuda_ipc over NVLink); the driver (this process)
 
 Writes ``gpu_pd.json`` (and the workers' logs) under ``$OUT`` (or --out-dir), prints markdown tables.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,9 +74,18 @@ def model_config(cpu: bool) -> dict:
 
     if not cpu:
         return random_init.LLAMA3_8B
-    return random_init.scaled_config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
-                                     bos_token_id=1, eos_token_id=2, max_position_embeddings=2048)
+    return random_init.scaled_config(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=1000,
+        bos_token_id=1,
+        eos_token_id=2,
+        max_position_embeddings=2048,
+    )
 
 
 def pct(xs, q):
@@ -116,7 +126,7 @@ class Worker:
         out16, out32 = [], []
         step = 32
         for s in range(0, n, step):
-            blk = t[s:s + step] if ids is None else t[torch.as_tensor(ids[s:s + step], device=t.device)]
+            blk = t[s : s + step] if ids is None else t[torch.as_tensor(ids[s : s + step], device=t.device)]
             v = blk.reshape(blk.shape[0], -1)
             out16 += v.view(torch.int16).sum(dim=1, dtype=torch.int64).tolist()
             out32 += v.view(torch.int32).sum(dim=1, dtype=torch.int64).tolist()
@@ -153,8 +163,15 @@ class Worker:
             self.xfer[mode] = (ag, reg)
             metas[mode] = ag.get_agent_metadata()
         self.xfer["src"] = src
-        return {"metas": metas, "base": src.data_ptr(), "blocks": n, "block_bytes": bb, "dev_id": dev_id,
-                "mem": mem, "sums": self.sums(src)}
+        return {
+            "metas": metas,
+            "base": src.data_ptr(),
+            "blocks": n,
+            "block_bytes": bb,
+            "dev_id": dev_id,
+            "mem": mem,
+            "sums": self.sums(src),
+        }
 
     def op_xfer_run(self, p):
         torch = self.torch
@@ -185,8 +202,11 @@ class Worker:
                         row["skipped"] = "time cap of the raw bench reached"
                         continue
                     rids = np.arange(n, dtype=np.int32)
-                    lids = (np.arange(n, dtype=np.int32) if pattern == "contiguous"
-                            else np.sort(rng.choice(2 * n_max, n, replace=False)).astype(np.int32))
+                    lids = (
+                        np.arange(n, dtype=np.int32)
+                        if pattern == "contiguous"
+                        else np.sort(rng.choice(2 * n_max, n, replace=False)).astype(np.int32)
+                    )
                     dst[torch.as_tensor(lids.astype(np.int64), device=dst.device)] = 0
                     if self.cuda:
                         torch.cuda.synchronize()  # the zeroing must land before UCX's copy does
@@ -214,12 +234,21 @@ class Worker:
                     s16, s32 = self.sums(dst, lids.tolist())
                     ok = s16 == src["sums"][0][:n] and s32 == src["sums"][1][:n]
                     med = statistics.median(times[1:]) if len(times) > 1 else times[0]
-                    row.update(first_s=times[0], median_s=med, reps=max(1, len(times) - 1), gbps=n * bb / med / 1e9,
-                               verified=bool(ok))
+                    row.update(
+                        first_s=times[0],
+                        median_s=med,
+                        reps=max(1, len(times) - 1),
+                        gbps=n * bb / med / 1e9,
+                        verified=bool(ok),
+                    )
                     if med * 4 > p["size_cap_s"]:  # next size is 4x the bytes
                         skip_rest = f"previous size took {med:.2f}s"
-            for fn, arg in ((ag.release_dlist_handle, rdl), (ag.release_dlist_handle, ldl),
-                            (ag.remove_remote_agent, name), (ag.deregister_memory, reg)):
+            for fn, arg in (
+                (ag.release_dlist_handle, rdl),
+                (ag.release_dlist_handle, ldl),
+                (ag.remove_remote_agent, name),
+                (ag.deregister_memory, reg),
+            ):
                 try:
                     fn(arg)
                 except Exception as e:
@@ -238,22 +267,36 @@ class Worker:
 
         t = time.perf_counter()
         cfg = model_config(not self.cuda)
-        loaded = random_init.random_model(cfg, name="random-llama3-8b" if self.cuda else "random-small",
-                                          dtype=self.dtype, device=self.dev, seed=0)
-        conn = NixlConnector(lease_s=120.0, transfer_timeout_s=60.0, handshake_timeout_s=10.0,
-                             ucx_error_handling_mode=p["ucx_mode"])
-        args = EngineArgs(role=p["role"], device=self.dev, dtype="bfloat16" if self.cuda else "float32",
-                          num_kv_blocks=p["num_kv_blocks"], max_model_len=p["max_model_len"],
-                          max_num_batched_tokens=p["max_num_batched_tokens"], max_num_seqs=p["max_num_seqs"],
-                          engine_id=f"{p['role']}-{self.idx}", seed=0)
+        loaded = random_init.random_model(
+            cfg, name="random-llama3-8b" if self.cuda else "random-small", dtype=self.dtype, device=self.dev, seed=0
+        )
+        conn = NixlConnector(
+            lease_s=120.0, transfer_timeout_s=60.0, handshake_timeout_s=10.0, ucx_error_handling_mode=p["ucx_mode"]
+        )
+        args = EngineArgs(
+            role=p["role"],
+            device=self.dev,
+            dtype="bfloat16" if self.cuda else "float32",
+            num_kv_blocks=p["num_kv_blocks"],
+            max_model_len=p["max_model_len"],
+            max_num_batched_tokens=p["max_num_batched_tokens"],
+            max_num_seqs=p["max_num_seqs"],
+            engine_id=f"{p['role']}-{self.idx}",
+            seed=0,
+        )
         self.engine, _ = EngineCore.from_model(args, loaded=loaded, connector=conn)
         del loaded
         gc.collect()
         w = self.engine.runner
-        return {"build_s": time.perf_counter() - t, "num_blocks": w.num_blocks, "port": conn.port,
-                "graph_capture_s": getattr(w, "graph_capture_s", None), "block_bytes": conn.layout.block_bytes,
-                "mem_type": conn.layout.mem_type,
-                "mem_allocated_gb": torch.cuda.memory_allocated() / 1e9 if self.cuda else None}
+        return {
+            "build_s": time.perf_counter() - t,
+            "num_blocks": w.num_blocks,
+            "port": conn.port,
+            "graph_capture_s": getattr(w, "graph_capture_s", None),
+            "block_bytes": conn.layout.block_bytes,
+            "mem_type": conn.layout.mem_type,
+            "mem_allocated_gb": torch.cuda.memory_allocated() / 1e9 if self.cuda else None,
+        }
 
     def op_req(self, p):
         from kvmesh.engine.messages import EngineCoreRequest
@@ -261,13 +304,29 @@ class Worker:
 
         sp = SamplingParams(max_tokens=p["max_tokens"], ignore_eos=True, temperature=0.0, logprobs=p.get("logprobs"))
         rid = p["rid"]
-        rec = {"rid": rid, "tag": p.get("tag"), "arrival": p["arrival"], "tokens": [], "times": [], "top2": [],
-               "added": time.monotonic(), "p_done": p.get("p_done"), "engine": self.idx}
+        rec = {
+            "rid": rid,
+            "tag": p.get("tag"),
+            "arrival": p["arrival"],
+            "tokens": [],
+            "times": [],
+            "top2": [],
+            "added": time.monotonic(),
+            "p_done": p.get("p_done"),
+            "engine": self.idx,
+        }
         self.recs[rid] = (rec, p)
         try:
-            self.engine.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=p["prompt"], params=sp,
-                                                      cache_salt=p.get("salt"), kv_transfer_params=p.get("kv"),
-                                                      arrival_time=p["arrival"]))
+            self.engine.add_request(
+                EngineCoreRequest(
+                    request_id=rid,
+                    prompt_token_ids=p["prompt"],
+                    params=sp,
+                    cache_salt=p.get("salt"),
+                    kv_transfer_params=p.get("kv"),
+                    arrival_time=p["arrival"],
+                )
+            )
         except Exception as e:
             rec["error"] = f"add_request: {e}"
             del self.recs[rid]
@@ -279,9 +338,13 @@ class Worker:
     def op_xlog(self, p):
         c = self.engine.connector
         ids = set(p.get("rids") or [])
-        return {"stats": dict(c.stats), "log": [e for e in c.transfer_log if not ids or e["request_id"] in ids],
-                "held": c.num_held(), "free_blocks": self.engine.kv.pool.num_free_blocks,
-                "num_blocks": self.engine.kv.pool.num_blocks}
+        return {
+            "stats": dict(c.stats),
+            "log": [e for e in c.transfer_log if not ids or e["request_id"] in ids],
+            "held": c.num_held(),
+            "free_blocks": self.engine.kv.pool.num_free_blocks,
+            "num_blocks": self.engine.kv.pool.num_blocks,
+        }
 
     def op_clear_log(self, p):
         self.engine.connector.transfer_log.clear()
@@ -313,10 +376,22 @@ class Worker:
                     kv = o.kv_transfer_params
                     rec["kv"] = {k: v for k, v in (kv or {}).items() if k != "remote_block_ids"}
                     rec["kv_blocks"] = list((kv or {}).get("remote_block_ids") or [])
-                    self.inboxes[fwd].put(("req", {
-                        "rid": p["rid"], "prompt": p["prompt"], "max_tokens": p["forward_max_tokens"], "kv": kv,
-                        "salt": p.get("salt"),
-                        "arrival": p["arrival"], "tag": p.get("tag"), "logprobs": p.get("logprobs"), "p_done": t}))
+                    self.inboxes[fwd].put(
+                        (
+                            "req",
+                            {
+                                "rid": p["rid"],
+                                "prompt": p["prompt"],
+                                "max_tokens": p["forward_max_tokens"],
+                                "kv": kv,
+                                "salt": p.get("salt"),
+                                "arrival": p["arrival"],
+                                "tag": p.get("tag"),
+                                "logprobs": p.get("logprobs"),
+                                "p_done": t,
+                            },
+                        )
+                    )
                 self.outbox.put(("done", self.idx, rec))
 
     def loop(self):
@@ -460,6 +535,7 @@ def probe(R: dict, cpu: bool) -> None:
     try:
         import nixl
         from nixl._api import nixl_agent  # noqa: F401
+
         pr["nixl_backend_module"] = getattr(nixl, "__name__", "?")
         pr["nixl_api"] = "ok"
     except Exception as e:
@@ -477,8 +553,16 @@ def probe(R: dict, cpu: bool) -> None:
             except Exception as e:
                 pr[" ".join(cmd)] = f"failed: {e}"
     pr["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    pr["env"] = {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                "NVSHMEM_DISABLE_NVLS", "UCX_TLS", "UCX_PROTO_INFO")}
+    pr["env"] = {
+        k: os.environ.get(k)
+        for k in (
+            "NCCL_NVLS_ENABLE",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+            "NVSHMEM_DISABLE_NVLS",
+            "UCX_TLS",
+            "UCX_PROTO_INFO",
+        )
+    }
     log("probe:", json.dumps({k: v for k, v in pr.items() if not k.startswith("nvidia-smi")}))
     for k, v in pr.items():
         if k.startswith("nvidia-smi"):
@@ -511,8 +595,15 @@ def peer_copy(R: dict, args, block_bytes: int) -> None:
             sync()
             times.append(time.perf_counter() - t)
         med = statistics.median(times[1:])
-        rows.append({"blocks": n, "bytes": nb, "median_s": med, "gbps": nb / med / 1e9,
-                     "verified": bool(torch.equal(dst[:min(nb, 1 << 20)].cpu(), src[:min(nb, 1 << 20)].cpu()))})
+        rows.append(
+            {
+                "blocks": n,
+                "bytes": nb,
+                "median_s": med,
+                "gbps": nb / med / 1e9,
+                "verified": bool(torch.equal(dst[: min(nb, 1 << 20)].cpu(), src[: min(nb, 1 << 20)].cpu())),
+            }
+        )
     R["peer_copy"] = rows
     log("peer copy:", [(r["blocks"], round(r["gbps"], 1)) for r in rows])
     del src, dst
@@ -528,8 +619,20 @@ def correctness(D: Driver, R: dict, args, vocab: int) -> None:
         prompt = rng.integers(3, vocab, L).tolist()
         rid = f"chk{i}"
         t = time.monotonic()
-        D.send(0, {"rid": rid, "prompt": prompt, "max_tokens": 1, "kv": {"do_remote_decode": True}, "forward": 1,
-                   "forward_max_tokens": args.check_out, "arrival": t, "logprobs": 2, "tag": "pd"})
+        D.send(
+            0,
+            {
+                "rid": rid,
+                "prompt": prompt,
+                "max_tokens": 1,
+                "kv": {"do_remote_decode": True},
+                "forward": 1,
+                "forward_max_tokens": args.check_out,
+                "arrival": t,
+                "logprobs": 2,
+                "tag": "pd",
+            },
+        )
         got = D.wait_done({rid}, 120)
         pd, pre = got.get(rid), got.get(("pre", rid))
         row = {"prompt_len": L, "pd_error": (pd or {}).get("error") or (None if pd else "no answer")}
@@ -538,8 +641,12 @@ def correctness(D: Driver, R: dict, args, vocab: int) -> None:
             ent = [e for e in xl["log"] if e["request_id"] == rid]
             if ent:
                 e = ent[-1]
-                row.update(pulled_blocks=e["blocks"], transfer_ok=e["ok"], claim_ms=1e3 * (e["claim_s"] or 0),
-                           read_ms=1e3 * (e["read_s"] or 0))
+                row.update(
+                    pulled_blocks=e["blocks"],
+                    transfer_ok=e["ok"],
+                    claim_ms=1e3 * (e["claim_s"] or 0),
+                    read_ms=1e3 * (e["read_s"] or 0),
+                )
                 if e["ok"] and e["blocks"]:
                     sa = D.call(0, "checksum", {"ids": e["remote_ids"]})
                     sb = D.call(1, "checksum", {"ids": e["local_ids"]})
@@ -549,8 +656,18 @@ def correctness(D: Driver, R: dict, args, vocab: int) -> None:
         refs = {}
         for kind, salt in (("warm", None), ("cold", f"cold{i}")):
             r2 = f"{rid}{kind}"
-            D.send(0, {"rid": r2, "prompt": prompt, "max_tokens": args.check_out, "salt": salt,
-                       "arrival": time.monotonic(), "logprobs": 2, "tag": kind})
+            D.send(
+                0,
+                {
+                    "rid": r2,
+                    "prompt": prompt,
+                    "max_tokens": args.check_out,
+                    "salt": salt,
+                    "arrival": time.monotonic(),
+                    "logprobs": 2,
+                    "tag": kind,
+                },
+            )
             refs[kind] = D.wait_done({r2}, 120).get(r2)
         if pd:
             a = pd["tokens"]
@@ -564,9 +681,11 @@ def correctness(D: Driver, R: dict, args, vocab: int) -> None:
                 j = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), None)
                 row[f"{kind}_first_diff"] = j
                 if j is not None:
+
                     def gap(rec):
                         t2 = rec["top2"][j] if j < len(rec["top2"]) else []
                         return round(t2[0][1] - t2[1][1], 4) if len(t2) == 2 else None
+
                     row[f"{kind}_gap_at_diff"] = [gap(pd), gap(ref)]  # top1-top2 logprob, P/D run and reference
         rows.append(row)
         log("check", row)
@@ -591,8 +710,7 @@ def serve_one(D: Driver, args, mode: str, rate: float, n: int, vocab: int) -> di
         rids.add(rid)
         p = {"rid": rid, "prompt": prompts[i].tolist(), "arrival": float(arrivals[i]), "tag": mode, "salt": salt}
         if mode == "pd":
-            D.send(0, dict(p, max_tokens=1, kv={"do_remote_decode": True}, forward=1,
-                           forward_max_tokens=args.out_len))
+            D.send(0, dict(p, max_tokens=1, kv={"do_remote_decode": True}, forward=1, forward_max_tokens=args.out_len))
         else:
             D.send(i % 2, dict(p, max_tokens=args.out_len))
     got = D.wait_done(rids, args.drain_s)
@@ -601,40 +719,74 @@ def serve_one(D: Driver, args, mode: str, rate: float, n: int, vocab: int) -> di
     ttft = [r["times"][0] - r["arrival"] for r in ok]
     itl = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
     e2e = [r["times"][-1] - r["arrival"] for r in ok]
-    row = {"mode": mode, "rate": rate, "requests": n, "completed": len(ok), "errors": len(recs) - len(ok),
-           "missing": n - len(recs), "triton_cache_new": triton_cache_entries() - tc0,
-           "cached_tokens_mean": float(np.mean([r.get("cached") or 0 for r in ok])) if ok else None,
-           "itl_over_0.5s": sum(1 for x in itl if x > 0.5),
-           "per_request": [[round(r["times"][0] - r["arrival"], 4), round(r["times"][-1] - r["arrival"], 3),
-                            round(max(b - a for a, b in zip(r["times"], r["times"][1:])) if len(r["times"]) > 1 else 0, 4),
-                            round(r["p_done"] - r["arrival"], 4) if r.get("p_done") else None, r.get("cached")]
-                           for r in sorted(ok, key=lambda r: r["arrival"])]}
+    row = {
+        "mode": mode,
+        "rate": rate,
+        "requests": n,
+        "completed": len(ok),
+        "errors": len(recs) - len(ok),
+        "missing": n - len(recs),
+        "triton_cache_new": triton_cache_entries() - tc0,
+        "cached_tokens_mean": float(np.mean([r.get("cached") or 0 for r in ok])) if ok else None,
+        "itl_over_0.5s": sum(1 for x in itl if x > 0.5),
+        "per_request": [
+            [
+                round(r["times"][0] - r["arrival"], 4),
+                round(r["times"][-1] - r["arrival"], 3),
+                round(max(b - a for a, b in zip(r["times"], r["times"][1:])) if len(r["times"]) > 1 else 0, 4),
+                round(r["p_done"] - r["arrival"], 4) if r.get("p_done") else None,
+                r.get("cached"),
+            ]
+            for r in sorted(ok, key=lambda r: r["arrival"])
+        ],
+    }
     if ok:
         span = max(r["times"][-1] for r in ok) - float(arrivals[0])
-        row.update(ttft_p50=pct(ttft, 50), ttft_p90=pct(ttft, 90), ttft_mean=float(np.mean(ttft)),
-                   itl_p50=pct(itl, 50), itl_p90=pct(itl, 90), itl_p99=pct(itl, 99), e2e_mean=float(np.mean(e2e)),
-                   e2e_p90=pct(e2e, 90), out_tok_s=sum(len(r["tokens"]) for r in ok) / span, req_s=len(ok) / span)
+        row.update(
+            ttft_p50=pct(ttft, 50),
+            ttft_p90=pct(ttft, 90),
+            ttft_mean=float(np.mean(ttft)),
+            itl_p50=pct(itl, 50),
+            itl_p90=pct(itl, 90),
+            itl_p99=pct(itl, 99),
+            e2e_mean=float(np.mean(e2e)),
+            e2e_p90=pct(e2e, 90),
+            out_tok_s=sum(len(r["tokens"]) for r in ok) / span,
+            req_s=len(ok) / span,
+        )
     if mode == "pd":
         pre = [r["p_done"] - r["arrival"] for r in ok if r.get("p_done")]
         hand = [r["times"][0] - r["p_done"] for r in ok if r.get("p_done")]
         xl = D.call(1, "xlog", {"rids": list(rids)})
         lg = [e for e in xl["log"] if e["ok"]]
-        row.update(prefill_done_p50=pct(pre, 50), prefill_done_p90=pct(pre, 90), handoff_p50=pct(hand, 50),
-                   handoff_p90=pct(hand, 90), transfers_ok=len(lg),
-                   transfers_failed=sum(1 for e in xl["log"] if not e["ok"]),
-                   claim_ms_p50=pct([1e3 * e["claim_s"] for e in lg if e["claim_s"] is not None], 50),
-                   read_ms_p50=pct([1e3 * e["read_s"] for e in lg if e["read_s"] is not None], 50),
-                   read_ms_p90=pct([1e3 * e["read_s"] for e in lg if e["read_s"] is not None], 90),
-                   total_xfer_ms_p50=pct([1e3 * e["total_s"] for e in lg], 50),
-                   total_xfer_ms_p90=pct([1e3 * e["total_s"] for e in lg], 90),
-                   read_gbps_p50=pct([e["bytes"] / e["read_s"] / 1e9 for e in lg if e["read_s"]], 50),
-                   blocks_per_transfer=pct([e["blocks"] for e in lg], 50), decode_stats=xl["stats"])
+        row.update(
+            prefill_done_p50=pct(pre, 50),
+            prefill_done_p90=pct(pre, 90),
+            handoff_p50=pct(hand, 50),
+            handoff_p90=pct(hand, 90),
+            transfers_ok=len(lg),
+            transfers_failed=sum(1 for e in xl["log"] if not e["ok"]),
+            claim_ms_p50=pct([1e3 * e["claim_s"] for e in lg if e["claim_s"] is not None], 50),
+            read_ms_p50=pct([1e3 * e["read_s"] for e in lg if e["read_s"] is not None], 50),
+            read_ms_p90=pct([1e3 * e["read_s"] for e in lg if e["read_s"] is not None], 90),
+            total_xfer_ms_p50=pct([1e3 * e["total_s"] for e in lg], 50),
+            total_xfer_ms_p90=pct([1e3 * e["total_s"] for e in lg], 90),
+            read_gbps_p50=pct([e["bytes"] / e["read_s"] / 1e9 for e in lg if e["read_s"]], 50),
+            blocks_per_transfer=pct([e["blocks"] for e in lg], 50),
+            decode_stats=xl["stats"],
+        )
     # let every engine go idle (held blocks freed) before the next run
     for i in range(2):
         st = D.call(i, "xlog", {"rids": ["-"]})
         row.setdefault("pools_after", []).append([st["free_blocks"], st["num_blocks"], st["held"]])
-    log("serve", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                  if k not in ("decode_stats", "per_request")})
+    log(
+        "serve",
+        {
+            k: (round(v, 4) if isinstance(v, float) else v)
+            for k, v in row.items()
+            if k not in ("decode_stats", "per_request")
+        },
+    )
     return row
 
 
@@ -654,8 +806,11 @@ def fmt(x, scale=1.0, nd=1):
 def tables(R: dict) -> str:
     out = []
     if R.get("peer_copy") or R.get("nixl_raw"):
-        out.append("| blocks | MB | peer copy_ GB/s | " + " | ".join(
-            f"NIXL {m} {p} GB/s" for m in R.get("modes", []) for p in ("contiguous", "scattered")) + " | best NIXL / peer |")
+        out.append(
+            "| blocks | MB | peer copy_ GB/s | "
+            + " | ".join(f"NIXL {m} {p} GB/s" for m in R.get("modes", []) for p in ("contiguous", "scattered"))
+            + " | best NIXL / peer |"
+        )
         out.append("|" + "---:|" * (4 + 2 * len(R.get("modes", []))))
         pc = {r["blocks"]: r for r in R.get("peer_copy", [])}
         raw = R.get("nixl_raw", [])
@@ -663,41 +818,59 @@ def tables(R: dict) -> str:
             cells, best = [], None
             for m in R.get("modes", []):
                 for p in ("contiguous", "scattered"):
-                    r = next((x for x in raw if x.get("mode") == m and x.get("pattern") == p and x.get("blocks") == n), {})
+                    r = next(
+                        (x for x in raw if x.get("mode") == m and x.get("pattern") == p and x.get("blocks") == n), {}
+                    )
                     g = r.get("gbps")
-                    cells.append(fmt(g) + ("" if r.get("verified", True) else " (BAD DATA)") if g else
-                                 ("skip" if r.get("skipped") else ("err" if r.get("error") else "-")))
+                    cells.append(
+                        fmt(g) + ("" if r.get("verified", True) else " (BAD DATA)")
+                        if g
+                        else ("skip" if r.get("skipped") else ("err" if r.get("error") else "-"))
+                    )
                     best = max(best or 0, g or 0) or None
             pg = pc.get(n, {}).get("gbps")
             bb = pc.get(n, {}).get("bytes") or (n * R.get("block_bytes", 0))
-            out.append(f"| {n} | {bb / 1e6:.0f} | {fmt(pg)} | " + " | ".join(cells) +
-                       f" | {fmt(best / pg * 100 if best and pg else None)}% |")
+            out.append(
+                f"| {n} | {bb / 1e6:.0f} | {fmt(pg)} | "
+                + " | ".join(cells)
+                + f" | {fmt(best / pg * 100 if best and pg else None)}% |"
+            )
         out.append("")
         out.append("| blocks | mode | pattern | first (cold) ms | median ms | reps |")
         out.append("|---:|---|---|---:|---:|---:|")
         for r in R.get("nixl_raw", []):
             if r.get("gbps"):
-                out.append(f"| {r['blocks']} | {r['mode']} | {r['pattern']} | {fmt(r['first_s'], 1e3, 2)} | "
-                           f"{fmt(r['median_s'], 1e3, 3)} | {r['reps']} |")
+                out.append(
+                    f"| {r['blocks']} | {r['mode']} | {r['pattern']} | {fmt(r['first_s'], 1e3, 2)} | "
+                    f"{fmt(r['median_s'], 1e3, 3)} | {r['reps']} |"
+                )
         out.append("")
     if R.get("correctness"):
-        out.append("| prompt | pulled blocks | read ms | KV equal | = warm single engine | = cold single engine "
-                   "| cold: first diff, top1-top2 gap (P/D, ref) |")
+        out.append(
+            "| prompt | pulled blocks | read ms | KV equal | = warm single engine | = cold single engine "
+            "| cold: first diff, top1-top2 gap (P/D, ref) |"
+        )
         out.append("|---:|---:|---:|---|---|---|---|")
         for r in R["correctness"]:
-            out.append(f"| {r['prompt_len']} | {r.get('pulled_blocks', '-')} | {fmt(r.get('read_ms'), 1, 2)} | "
-                       f"{r.get('kv_equal', '-')} | {r.get('warm_equal')} | {r.get('cold_equal')} | "
-                       f"{r.get('cold_first_diff')} {r.get('cold_gap_at_diff', '')} |")
+            out.append(
+                f"| {r['prompt_len']} | {r.get('pulled_blocks', '-')} | {fmt(r.get('read_ms'), 1, 2)} | "
+                f"{r.get('kv_equal', '-')} | {r.get('warm_equal')} | {r.get('cold_equal')} | "
+                f"{r.get('cold_first_diff')} {r.get('cold_gap_at_diff', '')} |"
+            )
         out.append("")
     if R.get("serving"):
-        out.append("| rate req/s | mode | done/sent | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | ITL p90 ms | "
-                   "E2E mean s | out tok/s | xfer p50 ms (claim+read) | read GB/s p50 |")
+        out.append(
+            "| rate req/s | mode | done/sent | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | ITL p90 ms | "
+            "E2E mean s | out tok/s | xfer p50 ms (claim+read) | read GB/s p50 |"
+        )
         out.append("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in R["serving"]:
-            out.append(f"| {r['rate']:g} | {r['mode']} | {r['completed']}/{r['requests']} | "
-                       f"{fmt(r.get('ttft_p50'), 1e3)} | {fmt(r.get('ttft_p90'), 1e3)} | {fmt(r.get('itl_p50'), 1e3, 2)} | "
-                       f"{fmt(r.get('itl_p90'), 1e3, 2)} | {fmt(r.get('e2e_mean'), 1, 2)} | {fmt(r.get('out_tok_s'), 1, 0)} | "
-                       f"{fmt(r.get('total_xfer_ms_p50'), 1, 2)} | {fmt(r.get('read_gbps_p50'))} |")
+            out.append(
+                f"| {r['rate']:g} | {r['mode']} | {r['completed']}/{r['requests']} | "
+                f"{fmt(r.get('ttft_p50'), 1e3)} | {fmt(r.get('ttft_p90'), 1e3)} | {fmt(r.get('itl_p50'), 1e3, 2)} | "
+                f"{fmt(r.get('itl_p90'), 1e3, 2)} | {fmt(r.get('e2e_mean'), 1, 2)} | {fmt(r.get('out_tok_s'), 1, 0)} | "
+                f"{fmt(r.get('total_xfer_ms_p50'), 1, 2)} | {fmt(r.get('read_gbps_p50'))} |"
+            )
         out.append("")
     return "\n".join(out)
 
@@ -724,12 +897,31 @@ def main() -> None:
     ap.add_argument("--out-dir", default=os.environ.get("OUT") or ".")
     args = ap.parse_args()
     cpu = args.cpu
-    d = dict(sizes="1,4,16,64,256,1024,4096", check_lens="17,100,512,1000,1024,2047,2048,3000", check_out=32,
-             prompt_len=2048, out_len=256, rates="2,4,8,12,16", window_s=10.0, max_requests=128, drain_s=40.0,
-             num_kv_blocks=24576)
+    d = dict(
+        sizes="1,4,16,64,256,1024,4096",
+        check_lens="17,100,512,1000,1024,2047,2048,3000",
+        check_out=32,
+        prompt_len=2048,
+        out_len=256,
+        rates="2,4,8,12,16",
+        window_s=10.0,
+        max_requests=128,
+        drain_s=40.0,
+        num_kv_blocks=24576,
+    )
     if cpu:
-        d.update(sizes="1,4,16,64", check_lens="17,40,64,100", check_out=8, prompt_len=64, out_len=8,
-                 rates="2,8", window_s=3.0, max_requests=12, drain_s=60.0, num_kv_blocks=512)
+        d.update(
+            sizes="1,4,16,64",
+            check_lens="17,40,64,100",
+            check_out=8,
+            prompt_len=64,
+            out_len=8,
+            rates="2,8",
+            window_s=3.0,
+            max_requests=12,
+            drain_s=60.0,
+            num_kv_blocks=512,
+        )
     for k, v in d.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -742,8 +934,14 @@ def main() -> None:
     os.makedirs(args.out_dir, exist_ok=True)
     import torch
 
-    R: dict = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
-               "sizes": args.sizes, "modes": modes, "errors": [], "not_run": []}
+    R: dict = {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "argv": sys.argv[1:],
+        "sizes": args.sizes,
+        "modes": modes,
+        "errors": [],
+        "not_run": [],
+    }
     out_json = os.path.join(args.out_dir, "gpu_pd.json")
 
     def save():
@@ -764,8 +962,17 @@ def main() -> None:
     L, Hkv = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
     Dh = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     R["block_bytes"] = block_bytes = L * 2 * 16 * Hkv * Dh * (4 if cpu else 2)
-    R["model"] = {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                      "num_key_value_heads", "intermediate_size", "vocab_size")}
+    R["model"] = {
+        k: cfg[k]
+        for k in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "vocab_size",
+        )
+    }
     save()
     if "raw" not in skip:
         try:
@@ -775,7 +982,8 @@ def main() -> None:
             log("peer copy failed:", traceback.format_exc())
     save()
     nixl_ok = not str(R["probe"].get("nixl_api", "")).startswith("FAILED") and "MISSING" not in str(
-        R["probe"].get("zmq")) + str(R["probe"].get("msgspec"))
+        R["probe"].get("zmq")
+    ) + str(R["probe"].get("msgspec"))
     if not nixl_ok:
         R["not_run"].append("NIXL / zmq / msgspec not importable: no transfer, no P/D")
         log("cannot run P/D:", R["probe"])
@@ -791,10 +999,20 @@ def main() -> None:
         if "raw" not in skip:
             try:
                 src = D.call(0, "xfer_src", {"blocks": max(args.sizes), "modes": modes}, timeout=240)
-                R["nixl_raw"] = D.call(1, "xfer_run", {"src": src, "sizes": args.sizes, "reps": args.reps,
-                                                       "modes": modes, "one_cap_s": 30.0, "size_cap_s": 6.0,
-                                                       "time_cap_s": min(120.0, max(10.0, deadline - time.time() - 300))},
-                                       timeout=300)
+                R["nixl_raw"] = D.call(
+                    1,
+                    "xfer_run",
+                    {
+                        "src": src,
+                        "sizes": args.sizes,
+                        "reps": args.reps,
+                        "modes": modes,
+                        "one_cap_s": 30.0,
+                        "size_cap_s": 6.0,
+                        "time_cap_s": min(120.0, max(10.0, deadline - time.time() - 300)),
+                    },
+                    timeout=300,
+                )
                 for r in R["nixl_raw"]:
                     log("raw", r)
             except Exception as e:
@@ -804,16 +1022,29 @@ def main() -> None:
         if mode == "auto":
             big = {}
             for m in modes:
-                gs = [r["gbps"] for r in R.get("nixl_raw", []) if r.get("mode") == m and r.get("gbps")
-                      and r["blocks"] == max(x["blocks"] for x in R["nixl_raw"] if x.get("mode") == m and x.get("gbps"))]
+                gs = [
+                    r["gbps"]
+                    for r in R.get("nixl_raw", [])
+                    if r.get("mode") == m
+                    and r.get("gbps")
+                    and r["blocks"] == max(x["blocks"] for x in R["nixl_raw"] if x.get("mode") == m and x.get("gbps"))
+                ]
                 big[m] = max(gs) if gs else 0.0
-            mode = "peer" if big.get("peer", 0) >= 0.8 * max(big.values() or [0]) and big.get("peer") else \
-                (max(big, key=big.get) if big and max(big.values()) > 0 else "none")
+            mode = (
+                "peer"
+                if big.get("peer", 0) >= 0.8 * max(big.values() or [0]) and big.get("peer")
+                else (max(big, key=big.get) if big and max(big.values()) > 0 else "none")
+            )
             R["mode_choice"] = {"largest_size_gbps": big, "chosen": mode}
         R["ucx_mode"] = mode
         log("engines use ucx_error_handling_mode =", mode)
-        bp = {"ucx_mode": mode, "num_kv_blocks": args.num_kv_blocks, "max_model_len": 4096 if not cpu else 1024,
-              "max_num_batched_tokens": 2048 if not cpu else 256, "max_num_seqs": 256 if not cpu else 32}
+        bp = {
+            "ucx_mode": mode,
+            "num_kv_blocks": args.num_kv_blocks,
+            "max_model_len": 4096 if not cpu else 1024,
+            "max_num_batched_tokens": 2048 if not cpu else 256,
+            "max_num_seqs": 256 if not cpu else 32,
+        }
         D.inboxes[0].put(("build", dict(bp, role="prefill")))
         D.inboxes[1].put(("build", dict(bp, role="decode")))
         R["engines"] = [D.wait_reply(i, "build", 400) for i in range(2)]
@@ -827,16 +1058,21 @@ def main() -> None:
             save()
         if "serve" not in skip:
             R["serving"] = []
-            R["serving_setup"] = {"prompt_len": args.prompt_len, "out_len": args.out_len, "window_s": args.window_s,
-                                  "routing": "pd: all to A then B; aggregated: round-robin A/B",
-                                  "not_included": "router and HTTP hop (requests enter the engines through "
-                                                  "multiprocessing queues)"}
+            R["serving_setup"] = {
+                "prompt_len": args.prompt_len,
+                "out_len": args.out_len,
+                "window_s": args.window_s,
+                "routing": "pd: all to A then B; aggregated: round-robin A/B",
+                "not_included": "router and HTTP hop (requests enter the engines through multiprocessing queues)",
+            }
             # warm-up (first long prefill / graph replay on both engines, first P/D handshake)
             # Warm-up at the top rate, both modes: the first mixed batches of each size JIT-compile Triton
             # kernel variants (seconds each); those stalls must not land in the measured runs.
             top = max(args.rates)
-            R["serving_warmup"] = [serve_one(D, args, m, top, int(min(args.max_requests, max(4, top * args.warmup_s))),
-                                             cfg["vocab_size"]) for m in ("pd", "agg")]
+            R["serving_warmup"] = [
+                serve_one(D, args, m, top, int(min(args.max_requests, max(4, top * args.warmup_s))), cfg["vocab_size"])
+                for m in ("pd", "agg")
+            ]
             for rate in args.rates:
                 n = int(min(args.max_requests, max(8, round(rate * args.window_s))))
                 need = 2 * (n / rate + 8)
@@ -858,8 +1094,11 @@ def main() -> None:
             if os.path.exists(pth):
                 with open(pth, errors="replace") as f:
                     lines = f.read().splitlines()
-                proto += [f"w{i}: {ln.strip()}" for ln in lines if "cuda_ipc" in ln or "tcp" in ln.lower()
-                          or "rma" in ln.lower()][:25]
+                proto += [
+                    f"w{i}: {ln.strip()}"
+                    for ln in lines
+                    if "cuda_ipc" in ln or "tcp" in ln.lower() or "rma" in ln.lower()
+                ][:25]
                 R.setdefault("worker_log_tail", {})[i] = lines[-30:]
         R["ucx_proto_lines"] = proto
         save()

@@ -28,6 +28,7 @@ What each row measures, for ``n`` blocks of the engine's real block size
 Latency is the median wall time of one transfer of ``n`` blocks; GB/s = bytes / median.
 Every transfer is checked: the destination must equal the source afterwards.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,6 +74,7 @@ class Memcpy:
     def fn(self, n: int):
         def run():
             self.dst[:n].copy_(self.src[:n])
+
         return run
 
 
@@ -143,16 +145,25 @@ def _cma_reader(pid: int, dst_base: int, src_base: int, block_bytes: int):
         def run():
             for s in range(0, k, 1024):  # IOV_MAX
                 e = min(k, s + 1024)
-                got = libc.process_vm_readv(pid, ctypes.byref(loc, s * size), e - s, ctypes.byref(rem, s * size),
-                                            e - s, 0)
+                got = libc.process_vm_readv(
+                    pid, ctypes.byref(loc, s * size), e - s, ctypes.byref(rem, s * size), e - s, 0
+                )
                 if got != (e - s) * block_bytes:
                     raise OSError(ctypes.get_errno(), "process_vm_readv failed or was short")
+
         return run
+
     return make
 
 
-def bench_nixl(sizes: list[int], reps: int, err_mode: str = "peer", memcpy: Memcpy | None = None,
-               cma: dict | None = None, prog_thread: bool = False) -> dict[int, tuple[float, float]]:
+def bench_nixl(
+    sizes: list[int],
+    reps: int,
+    err_mode: str = "peer",
+    memcpy: Memcpy | None = None,
+    cma: dict | None = None,
+    prog_thread: bool = False,
+) -> dict[int, tuple[float, float]]:
     """``err_mode`` is UCX's error handling: "peer" (NIXL's default, detects dead peers) or "none". With UCX
     1.23 (nixl 1.5.1) a READ between two processes on one host goes through cma (process_vm_readv) in both
     modes (check with UCX_PROTO_INFO=y); "peer" only sends the small active messages (notifications) over
@@ -200,8 +211,9 @@ def bench_nixl(sizes: list[int], reps: int, err_mode: str = "peer", memcpy: Memc
             assert np.allclose(got, remote_sums[ids]), "NIXL READ moved wrong bytes"
             if cma is not None:
                 dst.zero_()
-                cma[n] = _paired(_cma_reader(holder_pid, dst.data_ptr(), remote_base, block_bytes)(ids),
-                                 memcpy.fn(n), reps)
+                cma[n] = _paired(
+                    _cma_reader(holder_pid, dst.data_ptr(), remote_base, block_bytes)(ids), memcpy.fn(n), reps
+                )
                 got = dst[torch.from_numpy(ids).long()].sum(dim=1).numpy()
                 assert np.allclose(got, remote_sums[ids]), "process_vm_readv moved wrong bytes"
         agent.release_dlist_handle(local)
@@ -226,8 +238,12 @@ def _redis_benchmark(port: int, test: str, size: int) -> float | None:
     rb = shutil.which("redis-benchmark")
     if rb is None:
         return None
-    r = subprocess.run([rb, "-p", str(port), "-t", test, "-d", str(size), "-n", "400", "-c", "1", "-P", "16", "-q"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [rb, "-p", str(port), "-t", test, "-d", str(size), "-n", "400", "-c", "1", "-P", "16", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     m = re.search(r"([\d.]+) requests per second", r.stdout)
     return float(m.group(1)) * size / 1e9 if m else None
 
@@ -242,8 +258,11 @@ def bench_redis(sizes: list[int], reps: int) -> dict[str, dict[int, float | None
     if exe is None:
         raise RuntimeError("redis-server not installed")
     port = _free_port()
-    srv = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         n_max = max(sizes)
         kv = torch.randn(n_max, *BLOCK_SHAPE)
@@ -290,10 +309,17 @@ def main() -> None:
     sizes = [int(x) for x in args.blocks.split(",")]
     skip = set(filter(None, args.skip.split(",")))
     block_bytes = int(np.prod(BLOCK_SHAPE)) * 4
-    res: dict = {"block_bytes": block_bytes, "block_shape": BLOCK_SHAPE, "dtype": "float32", "reps": args.reps,
-                 "host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
-                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                 "rows": []}
+    res: dict = {
+        "block_bytes": block_bytes,
+        "block_shape": BLOCK_SHAPE,
+        "dtype": "float32",
+        "reps": args.reps,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "rows": [],
+    }
     mc = Memcpy(max(sizes))
     memcpy = {n: _median_time(mc.fn(n), args.reps) for n in sizes}
     cma: dict = {}
@@ -312,40 +338,64 @@ def main() -> None:
     def num(x, w=6):
         return f"{x:>{w}.2f}" if x is not None else f"{'-':>{w}}"
 
-    head = (f"{'blocks':>6} {'MiB':>7} | {'memcpy':>6} | {'NIXL':>6} {'ms':>7} {'%mc':>5} | "
-            f"{'NIXL/none':>9} {'%mc':>5} | {'NIXL+pthr':>9} {'%mc':>5} | {'CMA raw':>7} {'%mc':>5} | "
-            f"{'R.load':>6} {'ms':>7} {'GET':>5} {'%GET':>5} | "
-            f"{'R.save':>6} {'SET':>5} {'%SET':>5}")
-    print("GB/s; %mc = of a memcpy of the same bytes measured alternately with the transfer;"
-          " GET/SET = redis-benchmark run right before")
+    head = (
+        f"{'blocks':>6} {'MiB':>7} | {'memcpy':>6} | {'NIXL':>6} {'ms':>7} {'%mc':>5} | "
+        f"{'NIXL/none':>9} {'%mc':>5} | {'NIXL+pthr':>9} {'%mc':>5} | {'CMA raw':>7} {'%mc':>5} | "
+        f"{'R.load':>6} {'ms':>7} {'GET':>5} {'%GET':>5} | "
+        f"{'R.save':>6} {'SET':>5} {'%SET':>5}"
+    )
+    print(
+        "GB/s; %mc = of a memcpy of the same bytes measured alternately with the transfer;"
+        " GET/SET = redis-benchmark run right before"
+    )
     print(head)
     print("-" * len(head))
     for n in sizes:
         row: dict = {"blocks": n, "bytes": n * block_bytes, "memcpy_s": memcpy[n], "memcpy_gbps": gb(n, memcpy[n])}
-        for name, d in (("nixl_read", nixl), ("nixl_read_errnone", nixl_none), ("nixl_read_progthread", nixl_pt),
-                        ("cma_raw", cma)):
+        for name, d in (
+            ("nixl_read", nixl),
+            ("nixl_read_errnone", nixl_none),
+            ("nixl_read_progthread", nixl_pt),
+            ("cma_raw", cma),
+        ):
             if n in d:
                 t, ref = d[n]
-                row.update({f"{name}_s": t, f"{name}_gbps": gb(n, t), f"{name}_memcpy_s": ref,
-                            f"{name}_memcpy_gbps": gb(n, ref), f"{name}_pct_memcpy": ref / t})
+                row.update(
+                    {
+                        f"{name}_s": t,
+                        f"{name}_gbps": gb(n, t),
+                        f"{name}_memcpy_s": ref,
+                        f"{name}_memcpy_gbps": gb(n, ref),
+                        f"{name}_pct_memcpy": ref / t,
+                    }
+                )
         if red:
-            row.update({"redis_load_s": red["load"][n], "redis_load_gbps": gb(n, red["load"][n]),
-                        "redis_save_s": red["save"][n], "redis_save_gbps": gb(n, red["save"][n]),
-                        "redis_benchmark_get_gbps": red["get"][n], "redis_benchmark_set_gbps": red["set"][n]})
+            row.update(
+                {
+                    "redis_load_s": red["load"][n],
+                    "redis_load_gbps": gb(n, red["load"][n]),
+                    "redis_save_s": red["save"][n],
+                    "redis_save_gbps": gb(n, red["save"][n]),
+                    "redis_benchmark_get_gbps": red["get"][n],
+                    "redis_benchmark_set_gbps": red["set"][n],
+                }
+            )
         res["rows"].append(row)
         g = row.get
-        print(f"{n:>6} {n * block_bytes / 2**20:>7.1f} | {num(g('memcpy_gbps'))} | "
-              f"{num(g('nixl_read_gbps'))} {num(g('nixl_read_s', 0) * 1e3 if g('nixl_read_s') else None, 7)} "
-              f"{pct(g('nixl_read_gbps'), g('nixl_read_memcpy_gbps'))} | "
-              f"{num(g('nixl_read_errnone_gbps'), 9)} "
-              f"{pct(g('nixl_read_errnone_gbps'), g('nixl_read_errnone_memcpy_gbps'))} | "
-              f"{num(g('nixl_read_progthread_gbps'), 9)} "
-              f"{pct(g('nixl_read_progthread_gbps'), g('nixl_read_progthread_memcpy_gbps'))} | "
-              f"{num(g('cma_raw_gbps'), 7)} {pct(g('cma_raw_gbps'), g('cma_raw_memcpy_gbps'))} | "
-              f"{num(g('redis_load_gbps'))} {num(g('redis_load_s') * 1e3 if g('redis_load_s') else None, 7)} "
-              f"{num(g('redis_benchmark_get_gbps'), 5)} {pct(g('redis_load_gbps'), g('redis_benchmark_get_gbps'))} | "
-              f"{num(g('redis_save_gbps'))} {num(g('redis_benchmark_set_gbps'), 5)} "
-              f"{pct(g('redis_save_gbps'), g('redis_benchmark_set_gbps'))}")
+        print(
+            f"{n:>6} {n * block_bytes / 2**20:>7.1f} | {num(g('memcpy_gbps'))} | "
+            f"{num(g('nixl_read_gbps'))} {num(g('nixl_read_s', 0) * 1e3 if g('nixl_read_s') else None, 7)} "
+            f"{pct(g('nixl_read_gbps'), g('nixl_read_memcpy_gbps'))} | "
+            f"{num(g('nixl_read_errnone_gbps'), 9)} "
+            f"{pct(g('nixl_read_errnone_gbps'), g('nixl_read_errnone_memcpy_gbps'))} | "
+            f"{num(g('nixl_read_progthread_gbps'), 9)} "
+            f"{pct(g('nixl_read_progthread_gbps'), g('nixl_read_progthread_memcpy_gbps'))} | "
+            f"{num(g('cma_raw_gbps'), 7)} {pct(g('cma_raw_gbps'), g('cma_raw_memcpy_gbps'))} | "
+            f"{num(g('redis_load_gbps'))} {num(g('redis_load_s') * 1e3 if g('redis_load_s') else None, 7)} "
+            f"{num(g('redis_benchmark_get_gbps'), 5)} {pct(g('redis_load_gbps'), g('redis_benchmark_get_gbps'))} | "
+            f"{num(g('redis_save_gbps'))} {num(g('redis_benchmark_set_gbps'), 5)} "
+            f"{pct(g('redis_save_gbps'), g('redis_benchmark_set_gbps'))}"
+        )
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(res, f, indent=2)

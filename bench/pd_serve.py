@@ -6,6 +6,7 @@
 
     .venv/bin/python bench/pd_serve.py [--num-prompts 24] [--input-len 256] [--output-len 32]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,10 +25,32 @@ WORKER = ("--max-model-len", "2048", "--num-kv-blocks", "512")
 
 def bench(url: str, args, label: str, out_dir: str) -> dict:
     path = os.path.join(out_dir, f"pd_serve_{label}.json")
-    cmd = [sys.executable, "-m", "kvmesh.cli", "bench", "serve", "--base-url", url, "--dataset", "random",
-           "--num-prompts", str(args.num_prompts), "--request-rate", args.request_rate, "--input-len",
-           str(args.input_len), "--output-len", str(args.output_len), "--seed", "7", "--no-progress",
-           "--result-json", path, "--label", label]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        "bench",
+        "serve",
+        "--base-url",
+        url,
+        "--dataset",
+        "random",
+        "--num-prompts",
+        str(args.num_prompts),
+        "--request-rate",
+        args.request_rate,
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--seed",
+        "7",
+        "--no-progress",
+        "--result-json",
+        path,
+        "--label",
+        label,
+    ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(path) as f:
         return json.load(f)["summary"]
@@ -44,8 +67,14 @@ def main() -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     os.environ.setdefault("KVMESH_CPU_THREADS", "1")
     results = {}
-    topo = Topology(TopologyConfig(port=free_port(), engine_args=WORKER, router_args=("--pd-min-uncached", "0"),
-                                   log_dir=os.path.join(args.out_dir, "pd-logs")))
+    topo = Topology(
+        TopologyConfig(
+            port=free_port(),
+            engine_args=WORKER,
+            router_args=("--pd-min-uncached", "0"),
+            log_dir=os.path.join(args.out_dir, "pd-logs"),
+        )
+    )
     with topo:
         results["P/D (1 prefill + 1 decode, NIXL)"] = bench(topo.router_url, args, "pd", args.out_dir)
     env = {"KVMESH_CPU_THREADS": os.environ["KVMESH_CPU_THREADS"]}
@@ -55,9 +84,22 @@ def main() -> int:
         for w in workers:
             w.start()
         port = free_port()
-        router = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port",
-                                   str(port), *sum((["--worker", w.base_url] for w in workers), [])],
-                                  start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        router = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvmesh.cli",
+                "router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                *sum((["--worker", w.base_url] for w in workers), []),
+            ],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_healthy(f"http://127.0.0.1:{port}", 300, router, "router")
         results["aggregated (2 workers)"] = bench(f"http://127.0.0.1:{port}", args, "agg", args.out_dir)
     finally:
@@ -66,15 +108,24 @@ def main() -> int:
             router.wait(30)
         for w in workers:
             w.stop()
-    keys = [("request_throughput", "req/s"), ("output_throughput", "out tok/s"), ("mean_ttft_ms", "TTFT mean"),
-            ("median_ttft_ms", "TTFT p50"), ("p90_ttft_ms", "TTFT p90"), ("mean_tpot_ms", "TPOT mean"),
-            ("median_itl_ms", "ITL p50")]
+    keys = [
+        ("request_throughput", "req/s"),
+        ("output_throughput", "out tok/s"),
+        ("mean_ttft_ms", "TTFT mean"),
+        ("median_ttft_ms", "TTFT p50"),
+        ("p90_ttft_ms", "TTFT p90"),
+        ("mean_tpot_ms", "TPOT mean"),
+        ("median_itl_ms", "ITL p50"),
+    ]
     print(f"{'setup':<34}" + "".join(f"{h:>12}" for _, h in keys))
     for name, r in results.items():
         print(f"{name:<34}" + "".join(f"{r.get(k, float('nan')):>12.1f}" for k, _ in keys))
     with open(os.path.join(args.out_dir, "pd_serve.json"), "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args),
-                   "results": results}, f, indent=2)
+        json.dump(
+            {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args), "results": results},
+            f,
+            indent=2,
+        )
     return 0
 
 

@@ -23,6 +23,7 @@ the same for every router); TTFT p50/p90/p99 from the client (streaming, first
 chunk); throughput (requests/s and output tokens/s over the makespan);
 imbalance = max/mean requests per worker (``vllm:request_success`` deltas).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,9 +73,22 @@ def start_router(policy: str, workers: list[dict], tmp: str, args) -> tuple[Proc
     log = os.path.join(args.log_dir, f"router-{policy}.log")
     wurls = [w["url"] for w in workers]
     if policy in ("kvmesh", "kvmesh-rr"):
-        cmd = [sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-               "--block-size", str(args.block_tokens), "--health-interval", "1.0",
-               "--policy", "kv-aware" if policy == "kvmesh" else "round-robin"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--block-size",
+            str(args.block_tokens),
+            "--health-interval",
+            "1.0",
+            "--policy",
+            "kv-aware" if policy == "kvmesh" else "round-robin",
+        ]
         for w in workers:
             cmd += ["--worker", f"{w['url']},events={w['events']},replay={w['replay']}"]
         cmd += args.kvmesh_args.split()
@@ -83,17 +97,43 @@ def start_router(policy: str, workers: list[dict], tmp: str, args) -> tuple[Proc
         py = os.path.join(args.peer_venvs, "venv-sgl", "bin", "python")
         if not os.path.exists(py):
             return None
-        cmd = [py, "-m", "sglang_router.launch_router", "--worker-urls", *wurls,
-               "--policy", "cache_aware" if policy == "sglang" else "round_robin",
-               "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-               "--prometheus-port", str(free_port()), "--log-level", "warn"]
+        cmd = [
+            py,
+            "-m",
+            "sglang_router.launch_router",
+            "--worker-urls",
+            *wurls,
+            "--policy",
+            "cache_aware" if policy == "sglang" else "round_robin",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warn",
+        ]
         env = {}
     elif policy == "vllm":
         exe = os.path.join(args.peer_venvs, "venv-vllm", "bin", "vllm-router")
         if not os.path.exists(exe):
             return None
-        cmd = [exe, "--worker-urls", *wurls, "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port),
-               "--prometheus-port", str(free_port())]
+        cmd = [
+            exe,
+            "--worker-urls",
+            *wurls,
+            "--policy",
+            "cache_aware",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-port",
+            str(free_port()),
+        ]
         env = {}
     else:
         raise ValueError(f"unknown policy {policy}")
@@ -124,20 +164,25 @@ async def _hammer(url: str, n: int, conc: int, prompt: str | list[str]) -> dict:
     lat: list[float] = []
     sem = asyncio.Semaphore(conc)
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=conc)) as client:
+
         async def one(i):
             async with sem:
                 t0 = time.monotonic()
                 text = prompt[i] if isinstance(prompt, list) else prompt + f" {i}"
-                r = await client.post(url + "/v1/completions", json={"model": "m", "prompt": text,
-                                                                      "max_tokens": 1})
+                r = await client.post(url + "/v1/completions", json={"model": "m", "prompt": text, "max_tokens": 1})
                 if r.status_code == 200:
                     lat.append(time.monotonic() - t0)
+
         t = time.monotonic()
         await asyncio.gather(*(one(i) for i in range(n)))
         wall = time.monotonic() - t
     lat.sort()
-    return {"ok": len(lat), "req_s": len(lat) / wall, "p50_ms": 1000 * lat[len(lat) // 2],
-            "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]}
+    return {
+        "ok": len(lat),
+        "req_s": len(lat) / wall,
+        "p50_ms": 1000 * lat[len(lat) // 2],
+        "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+    }
 
 
 def overhead(args) -> dict:
@@ -156,17 +201,30 @@ def overhead(args) -> dict:
         prompt: str | list[str] = "".join(vocab[i * 7 % 5000] for i in range(args.overhead_words))
         if args.overhead_distinct:  # every request its own word order: nothing repeats between prompts
             rng = random.Random(0)
-            prompt = ["".join(rng.choice(vocab) for _ in range(args.overhead_words))
-                      for _ in range(args.overhead + 50)]
-        warm = prompt[args.overhead:] if isinstance(prompt, list) else prompt  # not among the timed prompts
+            prompt = ["".join(rng.choice(vocab) for _ in range(args.overhead_words)) for _ in range(args.overhead + 50)]
+        warm = prompt[args.overhead :] if isinstance(prompt, list) else prompt  # not among the timed prompts
         asyncio.run(_hammer(url, 50, 4, warm))  # warm-up
         out["direct"] = asyncio.run(_hammer(url, args.overhead, args.overhead_conc, prompt))
         for pol in ("kvmesh", "kvmesh-asyncio", "sglang"):  # kvmesh on uvloop (its default), then on asyncio's loop
             if pol.startswith("kvmesh"):
                 rport = free_port()
                 env = {"KVMESH_LOG_LEVEL": "WARNING", "KVMESH_UVLOOP": "0" if pol == "kvmesh-asyncio" else "1"}
-                rp = Proc([sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(rport),
-                           "--worker", url], os.path.join(logs, f"overhead-{pol}.log"), env)
+                rp = Proc(
+                    [
+                        sys.executable,
+                        "-m",
+                        "kvmesh.cli",
+                        "router",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(rport),
+                        "--worker",
+                        url,
+                    ],
+                    os.path.join(logs, f"overhead-{pol}.log"),
+                    env,
+                )
                 rurl = f"http://127.0.0.1:{rport}"
                 wait_ready(rurl, 120, rp)
             else:
@@ -188,9 +246,11 @@ def overhead(args) -> dict:
         pod.stop()
     print(f"{'path':<15} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'+p50':>6} {'+p99':>6} {'router CPU ms/req':>18}")
     for k, r in out.items():
-        print(f"{k:<15} {r['req_s']:>7.1f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} "
-              f"{r.get('added_p50_ms', 0):>6.2f} {r.get('added_p99_ms', 0):>6.2f} "
-              f"{r.get('router_cpu_ms_per_req', float('nan')):>18.2f}")
+        print(
+            f"{k:<15} {r['req_s']:>7.1f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} "
+            f"{r.get('added_p50_ms', 0):>6.2f} {r.get('added_p99_ms', 0):>6.2f} "
+            f"{r.get('router_cpu_ms_per_req', float('nan')):>18.2f}"
+        )
     return out
 
 
@@ -212,12 +272,17 @@ def tokenizer_cost(args) -> dict:
     texts = ["".join(rng.choice(vocab) for _ in range(args.overhead_words)) for _ in range(args.tokenizer)]
     ntok = sum(len(fast.encode(t).ids) for t in texts) / len(texts)
     cold = PieceCache.for_tokenizer(fast, max_pieces=1 << 20)
-    ways = {"encode": lambda t: fast.encode(t, add_special_tokens=True).ids,
-            "encode_batch_fast": lambda t: fast.encode_batch_fast([t], add_special_tokens=True)[0].ids,
-            "pieces, cold": cold.encode, "pieces, warm": cold.encode}
+    ways = {
+        "encode": lambda t: fast.encode(t, add_special_tokens=True).ids,
+        "encode_batch_fast": lambda t: fast.encode_batch_fast([t], add_special_tokens=True)[0].ids,
+        "pieces, cold": cold.encode,
+        "pieces, warm": cold.encode,
+    }
     out: dict = {"prompt_words": args.overhead_words, "prompt_tokens": ntok, "prompts": len(texts)}
-    print(f"{'tokenization of ~' + str(round(ntok)) + '-token prompts':<40} {'wall ms':>8} {'CPU ms':>8} "
-          f"{'CPU us/token':>13}")
+    print(
+        f"{'tokenization of ~' + str(round(ntok)) + '-token prompts':<40} {'wall ms':>8} {'CPU ms':>8} "
+        f"{'CPU us/token':>13}"
+    )
     for name, fn in ways.items():
         w0, c0 = time.perf_counter(), time.process_time()
         for t in texts:
@@ -233,7 +298,8 @@ def tokenizer_cost(args) -> dict:
             text = "".join(t for _, toks in r["blocks"] for t in toks)
             checked += 1
             mismatched += rt.prompt_ids("/v1/completions", {"prompt": text}) != list(
-                rt.tokenizer(text, add_special_tokens=True).input_ids)
+                rt.tokenizer(text, add_special_tokens=True).input_ids
+            )
     out["bench_prompts"] = {"checked": checked, "mismatched": mismatched}
     print(f"make bench-router prompts: {checked} checked, {mismatched} with ids different from the HF tokenizer's")
     return out
@@ -256,16 +322,32 @@ def main(argv=None) -> int:
     ap.add_argument("--kvmesh-args", default="", help="extra `kvmesh router` flags, e.g. '--balance-abs 8'")
     ap.add_argument("--json", default=None)
     ap.add_argument("--log-dir", default="/tmp/kvmesh-router-bench-logs", help="worker and router logs (kept)")
-    ap.add_argument("--overhead", type=int, default=0,
-                    help="instead of the trace: N requests to an instant fake backend, direct vs through each router")
+    ap.add_argument(
+        "--overhead",
+        type=int,
+        default=0,
+        help="instead of the trace: N requests to an instant fake backend, direct vs through each router",
+    )
     ap.add_argument("--overhead-conc", type=int, default=16)
-    ap.add_argument("--overhead-distinct", action="store_true",
-                    help="--overhead with a different prompt per request (no repeated prefixes)")
-    ap.add_argument("--overhead-words", type=int, default=200,
-                    help="prompt length for --overhead (words of the synthetic vocabulary, ~1 token each)")
-    ap.add_argument("--tokenizer", type=int, default=0, metavar="N",
-                    help="instead of the trace: the router's tokenization alone on N prompts of --overhead-words "
-                         "random words, and an exactness check on make bench-router's prompts")
+    ap.add_argument(
+        "--overhead-distinct",
+        action="store_true",
+        help="--overhead with a different prompt per request (no repeated prefixes)",
+    )
+    ap.add_argument(
+        "--overhead-words",
+        type=int,
+        default=200,
+        help="prompt length for --overhead (words of the synthetic vocabulary, ~1 token each)",
+    )
+    ap.add_argument(
+        "--tokenizer",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of the trace: the router's tokenization alone on N prompts of --overhead-words "
+        "random words, and an exactness check on make bench-router's prompts",
+    )
     args = ap.parse_args(argv)
     if args.tokenizer:
         res = tokenizer_cost(args)
@@ -277,9 +359,16 @@ def main(argv=None) -> int:
         res = overhead(args)
         if args.json:
             with open(args.json, "w") as fh:
-                json.dump({"overhead": res, "requests": args.overhead, "concurrency": args.overhead_conc,
-                           "prompt_words": args.overhead_words}, fh,
-                          indent=1)
+                json.dump(
+                    {
+                        "overhead": res,
+                        "requests": args.overhead,
+                        "concurrency": args.overhead_conc,
+                        "prompt_words": args.overhead_words,
+                    },
+                    fh,
+                    indent=1,
+                )
         return 0
 
     rows = load_trace(args.trace, args.requests, "conversations", args.window_s)
@@ -293,10 +382,28 @@ def main(argv=None) -> int:
         for i in range(args.workers):
             port = free_port()
             w = {"url": f"http://127.0.0.1:{port}", "events": f"ipc://{tmp}/ev{i}", "replay": f"ipc://{tmp}/rep{i}"}
-            cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                   "--max-model-len", "1024", "--num-kv-blocks", str(args.num_kv_blocks),
-                   "--block-size", str(args.block_tokens), "--engine-id", f"w{i}",
-                   "--kv-events-endpoint", w["events"], "--kv-events-replay-endpoint", w["replay"]]
+            cmd = [
+                sys.executable,
+                "-m",
+                "kvmesh.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--max-model-len",
+                "1024",
+                "--num-kv-blocks",
+                str(args.num_kv_blocks),
+                "--block-size",
+                str(args.block_tokens),
+                "--engine-id",
+                f"w{i}",
+                "--kv-events-endpoint",
+                w["events"],
+                "--kv-events-replay-endpoint",
+                w["replay"],
+            ]
             procs.append(Proc(cmd, os.path.join(logs, f"worker{i}.log"), env))
             workers.append(w)
         for w, p in zip(workers, procs):
@@ -304,9 +411,15 @@ def main(argv=None) -> int:
         model = httpx.get(workers[0]["url"] + "/v1/models").json()["data"][0]["id"]
         for w in workers:  # warm-up, so the first policy does not pay for cold workers
             for k in range(2):
-                httpx.post(w["url"] + "/v1/completions", timeout=300, json={
-                    "model": model, "prompt": [random.Random(k).randrange(1000, 40000) for _ in range(256)],
-                    "max_tokens": 2})
+                httpx.post(
+                    w["url"] + "/v1/completions",
+                    timeout=300,
+                    json={
+                        "model": model,
+                        "prompt": [random.Random(k).randrange(1000, 40000) for _ in range(256)],
+                        "max_tokens": 2,
+                    },
+                )
         for policy in [p for p in args.policies.split(",") if p]:
             reqs = build_requests(rows, args.block_tokens, args.max_blocks, args.max_output, seed=policy)
             try:
@@ -326,15 +439,21 @@ def main(argv=None) -> int:
                 rp.stop()
             time.sleep(0.5)
             after = [scrape(w["url"]) for w in workers]
-            hits = sum(a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
-                       for a, b in zip(after, before))
-            queries = sum(a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"]
-                          for a, b in zip(after, before))
+            hits = sum(
+                a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"] for a, b in zip(after, before)
+            )
+            queries = sum(
+                a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"]
+                for a, b in zip(after, before)
+            )
             per = [a["vllm:request_success_total"] - b["vllm:request_success_total"] for a, b in zip(after, before)]
             mean = sum(per) / len(per) if per else 0
-            res.update(hit_ratio=hits / queries if queries else None, per_worker=per,
-                       imbalance=max(per) / mean if mean else None,
-                       ideal_hit_ratio=ideal_hit_ratio([r["blocks"] for r in reqs]))
+            res.update(
+                hit_ratio=hits / queries if queries else None,
+                per_worker=per,
+                imbalance=max(per) / mean if mean else None,
+                ideal_hit_ratio=ideal_hit_ratio([r["blocks"] for r in reqs]),
+            )
             results[policy] = res
             print(f"[{policy}] done: {json.dumps(res)}", file=sys.stderr)
     finally:
@@ -342,21 +461,33 @@ def main(argv=None) -> int:
             p.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    scaling = {"trace": os.path.abspath(args.trace), "requests": len(rows), "window_s": args.window_s,
-               "tokens_per_hash_block": args.block_tokens, "length_scale": f"{args.block_tokens}/512",
-               "max_blocks": args.max_blocks, "rate_req_s": args.rate, "max_output": args.max_output,
-               "workers": args.workers, "num_kv_blocks_per_worker": args.num_kv_blocks}
-    hdr = f"{'policy':<10} {'hit':>6} {'ideal':>6} {'ttft p50':>9} {'p90':>7} {'p99':>7} {'req/s':>6} " \
-          f"{'imbal':>6} {'ok/fail':>8}"
+    scaling = {
+        "trace": os.path.abspath(args.trace),
+        "requests": len(rows),
+        "window_s": args.window_s,
+        "tokens_per_hash_block": args.block_tokens,
+        "length_scale": f"{args.block_tokens}/512",
+        "max_blocks": args.max_blocks,
+        "rate_req_s": args.rate,
+        "max_output": args.max_output,
+        "workers": args.workers,
+        "num_kv_blocks_per_worker": args.num_kv_blocks,
+    }
+    hdr = (
+        f"{'policy':<10} {'hit':>6} {'ideal':>6} {'ttft p50':>9} {'p90':>7} {'p99':>7} {'req/s':>6} "
+        f"{'imbal':>6} {'ok/fail':>8}"
+    )
     print(hdr)
     for pol, r in results.items():
         if "error" in r:
             print(f"{pol:<10} error: {r['error']}")
             continue
         f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-        print(f"{pol:<10} {f(r['hit_ratio']):>6} {f(r['ideal_hit_ratio']):>6} {f(r['ttft_p50']):>9} "
-              f"{f(r['ttft_p90']):>7} {f(r['ttft_p99']):>7} {f(r['throughput']):>6} {f(r['imbalance'], 2):>6} "
-              f"{r['ok']:>4}/{r['failed']:<3}")
+        print(
+            f"{pol:<10} {f(r['hit_ratio']):>6} {f(r['ideal_hit_ratio']):>6} {f(r['ttft_p50']):>9} "
+            f"{f(r['ttft_p90']):>7} {f(r['ttft_p99']):>7} {f(r['throughput']):>6} {f(r['imbalance'], 2):>6} "
+            f"{r['ok']:>4}/{r['failed']:<3}"
+        )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:

@@ -11,6 +11,7 @@
 Usage: .venv/bin/python bench/serve_sweep.py [--num-prompts 32] [--input-len 64] [--output-len 32]
 Run it on an otherwise idle machine; KVMESH_CPU_THREADS applies to every side.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,30 @@ def pct(xs, p):
 def bench_rate(base_url: str, rate: str, args, out_dir: str, seed: int) -> dict:
     """One `kvmesh bench serve` run; each rate gets its own seed, so no run hits another's cached prefixes."""
     path = os.path.join(out_dir, f"serve-rate-{rate}.json")
-    cmd = [sys.executable, "-m", "kvmesh.cli", "bench", "serve", "--base-url", base_url, "--dataset", "random",
-           "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len), "--output-len",
-           str(args.output_len), "--request-rate", rate, "--result-json", path, "--no-progress",
-           "--seed", str(seed)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        "bench",
+        "serve",
+        "--base-url",
+        base_url,
+        "--dataset",
+        "random",
+        "--num-prompts",
+        str(args.num_prompts),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--request-rate",
+        rate,
+        "--result-json",
+        path,
+        "--no-progress",
+        "--seed",
+        str(seed),
+    ]
     subprocess.run(cmd, check=True, stdout=sys.stderr)
     with open(path) as f:
         return json.load(f)["summary"]
@@ -48,8 +69,15 @@ def bench_rate(base_url: str, rate: str, args, out_dir: str, seed: int) -> dict:
 def dataset_prompts(args) -> list[list[int]]:
     from kvmesh.bench_serve import make_dataset
 
-    ns = argparse.Namespace(dataset="random", num_prompts=args.num_prompts, input_len=args.input_len,
-                            output_len=args.output_len, range_ratio=0.0, token_range="1000,20000", seed=args.seed)
+    ns = argparse.Namespace(
+        dataset="random",
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=0.0,
+        token_range="1000,20000",
+        seed=args.seed,
+    )
     return [r.prompt for r in make_dataset(ns)]
 
 
@@ -64,8 +92,9 @@ def hf_baseline(prompts: list[list[int]], output_len: int) -> dict:
     if threads:
         torch.set_num_threads(int(threads))
     path = embedded_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
     service, ttft = [], []
     with torch.inference_mode():
         for p in prompts:
@@ -74,8 +103,7 @@ def hf_baseline(prompts: list[list[int]], output_len: int) -> dict:
             model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
             ttft.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                           pad_token_id=0)
+            model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0)
             service.append(time.perf_counter() - t0)
     return {"service": service, "ttft": ttft}
 
@@ -149,8 +177,9 @@ def main() -> int:
     prompts = dataset_prompts(args)
     print(f"load average at the start: {os.getloadavg()} on {os.cpu_count()} CPUs", file=sys.stderr)
     rows, hop = {}, None
-    with ServerProcess(["--num-kv-blocks", "1024", "--max-model-len", "2048"],
-                       log_path=os.path.join(args.out_dir, "server.log")) as srv:
+    with ServerProcess(
+        ["--num-kv-blocks", "1024", "--max-model-len", "2048"], log_path=os.path.join(args.out_dir, "server.log")
+    ) as srv:
         warm = argparse.Namespace(**{**vars(args), "num_prompts": 4})
         bench_rate(srv.base_url, "inf", warm, args.out_dir, args.seed + 99)  # warm-up, distinct prompts
         for i, rate in enumerate(args.rates.split(",")):
@@ -158,16 +187,22 @@ def main() -> int:
         hop = api_hop(srv.base_url, args.hop_prompt_len, args.hop_repeat)
     hf = None if args.skip_hf else hf_baseline(prompts, args.output_len)
 
-    print(f"\nrandom dataset, {args.num_prompts} prompts, input {args.input_len} / output {args.output_len} tokens, "
-          f"KVMESH_CPU_THREADS={os.environ['KVMESH_CPU_THREADS']}\n")
-    print("| server | rate (req/s) | req/s | output tok/s | TTFT mean / p50 / p99 (ms) | TPOT mean / p99 (ms) "
-          "| ITL p50 / p99 (ms) | E2E p50 / p99 (ms) |")
+    print(
+        f"\nrandom dataset, {args.num_prompts} prompts, input {args.input_len} / output {args.output_len} tokens, "
+        f"KVMESH_CPU_THREADS={os.environ['KVMESH_CPU_THREADS']}\n"
+    )
+    print(
+        "| server | rate (req/s) | req/s | output tok/s | TTFT mean / p50 / p99 (ms) | TPOT mean / p99 (ms) "
+        "| ITL p50 / p99 (ms) | E2E p50 / p99 (ms) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for rate, s in rows.items():
-        print(f"| kvmesh serve | {rate} | {s['request_throughput']:.2f} | {s['output_throughput']:.1f} | "
-              f"{s['mean_ttft_ms']:.0f} / {s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} | "
-              f"{s['mean_tpot_ms']:.0f} / {s['p99_tpot_ms']:.0f} | {s['median_itl_ms']:.0f} / {s['p99_itl_ms']:.0f} | "
-              f"{s['median_e2el_ms']:.0f} / {s['p99_e2el_ms']:.0f} |")
+        print(
+            f"| kvmesh serve | {rate} | {s['request_throughput']:.2f} | {s['output_throughput']:.1f} | "
+            f"{s['mean_ttft_ms']:.0f} / {s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} | "
+            f"{s['mean_tpot_ms']:.0f} / {s['p99_tpot_ms']:.0f} | {s['median_itl_ms']:.0f} / {s['p99_itl_ms']:.0f} | "
+            f"{s['median_e2el_ms']:.0f} / {s['p99_e2el_ms']:.0f} |"
+        )
     if hf is not None:
         n_out = args.output_len * len(prompts)
         for i, rate in enumerate(args.rates.split(",")):
@@ -176,14 +211,18 @@ def main() -> int:
             tpot = [(s - t) / (args.output_len - 1) * 1000 for s, t in zip(hf["service"], hf["ttft"])]
             wait = [(l - s) * 1000 for l, s in zip(lat, hf["service"])]
             ttft_q = [w + t for w, t in zip(wait, ttft_ms)]
-            print(f"| HF generate, one at a time | {rate} | {len(prompts) / makespan:.2f} | {n_out / makespan:.1f} | "
-                  f"{statistics.mean(ttft_q):.0f} / {pct(ttft_q, 50):.0f} / {pct(ttft_q, 99):.0f} | "
-                  f"{statistics.mean(tpot):.0f} / {pct(tpot, 99):.0f} | - | "
-                  f"{pct(lat, 50) * 1000:.0f} / {pct(lat, 99) * 1000:.0f} |")
+            print(
+                f"| HF generate, one at a time | {rate} | {len(prompts) / makespan:.2f} | {n_out / makespan:.1f} | "
+                f"{statistics.mean(ttft_q):.0f} / {pct(ttft_q, 50):.0f} / {pct(ttft_q, 99):.0f} | "
+                f"{statistics.mean(tpot):.0f} / {pct(tpot, 99):.0f} | - | "
+                f"{pct(lat, 50) * 1000:.0f} / {pct(lat, 99) * 1000:.0f} |"
+            )
     h, d = hop["http_ms"], hop["direct_ms"]
     diff = [a - b for a, b in zip(h, d)]
-    print(f"\nAPI hop, max_tokens=1, {len(h)} sequential request pairs (HTTP, direct alternating), "
-          f"prompt {args.hop_prompt_len} tokens:\n")
+    print(
+        f"\nAPI hop, max_tokens=1, {len(h)} sequential request pairs (HTTP, direct alternating), "
+        f"prompt {args.hop_prompt_len} tokens:\n"
+    )
     print("| path | median (ms) | p99 (ms) |\n|---|---|---|")
     print(f"| HTTP -> API process -> ZMQ -> engine process | {pct(h, 50):.1f} | {pct(h, 99):.1f} |")
     print(f"| EngineCore in-process (add_request + step) | {pct(d, 50):.1f} | {pct(d, 99):.1f} |")

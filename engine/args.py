@@ -8,6 +8,7 @@ dataclasses built by `create_engine_config` (engine/config.py).
 
 This module imports no torch: the operator reads it too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,38 +55,62 @@ class EngineArgs:
     model: str | None = _setting(None, "HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     block_size: int = _setting(
         CacheConfig.block_size,
-        crd=CrdProperty("blockSize", 16, enum=(8, 16, 32, 64, 128),
-                        description="Tokens per KV block; prefill and decode must agree for KV transfer."))
+        crd=CrdProperty(
+            "blockSize",
+            16,
+            enum=(8, 16, 32, 64, 128),
+            description="Tokens per KV block; prefill and decode must agree for KV transfer.",
+        ),
+    )
     max_num_batched_tokens: int = _setting(
         SchedulerConfig.max_num_batched_tokens,
-        crd=CrdProperty("maxNumBatchedTokens", 8192, minimum=16, maximum=1 << 20))
-    max_num_seqs: int = _setting(SchedulerConfig.max_num_seqs,
-                                 crd=CrdProperty("maxNumSeqs", 128, minimum=1, maximum=4096))
+        crd=CrdProperty("maxNumBatchedTokens", 8192, minimum=16, maximum=1 << 20),
+    )
+    max_num_seqs: int = _setting(
+        SchedulerConfig.max_num_seqs, crd=CrdProperty("maxNumSeqs", 128, minimum=1, maximum=4096)
+    )
     max_model_len: int | None = _setting(None)  # None: the model's max_position_embeddings
     long_prefill_token_threshold: int = _setting(SchedulerConfig.long_prefill_token_threshold)
     num_scheduler_steps: int = _setting(
         SchedulerConfig.num_scheduler_steps,
         "decode steps run back to back on the device per scheduling round, for greedy and unseeded sampled "
-        "requests (1: off); cuts host time per token, emits tokens in bursts of this size")
+        "requests (1: off); cuts host time per token, emits tokens in bursts of this size",
+    )
     async_scheduling: bool | None = _setting(
         SchedulerConfig.async_scheduling,
         "queue the next decode step (or round of --num-scheduler-steps) on the device before reading the tokens "
         "of the one running, so host work overlaps the device (default: on for a GPU, off on the CPU)",
-        action=argparse.BooleanOptionalAction)
-    enable_prefix_caching: bool = _setting(CacheConfig.enable_prefix_caching, flag="--no-enable-prefix-caching",
-                                           action="store_false")
-    dtype: str | None = _setting(None, choices=["float32", "bfloat16", "float16"],
-                                 crd=CrdProperty("dtype", "auto", unset="auto"))
+        action=argparse.BooleanOptionalAction,
+    )
+    enable_prefix_caching: bool = _setting(
+        CacheConfig.enable_prefix_caching, flag="--no-enable-prefix-caching", action="store_false"
+    )
+    dtype: str | None = _setting(
+        None, choices=["float32", "bfloat16", "float16"], crd=CrdProperty("dtype", "auto", unset="auto")
+    )
     device: str | None = _setting(None, "cpu, cuda, cuda:1 (default: cuda if available)")
     gpu_memory_utilization: float = _setting(
         CacheConfig.gpu_memory_utilization,
-        crd=CrdProperty("gpuMemoryUtilization", 0.9, minimum=0.05, maximum=0.99,
-                        description="GPU workers size their KV pool to this share of device memory."))
+        crd=CrdProperty(
+            "gpuMemoryUtilization",
+            0.9,
+            minimum=0.05,
+            maximum=0.99,
+            description="GPU workers size their KV pool to this share of device memory.",
+        ),
+    )
     kv_cache_memory_gb: float = _setting(
-        CacheConfig.kv_cache_memory_gb, "CPU KV pool budget when --num-kv-blocks is unset",
-        crd=CrdProperty("kvCacheMemoryGB", 2.0, minimum=0.01, maximum=4096,
-                        description="CPU workers (gpus 0) size their KV pool to this many GB of host memory; "
-                                    "count it in the pod's memory request."))
+        CacheConfig.kv_cache_memory_gb,
+        "CPU KV pool budget when --num-kv-blocks is unset",
+        crd=CrdProperty(
+            "kvCacheMemoryGB",
+            2.0,
+            minimum=0.01,
+            maximum=4096,
+            description="CPU workers (gpus 0) size their KV pool to this many GB of host memory; "
+            "count it in the pod's memory request.",
+        ),
+    )
     num_kv_blocks: int | None = _setting(CacheConfig.num_kv_blocks, "KV pool size in blocks (default: from memory)")
     seed: int = _setting(EngineConfig.seed)
     # Flags of the server commands (kvmesh serve/prefill/decode): the "server" section.
@@ -93,9 +118,11 @@ class EngineArgs:
     max_waiting: int = _setting(
         SchedulerConfig.max_waiting,
         "bound on the engine's waiting queue; beyond it requests get 503 + Retry-After (0: unbounded)",
-        section="server")
-    engine_id: str = _setting(EngineConfig.engine_id, "this engine's id in KV events and transfer params",
-                              section="server")
+        section="server",
+    )
+    engine_id: str = _setting(
+        EngineConfig.engine_id, "this engine's id in KV events and transfer params", section="server"
+    )
 
     # ---- command line -------------------------------------------------------
     @classmethod
@@ -147,7 +174,11 @@ class EngineArgs:
         dtype = self.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         max_len = min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
         return self._pick(
-            EngineConfig, model_path=model_path, model=model, dtype=dtype, device=device,
+            EngineConfig,
+            model_path=model_path,
+            model=model,
+            dtype=dtype,
+            device=device,
             cache=self._pick(CacheConfig),
             scheduler=self._pick(SchedulerConfig, max_model_len=max_len),
         )

@@ -5,6 +5,7 @@ preempted request's prefix stays reusable until memory is actually needed.
 The free list is intrusive (prev/next live on the blocks) so removing a block
 from the middle, when a cache hit revives it, is O(1).
 """
+
 from __future__ import annotations
 
 import time
@@ -166,8 +167,12 @@ class BlockPool:
         if self.emit_events and stored_hashes:
             parent = external_hash(block_hashes[start - 1]) if start > 0 else None
             self._events.append(
-                BlockStored(block_hashes=stored_hashes, parent_block_hash=parent,
-                            token_ids=stored_tokens, block_size=self.block_size)
+                BlockStored(
+                    block_hashes=stored_hashes,
+                    parent_block_hash=parent,
+                    token_ids=stored_tokens,
+                    block_size=self.block_size,
+                )
             )
 
     def reset_prefix_cache(self) -> bool:

@@ -6,6 +6,7 @@ or a list of OpenAI content parts; only text parts are supported (their texts jo
 and any other part is rejected with `ChatContentError` rather than silently dropped: a model that
 never saw the image would answer as if it had.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -37,19 +38,29 @@ def chat_messages(messages: Iterable[Any]) -> list[dict[str, str]]:
     return out
 
 
-def template_args(add_generation_prompt: bool = True, continue_final_message: bool = False,
-                  kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def template_args(
+    add_generation_prompt: bool = True, continue_final_message: bool = False, kwargs: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Keyword arguments of ``tokenizer.apply_chat_template`` (continuing the last message opens no new turn)."""
-    return dict(add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, **(kwargs or {}))
+    return dict(
+        add_generation_prompt=add_generation_prompt and not continue_final_message,
+        continue_final_message=continue_final_message,
+        **(kwargs or {}),
+    )
 
 
-def render_chat(tokenizer, messages: Iterable[Any], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, kwargs: Mapping[str, Any] | None = None) -> list[int]:
+def render_chat(
+    tokenizer,
+    messages: Iterable[Any],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
     """The prompt token ids of a conversation. Raises `ChatContentError` for unsupported content; the
     template's own errors (a template that rejects the conversation) propagate as they are."""
-    out = tokenizer.apply_chat_template(chat_messages(messages), tokenize=True,
-                                        **template_args(add_generation_prompt, continue_final_message, kwargs))
+    out = tokenizer.apply_chat_template(
+        chat_messages(messages), tokenize=True, **template_args(add_generation_prompt, continue_final_message, kwargs)
+    )
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)

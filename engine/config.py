@@ -4,6 +4,7 @@ The same engine serves every role; `role` only changes what the connector hook
 does with finished requests (prefill keeps blocks for a remote reader, decode
 loads them), never the scheduler.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,7 +41,9 @@ class ModelConfig:
 
     def identity(self) -> str:
         """A string naming the weights' shape; folded into block hashes so caches never mix models."""
-        return f"{self.name}|{self.num_layers}x{self.hidden_size}|kv{self.num_kv_heads}x{self.head_dim}|v{self.vocab_size}"
+        return (
+            f"{self.name}|{self.num_layers}x{self.hidden_size}|kv{self.num_kv_heads}x{self.head_dim}|v{self.vocab_size}"
+        )
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ scheduler process and the worker at once:
 The engine calls these hooks at fixed points of its step; prefill and decode
 roles differ only in the connector's answers, never in scheduler code.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -6,6 +6,7 @@ leave as token ids, so the loop's time goes to the model. What a step's tokens d
 requests (stops, forks, freeing) is the scheduler's; when a step runs as a decode round on the
 device is engine/decode_rounds.py's.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,13 @@ log = logging.getLogger("kvmesh.engine")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, state_dict: dict[str, torch.Tensor],
-                 connector: KVConnector | None = None, simulate: dict | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        state_dict: dict[str, torch.Tensor],
+        connector: KVConnector | None = None,
+        simulate: dict | None = None,
+    ) -> None:
         self.config = config
         if simulate is not None:  # `serve --simulate`: latency model instead of the forward pass
             from .sim_runner import SimulatedRunner
@@ -42,13 +48,19 @@ class EngineCore:
             self.runner = SimulatedRunner(config, **simulate)
         else:
             self.runner = ModelRunner(config, state_dict)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching, emit_events=False)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, emit_events=False
+        )
         self.connector = connector or KVConnector()
         self.connector.configure(config)
         self.connector.register_kv_cache(self.runner.kv_cache)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.connector,
-                                   eos_token_ids=config.model.eos_token_ids, make_generator=self._generator)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv,
+            self.connector,
+            eos_token_ids=config.model.eos_token_ids,
+            make_generator=self._generator,
+        )
         self.sampler = Sampler(config.seed)
         self.model_identity = config.model.identity()
         self.num_steps = 0
@@ -57,14 +69,23 @@ class EngineCore:
         # on the device (the simulated one cannot).
         rounds = hasattr(self.runner, "launch_round")
         lazy = config.scheduler.async_scheduling
-        self.rounds = DecodeRounds(self.scheduler, self.runner,
-                                   config.scheduler.num_scheduler_steps if rounds else 1,
-                                   rounds and (getattr(self.runner, "cuda", False) if lazy is None else lazy))
+        self.rounds = DecodeRounds(
+            self.scheduler,
+            self.runner,
+            config.scheduler.num_scheduler_steps if rounds else 1,
+            rounds and (getattr(self.runner, "cuda", False) if lazy is None else lazy),
+        )
 
     # ---- construction -------------------------------------------------------
     @classmethod
-    def from_model(cls, args: EngineArgs | None = None, *, connector: KVConnector | None = None, loaded=None,
-                   simulate: dict | None = None) -> tuple[EngineCore, object]:
+    def from_model(
+        cls,
+        args: EngineArgs | None = None,
+        *,
+        connector: KVConnector | None = None,
+        loaded=None,
+        simulate: dict | None = None,
+    ) -> tuple[EngineCore, object]:
         """Load ``args.model`` (or take ``loaded``) and build an engine; returns ``(engine, tokenizer)``.
 
         ``simulate``: SimulatedRunner options (engine/sim_runner.py); no weights are loaded, the
@@ -74,9 +95,12 @@ class EngineCore:
         if simulate is not None:
             from .sim_runner import DEFAULT_NUM_KV_BLOCKS
 
-            args = replace(args, device="cpu", dtype="float32",
-                           num_kv_blocks=args.num_kv_blocks if args.num_kv_blocks is not None
-                           else DEFAULT_NUM_KV_BLOCKS)
+            args = replace(
+                args,
+                device="cpu",
+                dtype="float32",
+                num_kv_blocks=args.num_kv_blocks if args.num_kv_blocks is not None else DEFAULT_NUM_KV_BLOCKS,
+            )
         config = args.create_engine_config(loaded.config, loaded.source)
         return cls(config, loaded.state_dict, connector, simulate=simulate), loaded.tokenizer
 
@@ -88,8 +112,10 @@ class EngineCore:
         if n == 0:
             raise ValueError("prompt is empty")
         if n >= max_len:
-            raise ValueError(f"prompt has {n} tokens but the model's context (max_model_len) is {max_len}; "
-                             "it must leave room for at least one generated token")
+            raise ValueError(
+                f"prompt has {n} tokens but the model's context (max_model_len) is {max_len}; "
+                "it must leave room for at least one generated token"
+            )
         vocab = self.config.model.vocab_size
         bad = [t for t in req.prompt_token_ids if not (0 <= t < vocab)]
         if bad:

@@ -50,6 +50,7 @@ finished, none that could pass its length limits. A request that stops during
 round is chained behind one whose batch lost a request, so blocks freed by a stop
 or an abort are only handed out again after the device is done with them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -121,8 +122,11 @@ class DecodeRounds:
             return 0
         sch = self.scheduler
         for s in sched.scheduled:
-            if s.num_tokens != 1 or s.num_computed_tokens + 1 != len(s.all_token_ids) \
-                    or not sch.extends_output(s.request_id):
+            if (
+                s.num_tokens != 1
+                or s.num_computed_tokens + 1 != len(s.all_token_ids)
+                or not sch.extends_output(s.request_id)
+            ):
                 return 0
             if not s.params.greedy and not sample_on_device:
                 return 0

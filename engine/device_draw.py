@@ -4,6 +4,7 @@
 and a draw counter per row, so the probabilities are read once, no filtered copy is made, and a
 seeded request (`NoiseStream`) draws the same tokens whatever else is in the batch.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -38,8 +39,12 @@ class NoiseStream:
         return self.seed, n
 
 
-def draw_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], rand: list[int],
-                   generators: Sequence[NoiseStream | None] | None = None) -> torch.Tensor:
+def draw_on_device(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    rand: list[int],
+    generators: Sequence[NoiseStream | None] | None = None,
+) -> torch.Tensor:
     """Token ids ``[rows]`` chosen where the logits are, without a host sync: argmax, except the
     ``rand`` rows (random sampling), which are filtered as the CPU rules say (`filter_batched`) and drawn by the
     exponential race ``argmax(p / E)`` over the kept tokens (`kvmesh.kernels.race_argmax`: one

@@ -6,6 +6,7 @@ same tokens give the same hash in every process and on every machine (no
 identity and an optional per-tenant ``cache_salt`` so caches never mix models or
 tenants; every later block inherits them through the parent hash.
 """
+
 from __future__ import annotations
 
 import hashlib

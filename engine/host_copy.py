@@ -5,6 +5,7 @@ synchronises the stream: the host waits for all the work queued before it (a who
 pass, when a decode round is in flight). Copied from pinned memory, the transfer is queued
 on the stream like a kernel, and PyTorch keeps the pinned buffer alive until it is done.
 """
+
 from __future__ import annotations
 
 import numpy as np

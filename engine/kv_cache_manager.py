@@ -1,4 +1,5 @@
 """Maps requests to blocks: prefix lookup, slot allocation, copy-on-write, freeing."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -7,6 +7,7 @@ lora_id, medium]``), and a batch is ``[ts, [events...], data_parallel_rank]``.
 Block hashes travel as their 64-bit integer form (see `hashing.external_hash`).
 The ZMQ framing is ``(topic, seq as 8-byte big-endian, payload)``.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Union

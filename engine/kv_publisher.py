@@ -21,6 +21,7 @@ When the queue is full (the thread is behind) batches are dropped and counted,
 but they still consume sequence numbers: the resulting gap is one the replay
 socket cannot fill, so a subscriber resyncs rather than trusting a stale index.
 """
+
 from __future__ import annotations
 
 import logging

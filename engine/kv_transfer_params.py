@@ -4,6 +4,7 @@ Shared by the API server, the connector interface (``KVConnector.validate_kv_tra
 the connectors; it lives apart from them so the interface and its implementations need not import
 each other.
 """
+
 from __future__ import annotations
 
 from typing import Any

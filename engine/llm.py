@@ -1,4 +1,5 @@
 """Offline generation: ``LLM(...).generate(prompts, params)`` on an in-process engine."""
+
 from __future__ import annotations
 
 import itertools
@@ -15,8 +16,7 @@ PromptType = Union[str, Sequence[int]]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, args: EngineArgs | None = None, loaded=None,
-                 **engine_args) -> None:
+    def __init__(self, model: str | None = None, *, args: EngineArgs | None = None, loaded=None, **engine_args) -> None:
         """``args``, or the `EngineArgs` fields as keywords (``LLM(max_num_seqs=4)``); ``loaded``: an
         already loaded model (engine/loader.py), reused across engines."""
         if args is None:
@@ -42,15 +42,20 @@ class LLM:
         return render_chat(self.tokenizer, messages)
 
     # ---- generation ---------------------------------------------------------
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         encoded = [self.encode(p) for p in prompts]  # type: ignore[union-attr]
         return self._run(encoded, params, cache_salt)
 
-    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(
+        self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self._run([(None, self.apply_chat_template(c)) for c in convs], params, None)  # type: ignore[arg-type]
 
@@ -63,16 +68,18 @@ class LLM:
         # Validate everything first so a bad prompt in a batch leaves no request behind.
         reqs = []
         for (text, ids), p in zip(encoded, plist):
-            req = EngineCoreRequest(request_id=f"offline-{next(self._ids)}", prompt_token_ids=ids, params=p,
-                                    cache_salt=cache_salt)
+            req = EngineCoreRequest(
+                request_id=f"offline-{next(self._ids)}", prompt_token_ids=ids, params=p, cache_salt=cache_salt
+            )
             self.engine.validate(req)
             reqs.append((req, text))
         states: dict[str, RequestState] = {}
         order = []
         for req, text in reqs:
             self.engine.add_request(req)
-            states[req.request_id] = RequestState(req.request_id, text, req.prompt_token_ids, req.params,
-                                                  self.tokenizer)
+            states[req.request_id] = RequestState(
+                req.request_id, text, req.prompt_token_ids, req.params, self.tokenizer
+            )
             order.append(req.request_id)
         while self.engine.has_unfinished():
             for eo in self.engine.step():

@@ -5,6 +5,7 @@ one naming scheme whatever the source. GGUF tensors are dequantized at load
 time, and llama.cpp's rotary permutation of q/k rows is undone so the result
 matches what HF `transformers` builds from the same file.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -244,7 +245,8 @@ def _gguf_tokenizer(path: str):
     st = os.stat(path)
     cache = os.path.join(
         os.environ.get("KVMESH_CACHE", os.path.expanduser("~/.cache/kvmesh")),
-        "tokenizers", f"{os.path.basename(path)}-{st.st_size}-{int(st.st_mtime)}",
+        "tokenizers",
+        f"{os.path.basename(path)}-{st.st_size}-{int(st.st_mtime)}",
     )
     if os.path.isfile(os.path.join(cache, "tokenizer.json")):
         try:

@@ -3,6 +3,7 @@
 They change a row's logits before anything else, greedy rows included; logprobs stay those of the
 raw distribution.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -40,8 +41,7 @@ class LogitAdjustment:
         self.freq_pres: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams], histories, V: int,
-              device: torch.device) -> LogitAdjustment | None:
+    def build(cls, params: Sequence[SamplingParams], histories, V: int, device: torch.device) -> LogitAdjustment | None:
         """For rows whose params `adjusts_logits` (``histories[i]``: that row's prompt and output
         ids so far, lists or int arrays; needed for `penalized` rows only); None when no row does."""
         rows = [i for i, p in enumerate(params) if p.adjusts_logits]
@@ -60,9 +60,18 @@ class LogitAdjustment:
             a.bias_pos, a.bias_val = up(pos), up(val, torch.float32)
         rep = [i for i in rows if params[i].repetition_penalty != 1]
         if rep:
-            a.rep_pos = up(_positions(rep, [np.concatenate([np.asarray(histories[i][0], dtype=np.int64),
-                                                            np.asarray(histories[i][1], dtype=np.int64)])
-                                            for i in rep], V))
+            a.rep_pos = up(
+                _positions(
+                    rep,
+                    [
+                        np.concatenate(
+                            [np.asarray(histories[i][0], dtype=np.int64), np.asarray(histories[i][1], dtype=np.int64)]
+                        )
+                        for i in rep
+                    ],
+                    V,
+                )
+            )
             a.rep_rows = up(rep)
             a.rep = up([p.repetition_penalty for p in params], torch.float32)
         cnt = [i for i in rows if params[i].frequency_penalty or params[i].presence_penalty]

@@ -3,6 +3,7 @@
 Logprobs are of the raw distribution (before any bias, penalty, temperature or filter), computed
 on the device for the whole batch and copied to the host with the tokens.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -38,8 +39,13 @@ def device_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[to
     return chosen, top_v, top_i
 
 
-def results_with_logprobs(ids: list[int], params: Sequence[SamplingParams], chosen: list[float],
-                          top_v: list[list[float]], top_i: list[list[int]]) -> list[SampleResult]:
+def results_with_logprobs(
+    ids: list[int],
+    params: Sequence[SamplingParams],
+    chosen: list[float],
+    top_v: list[list[float]],
+    top_i: list[list[int]],
+) -> list[SampleResult]:
     """`SampleResult` per row from `device_logprobs`' arrays, on the host: each row that asked for
     logprobs gets its own number of top entries."""
     out = []
@@ -47,7 +53,7 @@ def results_with_logprobs(ids: list[int], params: Sequence[SamplingParams], chos
         res = SampleResult(tok)
         if p.logprobs is not None:
             res.logprob = chosen[j]
-            res.top_logprobs = list(zip(top_i[j][:p.logprobs], top_v[j][:p.logprobs]))
+            res.top_logprobs = list(zip(top_i[j][: p.logprobs], top_v[j][: p.logprobs]))
         out.append(res)
     return out
 

@@ -3,6 +3,7 @@
 The offline `LLM` passes them in-process; the server sends them over ZMQ. One
 set of types for both, so the two paths cannot drift.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional

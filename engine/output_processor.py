@@ -4,6 +4,7 @@ It lives on the API side (the offline `LLM` or the server process), so the
 engine loop never spends time on strings. A stop string found here ends the
 sequence and tells the caller which engine requests to abort.
 """
+
 from __future__ import annotations
 
 import time
@@ -60,12 +61,12 @@ class _SeqState:
     def detokenize(self, tokenizer, skip_special_tokens: bool) -> str:
         """Full text so far (its tail may end in an incomplete character, shown as U+FFFD)."""
         ids = self.out.token_ids
-        before = tokenizer.decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip_special_tokens)
-        window = tokenizer.decode(ids[self.prefix_offset:], skip_special_tokens=skip_special_tokens)
+        before = tokenizer.decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip_special_tokens)
+        window = tokenizer.decode(ids[self.prefix_offset :], skip_special_tokens=skip_special_tokens)
         if not window.startswith(before):  # the context decoded differently: fall back to a full decode
             self.stable, self.prefix_offset, self.read_offset = "", 0, 0
             before, window = "", tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        tail = window[len(before):]
+        tail = window[len(before) :]
         if tail.endswith("\ufffd"):
             return self.stable + tail  # a character still split across tokens: keep the window open
         self.stable += tail
@@ -76,12 +77,18 @@ class _SeqState:
 class RequestState:
     """Detokenization state of one request (all of its n sequences)."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer) -> None:
+    def __init__(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, tokenizer
+    ) -> None:
         self.params = params
         self.tokenizer = tokenizer
-        self.result = RequestOutput(request_id, prompt, list(prompt_token_ids),
-                                    [CompletionOutput(i) for i in range(params.n)], arrival_time=time.monotonic())
+        self.result = RequestOutput(
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            [CompletionOutput(i) for i in range(params.n)],
+            arrival_time=time.monotonic(),
+        )
         self.seqs = [_SeqState(o) for o in self.result.outputs]
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
 
@@ -132,7 +139,7 @@ class RequestState:
             if self.max_stop_len:
                 safe = min(safe, max(st.emitted_len, len(out.text) - self.max_stop_len + 1))
         if safe > st.emitted_len:
-            deltas.append((eo.index, out.text[st.emitted_len:safe]))
+            deltas.append((eo.index, out.text[st.emitted_len : safe]))
             st.emitted_len = safe
         return deltas, stopped
 

@@ -1,4 +1,5 @@
 """A request's state inside the engine: tokens, progress, block hashes, status."""
+
 from __future__ import annotations
 
 import enum
@@ -101,7 +102,7 @@ class Request:
                 if n:
                     grown[:n] = buf[:n]
                 buf = self._out_buf = grown
-            buf[n:n + len(new)] = new
+            buf[n : n + len(new)] = new
             n = self._out_n = n + len(new)
         return buf[:n] if buf is not None else np.zeros(0, dtype=np.int64)
 
@@ -131,8 +132,14 @@ class Request:
         if n_full > len(self.block_hashes):
             parent = self.block_hashes[-1] if self.block_hashes else None
             self.block_hashes.extend(
-                block_hashes_for(self._all, self.block_size, self.model_identity, self.cache_salt,
-                                 start=len(self.block_hashes), parent=parent)
+                block_hashes_for(
+                    self._all,
+                    self.block_size,
+                    self.model_identity,
+                    self.cache_salt,
+                    start=len(self.block_hashes),
+                    parent=parent,
+                )
             )
 
     @property

@@ -12,6 +12,7 @@ else is in the batch. On the CPU each random row is filtered by the rules as wri
 ``torch.multinomial`` with the request's own generator when it has a seed (reproducible per
 request, independent of batch composition).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -34,10 +35,14 @@ class Sampler:
         self.default_generator = torch.Generator(device="cpu")
         self.default_generator.manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               generators: Sequence[torch.Generator | NoiseStream | None],
-               histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
-               on_device: bool | None = None) -> list[SampleResult]:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | NoiseStream | None],
+        histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
+        on_device: bool | None = None,
+    ) -> list[SampleResult]:
         """``logits[i]`` is sampled with ``params[i]``; rows may repeat for n > 1 forks. Rows with
         penalties need ``histories[i]`` = (prompt ids, output ids so far); see `adjust_logits`.
         ``on_device``: draw as multi-step rounds do (`draw_on_device`; the default on a GPU), so
@@ -45,8 +50,9 @@ class Sampler:
         raw = logits.float()
         logits = adjust_logits(raw, params, histories)
         if logits.is_cuda if on_device is None else on_device:
-            ids = draw_on_device(logits, params, [i for i, p in enumerate(params) if not p.greedy],
-                                 generators=generators)
+            ids = draw_on_device(
+                logits, params, [i for i, p in enumerate(params) if not p.greedy], generators=generators
+            )
         else:
             greedy_rows = [i for i, p in enumerate(params) if p.greedy]
             greedy_tok = dict(zip(greedy_rows, logits[greedy_rows].argmax(-1).tolist())) if greedy_rows else {}

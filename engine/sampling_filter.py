@@ -8,6 +8,7 @@ mass otherwise), so the draw needs neither a masked copy of the rows nor a secon
 128k-token rows on a GPU cost 2-5x the whole sort-free draw from a few dozen rows up, and no less at
 one row, which is why the device keeps only this form.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -53,8 +54,9 @@ def filter_batched(x: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[t
     tempered float32 copy of the rows)."""
     V = x.shape[-1]
     ks = [p.top_k if (p.top_k and 0 < p.top_k < V) else 0 for p in params]
-    cols = to_device([[max(p.temperature, 1e-5), p.top_p, p.min_p, k] for p, k in zip(params, ks)], x.device,
-                     torch.float32)
+    cols = to_device(
+        [[max(p.temperature, 1e-5), p.top_p, p.min_p, k] for p, k in zip(params, ks)], x.device, torch.float32
+    )
     temp, top_p, min_p, k = cols[:, :1], cols[:, 1:2], cols[:, 2:3], cols[:, 3:].long()
     use_p = any(p.top_p < 1.0 for p in params)
     lo = torch.zeros_like(top_p[:, 0])

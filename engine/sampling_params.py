@@ -1,4 +1,5 @@
 """Sampling parameters, validated at construction so bad input never reaches the engine loop."""
+
 from __future__ import annotations
 
 import math

@@ -5,6 +5,7 @@ what it computes from: the token list, where this step starts and how many token
 the block table, and what sampling needs. So the runners depend on this module alone, and a
 runner in another process could be fed the same structures.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

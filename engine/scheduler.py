@@ -12,6 +12,7 @@ appended tokens, stop checks, forks of n > 1 requests, freeing), so the engine c
 moves data between it, the connector, the runner and the sampler. The runner gets plain
 data (engine/sched_output.py), never a `Request`.
 """
+
 from __future__ import annotations
 
 import time
@@ -41,8 +42,14 @@ class Scheduler:
     ``groups`` maps an external id to its sequences' internal ids (``id``, ``id#1``, ... for
     n > 1). ``make_generator(seed)`` gives a fork of a seeded request its own random stream."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, connector: KVConnector | None = None,
-                 eos_token_ids: Iterable[int] = (), make_generator: Callable[[int], Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        connector: KVConnector | None = None,
+        eos_token_ids: Iterable[int] = (),
+        make_generator: Callable[[int], Any] | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv
         self.connector = connector or KVConnector()
@@ -161,8 +168,9 @@ class Scheduler:
             samples = p.n if (p.n > 1 and not r.forked and r.parent_id is None) else 1
             if p.penalized:
                 history = r.penalty_history()
-        return ScheduledRequest(r.request_id, r.all_token_ids, r.num_computed_tokens, n, p, r.generator,
-                                samples, w.block_ids, history)
+        return ScheduledRequest(
+            r.request_id, r.all_token_ids, r.num_computed_tokens, n, p, r.generator, samples, w.block_ids, history
+        )
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -173,8 +181,9 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- after the forward pass --------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, rows: list[int],
-                           samples: list[SampleResult]) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, sched: SchedulerOutput, rows: list[int], samples: list[SampleResult]
+    ) -> list[EngineCoreOutput]:
         """Apply a step's results: its tokens have KV now; sampled tokens are appended, stops
         checked, finished requests freed, and an n > 1 request that finished its prompt forks.
 
@@ -194,7 +203,7 @@ class Scheduler:
             if r is not None:
                 own.append((r, samples[k]))
                 if n > 1:
-                    forks.append((r, samples[k + 1:k + n]))
+                    forks.append((r, samples[k + 1 : k + n]))
             k += n
         outputs: list[EngineCoreOutput] = []
         # Fork before the parent appends: a parent that finishes now must not free blocks its children share.
@@ -233,9 +242,15 @@ class Scheduler:
         prompt_len = parent.num_prompt_tokens
         for i, res in enumerate(results, start=1):
             child = Request(
-                request_id=f"{parent.request_id}#{i}", prompt_token_ids=parent.prompt_token_ids, params=parent.params,
-                block_size=parent.block_size, model_identity=parent.model_identity, cache_salt=parent.cache_salt,
-                parent_id=parent.request_id, index=i, max_model_len=parent.max_model_len,
+                request_id=f"{parent.request_id}#{i}",
+                prompt_token_ids=parent.prompt_token_ids,
+                params=parent.params,
+                block_size=parent.block_size,
+                model_identity=parent.model_identity,
+                cache_salt=parent.cache_salt,
+                parent_id=parent.request_id,
+                index=i,
+                max_model_len=parent.max_model_len,
                 arrival_time=parent.arrival_time,
             )
             child.forked = True
@@ -261,8 +276,12 @@ class Scheduler:
             r.first_token_time = time.monotonic()
         status = self.stop_status(r, res.token_id)
         out = EngineCoreOutput(
-            request_id=r.parent_id or r.request_id, index=r.index, new_token_ids=[res.token_id],
-            new_logprobs=lp, num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=max(r.num_cached_tokens, 0),
+            request_id=r.parent_id or r.request_id,
+            index=r.index,
+            new_token_ids=[res.token_id],
+            new_logprobs=lp,
+            num_prompt_tokens=r.num_prompt_tokens,
+            num_cached_tokens=max(r.num_cached_tokens, 0),
         )
         if status is not None:
             out.kv_transfer_params = self.finish(r, status)
@@ -323,8 +342,13 @@ class Scheduler:
         if r is None or r.is_finished:
             return None
         self.finish(r, RequestStatus.FINISHED_ERROR)
-        return EngineCoreOutput(request_id=r.parent_id or r.request_id, index=r.index,
-                                finish_reason=r.finish_reason, error=error, num_prompt_tokens=r.num_prompt_tokens)
+        return EngineCoreOutput(
+            request_id=r.parent_id or r.request_id,
+            index=r.index,
+            finish_reason=r.finish_reason,
+            error=error,
+            num_prompt_tokens=r.num_prompt_tokens,
+        )
 
     def _forget(self, r: Request) -> None:
         self.requests.pop(r.request_id, None)
@@ -392,7 +416,7 @@ class Scheduler:
             r = self.requests[rid]
             if kv.allocate_slots(r, pending + k) is None:
                 return False
-            if any(b.ref_cnt > 1 for b in kv.req_blocks[rid][(r.num_computed_tokens + pending) // bs:]):
+            if any(b.ref_cnt > 1 for b in kv.req_blocks[rid][(r.num_computed_tokens + pending) // bs :]):
                 return False
         return True
 
@@ -409,8 +433,10 @@ class Scheduler:
                 continue
             held = len(self.kv.req_blocks.get(rid, ())) * bs
             if held < r.num_computed_tokens + steps:
-                raise AssertionError(f"request {rid} holds {held} slots but its round in flight writes up to "
-                                     f"{r.num_computed_tokens + steps}")
+                raise AssertionError(
+                    f"request {rid} holds {held} slots but its round in flight writes up to "
+                    f"{r.num_computed_tokens + steps}"
+                )
 
     # ---- checks ---------------------------------------------------------------------------
     def check_integrity(self) -> None:

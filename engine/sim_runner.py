@@ -29,6 +29,7 @@ greedy argmax picks it and random sampling picks it with probability ~1 - V·e^-
 The KV pool is a placeholder tensor with one element per block (connectors that
 move real bytes are not meaningful in this mode).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -59,9 +60,16 @@ def next_token(tokens: list[int], vocab_lo: int, vocab: int) -> int:
 
 
 class SimulatedRunner:
-    def __init__(self, config: EngineConfig, prefill_ms_per_token: float = DEFAULT_PREFILL_MS_PER_TOKEN,
-                 decode_base_ms: float = DEFAULT_DECODE_BASE_MS, decode_per_seq_ms: float = DEFAULT_DECODE_PER_SEQ_MS,
-                 vocab: int = DEFAULT_VOCAB, vocab_lo: int = DEFAULT_VOCAB_LO, sleep=time.sleep) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        prefill_ms_per_token: float = DEFAULT_PREFILL_MS_PER_TOKEN,
+        decode_base_ms: float = DEFAULT_DECODE_BASE_MS,
+        decode_per_seq_ms: float = DEFAULT_DECODE_PER_SEQ_MS,
+        vocab: int = DEFAULT_VOCAB,
+        vocab_lo: int = DEFAULT_VOCAB_LO,
+        sleep=time.sleep,
+    ) -> None:
         self.config = config
         vsize = config.model.vocab_size
         if vocab_lo >= vsize:

@@ -6,6 +6,7 @@ reference in `kvmesh.kernels.reference` (see `kvmesh.kernels._dispatch`). Wrappe
 module per family (attention, kv_cache, elementwise, matmul, sampling), kernel bodies in
 `kvmesh.kernels._triton`. See docs/kernels.md for the KV layout, tolerances and measurements.
 """
+
 from ._dispatch import backend
 from .attention import attention_config, paged_attention
 from .elementwise import rms_norm, rope, silu_and_mul

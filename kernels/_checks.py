@@ -1,6 +1,7 @@
 """Argument checks shared by the kernel wrappers: shapes, dtypes, devices and strides only, never
 tensor values, so nothing here synchronises with the device and every wrapper can be captured in a
 CUDA graph."""
+
 from __future__ import annotations
 
 import torch
@@ -82,8 +83,11 @@ def check_rope(fn, positions, query, key, cos_sin_cache):
     check_dtype(fn, "cos_sin_cache", cos_sin_cache, FLOATS)
     T, _, D = query.shape
     if key.shape[0] != T or key.shape[2] != D or positions.shape[0] != T:
-        fail(fn, f"positions {tuple(positions.shape)}, query {tuple(query.shape)} and key "
-                  f"{tuple(key.shape)} disagree on tokens / head size")
+        fail(
+            fn,
+            f"positions {tuple(positions.shape)}, query {tuple(query.shape)} and key "
+            f"{tuple(key.shape)} disagree on tokens / head size",
+        )
     if cos_sin_cache.shape[1] != D or D % 2:
         fail(fn, f"cos_sin_cache must be [max_pos, head_size={D}] (even), got {tuple(cos_sin_cache.shape)}")
     check_last_contig(fn, "query", query)

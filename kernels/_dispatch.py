@@ -6,6 +6,7 @@ the environment, the Triton kernel under Triton's interpreter. Triton reads that
 decorates the kernels, which happens on the first launch (`kernels_for`), so it must be set
 before then.
 """
+
 from __future__ import annotations
 
 import functools

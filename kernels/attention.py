@@ -5,6 +5,7 @@ One Triton kernel covers prefill, chunked prefill over a cached prefix, decode a
 page per request on Hopper, and split the keys over several programs (flash-decoding), whose
 partial results a second kernel merges.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,15 @@ from ._dispatch import backend, cdiv, hopper, num_sms, p2, pdl
 
 
 def attention_config(
-    num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: int,
-    max_query_len: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
+    num_tokens: int,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    max_query_len: int,
+    max_seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
     allow_tma: bool = True,
 ) -> dict:
     """Launch configuration from host-side sizes only (no tensor values); the reasons behind each
@@ -71,12 +79,26 @@ def attention_config(
                 tile_n, num_warps, num_stages = split_tile, 4, 2
                 head_fastest = True
     programs = num_seqs * num_kv_heads
-    tma = (max_query_len == 1 and not small and d_pad == head_size and qpk_pad <= 16
-           and (programs >= 3 * num_sms(device) or num_segments > 1) and allow_tma and _has_tma(device))
+    tma = (
+        max_query_len == 1
+        and not small
+        and d_pad == head_size
+        and qpk_pad <= 16
+        and (programs >= 3 * num_sms(device) or num_segments > 1)
+        and allow_tma
+        and _has_tma(device)
+    )
     if tma:
         block_m, num_warps, num_stages = 16, 2, 6
-    return dict(block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
-                num_segments=num_segments, head_fastest=head_fastest, tma=tma)
+    return dict(
+        block_m=block_m,
+        tile_n=tile_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        num_segments=num_segments,
+        head_fastest=head_fastest,
+        tma=tma,
+    )
 
 
 def _has_tma(device: torch.device) -> bool:
@@ -110,9 +132,18 @@ def _build_tma_view(cache: torch.Tensor):
 
     n, bs, hkv, d = cache.shape
     es = cache.element_size()
-    if (cache.stride(3) != 1 or cache.stride(2) != d or cache.stride(1) != hkv * d
-            or (cache.stride(0) * es) % 16 or (cache.stride(1) * es) % 16 or cache.data_ptr() % 16
-            or bs & (bs - 1) or not 8 <= bs <= 256 or d & (d - 1) or not (16 <= d * es and d <= 256)):
+    if (
+        cache.stride(3) != 1
+        or cache.stride(2) != d
+        or cache.stride(1) != hkv * d
+        or (cache.stride(0) * es) % 16
+        or (cache.stride(1) * es) % 16
+        or cache.data_ptr() % 16
+        or bs & (bs - 1)
+        or not 8 <= bs <= 256
+        or d & (d - 1)
+        or not (16 <= d * es and d <= 256)
+    ):
         return None
     view = torch.as_strided(cache, (n, bs, hkv * d), (cache.stride(0), cache.stride(1), 1))
     return TensorDescriptor.from_tensor(view, [1, bs, d])
@@ -185,14 +216,24 @@ def paged_attention(
         if out.shape != query.shape or out.dtype != query.dtype:
             fail(fn, f"out must match query ({tuple(query.shape)}, {query.dtype}); got {tuple(out.shape)}, {out.dtype}")
         check_last_contig(fn, "out", out)
-    check_device(fn, "query", query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
-                  query_start_loc=query_start_loc, seq_lens=seq_lens, out=out)
+    check_device(
+        fn,
+        "query",
+        query,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        out=out,
+    )
     if not math.isfinite(scale):
         fail(fn, f"scale must be finite, got {scale}")
     be = backend(query)
     if be == "reference":
-        return _ref.paged_attention_reference(query, k_cache, v_cache, block_tables, query_start_loc,
-                                              seq_lens, scale, out=out)
+        return _ref.paged_attention_reference(
+            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out
+        )
     if B == 0 or T == 0:
         return out
     promised_decode = max_query_len == 1  # from the caller, not inferred (see ``tma`` above)
@@ -204,16 +245,19 @@ def paged_attention(
     if tma and not (max_query_len == 1 and p2(Hq // Hkv) <= 16 and p2(D) == D):
         fail(fn, "tma=True needs decode (max_query_len 1), Hq/Hkv <= 16 and a power-of-two head size")
     allow = bool(tma) if tma is not None else not pointer_only and promised_decode
-    cfg = attention_config(T, B, Hq, Hkv, D, max_query_len, max_seq_len, query.device, query.dtype,
-                           allow_tma=allow)
+    cfg = attention_config(T, B, Hq, Hkv, D, max_query_len, max_seq_len, query.device, query.dtype, allow_tma=allow)
     if tma and not cfg["tma"]:  # forced (tests, benchmarks): its measured launch settings
         cfg.update(tma=True, block_m=16, num_warps=2, num_stages=6, num_segments=1)
     descs = (_tma_view(k_cache), _tma_view(v_cache)) if cfg["tma"] else None
     if descs is not None and None in descs:  # a cache layout TMA cannot describe: the pointer kernel
-        cfg = attention_config(T, B, Hq, Hkv, D, max_query_len, max_seq_len, query.device, query.dtype,
-                               allow_tma=False)
-    for key, val in (("num_segments", num_segments), ("block_m", block_m), ("tile_n", tile_n),
-                     ("num_warps", num_warps), ("num_stages", num_stages)):
+        cfg = attention_config(T, B, Hq, Hkv, D, max_query_len, max_seq_len, query.device, query.dtype, allow_tma=False)
+    for key, val in (
+        ("num_segments", num_segments),
+        ("block_m", block_m),
+        ("tile_n", tile_n),
+        ("num_warps", num_warps),
+        ("num_stages", num_stages),
+    ):
         if val is not None:
             cfg[key] = int(val)
     nseg = cfg["num_segments"]
@@ -232,13 +276,33 @@ def paged_attention(
     kern = _dispatch.kernels_for(query)
     if cfg["tma"]:
         kern.paged_decode_tma_kernel[(B * Hkv, nseg)](
-            query, descs[0], descs[1], part, m, l_sum,
-            block_tables, query_start_loc, seq_lens,
+            query,
+            descs[0],
+            descs[1],
+            part,
+            m,
+            l_sum,
+            block_tables,
+            query_start_loc,
+            seq_lens,
             scale_log2,
-            query.stride(0), query.stride(1), part.stride(-3), part.stride(-2), stride_os, stride_ms, stride_mt,
+            query.stride(0),
+            query.stride(1),
+            part.stride(-3),
+            part.stride(-2),
+            stride_os,
+            stride_ms,
+            stride_mt,
             block_tables.stride(0),
-            QPK=Hq // Hkv, BLOCK_M=16, HEAD_D=D, BLOCK_SIZE=bs, NUM_KV_HEADS=Hkv, NUM_SEG=nseg,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(query, T),
+            QPK=Hq // Hkv,
+            BLOCK_M=16,
+            HEAD_D=D,
+            BLOCK_SIZE=bs,
+            NUM_KV_HEADS=Hkv,
+            NUM_SEG=nseg,
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+            **pdl(query, T),
         )
     else:
         qpk = Hq // Hkv
@@ -252,21 +316,53 @@ def paged_attention(
         block_q = bm // qpk_pad
         num_q_blocks = T // block_q + B
         hf = cfg["head_fastest"] if head_fastest is None else bool(head_fastest)
-        consts = dict(QPK=qpk, QPK_PAD=qpk_pad, BLOCK_Q=block_q, BLOCK_M=bm, HEAD_D=D, D_PAD=p2(max(D, 16)),
-                      BLOCK_SIZE=bs, TILE_N=tn, NUM_SEG=nseg, IEEE=query.dtype == torch.float32,
-                      K_NATURAL=bool(k_natural), HEAD_FASTEST=hf, NUM_KV_HEADS=Hkv)
+        consts = dict(
+            QPK=qpk,
+            QPK_PAD=qpk_pad,
+            BLOCK_Q=block_q,
+            BLOCK_M=bm,
+            HEAD_D=D,
+            D_PAD=p2(max(D, 16)),
+            BLOCK_SIZE=bs,
+            TILE_N=tn,
+            NUM_SEG=nseg,
+            IEEE=query.dtype == torch.float32,
+            K_NATURAL=bool(k_natural),
+            HEAD_FASTEST=hf,
+            NUM_KV_HEADS=Hkv,
+        )
         grid = (num_q_blocks * Hkv, 1, nseg) if hf else (num_q_blocks, Hkv, nseg)
         kern.paged_attention_kernel[grid](
-            query, k_cache, v_cache, part, m, l_sum,
-            block_tables, query_start_loc, seq_lens,
-            scale_log2, B, num_q_blocks,
-            query.stride(0), query.stride(1),
-            part.stride(-3), part.stride(-2), stride_os,
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            query,
+            k_cache,
+            v_cache,
+            part,
+            m,
+            l_sum,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale_log2,
+            B,
+            num_q_blocks,
+            query.stride(0),
+            query.stride(1),
+            part.stride(-3),
+            part.stride(-2),
+            stride_os,
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
             block_tables.stride(0),
-            stride_ms, stride_mt,
-            **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(query, T),
+            stride_ms,
+            stride_mt,
+            **consts,
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+            **pdl(query, T),
         )
     if split:
         _reduce_segments(kern, part, m, l_sum, out, query_start_loc, B)
@@ -279,10 +375,24 @@ def _reduce_segments(kern, part, m, l_sum, out, query_start_loc, num_seqs) -> No
     dpad = p2(max(D, 16))
     h_block = min(p2(Hq), max(1, 4096 // (dpad * nseg)))
     kern.reduce_segments_kernel[(out.shape[0], cdiv(Hq, h_block))](
-        part, m, l_sum, out, query_start_loc, num_seqs,
-        part.stride(0), part.stride(1), part.stride(2),
-        m.stride(0), m.stride(1),
-        out.stride(0), out.stride(1),
-        HQ=Hq, HEAD_D=D, D_PAD=dpad, NUM_SEG=nseg, H_BLOCK=h_block,
-        num_warps=4, **pdl(out, out.shape[0]),
+        part,
+        m,
+        l_sum,
+        out,
+        query_start_loc,
+        num_seqs,
+        part.stride(0),
+        part.stride(1),
+        part.stride(2),
+        m.stride(0),
+        m.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HQ=Hq,
+        HEAD_D=D,
+        D_PAD=dpad,
+        NUM_SEG=nseg,
+        H_BLOCK=h_block,
+        num_warps=4,
+        **pdl(out, out.shape[0]),
     )

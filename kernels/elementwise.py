@@ -1,5 +1,6 @@
 """Row-wise kernels of the model's layers: RMSNorm (fused with the residual add), rotary
 embedding (rotate-half, NeoX / Llama), SiLU-and-multiply of a fused gate|up projection."""
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         fail(fn, f"weight has {weight.shape[0]} entries for hidden size {H}")
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype:
-            fail(fn, f"residual must match x ({tuple(x.shape)}, {x.dtype}); got "
-                      f"{tuple(residual.shape)}, {residual.dtype}")
+            fail(
+                fn,
+                f"residual must match x ({tuple(x.shape)}, {x.dtype}); got {tuple(residual.shape)}, {residual.dtype}",
+            )
     check_device(fn, "x", x, weight=weight, residual=residual)
     be = backend(x)
     if be == "reference":
@@ -59,10 +62,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         return (y, ro) if residual is not None else y
     block = p2(H)
     _dispatch.kernels_for(x).rms_norm_kernel[(rows,)](
-        x2, r2, weight, y2, ro2,
-        x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0), float(eps), H,
-        HAS_RES=residual is not None, W_SAME=weight.dtype == x.dtype, BLOCK=block,
-        num_warps=min(16, max(1, block // 512)), **pdl(x, rows),
+        x2,
+        r2,
+        weight,
+        y2,
+        ro2,
+        x2.stride(0),
+        r2.stride(0),
+        y2.stride(0),
+        ro2.stride(0),
+        float(eps),
+        H,
+        HAS_RES=residual is not None,
+        W_SAME=weight.dtype == x.dtype,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 512)),
+        **pdl(x, rows),
     )
     return (y, ro) if residual is not None else y
 
@@ -85,9 +100,21 @@ def rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_si
         H = x.shape[1]
         hb = min(p2(H), max(1, 2048 // p2(half)))
         kern.rope_kernel[(T, cdiv(H, hb))](
-            positions, x, y, cos_sin_cache,
-            x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos_sin_cache.stride(0), H,
-            HALF=half, HALF_PAD=p2(half), H_BLOCK=hb, num_warps=4, **pdl(x, T),
+            positions,
+            x,
+            y,
+            cos_sin_cache,
+            x.stride(0),
+            x.stride(1),
+            y.stride(0),
+            y.stride(1),
+            cos_sin_cache.stride(0),
+            H,
+            HALF=half,
+            HALF_PAD=p2(half),
+            H_BLOCK=hb,
+            num_warps=4,
+            **pdl(x, T),
         )
     return qo, ko
 
@@ -111,8 +138,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return y
     block = min(1024, p2(d))
     _dispatch.kernels_for(x).silu_and_mul_kernel[(x2.shape[0], cdiv(d, block))](
-        x2, y2, x2.stride(0), y2.stride(0), d, BLOCK=block, num_warps=4, **pdl(x, x2.shape[0]),
+        x2,
+        y2,
+        x2.stride(0),
+        y2.stride(0),
+        d,
+        BLOCK=block,
+        num_warps=4,
+        **pdl(x, x2.shape[0]),
     )
     return y
-
-

@@ -4,6 +4,7 @@ The caches the model passes are per-layer strided views of the engine's one KV t
 ``[num_blocks, layers, 2, block_size, Hkv, D]``, so block strides are passed to the kernels, never
 assumed; a slot of -1 (a padding token of a CUDA-graph batch) is skipped.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,12 +31,28 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     if T == 0:
         return None
     _dispatch.kernels_for(key).write_kv_kernel[(T,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HKV=Hkv, HKV_PAD=p2(Hkv), HEAD_D=D, D_PAD=p2(D), BLOCK_SIZE=k_cache.shape[1],
-        num_warps=4 if Hkv * D >= 1024 else 1, **pdl(key, T),
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        HKV=Hkv,
+        HKV_PAD=p2(Hkv),
+        HEAD_D=D,
+        D_PAD=p2(D),
+        BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4 if Hkv * D >= 1024 else 1,
+        **pdl(key, T),
     )
     return None
 
@@ -63,9 +80,17 @@ def _launch_block_copy(src, dst, src_ids, dst_ids, n):
     grid = (n, cdiv(numel, chunk))
     dummy = src_ids if src_ids is not None else dst_ids
     _dispatch.kernels_for(src).block_copy_kernel[grid](
-        src, dst, src_ids if src_ids is not None else dummy, dst_ids if dst_ids is not None else dummy,
-        src.stride(0), dst.stride(0), numel,
-        SRC_INDEXED=src_ids is not None, DST_INDEXED=dst_ids is not None, CHUNK=chunk, num_warps=4,
+        src,
+        dst,
+        src_ids if src_ids is not None else dummy,
+        dst_ids if dst_ids is not None else dummy,
+        src.stride(0),
+        dst.stride(0),
+        numel,
+        SRC_INDEXED=src_ids is not None,
+        DST_INDEXED=dst_ids is not None,
+        CHUNK=chunk,
+        num_warps=4,
     )
 
 
@@ -114,19 +139,44 @@ def rope_write_kv(positions, query, key, value, k_cache, v_cache, slot_mapping, 
     T, Hq, D = query.shape
     Hkv = key.shape[1]
     if backend(query) == "reference":
-        return _ref.rope_write_kv_reference(positions, query, key, value, k_cache, v_cache, slot_mapping,
-                                            cos_sin_cache)
+        return _ref.rope_write_kv_reference(positions, query, key, value, k_cache, v_cache, slot_mapping, cos_sin_cache)
     qo = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if T == 0:
         return qo
     half = D // 2
     _dispatch.kernels_for(query).rope_write_kv_kernel[(T,)](
-        positions, query, key, value, qo, k_cache, v_cache, slot_mapping, cos_sin_cache,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        qo.stride(0), qo.stride(1), cos_sin_cache.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HQ=Hq, HQ_PAD=p2(Hq), HKV=Hkv, HKV_PAD=p2(Hkv), HALF=half, HALF_PAD=p2(half),
-        BLOCK_SIZE=k_cache.shape[1], num_warps=4 if Hq * D >= 2048 else 1, **pdl(query, T),
+        positions,
+        query,
+        key,
+        value,
+        qo,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        cos_sin_cache,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        qo.stride(0),
+        qo.stride(1),
+        cos_sin_cache.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        HQ=Hq,
+        HQ_PAD=p2(Hq),
+        HKV=Hkv,
+        HKV_PAD=p2(Hkv),
+        HALF=half,
+        HALF_PAD=p2(half),
+        BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4 if Hq * D >= 2048 else 1,
+        **pdl(query, T),
     )
     return qo

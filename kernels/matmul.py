@@ -1,6 +1,7 @@
 """Projections: ``x @ weight.T`` by cuBLAS, or by the one-row GEMV kernel at batch 1, where decode
 is bound by streaming the weights and one launch per projection (fused with SiLU-and-multiply for
 the down projection) beats cuBLAS's."""
+
 from __future__ import annotations
 
 import os
@@ -49,9 +50,22 @@ def _gemv(x, weight, bias, silu_mul: bool, config=None) -> torch.Tensor:
     bn, bk, warps, stages = config or gemv_config(N, K, x.device)
     bk = min(bk, p2(K))
     _dispatch.kernels_for(x).gemv_kernel[(cdiv(N, bn),)](
-        x, weight, bias if bias is not None else y, y, N, K, weight.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_N=N % bn == 0, EVEN_K=K % bk == 0,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **pdl(x, 1),
+        x,
+        weight,
+        bias if bias is not None else y,
+        y,
+        N,
+        K,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul,
+        EVEN_N=N % bn == 0,
+        EVEN_K=K % bk == 0,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=warps,
+        num_stages=stages,
+        **pdl(x, 1),
     )
     return y
 
@@ -69,8 +83,14 @@ def _linear_checks(fn, x, weight, bias, k_mult: int):
 
 
 def _gemv_applies(x, weight, bias) -> bool:
-    return (x.shape[0] == 1 and gemv_enabled() and x.dtype == weight.dtype and x.is_contiguous()
-            and weight.stride(1) == 1 and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
+    return (
+        x.shape[0] == 1
+        and gemv_enabled()
+        and x.dtype == weight.dtype
+        and x.is_contiguous()
+        and weight.stride(1) == 1
+        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None) -> torch.Tensor:

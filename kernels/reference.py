@@ -13,6 +13,7 @@ each ``[num_blocks, block_size, num_kv_heads, head_size]``.
 
 A *slot* is ``block_id * block_size + offset``; slot ``-1`` marks padding.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -262,8 +263,7 @@ def _philox4x32(c0: np.ndarray, c1: np.ndarray, k0: np.ndarray, k1: np.ndarray, 
     ka, kb = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
     for _ in range(rounds):
         pa, pb = ra * c0, rb * c2
-        c0, c1, c2, c3 = ((pb >> np.uint64(32)) ^ c1 ^ k0, pb & m32,
-                          (pa >> np.uint64(32)) ^ c3 ^ k1, pa & m32)
+        c0, c1, c2, c3 = ((pb >> np.uint64(32)) ^ c1 ^ k0, pb & m32, (pa >> np.uint64(32)) ^ c3 ^ k1, pa & m32)
         k0, k1 = (k0 + ka) & m32, (k1 + kb) & m32
     return c0, c1, c2, c3
 
@@ -288,8 +288,8 @@ def race_noise_reference(seeds: torch.Tensor, V: int) -> torch.Tensor:
     w = words.reshape(4, rows, groups, _NOISE_LANES).transpose(1, 2, 0, 3).reshape(rows, groups * NOISE_GROUP)[:, :V]
     k = (w >> np.uint64(9)).astype(np.float32)
     f = np.float32
-    u = (k + f(0.5)) * f(2.0 ** -23)
-    v = (f(8388607.5) - k) * f(2.0 ** -23)  # 1 - u, exact
+    u = (k + f(0.5)) * f(2.0**-23)
+    v = (f(8388607.5) - k) * f(2.0**-23)  # 1 - u, exact
     series = v * (f(1.0) + v * (f(0.5) + v * (f(1 / 3) + v * f(0.25))))
     with np.errstate(divide="ignore"):
         e = np.where(v < f(1 / 64), series, -np.log(u))

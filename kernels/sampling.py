@@ -1,6 +1,7 @@
 """The device sampler's kernels: tempered softmax, the top-p threshold, the exponential race that
 draws a token, and the seeded noise of that race. Each spreads a few rows over the whole device
 as (row, chunk) programs."""
+
 from __future__ import annotations
 
 import torch
@@ -68,10 +69,23 @@ def softmax_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torc
     m = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     s = torch.empty_like(m)
     kern = _dispatch.kernels_for(logits)
-    kern.softmax_stats_kernel[(rows, chunks)](logits, temperature, m, s, logits.stride(0), V, chunk,
-                                              BLOCK=_SOFTMAX_BLOCK, num_warps=4)
-    kern.softmax_write_kernel[(rows, chunks)](logits, temperature, m, s, probs, logits.stride(0), probs.stride(0),
-                                              V, chunk, CHUNKS_PAD=p2(chunks), BLOCK=_SOFTMAX_BLOCK, num_warps=4)
+    kern.softmax_stats_kernel[(rows, chunks)](
+        logits, temperature, m, s, logits.stride(0), V, chunk, BLOCK=_SOFTMAX_BLOCK, num_warps=4
+    )
+    kern.softmax_write_kernel[(rows, chunks)](
+        logits,
+        temperature,
+        m,
+        s,
+        probs,
+        logits.stride(0),
+        probs.stride(0),
+        V,
+        chunk,
+        CHUNKS_PAD=p2(chunks),
+        BLOCK=_SOFTMAX_BLOCK,
+        num_warps=4,
+    )
     return probs
 
 
@@ -112,19 +126,31 @@ def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         shift = 30 - (i + 1) * _TOP_P_BITS
         first, last = i == 0, i == passes - 1
         kern.top_p_hist_kernel[(rows, chunks)](
-            probs, prefix, hist[i], top_p, probs.stride(0), V, chunk,
-            SHIFT=shift, BITS=_TOP_P_BITS, FIRST=first, BLOCK=_TOP_P_BLOCK, num_warps=4,
+            probs,
+            prefix,
+            hist[i],
+            top_p,
+            probs.stride(0),
+            V,
+            chunk,
+            SHIFT=shift,
+            BITS=_TOP_P_BITS,
+            FIRST=first,
+            BLOCK=_TOP_P_BLOCK,
+            num_warps=4,
         )
-        kern.top_p_select_kernel[(rows,)](hist[i], top_p, prefix, above, out, BITS=_TOP_P_BITS, FIRST=first,
-                                          LAST=last, num_warps=4)
+        kern.top_p_select_kernel[(rows,)](
+            hist[i], top_p, prefix, above, out, BITS=_TOP_P_BITS, FIRST=first, LAST=last, num_warps=4
+        )
     return out
 
 
 _RACE_BLOCK = 1024
 
 
-def race_argmax(probs: torch.Tensor, noise: torch.Tensor | None, lo: torch.Tensor, *,
-                seeds: torch.Tensor | None = None) -> torch.Tensor:
+def race_argmax(
+    probs: torch.Tensor, noise: torch.Tensor | None, lo: torch.Tensor, *, seeds: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per row of ``probs`` ``[rows, V]``, the first index of the largest ``probs / noise`` among
     the tokens with ``probs >= lo[row]``: the device sampler's draw (``noise ~ Exp(1)``), with
     top-p / min-p given as the threshold ``lo``. One pass over both tensors by (row, chunk)
@@ -143,8 +169,11 @@ def race_argmax(probs: torch.Tensor, noise: torch.Tensor | None, lo: torch.Tenso
         fail(fn, "give exactly one of noise and seeds")
     if noise is not None:
         if noise.shape != probs.shape or noise.dtype != probs.dtype:
-            fail(fn, f"noise must match probs ({tuple(probs.shape)}, {probs.dtype}); got "
-                      f"{tuple(noise.shape)}, {noise.dtype}")
+            fail(
+                fn,
+                f"noise must match probs ({tuple(probs.shape)}, {probs.dtype}); got "
+                f"{tuple(noise.shape)}, {noise.dtype}",
+            )
         check_last_contig(fn, "noise", noise)
     else:
         _check_seeds(fn, seeds, probs.shape[0])
@@ -165,8 +194,18 @@ def race_argmax(probs: torch.Tensor, noise: torch.Tensor | None, lo: torch.Tenso
     val = torch.empty(rows, chunks, dtype=torch.float32, device=probs.device)
     idx = torch.empty(rows, chunks, dtype=torch.int32, device=probs.device)
     _dispatch.kernels_for(probs).race_argmax_kernel[(rows, chunks)](
-        probs, probs if seeded else noise, seeds if seeded else lo, lo, val, idx,
-        probs.stride(0), 0 if seeded else noise.stride(0), V, chunk, BLOCK=_RACE_BLOCK, SEEDED=seeded,
+        probs,
+        probs if seeded else noise,
+        seeds if seeded else lo,
+        lo,
+        val,
+        idx,
+        probs.stride(0),
+        0 if seeded else noise.stride(0),
+        V,
+        chunk,
+        BLOCK=_RACE_BLOCK,
+        SEEDED=seeded,
         num_warps=4,
     )
     return idx.gather(1, val.argmax(1, keepdim=True))[:, 0].long()
@@ -188,8 +227,9 @@ def race_noise(seeds: torch.Tensor, V: int) -> torch.Tensor:
     if rows == 0 or V == 0:
         return noise
     chunks, chunk = _row_chunks(rows, V, _RACE_BLOCK, seeds.device)
-    _dispatch.kernels_for(seeds).race_noise_kernel[(rows, chunks)](seeds.contiguous(), noise, noise.stride(0), V, chunk,
-                                                 BLOCK=_RACE_BLOCK, num_warps=4)
+    _dispatch.kernels_for(seeds).race_noise_kernel[(rows, chunks)](
+        seeds.contiguous(), noise, noise.stride(0), V, chunk, BLOCK=_RACE_BLOCK, num_warps=4
+    )
     return noise
 
 

@@ -3,6 +3,7 @@
 Heavy parts (torch, the engine) load lazily so `kvmesh.operator` and the router
 stay light to import.
 """
+
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "__version__"]

@@ -4,6 +4,7 @@ The router and the API server spend their CPU in the event loop (HTTP parsing, s
 reads and writes, timers); uvloop's libuv loop does that work in C. ``KVMESH_UVLOOP=0``
 keeps the standard asyncio loop (comparisons, debugging).
 """
+
 from __future__ import annotations
 
 import asyncio

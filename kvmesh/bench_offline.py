@@ -7,6 +7,7 @@ prompts at once with ``max_num_seqs`` set to it. A second table compares
 kvmesh with prefix caching on and off on prompts that never share a block, which
 is the bookkeeping cost of caching when nothing hits.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,12 @@ def register_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf", action="store_true", help="measure kvmesh only")
     p.add_argument("--output-json", default="bench-results/offline.json")
     p.add_argument("--overhead-reps", type=int, default=3, help="alternated caching on/off runs (best of)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads for both sides (1 keeps a shared machine from distorting the ratio)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads for both sides (1 keeps a shared machine from distorting the ratio)",
+    )
 
 
 def _prompts(n: int, lo: int, hi: int, vocab: int, rng: random.Random) -> list[list[int]]:
@@ -53,15 +58,21 @@ def _run_hf(model, prompts, out_len: int, batch: int) -> float:
     t = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(prompts), batch):
-            chunk = prompts[i: i + batch]
+            chunk = prompts[i : i + batch]
             width = max(len(p) for p in chunk)
             ids = torch.full((len(chunk), width), 2, dtype=torch.long)
             mask = torch.zeros_like(ids)
             for j, p in enumerate(chunk):  # left padding, as HF expects for decoder-only batches
-                ids[j, width - len(p):] = torch.tensor(p)
-                mask[j, width - len(p):] = 1
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
-                                 do_sample=False, pad_token_id=2)
+                ids[j, width - len(p) :] = torch.tensor(p)
+                mask[j, width - len(p) :] = 1
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=out_len,
+                min_new_tokens=out_len,
+                do_sample=False,
+                pad_token_id=2,
+            )
             assert out.shape[1] == width + out_len
     return time.perf_counter() - t
 
@@ -87,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
 
         path = resolve_model_path(args.model)
         if path.endswith(".gguf"):
-            hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                      dtype=torch.float32)
+            hf = AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+            )
         else:
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         hf.eval()
@@ -100,13 +112,23 @@ def run(args: argparse.Namespace) -> int:
         t_kv = _run_kvmesh(llm, prompts, args.output_len)
         t_hf = _run_hf(hf, prompts, args.output_len, conc) if hf is not None else None
         out_tokens = n * args.output_len
-        row = {"concurrency": conc, "num_prompts": n, "input_tokens": sum(len(p) for p in prompts),
-               "output_tokens": out_tokens, "kvmesh_s": t_kv, "kvmesh_tok_s": out_tokens / t_kv,
-               "hf_s": t_hf, "hf_tok_s": (out_tokens / t_hf) if t_hf else None,
-               "ratio": (t_hf / t_kv) if t_hf else None}
+        row = {
+            "concurrency": conc,
+            "num_prompts": n,
+            "input_tokens": sum(len(p) for p in prompts),
+            "output_tokens": out_tokens,
+            "kvmesh_s": t_kv,
+            "kvmesh_tok_s": out_tokens / t_kv,
+            "hf_s": t_hf,
+            "hf_tok_s": (out_tokens / t_hf) if t_hf else None,
+            "ratio": (t_hf / t_kv) if t_hf else None,
+        }
         rows.append(row)
-        print(f"  concurrency {conc}: kvmesh {row['kvmesh_tok_s']:.1f} tok/s"
-              + (f", HF {row['hf_tok_s']:.1f} tok/s, ratio {row['ratio']:.2f}x" if t_hf else ""), flush=True)
+        print(
+            f"  concurrency {conc}: kvmesh {row['kvmesh_tok_s']:.1f} tok/s"
+            + (f", HF {row['hf_tok_s']:.1f} tok/s, ratio {row['ratio']:.2f}x" if t_hf else ""),
+            flush=True,
+        )
     # Prefix-caching overhead when nothing hits: same unique prompts, caching on vs off, alternated.
     # Process CPU time is compared (one thread): wall time on a shared machine varies more than 2%.
     prompts = _prompts(counts[-1], args.min_input_len, args.max_input_len, loaded.config.vocab_size, rng)
@@ -120,21 +142,37 @@ def run(args: argparse.Namespace) -> int:
             cpu[caching].append(time.process_time() - c0)
     on, off = min(times[True]), min(times[False])
     con, coff = min(cpu[True]), min(cpu[False])
-    overhead = {"caching_on_s": on, "caching_off_s": off, "wall_overhead_pct": 100.0 * (on - off) / off,
-                "caching_on_cpu_s": con, "caching_off_cpu_s": coff,
-                "overhead_pct": 100.0 * (con - coff) / coff, "reps": args.overhead_reps}
+    overhead = {
+        "caching_on_s": on,
+        "caching_off_s": off,
+        "wall_overhead_pct": 100.0 * (on - off) / off,
+        "caching_on_cpu_s": con,
+        "caching_off_cpu_s": coff,
+        "overhead_pct": 100.0 * (con - coff) / coff,
+        "reps": args.overhead_reps,
+    }
 
     print()
     print(f"{'conc':>5} {'prompts':>8} {'in tok':>8} {'kvmesh tok/s':>13} {'HF tok/s':>10} {'ratio':>7}")
     for r in rows:
         hf_s = f"{r['hf_tok_s']:.1f}" if r["hf_tok_s"] else "-"
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
-        print(f"{r['concurrency']:>5} {r['num_prompts']:>8} {r['input_tokens']:>8} {r['kvmesh_tok_s']:>13.1f} "
-              f"{hf_s:>10} {ratio:>7}")
-    print(f"prefix caching with no hits: CPU on {con:.2f}s, off {coff:.2f}s, overhead {overhead['overhead_pct']:+.1f}% "
-          f"(wall {on:.2f}s vs {off:.2f}s, {overhead['wall_overhead_pct']:+.1f}%)")
-    result = {"benchmark": "offline", "date": time.strftime("%Y-%m-%d"), "torch_threads": torch.get_num_threads(),
-              "output_len": args.output_len, "rows": rows, "prefix_cache_overhead": overhead}
+        print(
+            f"{r['concurrency']:>5} {r['num_prompts']:>8} {r['input_tokens']:>8} {r['kvmesh_tok_s']:>13.1f} "
+            f"{hf_s:>10} {ratio:>7}"
+        )
+    print(
+        f"prefix caching with no hits: CPU on {con:.2f}s, off {coff:.2f}s, overhead {overhead['overhead_pct']:+.1f}% "
+        f"(wall {on:.2f}s vs {off:.2f}s, {overhead['wall_overhead_pct']:+.1f}%)"
+    )
+    result = {
+        "benchmark": "offline",
+        "date": time.strftime("%Y-%m-%d"),
+        "torch_threads": torch.get_num_threads(),
+        "output_len": args.output_len,
+        "rows": rows,
+        "prefix_cache_overhead": overhead,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
     with open(args.output_json, "w") as f:
         json.dump(result, f, indent=2)

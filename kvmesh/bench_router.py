@@ -46,6 +46,7 @@ recomputed). ``lost`` / ``missed`` (`hit_losses`, from the ``cached_tokens`` eac
 in ``usage``): the prompt tokens the ideal cache would have served that the pod recomputed, as a share of all
 prompt tokens, and how many follow-ups (ideal hit >= half the prompt) got under half of their ideal hit.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,17 +73,25 @@ H200_KV_BLOCKS = 1680  # 860k tokens / 512
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", required=True, help="Mooncake-format JSONL (timestamp, input_length, output_length, "
-                                                  "hash_ids)")
+    p.add_argument(
+        "--trace", required=True, help="Mooncake-format JSONL (timestamp, input_length, output_length, hash_ids)"
+    )
     p.add_argument("--instances", type=int, default=8)
-    p.add_argument("--policies", default="round-robin,kvmesh,sglang,vllm",
-                   help="comma list of round-robin, kvmesh, least-load, sglang, vllm")
+    p.add_argument(
+        "--policies",
+        default="round-robin,kvmesh,sglang,vllm",
+        help="comma list of round-robin, kvmesh, least-load, sglang, vllm",
+    )
     p.add_argument("--json", default=None, help="write {policy: {hit_ratio, ttft_p50, ...}} here")
     p.add_argument("--requests", type=int, default=200, help="requests to replay (0: all of the selection)")
-    p.add_argument("--select", choices=["first", "conversations"], default="first",
-                   help="first: the first N rows; conversations: from the first --window-s seconds, whole multi-turn "
-                        "conversations (rows sharing their 2nd hash id) in trace order until N (a short run with "
-                        "the reuse of a long one)")
+    p.add_argument(
+        "--select",
+        choices=["first", "conversations"],
+        default="first",
+        help="first: the first N rows; conversations: from the first --window-s seconds, whole multi-turn "
+        "conversations (rows sharing their 2nd hash id) in trace order until N (a short run with "
+        "the reuse of a long one)",
+    )
     p.add_argument("--window-s", type=float, default=900.0, help="trace window for --select conversations")
     p.add_argument("--rate", type=float, default=4.0, help="mean requests/s after time compression")
     p.add_argument("--hash-block", type=int, default=512, help="tokens per trace hash id (Mooncake: 512)")
@@ -93,12 +102,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-decode-ms", default=None, help="instances' BASE,PER_SEQ (default: H200 calibration)")
     p.add_argument("--peer-venvs", default="/tmp", help="folder holding venv-sgl/ and venv-vllm/")
     p.add_argument("--kvmesh-args", default="", help="extra `kvmesh router` flags for the kvmesh policy")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
-                   help="kvmesh's router with these extra flags, run as policy NAME (name it in --policies): "
-                        "settings compared side by side in one run, e.g. --variant share0='--weight-share 0'")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="replay every policy N times in N rounds (policy order rotated each round); the table and "
-                        "JSON give the mean per policy and every run")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="kvmesh's router with these extra flags, run as policy NAME (name it in --policies): "
+        "settings compared side by side in one run, e.g. --variant share0='--weight-share 0'",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="replay every policy N times in N rounds (policy order rotated each round); the table and "
+        "JSON give the mean per policy and every run",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout, s")
     p.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "kvmesh-bench-router-logs"))
 
@@ -168,10 +186,15 @@ def build_requests(rows: list[dict], args, seed: str, max_len: int) -> list[dict
                 break
             rng = random.Random(f"{seed}:{h}")
             toks = [vocab[rng.randrange(len(vocab))] for _ in range(bt)]
-            blocks.append((h, toks[:min(left, bt)]))
+            blocks.append((h, toks[: min(left, bt)]))
             left -= bt
-        out.append({"t": r["timestamp"] / 1000.0, "blocks": blocks,
-                    "max_tokens": max(1, min(args.max_output, int(r["output_length"])))})
+        out.append(
+            {
+                "t": r["timestamp"] / 1000.0,
+                "blocks": blocks,
+                "max_tokens": max(1, min(args.max_output, int(r["output_length"]))),
+            }
+        )
     return out
 
 
@@ -215,16 +238,25 @@ def hit_losses(ideal: list[tuple[int, int]], cached: list[int | None]) -> dict:
     lost = [max(0, h - c) for (h, _), c in zip(ideal, cached)]
     missed = [i for i, ((h, n), c) in enumerate(zip(ideal, cached)) if 2 * h >= n and h > 0 and 2 * c < h]
     lsum = sum(lost)
-    return {"lost_ratio": lsum / max(total, 1), "missed_followups": len(missed),
-            "lost_in_missed": sum(lost[i] for i in missed) / lsum if lsum else 0.0}
+    return {
+        "lost_ratio": lsum / max(total, 1),
+        "missed_followups": len(missed),
+        "lost_in_missed": sum(lost[i] for i in missed) / lsum if lsum else 0.0,
+    }
 
 
 # ---- processes ------------------------------------------------------------------------
 class Proc:
     def __init__(self, cmd: list[str], log: str, env: dict | None = None, cwd: str | None = None) -> None:
         self.log = open(log, "wb")
-        self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                  env={**os.environ, **(env or {})}, cwd=cwd)
+        self.p = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+        )
 
     def stop(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -332,8 +364,9 @@ def parse_variants(specs: list[str], reserved: set[str]) -> dict[str, list[str]]
         name, sep, flags = spec.partition("=")
         name = name.strip()
         if not sep or not name or "," in name or name in reserved or name in out:
-            raise ValueError(f"--variant {spec!r}: expected NAME=FLAGS with a new name (no commas; not one of "
-                             f"{sorted(reserved)})")
+            raise ValueError(
+                f"--variant {spec!r}: expected NAME=FLAGS with a new name (no commas; not one of {sorted(reserved)})"
+            )
         out[name] = shlex.split(flags)
     return out
 
@@ -347,8 +380,22 @@ def start_router(policy: str, workers: list[dict], args) -> tuple[Proc, str]:
     variants = getattr(args, "variants", {})
     if policy in ("kvmesh", "round-robin", "least-load") or policy in variants:
         kp = "kv-aware" if policy == "kvmesh" or policy in variants else policy
-        cmd = [sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-               "--block-size", str(args.block_tokens), "--health-interval", "1.0", "--policy", kp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--block-size",
+            str(args.block_tokens),
+            "--health-interval",
+            "1.0",
+            "--policy",
+            kp,
+        ]
         for w in workers:
             cmd += ["--worker", f"{w['url']},events={w['events']},replay={w['replay']}"]
         if policy == "kvmesh":
@@ -360,12 +407,35 @@ def start_router(policy: str, workers: list[dict], args) -> tuple[Proc, str]:
         base = peer_command(policy, args)
         cwd = tempfile.gettempdir()
         if policy == "sglang":
-            cmd = base + ["--worker-urls", *wurls, "--policy", "cache_aware", "--host", "127.0.0.1",
-                          "--port", str(port), "--prometheus-host", "127.0.0.1",
-                          "--prometheus-port", str(free_port()), "--log-level", "warn"]
+            cmd = base + [
+                "--worker-urls",
+                *wurls,
+                "--policy",
+                "cache_aware",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+                "--log-level",
+                "warn",
+            ]
         else:
-            cmd = base + ["--worker-urls", *wurls, "--policy", "cache_aware", "--host", "127.0.0.1",
-                          "--port", str(port), "--prometheus-port", str(free_port())]
+            cmd = base + [
+                "--worker-urls",
+                *wurls,
+                "--policy",
+                "cache_aware",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--prometheus-port",
+                str(free_port()),
+            ]
         env = {}
     p = Proc(cmd, log, env, cwd=cwd)
     try:
@@ -386,11 +456,19 @@ async def replay(url: str, model: str, reqs: list[dict], rate: float, timeout: f
     results = []
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30), limits=limits) as client:
+
         async def one(i, r):
             await asyncio.sleep((r["t"] - t_first) * scale)
             prompt = "".join(t for _, toks in r["blocks"] for t in toks)
-            body = {"model": model, "prompt": prompt, "max_tokens": r["max_tokens"], "temperature": 0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": r["max_tokens"],
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             t0 = time.monotonic()
             ttft, ok, cached = None, False, None
             try:
@@ -407,8 +485,9 @@ async def replay(url: str, model: str, reqs: list[dict], rate: float, timeout: f
                         await resp.aread()
             except httpx.HTTPError:
                 pass
-            results.append({"ok": ok, "ttft": ttft, "end": time.monotonic(), "out": r["max_tokens"],
-                            "i": i, "cached": cached})
+            results.append(
+                {"ok": ok, "ttft": ttft, "end": time.monotonic(), "out": r["max_tokens"], "i": i, "cached": cached}
+            )
 
         start = time.monotonic()
         await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
@@ -420,11 +499,19 @@ async def replay(url: str, model: str, reqs: list[dict], rate: float, timeout: f
     def pct(q):
         return ttfts[min(len(ttfts) - 1, int(round(q / 100 * (len(ttfts) - 1))))] if ttfts else None
 
-    return {"ok": len(oks), "failed": len(results) - len(oks), "ttft_p50": pct(50), "ttft_p90": pct(90),
-            "ttft_p99": pct(99), "ttft_mean": sum(ttfts) / len(ttfts) if ttfts else None,
-            "throughput": len(oks) / makespan if makespan > 0 else None,
-            "output_tok_s": sum(x["out"] for x in oks) / makespan if makespan > 0 else None,
-            "makespan_s": makespan, "cached": [x["cached"] for x in in_order], "ttft": [x["ttft"] for x in in_order]}
+    return {
+        "ok": len(oks),
+        "failed": len(results) - len(oks),
+        "ttft_p50": pct(50),
+        "ttft_p90": pct(90),
+        "ttft_p99": pct(99),
+        "ttft_mean": sum(ttfts) / len(ttfts) if ttfts else None,
+        "throughput": len(oks) / makespan if makespan > 0 else None,
+        "output_tok_s": sum(x["out"] for x in oks) / makespan if makespan > 0 else None,
+        "makespan_s": makespan,
+        "cached": [x["cached"] for x in in_order],
+        "ttft": [x["ttft"] for x in in_order],
+    }
 
 
 def usage_cached(data: str) -> int | None:
@@ -467,8 +554,10 @@ def run(args: argparse.Namespace) -> int:
     for p in policies:
         if p in ("sglang", "vllm") and peer_command(p, args) is None:
             venv = os.path.join(args.peer_venvs, "venv-sgl" if p == "sglang" else "venv-vllm")
-            msg = f"skipped: {venv} not found (pip install {'sglang-router' if p == 'sglang' else 'vllm-router'} " \
-                  f"into that venv, or pass --peer-venvs)"
+            msg = (
+                f"skipped: {venv} not found (pip install {'sglang-router' if p == 'sglang' else 'vllm-router'} "
+                f"into that venv, or pass --peer-venvs)"
+            )
             print(f"[{p}] {msg}", file=sys.stderr)
             results[p] = {"skipped": msg}
         else:
@@ -486,12 +575,33 @@ def run(args: argparse.Namespace) -> int:
         for i in range(args.instances):
             port = free_port()
             w = {"url": f"http://127.0.0.1:{port}", "events": f"ipc://{tmp}/ev{i}", "replay": f"ipc://{tmp}/rep{i}"}
-            cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--simulate", "--host", "127.0.0.1",
-                   "--port", str(port), "--max-model-len", str(args.max_model_len),
-                   "--num-kv-blocks", str(args.num_kv_blocks), "--block-size", str(args.block_tokens),
-                   "--max-num-batched-tokens", str(chunk), "--sim-prefill-ms-per-token", f"{prefill_ms:.6g}",
-                   "--engine-id", f"sim{i}", "--kv-events-endpoint", w["events"],
-                   "--kv-events-replay-endpoint", w["replay"]]
+            cmd = [
+                sys.executable,
+                "-m",
+                "kvmesh.cli",
+                "serve",
+                "--simulate",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--max-model-len",
+                str(args.max_model_len),
+                "--num-kv-blocks",
+                str(args.num_kv_blocks),
+                "--block-size",
+                str(args.block_tokens),
+                "--max-num-batched-tokens",
+                str(chunk),
+                "--sim-prefill-ms-per-token",
+                f"{prefill_ms:.6g}",
+                "--engine-id",
+                f"sim{i}",
+                "--kv-events-endpoint",
+                w["events"],
+                "--kv-events-replay-endpoint",
+                w["replay"],
+            ]
             if args.sim_decode_ms:
                 cmd += ["--sim-decode-ms", args.sim_decode_ms]
             procs.append(Proc(cmd, os.path.join(args.log_dir, f"instance{i}.log"), env))
@@ -521,13 +631,24 @@ def run(args: argparse.Namespace) -> int:
         stop_strays()  # a router (or instance) whose start a SIGTERM interrupted
         shutil.rmtree(tmp, ignore_errors=True)
 
-    setup = {"trace": os.path.abspath(args.trace), "requests": len(rows), "select": args.select,
-             "window_s": args.window_s if args.select == "conversations" else None, "instances": args.instances,
-             "rate_req_s": args.rate, "hash_block": args.hash_block, "block_tokens": args.block_tokens,
-             "length_scale": f"{args.block_tokens}/{args.hash_block}", "max_output": args.max_output,
-             "num_kv_blocks_per_instance": args.num_kv_blocks, "sim_prefill_ms_per_token": prefill_ms,
-             "max_num_batched_tokens": chunk, "sim_decode_ms": args.sim_decode_ms or "4.73,0.0143",
-             "repeats": max(1, args.repeats), "wall_s": round(time.monotonic() - t_start, 1)}
+    setup = {
+        "trace": os.path.abspath(args.trace),
+        "requests": len(rows),
+        "select": args.select,
+        "window_s": args.window_s if args.select == "conversations" else None,
+        "instances": args.instances,
+        "rate_req_s": args.rate,
+        "hash_block": args.hash_block,
+        "block_tokens": args.block_tokens,
+        "length_scale": f"{args.block_tokens}/{args.hash_block}",
+        "max_output": args.max_output,
+        "num_kv_blocks_per_instance": args.num_kv_blocks,
+        "sim_prefill_ms_per_token": prefill_ms,
+        "max_num_batched_tokens": chunk,
+        "sim_decode_ms": args.sim_decode_ms or "4.73,0.0143",
+        "repeats": max(1, args.repeats),
+        "wall_s": round(time.monotonic() - t_start, 1),
+    }
     print_table(results, setup)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -552,8 +673,9 @@ def reset_caches(workers: list[dict], timeout: float = 60.0) -> None:
             time.sleep(0.5)
 
 
-def run_policy(policy: str, rows: list[dict], workers: list[dict], model: str, args, max_len: int,
-               results: dict) -> dict | None:
+def run_policy(
+    policy: str, rows: list[dict], workers: list[dict], model: str, args, max_len: int, results: dict
+) -> dict | None:
     """One replay of the trace through ``policy``'s router; None (and an error in ``results``) if it
     did not start."""
     reqs = build_requests(rows, args, seed=policy, max_len=max_len)
@@ -577,19 +699,39 @@ def run_policy(policy: str, rows: list[dict], workers: list[dict], model: str, a
     per = [a["vllm:request_success_total"] - b["vllm:request_success_total"] for a, b in zip(after, before)]
     mean = sum(per) / len(per) if per else 0
     ideal = ideal_hits([r["blocks"] for r in reqs])
-    res.update(hit_ratio=hits / queries if queries else None, imbalance=max(per) / mean if mean else None,
-               router_cpu_pct=100 * cpu / wall, per_instance=per,
-               ideal_hit_ratio=ideal_hit_ratio(per=ideal), prompt_tokens=[n for _, n in ideal],
-               ideal_cached=[h for h, _ in ideal],
-               **hit_losses(ideal, res["cached"]))
-    print(f"[{policy}] done: hit {res['hit_ratio']}, lost {res['lost_ratio']} ({res['missed_followups']} missed "
-          f"follow-ups), ttft p90 {res['ttft_p90']}, ok {res['ok']}/"
-          f"{res['ok'] + res['failed']}", file=sys.stderr)
+    res.update(
+        hit_ratio=hits / queries if queries else None,
+        imbalance=max(per) / mean if mean else None,
+        router_cpu_pct=100 * cpu / wall,
+        per_instance=per,
+        ideal_hit_ratio=ideal_hit_ratio(per=ideal),
+        prompt_tokens=[n for _, n in ideal],
+        ideal_cached=[h for h, _ in ideal],
+        **hit_losses(ideal, res["cached"]),
+    )
+    print(
+        f"[{policy}] done: hit {res['hit_ratio']}, lost {res['lost_ratio']} ({res['missed_followups']} missed "
+        f"follow-ups), ttft p90 {res['ttft_p90']}, ok {res['ok']}/"
+        f"{res['ok'] + res['failed']}",
+        file=sys.stderr,
+    )
     return res
 
 
-MEAN_KEYS = ("hit_ratio", "ttft_p50", "ttft_p90", "ttft_p99", "ttft_mean", "throughput", "output_tok_s",
-             "makespan_s", "imbalance", "router_cpu_pct", "lost_ratio", "missed_followups")
+MEAN_KEYS = (
+    "hit_ratio",
+    "ttft_p50",
+    "ttft_p90",
+    "ttft_p99",
+    "ttft_mean",
+    "throughput",
+    "output_tok_s",
+    "makespan_s",
+    "imbalance",
+    "router_cpu_pct",
+    "lost_ratio",
+    "missed_followups",
+)
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -608,27 +750,35 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def print_table(results: dict, setup: dict) -> None:
-    print(f"{setup['requests']} requests of {setup['trace']}, {setup['instances']} simulated instances, "
-          f"{setup['rate_req_s']} req/s")
-    print(f"{'policy':<12} {'hit':>6} {'ideal':>6} {'ttft p50':>9} {'p90':>7} {'p99':>7} {'req/s':>6} "
-          f"{'imbal':>6} {'lost':>6} {'missed':>6} {'ok/fail':>8} {'router CPU %':>12}")
+    print(
+        f"{setup['requests']} requests of {setup['trace']}, {setup['instances']} simulated instances, "
+        f"{setup['rate_req_s']} req/s"
+    )
+    print(
+        f"{'policy':<12} {'hit':>6} {'ideal':>6} {'ttft p50':>9} {'p90':>7} {'p99':>7} {'req/s':>6} "
+        f"{'imbal':>6} {'lost':>6} {'missed':>6} {'ok/fail':>8} {'router CPU %':>12}"
+    )
     f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for pol, r in results.items():
         if "ok" not in r:
             print(f"{pol:<12} {r.get('skipped') or r.get('error')}")
             continue
-        print(f"{pol:<12} {f(r['hit_ratio']):>6} {f(r['ideal_hit_ratio']):>6} {f(r['ttft_p50']):>9} "
-              f"{f(r['ttft_p90']):>7} {f(r['ttft_p99']):>7} {f(r['throughput']):>6} {f(r['imbalance'], 2):>6} "
-              f"{f(r.get('lost_ratio')):>6} {f(r.get('missed_followups'), 1):>6} {r['ok']:>4}/{r['failed']:<3} {f(r.get('router_cpu_pct'), 1):>12}")
+        print(
+            f"{pol:<12} {f(r['hit_ratio']):>6} {f(r['ideal_hit_ratio']):>6} {f(r['ttft_p50']):>9} "
+            f"{f(r['ttft_p90']):>7} {f(r['ttft_p99']):>7} {f(r['throughput']):>6} {f(r['imbalance'], 2):>6} "
+            f"{f(r.get('lost_ratio')):>6} {f(r.get('missed_followups'), 1):>6} {r['ok']:>4}/{r['failed']:<3} {f(r.get('router_cpu_pct'), 1):>12}"
+        )
     multi = {pol: r["runs"] for pol, r in results.items() if r.get("runs")}
     if not multi:
         return
     print(f"means of {setup['repeats']} runs each (caches reset before every run); standard deviation:")
     for pol, r in results.items():
         if r.get("sd"):
-            print(f"  {pol:<12} hit {f(r['hit_ratio'])} ± {f(r['sd'].get('hit_ratio'))}, "
-                  f"ttft p90 {f(r['ttft_p90'])} ± {f(r['sd'].get('ttft_p90'))}, "
-                  f"imbalance {f(r['imbalance'], 2)} ± {f(r['sd'].get('imbalance'), 2)}")
+            print(
+                f"  {pol:<12} hit {f(r['hit_ratio'])} ± {f(r['sd'].get('hit_ratio'))}, "
+                f"ttft p90 {f(r['ttft_p90'])} ± {f(r['sd'].get('ttft_p90'))}, "
+                f"imbalance {f(r['imbalance'], 2)} ± {f(r['sd'].get('imbalance'), 2)}"
+            )
     print("per run (hit / ttft p90 / imbalance):")
     rounds = sorted({x["round"] for runs in multi.values() for x in runs})
     for rnd in rounds:

@@ -18,6 +18,7 @@ Datasets:
   sharing hash ids share prompt prefixes exactly as in production; lengths
   scale by ``trace-block-tokens / 512`` to fit small models.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-len", type=int, default=256)
     p.add_argument("--num-prefixes", type=int, default=4)
     p.add_argument("--trace-path", default=None)
-    p.add_argument("--trace-block-tokens", type=int, default=TRACE_BLOCK,
-                   help="synthetic tokens per hash id (scales trace lengths by this/512)")
+    p.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=TRACE_BLOCK,
+        help="synthetic tokens per hash id (scales trace lengths by this/512)",
+    )
     p.add_argument("--trace-time-scale", type=float, default=1.0, help="multiply trace timestamps by this")
     p.add_argument("--max-input-len", type=int, default=None, help="clip prompts (trace)")
     p.add_argument("--max-output-len", type=int, default=None, help="clip outputs (trace)")
@@ -93,20 +98,45 @@ def make_dataset(args: argparse.Namespace) -> list[BenchRequest]:
     rng = random.Random(args.seed)
     lo, hi = (int(x) for x in args.token_range.split(","))
     if args.dataset == "random":
-        return [BenchRequest(_tokens(rng, _jitter(rng, args.input_len, args.range_ratio), lo, hi),
-                             _jitter(rng, args.output_len, args.range_ratio)) for _ in range(args.num_prompts)]
+        return [
+            BenchRequest(
+                _tokens(rng, _jitter(rng, args.input_len, args.range_ratio), lo, hi),
+                _jitter(rng, args.output_len, args.range_ratio),
+            )
+            for _ in range(args.num_prompts)
+        ]
     if args.dataset == "shared-prefix":
         prefixes = [_tokens(rng, args.prefix_len, lo, hi) for _ in range(args.num_prefixes)]
-        return [BenchRequest(prefixes[i % len(prefixes)] + _tokens(rng, args.input_len, lo, hi), args.output_len)
-                for i in range(args.num_prompts)]
+        return [
+            BenchRequest(prefixes[i % len(prefixes)] + _tokens(rng, args.input_len, lo, hi), args.output_len)
+            for i in range(args.num_prompts)
+        ]
     if not args.trace_path:
         raise ValueError("--dataset trace needs --trace-path")
-    return load_trace(args.trace_path, args.num_prompts, args.trace_block_tokens, args.trace_time_scale,
-                      args.max_input_len, args.max_output_len, lo, hi, args.seed)
+    return load_trace(
+        args.trace_path,
+        args.num_prompts,
+        args.trace_block_tokens,
+        args.trace_time_scale,
+        args.max_input_len,
+        args.max_output_len,
+        lo,
+        hi,
+        args.seed,
+    )
 
 
-def load_trace(path: str, limit: int, block_tokens: int, time_scale: float, max_in: int | None,
-               max_out: int | None, lo: int, hi: int, seed: int) -> list[BenchRequest]:
+def load_trace(
+    path: str,
+    limit: int,
+    block_tokens: int,
+    time_scale: float,
+    max_in: int | None,
+    max_out: int | None,
+    lo: int,
+    hi: int,
+    seed: int,
+) -> list[BenchRequest]:
     """Mooncake trace -> requests; hash id ``h`` always becomes the same ``block_tokens`` tokens."""
     scale = block_tokens / TRACE_BLOCK
     blocks: dict[int, list[int]] = {}
@@ -133,8 +163,15 @@ def load_trace(path: str, limit: int, block_tokens: int, time_scale: float, max_
 # ---- client -----------------------------------------------------------------
 async def send_one(client, url: str, model: str, req: BenchRequest, headers: dict) -> RequestResult:
     res = RequestResult(prompt_len=len(req.prompt))
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     last = start
     try:
@@ -243,8 +280,11 @@ def summarize(results: list[RequestResult], duration: float, percentiles: list[f
         "e2el": [r.e2e * 1000 for r in ok],
     }
     summary = {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "output_throughput": out_tokens / duration if duration else 0.0,
         "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
@@ -262,18 +302,26 @@ def summarize(results: list[RequestResult], duration: float, percentiles: list[f
 def print_summary(s: dict, args: argparse.Namespace, percentiles: list[float]) -> None:
     w = 50
     print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w, c="="))
-    rows = [("Successful requests:", s["completed"]), ("Failed requests:", s["failed"]),
-            ("Request rate (configured):", args.request_rate),
-            ("Benchmark duration (s):", f"{s['duration_s']:.2f}"),
-            ("Total input tokens:", s["total_input_tokens"]), ("Total generated tokens:", s["total_output_tokens"]),
-            ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
-            ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
-            ("Total token throughput (tok/s):", f"{s['total_token_throughput']:.2f}"),
-            ("Prefix-cached prompt tokens:", s["cached_tokens"])]
+    rows = [
+        ("Successful requests:", s["completed"]),
+        ("Failed requests:", s["failed"]),
+        ("Request rate (configured):", args.request_rate),
+        ("Benchmark duration (s):", f"{s['duration_s']:.2f}"),
+        ("Total input tokens:", s["total_input_tokens"]),
+        ("Total generated tokens:", s["total_output_tokens"]),
+        ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s):", f"{s['total_token_throughput']:.2f}"),
+        ("Prefix-cached prompt tokens:", s["cached_tokens"]),
+    ]
     for k, v in rows:
         print(f"{k:<40}{v:<10}")
-    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+    for name, title in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st token)"),
+        ("itl", "Inter-token Latency"),
+        ("e2el", "End-to-end Latency"),
+    ):
         print("{s:{c}^{n}}".format(s=f" {title} ", n=w, c="-"))
         print(f"{'Mean ' + name.upper() + ' (ms):':<40}{s[f'mean_{name}_ms']:<10.2f}")
         print(f"{'Median ' + name.upper() + ' (ms):':<40}{s[f'median_{name}_ms']:<10.2f}")
@@ -318,11 +366,15 @@ def run(args: argparse.Namespace) -> int:
     print_summary(summary, args, percentiles)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = args.result_json or f"bench-serve-{args.dataset}-{stamp}.json"
-    cfg = {k: (v if not (isinstance(v, float) and math.isinf(v)) else "inf") for k, v in vars(args).items()
-           if k != "func" and k != "api_key"}
+    cfg = {
+        k: (v if not (isinstance(v, float) and math.isinf(v)) else "inf")
+        for k, v in vars(args).items()
+        if k != "func" and k != "api_key"
+    }
     with open(path, "w") as f:
-        json.dump({"config": cfg, "summary": summary,
-                   "requests": [asdict(r) | {"itl": None} for r in results]}, f, indent=1)
+        json.dump(
+            {"config": cfg, "summary": summary, "requests": [asdict(r) | {"itl": None} for r in results]}, f, indent=1
+        )
     png = args.plot or (path[:-5] if path.endswith(".json") else path) + ".png"
     plot(summary, percentiles, png, f"{args.dataset}, rate {args.request_rate}, {len(reqs)} prompts")
     print(f"wrote {path} and {png}")

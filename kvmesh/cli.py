@@ -1,5 +1,6 @@
 """The `kvmesh` command. Each subcommand lives in `kvmesh.commands.<name>` and exposes
 ``register(subparsers)``; commands import their heavy dependencies only when run."""
+
 from __future__ import annotations
 
 import argparse

@@ -5,6 +5,7 @@ and any argparse specifics travel in the field's metadata (``field(default=..., 
 `add_arguments` turns the fields into flags and `values_from` reads them back, so a command never
 re-lists the settings by hand.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -3,6 +3,7 @@
 A wait has a deadline and watches what it waits for, so a server that died while loading
 fails the wait at once (with its exit code) instead of after the whole timeout.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -23,8 +24,13 @@ def exited(proc: subprocess.Popen) -> Callable[[], str | None]:
     return lambda: None if proc.poll() is None else f"exited with code {proc.returncode}"
 
 
-def wait_until(ready: Callable[[], bool], timeout: float, what: str,
-               gone: Callable[[], str | None] | None = None, poll: float = POLL_S) -> None:
+def wait_until(
+    ready: Callable[[], bool],
+    timeout: float,
+    what: str,
+    gone: Callable[[], str | None] | None = None,
+    poll: float = POLL_S,
+) -> None:
     """Call ``ready`` until it is true; `NotReadyError` once ``gone`` names a reason, or at the deadline."""
     deadline = time.monotonic() + timeout
     while True:
@@ -38,8 +44,9 @@ def wait_until(ready: Callable[[], bool], timeout: float, what: str,
         time.sleep(poll)
 
 
-def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None, what: str | None = None,
-                 path: str = "/health") -> None:
+def wait_healthy(
+    url: str, timeout: float, proc: subprocess.Popen | None = None, what: str | None = None, path: str = "/health"
+) -> None:
     """Wait until GET ``url + path`` answers 200, while ``proc`` (if given) keeps running."""
 
     def ok() -> bool:

@@ -5,6 +5,7 @@ Every child is a real process talking over loopback, exactly what runs in a pod;
 this module only picks ports, starts things in order, waits for health, and
 tears everything down (router first, so no request is routed to a dying worker).
 """
+
 from __future__ import annotations
 
 import json
@@ -90,7 +91,9 @@ class Topology:
         if self.config.log_dir:
             os.makedirs(self.config.log_dir, exist_ok=True)
             out = open(os.path.join(self.config.log_dir, f"{name}.log"), "ab")
-        p = subprocess.Popen(argv, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT if out else None)
+        p = subprocess.Popen(
+            argv, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT if out else None
+        )
         self.procs.append((name, p))
         return p
 
@@ -99,8 +102,24 @@ class Topology:
         if exe is None:
             raise RuntimeError("redis-server not found: run `make install` (it installs the apt package)")
         port = free_port(self.config.host)
-        p = self._spawn("redis", [exe, "--port", str(port), "--bind", self.config.host, "--save", "",
-                                   "--appendonly", "no", "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"])
+        p = self._spawn(
+            "redis",
+            [
+                exe,
+                "--port",
+                str(port),
+                "--bind",
+                self.config.host,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--maxmemory",
+                "1gb",
+                "--maxmemory-policy",
+                "allkeys-lru",
+            ],
+        )
 
         def accepts() -> bool:
             try:
@@ -121,10 +140,26 @@ class Topology:
             conn = {"side_channel_host": host, "side_channel_port": free_port(host)} if role == "prefill" else {}
         else:
             conn = {"url": self.redis_url}
-        argv = [sys.executable, "-m", "kvmesh.cli", role, "--host", host, "--port", str(port),
-                "--engine-id", f"{role}-{i}", "--kv-connector", cfg.kv_connector,
-                "--kv-connector-config", json.dumps(conn),
-                "--kv-events-endpoint", f"tcp://{host}:{ev}", "--kv-events-replay-endpoint", f"tcp://{host}:{rp}"]
+        argv = [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            role,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--engine-id",
+            f"{role}-{i}",
+            "--kv-connector",
+            cfg.kv_connector,
+            "--kv-connector-config",
+            json.dumps(conn),
+            "--kv-events-endpoint",
+            f"tcp://{host}:{ev}",
+            "--kv-events-replay-endpoint",
+            f"tcp://{host}:{rp}",
+        ]
         if cfg.model:
             argv += ["--model", cfg.model]
         argv += list(cfg.engine_args)

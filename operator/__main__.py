@@ -14,16 +14,25 @@ import os
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kvmesh.operator")
     scope = p.add_mutually_exclusive_group()
-    scope.add_argument("-n", "--namespace", action="append", default=[],
-                       help="watch only this namespace (repeatable; globs allowed)")
-    scope.add_argument("-A", "--all-namespaces", action="store_true",
-                       help="watch every namespace (the default when no --namespace is given)")
-    p.add_argument("--liveness", default=os.environ.get("KVMESH_OPERATOR_LIVENESS"),
-                   help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    scope.add_argument(
+        "-n", "--namespace", action="append", default=[], help="watch only this namespace (repeatable; globs allowed)"
+    )
+    scope.add_argument(
+        "-A",
+        "--all-namespaces",
+        action="store_true",
+        help="watch every namespace (the default when no --namespace is given)",
+    )
+    p.add_argument(
+        "--liveness",
+        default=os.environ.get("KVMESH_OPERATOR_LIVENESS"),
+        help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
     import warnings
 

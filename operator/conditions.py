@@ -33,8 +33,9 @@ def now() -> str:
     return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def merge(old: Iterable[dict[str, Any]] | None, new: Iterable[Condition], generation: int,
-          timestamp: str | None = None) -> list[dict[str, Any]]:
+def merge(
+    old: Iterable[dict[str, Any]] | None, new: Iterable[Condition], generation: int, timestamp: str | None = None
+) -> list[dict[str, Any]]:
     """Full condition list: `new` wins, lastTransitionTime is kept when status did not change,
     conditions of other types already on the object are preserved."""
     ts = timestamp or now()

@@ -5,6 +5,7 @@ The settings an InferenceService exposes are declared on the engine's fields (en
 (the chart's crds/ links to that folder) and leaves the rest of the file, comments included, as it
 is. tests/unit/test_operator_render.py checks that the checked-in file is what this writes.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,14 +57,17 @@ def with_engine_properties(text: str) -> str:
     start = lines.index(ENGINE_KEY + "\n")
     indent = len(ENGINE_KEY) - len(ENGINE_KEY.lstrip())
     props = next(i for i in range(start + 1, len(lines)) if lines[i] == " " * (indent + 2) + "properties:\n")
-    end = next(i for i in range(props + 1, len(lines))  # the next key of the engine object, or after it
-               if lines[i].strip() and len(lines[i]) - len(lines[i].lstrip()) <= indent + 2)
+    end = next(
+        i
+        for i in range(props + 1, len(lines))  # the next key of the engine object, or after it
+        if lines[i].strip() and len(lines[i]) - len(lines[i].lstrip()) <= indent + 2
+    )
     pad = " " * (indent + 4)
     block = []
     for name, schema in engine_properties().items():
         block.append(f"{pad}{name}:\n")
         block += [f"{pad}  {k}: {_scalar(v)}\n" for k, v in schema.items()]
-    return "".join(lines[:props + 1] + block + lines[end:])
+    return "".join(lines[: props + 1] + block + lines[end:])
 
 
 def main() -> int:

@@ -40,7 +40,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # and follows the API conventions.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=API_GROUP, key="last-handled-configuration")
+        prefix=API_GROUP, key="last-handled-configuration"
+    )
     settings.persistence.finalizer = f"{API_GROUP}/kopf-finalizer"
     settings.posting.level = logging.WARNING
     # No cluster-wide watch of CRDs/namespaces: one discovery at startup is enough (the CRD is
@@ -86,8 +87,7 @@ async def _resync_forever(namespaces: tuple[str, ...]) -> None:
             if namespaces and not any(fnmatch.fnmatch(ns, pat) for pat in namespaces):
                 continue
             try:
-                await asyncio.to_thread(reconcile, kube(), item,
-                                        CONFIG.debug_apply_delay_seconds, False)
+                await asyncio.to_thread(reconcile, kube(), item, CONFIG.debug_apply_delay_seconds, False)
             except Exception as e:  # noqa: BLE001
                 log.warning("resync of %s/%s failed: %s", ns, item["metadata"]["name"], e)
 
@@ -109,8 +109,14 @@ if CONFIG.watch_children:
 
     @kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGER})
     def on_child_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
-        owner = next((r for r in body.get("metadata", {}).get("ownerReferences") or ()
-                      if r.get("controller") and r.get("kind") == "InferenceService"), None)
+        owner = next(
+            (
+                r
+                for r in body.get("metadata", {}).get("ownerReferences") or ()
+                if r.get("controller") and r.get("kind") == "InferenceService"
+            ),
+            None,
+        )
         if owner is None:
             return
         ns = body["metadata"]["namespace"]

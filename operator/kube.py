@@ -72,14 +72,23 @@ class Kube:
     def __init__(self, api: client.ApiClient | None = None) -> None:
         self.api = api or client.ApiClient()
 
-    def _call(self, method: str, path: str, *, body: Any = None,
-              query: list[tuple[str, Any]] | None = None,
-              content_type: str = "application/json") -> Any:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        query: list[tuple[str, Any]] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
         try:
             params = self.api.param_serialize(
-                method=method, resource_path=path, query_params=query or [],
+                method=method,
+                resource_path=path,
+                query_params=query or [],
                 header_params={"Accept": "application/json", "Content-Type": content_type},
-                body=body, auth_settings=["BearerToken"],
+                body=body,
+                auth_settings=["BearerToken"],
             )
             resp = self.api.call_api(*params, _request_timeout=30)
             raw = resp.read()
@@ -102,9 +111,13 @@ class Kube:
         of one of them is reverted (drift correction) rather than reported as a conflict."""
         k = KINDS[(obj["apiVersion"], obj["kind"])]
         path = f"{k.collection(obj['metadata']['namespace'])}/{obj['metadata']['name']}"
-        return self._call("PATCH", path, body=obj,
-                          query=[("fieldManager", MANAGER), ("force", "true")],
-                          content_type="application/apply-patch+yaml")
+        return self._call(
+            "PATCH",
+            path,
+            body=obj,
+            query=[("fieldManager", MANAGER), ("force", "true")],
+            content_type="application/apply-patch+yaml",
+        )
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
         k = KINDS[(api_version, kind)] if (api_version, kind) in KINDS else INFERENCE_SERVICES
@@ -117,8 +130,7 @@ class Kube:
 
     def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict]:
         k = KINDS[(api_version, kind)]
-        out = self._call("GET", k.collection(namespace),
-                         query=[("labelSelector", label_selector)])
+        out = self._call("GET", k.collection(namespace), query=[("labelSelector", label_selector)])
         return list(out.get("items") or [])
 
     def list_inference_services(self) -> list[dict]:
@@ -130,8 +142,12 @@ class Kube:
     def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> None:
         """Delete with a uid precondition so we never remove a same-named replacement."""
         k = KINDS[(api_version, kind)]
-        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid},
-                "propagationPolicy": "Background"}
+        body = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "preconditions": {"uid": uid},
+            "propagationPolicy": "Background",
+        }
         try:
             self._call("DELETE", f"{k.collection(namespace)}/{name}", body=body)
         except ApiException as e:
@@ -141,8 +157,7 @@ class Kube:
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         path = f"{INFERENCE_SERVICES.collection(namespace)}/{name}/status"
         try:
-            self._call("PATCH", path, body={"status": status},
-                       content_type="application/merge-patch+json")
+            self._call("PATCH", path, body={"status": status}, content_type="application/merge-patch+json")
         except ApiException as e:
             if e.status != 404:  # the object went away: nothing to report on
                 raise

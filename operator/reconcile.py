@@ -47,8 +47,9 @@ class Outcome:
 
 
 def controlled_by(obj: dict[str, Any], uid: str) -> bool:
-    return any(r.get("uid") == uid and r.get("controller")
-               for r in obj.get("metadata", {}).get("ownerReferences") or ())
+    return any(
+        r.get("uid") == uid and r.get("controller") for r in obj.get("metadata", {}).get("ownerReferences") or ()
+    )
 
 
 def _deployment_progress(dep: dict[str, Any], floor: int = 0) -> tuple[int, int, bool]:
@@ -69,8 +70,7 @@ def _deployment_progress(dep: dict[str, Any], floor: int = 0) -> tuple[int, int,
     return desired, ready, settled
 
 
-def reconcile(kube: Kube, body: dict[str, Any], apply_delay: float = 0.0,
-              wait: bool = True) -> Outcome | None:
+def reconcile(kube: Kube, body: dict[str, Any], apply_delay: float = 0.0, wait: bool = True) -> Outcome | None:
     """One pass (more if something asked for one meanwhile). Raises TransientError when the API
     should be retried later.
 
@@ -130,8 +130,9 @@ def _replica_floors(spec: InferenceServiceSpec) -> dict[str, int]:
     return {"prefill": a.prefill.min_replicas, "decode": a.decode.min_replicas} if a.enabled else {}
 
 
-def _apply_all(kube: Kube, meta: ObjectMeta, desired: list[dict], out: Outcome,
-               apply_delay: float, floors: dict[str, int]) -> None:
+def _apply_all(
+    kube: Kube, meta: ObjectMeta, desired: list[dict], out: Outcome, apply_delay: float, floors: dict[str, int]
+) -> None:
     from kubernetes.client.rest import ApiException
 
     for obj in desired:
@@ -150,7 +151,7 @@ def _apply_all(kube: Kube, meta: ObjectMeta, desired: list[dict], out: Outcome,
             log.warning("apply %s %s/%s failed: %s", kind, meta.namespace, name, e.body)
             continue
         if kind == "Deployment":
-            component = name[len(meta.name) + 1:]
+            component = name[len(meta.name) + 1 :]
             d, r, settled = _deployment_progress(applied, floors.get(component, 0))
             if component in ROLES:
                 out.roles[component] = {"replicas": d, "readyReplicas": r}
@@ -163,14 +164,13 @@ def _prune(kube: Kube, meta: ObjectMeta, desired: list[dict]) -> None:
     switched off, a managed Redis after a connector change)."""
     keep = {child_key(o) for o in desired}
     sel = f"{LABEL_OWNER}={meta.name},{LABEL_MANAGED_BY}={MANAGER}"
-    for (api_version, kind) in KINDS:
+    for api_version, kind in KINDS:
         for item in kube.list(api_version, kind, meta.namespace, sel):
             if (api_version, kind, item["metadata"]["name"]) in keep:
                 continue
             if controlled_by(item, meta.uid):
                 log.info("pruning %s %s/%s", kind, meta.namespace, item["metadata"]["name"])
-                kube.delete(api_version, kind, meta.namespace, item["metadata"]["name"],
-                            item["metadata"]["uid"])
+                kube.delete(api_version, kind, meta.namespace, item["metadata"]["name"], item["metadata"]["uid"])
 
 
 def status_for(body: dict[str, Any], out: Outcome) -> dict[str, Any]:
@@ -178,26 +178,30 @@ def status_for(body: dict[str, Any], out: Outcome) -> dict[str, Any]:
     gen = out.generation
     if out.invalid:
         msg = "; ".join(out.invalid)
-        new = [Condition(cond.READY, "False", "InvalidSpec", msg),
-               Condition(cond.PROGRESSING, "False", "InvalidSpec", msg),
-               Condition(cond.DEGRADED, "True", "InvalidSpec", msg)]
+        new = [
+            Condition(cond.READY, "False", "InvalidSpec", msg),
+            Condition(cond.PROGRESSING, "False", "InvalidSpec", msg),
+            Condition(cond.DEGRADED, "True", "InvalidSpec", msg),
+        ]
     else:
         problems_ = out.conflicts + out.apply_errors
         ready = not problems_ and not out.not_ready and len(out.roles) == len(ROLES)
         if ready:
-            new = [Condition(cond.READY, "True", "AllReplicasReady",
-                             "all prefill, decode and router replicas are ready")]
+            new = [
+                Condition(cond.READY, "True", "AllReplicasReady", "all prefill, decode and router replicas are ready")
+            ]
         elif problems_:
             new = [Condition(cond.READY, "False", "ReconcileFailed", "; ".join(problems_))]
         else:
-            new = [Condition(cond.READY, "False", "ReplicasNotReady",
-                             "waiting for " + ", ".join(out.not_ready or ["children"]))]
+            new = [
+                Condition(
+                    cond.READY, "False", "ReplicasNotReady", "waiting for " + ", ".join(out.not_ready or ["children"])
+                )
+            ]
         if out.not_ready:
-            new.append(Condition(cond.PROGRESSING, "True", "RollingOut",
-                                 "rolling out: " + ", ".join(out.not_ready)))
+            new.append(Condition(cond.PROGRESSING, "True", "RollingOut", "rolling out: " + ", ".join(out.not_ready)))
         elif problems_:
-            new.append(Condition(cond.PROGRESSING, "False", "Blocked",
-                                 "cannot progress: " + "; ".join(problems_)))
+            new.append(Condition(cond.PROGRESSING, "False", "Blocked", "cannot progress: " + "; ".join(problems_)))
         else:
             new.append(Condition(cond.PROGRESSING, "False", "Complete", "rollout complete"))
         if out.conflicts:
@@ -207,16 +211,14 @@ def status_for(body: dict[str, Any], out: Outcome) -> dict[str, Any]:
         else:
             new.append(Condition(cond.DEGRADED, "False", "AsExpected", "no problems found"))
     old = (body.get("status") or {}).get("conditions")
-    status: dict[str, Any] = {"observedGeneration": gen,
-                              "conditions": cond.merge(old, new, gen)}
+    status: dict[str, Any] = {"observedGeneration": gen, "conditions": cond.merge(old, new, gen)}
     for role, counts in out.roles.items():
         status[role] = {**counts, "summary": f"{counts['readyReplicas']}/{counts['replicas']}"}
     return status
 
 
 def write_status(kube: Kube, body: dict[str, Any], out: Outcome) -> None:
-    kube.patch_status(body["metadata"]["namespace"], body["metadata"]["name"],
-                      status_for(body, out))
+    kube.patch_status(body["metadata"]["namespace"], body["metadata"]["name"], status_for(body, out))
 
 
 def _safe_write_status(kube: Kube, body: dict[str, Any], out: Outcome) -> None:

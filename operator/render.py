@@ -46,8 +46,13 @@ SHUTDOWN_TIMEOUT_S = 45
 TERMINATION_GRACE_S = PRESTOP_S + SHUTDOWN_TIMEOUT_S + 10
 # Torch, Triton, tokenizers and HF write caches under $HOME/XDG dirs; the root filesystem is
 # read-only, so they all go to the pod's /tmp emptyDir.
-CACHE_ENV = (("HOME", "/tmp"), ("XDG_CACHE_HOME", "/tmp/.cache"), ("HF_HOME", "/tmp/hf"),
-             ("TRITON_CACHE_DIR", "/tmp/triton"), ("TORCHINDUCTOR_CACHE_DIR", "/tmp/inductor"))
+CACHE_ENV = (
+    ("HOME", "/tmp"),
+    ("XDG_CACHE_HOME", "/tmp/.cache"),
+    ("HF_HOME", "/tmp/hf"),
+    ("TRITON_CACHE_DIR", "/tmp/triton"),
+    ("TORCHINDUCTOR_CACHE_DIR", "/tmp/inductor"),
+)
 REDIS_PORT = 6379
 GPU_RESOURCE = "nvidia.com/gpu"
 MODEL_MOUNT = "/models"
@@ -110,12 +115,10 @@ def engine_config(spec: InferenceServiceSpec, meta: ObjectMeta) -> dict[str, Any
     place (`kubectl get cm NAME-config`). The engine reads its flags, not this; its hash in the pod
     template rolls the pods when a setting changes."""
     return {
-        "model": {"source": spec.model.source, "name": spec.model.name or meta.name,
-                  "path": model_path(spec)},
+        "model": {"source": spec.model.source, "name": spec.model.name or meta.name, "path": model_path(spec)},
         "engine": spec.engine.to_crd(),
         "kvConnector": {"type": spec.connector.type, "redisUrl": redis_url(spec, meta)},
-        "ports": {"http": HTTP_PORT, "kvEvents": KV_EVENTS_PORT,
-                  "nixlSideChannel": NIXL_SIDE_CHANNEL_PORT},
+        "ports": {"http": HTTP_PORT, "kvEvents": KV_EVENTS_PORT, "nixlSideChannel": NIXL_SIDE_CHANNEL_PORT},
     }
 
 
@@ -183,8 +186,7 @@ def _gpus(role: RoleSpec, default: int) -> int:
 def nixl_config() -> dict[str, Any]:
     """The NIXL side channel listens on every pod address at a fixed port (the one the Services
     name) and advertises the pod IP, so a decode pod can reach it."""
-    return {"side_channel_host": "0.0.0.0", "side_channel_port": NIXL_SIDE_CHANNEL_PORT,
-            "advertise_host": "$(POD_IP)"}
+    return {"side_channel_host": "0.0.0.0", "side_channel_port": NIXL_SIDE_CHANNEL_PORT, "advertise_host": "$(POD_IP)"}
 
 
 def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> list[str]:
@@ -195,10 +197,14 @@ def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> lis
     if spec.model.source != "embedded":
         args += ["--model", model_path(spec)]
     args += [
-        "--served-model-name", spec.model.name or meta.name,
-        "--role", role,
-        "--port", str(HTTP_PORT),
-        "--kv-connector", spec.connector.type,
+        "--served-model-name",
+        spec.model.name or meta.name,
+        "--role",
+        role,
+        "--port",
+        str(HTTP_PORT),
+        "--kv-connector",
+        spec.connector.type,
     ]
     url = redis_url(spec, meta)
     if spec.connector.type == "nixl":
@@ -212,29 +218,44 @@ def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> lis
     if _gpus(spec.role(role), default=1) == 0:
         args += ["--device", "cpu"]
     args += [
-        "--kv-events-endpoint", f"tcp://*:{KV_EVENTS_PORT}",
-        "--engine-id", "$(POD_NAME)",
-        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+        "--kv-events-endpoint",
+        f"tcp://*:{KV_EVENTS_PORT}",
+        "--engine-id",
+        "$(POD_NAME)",
+        "--shutdown-timeout",
+        str(SHUTDOWN_TIMEOUT_S),
     ]
     return args
 
 
-def _deployment(spec: InferenceServiceSpec, meta: ObjectMeta, component: str,
-                container: dict[str, Any], pod_extra: dict[str, Any],
-                replicas: int | None, config_hash: str, extra_labels: dict[str, str]) -> Manifest:
+def _deployment(
+    spec: InferenceServiceSpec,
+    meta: ObjectMeta,
+    component: str,
+    container: dict[str, Any],
+    pod_extra: dict[str, Any],
+    replicas: int | None,
+    config_hash: str,
+    extra_labels: dict[str, str],
+) -> Manifest:
     obj = _object("apps/v1", "Deployment", f"{meta.name}-{component}", meta, component)
     pod_labels = {**labels(meta, component), **extra_labels}
     dep_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector(meta, component)},
-        "strategy": {"type": "RollingUpdate",
-                     "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "template": {
-            "metadata": {"labels": pod_labels,
-                         **({"annotations": {ANNOTATION_CONFIG_HASH: config_hash}} if config_hash else {})},
+            "metadata": {
+                "labels": pod_labels,
+                **({"annotations": {ANNOTATION_CONFIG_HASH: config_hash}} if config_hash else {}),
+            },
             "spec": {
-                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
-                                    "fsGroup": 1000,
-                                    "seccompProfile": {"type": "RuntimeDefault"}},
+                "securityContext": {
+                    "runAsNonRoot": True,
+                    "runAsUser": 1000,
+                    "runAsGroup": 1000,
+                    "fsGroup": 1000,
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                },
                 "enableServiceLinks": False,
                 "containers": [container],
                 **pod_extra,
@@ -260,14 +281,12 @@ def _model_mounts(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
 def _model_volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     if spec.model.source == "embedded" or not spec.model.claim_name:
         return []
-    return [{"name": "model", "persistentVolumeClaim": {"claimName": spec.model.claim_name,
-                                                         "readOnly": True}}]
+    return [{"name": "model", "persistentVolumeClaim": {"claimName": spec.model.claim_name, "readOnly": True}}]
 
 
 def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash: str) -> Manifest:
     r = spec.role(role)
-    mounts = [{"name": "tmp", "mountPath": "/tmp"},
-              {"name": "dshm", "mountPath": "/dev/shm"}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "dshm", "mountPath": "/dev/shm"}]
     volumes: list[dict[str, Any]] = [
         {"name": "tmp", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
@@ -290,22 +309,25 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
             {"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
             {"name": "nixl", "containerPort": NIXL_SIDE_CHANNEL_PORT, "protocol": "TCP"},
         ],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
-                           "periodSeconds": 5, "failureThreshold": 3},
-        "startupProbe": {"httpGet": {"path": "/health", "port": "http"},
-                         "periodSeconds": 5, "failureThreshold": 120},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"},
-                          "periodSeconds": 10, "failureThreshold": 6},
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
+        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 120},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},
         "resources": _resources(r, default_gpus=1),
         "securityContext": _security_context(),
         "volumeMounts": mounts,
     }
     replicas = None if spec.autoscaling.enabled else r.replicas
-    return _deployment(spec, meta, role, container,
-                       {"volumes": volumes, "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
-                        **_pod_scheduling(r)},
-                       replicas, config_hash, {LABEL_WORKER: "true"})
+    return _deployment(
+        spec,
+        meta,
+        role,
+        container,
+        {"volumes": volumes, "terminationGracePeriodSeconds": TERMINATION_GRACE_S, **_pod_scheduling(r)},
+        replicas,
+        config_hash,
+        {LABEL_WORKER: "true"},
+    )
 
 
 def role_service(meta: ObjectMeta, role: str) -> str:
@@ -317,15 +339,29 @@ def _router_args(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[str]:
     """`kvmesh router` flags (kvmesh/commands/router.py): discovery of prefill and decode pods
     through the EndpointSlices of the per-role headless Services; the router must hash blocks
     like the pods, so it gets the same model and block size."""
-    args = ["router", "--port", str(HTTP_PORT), "--discovery", "k8s",
-            "--namespace", "$(POD_NAMESPACE)",
-            "--prefill-selector", f"kubernetes.io/service-name={role_service(meta, 'prefill')}",
-            "--decode-selector", f"kubernetes.io/service-name={role_service(meta, 'decode')}",
-            "--port-name", "http",
-            "--kv-events-port", str(KV_EVENTS_PORT),
-            "--block-size", str(spec.engine.block_size),
-            "--served-model-name", spec.model.name or meta.name,
-            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+    args = [
+        "router",
+        "--port",
+        str(HTTP_PORT),
+        "--discovery",
+        "k8s",
+        "--namespace",
+        "$(POD_NAMESPACE)",
+        "--prefill-selector",
+        f"kubernetes.io/service-name={role_service(meta, 'prefill')}",
+        "--decode-selector",
+        f"kubernetes.io/service-name={role_service(meta, 'decode')}",
+        "--port-name",
+        "http",
+        "--kv-events-port",
+        str(KV_EVENTS_PORT),
+        "--block-size",
+        str(spec.engine.block_size),
+        "--served-model-name",
+        spec.model.name or meta.name,
+        "--shutdown-timeout",
+        str(SHUTDOWN_TIMEOUT_S),
+    ]
     if spec.model.source != "embedded":
         args += ["--model", model_path(spec)]
     return args
@@ -344,14 +380,12 @@ def _router(spec: InferenceServiceSpec, meta: ObjectMeta) -> Manifest:
         "command": ["kvmesh"],
         "args": _router_args(spec, meta),
         "env": [
-            {"name": "POD_NAMESPACE",
-             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             *_cache_env(),
         ],
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"},
-                          "periodSeconds": 10, "failureThreshold": 6},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},
         "resources": _resources(r, default_gpus=0),
         "securityContext": _security_context(),
@@ -377,8 +411,7 @@ def _router_rbac(meta: ObjectMeta) -> list[Manifest]:
     role = _object("rbac.authorization.k8s.io/v1", "Role", name, meta, "router")
     role["rules"] = [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-         "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
     ]
     binding = _object("rbac.authorization.k8s.io/v1", "RoleBinding", name, meta, "router")
     binding["roleRef"] = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}
@@ -410,8 +443,7 @@ def _services(meta: ObjectMeta) -> list[Manifest]:
     out = [front, workers]
     for role in ("prefill", "decode"):
         svc = _object("v1", "Service", role_service(meta, role), meta, role)
-        svc["spec"] = {"clusterIP": "None", "selector": selector(meta, role),
-                       "ports": _worker_ports()}
+        svc["spec"] = {"clusterIP": "None", "selector": selector(meta, role), "ports": _worker_ports()}
         out.append(svc)
     return out
 
@@ -427,29 +459,37 @@ def _hpas(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manifest]:
     out = []
     a = spec.autoscaling
     for role, s, metrics in (
-        ("prefill", a.prefill, [("kvmesh_time_to_first_token_p90_seconds",
-                                 f"{a.prefill.target_ttft_ms}m")]),
-        ("decode", a.decode, [("kvmesh_inter_token_latency_p90_seconds",
-                               f"{a.decode.target_itl_ms}m"),
-                              ("kvmesh_kv_cache_usage_ratio",
-                               f"{round((a.decode.target_kv_usage or 0.8) * 1000)}m")]),
+        ("prefill", a.prefill, [("kvmesh_time_to_first_token_p90_seconds", f"{a.prefill.target_ttft_ms}m")]),
+        (
+            "decode",
+            a.decode,
+            [
+                ("kvmesh_inter_token_latency_p90_seconds", f"{a.decode.target_itl_ms}m"),
+                ("kvmesh_kv_cache_usage_ratio", f"{round((a.decode.target_kv_usage or 0.8) * 1000)}m"),
+            ],
+        ),
     ):
-        hpa = _object("autoscaling/v2", "HorizontalPodAutoscaler", f"{meta.name}-{role}",
-                      meta, role)
+        hpa = _object("autoscaling/v2", "HorizontalPodAutoscaler", f"{meta.name}-{role}", meta, role)
         hpa["spec"] = {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
-                               "name": f"{meta.name}-{role}"},
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{meta.name}-{role}"},
             "minReplicas": s.min_replicas,
             "maxReplicas": s.max_replicas,
-            "metrics": [{"type": "Pods", "pods": {
-                "metric": {"name": name},
-                "target": {"type": "AverageValue", "averageValue": value}}}
-                for name, value in metrics],
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {"metric": {"name": name}, "target": {"type": "AverageValue", "averageValue": value}},
+                }
+                for name, value in metrics
+            ],
             "behavior": {
-                "scaleUp": {"stabilizationWindowSeconds": 0,
-                            "policies": [{"type": "Percent", "value": 100, "periodSeconds": 30}]},
-                "scaleDown": {"stabilizationWindowSeconds": s.scale_down_stabilization_s,
-                              "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}]},
+                "scaleUp": {
+                    "stabilizationWindowSeconds": 0,
+                    "policies": [{"type": "Percent", "value": 100, "periodSeconds": 30}],
+                },
+                "scaleDown": {
+                    "stabilizationWindowSeconds": s.scale_down_stabilization_s,
+                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}],
+                },
             },
         }
         out.append(hpa)
@@ -463,25 +503,24 @@ def _redis(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manifest]:
         "imagePullPolicy": spec.image_pull_policy,
         # No persistence (a cache, rebuilt by prefill); protected mode off because the workers
         # reach it over the pod network (it refuses every non-loopback client otherwise).
-        "args": ["--save", "", "--appendonly", "no", "--protected-mode", "no",
-                 "--bind", "0.0.0.0", "--dir", "/data"],
+        "args": ["--save", "", "--appendonly", "no", "--protected-mode", "no", "--bind", "0.0.0.0", "--dir", "/data"],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
         "securityContext": _security_context(),
         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
     }
-    dep = _deployment(spec, meta, "redis", container,
-                      {"volumes": [{"name": "data", "emptyDir": {}}]}, 1, "", {})
+    dep = _deployment(spec, meta, "redis", container, {"volumes": [{"name": "data", "emptyDir": {}}]}, 1, "", {})
     dep["spec"]["strategy"] = {"type": "Recreate"}
     svc = _object("v1", "Service", f"{meta.name}-redis", meta, "redis")
-    svc["spec"] = {"type": "ClusterIP", "selector": selector(meta, "redis"),
-                   "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": "redis",
-                              "protocol": "TCP"}]}
+    svc["spec"] = {
+        "type": "ClusterIP",
+        "selector": selector(meta, "redis"),
+        "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}],
+    }
     return [dep, svc]
 
 
-def render(spec: InferenceServiceSpec | Mapping[str, Any],
-           meta: ObjectMeta | Mapping[str, Any]) -> list[Manifest]:
+def render(spec: InferenceServiceSpec | Mapping[str, Any], meta: ObjectMeta | Mapping[str, Any]) -> list[Manifest]:
     """Every child object for one InferenceService, in apply order (config and RBAC first).
 
     Accepts the plain dicts kopf hands to handlers or the typed views from spec.py.
@@ -499,9 +538,11 @@ def render(spec: InferenceServiceSpec | Mapping[str, Any],
     out: list[Manifest] = [cm, *_router_rbac(meta)]
     if spec.connector.type == "redis" and spec.connector.redis_managed:
         out += _redis(spec, meta)
-    out += [_worker(spec, meta, "prefill", config_hash),
-            _worker(spec, meta, "decode", config_hash),
-            _router(spec, meta)]
+    out += [
+        _worker(spec, meta, "prefill", config_hash),
+        _worker(spec, meta, "decode", config_hash),
+        _router(spec, meta),
+    ]
     out += _services(meta)
     out += [_pdb(meta, c) for c in ("prefill", "decode", "router")]
     if spec.autoscaling.enabled:

@@ -31,8 +31,7 @@ def problems(spec: InferenceServiceSpec) -> list[str]:
     if spec.connector.type == "redis" and url is not None:
         parts = urlsplit(url)
         if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-            out.append(
-                f"kvConnector.redis.url {url!r} is not a redis:// or rediss:// URL with a host")
+            out.append(f"kvConnector.redis.url {url!r} is not a redis:// or rediss:// URL with a host")
     if spec.autoscaling.enabled:
         for role in ("prefill", "decode"):
             if spec.role(role).replicas == 0:

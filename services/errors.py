@@ -5,6 +5,7 @@ is the HTTP status, so clients written against vLLM see the same bodies. The API
 server and the router both answer through this module: a client behind the
 router sees the same ``type`` whether the router or the pod refused it.
 """
+
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
@@ -26,8 +27,9 @@ _TYPES = {
 class APIError(Exception):
     """Raised by handlers; turned into an OpenAI-schema JSON response by the app's exception handler."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -39,8 +41,9 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": _TYPES.get(status, "APIError"), "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 

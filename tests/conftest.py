@@ -5,6 +5,7 @@ of the folder it sits in: a test without one would silently fall out of every `m
 selection, and one in the wrong folder would run in a process it was not meant for, so collection
 refuses both. A unit test that connects or binds a network socket fails.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif tiers == ["e2e"] and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
     if bad:
-        raise pytest.UsageError(f"each test needs exactly one tier marker of {', '.join(TIERS)}, the one of its "
-                                "folder (pytestmark = pytest.mark.<tier> in its module):\n  " + "\n  ".join(bad))
+        raise pytest.UsageError(
+            f"each test needs exactly one tier marker of {', '.join(TIERS)}, the one of its "
+            "folder (pytestmark = pytest.mark.<tier> in its module):\n  " + "\n  ".join(bad)
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -50,9 +53,11 @@ def _unit_tests_use_no_network(request: pytest.FixtureRequest, monkeypatch: pyte
     def refuse(name: str, real):
         def call(sock: socket.socket, address, *args):
             if sock.family in (socket.AF_INET, socket.AF_INET6):
-                raise RuntimeError(f"a unit test may not open network sockets ({name} {address!r}): "
-                                   "it belongs in tests/integration")
+                raise RuntimeError(
+                    f"a unit test may not open network sockets ({name} {address!r}): it belongs in tests/integration"
+                )
             return real(sock, address, *args)
+
         return call
 
     for name in ("connect", "connect_ex", "bind"):
@@ -77,8 +82,9 @@ def hf_model():
 
     warnings.filterwarnings("ignore")
     path = embedded_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
     model.eval()
     return model
 

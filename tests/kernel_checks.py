@@ -12,6 +12,7 @@ Each ``check_<family>(gen)`` records its checks with `record` into `CHECKS`, and
 failed ones into `FAILED`; it runs on CUDA when there is a GPU, else on the CPU (where
 tests/kernels has the interpreter run the kernels). Set ``KVMESH_CHECK_DEVICE`` to choose.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,6 +30,8 @@ DEV = os.environ.get("KVMESH_CHECK_DEVICE") or ("cuda" if torch.cuda.is_availabl
 def sync():
     if DEV == "cuda":
         torch.cuda.synchronize()
+
+
 CHECKS: list[dict] = []  # every recorded check, in order
 FAILED: list[str] = []  # the names of the failed ones
 
@@ -94,8 +97,9 @@ def record(name, err, bound, **info):
 # --------------------------------------------------------------------------- problem builders
 
 
-def make_paged(q_lens, ctx_lens, hq, hkv, d, bs, dtype, num_layers=2, layer=1, extra_blocks=7, gen=None,
-               head_major=False):
+def make_paged(
+    q_lens, ctx_lens, hq, hkv, d, bs, dtype, num_layers=2, layer=1, extra_blocks=7, gen=None, head_major=False
+):
     """Random paged KV in the engine layout + packed queries for the given lengths.
 
     Pages are a random permutation of the pool, and the per-layer caches are the
@@ -114,15 +118,16 @@ def make_paged(q_lens, ctx_lens, hq, hkv, d, bs, dtype, num_layers=2, layer=1, e
     bt = torch.zeros(len(q_lens), width, dtype=torch.int32, device=DEV)
     i = 0
     for b, nb in enumerate(nbs):
-        bt[b, :nb] = perm[i:i + nb]
+        bt[b, :nb] = perm[i : i + nb]
         i += nb
     T = sum(q_lens)
     q = torch.randn(T, hq, d, dtype=dtype, device=DEV, generator=gen)
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=DEV)
     qsl[1:] = torch.tensor(q_lens, device=DEV).cumsum(0)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
-    return dict(q=q, kv=kv, k=kv[:, layer, 0], v=kv[:, layer, 1], bt=bt, qsl=qsl, sl=sl,
-                max_q=max(q_lens), max_s=max(seq_lens))
+    return dict(
+        q=q, kv=kv, k=kv[:, layer, 0], v=kv[:, layer, 1], bt=bt, qsl=qsl, sl=sl, max_q=max(q_lens), max_s=max(seq_lens)
+    )
 
 
 # --------------------------------------------------------------------------- checks
@@ -143,37 +148,103 @@ def check_attention(gen):
         ("mixed gqa4 bs32", [1, 150, 1, 33, 1], [500, 77, 1, 0, 4000], 32, 8, 128, 32, torch.bfloat16, {}),
         ("mixed gqa3 split2", [1, 40, 1], [3000, 200, 17], 24, 8, 128, 16, torch.bfloat16, dict(num_segments=2)),
         ("mixed gqa8 d64", [3, 1, 70], [10, 1000, 90], 64, 8, 64, 16, torch.bfloat16, {}),
-        ("mixed gqa4 k_natural", [1, 150, 1, 33, 1], [500, 77, 1, 0, 4000], 32, 8, 128, 16, torch.bfloat16,
-         dict(k_natural=True)),
-        ("mixed gqa4 head_fastest split2", [1, 150, 1, 33, 1], [500, 77, 1, 0, 4000], 32, 8, 128, 16,
-         torch.bfloat16, dict(head_fastest=True, num_segments=2)),
+        (
+            "mixed gqa4 k_natural",
+            [1, 150, 1, 33, 1],
+            [500, 77, 1, 0, 4000],
+            32,
+            8,
+            128,
+            16,
+            torch.bfloat16,
+            dict(k_natural=True),
+        ),
+        (
+            "mixed gqa4 head_fastest split2",
+            [1, 150, 1, 33, 1],
+            [500, 77, 1, 0, 4000],
+            32,
+            8,
+            128,
+            16,
+            torch.bfloat16,
+            dict(head_fastest=True, num_segments=2),
+        ),
         ("mixed gqa2 d96", [1, 50, 1], [300, 20, 4000], 8, 4, 96, 16, torch.bfloat16, {}),
         ("mixed fp16", [1, 150, 1, 33], [500, 77, 1, 40], 32, 8, 128, 16, torch.float16, {}),
         ("mixed fp32", [1, 150, 1, 33], [500, 77, 1, 40], 32, 8, 128, 16, torch.float32, {}),
         ("mixed fp32 split4", [1, 20, 1], [900, 300, 60], 16, 4, 64, 16, torch.float32, dict(num_segments=4)),
-        ("decode gqa4 bs16 tma", [1] * 9, [37, 700, 1, 16, 15, 300, 2047, 64, 129], 32, 8, 128, 16, torch.bfloat16,
-         dict(tma=True)),
+        (
+            "decode gqa4 bs16 tma",
+            [1] * 9,
+            [37, 700, 1, 16, 15, 300, 2047, 64, 129],
+            32,
+            8,
+            128,
+            16,
+            torch.bfloat16,
+            dict(tma=True),
+        ),
         ("decode gqa1 bs32 d64 tma", [1] * 5, [5, 100, 31, 32, 400], 8, 8, 64, 32, torch.bfloat16, dict(tma=True)),
-        ("decode gqa4 fp16 tma, a padded sequence", [1, 0, 1], [300, 5, 4000], 32, 8, 128, 16, torch.float16,
-         dict(tma=True)),
-        ("decode gqa4 tma split4", [1, 1, 0, 1], [9000, 17, 3, 2047], 32, 8, 128, 16, torch.bfloat16,
-         dict(tma=True, num_segments=4)),
+        (
+            "decode gqa4 fp16 tma, a padded sequence",
+            [1, 0, 1],
+            [300, 5, 4000],
+            32,
+            8,
+            128,
+            16,
+            torch.float16,
+            dict(tma=True),
+        ),
+        (
+            "decode gqa4 tma split4",
+            [1, 1, 0, 1],
+            [9000, 17, 3, 2047],
+            32,
+            8,
+            128,
+            16,
+            torch.bfloat16,
+            dict(tma=True, num_segments=4),
+        ),
     ]
-    cases += [(name + " head-major", *rest[:-1], dict(rest[-1], head_major=True))
-              for name, *rest in cases if name in ("decode gqa4 bs16", "decode gqa4 split16", "mixed gqa4 bs32",
-                                                   "chunked prefill gqa4", "decode gqa4 bs16 tma")]
+    cases += [
+        (name + " head-major", *rest[:-1], dict(rest[-1], head_major=True))
+        for name, *rest in cases
+        if name
+        in (
+            "decode gqa4 bs16",
+            "decode gqa4 split16",
+            "mixed gqa4 bs32",
+            "chunked prefill gqa4",
+            "decode gqa4 bs16 tma",
+        )
+    ]
     for name, q_lens, ctx, hq, hkv, d, bs, dtype, ov in cases:
         ov = dict(ov)
         p = make_paged(q_lens, ctx, hq, hkv, d, bs, dtype, gen=gen, head_major=ov.pop("head_major", False))
-        scale = d ** -0.5
+        scale = d**-0.5
         T = p["q"].shape[0]
         out = torch.full((T + 3, hq, d), float("nan"), dtype=dtype, device=DEV)  # 3 padding tokens
         q_pad = torch.cat([p["q"], torch.randn(3, hq, d, dtype=dtype, device=DEV, generator=gen)])
-        K.paged_attention(q_pad, p["k"], p["v"], p["bt"], p["qsl"], p["sl"], scale, out=out,
-                          max_query_len=p["max_q"], max_seq_len=p["max_s"], **ov)
+        K.paged_attention(
+            q_pad,
+            p["k"],
+            p["v"],
+            p["bt"],
+            p["qsl"],
+            p["sl"],
+            scale,
+            out=out,
+            max_query_len=p["max_q"],
+            max_seq_len=p["max_s"],
+            **ov,
+        )
         sync()
-        ref = K.paged_attention_reference(p["q"].float(), p["k"].float(), p["v"].float(), p["bt"], p["qsl"],
-                                          p["sl"], scale)
+        ref = K.paged_attention_reference(
+            p["q"].float(), p["k"].float(), p["v"].float(), p["bt"], p["qsl"], p["sl"], scale
+        )
         err = rel_err(out[:T], ref)
         untouched = bool(torch.isnan(out[T:]).all())
         record(f"paged_attention {name} {str(dtype)[6:]}", err if untouched else float("inf"), ATT_BOUND[dtype])
@@ -189,7 +260,7 @@ def check_cuda_graph(gen):
 def _check_cuda_graph(gen, tma, nseg):
     p = make_paged([1] * 6, [100, 2000, 5, 900, 31, 4000], 32, 8, 128, 16, torch.bfloat16, gen=gen)
     out = torch.empty_like(p["q"])
-    args = (p["q"], p["k"], p["v"], p["bt"], p["qsl"], p["sl"], 128 ** -0.5)
+    args = (p["q"], p["k"], p["v"], p["bt"], p["qsl"], p["sl"], 128**-0.5)
     kw = dict(out=out, max_query_len=1, max_seq_len=4096, tma=tma, num_segments=nseg)
     K.paged_attention(*args, **kw)  # compile outside capture
     sync()
@@ -201,11 +272,15 @@ def _check_cuda_graph(gen, tma, nseg):
     out.fill_(float("nan"))
     g.replay()
     sync()
-    ref = K.paged_attention_reference(p["q"].float(), p["k"].float(), p["v"].float(), p["bt"], p["qsl"],
-                                      p["sl"], 128 ** -0.5)
-    record(f"paged_attention decode in CUDA graph (replayed, new q and lens){' tma' if tma else ''}"
-           f"{f' split{nseg}' if nseg else ''}",
-           rel_err(out, ref), 1.5e-2)
+    ref = K.paged_attention_reference(
+        p["q"].float(), p["k"].float(), p["v"].float(), p["bt"], p["qsl"], p["sl"], 128**-0.5
+    )
+    record(
+        f"paged_attention decode in CUDA graph (replayed, new q and lens){' tma' if tma else ''}"
+        f"{f' split{nseg}' if nseg else ''}",
+        rel_err(out, ref),
+        1.5e-2,
+    )
 
 
 def check_pdl(gen):
@@ -222,11 +297,13 @@ def check_pdl(gen):
     p = make_paged([1], [ctx], hq, hkv, d, 16, torch.bfloat16, gen=gen)
 
     def w(n, k):
-        return (torch.randn(n, k, device=DEV, generator=gen) / k ** 0.5).to(torch.bfloat16)
+        return (torch.randn(n, k, device=DEV, generator=gen) / k**0.5).to(torch.bfloat16)
 
     wq, wo, wgu, wd = w((hq + 2 * hkv) * d, H), w(H, hq * d), w(2 * inter, H), w(H, inter)
-    n1, n2 = (torch.rand(H, device=DEV, generator=gen) + 0.5).to(torch.bfloat16), torch.ones(H, dtype=torch.bfloat16,
-                                                                                               device=DEV)
+    n1, n2 = (
+        (torch.rand(H, device=DEV, generator=gen) + 0.5).to(torch.bfloat16),
+        torch.ones(H, dtype=torch.bfloat16, device=DEV),
+    )
     x0 = torch.randn(1, H, dtype=torch.bfloat16, device=DEV, generator=gen)
     inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=DEV).float() / d))
     fr = torch.outer(torch.arange(2048, device=DEV).float(), inv)
@@ -240,8 +317,9 @@ def check_pdl(gen):
             y, res = K.rms_norm(h, n1, 1e-5, res)
             q, k, v = K.linear(y, wq).split([hq * d, hkv * d, hkv * d], -1)
             q = K.rope_write_kv(pos, q.view(1, hq, d), k.view(1, hkv, d), v.view(1, hkv, d), p["k"], p["v"], slot, cs)
-            a = K.paged_attention(q, p["k"], p["v"], p["bt"], p["qsl"], p["sl"], d ** -0.5, max_query_len=1,
-                                  max_seq_len=2048)
+            a = K.paged_attention(
+                q, p["k"], p["v"], p["bt"], p["qsl"], p["sl"], d**-0.5, max_query_len=1, max_seq_len=2048
+            )
             y, res = K.rms_norm(K.linear(a.view(1, hq * d), wo), n2, 1e-5, res)
             h = K.silu_mul_linear(K.linear(y, wgu), wd)
         return h
@@ -263,11 +341,15 @@ def check_pdl(gen):
                 sync()
                 same &= torch.equal(out, eager)
             outs[flag] = eager
-            record(f"one-token decode chain, PDL {'on' if flag == '1' else 'off'}: 20 graph replays = eager",
-                   0.0 if same else 1.0, 0.0)
+            record(
+                f"one-token decode chain, PDL {'on' if flag == '1' else 'off'}: 20 graph replays = eager",
+                0.0 if same else 1.0,
+                0.0,
+            )
             del g
-        record("one-token decode chain: PDL on = off, bit for bit", 0.0 if torch.equal(outs["0"], outs["1"]) else 1.0,
-               0.0)
+        record(
+            "one-token decode chain: PDL on = off, bit for bit", 0.0 if torch.equal(outs["0"], outs["1"]) else 1.0, 0.0
+        )
     finally:
         if saved is None:
             os.environ.pop("KVMESH_PDL", None)
@@ -355,7 +437,7 @@ def top_p_rows(gen, rows, V):
     values), with top_p values from tiny to 1 (0.95, random, 0.99995, 1 in turn)."""
     flat = torch.randn(rows, V, device=DEV, generator=gen)
     rank = torch.arange(1, V + 1, device=DEV).float().log()
-    peaked = (-1.8 * rank + 0.3 * torch.randn(rows, V, device=DEV, generator=gen))
+    peaked = -1.8 * rank + 0.3 * torch.randn(rows, V, device=DEV, generator=gen)
     peaked = peaked.gather(1, torch.rand(rows, V, device=DEV, generator=gen).argsort(-1))
     ties = torch.randint(0, 6, (rows, V), device=DEV, generator=gen).float()
     top_p = torch.rand(rows, device=DEV, generator=gen)
@@ -381,8 +463,9 @@ def check_softmax(gen, rows=6, V=3000):
             ref = K.softmax_temperature_reference(xd, temps)
             top = ref.max(-1, keepdim=True).values
             big = ref > 1e-6 * top
-            err = max(float(((got - ref).abs() / top).max()),
-                      float(((got - ref).abs() / ref.clamp_min(1e-38))[big].max()))
+            err = max(
+                float(((got - ref).abs() / top).max()), float(((got - ref).abs() / ref.clamp_min(1e-38))[big].max())
+            )
             record(f"softmax_temperature {str(dtype)[6:]} {R}x{V}", err, 2e-5)
 
 
@@ -398,8 +481,12 @@ def check_top_p(gen, rows=6, V=3000):
             ref = K.top_p_threshold_reference(p, top_p)
             differ = int((t != ref).sum())
             again = 0.0 if torch.equal(K.top_p_threshold(p, top_p), t) else 1.0
-            record(f"top_p_threshold {name} {R}x{V}", max(top_p_rule_err(p, top_p, t), again), 3e-5,
-                   rows_differing_from_reference=differ)
+            record(
+                f"top_p_threshold {name} {R}x{V}",
+                max(top_p_rule_err(p, top_p, t), again),
+                3e-5,
+                rows_differing_from_reference=differ,
+            )
 
 
 def check_race(gen, rows=6, V=3000):
@@ -428,10 +515,10 @@ def check_race(gen, rows=6, V=3000):
 
 def random_seeds(gen, rows):
     """``[rows, 2]`` (seed, draw counter): random 63-bit seeds and counters, with the extremes."""
-    seeds = torch.randint(0, 2 ** 62, (rows, 2), generator=gen, device=DEV) * 2
+    seeds = torch.randint(0, 2**62, (rows, 2), generator=gen, device=DEV) * 2
     seeds[:, 1] %= 1 << 31
     seeds[0] = torch.tensor([0, 0])
-    seeds[-1] = torch.tensor([2 ** 63 - 1, 2 ** 31 - 1])
+    seeds[-1] = torch.tensor([2**63 - 1, 2**31 - 1])
     return seeds
 
 
@@ -449,8 +536,12 @@ def check_race_noise(gen, rows=6, V=3000):
         err = float(((got - ref).abs() / ref).max())
         again = torch.equal(got, K.race_noise(seeds, V))
         streams = torch.equal(got[1], got[2]) and not bool((got[2] == got[3]).all())
-        record(f"race_noise {R}x{V}", err + (0.0 if again and streams else 1.0),
-               0.0 if DEV == "cpu" else 2e-5, mean=float(got.mean()))
+        record(
+            f"race_noise {R}x{V}",
+            err + (0.0 if again and streams else 1.0),
+            0.0 if DEV == "cpu" else 2e-5,
+            mean=float(got.mean()),
+        )
 
 
 def check_fused(gen):
@@ -460,13 +551,13 @@ def check_fused(gen):
     untouched slots exact)."""
     for n, k, bias in ((6144, 4096, False), (1000, 4096, True), (4096, 14336, False), (517, 1000, False)):
         x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV, generator=gen)
-        w = (torch.randn(n, k, device=DEV, generator=gen) / k ** 0.5).to(torch.bfloat16)
+        w = (torch.randn(n, k, device=DEV, generator=gen) / k**0.5).to(torch.bfloat16)
         b = torch.randn(n, dtype=torch.bfloat16, device=DEV, generator=gen) if bias else None
         y = K.linear(x, w, b)
         ref = F.linear(x.double(), w.double(), None if b is None else b.double())
         record(f"gemv {n}x{k}{' +bias' if bias else ''} bf16", rel_err(y, ref), 8e-3)
     x = torch.randn(1, 2 * 14336, dtype=torch.bfloat16, device=DEV, generator=gen)
-    w = (torch.randn(4096, 14336, device=DEV, generator=gen) / 14336 ** 0.5).to(torch.bfloat16)
+    w = (torch.randn(4096, 14336, device=DEV, generator=gen) / 14336**0.5).to(torch.bfloat16)
     ref = F.linear(K.silu_and_mul(x).double(), w.double())  # the activation rounded as the kernel rounds it
     record("silu_mul_linear 4096x14336 bf16", rel_err(K.silu_mul_linear(x, w), ref), 8e-3)
     T = 37
@@ -490,6 +581,7 @@ def check_fused(gen):
     k_got = kv[:, 1, 0].reshape(64 * 16, 8, 128)[slots[ok]]  # rotated keys, in token order
     k_ref = expect[:, 1, 0].reshape(64 * 16, 8, 128)[slots[ok]]
     err = max(rope_err(qo, qr, q, pos, cs, torch.bfloat16), rope_err(k_got, k_ref, k[ok], pos[ok], cs, torch.bfloat16))
-    exact = (torch.equal(kv[untouched], expect[untouched])
-             and torch.equal(kv[:, 1, 1][written], expect[:, 1, 1][written]))
+    exact = torch.equal(kv[untouched], expect[untouched]) and torch.equal(
+        kv[:, 1, 1][written], expect[:, 1, 1][written]
+    )
     record("rope_write_kv bf16", err if exact else float("inf"), 2.0)

@@ -4,6 +4,7 @@
 command line (``--kv-connector nixl|redis|none``) becomes an object; the heavy
 imports (nixl, redis) happen only for the connector actually chosen.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

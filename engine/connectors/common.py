@@ -4,6 +4,7 @@ The layout description is what two engines compare before moving bytes between t
 a block is raw bytes, so the only protection against reading garbage is refusing to
 move blocks between engines whose block shape, dtype or model differ.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -4,6 +4,7 @@ The answer comes from a "meta" handshake with the side channel the params name, 
 burst of requests costs one round trip; ``NixlConnector.prepare_kv_transfer_params`` runs it on a helper
 thread so the step loop never waits on a remote engine.
 """
+
 from __future__ import annotations
 
 import collections
@@ -51,8 +52,9 @@ class PeerMetaCache:
     SIZE = 256
     FRESH_S = 2.0  # a handshake younger than this is not repeated to re-check a mismatch
 
-    def __init__(self, ask: Callable[[str, int, dict], dict], problem: Callable[[dict, dict], str | None],
-                 stats: dict[str, int]) -> None:
+    def __init__(
+        self, ask: Callable[[str, int, dict], dict], problem: Callable[[dict, dict], str | None], stats: dict[str, int]
+    ) -> None:
         self._ask = ask
         self._problem = problem
         self._stats = stats

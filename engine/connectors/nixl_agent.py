@@ -4,6 +4,7 @@ The pool is block-first, so a block of all layers is one contiguous byte range: 
 one descriptor per block, not per layer. Remote pools are added once per remote agent and kept. NIXL
 objects are touched from the engine thread only (NIXL is not guaranteed thread-safe).
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,16 +42,27 @@ def block_descs(base: int, n: int, block_bytes: int, dev: int) -> np.ndarray:
 class KVAgent:
     """The agent, its registration of the KV pool and the remote pools it reads from."""
 
-    def __init__(self, name: str, kv_cache: torch.Tensor, layout: BlockLayout, backends: list[str],
-                 ucx_error_handling_mode: str, progress_thread: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        kv_cache: torch.Tensor,
+        layout: BlockLayout,
+        backends: list[str],
+        ucx_error_handling_mode: str,
+        progress_thread: bool,
+    ) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        if layout.mem_type == "VRAM" and "expandable_segments:true" in os.environ.get(
-                "PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
+        if (
+            layout.mem_type == "VRAM"
+            and "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+        ):
             # CUDA VMM memory is not cudaIpc-shareable: UCX would drop from cuda_ipc to a host-staged path
             # (~0.3 GB/s instead of ~hundreds of GB/s between NVLink peers). The pool must be plain cudaMalloc.
-            log.warning("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True; if the KV pool came from an "
-                        "expandable segment, NIXL cannot use cuda_ipc for it and VRAM reads will be very slow")
+            log.warning(
+                "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True; if the KV pool came from an "
+                "expandable segment, NIXL cannot use cuda_ipc for it and VRAM reads will be very slow"
+            )
         self.name = name
         self._kv_cache = kv_cache  # keep the registered memory alive as long as the agent
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
@@ -58,9 +70,13 @@ class KVAgent:
             params = {"ucx_error_handling_mode": ucx_error_handling_mode} if b == "UCX" else {}
             self.agent.create_backend(b, params)
         self._reg = self.agent.register_memory(
-            [(layout.base_addr, layout.num_blocks * layout.block_bytes, layout.dev_id, "")], layout.mem_type)
-        self._local_dlist = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(
-            layout.base_addr, layout.num_blocks, layout.block_bytes, layout.dev_id), layout.mem_type)
+            [(layout.base_addr, layout.num_blocks * layout.block_bytes, layout.dev_id, "")], layout.mem_type
+        )
+        self._local_dlist = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT",
+            block_descs(layout.base_addr, layout.num_blocks, layout.block_bytes, layout.dev_id),
+            layout.mem_type,
+        )
         self._remotes: dict[str, Remote] = {}
 
     def metadata(self) -> bytes:
@@ -81,8 +97,13 @@ class KVAgent:
     def read(self, local_ids: list[int], remote: Remote, remote_ids: list[int], notif: bytes) -> Any:
         """Post one READ of ``remote_ids`` into ``local_ids`` that notifies the remote with ``notif``."""
         handle = self.agent.make_prepped_xfer(
-            "READ", self._local_dlist, np.asarray(local_ids, dtype=np.int32),
-            remote.dlist, np.asarray(remote_ids, dtype=np.int32), notif)
+            "READ",
+            self._local_dlist,
+            np.asarray(local_ids, dtype=np.int32),
+            remote.dlist,
+            np.asarray(remote_ids, dtype=np.int32),
+            notif,
+        )
         if self.agent.transfer(handle) == "ERR":
             raise RuntimeError("NIXL refused to post the READ")
         return handle

@@ -38,6 +38,7 @@ registrations), ``nixl_leases`` (prefill: held blocks), ``nixl_pulls`` (decode: 
 pull), ``nixl_admission`` (decode: the handshake cache); this one holds the
 connector's two halves and wires them together.
 """
+
 from __future__ import annotations
 
 import collections
@@ -72,12 +73,22 @@ log = logging.getLogger("kvmesh.connector.nixl")
 class NixlConnector(KVConnector):
     name = "nixl"
 
-    def __init__(self, engine_config: EngineConfig | None = None, *, side_channel_host: str = "127.0.0.1",
-                 side_channel_port: int = 0, advertise_host: str | None = None, lease_s: float = 30.0,
-                 handshake_timeout_s: float = 5.0, transfer_timeout_s: float = 30.0,
-                 backends: tuple[str, ...] = ("UCX",), serve: bool | None = None,
-                 poll_sleep_s: float = 0.001, ucx_error_handling_mode: str = "peer",
-                 progress_thread: bool = False) -> None:
+    def __init__(
+        self,
+        engine_config: EngineConfig | None = None,
+        *,
+        side_channel_host: str = "127.0.0.1",
+        side_channel_port: int = 0,
+        advertise_host: str | None = None,
+        lease_s: float = 30.0,
+        handshake_timeout_s: float = 5.0,
+        transfer_timeout_s: float = 30.0,
+        backends: tuple[str, ...] = ("UCX",),
+        serve: bool | None = None,
+        poll_sleep_s: float = 0.001,
+        ucx_error_handling_mode: str = "peer",
+        progress_thread: bool = False,
+    ) -> None:
         """``serve`` starts the side channel (default: every role except ``decode``).
 
         ``lease_s`` bounds how long unclaimed blocks stay held; a claim extends the
@@ -100,8 +111,9 @@ class NixlConnector(KVConnector):
         """
         self.side_channel_host = side_channel_host
         self.side_channel_port = side_channel_port
-        self.advertise_host = advertise_host or (side_channel_host if side_channel_host not in ("0.0.0.0", "")
-                                                 else "127.0.0.1")
+        self.advertise_host = advertise_host or (
+            side_channel_host if side_channel_host not in ("0.0.0.0", "") else "127.0.0.1"
+        )
         self.lease_s = float(lease_s)
         self.handshake_timeout_s = float(handshake_timeout_s)
         self.transfer_timeout_s = float(transfer_timeout_s)
@@ -115,9 +127,18 @@ class NixlConnector(KVConnector):
         self.agent_name: str | None = None
         self._meta: dict[str, Any] | None = None
         self.stats: dict[str, int] = {
-            "loads_started": 0, "loads_done": 0, "loads_failed": 0, "blocks_loaded": 0, "bytes_loaded": 0,
-            "sends_held": 0, "sends_done": 0, "sends_released": 0, "leases_expired": 0, "bad_params": 0,
-            "params_rejected": 0, "handshakes": 0,
+            "loads_started": 0,
+            "loads_done": 0,
+            "loads_failed": 0,
+            "blocks_loaded": 0,
+            "bytes_loaded": 0,
+            "sends_held": 0,
+            "sends_done": 0,
+            "sends_released": 0,
+            "leases_expired": 0,
+            "bad_params": 0,
+            "params_rejected": 0,
+            "handshakes": 0,
         }
         # scheduler side (engine thread)
         self._to_load: dict[str, Pull] = {}
@@ -151,8 +172,9 @@ class NixlConnector(KVConnector):
             raise RuntimeError("NixlConnector needs the engine config before register_kv_cache")
         self.layout = lay = BlockLayout.of(kv_cache)
         self.agent_name = f"{self.engine_config.engine_id}-{uuid.uuid4().hex[:12]}"
-        self.agent = KVAgent(self.agent_name, kv_cache, lay, self.backends, self.ucx_error_handling_mode,
-                             self.progress_thread)
+        self.agent = KVAgent(
+            self.agent_name, kv_cache, lay, self.backends, self.ucx_error_handling_mode, self.progress_thread
+        )
         self._meta = {
             "version": PROTOCOL_VERSION,
             "engine_id": self.engine_config.engine_id,
@@ -170,8 +192,7 @@ class NixlConnector(KVConnector):
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-nixl-claim")
         serve = self._serve if self._serve is not None else self.engine_config.role != "decode"
         if serve:
-            self._server = SideChannelServer(self._ctx, self.side_channel_host, self.side_channel_port,
-                                             self._handle)
+            self._server = SideChannelServer(self._ctx, self.side_channel_host, self.side_channel_port, self._handle)
             self.port = self._server.port
 
     def _handle(self, msg: dict) -> dict:
@@ -198,8 +219,12 @@ class NixlConnector(KVConnector):
         is still found at pull time and answered by recomputing.
         """
         problem = check_kv_transfer_params(params)
-        if problem is None and isinstance(params, dict) and params.get("do_remote_prefill") \
-                and params.get("remote_block_ids"):
+        if (
+            problem is None
+            and isinstance(params, dict)
+            and params.get("do_remote_prefill")
+            and params.get("remote_block_ids")
+        ):
             problem = self._check_remote(params)
         if problem is not None:
             self.stats["params_rejected"] += 1
@@ -207,8 +232,12 @@ class NixlConnector(KVConnector):
 
     def prepare_kv_transfer_params(self, params: Any) -> concurrent.futures.Future | None:
         """Run the handshake ``validate_kv_transfer_params`` needs on a helper thread; None if not needed."""
-        if check_kv_transfer_params(params) is not None or not isinstance(params, dict) \
-                or not params.get("do_remote_prefill") or not params.get("remote_block_ids"):
+        if (
+            check_kv_transfer_params(params) is not None
+            or not isinstance(params, dict)
+            or not params.get("do_remote_prefill")
+            or not params.get("remote_block_ids")
+        ):
             return None
         addr = (params["remote_host"], params["remote_port"])
         if self._peers.usable(addr, params) is not None:
@@ -278,8 +307,11 @@ class NixlConnector(KVConnector):
         n = self._usable_blocks(request)
         if n is None:
             self.stats["bad_params"] += 1
-            log.warning("request %s: kv_transfer_params unusable (%s); computing locally", request.request_id,
-                        check_kv_transfer_params(p) or "blocks do not match this prompt, model or block size")
+            log.warning(
+                "request %s: kv_transfer_params unusable (%s); computing locally",
+                request.request_id,
+                check_kv_transfer_params(p) or "blocks do not match this prompt, model or block size",
+            )
             return
         if n == 0:
             return
@@ -291,9 +323,13 @@ class NixlConnector(KVConnector):
         start = request.num_computed_tokens // bs
         k = num_external_tokens // bs
         self._to_load[request.request_id] = Pull(
-            request_id=request.request_id, transfer_id=p["remote_transfer_id"],
-            remote_engine_id=p["remote_engine_id"], host=p["remote_host"], port=p["remote_port"],
-            local_ids=list(block_ids[start:start + k]), remote_ids=list(p["remote_block_ids"][start:start + k]),
+            request_id=request.request_id,
+            transfer_id=p["remote_transfer_id"],
+            remote_engine_id=p["remote_engine_id"],
+            host=p["remote_host"],
+            port=p["remote_port"],
+            local_ids=list(block_ids[start : start + k]),
+            remote_ids=list(p["remote_block_ids"][start : start + k]),
         )
 
     def build_connector_meta(self, sched_out: ConnectorStep | None = None) -> ConnectorMetadata:
@@ -356,8 +392,16 @@ class NixlConnector(KVConnector):
             self.stats["loads_started"] += 1
 
     def _claim(self, ld: Pull) -> dict:
-        reply = self._request(ld.host, ld.port, {"op": "claim", "transfer_id": ld.transfer_id,
-                                                 "block_ids": ld.remote_ids, "timeout_s": self.transfer_timeout_s})
+        reply = self._request(
+            ld.host,
+            ld.port,
+            {
+                "op": "claim",
+                "transfer_id": ld.transfer_id,
+                "block_ids": ld.remote_ids,
+                "timeout_s": self.transfer_timeout_s,
+            },
+        )
         if not reply.get("ok"):
             raise RuntimeError(f"prefill {ld.remote_engine_id} refused the transfer: {reply.get('error')}")
         return reply["meta"]
@@ -395,13 +439,19 @@ class NixlConnector(KVConnector):
                 continue
             del self._loads[rid]
             end = time.monotonic()
-            self.transfer_log.append({
-                "request_id": rid, "ok": bool(outcome), "blocks": len(ld.local_ids),
-                "bytes": len(ld.local_ids) * self.layout.block_bytes,
-                "claim_s": (ld.posted - ld.started) if ld.posted is not None else None,
-                "read_s": (end - ld.posted) if ld.posted is not None else None,
-                "total_s": end - ld.started, "local_ids": list(ld.local_ids), "remote_ids": list(ld.remote_ids),
-            })
+            self.transfer_log.append(
+                {
+                    "request_id": rid,
+                    "ok": bool(outcome),
+                    "blocks": len(ld.local_ids),
+                    "bytes": len(ld.local_ids) * self.layout.block_bytes,
+                    "claim_s": (ld.posted - ld.started) if ld.posted is not None else None,
+                    "read_s": (end - ld.posted) if ld.posted is not None else None,
+                    "total_s": end - ld.started,
+                    "local_ids": list(ld.local_ids),
+                    "remote_ids": list(ld.remote_ids),
+                }
+            )
             if outcome:
                 self.stats["loads_done"] += 1
                 self.stats["blocks_loaded"] += len(ld.local_ids)

@@ -4,6 +4,7 @@ Shared between the engine thread (``hold``, ``collect``) and the side-channel th
 one lock. A hold ends when the reader's READ notification arrives, when the reader releases it over the
 side channel, or when its lease runs out (a claim extends the lease to cover the read).
 """
+
 from __future__ import annotations
 
 import logging
@@ -72,7 +73,7 @@ class HeldBlocks:
             for msgs in notifs.values():
                 for m in msgs:
                     if m.startswith(DONE_PREFIX):
-                        held = self._held.pop(m[len(DONE_PREFIX):].decode(errors="replace"), None)
+                        held = self._held.pop(m[len(DONE_PREFIX) :].decode(errors="replace"), None)
                         if held is not None:
                             done_sending.add(held.request_id)
                             self._stats["sends_done"] += 1
@@ -85,7 +86,10 @@ class HeldBlocks:
                     del self._held[xid]
                     done_sending.add(held.request_id)
                     self._stats["leases_expired"] += 1
-                    log.warning("lease of request %s expired after %.1fs (%s); freeing %d blocks",
-                                held.request_id, now - held.since,
-                                "its reader did not finish" if held.claimed else "no reader came",
-                                len(held.block_ids))
+                    log.warning(
+                        "lease of request %s expired after %.1fs (%s); freeing %d blocks",
+                        held.request_id,
+                        now - held.since,
+                        "its reader did not finish" if held.claimed else "no reader came",
+                        len(held.block_ids),
+                    )

@@ -4,6 +4,7 @@ The claim runs on a helper thread (it only speaks ZMQ); everything that touches 
 thread, in ``Pull.poll``, which ``NixlConnector.get_finished`` calls every step. Every path ends by
 ``deadline``: a pull never holds its blocks longer than the handshake and transfer timeouts allow.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -66,8 +67,9 @@ class Pull:
         self.handle = None
         return True
 
-    def poll(self, agent: KVAgent, now: float, layout: BlockLayout, model_identity: str,
-             transfer_timeout_s: float) -> bool | None:
+    def poll(
+        self, agent: KVAgent, now: float, layout: BlockLayout, model_identity: str, transfer_timeout_s: float
+    ) -> bool | None:
         """True: loaded; False: failed; None: still going. Every path is bounded by ``deadline``."""
         if self.handle is None:
             assert self.future is not None
@@ -76,8 +78,12 @@ class Pull:
             try:
                 self.start_read(agent, self.future.result(), layout, model_identity)
             except Exception as e:
-                log.warning("request %s: KV pull from %s failed before the read: %s; recomputing",
-                            self.request_id, self.remote_engine_id, e)
+                log.warning(
+                    "request %s: KV pull from %s failed before the read: %s; recomputing",
+                    self.request_id,
+                    self.remote_engine_id,
+                    e,
+                )
                 if self.handle is not None:
                     self.release_handle(agent)
                 return False
@@ -101,8 +107,7 @@ class Pull:
                 if now < self.abort_deadline:
                     return None
                 log.error("request %s: read could not be aborted; dropping it", self.request_id)
-            log.warning("request %s: KV read timed out after %.1fs; recomputing", self.request_id,
-                        now - self.started)
+            log.warning("request %s: KV read timed out after %.1fs; recomputing", self.request_id, now - self.started)
             return False
         log.warning("request %s: NIXL read ended in %s; recomputing", self.request_id, state)
         self.release_handle(agent)

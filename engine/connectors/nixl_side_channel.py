@@ -13,6 +13,7 @@ short-lived REQ socket per round trip, bounded by a timeout. Messages (each a ms
 
 A finished READ is announced with a NIXL notification ``DONE_PREFIX + transfer id``, not on this channel.
 """
+
 from __future__ import annotations
 
 import threading

@@ -29,6 +29,7 @@ as they are; a block's value is then copied once (header + payload) on save.
 Loads are reported as async (``get_finished``) so a failure can still fall back
 to recompute: a synchronous load would already have counted the tokens computed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -68,8 +69,14 @@ class BlockFormatError(ValueError):
 def encode_block(layout_sig: bytes, block_hash: bytes, payload: bytes | memoryview) -> bytes:
     """Header + payload as one bytes object (one Redis value)."""
     crc = crc32(payload)
-    return b"".join((_PRE.pack(MAGIC, FORMAT_VERSION, len(layout_sig)), layout_sig,
-                     _POST.pack(block_hash, len(payload), crc), payload))
+    return b"".join(
+        (
+            _PRE.pack(MAGIC, FORMAT_VERSION, len(layout_sig)),
+            layout_sig,
+            _POST.pack(block_hash, len(payload), crc),
+            payload,
+        )
+    )
 
 
 def decode_block(value: bytes, layout_sig: bytes, block_hash: bytes, block_bytes: int) -> memoryview:
@@ -81,8 +88,8 @@ def decode_block(value: bytes, layout_sig: bytes, block_hash: bytes, block_bytes
     if magic != MAGIC or version != FORMAT_VERSION:
         raise BlockFormatError(f"unknown format {magic!r} v{version}")
     off = _PRE.size
-    if bytes(mv[off:off + ll]) != layout_sig:
-        raise BlockFormatError(f"layout {bytes(mv[off:off + ll])!r} is not {layout_sig!r}")
+    if bytes(mv[off : off + ll]) != layout_sig:
+        raise BlockFormatError(f"layout {bytes(mv[off : off + ll])!r} is not {layout_sig!r}")
     off += ll
     if len(mv) < off + _POST.size:
         raise BlockFormatError("value shorter than its header")
@@ -101,10 +108,19 @@ def decode_block(value: bytes, layout_sig: bytes, block_hash: bytes, block_bytes
 class RedisConnector(KVConnector):
     name = "redis"
 
-    def __init__(self, engine_config: EngineConfig | None = None, *, url: str = "redis://127.0.0.1:6379/0",
-                 ttl_s: int | None = 3600, save: bool | None = None, load: bool = True,
-                 save_decode_blocks: bool = True, socket_timeout_s: float = 2.0,
-                 max_batch_bytes: int = 64 << 20, client: Any = None) -> None:
+    def __init__(
+        self,
+        engine_config: EngineConfig | None = None,
+        *,
+        url: str = "redis://127.0.0.1:6379/0",
+        ttl_s: int | None = 3600,
+        save: bool | None = None,
+        load: bool = True,
+        save_decode_blocks: bool = True,
+        socket_timeout_s: float = 2.0,
+        max_batch_bytes: int = 64 << 20,
+        client: Any = None,
+    ) -> None:
         """``save`` defaults to every role but ``decode`` (prefill fills the store, decode reads it);
         turn it on for decode too to make Redis a shared prefix cache of generated text as well.
         ``ttl_s=None`` leaves expiry to Redis' own ``maxmemory-policy`` (e.g. allkeys-lru).
@@ -128,9 +144,18 @@ class RedisConnector(KVConnector):
         self._failed: set[str] = set()
         self._last_error_log = 0.0
         self.stats: dict[str, int] = {
-            "lookups": 0, "lookup_hit_blocks": 0, "loads_done": 0, "loads_failed": 0, "blocks_loaded": 0,
-            "bytes_loaded": 0, "blocks_saved": 0, "bytes_saved": 0, "save_errors": 0, "redis_errors": 0,
-            "corrupt_blocks": 0, "missing_blocks": 0,
+            "lookups": 0,
+            "lookup_hit_blocks": 0,
+            "loads_done": 0,
+            "loads_failed": 0,
+            "blocks_loaded": 0,
+            "bytes_loaded": 0,
+            "blocks_saved": 0,
+            "bytes_saved": 0,
+            "save_errors": 0,
+            "redis_errors": 0,
+            "corrupt_blocks": 0,
+            "missing_blocks": 0,
         }
         if engine_config is not None:
             self.configure(engine_config)
@@ -148,11 +173,14 @@ class RedisConnector(KVConnector):
             # cheaper than stalling the engine loop through a backoff schedule during an outage.
             # The Python packer sends block values without re-copying them (see the module docstring);
             # 1 MiB socket reads: hiredis parses a large reply fed in few big pieces several times faster.
-            self._client = redis.Redis.from_url(self.url, socket_timeout=self.socket_timeout_s,
-                                                socket_connect_timeout=self.socket_timeout_s,
-                                                retry=Retry(NoBackoff(), 0), socket_read_size=1 << 20,
-                                                command_packer=PythonRespSerializer(6000, Encoder(
-                                                    "utf-8", "strict", False).encode))
+            self._client = redis.Redis.from_url(
+                self.url,
+                socket_timeout=self.socket_timeout_s,
+                socket_connect_timeout=self.socket_timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                socket_read_size=1 << 20,
+                command_packer=PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode),
+            )
         return self._client
 
     @property
@@ -213,8 +241,8 @@ class RedisConnector(KVConnector):
         start = request.num_computed_tokens // bs
         n = num_external_tokens // bs
         self._to_load[request.request_id] = {
-            "block_ids": list(block_ids[start:start + n]),
-            "hashes": list(request.block_hashes[start:start + n]),
+            "block_ids": list(block_ids[start : start + n]),
+            "hashes": list(request.block_hashes[start : start + n]),
         }
 
     def build_connector_meta(self, sched_out: ConnectorStep | None = None) -> ConnectorMetadata:
@@ -232,8 +260,10 @@ class RedisConnector(KVConnector):
                 end = min(end, r.num_prompt_tokens)
             first, last = begin // bs, min(end // bs, len(r.block_hashes), len(s.block_ids))
             if last > first:
-                meta.saves[r.request_id] = {"block_ids": list(s.block_ids[first:last]),
-                                            "hashes": list(r.block_hashes[first:last])}
+                meta.saves[r.request_id] = {
+                    "block_ids": list(s.block_ids[first:last]),
+                    "hashes": list(r.block_hashes[first:last]),
+                }
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -253,8 +283,12 @@ class RedisConnector(KVConnector):
         bs = self.layout.block_size if self.layout else 1
         n_full = min(request.num_computed_tokens, request.num_prompt_tokens) // bs
         n_full = min(n_full, len(request.block_hashes))
-        params: dict[str, Any] = {"kv_connector": "redis", "do_remote_prefill": False, "do_remote_decode": False,
-                                  "remote_num_tokens": n_full * bs}
+        params: dict[str, Any] = {
+            "kv_connector": "redis",
+            "do_remote_prefill": False,
+            "do_remote_decode": False,
+            "remote_num_tokens": n_full * bs,
+        }
         if n_full:
             params["remote_block_hash"] = request.block_hashes[n_full - 1].hex()
         return False, params
@@ -291,7 +325,7 @@ class RedisConnector(KVConnector):
         bb = self.layout.block_bytes
         per = max(1, self.max_batch_bytes // bb)
         for i in range(0, len(hashes), per):
-            chunk = hashes[i:i + per]
+            chunk = hashes[i : i + per]
             staged: list[tuple[int, memoryview]] = []
             for j, (h, v) in enumerate(zip(chunk, self.client.mget([self.key(h) for h in chunk]))):
                 if v is None:
@@ -333,9 +367,9 @@ class RedisConnector(KVConnector):
             bb = self.layout.block_bytes
             per = max(1, self.max_batch_bytes // bb)
             for i in range(0, len(ids), per):
-                views = self._block_bytes_view(ids[i:i + per])
+                views = self._block_bytes_view(ids[i : i + per])
                 pipe = self.client.pipeline(transaction=False)
-                for h, raw in zip(hashes[i:i + per], views):
+                for h, raw in zip(hashes[i : i + per], views):
                     # encode_block copies the bytes: after this step the block may be freed and reused.
                     pipe.set(self.key(h), encode_block(self._sig, h, raw), ex=self.ttl_s)
                 pipe.execute()

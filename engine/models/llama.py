@@ -5,6 +5,7 @@ positions, a slot mapping (where each token's K/V goes) and per-sequence block
 tables. Each layer first writes every new K/V, then attends, so a request can
 read blocks another request in the same batch is filling this very step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,13 +30,19 @@ class AttentionMetadata:
 
 
 class LlamaForCausalLM(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 max_positions: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        state_dict: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int | None = None,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -46,25 +53,32 @@ class LlamaForCausalLM(torch.nn.Module):
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in state_dict else w("lm_head.weight")
+        self.lm_head = (
+            self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in state_dict else w("lm_head.weight")
+        )
         self.layers: list[dict[str, torch.Tensor | None]] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                             w(p + "self_attn.v_proj.weight")], 0).contiguous()
+            qkv = torch.cat(
+                [w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"), w(p + "self_attn.v_proj.weight")],
+                0,
+            ).contiguous()
             bias = None
             if p + "self_attn.q_proj.bias" in state_dict:
-                bias = torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
-                                  w(p + "self_attn.v_proj.bias")], 0)
-            self.layers.append({
-                "in_norm": w(p + "input_layernorm.weight"),
-                "qkv": qkv,
-                "qkv_bias": bias,
-                "o": w(p + "self_attn.o_proj.weight"),
-                "post_norm": w(p + "post_attention_layernorm.weight"),
-                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], 0).contiguous(),
-                "down": w(p + "mlp.down_proj.weight"),
-            })
+                bias = torch.cat(
+                    [w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"), w(p + "self_attn.v_proj.bias")], 0
+                )
+            self.layers.append(
+                {
+                    "in_norm": w(p + "input_layernorm.weight"),
+                    "qkv": qkv,
+                    "qkv_bias": bias,
+                    "o": w(p + "self_attn.o_proj.weight"),
+                    "post_norm": w(p + "post_attention_layernorm.weight"),
+                    "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], 0).contiguous(),
+                    "down": w(p + "mlp.down_proj.weight"),
+                }
+            )
         n_pos = max_positions or cfg.max_position_embeddings
         self.cos_sin = cos_sin_cache(cfg, n_pos).to(device)  # float32 on purpose: HF rotates in float32
         self._views: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
@@ -72,13 +86,21 @@ class LlamaForCausalLM(torch.nn.Module):
     def layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer ``(k_cache, v_cache)`` views, made once per KV tensor rather than per step."""
         if self._views is None or self._views[0] != kv_cache.data_ptr():
-            self._views = (kv_cache.data_ptr(), [(kv_cache[:, li, 0], kv_cache[:, li, 1])
-                                                 for li in range(self.cfg.num_layers)])
+            self._views = (
+                kv_cache.data_ptr(),
+                [(kv_cache[:, li, 0], kv_cache[:, li, 1]) for li in range(self.cfg.num_layers)],
+            )
         return self._views[1]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, logits_indices: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Returns logits (float32) only for the rows in ``logits_indices`` (all rows if None):
         sampling needs no others. A CUDA-graph decode step passes None, so the graph has no
         data-dependent gather and its output rows are the (padded) batch rows."""
@@ -103,8 +125,9 @@ class LlamaForCausalLM(torch.nn.Module):
             v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = caches[li]
             q = kernels.rope_write_kv(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, self.cos_sin)
-            attn = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                           meta.seq_lens, self.scale, **hints)
+            attn = kernels.paged_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale, **hints
+            )
             h = kernels.linear(attn.reshape(T, self.q_size), layer["o"])
             x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
             h = kernels.silu_mul_linear(kernels.linear(x, layer["gate_up"]), layer["down"])

@@ -7,6 +7,7 @@ on the target device (an 8B model in seconds on a GPU) with HF's init scale
 (normal, std 0.02); norm weights are ``1 + 0.1 * N(0, 1)`` rather than HF's ones so a
 norm that ignored its weight would show.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,8 +30,13 @@ LLAMA3_8B: dict = {
     "max_position_embeddings": 8192,
     "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
     "tie_word_embeddings": False,
     "attention_bias": False,
     "bos_token_id": 128000,
@@ -45,8 +51,13 @@ def scaled_config(base: dict = LLAMA3_8B, **overrides) -> dict:
     return cfg
 
 
-def random_state_dict(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                      seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+def random_state_dict(
+    cfg: ModelConfig,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    std: float = 0.02,
+) -> dict[str, torch.Tensor]:
     """HF-named random weights for ``cfg``; deterministic for a (seed, device) pair."""
     g = torch.Generator(device=device)
     g.manual_seed(seed)
@@ -80,16 +91,29 @@ def random_state_dict(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, dev
     return sd
 
 
-def random_model(hf_config: dict = LLAMA3_8B, name: str = "random-llama", dtype: torch.dtype = torch.bfloat16,
-                 device: str | torch.device = "cpu", seed: int = 0) -> LoadedModel:
+def random_model(
+    hf_config: dict = LLAMA3_8B,
+    name: str = "random-llama",
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> LoadedModel:
     """A `LoadedModel` (no tokenizer) for ``EngineCore.from_model(loaded=...)``."""
     cfg = model_config_from_hf(hf_config, name)
-    return LoadedModel(config=cfg, state_dict=random_state_dict(cfg, dtype, device, seed), tokenizer=None,
-                       source=f"random:{name}:seed{seed}")
+    return LoadedModel(
+        config=cfg,
+        state_dict=random_state_dict(cfg, dtype, device, seed),
+        tokenizer=None,
+        source=f"random:{name}:seed{seed}",
+    )
 
 
-def hf_model_from_state_dict(hf_config: dict, state_dict: dict[str, torch.Tensor], device: str | torch.device,
-                             dtype: torch.dtype = torch.bfloat16):
+def hf_model_from_state_dict(
+    hf_config: dict,
+    state_dict: dict[str, torch.Tensor],
+    device: str | torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+):
     """HF ``LlamaForCausalLM`` with exactly these weights, sharing their memory (no second copy).
 
     Built on the meta device, then the tensors are assigned; the rotary tables (buffers

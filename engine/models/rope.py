@@ -1,4 +1,5 @@
 """Rotary position tables: default, linear and Llama-3 frequency scaling, computed as HF does (float32)."""
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ graphs read one static int32 buffer at fixed offsets (`GraphLayout`): padding to
 attention launch is fixed at capture for ``max_model_len`` (split-KV only where the batch is
 too small to fill the SMs). Prefill and mixed steps run eagerly.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,16 @@ class GraphLayout(NamedTuple):
 class DecodeGraphs:
     """The captured decode graphs, their static input buffer, and the staging of a step into it."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, staging: Staging, max_num_seqs: int,
-                 max_blocks_per_seq: int, max_model_len: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: torch.Tensor,
+        staging: Staging,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
         self.model, self.kv_cache, self.staging = model, kv_cache, staging
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -60,12 +69,16 @@ class DecodeGraphs:
         o = self.layout
         g = self.buf
         W = self.max_blocks_per_seq
-        bt = g[o.block_tables:o.end].view(self.sizes[-1], W)[:b]
-        meta = AttentionMetadata(slot_mapping=g[o.slots:o.slots + b], block_tables=bt,
-                                 query_start_loc=g[o.query_start_loc:o.query_start_loc + b + 1],
-                                 seq_lens=g[o.seq_lens:o.seq_lens + b], max_query_len=1,
-                                 max_seq_len=self.max_model_len)
-        return g[o.ids:o.ids + b], g[o.positions:o.positions + b], meta
+        bt = g[o.block_tables : o.end].view(self.sizes[-1], W)[:b]
+        meta = AttentionMetadata(
+            slot_mapping=g[o.slots : o.slots + b],
+            block_tables=bt,
+            query_start_loc=g[o.query_start_loc : o.query_start_loc + b + 1],
+            seq_lens=g[o.seq_lens : o.seq_lens + b],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
+        return g[o.ids : o.ids + b], g[o.positions : o.positions + b], meta
 
     def capture(self) -> None:
         """Capture one graph per padded decode batch size, largest first, sharing one memory pool."""
@@ -73,7 +86,7 @@ class DecodeGraphs:
         self.sizes = [s for s in GRAPH_SIZES if s <= self.max_num_seqs] or [1]
         self.layout = o = GraphLayout.for_rows(self.sizes[-1], self.max_blocks_per_seq)
         self.buf = torch.zeros(o.end, dtype=torch.int32, device=self.device)
-        self.buf[o.slots:o.query_start_loc] = -1  # padding slots: write_kv skips them
+        self.buf[o.slots : o.query_start_loc] = -1  # padding slots: write_kv skips them
         self.staging.ensure(o.end)
         pool = None
         for b in reversed(self.sizes):
@@ -87,13 +100,11 @@ class DecodeGraphs:
             self.captured[b] = (g, out)
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
-        log.info("captured %d decode CUDA graphs (sizes %s) in %.1fs", len(self.captured), self.sizes,
-                 self.capture_s)
+        log.info("captured %d decode CUDA graphs (sizes %s) in %.1fs", len(self.captured), self.sizes, self.capture_s)
 
     def fits(self, p: StepPlan) -> bool:
         """A pure decode step that a captured graph can run."""
-        return bool(self.captured) and p.T == p.B and p.B <= self.sizes[-1] \
-            and p.bt.shape[1] <= self.max_blocks_per_seq
+        return bool(self.captured) and p.T == p.B and p.B <= self.sizes[-1] and p.bt.shape[1] <= self.max_blocks_per_seq
 
     def size_for(self, b: int) -> int:
         """The padded batch size whose graph runs ``b`` sequences."""
@@ -107,19 +118,19 @@ class DecodeGraphs:
         W = self.max_blocks_per_seq
         n = o.block_tables + size * W
         buf = self.staging.acquire(n)
-        buf[o.ids:o.ids + b] = p.ids
-        buf[o.ids + b:o.ids + size] = 0
-        buf[o.positions:o.positions + b] = p.pos
-        buf[o.positions + b:o.positions + size] = 0
-        buf[o.slots:o.slots + b] = p.slots
-        buf[o.slots + b:o.slots + size] = -1
-        buf[o.query_start_loc:o.query_start_loc + b + 1] = p.qsl
-        buf[o.query_start_loc + b + 1:o.query_start_loc + size + 1] = b
-        buf[o.seq_lens:o.seq_lens + b] = p.seq_lens
-        buf[o.seq_lens + b:o.seq_lens + size] = 0
+        buf[o.ids : o.ids + b] = p.ids
+        buf[o.ids + b : o.ids + size] = 0
+        buf[o.positions : o.positions + b] = p.pos
+        buf[o.positions + b : o.positions + size] = 0
+        buf[o.slots : o.slots + b] = p.slots
+        buf[o.slots + b : o.slots + size] = -1
+        buf[o.query_start_loc : o.query_start_loc + b + 1] = p.qsl
+        buf[o.query_start_loc + b + 1 : o.query_start_loc + size + 1] = b
+        buf[o.seq_lens : o.seq_lens + b] = p.seq_lens
+        buf[o.seq_lens + b : o.seq_lens + size] = 0
         w = p.bt.shape[1]
         # stale tails are never read (seq_lens)
-        buf[o.block_tables:o.block_tables + size * W].reshape(size, W)[:b, :w] = p.bt
+        buf[o.block_tables : o.block_tables + size * W].reshape(size, W)[:b, :w] = p.bt
         self.staging.upload(self.buf, n)
         return self.replay(size)[:b]
 
@@ -136,5 +147,5 @@ class DecodeGraphs:
         if bt.shape[1] > W:
             raise ValueError(f"block table of {bt.shape[1]} blocks exceeds the graphs' {W}")
         buf = self.staging.acquire(B * W)
-        buf[:B * W].reshape(B, W)[:, :bt.shape[1]] = bt
-        self.staging.upload(self.buf[self.layout.block_tables:], B * W)
+        buf[: B * W].reshape(B, W)[:, : bt.shape[1]] = bt
+        self.staging.upload(self.buf[self.layout.block_tables :], B * W)

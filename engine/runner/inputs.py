@@ -7,6 +7,7 @@ device in ONE host-to-device copy per step; the two staging buffers alternate an
 each is fenced by an event, so the host never overwrites inputs the device has not
 read yet (a chunked-prefill step returns without any sync).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -85,8 +86,20 @@ class StepPlan:
     offsets, ``B + 1``), ``seq_lens`` and ``bt`` (block table ``[B, W]``) per sequence; ``rows``:
     the sequences that sample (their last token's logits are kept), ``logits_idx`` those tokens."""
 
-    __slots__ = ("B", "T", "ids", "pos", "slots", "qsl", "seq_lens", "bt", "rows", "logits_idx",
-                 "max_query_len", "max_seq_len")
+    __slots__ = (
+        "B",
+        "T",
+        "ids",
+        "pos",
+        "slots",
+        "qsl",
+        "seq_lens",
+        "bt",
+        "rows",
+        "logits_idx",
+        "max_query_len",
+        "max_seq_len",
+    )
 
 
 def plan_step(sched: SchedulerOutput, block_size: int) -> StepPlan:
@@ -106,8 +119,9 @@ def plan_step(sched: SchedulerOutput, block_size: int) -> StepPlan:
     if T == B:  # pure decode: one token per request
         p.ids = np.fromiter((t[s] for t, s in zip(toks, starts.tolist())), np.int64, B)
     else:
-        p.ids = np.fromiter(itertools.chain.from_iterable(
-            t[a:b] for t, a, b in zip(toks, starts.tolist(), ends.tolist())), np.int64, T)
+        p.ids = np.fromiter(
+            itertools.chain.from_iterable(t[a:b] for t, a, b in zip(toks, starts.tolist(), ends.tolist())), np.int64, T
+        )
     bt = block_table([s.block_ids for s in scheduled])
     trow = np.repeat(np.arange(B), n_tok)
     pos = np.arange(T) - qsl[:-1][trow] + starts[trow]
@@ -165,8 +179,7 @@ class EagerStager:
 
     def __init__(self, staging: Staging) -> None:
         self.staging = staging
-        self.device_buf = (torch.zeros(staging.n, dtype=torch.int32, device=staging.device)
-                           if staging.cuda else None)
+        self.device_buf = torch.zeros(staging.n, dtype=torch.int32, device=staging.device) if staging.cuda else None
 
     def stage(self, p: StepPlan) -> tuple[EagerInputs, AttentionMetadata]:
         B, W = p.B, p.bt.shape[1]
@@ -176,12 +189,17 @@ class EagerStager:
         staging = self.staging
         buf = staging.acquire(offs[-1])
         for k, arr in enumerate(arrays):
-            buf[offs[k]:offs[k] + sizes[k]] = arr
+            buf[offs[k] : offs[k] + sizes[k]] = arr
         if staging.cuda and offs[-1] > self.device_buf.numel():
             self.device_buf = torch.zeros(staging.n, dtype=torch.int32, device=staging.device)
         t = staging.upload(self.device_buf, offs[-1])
-        v = EagerInputs(*(t[offs[k]:offs[k] + sizes[k]] for k in range(len(sizes))))
-        meta = AttentionMetadata(slot_mapping=v.slots, block_tables=v.block_tables.view(B, W),
-                                 query_start_loc=v.query_start_loc, seq_lens=v.seq_lens,
-                                 max_query_len=p.max_query_len, max_seq_len=p.max_seq_len)
+        v = EagerInputs(*(t[offs[k] : offs[k] + sizes[k]] for k in range(len(sizes))))
+        meta = AttentionMetadata(
+            slot_mapping=v.slots,
+            block_tables=v.block_tables.view(B, W),
+            query_start_loc=v.query_start_loc,
+            seq_lens=v.seq_lens,
+            max_query_len=p.max_query_len,
+            max_seq_len=p.max_seq_len,
+        )
         return v, meta

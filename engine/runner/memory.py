@@ -1,4 +1,5 @@
 """How large the KV pool is: bytes per block, the memory budget, and (GPU) the reserve a step needs."""
+
 from __future__ import annotations
 
 import os
@@ -10,8 +11,14 @@ from ..models.llama import AttentionMetadata, LlamaForCausalLM
 from .graphs import GRAPH_SIZES
 from .inputs import cdiv
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -53,28 +60,33 @@ def configure_cpu_threads() -> None:
         torch.set_num_threads(max(1, int(n)))
 
 
-def profile_reserve(model: LlamaForCausalLM, config: EngineConfig, max_model_len: int, dtype: torch.dtype,
-                    device: torch.device) -> int:
+def profile_reserve(
+    model: LlamaForCausalLM, config: EngineConfig, max_model_len: int, dtype: torch.dtype, device: torch.device
+) -> int:
     """Run the largest eager step once on a scratch cache; return the bytes a step needs on top
     of what is allocated now (activation peak, graph pool estimate, sampler logits). GPU only."""
     cfg, sc = config.model, config.scheduler
     block_size = config.cache.block_size
     T = max(1, min(sc.max_num_batched_tokens, max_model_len))
     nb = cdiv(T, block_size) + 1
-    scratch = torch.zeros((nb, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
-                          dtype=dtype, device=device)
+    scratch = torch.zeros(
+        (nb, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=device
+    )
     dev = device
     i32 = dict(dtype=torch.int32, device=dev)
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(T, **i32), block_tables=torch.arange(nb, **i32)[None],
-        query_start_loc=torch.tensor([0, T], **i32), seq_lens=torch.tensor([T], **i32),
-        max_query_len=T, max_seq_len=T)
+        slot_mapping=torch.arange(T, **i32),
+        block_tables=torch.arange(nb, **i32)[None],
+        query_start_loc=torch.tensor([0, T], **i32),
+        seq_lens=torch.tensor([T], **i32),
+        max_query_len=T,
+        max_seq_len=T,
+    )
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    model(torch.zeros(T, **i32), torch.arange(T, **i32), scratch, meta,
-          torch.arange(min(T, sc.max_num_seqs), **i32))
+    model(torch.zeros(T, **i32), torch.arange(T, **i32), scratch, meta, torch.arange(min(T, sc.max_num_seqs), **i32))
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
     del scratch, meta

@@ -16,6 +16,7 @@ GPU only:
 
 Decode rounds (several steps per host round trip) are engine/runner/rounds.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,11 +51,13 @@ class ModelRunner(DecodeRoundRunner):
         self.max_model_len = max(config.scheduler.max_model_len, 1)
         self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
         m = config.model
-        self.model = LlamaForCausalLM(config.model, state_dict, self.dtype, self.device,
-                                      max_positions=self.max_model_len)
+        self.model = LlamaForCausalLM(
+            config.model, state_dict, self.dtype, self.device, max_positions=self.max_model_len
+        )
         self.sched_cfg = config.scheduler
-        n_stage = eager_layout_size(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
-                                    self.max_blocks_per_seq)
+        n_stage = eager_layout_size(
+            config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, self.max_blocks_per_seq
+        )
         self.staging = Staging(n_stage, self.device)
         self.eager = EagerStager(self.staging)
         reserve = 0
@@ -63,14 +66,22 @@ class ModelRunner(DecodeRoundRunner):
         self.num_blocks = num_blocks_for(config, reserve_bytes=reserve)
         self.kv_cache = torch.zeros(
             (self.num_blocks, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim),
-            dtype=self.dtype, device=self.device,
+            dtype=self.dtype,
+            device=self.device,
         )
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         if self.cuda and os.environ.get("KVMESH_ENFORCE_EAGER", "0") in ("", "0"):
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.staging, self.sched_cfg.max_num_seqs,
-                                       self.max_blocks_per_seq, self.max_model_len, self.device)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_cache,
+                self.staging,
+                self.sched_cfg.max_num_seqs,
+                self.max_blocks_per_seq,
+                self.max_model_len,
+                self.device,
+            )
             self.graphs.capture()
         self.warm_up_s = 0.0
         self.warm_up_configs = 0

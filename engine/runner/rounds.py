@@ -7,6 +7,7 @@ tokens in one copy, and `chain_round` may queue the next round behind this one b
 (async scheduling). The round's inputs (the CUDA graphs' static buffer, or eager tensors) are
 advanced in place on the device from step to step.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -33,8 +34,9 @@ class Round:
 
     __slots__ = ("B", "params", "rand", "gens", "adjust", "lp_k", "graph", "inputs", "toks", "host", "event")
 
-    def __init__(self, B: int, params: list, rand: list[int], gens: list,
-                 adjust: LogitAdjustment | None = None) -> None:
+    def __init__(
+        self, B: int, params: list, rand: list[int], gens: list, adjust: LogitAdjustment | None = None
+    ) -> None:
         self.B, self.params, self.rand = B, params, rand
         self.gens = gens  # per row: a seeded request's NoiseStream, else None
         self.adjust = adjust  # logit bias / penalties, extended on the device by each step's tokens
@@ -78,16 +80,32 @@ class DecodeRoundRunner:
             rnd.graph = self.graphs.size_for(p.B)
             ids, pos, m = self.graphs.views(rnd.graph)
             B = p.B  # the real rows of the padded graph inputs: only these advance
-            rnd.inputs = (ids[:B], pos[:B], AttentionMetadata(
-                slot_mapping=m.slot_mapping[:B], block_tables=m.block_tables[:B], query_start_loc=m.query_start_loc,
-                seq_lens=m.seq_lens[:B], max_query_len=1, max_seq_len=m.max_seq_len))
+            rnd.inputs = (
+                ids[:B],
+                pos[:B],
+                AttentionMetadata(
+                    slot_mapping=m.slot_mapping[:B],
+                    block_tables=m.block_tables[:B],
+                    query_start_loc=m.query_start_loc,
+                    seq_lens=m.seq_lens[:B],
+                    max_query_len=1,
+                    max_seq_len=m.max_seq_len,
+                ),
+            )
             first = self.graphs.run(p)
         else:
+
             def up(a):  # queued copies: the host does not wait for a round in flight
                 return to_device(a, self.device, torch.int32)
 
-            meta = AttentionMetadata(slot_mapping=up(p.slots), block_tables=up(p.bt), query_start_loc=up(p.qsl),
-                                     seq_lens=up(p.seq_lens), max_query_len=1, max_seq_len=p.max_seq_len)
+            meta = AttentionMetadata(
+                slot_mapping=up(p.slots),
+                block_tables=up(p.bt),
+                query_start_loc=up(p.qsl),
+                seq_lens=up(p.seq_lens),
+                max_query_len=1,
+                max_seq_len=p.max_seq_len,
+            )
             rnd.inputs = (up(p.ids), up(p.pos), meta)
             first = self.model(rnd.inputs[0], rnd.inputs[1], self.kv_cache, meta, None)
         if adjusted:
@@ -131,8 +149,9 @@ class DecodeRoundRunner:
             raw = logits
             if rnd.adjust is not None:
                 logits = rnd.adjust.apply(logits)
-            toks[i] = (draw_on_device(logits, rnd.params, rnd.rand, generators=rnd.gens) if rnd.rand
-                       else logits.argmax(-1))
+            toks[i] = (
+                draw_on_device(logits, rnd.params, rnd.rand, generators=rnd.gens) if rnd.rand else logits.argmax(-1)
+            )
             if rnd.adjust is not None:
                 rnd.adjust.extend(toks[i])
             if rnd.lp_k is not None:
@@ -159,7 +178,7 @@ class DecodeRoundRunner:
     def _forward_again(self, rnd: Round) -> torch.Tensor:
         """One more step on a round's (already advanced) inputs."""
         if rnd.graph:
-            return self.graphs.replay(rnd.graph)[:rnd.B]
+            return self.graphs.replay(rnd.graph)[: rnd.B]
         ids, pos, meta = rnd.inputs
         return self.model(ids, pos, self.kv_cache, meta, None)
 

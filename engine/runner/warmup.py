@@ -4,6 +4,7 @@ Triton compiles a kernel variant on its first launch (seconds each). Graph captu
 the decode variants; the eager ones (prefill chunks, mixed batches, split-KV for few
 sequences) and the device sampler's would otherwise compile during a fresh pod's first requests.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,30 +22,40 @@ from ..sampling_params import SamplingParams
 log = logging.getLogger("kvmesh.engine")
 
 
-def attention_launch_configs(m: ModelConfig, sc: SchedulerConfig, max_model_len: int, device: torch.device,
-                             dtype: torch.dtype) -> list[dict]:
+def attention_launch_configs(
+    m: ModelConfig, sc: SchedulerConfig, max_model_len: int, device: torch.device, dtype: torch.dtype
+) -> list[dict]:
     """Every attention launch configuration an engine's steps can ask for: `attention_config`
     over a grid of batch shapes covering its limits (sequences, query lengths, contexts)."""
-    seqs = sorted({b for b in (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 33, 48, 64, 96, 128, 192, 256, 512)
-                   if b <= sc.max_num_seqs} | {sc.max_num_seqs})
-    qlens = sorted({q for q in (1, 2, 3, 4, 5, 8, 16, 17, 32, 64, 128, 512, 2048, sc.max_num_batched_tokens)
-                    if q <= sc.max_num_batched_tokens})
-    ctxs = sorted({c for c in (1, 16, 64, 65, 128, 256, 512, 1024, 2048, 2049, 4096, 8192, 16384, 32768)
-                   if c <= max_model_len} | {max_model_len})
+    seqs = sorted(
+        {b for b in (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 33, 48, 64, 96, 128, 192, 256, 512) if b <= sc.max_num_seqs}
+        | {sc.max_num_seqs}
+    )
+    qlens = sorted(
+        {
+            q
+            for q in (1, 2, 3, 4, 5, 8, 16, 17, 32, 64, 128, 512, 2048, sc.max_num_batched_tokens)
+            if q <= sc.max_num_batched_tokens
+        }
+    )
+    ctxs = sorted(
+        {c for c in (1, 16, 64, 65, 128, 256, 512, 1024, 2048, 2049, 4096, 8192, 16384, 32768) if c <= max_model_len}
+        | {max_model_len}
+    )
     seen: dict[tuple, dict] = {}
     for b in seqs:
         for q in qlens:
             for c in ctxs:
                 if c < q or b * q > max(sc.max_num_batched_tokens, b):
                     continue
-                cfg = kernels.attention_config(b * q, b, m.num_heads, m.num_kv_heads, m.head_dim, q, c,
-                                               device, dtype)
+                cfg = kernels.attention_config(b * q, b, m.num_heads, m.num_kv_heads, m.head_dim, q, c, device, dtype)
                 seen.setdefault(tuple(sorted(cfg.items())), cfg)
     return list(seen.values())
 
 
-def warm_up_attention(model: LlamaForCausalLM, kv_cache: torch.Tensor, configs: list[dict], dtype: torch.dtype,
-                      device: torch.device) -> float:
+def warm_up_attention(
+    model: LlamaForCausalLM, kv_cache: torch.Tensor, configs: list[dict], dtype: torch.dtype, device: torch.device
+) -> float:
     """Compile every attention launch configuration in ``configs`` now, on dummy decode launches;
     returns the seconds it took.
 
@@ -62,8 +73,7 @@ def warm_up_attention(model: LlamaForCausalLM, kv_cache: torch.Tensor, configs: 
         qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
         seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         for cfg in configs:
-            kernels.paged_attention(q, k_cache, v_cache, bt, qsl, seq_lens, 1.0, max_query_len=1,
-                                    max_seq_len=1, **cfg)
+            kernels.paged_attention(q, k_cache, v_cache, bt, qsl, seq_lens, 1.0, max_query_len=1, max_seq_len=1, **cfg)
     torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - t0
     log.info("compiled %d attention launch configurations in %.1fs", len(configs), seconds)

@@ -1,6 +1,7 @@
 """Triton kernel bodies of `kvmesh.kernels`, launched only by its wrappers (which check the
 arguments and choose the launch configuration). One module per family; the wrappers reach every
 kernel through this package."""
+
 from .attention import paged_attention_kernel, paged_decode_tma_kernel, reduce_segments_kernel
 from .cache import block_copy_kernel, rope_write_kv_kernel, write_kv_kernel
 from .elementwise import rms_norm_kernel, rope_kernel, silu_and_mul_kernel

@@ -3,6 +3,7 @@
 Index arithmetic that can exceed 2**31 (block index times block stride of the engine's all-layer
 KV tensor) is done in int64 throughout the kernels.
 """
+
 from __future__ import annotations
 
 import triton

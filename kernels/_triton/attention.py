@@ -1,5 +1,6 @@
 """Paged attention: the pointer kernel (prefill, decode, split-KV), the TMA decode kernel, and the
 merge of split-KV partials."""
+
 from __future__ import annotations
 
 import triton
@@ -10,19 +11,45 @@ from ._common import grid_dependency, jit_unspecialized
 
 @jit_unspecialized("num_seqs", "num_q_blocks", "stride_bt")
 def paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
-    bt_ptr, qsl_ptr, seqlen_ptr,
-    scale_log2, num_seqs, num_q_blocks,
-    stride_qt, stride_qh,
-    stride_ot, stride_oh, stride_os,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    m_ptr,
+    l_ptr,
+    bt_ptr,
+    qsl_ptr,
+    seqlen_ptr,
+    scale_log2,
+    num_seqs,
+    num_q_blocks,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_bt,
-    stride_ms, stride_mt,
-    QPK: tl.constexpr, QPK_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    HEAD_D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SEG: tl.constexpr, IEEE: tl.constexpr, K_NATURAL: tl.constexpr,
-    HEAD_FASTEST: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    stride_ms,
+    stride_mt,
+    QPK: tl.constexpr,
+    QPK_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SEG: tl.constexpr,
+    IEEE: tl.constexpr,
+    K_NATURAL: tl.constexpr,
+    HEAD_FASTEST: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """Unified causal paged attention (decode, prefill, chunked prefill, mixed).
@@ -86,8 +113,11 @@ def paged_attention_kernel(
     tok = (q_start + tok_local).to(tl.int64)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_D
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
 
     # Keys [0, kv_end) are needed; keys [0, nomask_end) are visible to every row.
     kv_end = ctx + tl.minimum((qb + 1) * BLOCK_Q, q_len)
@@ -152,8 +182,9 @@ def paged_attention_kernel(
         slot_k = blk * stride_kb + (n % BLOCK_SIZE) * stride_ks
         slot_v = blk * stride_vb + (n % BLOCK_SIZE) * stride_vs
         if K_NATURAL:
-            k = tl.trans(tl.load(k_base + slot_k[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                                 other=0.0))
+            k = tl.trans(
+                tl.load(k_base + slot_k[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            )
         else:
             k = tl.load(k_base + slot_k[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         if IEEE:
@@ -177,8 +208,13 @@ def paged_attention_kernel(
     out_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SEG > 1:
         # Partial result for this key slice (fp32, unnormalised) + row stats.
-        po = (o_ptr + seg.to(tl.int64) * stride_os + tok[:, None] * stride_ot + head[:, None] * stride_oh
-              + offs_d[None, :])
+        po = (
+            o_ptr
+            + seg.to(tl.int64) * stride_os
+            + tok[:, None] * stride_ot
+            + head[:, None] * stride_oh
+            + offs_d[None, :]
+        )
         tl.store(po, acc, mask=out_mask)
         stat = seg.to(tl.int64) * stride_ms + tok * stride_mt + head
         tl.store(m_ptr + stat, m_i, mask=row_ok)
@@ -202,12 +238,30 @@ def _online_softmax_step(s, v, m_i, l_i, acc):
 
 @jit_unspecialized("stride_bt")
 def paged_decode_tma_kernel(
-    q_ptr, k_desc, v_desc, o_ptr, m_ptr, l_ptr,
-    bt_ptr, qsl_ptr, seqlen_ptr,
+    q_ptr,
+    k_desc,
+    v_desc,
+    o_ptr,
+    m_ptr,
+    l_ptr,
+    bt_ptr,
+    qsl_ptr,
+    seqlen_ptr,
     scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_ms, stride_mt, stride_bt,
-    QPK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr, NUM_SEG: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_ms,
+    stride_mt,
+    stride_bt,
+    QPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    NUM_SEG: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """Decode attention (one query token per sequence) reading K/V one page per step with TMA.
@@ -246,8 +300,7 @@ def paged_decode_tma_kernel(
     head = kvh * QPK + offs_m % QPK
     offs_d = tl.arange(0, HEAD_D)
     tok = (q_start + q_len - 1).to(tl.int64)  # the sequence's (one) query token: the newest
-    q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
@@ -292,21 +345,39 @@ def paged_decode_tma_kernel(
             tl.store(l_ptr + stat + t64 * stride_mt, nan_row, mask=row_ok)
     else:
         out = acc / l_i[:, None]
-        tl.store(o_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(
+            o_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
         for t in range(0, q_len - 1):
-            tl.store(o_ptr + (q_start + t).to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                     nan.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(
+                o_ptr + (q_start + t).to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                nan.to(o_ptr.dtype.element_ty),
+                mask=row_ok[:, None],
+            )
 
 
 @jit_unspecialized("num_seqs")
 def reduce_segments_kernel(
-    po_ptr, m_ptr, l_ptr, o_ptr, qsl_ptr, num_seqs,
-    stride_pos, stride_pot, stride_poh,
-    stride_ms, stride_mt,
-    stride_ot, stride_oh,
-    HQ: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SEG: tl.constexpr, H_BLOCK: tl.constexpr,
+    po_ptr,
+    m_ptr,
+    l_ptr,
+    o_ptr,
+    qsl_ptr,
+    num_seqs,
+    stride_pos,
+    stride_pot,
+    stride_poh,
+    stride_ms,
+    stride_mt,
+    stride_ot,
+    stride_oh,
+    HQ: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SEG: tl.constexpr,
+    H_BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """Merge NUM_SEG split-KV partials of one token (H_BLOCK heads per program).
@@ -338,9 +409,15 @@ def reduce_segments_kernel(
     acc = tl.zeros([H_BLOCK, D_PAD], tl.float32)
     for s in range(NUM_SEG):
         ws = tl.sum(tl.where(segs[:, None] == s, w, 0.0), 0)  # [H]
-        p = tl.load(po_ptr + s * stride_pos + t64 * stride_pot + hs[:, None] * stride_poh + offs_d[None, :],
-                    mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+        p = tl.load(
+            po_ptr + s * stride_pos + t64 * stride_pot + hs[:, None] * stride_poh + offs_d[None, :],
+            mask=h_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         acc += p * ws[:, None]
     o = acc / denom[:, None]
-    tl.store(o_ptr + t64 * stride_ot + hs[:, None] * stride_oh + offs_d[None, :],
-             o.to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+    tl.store(
+        o_ptr + t64 * stride_ot + hs[:, None] * stride_oh + offs_d[None, :],
+        o.to(o_ptr.dtype.element_ty),
+        mask=h_ok[:, None] & d_ok[None, :],
+    )

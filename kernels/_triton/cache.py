@@ -1,4 +1,5 @@
 """Writes into the paged KV cache and whole-block moves."""
+
 from __future__ import annotations
 
 import triton
@@ -9,11 +10,25 @@ from ._common import grid_dependency
 
 @triton.jit
 def write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch,
-    stride_vcb, stride_vcs, stride_vch,
-    HKV: tl.constexpr, HKV_PAD: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    HKV: tl.constexpr,
+    HKV_PAD: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -42,9 +57,16 @@ def write_kv_kernel(
 
 @triton.jit
 def block_copy_kernel(
-    src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr,
-    stride_src, stride_dst, numel,
-    SRC_INDEXED: tl.constexpr, DST_INDEXED: tl.constexpr, CHUNK: tl.constexpr,
+    src_ptr,
+    dst_ptr,
+    src_ids_ptr,
+    dst_ids_ptr,
+    stride_src,
+    stride_dst,
+    numel,
+    SRC_INDEXED: tl.constexpr,
+    DST_INDEXED: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """Copy one CHUNK of block ``i``: ``dst[dst_ids[i]] = src[src_ids[i]]``.
 
@@ -69,11 +91,37 @@ def block_copy_kernel(
 
 @triton.jit
 def rope_write_kv_kernel(
-    pos_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cs_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh, stride_cs,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    qo_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    cs_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_qot,
+    stride_qoh,
+    stride_cs,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    HQ: tl.constexpr,
+    HQ_PAD: tl.constexpr,
+    HKV: tl.constexpr,
+    HKV_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """One program per token: rotate its query heads (written to ``qo``), rotate its key heads

@@ -1,4 +1,5 @@
 """Row-wise kernels: RMSNorm (with the residual add), rotary embedding, SiLU-and-multiply."""
+
 from __future__ import annotations
 
 import triton
@@ -9,9 +10,20 @@ from ._common import grid_dependency
 
 @triton.jit
 def rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr,
-    stride_x, stride_r, stride_y, stride_ro, eps, hidden,
-    HAS_RES: tl.constexpr, W_SAME: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    y_ptr,
+    ro_ptr,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_ro,
+    eps,
+    hidden,
+    HAS_RES: tl.constexpr,
+    W_SAME: tl.constexpr,
+    BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """One row per program: (x + residual) in x's dtype, then RMS in fp32.
@@ -42,9 +54,19 @@ def rms_norm_kernel(
 
 @triton.jit
 def rope_kernel(
-    pos_ptr, x_ptr, y_ptr, cs_ptr,
-    stride_xt, stride_xh, stride_yt, stride_yh, stride_cs, num_heads,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, H_BLOCK: tl.constexpr,
+    pos_ptr,
+    x_ptr,
+    y_ptr,
+    cs_ptr,
+    stride_xt,
+    stride_xh,
+    stride_yt,
+    stride_yh,
+    stride_cs,
+    num_heads,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    H_BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """Rotate-half RoPE of one token's heads; cos/sin read once per token, fp32 math."""
@@ -79,7 +101,11 @@ def silu_mul(g, u, like_ptr):
 
 @triton.jit
 def silu_and_mul_kernel(
-    x_ptr, y_ptr, stride_x, stride_y, d,
+    x_ptr,
+    y_ptr,
+    stride_x,
+    stride_y,
+    d,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):

@@ -1,4 +1,5 @@
 """The one-row GEMV of decode at batch 1 (optionally fused with SiLU-and-multiply)."""
+
 from __future__ import annotations
 
 import triton
@@ -42,9 +43,19 @@ def _gemv_x(x_ptr, k, k_ok, K, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
 
 @triton.jit
 def gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_w,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """``y = w @ x (+ b)`` for ONE input row: the decode step at batch 1, where every

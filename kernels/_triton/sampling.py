@@ -1,4 +1,5 @@
 """The device sampler: tempered softmax, the top-p radix search, the exponential race and its noise."""
+
 from __future__ import annotations
 
 import triton
@@ -39,8 +40,9 @@ def softmax_stats_kernel(x_ptr, temp_ptr, m_ptr, s_ptr, stride_x, V, CHUNK, BLOC
 
 
 @jit_unspecialized("V", "CHUNK")
-def softmax_write_kernel(x_ptr, temp_ptr, m_ptr, s_ptr, p_ptr, stride_x, stride_p, V, CHUNK,
-                         CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+def softmax_write_kernel(
+    x_ptr, temp_ptr, m_ptr, s_ptr, p_ptr, stride_x, stride_p, V, CHUNK, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr
+):
     """Second half of `softmax_temperature`: the row's max and sum from its chunks' partials,
     then ``exp(x / T - max) / sum`` over one CHUNK."""
     row = tl.program_id(0)
@@ -64,8 +66,19 @@ def softmax_write_kernel(x_ptr, temp_ptr, m_ptr, s_ptr, p_ptr, stride_x, stride_
 
 
 @jit_unspecialized("V", "CHUNK")
-def top_p_hist_kernel(probs_ptr, prefix_ptr, hist_ptr, top_p_ptr, stride_row, V, CHUNK,
-                      SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr):
+def top_p_hist_kernel(
+    probs_ptr,
+    prefix_ptr,
+    hist_ptr,
+    top_p_ptr,
+    stride_row,
+    V,
+    CHUNK,
+    SHIFT: tl.constexpr,
+    BITS: tl.constexpr,
+    FIRST: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """One radix pass of `top_p_threshold` over one CHUNK of one row: the probability mass of
     each BITS-bit digit (bits SHIFT.. of the float32 bit pattern) among the tokens whose higher
     bits equal the row's prefix so far (every token in the FIRST pass), added into the row's
@@ -113,8 +126,9 @@ def top_p_hist_kernel(probs_ptr, prefix_ptr, hist_ptr, top_p_ptr, stride_row, V,
 
 
 @triton.jit
-def top_p_select_kernel(hist_ptr, top_p_ptr, prefix_ptr, above_ptr, out_ptr,
-                        BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
+def top_p_select_kernel(
+    hist_ptr, top_p_ptr, prefix_ptr, above_ptr, out_ptr, BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr
+):
     """After a `top_p_hist_kernel` pass, one program per row: the largest digit at which the
     mass at or above it (plus the mass above the prefix) exceeds ``top_p`` joins the prefix
     (the last digit when none does, as the mass can fall short of 1 by rounding); the mass of
@@ -178,8 +192,20 @@ def _race_step(pbase, idx, e, end, lo, best, best_i):
 
 
 @jit_unspecialized("V", "CHUNK")
-def race_argmax_kernel(probs_ptr, noise_ptr, seed_ptr, lo_ptr, val_ptr, idx_ptr, stride_p, stride_n, V, CHUNK,
-                       BLOCK: tl.constexpr, SEEDED: tl.constexpr):
+def race_argmax_kernel(
+    probs_ptr,
+    noise_ptr,
+    seed_ptr,
+    lo_ptr,
+    val_ptr,
+    idx_ptr,
+    stride_p,
+    stride_n,
+    V,
+    CHUNK,
+    BLOCK: tl.constexpr,
+    SEEDED: tl.constexpr,
+):
     """`race_argmax` over one CHUNK of one row: the largest ``p / E`` among the tokens with
     ``p >= lo`` and its first index, written as this (row, chunk)'s partial. Each lane keeps its
     own best (strictly larger replaces, so the first index wins among equals) and the lanes

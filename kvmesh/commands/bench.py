@@ -1,5 +1,6 @@
 """`kvmesh bench serve` (load a live server), `kvmesh bench offline` (the engine in-process) and
 `kvmesh bench router` (a trace through several routers against simulated instances)."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """`kvmesh decode`: `kvmesh serve --role decode` (the same engine and API server, another role)."""
+
 from __future__ import annotations
 
 from kvmesh.engine.args import EngineArgs

@@ -1,4 +1,5 @@
 """`kvmesh generate`: one prompt through the offline engine, printed to stdout."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """`kvmesh router`: the KV-aware OpenAI router (kvmesh.services.router)."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,8 +13,13 @@ def register(sub) -> None:
     from kvmesh.services.router.config import RouterConfig, ScoringWeights
 
     add_arguments(p, RouterConfig)
-    p.add_argument("--worker", action="append", default=[], metavar="URL[,events=EP][,replay=EP]",
-                   help="a pod that does prefill and decode (repeatable)")
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="URL[,events=EP][,replay=EP]",
+        help="a pod that does prefill and decode (repeatable)",
+    )
     p.add_argument("--prefill", action="append", default=[], metavar="URL[,events=EP][,replay=EP]")
     p.add_argument("--decode", action="append", default=[], metavar="URL[,events=EP][,replay=EP]")
     p.add_argument("--selector", default=None, help="label selector of worker EndpointSlices (k8s)")
@@ -27,11 +33,16 @@ def config_from_args(args: argparse.Namespace):
     """The flags as a `RouterConfig`; ``--worker``/``--selector`` name pods of the engine's role "both"."""
     from kvmesh.services.router.config import RouterConfig, ScoringWeights, parse_pod_spec
 
-    pods = tuple(parse_pod_spec(s, role, args.kv_events_port, args.kv_replay_port)
-                 for role, lst in (("both", args.worker), ("prefill", args.prefill), ("decode", args.decode))
-                 for s in lst)
-    selectors = tuple((r, s) for r, s in (("both", args.selector), ("prefill", args.prefill_selector),
-                                          ("decode", args.decode_selector)) if s)
+    pods = tuple(
+        parse_pod_spec(s, role, args.kv_events_port, args.kv_replay_port)
+        for role, lst in (("both", args.worker), ("prefill", args.prefill), ("decode", args.decode))
+        for s in lst
+    )
+    selectors = tuple(
+        (r, s)
+        for r, s in (("both", args.selector), ("prefill", args.prefill_selector), ("decode", args.decode_selector))
+        if s
+    )
     if args.discovery == "static" and not pods:
         raise ValueError("give --worker/--prefill/--decode URLs, or --discovery k8s --selector ...")
     if args.discovery == "k8s" and not selectors:
@@ -51,8 +62,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=os.environ.get("KVMESH_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s [router] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("KVMESH_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s [router] %(name)s: %(message)s",
+    )
     from kvmesh.services.router.app import serve
 
     try:

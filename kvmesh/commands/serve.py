@@ -1,4 +1,5 @@
 """`kvmesh serve`: an OpenAI-compatible server (API process + engine-core process over ZMQ)."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,41 +18,73 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
     g.add_argument("--port", type=int, default=8000)
     EngineArgs.add_cli_args(g, section="server")  # --role, --max-waiting, --engine-id
     p.set_defaults(role=default_role)
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use in `model` (default: the model's name)")
-    g.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on all endpoints but /health and /metrics "
-                        "(default: $KVMESH_API_KEY)")
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in `model` (default: the model's name)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("KVMESH_API_KEY"),
+        help="require `Authorization: Bearer KEY` on all endpoints but /health and /metrics (default: $KVMESH_API_KEY)",
+    )
     g.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     g.add_argument("--engine-ipc-dir", default=None, help="directory for the engine's ipc sockets (default: temp)")
     g.add_argument("--engine-input-addr", default=None, help="ZMQ endpoint for requests (instead of ipc)")
     g.add_argument("--engine-output-addr", default=None, help="ZMQ endpoint for outputs (instead of ipc)")
-    g.add_argument("--kv-events-endpoint", default=None,
-                   help="bind a ZMQ PUB socket here for KV cache events, e.g. tcp://*:5557")
-    g.add_argument("--kv-events-replay-endpoint", default=None,
-                   help="bind a ZMQ ROUTER socket here that replays missed KV-event sequences, e.g. tcp://*:5558")
-    g.add_argument("--kv-connector", default="none",
-                   help="KV connector name, resolved by kvmesh.engine.connectors.make_connector (none: no connector)")
+    g.add_argument(
+        "--kv-events-endpoint", default=None, help="bind a ZMQ PUB socket here for KV cache events, e.g. tcp://*:5557"
+    )
+    g.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help="bind a ZMQ ROUTER socket here that replays missed KV-event sequences, e.g. tcp://*:5558",
+    )
+    g.add_argument(
+        "--kv-connector",
+        default="none",
+        help="KV connector name, resolved by kvmesh.engine.connectors.make_connector (none: no connector)",
+    )
     g.add_argument("--kv-connector-config", default="{}", help="JSON options for the KV connector")
     g.add_argument("--redis-url", default=None, help="Redis for --kv-connector redis (same as config key `url`)")
     g.add_argument("--stats-interval", type=float, default=0.5, help="seconds between engine stats snapshots")
     g.add_argument("--log-level", default="warning", help="uvicorn's log level")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to finish open requests and hand over KV blocks held for "
-                        "remote readers before exiting (keep it below the pod's grace period)")
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to finish open requests and hand over KV blocks held for "
+        "remote readers before exiting (keep it below the pod's grace period)",
+    )
 
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("simulation (no model weights: real scheduler/cache/events/API, modelled latency)")
-    g.add_argument("--simulate", action="store_true",
-                   help="replace the forward pass with a latency model and deterministic tokens "
-                        "(tokenizer only; --num-kv-blocks defaults to 2048); see engine/sim_runner.py")
-    g.add_argument("--sim-prefill-ms-per-token", type=float, default=None,
-                   help="prefill cost per uncached prompt token (default 0.035: Llama-3-8B on an H200)")
-    g.add_argument("--sim-decode-ms", default=None, metavar="BASE,PER_SEQ",
-                   help="step cost = BASE + PER_SEQ x sequences (default 4.73,0.0143: Llama-3-8B on an H200)")
-    g.add_argument("--sim-vocab", type=int, default=None,
-                   help="emitted tokens come from this many ordinary token ids (default 4096)")
+    g.add_argument(
+        "--simulate",
+        action="store_true",
+        help="replace the forward pass with a latency model and deterministic tokens "
+        "(tokenizer only; --num-kv-blocks defaults to 2048); see engine/sim_runner.py",
+    )
+    g.add_argument(
+        "--sim-prefill-ms-per-token",
+        type=float,
+        default=None,
+        help="prefill cost per uncached prompt token (default 0.035: Llama-3-8B on an H200)",
+    )
+    g.add_argument(
+        "--sim-decode-ms",
+        default=None,
+        metavar="BASE,PER_SEQ",
+        help="step cost = BASE + PER_SEQ x sequences (default 4.73,0.0143: Llama-3-8B on an H200)",
+    )
+    g.add_argument(
+        "--sim-vocab",
+        type=int,
+        default=None,
+        help="emitted tokens come from this many ordinary token ids (default 4096)",
+    )
 
 
 def simulate_kwargs(args: argparse.Namespace) -> dict | None:
@@ -85,11 +118,19 @@ def configs_from_args(args: argparse.Namespace):
     from kvmesh.services.api.engine_proc import EngineProcConfig
     from kvmesh.services.api.launcher import engine_addresses
 
-    cfg = ServerConfig(host=args.host, port=args.port, role=args.role,
-                       served_model_names=tuple(args.served_model_name or ()), api_key=args.api_key or None,
-                       max_body_bytes=args.max_body_bytes, ipc_dir=args.engine_ipc_dir,
-                       engine_input_addr=args.engine_input_addr, engine_output_addr=args.engine_output_addr,
-                       uvicorn_log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
+    cfg = ServerConfig(
+        host=args.host,
+        port=args.port,
+        role=args.role,
+        served_model_names=tuple(args.served_model_name or ()),
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_body_bytes,
+        ipc_dir=args.engine_ipc_dir,
+        engine_input_addr=args.engine_input_addr,
+        engine_output_addr=args.engine_output_addr,
+        uvicorn_log_level=args.log_level,
+        shutdown_timeout=args.shutdown_timeout,
+    )
     addrs = engine_addresses(cfg)
     # The engine process gets the model and role as fields of its own; the rest by EngineArgs field name.
     kw = {k: v for k, v in asdict(EngineArgs.from_cli_args(args)).items() if k not in ("model", "role")}
@@ -104,11 +145,19 @@ def configs_from_args(args: argparse.Namespace):
         if args.kv_connector != "redis":
             raise ValueError("--redis-url needs --kv-connector redis")
         connector_cfg.setdefault("url", args.redis_url)
-    proc_cfg = EngineProcConfig(input_addr=addrs.input_addr, output_addr=addrs.output_addr, model=args.model,
-                                engine_kwargs=kw, role=args.role, kv_connector=args.kv_connector,
-                                kv_connector_config=connector_cfg, kv_events_endpoint=args.kv_events_endpoint,
-                                kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-                                stats_interval=args.stats_interval, parent_pid=os.getpid())
+    proc_cfg = EngineProcConfig(
+        input_addr=addrs.input_addr,
+        output_addr=addrs.output_addr,
+        model=args.model,
+        engine_kwargs=kw,
+        role=args.role,
+        kv_connector=args.kv_connector,
+        kv_connector_config=connector_cfg,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        stats_interval=args.stats_interval,
+        parent_pid=os.getpid(),
+    )
     return cfg, proc_cfg
 
 

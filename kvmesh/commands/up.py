@@ -1,4 +1,5 @@
 """`kvmesh up`: the full local topology (prefill, decode, router; redis-server with the Redis connector)."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,16 +26,25 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvmesh.topology import Topology, TopologyConfig
 
-    cfg = TopologyConfig(host=args.host, port=args.port, num_prefill=args.prefill, num_decode=args.decode,
-                         kv_connector=args.kv_connector, model=args.model, redis_url=args.redis_url,
-                         engine_args=tuple(args.worker_arg), router_args=tuple(args.router_arg),
-                         log_dir=args.log_dir)
+    cfg = TopologyConfig(
+        host=args.host,
+        port=args.port,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        kv_connector=args.kv_connector,
+        model=args.model,
+        redis_url=args.redis_url,
+        engine_args=tuple(args.worker_arg),
+        router_args=tuple(args.router_arg),
+        log_dir=args.log_dir,
+    )
     topo = Topology(cfg)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"kvmesh up: starting {cfg.num_prefill} prefill + {cfg.num_decode} decode ({cfg.kv_connector}) ...",
-          flush=True)
+    print(
+        f"kvmesh up: starting {cfg.num_prefill} prefill + {cfg.num_decode} decode ({cfg.kv_connector}) ...", flush=True
+    )
     try:
         topo.start()
     except RuntimeError as e:  # redis-server missing, or a process died or was not ready in time

@@ -1,4 +1,5 @@
 """Frozen configuration of one API server (one pod of any role)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -7,6 +7,7 @@ process: if it dies, every in-flight request receives `EngineDeadError` (so
 streams end and non-streaming calls return an error instead of hanging) and
 `healthy` turns False for ``/health``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -62,8 +63,12 @@ class EngineAddresses:
 
 
 class EngineClient:
-    def __init__(self, proc_cfg: EngineProcConfig, on_stats: Callable[[EngineStats], None] | None = None,
-                 on_queue_time: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self,
+        proc_cfg: EngineProcConfig,
+        on_stats: Callable[[EngineStats], None] | None = None,
+        on_queue_time: Callable[[float], None] | None = None,
+    ) -> None:
         self.proc_cfg = proc_cfg
         self.on_stats = on_stats
         self.on_queue_time = on_queue_time
@@ -213,8 +218,12 @@ class EngineClient:
             elif isinstance(msg, wire.Ready):
                 self.ready = msg
                 self._ready_event.set()
-                log.info("engine ready: %s, max_model_len %d, %d KV blocks", msg.model_name,
-                         msg.max_model_len, msg.num_kv_blocks)
+                log.info(
+                    "engine ready: %s, max_model_len %d, %d KV blocks",
+                    msg.model_name,
+                    msg.max_model_len,
+                    msg.num_kv_blocks,
+                )
             elif isinstance(msg, wire.Fatal):
                 log.error("engine reported: %s", msg.message)
                 self._fail_all(msg.message)

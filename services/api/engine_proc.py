@@ -15,6 +15,7 @@ client: a slow reader only fills ZMQ buffers in the API process.
 Start it with ``python -m kvmesh.services.api.engine_proc CONFIG_JSON`` (the API
 server does this), or build an `EngineProcess` in-process for tests.
 """
+
 from __future__ import annotations
 
 import json
@@ -84,8 +85,10 @@ def default_connector_factory(cfg: EngineProcConfig):
 
     make = getattr(connectors, "make_connector", None)
     if make is None:
-        raise ValueError(f"--kv-connector {cfg.kv_connector!r}: no connector registry "
-                         "(kvmesh.engine.connectors.make_connector) is installed")
+        raise ValueError(
+            f"--kv-connector {cfg.kv_connector!r}: no connector registry "
+            "(kvmesh.engine.connectors.make_connector) is installed"
+        )
     # The connector learns role, engine id and KV layout from the engine itself (KVConnector.configure).
     return make(cfg.kv_connector, None, **cfg.kv_connector_config)
 
@@ -93,8 +96,9 @@ def default_connector_factory(cfg: EngineProcConfig):
 class EngineProcess:
     """Wraps an `EngineCore` with the ZMQ side of the process boundary."""
 
-    def __init__(self, cfg: EngineProcConfig, connector_factory: ConnectorFactory = default_connector_factory,
-                 engine=None) -> None:
+    def __init__(
+        self, cfg: EngineProcConfig, connector_factory: ConnectorFactory = default_connector_factory, engine=None
+    ) -> None:
         self.cfg = cfg
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
@@ -109,8 +113,9 @@ class EngineProcess:
             connector = connector_factory(cfg)
             kw = dict(cfg.engine_kwargs)
             simulate = kw.pop("simulate", None)
-            engine, _ = EngineCore.from_model(EngineArgs(model=cfg.model, role=cfg.role, **kw), connector=connector,
-                                              simulate=simulate)
+            engine, _ = EngineCore.from_model(
+                EngineArgs(model=cfg.model, role=cfg.role, **kw), connector=connector, simulate=simulate
+            )
             hook = getattr(connector, "on_engine_started", None)
             if hook is not None:  # lets a connector see the built engine (KV layout, engine id) once
                 hook(engine)
@@ -134,12 +139,22 @@ class EngineProcess:
 
     def send_ready(self) -> None:
         c = self.engine.config
-        self._send(wire.Ready(pid=os.getpid(), model_name=c.model.name, max_model_len=c.scheduler.max_model_len,
-                              block_size=c.cache.block_size, num_kv_blocks=self.engine.kv.pool.num_blocks,
-                              role=c.role, dtype=c.dtype, device=c.device, max_num_seqs=c.scheduler.max_num_seqs,
-                              max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
-                              gpu_memory_utilization=c.cache.gpu_memory_utilization,
-                              kv_connector=getattr(getattr(self.engine, "connector", None), "name", "none")))
+        self._send(
+            wire.Ready(
+                pid=os.getpid(),
+                model_name=c.model.name,
+                max_model_len=c.scheduler.max_model_len,
+                block_size=c.cache.block_size,
+                num_kv_blocks=self.engine.kv.pool.num_blocks,
+                role=c.role,
+                dtype=c.dtype,
+                device=c.device,
+                max_num_seqs=c.scheduler.max_num_seqs,
+                max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
+                gpu_memory_utilization=c.cache.gpu_memory_utilization,
+                kv_connector=getattr(getattr(self.engine, "connector", None), "name", "none"),
+            )
+        )
 
     def _handle(self, raw: bytes) -> None:
         try:
@@ -342,8 +357,10 @@ def _alive(pid: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=os.environ.get("KVMESH_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("KVMESH_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
+    )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     cfg = EngineProcConfig.from_json(argv[0])
     try:

@@ -5,6 +5,7 @@ the weights, the slow part), the tokenizer loads here meanwhile, and uvicorn
 binds only once the engine reported `Ready`, so a listening port means a
 working server.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,8 +51,16 @@ async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
     client.on_queue_time = metrics.on_queue_time
     metrics.on_stats(client.stats)
     app = build_app(cfg, client, loaded.tokenizer, metrics)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.uvicorn_log_level,
-                                           timeout_graceful_shutdown=cfg.shutdown_timeout, lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=cfg.host,
+            port=cfg.port,
+            log_level=cfg.uvicorn_log_level,
+            timeout_graceful_shutdown=cfg.shutdown_timeout,
+            lifespan="off",
+        )
+    )
     log.info("serving %s on http://%s:%d (role %s)", ready.model_name, cfg.host, cfg.port, ready.role)
     stop_requested: list[float] = []
     uvicorn_exit = server.handle_exit
@@ -77,14 +86,15 @@ async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
 def _remove_ipc_dir(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> None:
     """Remove the temp dir holding our ipc sockets, only when we created it (no --engine-ipc-dir/addresses)."""
     if cfg.ipc_dir is None and cfg.engine_input_addr is None and proc_cfg.input_addr.startswith("ipc://"):
-        d = os.path.dirname(proc_cfg.input_addr[len("ipc://"):])
+        d = os.path.dirname(proc_cfg.input_addr[len("ipc://") :])
         if os.path.basename(d).startswith("kvmesh-"):
             shutil.rmtree(d, ignore_errors=True)
 
 
 def run(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
-    logging.basicConfig(level=os.environ.get("KVMESH_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s [api] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("KVMESH_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s [api] %(name)s: %(message)s"
+    )
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return aio.run(serve(cfg, proc_cfg))

@@ -10,6 +10,7 @@ Two sources, neither on the engine's per-token path:
 Each server owns a `CollectorRegistry`, so several apps in one process (tests)
 never collide in the global registry.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -17,12 +18,74 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvmesh.engine.messages import EngineStats
 
 # Buckets copied from vLLM so dashboards' heatmaps line up.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -33,60 +96,111 @@ class ServerMetrics:
         self.model_name = model_name
         self.num_running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", L, registry=r)
         self.num_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", L, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", L,
-                              registry=r)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries",
-                                      "Prefix cache queries, in terms of number of queried tokens.", L, registry=r)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits",
-                                   "Prefix cache hits, in terms of number of cached tokens.", L, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", L, registry=r)
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", L, registry=r
+        )
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", L, registry=r
+        )
         self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemptions.", L, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", L, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", L,
-                                         registry=r)
-        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                       L + ["finished_reason"], registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              L, buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             L, buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             L, buckets=E2E_BUCKETS, registry=r)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", L, registry=r
+        )
+        self.request_success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.", L + ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            L,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            L,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            L,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
         # Whether decode runs on the fast path: a step the device chose its own next input for
         # (multi-step / async rounds) or one the host planned (prefill, mixed batch, KV transfer,
         # CPU engine). A falling round share with the same traffic means something pushes batches
         # off the fast path.
-        self.engine_steps = Counter("kvmesh:engine_steps",
-                                    "Engine steps by path: round = decode steps in multi-step / async rounds "
-                                    "(tokens fed back on the device), one_step = every other step.",
-                                    L + ["path"], registry=r)
-        self.chained_rounds = Counter("kvmesh:engine_chained_rounds",
-                                      "Decode rounds queued behind the one in flight (async scheduling).", L,
-                                      registry=r)
-        self.computed_tokens = Counter("kvmesh:engine_computed_tokens",
-                                       "Tokens the model ran (prefix-cache hits and KV loaded by a "
-                                       "connector excluded).", L, registry=r)
-        self.held_requests = Gauge("kvmesh:kv_held_requests",
-                                   "Finished requests whose KV blocks are held for a remote reader "
-                                   "(prefill role, until pulled or the lease expires).", L, registry=r)
-        self.engine_info = Gauge("kvmesh:engine_config_info",
-                                 "The running engine's settings as labels (value 1).",
-                                 L + ["role", "dtype", "device", "block_size", "num_kv_blocks", "max_num_seqs",
-                                      "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
-                                      "kv_connector"], registry=r)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.", L,
-                                    buckets=E2E_BUCKETS, registry=r)
+        self.engine_steps = Counter(
+            "kvmesh:engine_steps",
+            "Engine steps by path: round = decode steps in multi-step / async rounds "
+            "(tokens fed back on the device), one_step = every other step.",
+            L + ["path"],
+            registry=r,
+        )
+        self.chained_rounds = Counter(
+            "kvmesh:engine_chained_rounds",
+            "Decode rounds queued behind the one in flight (async scheduling).",
+            L,
+            registry=r,
+        )
+        self.computed_tokens = Counter(
+            "kvmesh:engine_computed_tokens",
+            "Tokens the model ran (prefix-cache hits and KV loaded by a connector excluded).",
+            L,
+            registry=r,
+        )
+        self.held_requests = Gauge(
+            "kvmesh:kv_held_requests",
+            "Finished requests whose KV blocks are held for a remote reader "
+            "(prefill role, until pulled or the lease expires).",
+            L,
+            registry=r,
+        )
+        self.engine_info = Gauge(
+            "kvmesh:engine_config_info",
+            "The running engine's settings as labels (value 1).",
+            L
+            + [
+                "role",
+                "dtype",
+                "device",
+                "block_size",
+                "num_kv_blocks",
+                "max_num_seqs",
+                "max_num_batched_tokens",
+                "max_model_len",
+                "gpu_memory_utilization",
+                "kv_connector",
+            ],
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            L,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
         # bound children: label lookup once, not per observation
         m = model_name
-        self._ttft, self._itl, self._e2e, self._queue = (self.ttft.labels(m), self.itl.labels(m),
-                                                         self.e2e.labels(m), self.queue_time.labels(m))
+        self._ttft, self._itl, self._e2e, self._queue = (
+            self.ttft.labels(m),
+            self.itl.labels(m),
+            self.e2e.labels(m),
+            self.queue_time.labels(m),
+        )
         self._gen, self._prompt = self.generation_tokens.labels(m), self.prompt_tokens.labels(m)
         self._success = {reason: self.request_success.labels(m, reason) for reason in FINISH_REASONS}
         self._last = EngineStats()
         for g in (self.num_running, self.num_waiting, self.kv_usage, self.held_requests):
             g.labels(m).set(0)
-        for c in (self.prefix_queries, self.prefix_hits, self.preemptions, self.chained_rounds,
-                  self.computed_tokens):
+        for c in (self.prefix_queries, self.prefix_hits, self.preemptions, self.chained_rounds, self.computed_tokens):
             c.labels(m)
         for path in ("round", "one_step"):
             self.engine_steps.labels(m, path)
@@ -99,15 +213,19 @@ class ServerMetrics:
         self.kv_usage.labels(m).set(s.kv_cache_usage)
         self.held_requests.labels(m).set(s.num_held_requests)
         last = self._last
-        for counter, new, old in ((self.prefix_queries, s.prefix_cache_queries, last.prefix_cache_queries),
-                                  (self.prefix_hits, s.prefix_cache_hits, last.prefix_cache_hits),
-                                  (self.preemptions, s.num_preemptions, last.num_preemptions),
-                                  (self.chained_rounds, s.num_chained_rounds, last.num_chained_rounds),
-                                  (self.computed_tokens, s.num_computed_tokens, last.num_computed_tokens)):
+        for counter, new, old in (
+            (self.prefix_queries, s.prefix_cache_queries, last.prefix_cache_queries),
+            (self.prefix_hits, s.prefix_cache_hits, last.prefix_cache_hits),
+            (self.preemptions, s.num_preemptions, last.num_preemptions),
+            (self.chained_rounds, s.num_chained_rounds, last.num_chained_rounds),
+            (self.computed_tokens, s.num_computed_tokens, last.num_computed_tokens),
+        ):
             if new > old:
                 counter.labels(m).inc(new - old)
-        for path, new, old in (("round", s.num_round_steps, last.num_round_steps),
-                               ("one_step", s.num_steps - s.num_round_steps, last.num_steps - last.num_round_steps)):
+        for path, new, old in (
+            ("round", s.num_round_steps, last.num_round_steps),
+            ("one_step", s.num_steps - s.num_round_steps, last.num_steps - last.num_round_steps),
+        ):
             if new > old:
                 self.engine_steps.labels(m, path).inc(new - old)
         self._last = s
@@ -115,9 +233,18 @@ class ServerMetrics:
     def on_ready(self, ready) -> None:
         """The engine's settings (a `wire.Ready`), once at start."""
         self.engine_info.labels(
-            self.model_name, ready.role, ready.dtype, ready.device, str(ready.block_size), str(ready.num_kv_blocks),
-            str(ready.max_num_seqs), str(ready.max_num_batched_tokens), str(ready.max_model_len),
-            f"{ready.gpu_memory_utilization:g}", ready.kv_connector).set(1)
+            self.model_name,
+            ready.role,
+            ready.dtype,
+            ready.device,
+            str(ready.block_size),
+            str(ready.num_kv_blocks),
+            str(ready.max_num_seqs),
+            str(ready.max_num_batched_tokens),
+            str(ready.max_model_len),
+            f"{ready.gpu_memory_utilization:g}",
+            ready.kv_connector,
+        ).set(1)
 
     def on_queue_time(self, seconds: float) -> None:
         self._queue.observe(seconds)

@@ -4,6 +4,7 @@ Only the shape is checked here; value ranges are checked once, by
 `SamplingParams`, so the offline and served paths reject the same inputs with
 the same messages. Unknown fields are ignored, as OpenAI and vLLM do.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Union
@@ -88,4 +89,3 @@ class DetokenizeRequest(BaseModel):
 
     model: Optional[str] = None
     tokens: list[int]
-

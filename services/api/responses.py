@@ -6,6 +6,7 @@ still gets its status code), skips empty events, ends with an optional usage chu
 ``[DONE]``, and an engine error mid-stream becomes an error event. Whatever ends a request
 (the end, an error, a client that left) closes its `Generation`, which aborts what still runs.
 """
+
 from __future__ import annotations
 
 import json

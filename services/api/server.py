@@ -4,6 +4,7 @@ Shared by every role (all-in-one, prefill, decode): a role changes the engine's
 configuration, never this file. `build_app` takes an already started
 `EngineClient`, so tests can build the app around any engine.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -96,8 +97,9 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
         errs = e.errors()
         first = errs[0] if errs else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body')}: {er.get('msg')}"
-                        for er in errs[:3])
+        msg = "; ".join(
+            f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body')}: {er.get('msg')}" for er in errs[:3]
+        )
         return error_response(400, msg or "invalid request", loc[0] if loc else None)
 
     @app.exception_handler(Exception)
@@ -125,8 +127,9 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
     async def health():
         if client.healthy:
             return Response(status_code=200)
-        return JSONResponse(error_body(503, f"engine is not available: {client.dead_reason or 'starting'}"),
-                            status_code=503)
+        return JSONResponse(
+            error_body(503, f"engine is not available: {client.dead_reason or 'starting'}"), status_code=503
+        )
 
     @app.get("/version")
     async def version():
@@ -139,9 +142,21 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
     @app.get("/v1/models")
     async def models():
         now = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": now, "owned_by": "kvmesh", "root": ready.model_name,
-             "parent": None, "max_model_len": ready.max_model_len} for name in served]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": now,
+                    "owned_by": "kvmesh",
+                    "root": ready.model_name,
+                    "parent": None,
+                    "max_model_len": ready.max_model_len,
+                }
+                for name in served
+            ],
+        }
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -196,8 +211,13 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
             off = offsets.get(ev.choice, 0)
             offsets[ev.choice] = off + len(ev.text)
             lp = serving.legacy_logprobs(ev.logprobs, off, k) if req.logprobs is not None and ev.logprobs else None
-            return {"index": ev.choice, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason,
-                    "stop_reason": ev.stop_reason}
+            return {
+                "index": ev.choice,
+                "text": ev.text,
+                "logprobs": lp,
+                "finish_reason": ev.finish_reason,
+                "stop_reason": ev.stop_reason,
+            }
 
         def choices() -> list[dict]:
             out = []
@@ -206,12 +226,25 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
                 lp = None
                 if req.logprobs is not None and o.logprobs is not None:
                     lp = serving.legacy_logprobs(o.logprobs, len(prefix), k)
-                out.append({"index": idx, "text": prefix + o.text, "logprobs": lp,
-                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+                out.append(
+                    {
+                        "index": idx,
+                        "text": prefix + o.text,
+                        "logprobs": lp,
+                        "finish_reason": o.finish_reason,
+                        "stop_reason": o.stop_reason,
+                    }
+                )
             return out
 
-        return await answer(Answer("text_completion", "text_completion", choices, delta, lead), gen, raw, model,
-                            req.stream, _include_usage(req))
+        return await answer(
+            Answer("text_completion", "text_completion", choices, delta, lead),
+            gen,
+            raw,
+            model,
+            req.stream,
+            _include_usage(req),
+        )
 
     # ---- chat ---------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -220,22 +253,43 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
         k = req.top_logprobs or 0
 
         def lead() -> list[dict]:
-            return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None} for i in range(req.n)]
+            return [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(req.n)
+            ]
 
         def delta(ev: Event) -> dict:
             lp = serving.chat_logprobs(ev.logprobs, k) if req.logprobs and ev.logprobs else None
-            return {"index": ev.choice, "delta": {"content": ev.text} if ev.text else {}, "logprobs": lp,
-                    "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason}
+            return {
+                "index": ev.choice,
+                "delta": {"content": ev.text} if ev.text else {},
+                "logprobs": lp,
+                "finish_reason": ev.finish_reason,
+                "stop_reason": ev.stop_reason,
+            }
 
         def choices() -> list[dict]:
-            return [{"index": idx, "message": {"role": "assistant", "content": o.text},
-                     "logprobs": serving.chat_logprobs(o.logprobs, k) if req.logprobs and o.logprobs is not None
-                     else None, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-                    for idx, o, _ in gen.outputs()]
+            return [
+                {
+                    "index": idx,
+                    "message": {"role": "assistant", "content": o.text},
+                    "logprobs": serving.chat_logprobs(o.logprobs, k)
+                    if req.logprobs and o.logprobs is not None
+                    else None,
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                }
+                for idx, o, _ in gen.outputs()
+            ]
 
-        return await answer(Answer("chat.completion", "chat.completion.chunk", choices, delta, lead), gen, raw,
-                            model, req.stream, _include_usage(req))
+        return await answer(
+            Answer("chat.completion", "chat.completion.chunk", choices, delta, lead),
+            gen,
+            raw,
+            model,
+            req.stream,
+            _include_usage(req),
+        )
 
     return app
 

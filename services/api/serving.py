@@ -14,6 +14,7 @@ running so its KV blocks are freed.
 ``max_model_len`` or the request is rejected with 400; when absent (chat), it
 defaults to the rest of the context.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -57,8 +58,9 @@ def engine_error(e: Exception) -> APIError:
     """Map an engine-side failure to the HTTP error a client should see."""
     if isinstance(e, EngineRejectedError):
         if e.reason == "queue_full":
-            return APIError(503, f"server is overloaded: {e}; retry later",
-                            headers={"Retry-After": RETRY_AFTER_SECONDS})
+            return APIError(
+                503, f"server is overloaded: {e}; retry later", headers={"Retry-After": RETRY_AFTER_SECONDS}
+            )
         msg = str(e)
         # The engine names the field it rejects when it is kv_transfer_params (unknown remote engine,
         # block ids out of range): report it in "param" like the API's own checks do.
@@ -71,17 +73,26 @@ def engine_error(e: Exception) -> APIError:
 class Generation:
     """The engine requests of one HTTP call and their detokenization state."""
 
-    def __init__(self, client: EngineClient, metrics: ServerMetrics, tokenizer, base_id: str,
-                 prompts: list[_Prompt], params: SamplingParams, cache_salt: str | None,
-                 kv_transfer_params: dict | None) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        metrics: ServerMetrics,
+        tokenizer,
+        base_id: str,
+        prompts: list[_Prompt],
+        params: SamplingParams,
+        cache_salt: str | None,
+        kv_transfer_params: dict | None,
+    ) -> None:
         self.client = client
         self.metrics = metrics
         self.params = params
         self.arrival = time.monotonic()
         self.stream = RequestStream(base_id)
         self.ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
-        self.states = {rid: RequestState(rid, p.text, p.token_ids, params, tokenizer)
-                       for rid, p in zip(self.ids, prompts)}
+        self.states = {
+            rid: RequestState(rid, p.text, p.token_ids, params, tokenizer) for rid, p in zip(self.ids, prompts)
+        }
         self.offset = {rid: i * params.n for i, rid in enumerate(self.ids)}
         self.prompts = prompts
         self.cache_salt = cache_salt
@@ -94,9 +105,17 @@ class Generation:
     def start(self) -> None:
         try:
             for rid, p in zip(self.ids, self.prompts):
-                self.client.add(EngineCoreRequest(
-                    request_id=rid, prompt_token_ids=p.token_ids, params=self.params, cache_salt=self.cache_salt,
-                    kv_transfer_params=self.kv_transfer_params, arrival_time=self.arrival), self.stream)
+                self.client.add(
+                    EngineCoreRequest(
+                        request_id=rid,
+                        prompt_token_ids=p.token_ids,
+                        params=self.params,
+                        cache_salt=self.cache_salt,
+                        kv_transfer_params=self.kv_transfer_params,
+                        arrival_time=self.arrival,
+                    ),
+                    self.stream,
+                )
         except EngineDeadError as e:
             self.close()
             raise engine_error(e) from e
@@ -152,9 +171,14 @@ class Generation:
                 for _ in range(n_new):
                     self.metrics.observe_itl((now - last) / n_new)
             self._last_token_time[key] = now
-        ev = Event(self.offset[rid] + eo.index, "".join(d for _, d in deltas), seq.token_ids[n_before:],
-                   (seq.logprobs or [])[n_before:] if seq.logprobs is not None else [],
-                   seq.finish_reason, seq.stop_reason)
+        ev = Event(
+            self.offset[rid] + eo.index,
+            "".join(d for _, d in deltas),
+            seq.token_ids[n_before:],
+            (seq.logprobs or [])[n_before:] if seq.logprobs is not None else [],
+            seq.finish_reason,
+            seq.stop_reason,
+        )
         if st.result.finished:
             self.unfinished.discard(rid)
             self.client.release(rid)
@@ -176,8 +200,12 @@ class Generation:
         prompt = sum(len(p.token_ids) for p in self.prompts)
         completion = sum(len(o.token_ids) for st in self.states.values() for o in st.result.outputs)
         cached = sum(st.result.num_cached_tokens for st in self.states.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     def outputs(self):
         """``(choice index, CompletionOutput, prompt)`` in choice order."""
@@ -196,8 +224,15 @@ class Generation:
 class Serving:
     """Request handling shared by the completions and chat endpoints."""
 
-    def __init__(self, client: EngineClient, tokenizer, metrics: ServerMetrics, served_names: list[str],
-                 max_model_len: int, vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer,
+        metrics: ServerMetrics,
+        served_names: list[str],
+        max_model_len: int,
+        vocab_size: int | None = None,
+    ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -217,15 +252,19 @@ class Serving:
         if n == 0:
             raise bad_request("prompt is empty", "prompt")
         if n >= self.max_model_len:
-            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                              f"request has {n} input tokens; the prompt must leave room for at least one "
-                              "generated token.", "prompt")
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"request has {n} input tokens; the prompt must leave room for at least one "
+                "generated token.",
+                "prompt",
+            )
         bad = [t for t in ids if not (0 <= t < self.vocab_size)]
         if bad:
             raise bad_request(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", "prompt")
 
-    def sampling_params(self, req: _Sampling, max_tokens: int | None, logprobs: int | None,
-                        prompt_lens: list[int]) -> SamplingParams:
+    def sampling_params(
+        self, req: _Sampling, max_tokens: int | None, logprobs: int | None, prompt_lens: list[int]
+    ) -> SamplingParams:
         longest = max(prompt_lens)
         if max_tokens is None:
             max_tokens = self.max_model_len - longest
@@ -233,25 +272,37 @@ class Serving:
             raise bad_request(
                 f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
                 f"context length is {self.max_model_len} tokens and your request has {longest} input tokens "
-                f"({max_tokens} > {self.max_model_len} - {longest}).", "max_tokens")
+                f"({max_tokens} > {self.max_model_len} - {longest}).",
+                "max_tokens",
+            )
         stop = req.stop if req.stop is not None else ()
         fmt = (req.response_format or {}).get("type", "text")
         if fmt != "text":
-            raise bad_request(f"response_format {fmt!r} is not supported (no constrained decoding); "
-                              "only 'text'", "response_format")
+            raise bad_request(
+                f"response_format {fmt!r} is not supported (no constrained decoding); only 'text'", "response_format"
+            )
         bias = self.logit_bias(req.logit_bias)
         try:
             return SamplingParams(
-                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
-                stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0,
+                seed=req.seed,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=stop,
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
                 frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                logit_bias=bias)
+                logit_bias=bias,
+            )
         except (ValueError, TypeError) as e:
             field = str(e).split(" ", 1)[0]  # SamplingParams names the offending field first
             raise bad_request(str(e), field if field in SamplingParams.__dataclass_fields__ else None) from e
@@ -274,8 +325,13 @@ class Serving:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
-    def chat_prompt(self, messages: list, add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    kwargs: dict | None = None) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: list,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        kwargs: dict | None = None,
+    ) -> list[int]:
         try:
             return render_chat(self.tokenizer, messages, add_generation_prompt, continue_final_message, kwargs)
         except ChatContentError as e:
@@ -290,8 +346,7 @@ class Serving:
             self._token_str[tok] = s
         return s
 
-    def new_generation(self, prefix: str, prompts: list[_Prompt], params: SamplingParams,
-                       req: _Sampling) -> Generation:
+    def new_generation(self, prefix: str, prompts: list[_Prompt], params: SamplingParams, req: _Sampling) -> Generation:
         """The generation of already checked prompts (`check_prompt`, by the prepare_* methods)."""
         from kvmesh.engine.kv_transfer_params import check_kv_transfer_params
 
@@ -300,8 +355,16 @@ class Serving:
             raise bad_request(problem, "kv_transfer_params")
         if not self.client.healthy:
             raise APIError(503, f"engine is not available: {self.client.dead_reason or 'starting'}")
-        return Generation(self.client, self.metrics, self.tokenizer, f"{prefix}-{uuid.uuid4().hex}", prompts,
-                          params, req.cache_salt, req.kv_transfer_params)
+        return Generation(
+            self.client,
+            self.metrics,
+            self.tokenizer,
+            f"{prefix}-{uuid.uuid4().hex}",
+            prompts,
+            params,
+            req.cache_salt,
+            req.kv_transfer_params,
+        )
 
     # ---- logprobs formats ---------------------------------------------------
     def legacy_logprobs(self, entries: list[dict], text_offset: int, k: int) -> dict:
@@ -324,11 +387,17 @@ class Serving:
         content = []
         for e in entries:
             s = self.token_str(e["token_id"])
-            content.append({
-                "token": s, "logprob": e["logprob"], "bytes": list(s.encode("utf-8")),
-                "top_logprobs": [{"token": self.token_str(t), "logprob": lp,
-                                  "bytes": list(self.token_str(t).encode("utf-8"))} for t, lp in e["top"][:k]],
-            })
+            content.append(
+                {
+                    "token": s,
+                    "logprob": e["logprob"],
+                    "bytes": list(s.encode("utf-8")),
+                    "top_logprobs": [
+                        {"token": self.token_str(t), "logprob": lp, "bytes": list(self.token_str(t).encode("utf-8"))}
+                        for t, lp in e["top"][:k]
+                    ],
+                }
+            )
         return {"content": content}
 
     # ---- request preparation ------------------------------------------------
@@ -364,8 +433,9 @@ class Serving:
         model = self.check_model(req.model)
         if req.tools:
             raise bad_request("tool calling is not supported", "tools")
-        ids = self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
-                               req.chat_template_kwargs)
+        ids = self.chat_prompt(
+            req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+        )
         self.check_prompt(ids)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = None

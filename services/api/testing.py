@@ -4,6 +4,7 @@ The server runs in its own process group with its engine child, so
 `ServerProcess.stop` takes both down with one `killpg`, whatever state they
 are in, and a test can never leak processes.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,10 +27,8 @@ class ServerProcess:
 
     def start(self, timeout: float = 600.0) -> ServerProcess:
         out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               *self.args]
-        self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_healthy(self.base_url, timeout, self.proc, f"server (log: {self.log_path})")
         except BaseException:

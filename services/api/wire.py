@@ -9,6 +9,7 @@ struct, so one `Decoder` per direction decodes any of them.
 Direction API -> engine: ``AddRequest``, ``Abort``, ``AbortSequence``, ``ResetPrefixCache``, ``Shutdown``.
 Direction engine -> API: ``Ready``, ``Outputs``, ``Rejected``, ``Stats``, ``ResetDone``, ``Fatal``.
 """
+
 from __future__ import annotations
 
 from typing import Union

@@ -4,6 +4,7 @@
 asks a decode-capable pod; ``/health`` is 200 while one is up; ``/pods`` is a debug view of the
 pod table. Errors are OpenAI-schema bodies from `kvmesh.services.errors`, the same the pods send.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,8 +64,10 @@ def build_app(router: Router) -> FastAPI:
                     return Response(content, media_type="application/json")
             except UpstreamError:
                 continue
-        return {"object": "list", "data": [{"id": router.model, "object": "model", "created": int(time.time()),
-                                            "owned_by": "kvmesh"}]}
+        return {
+            "object": "list",
+            "data": [{"id": router.model, "object": "model", "created": int(time.time()), "owned_by": "kvmesh"}],
+        }
 
     @app.get("/health")
     async def health():
@@ -79,17 +82,36 @@ def build_app(router: Router) -> FastAPI:
     @app.get("/pods")
     async def pods():
         """Debug view: each pod's state as the router sees it."""
-        return {"pods": [{"url": p.url, "role": p.spec.role, "healthy": p.healthy, "running": p.running,
-                          "waiting": p.waiting, "kv_usage": p.kv_usage, "inflight_requests": p.inflight_requests,
-                          "inflight_tokens": p.inflight_tokens, "routed": p.routed, "failures": p.failures,
-                          "exact": router.index.is_exact(p.url), "indexed_blocks": router.index.pod_blocks(p.url),
-                          "eviction_pressure": router.index.eviction_pressure([p.url])[p.url],
-                          "event_seq": router.hub.pod_seq(p.url), "last_error": p.last_error}
-                         for p in router.pods.values()],
-                "index": router.index.size(), "events": {
-                    "batches": router.hub.stats.batches, "gaps": router.hub.stats.gaps,
-                    "replayed": router.hub.stats.replayed, "resyncs": router.hub.stats.resyncs,
-                    "restarts": router.hub.stats.restarts}}
+        return {
+            "pods": [
+                {
+                    "url": p.url,
+                    "role": p.spec.role,
+                    "healthy": p.healthy,
+                    "running": p.running,
+                    "waiting": p.waiting,
+                    "kv_usage": p.kv_usage,
+                    "inflight_requests": p.inflight_requests,
+                    "inflight_tokens": p.inflight_tokens,
+                    "routed": p.routed,
+                    "failures": p.failures,
+                    "exact": router.index.is_exact(p.url),
+                    "indexed_blocks": router.index.pod_blocks(p.url),
+                    "eviction_pressure": router.index.eviction_pressure([p.url])[p.url],
+                    "event_seq": router.hub.pod_seq(p.url),
+                    "last_error": p.last_error,
+                }
+                for p in router.pods.values()
+            ],
+            "index": router.index.size(),
+            "events": {
+                "batches": router.hub.stats.batches,
+                "gaps": router.hub.stats.gaps,
+                "replayed": router.hub.stats.replayed,
+                "resyncs": router.hub.stats.resyncs,
+                "restarts": router.hub.stats.restarts,
+            },
+        }
 
     return app
 
@@ -100,10 +122,24 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> int:
     router = Router(cfg)
     await router.start()
     app = build_app(router)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                                           lifespan="off", timeout_graceful_shutdown=cfg.shutdown_timeout))
-    log.info("router on http://%s:%d, policy %s, %d pods, %s event loop", cfg.host, cfg.port, cfg.policy,
-             len(router.pods), type(asyncio.get_running_loop()).__module__.split(".")[0])
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=cfg.host,
+            port=cfg.port,
+            log_level=cfg.log_level,
+            lifespan="off",
+            timeout_graceful_shutdown=cfg.shutdown_timeout,
+        )
+    )
+    log.info(
+        "router on http://%s:%d, policy %s, %d pods, %s event loop",
+        cfg.host,
+        cfg.port,
+        cfg.policy,
+        len(router.pods),
+        type(asyncio.get_running_loop()).__module__.split(".")[0],
+    )
     try:
         await server.serve()
     finally:

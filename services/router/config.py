@@ -1,4 +1,5 @@
 """Frozen router configuration (one object, built from the CLI or by tests)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,39 +28,74 @@ class ScoringWeights:
     the cost of TTFT p90. The A/Bs: docs/router.md, "Scoring"; current figures: BENCHMARKS.md.
     """
 
-    hit: float = field(default=1.0, metadata=cli(
-        "weight of the fraction of the prompt the pod holds, against a typical prompt's length",
-        flag="--weight-hit"))
-    load: float = field(default=0.2, metadata=cli(
-        "weight of the pod's request load relative to the mean", flag="--weight-load"))
-    tokens: float = field(default=0.2, metadata=cli(
-        "weight of the uncached prompt tokens in flight to the pod relative to the mean", flag="--weight-tokens"))
-    kv: float = field(default=0.2, metadata=cli(
-        "weight of the pod's KV usage (0..1), so a nearly full pod (which would evict) is avoided",
-        flag="--weight-kv"))
-    balance_abs: float = field(default=2.0, metadata=cli(
-        "a pod whose load exceeds balance_rel * mean + balance_abs is not eligible while another is"))
+    hit: float = field(
+        default=1.0,
+        metadata=cli(
+            "weight of the fraction of the prompt the pod holds, against a typical prompt's length", flag="--weight-hit"
+        ),
+    )
+    load: float = field(
+        default=0.2, metadata=cli("weight of the pod's request load relative to the mean", flag="--weight-load")
+    )
+    tokens: float = field(
+        default=0.2,
+        metadata=cli(
+            "weight of the uncached prompt tokens in flight to the pod relative to the mean", flag="--weight-tokens"
+        ),
+    )
+    kv: float = field(
+        default=0.2,
+        metadata=cli(
+            "weight of the pod's KV usage (0..1), so a nearly full pod (which would evict) is avoided",
+            flag="--weight-kv",
+        ),
+    )
+    balance_abs: float = field(
+        default=2.0,
+        metadata=cli("a pod whose load exceeds balance_rel * mean + balance_abs is not eligible while another is"),
+    )
     balance_rel: float = field(default=1.25, metadata=cli("see --balance-abs"))
-    share: float = field(default=0.15, metadata=cli(
-        "weight of the pod's share of recently routed requests", flag="--weight-share"))
-    share_halflife_s: float = field(default=120.0, metadata=cli(
-        "seconds over which a routed request's share decays by half", flag="--share-halflife"))
-    evict: float = field(default=0.0, metadata=cli(
-        "weight of the pod's eviction pressure (from KV events) for the uncached part of a request",
-        flag="--weight-evict"))
-    evict_halflife_s: float = field(default=120.0, metadata=cli(
-        "seconds over which a reported eviction's weight decays by half", flag="--evict-halflife"))
-    share_new: float = field(default=0.0, metadata=cli(
-        "extra share weight, scaled by the part of the prompt no pod holds", flag="--weight-share-new"))
-    private_guard: float = field(default=2.0, metadata=cli(
-        "a follow-up whose cached prefix no other in-flight request shares may go to its pod "
-        "up to this multiple of the balance limit (1: off)"))
-    affinity: float = field(default=0.2, metadata=cli(
-        "weight of the fraction of the request's own prompt that the pod holds", flag="--weight-affinity"))
-    hot_limit_scope: str = field(default="hot", metadata=cli(
-        "which pods get the stricter balance limit max(rel * mean, mean + abs): those whose "
-        "matched prefix other in-flight requests share (hot), every pod, or none",
-        choices=list(HOT_LIMIT_SCOPES)))
+    share: float = field(
+        default=0.15, metadata=cli("weight of the pod's share of recently routed requests", flag="--weight-share")
+    )
+    share_halflife_s: float = field(
+        default=120.0,
+        metadata=cli("seconds over which a routed request's share decays by half", flag="--share-halflife"),
+    )
+    evict: float = field(
+        default=0.0,
+        metadata=cli(
+            "weight of the pod's eviction pressure (from KV events) for the uncached part of a request",
+            flag="--weight-evict",
+        ),
+    )
+    evict_halflife_s: float = field(
+        default=120.0,
+        metadata=cli("seconds over which a reported eviction's weight decays by half", flag="--evict-halflife"),
+    )
+    share_new: float = field(
+        default=0.0,
+        metadata=cli("extra share weight, scaled by the part of the prompt no pod holds", flag="--weight-share-new"),
+    )
+    private_guard: float = field(
+        default=2.0,
+        metadata=cli(
+            "a follow-up whose cached prefix no other in-flight request shares may go to its pod "
+            "up to this multiple of the balance limit (1: off)"
+        ),
+    )
+    affinity: float = field(
+        default=0.2,
+        metadata=cli("weight of the fraction of the request's own prompt that the pod holds", flag="--weight-affinity"),
+    )
+    hot_limit_scope: str = field(
+        default="hot",
+        metadata=cli(
+            "which pods get the stricter balance limit max(rel * mean, mean + abs): those whose "
+            "matched prefix other in-flight requests share (hot), every pod, or none",
+            choices=list(HOT_LIMIT_SCOPES),
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.hot_limit_scope not in HOT_LIMIT_SCOPES:
@@ -80,8 +116,7 @@ class PodSpec:
             raise ValueError(f"pod url must start with http:// or https://, got {self.url!r}")
 
 
-def parse_pod_spec(text: str, role: str, events_port: int | None = None,
-                   replay_port: int | None = None) -> PodSpec:
+def parse_pod_spec(text: str, role: str, events_port: int | None = None, replay_port: int | None = None) -> PodSpec:
     """``URL[,events=tcp://...][,replay=tcp://...]``; without ``events=``, ``--kv-events-port`` gives tcp://HOST:PORT."""
     parts = text.split(",")
     url = parts[0].rstrip("/")
@@ -106,23 +141,28 @@ class RouterConfig:
 
     host: str = field(default="0.0.0.0", metadata=cli())
     port: int = field(default=8080, metadata=cli())
-    model: str | None = field(default=None, metadata=cli(
-        "the pods' model (tokenizer + hash identity); default: embedded"))
+    model: str | None = field(
+        default=None, metadata=cli("the pods' model (tokenizer + hash identity); default: embedded")
+    )
     served_model_name: str | None = field(default=None, metadata=cli())  # name in /v1/models (None: the model's)
     block_size: int = field(default=16, metadata=cli("must equal the pods' --block-size"))
-    kv_events_port: int | None = field(default=None, metadata=cli(
-        "pods publish KV events on tcp://HOST:PORT (for pods without events=)"))
+    kv_events_port: int | None = field(
+        default=None, metadata=cli("pods publish KV events on tcp://HOST:PORT (for pods without events=)")
+    )
     kv_replay_port: int | None = field(default=None, metadata=cli())
     policy: str = field(default="kv-aware", metadata=cli(choices=list(POLICIES)))
     weights: ScoringWeights = field(default_factory=ScoringWeights)
-    pd_min_uncached: int = field(default=256, metadata=cli(
-        "selective P/D: skip the prefill pod when decode would compute fewer tokens than this"))
+    pd_min_uncached: int = field(
+        default=256,
+        metadata=cli("selective P/D: skip the prefill pod when decode would compute fewer tokens than this"),
+    )
     pods: tuple[PodSpec, ...] = ()
     discovery: str = field(default="static", metadata=cli(choices=list(DISCOVERY)))
     k8s_namespace: str = field(default="default", metadata=cli(flag="--namespace"))
     k8s_selectors: tuple[tuple[str, str], ...] = ()  # (role, label selector)
-    k8s_port_name: str = field(default="http", metadata=cli(
-        "EndpointSlice port name of the pods' HTTP port", flag="--port-name"))
+    k8s_port_name: str = field(
+        default="http", metadata=cli("EndpointSlice port name of the pods' HTTP port", flag="--port-name")
+    )
     health_interval: float = field(default=2.0, metadata=cli())  # seconds between health checks / scrapes
     health_timeouts_down: int = 3  # consecutive probe timeouts before a pod that still accepts connections is out
     connect_timeout: float = field(default=2.0, metadata=cli())
@@ -133,8 +173,12 @@ class RouterConfig:
     approx_capacity: int = 1 << 20  # predicted blocks kept per pod without events
     log_level: str = field(default="warning", metadata=cli())
     # uvicorn answers 500 for any request still unanswered after it.
-    shutdown_timeout: float = field(default=30.0, metadata=cli(
-        "on SIGTERM, seconds to let requests in flight finish before exiting (keep it below the pod's grace period)"))
+    shutdown_timeout: float = field(
+        default=30.0,
+        metadata=cli(
+            "on SIGTERM, seconds to let requests in flight finish before exiting (keep it below the pod's grace period)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

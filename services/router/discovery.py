@@ -6,6 +6,7 @@ span several slices) and hands additions and removals to the router's event
 loop, which owns the pod table. A watch that ends (timeout, 410 Gone) relists
 and rewatches, so the view is level-based, not edge-based.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +38,13 @@ def endpoints_from_slice(obj: dict, port_name: str) -> set[tuple[str, int]]:
 
 
 class K8sDiscovery:
-    def __init__(self, cfg: RouterConfig, loop: asyncio.AbstractEventLoop, add: Callable[[PodSpec], None],
-                 remove: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        loop: asyncio.AbstractEventLoop,
+        add: Callable[[PodSpec], None],
+        remove: Callable[[str], None],
+    ) -> None:
         self.cfg = cfg
         self.loop = loop
         self.add = add
@@ -65,9 +71,12 @@ class K8sDiscovery:
     def _spec(self, role: str, host: str, port: int) -> PodSpec:
         h = f"[{host}]" if ":" in host else host
         c = self.cfg
-        return PodSpec(f"http://{h}:{port}", role,
-                       f"tcp://{h}:{c.kv_events_port}" if c.kv_events_port else None,
-                       f"tcp://{h}:{c.kv_replay_port}" if c.kv_replay_port else None)
+        return PodSpec(
+            f"http://{h}:{port}",
+            role,
+            f"tcp://{h}:{c.kv_events_port}" if c.kv_events_port else None,
+            f"tcp://{h}:{c.kv_replay_port}" if c.kv_replay_port else None,
+        )
 
     def _sync(self, role: str, slices: dict[str, dict]) -> None:
         eps: set[tuple[str, int]] = set()
@@ -92,8 +101,13 @@ class K8sDiscovery:
                 slices = {s.metadata.name: api.api_client.sanitize_for_serialization(s) for s in lst.items}
                 self._sync(role, slices)
                 w = watch.Watch()
-                for ev in w.stream(api.list_namespaced_endpoint_slice, ns, label_selector=selector,
-                                   resource_version=lst.metadata.resource_version, timeout_seconds=60):
+                for ev in w.stream(
+                    api.list_namespaced_endpoint_slice,
+                    ns,
+                    label_selector=selector,
+                    resource_version=lst.metadata.resource_version,
+                    timeout_seconds=60,
+                ):
                     if self._stop.is_set():
                         w.stop()
                         return

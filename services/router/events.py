@@ -15,6 +15,7 @@ to hundreds of pods). Per pod it tracks the last sequence number applied:
 The first message from a pod triggers a replay from 0, so a router started
 after its pods learns what they already hold (as far as the ring buffer goes).
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,8 +60,9 @@ class EventStats:
 
 
 class EventHub:
-    def __init__(self, index: PrefixIndex, replay_timeout: float = 2.0,
-                 on_event: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self, index: PrefixIndex, replay_timeout: float = 2.0, on_event: Callable[[str, str], None] | None = None
+    ) -> None:
         self.index = index
         self.replay_timeout_ms = int(replay_timeout * 1000)
         self.on_event = on_event  # (pod, kind) -> None, for metrics
@@ -194,8 +196,12 @@ class EventHub:
                     got.append((seq, payload))
         finally:
             dealer.close(linger=0)
-        complete = bool(got) and got[0][0] == start and all(b[0] == a[0] + 1 for a, b in zip(got, got[1:])) \
+        complete = (
+            bool(got)
+            and got[0][0] == start
+            and all(b[0] == a[0] + 1 for a, b in zip(got, got[1:]))
             and got[-1][0] == upto - 1
+        )
         if not complete and sub.last_seq is not None:
             return False
         if not complete:

@@ -27,6 +27,7 @@ resync, removal) resets its count; that is not pressure.
 
 All methods are thread-safe (event threads write, the HTTP loop reads).
 """
+
 from __future__ import annotations
 
 import threading
@@ -36,8 +37,9 @@ from typing import Iterable, Sequence
 
 
 class PrefixIndex:
-    def __init__(self, pending_ttl: float = 10.0, approx_capacity: int = 1 << 20,
-                 evict_halflife: float = 120.0) -> None:
+    def __init__(
+        self, pending_ttl: float = 10.0, approx_capacity: int = 1 << 20, evict_halflife: float = 120.0
+    ) -> None:
         self.pending_ttl = pending_ttl
         self.approx_capacity = approx_capacity
         self.evict_halflife = evict_halflife

@@ -1,5 +1,6 @@
 """The router's Prometheus metrics (``kvmesh:`` prefix), in a registry of its own so
 tests can run several routers in one process."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -11,49 +12,84 @@ _TOK = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("kvmesh:router_requests", "HTTP requests by endpoint and status",
-                                ["endpoint", "status"], registry=r)
-        self.decisions = Counter("kvmesh:router_routing_decisions", "routing decisions by pod, role and reason",
-                                 ["pod", "role", "reason"], registry=r)
-        self.pd = Counter("kvmesh:router_pd_decisions", "P/D path taken: decode_only (selective), "
-                          "prefill_decode, or fallback_* (prefill failed, decode recomputed)", ["path"], registry=r)
+        self.requests = Counter(
+            "kvmesh:router_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.decisions = Counter(
+            "kvmesh:router_routing_decisions",
+            "routing decisions by pod, role and reason",
+            ["pod", "role", "reason"],
+            registry=r,
+        )
+        self.pd = Counter(
+            "kvmesh:router_pd_decisions",
+            "P/D path taken: decode_only (selective), "
+            "prefill_decode, or fallback_* (prefill failed, decode recomputed)",
+            ["path"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("kvmesh:router_prompt_tokens", "prompt tokens routed", registry=r)
-        self.predicted_hit = Counter("kvmesh:router_predicted_hit_tokens",
-                                     "prompt tokens the index predicted cached on the chosen pod", registry=r)
-        self.reported_hit = Counter("kvmesh:router_reported_cached_tokens",
-                                    "cached tokens reported by pods in usage (same requests as drift)", registry=r)
-        self.drift = Histogram("kvmesh:router_index_drift_tokens",
-                               "predicted minus reported cached tokens, absolute, per request", buckets=_TOK,
-                               registry=r)
+        self.predicted_hit = Counter(
+            "kvmesh:router_predicted_hit_tokens",
+            "prompt tokens the index predicted cached on the chosen pod",
+            registry=r,
+        )
+        self.reported_hit = Counter(
+            "kvmesh:router_reported_cached_tokens",
+            "cached tokens reported by pods in usage (same requests as drift)",
+            registry=r,
+        )
+        self.drift = Histogram(
+            "kvmesh:router_index_drift_tokens",
+            "predicted minus reported cached tokens, absolute, per request",
+            buckets=_TOK,
+            registry=r,
+        )
         # Two counters, not one signed sum: a Prometheus counter only goes up (a negative inc raises).
-        self.over_predicted = Counter("kvmesh:router_index_overpredicted_tokens",
-                                      "predicted cached tokens the pod did not have (sum over requests)",
-                                      registry=r)
-        self.under_predicted = Counter("kvmesh:router_index_underpredicted_tokens",
-                                       "cached tokens the pod had beyond the prediction (sum over requests)",
-                                       registry=r)
-        self.index_blocks = Gauge("kvmesh:router_index_blocks", "block entries in the global prefix index",
-                                  ["model"], registry=r)
-        self.upstream_latency = Histogram("kvmesh:router_upstream_latency_seconds",
-                                          "time to the upstream response headers (TTFB) by phase",
-                                          ["phase"], buckets=_LAT, registry=r)
-        self.upstream_total = Histogram("kvmesh:router_upstream_duration_seconds",
-                                        "full upstream request duration by phase", ["phase"], buckets=_LAT,
-                                        registry=r)
+        self.over_predicted = Counter(
+            "kvmesh:router_index_overpredicted_tokens",
+            "predicted cached tokens the pod did not have (sum over requests)",
+            registry=r,
+        )
+        self.under_predicted = Counter(
+            "kvmesh:router_index_underpredicted_tokens",
+            "cached tokens the pod had beyond the prediction (sum over requests)",
+            registry=r,
+        )
+        self.index_blocks = Gauge(
+            "kvmesh:router_index_blocks", "block entries in the global prefix index", ["model"], registry=r
+        )
+        self.upstream_latency = Histogram(
+            "kvmesh:router_upstream_latency_seconds",
+            "time to the upstream response headers (TTFB) by phase",
+            ["phase"],
+            buckets=_LAT,
+            registry=r,
+        )
+        self.upstream_total = Histogram(
+            "kvmesh:router_upstream_duration_seconds",
+            "full upstream request duration by phase",
+            ["phase"],
+            buckets=_LAT,
+            registry=r,
+        )
         self.retries = Counter("kvmesh:router_retries", "requests retried on another pod", ["reason"], registry=r)
-        self.pod_healthy = Gauge("kvmesh:router_pod_healthy", "1 if the pod passes health checks",
-                                 ["pod", "role"], registry=r)
-        self.pod_inflight = Gauge("kvmesh:router_pod_inflight_requests", "requests in flight per pod",
-                                  ["pod"], registry=r)
-        self.pod_evict_pressure = Gauge("kvmesh:router_pod_eviction_pressure_blocks",
-                                        "blocks the pod reported evicted, exponentially decayed (scoring input)",
-                                        ["pod"], registry=r)
+        self.pod_healthy = Gauge(
+            "kvmesh:router_pod_healthy", "1 if the pod passes health checks", ["pod", "role"], registry=r
+        )
+        self.pod_inflight = Gauge(
+            "kvmesh:router_pod_inflight_requests", "requests in flight per pod", ["pod"], registry=r
+        )
+        self.pod_evict_pressure = Gauge(
+            "kvmesh:router_pod_eviction_pressure_blocks",
+            "blocks the pod reported evicted, exponentially decayed (scoring input)",
+            ["pod"],
+            registry=r,
+        )
         self.kv_events = Counter("kvmesh:router_kv_events", "KV events applied", ["pod", "kind"], registry=r)
         self.kv_gaps = Gauge("kvmesh:router_kv_event_gaps", "sequence gaps seen (all pods)", registry=r)
-        self.kv_replayed = Gauge("kvmesh:router_kv_event_replayed_batches", "batches recovered by replay",
-                                 registry=r)
-        self.kv_resyncs = Gauge("kvmesh:router_kv_event_resyncs", "pods cleared after an unrecoverable gap",
-                                registry=r)
+        self.kv_replayed = Gauge("kvmesh:router_kv_event_replayed_batches", "batches recovered by replay", registry=r)
+        self.kv_resyncs = Gauge("kvmesh:router_kv_event_resyncs", "pods cleared after an unrecoverable gap", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,6 +7,7 @@ prompt or sequence (a prefill answers for one), or when the client brought its o
 ``kv_transfer_params={"do_remote_decode": true}``) and its answer carries the params the
 decode pod pulls the blocks with. The path names are the ``pd`` metric's labels.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -41,6 +41,7 @@ measured like the hit term): it steers new prefixes away from pods whose caches
 are churning, where they would push out conversations about to return, and
 leaves a follow-up whose prefix is cached where it is.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -80,8 +81,9 @@ class Pod:
         scraped count itself would keep a finished request alive for up to a scrape interval."""
         return self.inflight_requests + self.external
 
-    def observe_scrape(self, running: float, waiting: float, kv_usage: float | None, inflight_before: int,
-                       routed_before: int) -> None:
+    def observe_scrape(
+        self, running: float, waiting: float, kv_usage: float | None, inflight_before: int, routed_before: int
+    ) -> None:
         """Apply a /metrics scrape that started when the router had ``inflight_before`` requests on the
         pod and had routed ``routed_before`` to it. The pod may have counted any of those and any routed
         while the scrape was on the wire, so only the excess over that is other clients' load."""
@@ -147,10 +149,18 @@ def shared_hits(pods: list[Pod], hits: dict[str, int], hashes: list[int]) -> tup
     return private, hot
 
 
-def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_size: int,
-               w: ScoringWeights, now: float | None = None, ref_len: float = 0.0,
-               pressure: dict[str, float] | None = None, private: set[str] | None = None,
-               hot: set[str] | None = None) -> Decision:
+def score_pods(
+    pods: list[Pod],
+    hits: dict[str, int],
+    prompt_len: int,
+    block_size: int,
+    w: ScoringWeights,
+    now: float | None = None,
+    ref_len: float = 0.0,
+    pressure: dict[str, float] | None = None,
+    private: set[str] | None = None,
+    hot: set[str] | None = None,
+) -> Decision:
     """Pick the best pod among ``pods`` (all healthy, non-empty).
 
     ``ref_len``: a typical prompt length (the router's running mean). The hit counts as the share of
@@ -202,12 +212,15 @@ def score_pods(pods: list[Pod], hits: dict[str, int], prompt_len: int, block_siz
         j = (start + i) % len(eligible)
         p, ht = eligible[j], cached[j]
         hb = hits.get(p.url, 0)
-        s = (w.hit * ht / hit_base + w.affinity * ht / plen
-             - w.load * p.load / (mean_load + 1.0)
-             - w.tokens * p.inflight_tokens / (mean_tok + plen)
-             - w.kv * p.kv_usage
-             - new_share * shares[p.url] / (mean_share + 1.0)
-             - evict_scale * pressure.get(p.url, 0.0))
+        s = (
+            w.hit * ht / hit_base
+            + w.affinity * ht / plen
+            - w.load * p.load / (mean_load + 1.0)
+            - w.tokens * p.inflight_tokens / (mean_tok + plen)
+            - w.kv * p.kv_usage
+            - new_share * shares[p.url] / (mean_share + 1.0)
+            - evict_scale * pressure.get(p.url, 0.0)
+        )
         key = (s, -p.load)
         if best is None or key > best[0]:
             best = (key, p, hb, ht)

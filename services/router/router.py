@@ -21,6 +21,7 @@ pods' ``/metrics`` (scrape.py).
 The pod's reported ``usage.prompt_tokens_details.cached_tokens`` is compared
 with the prediction to measure index drift.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -190,8 +191,7 @@ class Router:
                 status, text = await self.upstream.get(pod.url + "/metrics", t)
                 if status == 200:
                     got = parse_vllm_metrics(text.decode("utf-8", "replace"))
-                    pod.observe_scrape(got.get("running", 0.0), got.get("waiting", 0.0), got.get("kv_usage"),
-                                       *before)
+                    pod.observe_scrape(got.get("running", 0.0), got.get("waiting", 0.0), got.get("kv_usage"), *before)
         except UpstreamError as e:
             if e.timeout:
                 # A pod saturated by requests answers probes late; only repeated timeouts take it out.
@@ -212,13 +212,28 @@ class Router:
             hits = self.index.match(self.ns, hashes, urls) if hashes else {}
             pressure = self.index.eviction_pressure(urls) if self.cfg.weights.evict else None
             private, hot = shared_hits(pods, hits, hashes)
-            d = score_pods(pods, hits, plen, bs, self.cfg.weights, ref_len=self.mean_prompt, pressure=pressure,
-                           private=private, hot=hot)
+            d = score_pods(
+                pods,
+                hits,
+                plen,
+                bs,
+                self.cfg.weights,
+                ref_len=self.mean_prompt,
+                pressure=pressure,
+                private=private,
+                hot=hot,
+            )
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("route plen=%d -> %s (%s, hit %d blocks) hits=%s load=%s evict=%s", plen, d.pod.url,
-                          d.reason, d.hit_blocks, {p.url: hits.get(p.url, 0) for p in pods},
-                          {p.url: (p.load, p.inflight_tokens, round(p.recent, 1)) for p in pods},
-                          {u: round(v) for u, v in (pressure or {}).items()})
+                log.debug(
+                    "route plen=%d -> %s (%s, hit %d blocks) hits=%s load=%s evict=%s",
+                    plen,
+                    d.pod.url,
+                    d.reason,
+                    d.hit_blocks,
+                    {p.url: hits.get(p.url, 0) for p in pods},
+                    {p.url: (p.load, p.inflight_tokens, round(p.recent, 1)) for p in pods},
+                    {u: round(v) for u, v in (pressure or {}).items()},
+                )
             return d
         pod = round_robin(pods) if self.cfg.policy == "round-robin" else least_load(pods)
         hb = self.index.match(self.ns, hashes, [pod.url])[pod.url] if hashes else 0
@@ -253,9 +268,17 @@ class Router:
                 del held[h]
         self.metrics.pod_inflight.labels(fl.pod.url).set(fl.pod.inflight_requests)
 
-    async def send(self, roles: tuple[str, ...], path: str, body: dict, hashes: list[int], plen: int, phase: str,
-                   first: Decision | None = None, timeout: float | None = None
-                   ) -> tuple[Decision, UpstreamResponse, Flight]:
+    async def send(
+        self,
+        roles: tuple[str, ...],
+        path: str,
+        body: dict,
+        hashes: list[int],
+        plen: int,
+        phase: str,
+        first: Decision | None = None,
+        timeout: float | None = None,
+    ) -> tuple[Decision, UpstreamResponse, Flight]:
         """POST to a pod of ``roles`` (``first`` if given), retrying elsewhere on connect failure.
 
         Returns the decision and the response with headers read, body still streaming. The caller
@@ -346,8 +369,9 @@ class Router:
         """Prefill on a prefill pod: (the transfer params for the decode pod or None, the P/D path)."""
         t0 = time.monotonic()
         try:
-            d, resp, fl = await self.send(("prefill",), path, pd.prefill_body(body), hashes, plen, "prefill",
-                                          timeout=self.cfg.prefill_timeout)
+            d, resp, fl = await self.send(
+                ("prefill",), path, pd.prefill_body(body), hashes, plen, "prefill", timeout=self.cfg.prefill_timeout
+            )
         except APIError as e:
             log.warning("prefill failed, decode recomputes: %s", e.message)
             return None, "fallback_prefill_unavailable"
@@ -368,8 +392,9 @@ class Router:
             return None, "fallback_no_params"
         return params, pd.PREFILL_DECODE
 
-    async def relay(self, d: Decision, resp: UpstreamResponse, fl: Flight, stream: bool, phase: str,
-                    measure: bool) -> Response:
+    async def relay(
+        self, d: Decision, resp: UpstreamResponse, fl: Flight, stream: bool, phase: str, measure: bool
+    ) -> Response:
         t0 = time.monotonic()
         headers = {"x-kvmesh-pod": d.pod.url}
         retry_after = resp.headers.get("retry-after")

@@ -5,6 +5,7 @@ escapes; samples may carry timestamps). The router scrapes every pod every few s
 event loop, and most of a pod's text is histograms it never reads, so only the lines of the
 series it wants go to the parser.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,8 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger("kvmesh.router.scrape")
 
-SCRAPED = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-           "vllm:kv_cache_usage_perc": "kv_usage"}
+SCRAPED = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
 
 
 def sum_samples(text: str, names: Iterable[str]) -> dict[str, float]:

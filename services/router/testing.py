@@ -6,6 +6,7 @@ test: it answers after ``delay`` seconds, counts what it saw, returns
 real `KVEventPublisher`. It exists so routing logic can be tested over real
 HTTP and ZMQ without paying for model forwards.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,9 @@ class ThreadServer:
     def __init__(self, app, port: int | None = None, on_start=None, on_stop=None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error",
-                                                    lifespan="off"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error", lifespan="off")
+        )
         self.on_start, self.on_stop = on_start, on_stop
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -40,12 +42,18 @@ class ThreadServer:
             finally:
                 if self.on_stop:
                     await self.on_stop()
+
         asyncio.run(main())
 
     def start(self) -> ThreadServer:
         self.thread.start()
-        wait_until(lambda: self.server.started, 30, f"server on {self.url}",
-                   lambda: None if self.thread.is_alive() else "stopped", poll=0.02)
+        wait_until(
+            lambda: self.server.started,
+            30,
+            f"server on {self.url}",
+            lambda: None if self.thread.is_alive() else "stopped",
+            poll=0.02,
+        )
         return self
 
     def stop(self) -> None:
@@ -68,9 +76,11 @@ class FakePod:
 
         @app.get("/metrics")
         async def metrics():
-            return Response(f"vllm:num_requests_running{{model_name=\"m\"}} {float(self.inflight)}\n"
-                            f"vllm:num_requests_waiting{{model_name=\"m\"}} 0.0\n"
-                            f"vllm:kv_cache_usage_perc{{model_name=\"m\"}} 0.1\n")
+            return Response(
+                f'vllm:num_requests_running{{model_name="m"}} {float(self.inflight)}\n'
+                f'vllm:num_requests_waiting{{model_name="m"}} 0.0\n'
+                f'vllm:kv_cache_usage_perc{{model_name="m"}} 0.1\n'
+            )
 
         @app.get("/v1/models")
         async def models():
@@ -85,19 +95,33 @@ class FakePod:
                 await asyncio.sleep(self.delay)
             finally:
                 self.inflight -= 1
-            usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
-                     "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-            out = {"id": "x", "object": "text_completion", "model": "m",
-                   "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}], "usage": usage}
+            usage = {
+                "prompt_tokens": 1,
+                "completion_tokens": 1,
+                "total_tokens": 2,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            }
+            out = {
+                "id": "x",
+                "object": "text_completion",
+                "model": "m",
+                "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+                "usage": usage,
+            }
             ktp = body.get("kv_transfer_params") or {}
             if ktp.get("do_remote_decode"):
-                out["kv_transfer_params"] = {"do_remote_prefill": True, "remote_engine_id": "fake",
-                                             "remote_block_ids": [1, 2]}
+                out["kv_transfer_params"] = {
+                    "do_remote_prefill": True,
+                    "remote_engine_id": "fake",
+                    "remote_block_ids": [1, 2],
+                }
             if body.get("stream"):
+
                 async def sse():
                     for t in ("o", "k"):
                         yield "data: " + json.dumps({"choices": [{"index": 0, "text": t}]}) + "\n\n"
                     yield "data: [DONE]\n\n"
+
                 return StreamingResponse(sse(), media_type="text/event-stream")
             return JSONResponse(out)
 

@@ -20,6 +20,7 @@ contain no whitespace. `PieceCache.for_tokenizer` returns None for any other
 tokenizer (including one whose post-processor adds special tokens), and the
 router then tokenizes whole prompts as before.
 """
+
 from __future__ import annotations
 
 import json
@@ -97,8 +98,11 @@ class PieceCache:
             # the tokenizer's thread pool, whose overhead (~0.7 ms of CPU) outweighs a few pieces' work
             # (`bench/router_bench.py --tokenizer`).
             batch = self.fast.encode_batch_fast
-            enc = (batch(missing, add_special_tokens=False) if len(missing) >= PARALLEL_PIECES
-                   else [batch([p], add_special_tokens=False)[0] for p in missing])
+            enc = (
+                batch(missing, add_special_tokens=False)
+                if len(missing) >= PARALLEL_PIECES
+                else [batch([p], add_special_tokens=False)[0] for p in missing]
+            )
             encoded = {p: array("l", e.ids) for p, e in zip(missing, enc)}
             with self._lock:
                 for p, ids in encoded.items():

@@ -8,6 +8,7 @@ the pod is the authority on what is valid. The one exception is content the
 chat renderer rejects (`ChatContentError`, a non-text part), which every pod
 would refuse the same way.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,8 +51,9 @@ class RouterTokenizer:
         if _text_chars(body) <= OFFLOAD_CHARS:
             return self.prompt_ids(path, body)
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
-                                            thread_name_prefix="router-tokenize")
+            self._pool = ThreadPoolExecutor(
+                max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="router-tokenize"
+            )
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.prompt_ids, path, body)
 
     def close(self) -> None:
@@ -100,8 +102,9 @@ class RouterTokenizer:
         if self.pieces is not None and _text_chars(body) > self.pieces.piece_chars:
             # The rendered conversation, tokenized in cached pieces: earlier turns come from the cache.
             # (`tokenize=True` tokenizes the rendered text without adding special tokens: the same ids.)
-            text = self.tokenizer.apply_chat_template(chat_messages(messages), tokenize=False,
-                                                      **template_args(gen, cont, kwargs))
+            text = self.tokenizer.apply_chat_template(
+                chat_messages(messages), tokenize=False, **template_args(gen, cont, kwargs)
+            )
             return self.pieces.encode(text)
         return render_chat(self.tokenizer, messages, gen, cont, kwargs)
 

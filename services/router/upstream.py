@@ -3,6 +3,7 @@
 An aiohttp session whose failures all come out as `UpstreamError`, named so that the caller can
 tell a pod that is gone (retry elsewhere, mark it down) from one that is slow.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -82,8 +83,9 @@ class Upstream:
 
     async def start(self) -> None:
         conn = aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=self.KEEPALIVE_S)
-        self.session = aiohttp.ClientSession(connector=conn, cookie_jar=aiohttp.DummyCookieJar(),
-                                             timeout=self._stream_timeout(self.read_timeout))
+        self.session = aiohttp.ClientSession(
+            connector=conn, cookie_jar=aiohttp.DummyCookieJar(), timeout=self._stream_timeout(self.read_timeout)
+        )
 
     async def close(self) -> None:
         if self.session is not None:
@@ -93,16 +95,21 @@ class Upstream:
     def _stream_timeout(self, read: float) -> aiohttp.ClientTimeout:
         t = self._timeouts.get(read)
         if t is None:  # ``connect`` bounds the wait for a pool slot plus the connect (httpx's pool timeout)
-            t = self._timeouts[read] = aiohttp.ClientTimeout(total=None, connect=30.0,
-                                                             sock_connect=self.connect_timeout, sock_read=read)
+            t = self._timeouts[read] = aiohttp.ClientTimeout(
+                total=None, connect=30.0, sock_connect=self.connect_timeout, sock_read=read
+            )
         return t
 
     async def post(self, url: str, body: dict, read_timeout: float | None = None) -> UpstreamResponse:
         """POST ``body`` as JSON; returns once the response headers are in."""
         assert self.session is not None
         try:
-            r = await self.session.post(url, data=msgspec.json.encode(body), headers=_JSON_HEADERS,
-                                        timeout=self._stream_timeout(read_timeout or self.read_timeout))
+            r = await self.session.post(
+                url,
+                data=msgspec.json.encode(body),
+                headers=_JSON_HEADERS,
+                timeout=self._stream_timeout(read_timeout or self.read_timeout),
+            )
         except (TimeoutError, aiohttp.ClientError) as e:
             raise _upstream_error(e) from e
         return UpstreamResponse(r)
@@ -115,4 +122,3 @@ class Upstream:
                 return r.status, await r.read()
         except (TimeoutError, aiohttp.ClientError) as e:
             raise _upstream_error(e) from e
-

@@ -43,8 +43,7 @@ RESULTS = Path(os.environ.get("KVMESH_E2E_RESULTS", ROOT / "bench-results" / "e2
 T = TypeVar("T")
 
 
-def wait_for(what: str, fn: Callable[[], T | None], timeout: float = 180.0,
-             interval: float = 0.5) -> T:
+def wait_for(what: str, fn: Callable[[], T | None], timeout: float = 180.0, interval: float = 0.5) -> T:
     """Poll until fn() returns something truthy; a generous deadline, never a timing assertion."""
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -72,12 +71,25 @@ class Cluster:
     kubeconfig: Path
     bin: Path  # kubectl and helm live here
 
-    def run(self, *args: str, input: str | None = None, check: bool = True,
-            kubeconfig: Path | None = None, tool: str = "kubectl",
-            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def run(
+        self,
+        *args: str,
+        input: str | None = None,
+        check: bool = True,
+        kubeconfig: Path | None = None,
+        tool: str = "kubectl",
+        timeout: float = 120,
+    ) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "KUBECONFIG": str(kubeconfig or self.kubeconfig)}
-        return subprocess.run([str(self.bin / tool), *args], input=input, text=True,
-                              capture_output=True, check=check, env=env, timeout=timeout)
+        return subprocess.run(
+            [str(self.bin / tool), *args],
+            input=input,
+            text=True,
+            capture_output=True,
+            check=check,
+            env=env,
+            timeout=timeout,
+        )
 
     def kubectl(self, *args: str, **kw: Any) -> str:
         try:
@@ -108,8 +120,15 @@ class Cluster:
 
 def _script(name: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **E2E_ENV}
-    return subprocess.run(["bash", str(SCRIPTS / name)], env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=None, timeout=timeout, check=True)
+    return subprocess.run(
+        ["bash", str(SCRIPTS / name)],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=None,
+        timeout=timeout,
+        check=True,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -120,8 +139,13 @@ def cluster() -> Iterator[Cluster]:
     record("build_seconds_this_session", round(time.monotonic() - t0, 1))
     t0 = time.monotonic()
     # The images the real node runs (`make images`; no-op when cached, waits for a running build).
-    subprocess.run(["bash", str(ROOT / "scripts" / "images.sh")], env={**os.environ, **E2E_ENV},
-                   stdout=subprocess.DEVNULL, timeout=3600, check=True)
+    subprocess.run(
+        ["bash", str(ROOT / "scripts" / "images.sh")],
+        env={**os.environ, **E2E_ENV},
+        stdout=subprocess.DEVNULL,
+        timeout=3600,
+        check=True,
+    )
     record("images_seconds_this_session", round(time.monotonic() - t0, 1))
     t1 = time.monotonic()
     out = _script("up.sh", 600).stdout.strip().splitlines()
@@ -136,8 +160,9 @@ def cluster() -> Iterator[Cluster]:
 
 
 def helm_template(c: Cluster, *extra: str) -> str:
-    return c.helm("template", RELEASE, str(ROOT / "charts" / "kvmesh"), "--namespace",
-                  OPERATOR_NS, "--include-crds", *extra).stdout
+    return c.helm(
+        "template", RELEASE, str(ROOT / "charts" / "kvmesh"), "--namespace", OPERATOR_NS, "--include-crds", *extra
+    ).stdout
 
 
 @pytest.fixture(scope="session")
@@ -146,8 +171,7 @@ def chart(cluster: Cluster) -> Cluster:
     its image cannot be built here, the test runs the same code as a local process)."""
     cluster.kubectl("create", "namespace", OPERATOR_NS)
     cluster.apply(helm_template(cluster, "--set", "operator.replicas=0"))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    "crd/inferenceservices.serving.kvmesh.io")
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/inferenceservices.serving.kvmesh.io")
     return cluster
 
 
@@ -167,9 +191,11 @@ class Operator:
         self.proc = subprocess.Popen(
             # `t-*` only: the real-pod tier's operator pod (tests/e2e/realpods.py) owns `r-*`.
             [sys.executable, "-m", "kvmesh.operator", "--namespace", f"{KWOK_NS_PREFIX}*"],
-            env={**os.environ, "KUBECONFIG": str(self.kubeconfig),
-                 "KVMESH_OPERATOR_RESYNC_SECONDS": "3", **env},
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "KVMESH_OPERATOR_RESYNC_SECONDS": "3", **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -185,32 +211,33 @@ class Operator:
         return self.proc is not None and self.proc.poll() is None
 
     def logs(self) -> str:
-        return "".join(p.read_text(errors="replace")[-4000:]
-                       for p in sorted(self.log_dir.glob("operator-*.log")))
+        return "".join(p.read_text(errors="replace")[-4000:] for p in sorted(self.log_dir.glob("operator-*.log")))
 
 
 @pytest.fixture(scope="session")
 def sa_kubeconfig(chart: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A kubeconfig holding a token of the chart's ServiceAccount (not admin)."""
-    token = chart.kubectl("create", "token", OPERATOR_SA, "-n", OPERATOR_NS,
-                          "--duration=4h").strip()
+    token = chart.kubectl("create", "token", OPERATOR_SA, "-n", OPERATOR_NS, "--duration=4h").strip()
     admin = chart.kubeconfig.read_text()
     server = next(line.split('"')[1] for line in admin.splitlines() if "server:" in line)
     path = tmp_path_factory.mktemp("sa") / "kubeconfig"
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "e2e", "cluster": {"server": server,
-                                                 "insecure-skip-tls-verify": True}}],
-        "users": [{"name": OPERATOR_SA, "user": {"token": token}}],
-        "contexts": [{"name": "e2e", "context": {"cluster": "e2e", "user": OPERATOR_SA}}],
-        "current-context": "e2e",
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "e2e", "cluster": {"server": server, "insecure-skip-tls-verify": True}}],
+                "users": [{"name": OPERATOR_SA, "user": {"token": token}}],
+                "contexts": [{"name": "e2e", "context": {"cluster": "e2e", "user": OPERATOR_SA}}],
+                "current-context": "e2e",
+            }
+        )
+    )
     return path
 
 
 @pytest.fixture(scope="session")
-def operator(chart: Cluster, sa_kubeconfig: Path,
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+def operator(chart: Cluster, sa_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
     op = Operator(chart, sa_kubeconfig, tmp_path_factory.mktemp("operator"))
     op.start()
     try:
@@ -277,10 +304,15 @@ def wait_ready(c: Cluster, name: str, ns: str, timeout: float = 240) -> dict[str
         obj = c.get("inferenceservice", name, ns)
         seen[0] = (obj or {}).get("status"), (obj or {}).get("metadata", {}).get("generation")
         cond = condition(obj, "Ready")
-        if (obj and cond and cond["status"] == "True"
-                and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]):
+        if (
+            obj
+            and cond
+            and cond["status"] == "True"
+            and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+        ):
             return obj
         return None
+
     try:
         return wait_for(f"{ns}/{name} Ready=True", ready, timeout)
     except AssertionError as e:

@@ -14,8 +14,11 @@ EXAMPLES = {p.stem: p for p in sorted((ROOT / "examples").glob("*.yaml"))}
 
 # kubectl resource names for the kinds render() produces.
 RESOURCE = {
-    "ConfigMap": "configmap", "Service": "service", "ServiceAccount": "serviceaccount",
-    "Deployment": "deployment.apps", "PodDisruptionBudget": "poddisruptionbudget.policy",
+    "ConfigMap": "configmap",
+    "Service": "service",
+    "ServiceAccount": "serviceaccount",
+    "Deployment": "deployment.apps",
+    "PodDisruptionBudget": "poddisruptionbudget.policy",
     "HorizontalPodAutoscaler": "horizontalpodautoscaler.autoscaling",
     "Role": "role.rbac.authorization.k8s.io",
     "RoleBinding": "rolebinding.rbac.authorization.k8s.io",

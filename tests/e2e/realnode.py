@@ -33,18 +33,22 @@ class RealNode:
 
 def _probe_pod(name: str, port: int, labels: dict[str, str]) -> dict[str, Any]:
     return {
-        "apiVersion": "v1", "kind": "Pod",
+        "apiVersion": "v1",
+        "kind": "Pod",
         "metadata": {"name": name, "labels": labels},
         "spec": {
             "nodeSelector": {"kvmesh.io/real-node": "true"},
             "terminationGracePeriodSeconds": 2,
-            "containers": [{
-                "name": "probe", "image": PROBE_IMAGE, "imagePullPolicy": "Never",
-                "args": ["serve", f":{port}"],
-                "ports": [{"containerPort": port}],
-                "readinessProbe": {"httpGet": {"path": "/", "port": port},
-                                   "periodSeconds": 1},
-            }],
+            "containers": [
+                {
+                    "name": "probe",
+                    "image": PROBE_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "args": ["serve", f":{port}"],
+                    "ports": [{"containerPort": port}],
+                    "readinessProbe": {"httpGet": {"path": "/", "port": port}, "periodSeconds": 1},
+                }
+            ],
         },
     }
 
@@ -69,21 +73,23 @@ def probe_ns(cluster: Any, real_node: RealNode) -> Iterator[str]:
     objs = [
         _probe_pod("web", 8080, {"app": "web"}),
         _probe_pod("client", 8081, {"app": "client"}),
-        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
-         "spec": {"selector": {"app": "web"},
-                  "ports": [{"port": 80, "targetPort": 8080, "protocol": "TCP"}]}},
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "web"},
+            "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080, "protocol": "TCP"}]},
+        },
     ]
     try:
         # The namespace's default ServiceAccount (KCM) must exist before pods are admitted.
-        wait_for("default ServiceAccount", lambda: cluster.get("serviceaccount", "default", ns),
-                 timeout=60)
+        wait_for("default ServiceAccount", lambda: cluster.get("serviceaccount", "default", ns), timeout=60)
         cluster.apply(json.dumps({"apiVersion": "v1", "kind": "List", "items": objs}), ns=ns)
-        cluster.kubectl("wait", "-n", ns, "--for=condition=Ready", "pod/web", "pod/client",
-                        "--timeout=120s", timeout=150)
+        cluster.kubectl(
+            "wait", "-n", ns, "--for=condition=Ready", "pod/web", "pod/client", "--timeout=120s", timeout=150
+        )
         yield ns
     except AssertionError:
-        print(cluster.kubectl("get", "pods,svc,endpointslices", "-n", ns, "-o", "wide",
-                              check=False))
+        print(cluster.kubectl("get", "pods,svc,endpointslices", "-n", ns, "-o", "wide", check=False))
         print(cluster.kubectl("describe", "pods", "-n", ns, check=False)[-4000:])
         raise
     finally:

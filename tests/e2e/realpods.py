@@ -38,8 +38,9 @@ def _samples(text: str):
 
 def metric(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` whose labels include `labels` (Prometheus text format)."""
-    return sum(s.value for s in _samples(text)
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value for s in _samples(text) if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def series(text: str, name: str) -> list[dict[str, str]]:
@@ -62,8 +63,11 @@ class Service:
         return [p for p in self.c.list("pods", self.ns, sel) if not p["metadata"].get("deletionTimestamp")]
 
     def pod_urls(self, component: str) -> dict[str, str]:
-        return {p["metadata"]["name"]: f"http://{p['status']['podIP']}:8000"
-                for p in self.pods(component) if p["status"].get("podIP")}
+        return {
+            p["metadata"]["name"]: f"http://{p['status']['podIP']}:8000"
+            for p in self.pods(component)
+            if p["status"].get("podIP")
+        }
 
     @property
     def url(self) -> str:
@@ -79,24 +83,30 @@ class Service:
     def routed(self, timeout: float = 300) -> None:
         """The router answers through the ClusterIP and counts every worker pod healthy (its
         discovery and health checks trail the pods' readiness by a few seconds)."""
-        wait_for("router via ClusterIP", lambda: httpx.get(self.url + "/health", timeout=5).status_code == 200,
-                 timeout)
+        wait_for("router via ClusterIP", lambda: httpx.get(self.url + "/health", timeout=5).status_code == 200, timeout)
 
         def all_seen() -> bool:
             m = self.router_metrics()
             urls = set(self.pod_urls("prefill").values()) | set(self.pod_urls("decode").values())
             return all(metric(m, "kvmesh:router_pod_healthy", pod=u) == 1 for u in urls)
+
         wait_for("router sees every worker pod healthy", all_seen, timeout, 1.0)
 
     def idle(self, component: str, timeout: float = 180) -> None:
         """Every pod of the role holds no request and no block (nothing leaked)."""
+
         def clean() -> bool:
             for url in self.pod_urls(component).values():
                 m = self.pod_metrics(url)
-                if (metric(m, "vllm:kv_cache_usage_perc") or metric(m, "vllm:num_requests_running")
-                        or metric(m, "vllm:num_requests_waiting") or metric(m, "kvmesh:kv_held_requests")):
+                if (
+                    metric(m, "vllm:kv_cache_usage_perc")
+                    or metric(m, "vllm:num_requests_running")
+                    or metric(m, "vllm:num_requests_waiting")
+                    or metric(m, "kvmesh:kv_held_requests")
+                ):
                     return False
             return True
+
         wait_for(f"{self.ns}/{self.name} {component} pods idle with every block free", clean, timeout, 1.0)
 
 
@@ -108,14 +118,31 @@ def real_node_name(c: Cluster) -> str:
 
 def install_chart(c: Cluster) -> None:
     """`helm install` as a user would, plus the test's namespace scope and a short resync."""
-    c.helm("upgrade", "--install", REAL_RELEASE, str(ROOT / "charts" / "kvmesh"), "-n", REAL_OPERATOR_NS,
-           "--create-namespace", "--set", f"operator.watchNamespaces={{{REAL_NS_PREFIX}*}}",
-           "--set", "operator.resyncSeconds=3", "--wait", "--timeout", "5m", timeout=360)
+    c.helm(
+        "upgrade",
+        "--install",
+        REAL_RELEASE,
+        str(ROOT / "charts" / "kvmesh"),
+        "-n",
+        REAL_OPERATOR_NS,
+        "--create-namespace",
+        "--set",
+        f"operator.watchNamespaces={{{REAL_NS_PREFIX}*}}",
+        "--set",
+        "operator.resyncSeconds=3",
+        "--wait",
+        "--timeout",
+        "5m",
+        timeout=360,
+    )
 
 
 def operator_pods(c: Cluster) -> list[dict[str, Any]]:
-    return [p for p in c.list("pods", REAL_OPERATOR_NS, "app.kubernetes.io/name=kvmesh")
-            if not p["metadata"].get("deletionTimestamp")]
+    return [
+        p
+        for p in c.list("pods", REAL_OPERATOR_NS, "app.kubernetes.io/name=kvmesh")
+        if not p["metadata"].get("deletionTimestamp")
+    ]
 
 
 def new_namespace(c: Cluster) -> str:
@@ -141,14 +168,20 @@ def deploy(c: Cluster, example: str, ns: str, timeout: float = 900) -> tuple[Ser
 
 def wait_rolled_out(svc: Service, timeout: float = 900) -> None:
     """Every Deployment of the service has all its replicas on the latest template, Ready."""
+
     def done() -> bool:
         deps = svc.c.list("deployment.apps", svc.ns, f"app.kubernetes.io/instance={svc.name}")
         for d in deps:
             st, want = d.get("status") or {}, d["spec"].get("replicas", 1)
-            if (st.get("observedGeneration") != d["metadata"]["generation"] or st.get("updatedReplicas") != want
-                    or st.get("readyReplicas") != want or st.get("replicas") != want):
+            if (
+                st.get("observedGeneration") != d["metadata"]["generation"]
+                or st.get("updatedReplicas") != want
+                or st.get("readyReplicas") != want
+                or st.get("replicas") != want
+            ):
                 return False
         return True
+
     wait_for(f"{svc.ns}/{svc.name} rolled out", done, timeout, 2.0)
     wait_ready(svc.c, svc.name, svc.ns, timeout)
 
@@ -231,5 +264,3 @@ def not_ready_on(node: str, pods: list[dict[str, Any]]) -> list[str]:
         if p["spec"].get("nodeName") != node or p["status"].get("phase") != "Running" or conds.get("Ready") != "True":
             bad.append(f"{p['metadata']['name']} ({p['spec'].get('nodeName')}, {p['status'].get('phase')})")
     return bad
-
-

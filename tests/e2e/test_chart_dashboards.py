@@ -2,6 +2,7 @@
 
 The metric checks themselves live in tests/unit/test_dashboards.py (no helm needed); this renders the
 chart with both options on and checks that what helm produces is what those checks examined."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,7 +15,9 @@ from .conftest import ROOT, Cluster, helm_template
 
 pytestmark = pytest.mark.e2e
 
-_spec = importlib.util.spec_from_file_location("kvmesh_dashboard_checks", ROOT / "tests" / "unit" / "test_dashboards.py")
+_spec = importlib.util.spec_from_file_location(
+    "kvmesh_dashboard_checks", ROOT / "tests" / "unit" / "test_dashboards.py"
+)
 checks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(checks)
 CHART = ROOT / "charts" / "kvmesh"
@@ -27,8 +30,15 @@ def _template(c: Cluster, *args: str) -> list[dict]:
 def test_rendered_chart_dashboard_and_alerts(cluster: Cluster) -> None:
     kinds = sorted(d["kind"] for d in _template(cluster))
     assert "ConfigMap" not in kinds and "PrometheusRule" not in kinds  # both off by default
-    docs = _template(cluster, "--set", "dashboards.enabled=true", "--set", "alerts.enabled=true",
-                     "--set", "alerts.ttftP90Seconds=3.5")
+    docs = _template(
+        cluster,
+        "--set",
+        "dashboards.enabled=true",
+        "--set",
+        "alerts.enabled=true",
+        "--set",
+        "alerts.ttftP90Seconds=3.5",
+    )
     cm = next(d for d in docs if d["kind"] == "ConfigMap")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(cm["data"]["kvmesh.json"]) == checks._dashboard()

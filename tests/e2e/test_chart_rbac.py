@@ -21,16 +21,19 @@ def test_helm_lint(cluster: Cluster) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-@pytest.mark.parametrize("values", [
-    [],
-    ["--set", "operator.watchNamespaces={team-a,team-b}", "--set", "operator.verbose=true"],
-], ids=["defaults", "namespaced"])
+@pytest.mark.parametrize(
+    "values",
+    [
+        [],
+        ["--set", "operator.watchNamespaces={team-a,team-b}", "--set", "operator.verbose=true"],
+    ],
+    ids=["defaults", "namespaced"],
+)
 def test_helm_template_passes_server_dry_run(chart: Cluster, values: list[str]) -> None:
     out = helm_template(chart, *values)
     docs = [d for d in yaml.safe_load_all(out) if d]
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-                     "Deployment", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "ServiceAccount"]
     res = chart.run("apply", "--dry-run=server", "-f", "-", input=out, check=False)
     assert res.returncode == 0, res.stderr
     dep = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
@@ -47,24 +50,26 @@ def test_chart_crd_is_the_crds_folder(cluster: Cluster) -> None:
     assert crd == yaml.safe_load((ROOT / "crds" / "inferenceservices.yaml").read_text())
 
 
-def test_operator_runs_as_the_service_account(chart: Cluster, operator: Operator,
-                                              sa_kubeconfig: Path, ns: str) -> None:
+def test_operator_runs_as_the_service_account(chart: Cluster, operator: Operator, sa_kubeconfig: Path, ns: str) -> None:
     who = json.loads(chart.kubectl("auth", "whoami", "-o", "json", kubeconfig=sa_kubeconfig))
-    assert who["status"]["userInfo"]["username"] == (
-        f"system:serviceaccount:{OPERATOR_NS}:{OPERATOR_SA}")
+    assert who["status"]["userInfo"]["username"] == (f"system:serviceaccount:{OPERATOR_NS}:{OPERATOR_SA}")
     chart.apply(EXAMPLES["minimal"].read_text(), ns)
     wait_ready(chart, "tiny", ns)
     assert operator.alive()
     assert "Forbidden" not in operator.logs(), operator.logs()
 
 
-@pytest.mark.parametrize("verb_args", [
-    ["get", "secrets", "-A"],
-    ["delete", "inferenceservice", "anything", "-n", "default"],
-    ["create", "namespace", "sneaky"],
-    ["create", "clusterrolebinding", "sneaky", "--clusterrole=cluster-admin", "--user=x"],
-    ["delete", "nodes", "--all"],
-], ids=["list-secrets", "delete-isvc", "create-ns", "escalate", "delete-nodes"])
+@pytest.mark.parametrize(
+    "verb_args",
+    [
+        ["get", "secrets", "-A"],
+        ["delete", "inferenceservice", "anything", "-n", "default"],
+        ["create", "namespace", "sneaky"],
+        ["create", "clusterrolebinding", "sneaky", "--clusterrole=cluster-admin", "--user=x"],
+        ["delete", "nodes", "--all"],
+    ],
+    ids=["list-secrets", "delete-isvc", "create-ns", "escalate", "delete-nodes"],
+)
 def test_forbidden_verbs(chart: Cluster, sa_kubeconfig: Path, verb_args: list[str]) -> None:
     res = chart.run(*verb_args, kubeconfig=sa_kubeconfig, check=False)
     assert res.returncode != 0 and "forbidden" in res.stderr.lower(), res.stderr
@@ -74,6 +79,7 @@ def test_allowed_verbs_match_the_role(chart: Cluster, sa_kubeconfig: Path) -> No
     def can(*args: str) -> bool:
         res = chart.run("auth", "can-i", *args, kubeconfig=sa_kubeconfig, check=False)
         return res.stdout.strip() == "yes"
+
     assert can("patch", "deployments.apps", "-n", "default")
     assert can("patch", "inferenceservices.serving.kvmesh.io/status", "-n", "default")
     assert not can("update", "inferenceservices.serving.kvmesh.io", "-n", "default")

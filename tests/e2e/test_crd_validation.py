@@ -13,51 +13,58 @@ pytestmark = pytest.mark.e2e
 
 CASES = {
     # id: (spec, fragment of the API server's message)
-    "schema-type": ({"engine": {"maxNumSeqs": "many"}},
-                    'spec.engine.maxNumSeqs: Invalid value: "string"'),
-    "enum-connector": ({"kvConnector": {"type": "grpc"}},
-                       'spec.kvConnector.type: Unsupported value: "grpc"'),
-    "enum-block-size": ({"engine": {"blockSize": 24}},
-                        "spec.engine.blockSize: Unsupported value: 24"),
-    "maximum": ({"engine": {"gpuMemoryUtilization": 1.5}},
-                "spec.engine.gpuMemoryUtilization: Invalid value: 1.5: "
-                "spec.engine.gpuMemoryUtilization in body should be less than or equal to 0.99"),
-    "minimum": ({"decode": {"replicas": -1}},
-                "spec.decode.replicas in body should be greater than or equal to 0"),
-    "cel-min-le-max": ({"autoscaling": {"enabled": True,
-                                        "decode": {"minReplicas": 5, "maxReplicas": 2}}},
-                       "autoscaling.decode.minReplicas must be <= maxReplicas"),
-    "cel-redis-only-with-redis": ({"kvConnector": {"type": "nixl",
-                                                   "redis": {"url": "redis://r:6379"}}},
-                                  "kvConnector.redis is only allowed when kvConnector.type "
-                                  "is redis"),
-    "cel-redis-needs-settings": ({"kvConnector": {"type": "redis"}},
-                                 "kvConnector.type redis needs kvConnector.redis"),
-    "cel-redis-url-xor-managed": ({"kvConnector": {"type": "redis", "redis": {
-        "url": "redis://r:6379", "managed": True}}},
-        "set exactly one of kvConnector.redis.url or kvConnector.redis.managed=true"),
-    "cel-gguf-path": ({"model": {"source": "gguf", "path": "w.bin",
-                                 "volume": {"claimName": "models"}}},
-                      "model.path must name a .gguf file"),
-    "cel-hf-needs-volume": ({"model": {"source": "hf"}},
-                            "model.path and model.volume are required"),
+    "schema-type": ({"engine": {"maxNumSeqs": "many"}}, 'spec.engine.maxNumSeqs: Invalid value: "string"'),
+    "enum-connector": ({"kvConnector": {"type": "grpc"}}, 'spec.kvConnector.type: Unsupported value: "grpc"'),
+    "enum-block-size": ({"engine": {"blockSize": 24}}, "spec.engine.blockSize: Unsupported value: 24"),
+    "maximum": (
+        {"engine": {"gpuMemoryUtilization": 1.5}},
+        "spec.engine.gpuMemoryUtilization: Invalid value: 1.5: "
+        "spec.engine.gpuMemoryUtilization in body should be less than or equal to 0.99",
+    ),
+    "minimum": ({"decode": {"replicas": -1}}, "spec.decode.replicas in body should be greater than or equal to 0"),
+    "cel-min-le-max": (
+        {"autoscaling": {"enabled": True, "decode": {"minReplicas": 5, "maxReplicas": 2}}},
+        "autoscaling.decode.minReplicas must be <= maxReplicas",
+    ),
+    "cel-redis-only-with-redis": (
+        {"kvConnector": {"type": "nixl", "redis": {"url": "redis://r:6379"}}},
+        "kvConnector.redis is only allowed when kvConnector.type is redis",
+    ),
+    "cel-redis-needs-settings": ({"kvConnector": {"type": "redis"}}, "kvConnector.type redis needs kvConnector.redis"),
+    "cel-redis-url-xor-managed": (
+        {"kvConnector": {"type": "redis", "redis": {"url": "redis://r:6379", "managed": True}}},
+        "set exactly one of kvConnector.redis.url or kvConnector.redis.managed=true",
+    ),
+    "cel-gguf-path": (
+        {"model": {"source": "gguf", "path": "w.bin", "volume": {"claimName": "models"}}},
+        "model.path must name a .gguf file",
+    ),
+    "cel-hf-needs-volume": ({"model": {"source": "hf"}}, "model.path and model.volume are required"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_invalid_resource_is_rejected(case: str, chart: Cluster, ns: str) -> None:
     spec, fragment = CASES[case]
-    body = {"apiVersion": "serving.kvmesh.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "bad", "namespace": ns}, "spec": spec}
+    body = {
+        "apiVersion": "serving.kvmesh.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "bad", "namespace": ns},
+        "spec": spec,
+    }
     res = chart.run("create", "-f", "-", input=json.dumps(body), check=False)
     assert res.returncode != 0, f"{case} was accepted: {res.stdout}"
-    assert 'is invalid' in res.stderr and fragment in res.stderr, res.stderr
+    assert "is invalid" in res.stderr and fragment in res.stderr, res.stderr
     assert chart.get("inferenceservice", "bad", ns) is None
 
 
 def test_unknown_field_is_rejected_with_strict_validation(chart: Cluster, ns: str) -> None:
-    body = {"apiVersion": "serving.kvmesh.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "bad", "namespace": ns}, "spec": {"engine": {"blocksize": 16}}}
+    body = {
+        "apiVersion": "serving.kvmesh.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "bad", "namespace": ns},
+        "spec": {"engine": {"blocksize": 16}},
+    }
     res = chart.run("create", "--validate=strict", "-f", "-", input=json.dumps(body), check=False)
     assert res.returncode != 0
     assert 'unknown field "spec.engine.blocksize"' in res.stderr, res.stderr

@@ -51,18 +51,15 @@ def test_example_reaches_ready(name: str, chart: Cluster, operator, ns: str) -> 
         live = chart.get(RESOURCE[kind], cname, ns)
         assert live is not None, f"{kind} {cname} missing"
         refs = live["metadata"].get("ownerReferences") or []
-        assert [(r["kind"], r["uid"], r.get("controller")) for r in refs] == [
-            ("InferenceService", uid, True)], refs
+        assert [(r["kind"], r["uid"], r.get("controller")) for r in refs] == [("InferenceService", uid, True)], refs
         labels = live["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == is_name
         assert labels["app.kubernetes.io/managed-by"] == "kvmesh-operator"
-        managers = {m["manager"] for m in live["metadata"].get("managedFields") or ()
-                    if m.get("operation") == "Apply"}
+        managers = {m["manager"] for m in live["metadata"].get("managedFields") or () if m.get("operation") == "Apply"}
         assert managers == {"kvmesh-operator"}, managers
         for section in ("spec", "data", "rules", "roleRef", "subjects"):
             if section in want:
-                miss = subset_mismatch(want[section], live.get(section),
-                                       f"{kind}/{cname}.{section}")
+                miss = subset_mismatch(want[section], live.get(section), f"{kind}/{cname}.{section}")
                 assert miss is None, miss
 
     # Pods: scheduled on the kwok GPU nodes and Running, as many as the replica counts say.
@@ -72,8 +69,9 @@ def test_example_reaches_ready(name: str, chart: Cluster, operator, ns: str) -> 
     for p in pods:
         assert p["status"]["phase"] == "Running", p["status"]
         assert p["spec"]["nodeName"].startswith("kwok-gpu-")
-    gpus = sum(int(c["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
-               for p in pods for c in p["spec"]["containers"])
+    gpus = sum(
+        int(c["resources"].get("limits", {}).get("nvidia.com/gpu", 0)) for p in pods for c in p["spec"]["containers"]
+    )
     assert gpus == EXPECTED[name]["prefill"] + EXPECTED[name]["decode"]
 
     # Printer columns.
@@ -90,9 +88,14 @@ def test_example_reaches_ready(name: str, chart: Cluster, operator, ns: str) -> 
 def test_defaults_are_applied_by_the_api_server(chart: Cluster, ns: str) -> None:
     chart.apply(EXAMPLES["minimal"].read_text(), ns)
     spec = chart.get("inferenceservice", "tiny", ns)["spec"]
-    assert spec["engine"] == {"blockSize": 16, "maxNumBatchedTokens": 8192, "maxNumSeqs": 128,
-                              "dtype": "auto", "gpuMemoryUtilization": 0.9,
-                              "kvCacheMemoryGB": 2.0}
+    assert spec["engine"] == {
+        "blockSize": 16,
+        "maxNumBatchedTokens": 8192,
+        "maxNumSeqs": 128,
+        "dtype": "auto",
+        "gpuMemoryUtilization": 0.9,
+        "kvCacheMemoryGB": 2.0,
+    }
     assert spec["kvConnector"] == {"type": "nixl"}
     assert spec["model"] == {"source": "embedded"}
     assert spec["prefill"] == {"replicas": 1} and spec["autoscaling"]["enabled"] is False

@@ -23,8 +23,7 @@ def patch(c: Cluster, ns: str, name: str, body: dict) -> None:
 
 
 def children(c: Cluster, ns: str, name: str) -> list[dict]:
-    out = c.kubectl("get", CHILD_KINDS, "-n", ns, "-o", "json", "-l",
-                    f"app.kubernetes.io/instance={name}")
+    out = c.kubectl("get", CHILD_KINDS, "-n", ns, "-o", "json", "-l", f"app.kubernetes.io/instance={name}")
     return json.loads(out)["items"]
 
 
@@ -38,8 +37,12 @@ def test_spec_update_flows_to_children(chart: Cluster, operator: Operator, ns: s
     assert before["metadata"]["generation"] == 1
     old_decode_uid = chart.get("deployment.apps", "tiny-decode", ns)["metadata"]["uid"]
 
-    patch(chart, ns, "tiny", {"spec": {"decode": {"replicas": 2, "image": "example.test/w:2"},
-                                       "engine": {"maxNumSeqs": 32}}})
+    patch(
+        chart,
+        ns,
+        "tiny",
+        {"spec": {"decode": {"replicas": 2, "image": "example.test/w:2"}, "engine": {"maxNumSeqs": 32}}},
+    )
     after = wait_ready(chart, "tiny", ns)
     assert after["metadata"]["generation"] == 2
     assert after["status"]["observedGeneration"] == 2
@@ -59,8 +62,7 @@ def test_spec_update_flows_to_children(chart: Cluster, operator: Operator, ns: s
     assert cfg["engine"]["maxNumSeqs"] == 32
 
 
-def test_autoscaling_toggle_adds_and_prunes_hpas(chart: Cluster, operator: Operator,
-                                                 ns: str) -> None:
+def test_autoscaling_toggle_adds_and_prunes_hpas(chart: Cluster, operator: Operator, ns: str) -> None:
     chart.apply(EXAMPLES["minimal"].read_text(), ns)
     wait_ready(chart, "tiny", ns)
     patch(chart, ns, "tiny", {"spec": {"autoscaling": {"enabled": True}}})
@@ -80,34 +82,31 @@ def test_deleted_or_edited_child_comes_back(chart: Cluster, operator: Operator, 
     def recreated():
         d = chart.get("deployment.apps", "tiny-decode", ns)
         return d if d and d["metadata"]["uid"] != old else None
+
     wait_for("tiny-decode recreated", recreated)
     wait_ready(chart, "tiny", ns)
 
     # Drift: a hand edit of a field the operator owns is reverted.
     chart.kubectl("scale", "deployment", "tiny-prefill", "-n", ns, "--replicas=3")
     chart.kubectl("delete", "service", "tiny-workers", "-n", ns)
-    chart.kubectl("patch", "configmap", "tiny-config", "-n", ns, "--type=merge",
-                  "-p", '{"data": {"engine.json": "{}"}}')
-    wait_for("prefill back to 1",
-             lambda: chart.get("deployment.apps", "tiny-prefill", ns)["spec"]["replicas"] == 1)
+    chart.kubectl(
+        "patch", "configmap", "tiny-config", "-n", ns, "--type=merge", "-p", '{"data": {"engine.json": "{}"}}'
+    )
+    wait_for("prefill back to 1", lambda: chart.get("deployment.apps", "tiny-prefill", ns)["spec"]["replicas"] == 1)
     wait_for("headless service back", lambda: chart.get("service", "tiny-workers", ns))
-    wait_for("config restored", lambda: chart.get("configmap", "tiny-config", ns)["data"][
-        "engine.json"] != "{}")
+    wait_for("config restored", lambda: chart.get("configmap", "tiny-config", ns)["data"]["engine.json"] != "{}")
     wait_ready(chart, "tiny", ns)
 
 
-def test_deleting_the_inferenceservice_removes_every_child(chart: Cluster, operator: Operator,
-                                                           ns: str) -> None:
+def test_deleting_the_inferenceservice_removes_every_child(chart: Cluster, operator: Operator, ns: str) -> None:
     chart.apply(EXAMPLES["pd-redis"].read_text(), ns)
     wait_ready(chart, "llama-pd-redis", ns)
     assert len(children(chart, ns, "llama-pd-redis")) > 10
     chart.kubectl("delete", "inferenceservice", "llama-pd-redis", "-n", ns, "--wait=true")
-    wait_for("garbage collection", lambda: children(chart, ns, "llama-pd-redis") == [],
-             timeout=180)
+    wait_for("garbage collection", lambda: children(chart, ns, "llama-pd-redis") == [], timeout=180)
 
 
-def test_invalid_spec_that_passes_the_schema_is_degraded(chart: Cluster, operator: Operator,
-                                                         ns: str) -> None:
+def test_invalid_spec_that_passes_the_schema_is_degraded(chart: Cluster, operator: Operator, ns: str) -> None:
     body = example("minimal")
     body["spec"] = {"engine": {"maxNumBatchedTokens": 32, "maxNumSeqs": 64}}
     chart.apply(json.dumps(body), ns)
@@ -115,6 +114,7 @@ def test_invalid_spec_that_passes_the_schema_is_degraded(chart: Cluster, operato
     def degraded():
         c = condition(chart.get("inferenceservice", "tiny", ns), "Degraded")
         return c if c and c["status"] == "True" else None
+
     c = wait_for("Degraded=True", degraded)
     assert c["reason"] == "InvalidSpec"
     assert "maxNumBatchedTokens (32) must be >= engine.maxNumSeqs (64)" in c["message"]
@@ -135,6 +135,7 @@ def test_foreign_objects_are_not_adopted(chart: Cluster, operator: Operator, ns:
     def conflict():
         c = condition(chart.get("inferenceservice", "tiny", ns), "Degraded")
         return c if c and c["status"] == "True" else None
+
     c = wait_for("Degraded=True", conflict)
     assert c["reason"] == "ChildConflict"
     assert "ConfigMap tiny-config exists and is not owned" in c["message"]
@@ -147,8 +148,7 @@ def test_foreign_objects_are_not_adopted(chart: Cluster, operator: Operator, ns:
     wait_for("deployments", lambda: len(chart.list("deployment.apps", ns)) == 3)
 
 
-def test_operator_restart_mid_reconcile_converges(chart: Cluster, operator: Operator,
-                                                  ns: str) -> None:
+def test_operator_restart_mid_reconcile_converges(chart: Cluster, operator: Operator, ns: str) -> None:
     """Kill the operator (SIGKILL, no cleanup) after it applied some but not all children of a
     new InferenceService; a fresh operator must finish the job with no duplicates."""
     name = "qwen-pd-nixl"
@@ -157,10 +157,12 @@ def test_operator_restart_mid_reconcile_converges(chart: Cluster, operator: Oper
         chart.apply(EXAMPLES["pd-nixl"].read_text(), ns)
         operator.start(KVMESH_OPERATOR_DEBUG_APPLY_DELAY_SECONDS="1.5")
         total = len(expected_children(chart.get("inferenceservice", name, ns)))
-        partial = wait_for("some children applied",
-                           lambda: len([o for o in children(chart, ns, name)
-                                        if o["kind"] not in ("Pod", "ReplicaSet")]) or None,
-                           timeout=120, interval=0.2)
+        partial = wait_for(
+            "some children applied",
+            lambda: len([o for o in children(chart, ns, name) if o["kind"] not in ("Pod", "ReplicaSet")]) or None,
+            timeout=120,
+            interval=0.2,
+        )
         assert partial < total, "operator finished before it could be interrupted"
         operator.stop(signal.SIGKILL)
     finally:
@@ -180,16 +182,14 @@ def test_operator_restart_mid_reconcile_converges(chart: Cluster, operator: Oper
     assert len(got["Pod"]) == 5, got["Pod"]
 
 
-def test_delete_works_while_the_operator_is_down(chart: Cluster, operator: Operator,
-                                                 ns: str) -> None:
+def test_delete_works_while_the_operator_is_down(chart: Cluster, operator: Operator, ns: str) -> None:
     """No kopf finalizer on InferenceServices: deleting one never waits for the operator."""
     chart.apply(EXAMPLES["minimal"].read_text(), ns)
     obj = wait_ready(chart, "tiny", ns)
     assert not obj["metadata"].get("finalizers")
     operator.stop()
     try:
-        chart.kubectl("delete", "inferenceservice", "tiny", "-n", ns, "--wait=true",
-                      "--timeout=120s")
+        chart.kubectl("delete", "inferenceservice", "tiny", "-n", ns, "--wait=true", "--timeout=120s")
         wait_for("garbage collection", lambda: children(chart, ns, "tiny") == [], timeout=180)
     finally:
         operator.start()

@@ -55,8 +55,7 @@ def test_cluster_ip_from_host_and_pod(cluster: Any, real_node: RealNode, probe_n
     assert svc
     cip = svc["spec"]["clusterIP"]
     # kube-proxy programs the rules shortly after the EndpointSlice appears: poll, don't sleep.
-    body = wait_for("ClusterIP from the host", lambda: _try(lambda: http_get(f"http://{cip}/")),
-                    timeout=60)
+    body = wait_for("ClusterIP from the host", lambda: _try(lambda: http_get(f"http://{cip}/")), timeout=60)
     assert body == "probe web\n"
     assert exec_probe(cluster, probe_ns, "client", "get", f"http://{cip}/") == "probe web\n"
     # hairpin: a pod reaching itself through its own Service
@@ -67,8 +66,9 @@ def test_dns_in_pod(cluster: Any, probe_ns: str) -> None:
     cip = cluster.get("service", "web", probe_ns)["spec"]["clusterIP"]  # type: ignore[index]
     for name in (f"web.{probe_ns}.svc.cluster.local", f"web.{probe_ns}.svc", "web"):
         assert exec_probe(cluster, probe_ns, "client", "resolve", name).split() == [cip], name
-    assert exec_probe(cluster, probe_ns, "client", "resolve",
-                      "kubernetes.default.svc.cluster.local").split() == ["10.96.0.1"]
+    assert exec_probe(cluster, probe_ns, "client", "resolve", "kubernetes.default.svc.cluster.local").split() == [
+        "10.96.0.1"
+    ]
     body = exec_probe(cluster, probe_ns, "client", "get", f"http://web.{probe_ns}.svc/")
     assert body == "probe web\n"
 
@@ -81,8 +81,11 @@ def test_in_cluster_apiserver_with_sa_token(cluster: Any, probe_ns: str) -> None
 
 def test_kubectl_logs(cluster: Any, probe_ns: str) -> None:
     http_get(f"http://{pod(cluster, probe_ns, 'web')['status']['podIP']}:8080/logged")
-    logs = wait_for("request in logs", lambda: (lambda s: s if "/logged" in s else None)(
-        cluster.kubectl("logs", "-n", probe_ns, "web")), timeout=30)
+    logs = wait_for(
+        "request in logs",
+        lambda: (lambda s: s if "/logged" in s else None)(cluster.kubectl("logs", "-n", probe_ns, "web")),
+        timeout=30,
+    )
     assert "probe: listening on :8080" in logs
 
 

@@ -27,9 +27,24 @@ import pytest
 from kvmesh import SamplingParams
 
 from .conftest import Cluster, record, wait_for, wait_ready
-from .realpods import (CPU_EXAMPLES, MAX_TOKENS, REAL_OPERATOR_NS, Load, Service, delete_namespace, deploy,
-                       install_chart, kill_main_process, metric, new_namespace, operator_pods, not_ready_on,
-                       real_node_name, series, wait_rolled_out)
+from .realpods import (
+    CPU_EXAMPLES,
+    MAX_TOKENS,
+    REAL_OPERATOR_NS,
+    Load,
+    Service,
+    delete_namespace,
+    deploy,
+    install_chart,
+    kill_main_process,
+    metric,
+    new_namespace,
+    operator_pods,
+    not_ready_on,
+    real_node_name,
+    series,
+    wait_rolled_out,
+)
 
 pytestmark = pytest.mark.e2e
 BS = 16  # the CPU examples' block size
@@ -44,8 +59,9 @@ def real_node(chart: Cluster) -> str:
 def real_operator(chart: Cluster, real_node: str) -> Cluster:
     t0 = time.monotonic()
     install_chart(chart)
-    pods = wait_for("operator pod Ready", lambda: [p for p in operator_pods(chart)
-                                                   if not not_ready_on(real_node, [p])], 300)
+    pods = wait_for(
+        "operator pod Ready", lambda: [p for p in operator_pods(chart) if not not_ready_on(real_node, [p])], 300
+    )
     assert pods[0]["spec"]["containers"][0]["image"] == "ghcr.io/kvmesh/operator:0.1.0"
     record("real.helm_install_to_operator_ready_seconds", round(time.monotonic() - t0, 1))
     return chart
@@ -60,13 +76,15 @@ def rns(real_operator: Cluster) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def prompts(smol) -> dict[str, list[int]]:
-    text = ("The history of computing spans centuries, from mechanical calculators and punched cards to "
-            "vacuum tubes, transistors and integrated circuits. ") * 30
+    text = (
+        "The history of computing spans centuries, from mechanical calculators and punched cards to "
+        "vacuum tubes, transistors and integrated circuits. "
+    ) * 30
     ids = smol.tokenizer(text).input_ids
     # shorter than a block, an exact multiple of it, and many blocks (past the router's selective
     # P/D threshold of 256 uncached tokens, so it goes prefill -> decode)
     assert len(ids) >= 420
-    return {"short": ids[:5], "exact": ids[:4 * BS], "long": ids[:420]}
+    return {"short": ids[:5], "exact": ids[: 4 * BS], "long": ids[:420]}
 
 
 @pytest.fixture(scope="session")
@@ -84,13 +102,17 @@ def complete(svc: Service, ids: list[int], stream: bool, max_tokens: int = MAX_T
     """(text, decode pod url, usage) of one greedy completion through the router's Service."""
     cl = client(svc)
     if not stream:
-        raw = cl.completions.with_raw_response.create(model=svc.name, prompt=ids, max_tokens=max_tokens,
-                                                      temperature=0)
+        raw = cl.completions.with_raw_response.create(model=svc.name, prompt=ids, max_tokens=max_tokens, temperature=0)
         body = raw.parse()
         return body.choices[0].text, raw.headers.get("x-kvmesh-pod", ""), body.usage
-    with cl.completions.with_streaming_response.create(model=svc.name, prompt=ids, max_tokens=max_tokens,
-                                                       temperature=0, stream=True,
-                                                       stream_options={"include_usage": True}) as resp:
+    with cl.completions.with_streaming_response.create(
+        model=svc.name,
+        prompt=ids,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ) as resp:
         pod = resp.headers.get("x-kvmesh-pod", "")
         text, usage = "", None
         for chunk in resp.parse():
@@ -112,8 +134,9 @@ def first_token_seconds(svc: Service, ids: list[int]) -> float:
 
 
 @pytest.mark.parametrize("example", sorted(CPU_EXAMPLES))
-def test_cpu_example_serves_the_offline_engines_tokens(example: str, real_operator: Cluster, real_node: str,
-                                                       rns: str, prompts, reference) -> None:
+def test_cpu_example_serves_the_offline_engines_tokens(
+    example: str, real_operator: Cluster, real_node: str, rns: str, prompts, reference
+) -> None:
     t0 = time.monotonic()
     svc, obj = deploy(real_operator, example, rns)
     t_ready = time.monotonic() - t0
@@ -122,8 +145,9 @@ def test_cpu_example_serves_the_offline_engines_tokens(example: str, real_operat
     want = {"prefill", "decode", "router"} | ({"redis"} if example == "pd-redis" else set())
     assert {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods} == want
     images = {c["image"] for p in pods for c in p["spec"]["containers"]}
-    assert images <= {"ghcr.io/kvmesh/worker:0.1.0", "ghcr.io/kvmesh/router:0.1.0",
-                      "ghcr.io/kvmesh/redis:0.1.0"}, images
+    assert images <= {"ghcr.io/kvmesh/worker:0.1.0", "ghcr.io/kvmesh/router:0.1.0", "ghcr.io/kvmesh/redis:0.1.0"}, (
+        images
+    )
     # the router answers through the Service's ClusterIP (kube-proxy) once its endpoints exist
     svc.routed()
     # a prompt of its own: the checks below need caches that have not seen theirs
@@ -139,8 +163,7 @@ def test_cpu_example_serves_the_offline_engines_tokens(example: str, real_operat
         ids = prompts[name]
         for stream in (False, True):
             svc.idle("decode")  # the snapshot that reports idle pods carries their final counters
-            before = {u: metric(svc.pod_metrics(u), "kvmesh:engine_computed_tokens_total")
-                      for u in decodes.values()}
+            before = {u: metric(svc.pod_metrics(u), "kvmesh:engine_computed_tokens_total") for u in decodes.values()}
             pd_before = pd_counts(svc)
             text, pod, usage = complete(svc, ids, stream)
             path = taken(pd_before, pd_counts(svc))
@@ -159,6 +182,7 @@ def test_cpu_example_serves_the_offline_engines_tokens(example: str, real_operat
             def settled() -> bool:
                 ran[0] = metric(svc.pod_metrics(pod), "kvmesh:engine_computed_tokens_total") - before[pod]
                 return ran[0] >= want
+
             wait_for("decode pod's computed-token counter", settled, 30, 0.3)
             time.sleep(1.0)  # a later snapshot must not add more
             settled()
@@ -170,8 +194,11 @@ def test_cpu_example_serves_the_offline_engines_tokens(example: str, real_operat
     assert set(paths) <= {"prefill_decode", "decode_only"}, paths
     # KV events reach the router from every worker pod over its pod IP
     m = svc.router_metrics()
-    with_events = {s["pod"] for s in series(m, "kvmesh:router_kv_events_total")
-                   if metric(m, "kvmesh:router_kv_events_total", pod=s["pod"]) > 0}
+    with_events = {
+        s["pod"]
+        for s in series(m, "kvmesh:router_kv_events_total")
+        if metric(m, "kvmesh:router_kv_events_total", pod=s["pod"]) > 0
+    }
     assert workers <= with_events, (workers, with_events)
     svc.idle("prefill")
     svc.idle("decode")
@@ -179,8 +206,10 @@ def test_cpu_example_serves_the_offline_engines_tokens(example: str, real_operat
 
 def pd_counts(svc: Service) -> dict[str, float]:
     m = svc.router_metrics()
-    return {s["path"]: metric(m, "kvmesh:router_pd_decisions_total", path=s["path"])
-            for s in series(m, "kvmesh:router_pd_decisions_total")}
+    return {
+        s["path"]: metric(m, "kvmesh:router_pd_decisions_total", path=s["path"])
+        for s in series(m, "kvmesh:router_pd_decisions_total")
+    }
 
 
 def taken(before: dict[str, float], after: dict[str, float]) -> str:
@@ -211,8 +240,11 @@ def test_repeated_long_prefix_goes_to_the_pod_that_holds_it(faulted: Service, sm
         prefix = [base[0] + k + 1] + base[1:]  # distinct first block: distinct chains
         _, pod, _ = complete(svc, prefix, stream=False, max_tokens=2)
         placed[k] = pod
-        wait_for("KV events of the first request reach the router",
-                 lambda: metric(svc.router_metrics(), "kvmesh:router_index_blocks") >= (len(prefix) // BS), 60)
+        wait_for(
+            "KV events of the first request reach the router",
+            lambda: metric(svc.router_metrics(), "kvmesh:router_index_blocks") >= (len(prefix) // BS),
+            60,
+        )
         _, again, usage = complete(svc, prefix + base[:20], stream=False, max_tokens=2)
         assert again == pod, (k, pod, again)
     m = svc.router_metrics()
@@ -227,6 +259,7 @@ def checked_sender(svc: Service, prompts, reference, stream: bool = False):
         name = names[i % len(names)]
         text, _, _ = complete(svc, prompts[name], stream=stream or bool(i % 2))
         return None if text == reference[name] else f"wrong tokens for {name}: {text!r}"
+
     return send
 
 
@@ -235,9 +268,15 @@ def test_prefill_pod_deleted_with_requests_in_flight(faulted: Service, prompts, 
     with Load(checked_sender(faulted, prompts, reference), threads=3) as load:
         load.wait_ok(3)
         faulted.c.kubectl("delete", "pod", victim, "-n", faulted.ns, "--wait=false")
-        wait_for("replacement prefill pod Ready", lambda: any(
-            p["metadata"]["name"] != victim and not not_ready_on(p["spec"].get("nodeName", ""), [p])
-            for p in faulted.pods("prefill")), 600, 2.0)
+        wait_for(
+            "replacement prefill pod Ready",
+            lambda: any(
+                p["metadata"]["name"] != victim and not not_ready_on(p["spec"].get("nodeName", ""), [p])
+                for p in faulted.pods("prefill")
+            ),
+            600,
+            2.0,
+        )
         ok_before = load.ok
         load.wait_ok(ok_before + 3)
     assert load.failures == [], load.failures[:5]
@@ -253,10 +292,16 @@ def test_decode_main_process_killed_and_restarted(faulted: Service, prompts, ref
     with Load(checked_sender(faulted, prompts, reference), threads=2) as load:
         load.wait_ok(2)
         kill_main_process(victim["metadata"]["name"])
-        wait_for("killed decode container restarted and Ready", lambda: (
-            (p := faulted.c.get("pod", victim["metadata"]["name"], faulted.ns))
-            and p["status"]["containerStatuses"][0]["restartCount"] > restarts
-            and p["status"]["containerStatuses"][0]["ready"]), 600, 2.0)
+        wait_for(
+            "killed decode container restarted and Ready",
+            lambda: (
+                (p := faulted.c.get("pod", victim["metadata"]["name"], faulted.ns))
+                and p["status"]["containerStatuses"][0]["restartCount"] > restarts
+                and p["status"]["containerStatuses"][0]["ready"]
+            ),
+            600,
+            2.0,
+        )
         ok_after = load.ok
         load.wait_ok(ok_after + 4)
     # Only requests streaming from the killed process may fail (the router cannot move a response
@@ -270,10 +315,16 @@ def test_decode_main_process_killed_and_restarted(faulted: Service, prompts, ref
 def test_router_pod_deleted(faulted: Service, prompts, reference) -> None:
     (old,) = [p["metadata"]["name"] for p in faulted.pods("router")]
     faulted.c.kubectl("delete", "pod", old, "-n", faulted.ns, "--wait=true", timeout=180)
-    wait_for("new router pod Ready", lambda: [p for p in faulted.pods("router")
-                                              if p["metadata"]["name"] != old
-                                              and not not_ready_on(p["spec"].get("nodeName", ""), [p])],
-             300, 1.0)
+    wait_for(
+        "new router pod Ready",
+        lambda: [
+            p
+            for p in faulted.pods("router")
+            if p["metadata"]["name"] != old and not not_ready_on(p["spec"].get("nodeName", ""), [p])
+        ],
+        300,
+        1.0,
+    )
     faulted.routed()
     for name, ids in prompts.items():
         text, _, _ = complete(faulted, ids, stream=True)
@@ -285,15 +336,24 @@ def test_router_pod_deleted(faulted: Service, prompts, reference) -> None:
 def test_operator_pod_restarted_mid_reconcile(faulted: Service) -> None:
     c = faulted.c
     gen = c.get("inferenceservice", faulted.name, faulted.ns)["metadata"]["generation"]
-    c.kubectl("patch", "inferenceservice", faulted.name, "-n", faulted.ns, "--type=merge",
-              "-p", json.dumps({"spec": {"router": {"resources": {"requests": {"cpu": "110m"}}}}}))
+    c.kubectl(
+        "patch",
+        "inferenceservice",
+        faulted.name,
+        "-n",
+        faulted.ns,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"router": {"resources": {"requests": {"cpu": "110m"}}}}}),
+    )
     for p in operator_pods(c):
         c.kubectl("delete", "pod", p["metadata"]["name"], "-n", REAL_OPERATOR_NS, "--wait=false")
     obj = wait_ready(c, faulted.name, faulted.ns, 600)
     assert obj["status"]["observedGeneration"] == gen + 1
     deps = c.list("deployment.apps", faulted.ns, f"app.kubernetes.io/instance={faulted.name}")
     assert sorted(d["metadata"]["name"] for d in deps) == sorted(
-        f"{faulted.name}-{r}" for r in ("prefill", "decode", "router"))
+        f"{faulted.name}-{r}" for r in ("prefill", "decode", "router")
+    )
     wait_rolled_out(faulted)
 
 
@@ -301,8 +361,16 @@ def test_engine_setting_rolled_out_under_load_loses_nothing(faulted: Service, pr
     c = faulted.c
     with Load(checked_sender(faulted, prompts, reference), threads=2) as load:
         load.wait_ok(2)
-        c.kubectl("patch", "inferenceservice", faulted.name, "-n", faulted.ns, "--type=merge",
-                  "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": 16, "kvCacheMemoryGB": 0.2}}}))
+        c.kubectl(
+            "patch",
+            "inferenceservice",
+            faulted.name,
+            "-n",
+            faulted.ns,
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"engine": {"maxNumSeqs": 16, "kvCacheMemoryGB": 0.2}}}),
+        )
         wait_rolled_out(faulted)
         ok = load.ok
         load.wait_ok(ok + 2)
@@ -319,10 +387,31 @@ def test_decode_scaled_down_under_load_loses_nothing(faulted: Service, prompts, 
     assert len(faulted.pods("decode")) == 2
     with Load(checked_sender(faulted, prompts, reference), threads=3) as load:
         load.wait_ok(3)
-        c.kubectl("patch", "inferenceservice", faulted.name, "-n", faulted.ns, "--type=merge",
-                  "-p", json.dumps({"spec": {"decode": {"replicas": 1}}}))
-        wait_for("one decode pod left", lambda: len(c.list("pods", faulted.ns,
-                 f"app.kubernetes.io/instance={faulted.name},app.kubernetes.io/component=decode")) == 1, 300, 1.0)
+        c.kubectl(
+            "patch",
+            "inferenceservice",
+            faulted.name,
+            "-n",
+            faulted.ns,
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"decode": {"replicas": 1}}}),
+        )
+        wait_for(
+            "one decode pod left",
+            lambda: (
+                len(
+                    c.list(
+                        "pods",
+                        faulted.ns,
+                        f"app.kubernetes.io/instance={faulted.name},app.kubernetes.io/component=decode",
+                    )
+                )
+                == 1
+            ),
+            300,
+            1.0,
+        )
         ok = load.ok
         load.wait_ok(ok + 3)
     assert load.failures == [], load.failures[:5]
@@ -331,14 +420,28 @@ def test_decode_scaled_down_under_load_loses_nothing(faulted: Service, prompts, 
 
 def test_changed_engine_fields_reach_the_running_engine(faulted: Service) -> None:
     c = faulted.c
-    c.kubectl("patch", "inferenceservice", faulted.name, "-n", faulted.ns, "--type=merge",
-              "-p", json.dumps({"spec": {"engine": {"dtype": "bfloat16", "gpuMemoryUtilization": 0.5,
-                                                    "maxNumBatchedTokens": 1024}}}))
+    c.kubectl(
+        "patch",
+        "inferenceservice",
+        faulted.name,
+        "-n",
+        faulted.ns,
+        "--type=merge",
+        "-p",
+        json.dumps(
+            {"spec": {"engine": {"dtype": "bfloat16", "gpuMemoryUtilization": 0.5, "maxNumBatchedTokens": 1024}}}
+        ),
+    )
     wait_rolled_out(faulted)
     for role in ("prefill", "decode"):
         for url in faulted.pod_urls(role).values():
             (info,) = series(faulted.pod_metrics(url), "kvmesh:engine_config_info")
-            assert (info["dtype"], info["gpu_memory_utilization"], info["max_num_batched_tokens"],
-                    info["device"], info["role"]) == ("bfloat16", "0.5", "1024", "cpu", role), info
+            assert (
+                info["dtype"],
+                info["gpu_memory_utilization"],
+                info["max_num_batched_tokens"],
+                info["device"],
+                info["role"],
+            ) == ("bfloat16", "0.5", "1024", "cpu", role), info
     text, _, _ = complete(faulted, [1, 2, 3, 4, 5], stream=False)
     assert text  # the bfloat16 engines serve (their tokens may differ from float32's)

@@ -2,6 +2,7 @@
 generator with a fresh printed seed, and ``bench/gpu_engine.py`` imported as a module, so the
 engine benchmark's correctness check and the tests are one definition of correct. The kernel
 checks come from tests/kernel_checks.py."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -9,6 +9,7 @@ the package installed:
 
 ``make test`` leaves tests/gpu out; without CUDA these tests skip (tests/gpu/conftest.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,9 @@ def test_no_triton_compiles_while_serving(engine_bench):
     from kvmesh.engine.sampling_params import SamplingParams
 
     loaded = random_model(engine_bench.small_config(), name="small-random", dtype=torch.bfloat16, device="cuda", seed=3)
-    eng = engine_bench.build_engine(loaded, num_kv_blocks=1024, max_num_batched_tokens=256, max_num_seqs=32,
-                             max_model_len=1024)
+    eng = engine_bench.build_engine(
+        loaded, num_kv_blocks=1024, max_num_batched_tokens=256, max_num_seqs=32, max_model_len=1024
+    )
     assert eng.runner.warm_up_configs > 0
     before = _compiled_variants()
     assert before.get("paged_attention_kernel", 0) > 0
@@ -39,10 +41,18 @@ def test_no_triton_compiles_while_serving(engine_bench):
     step = 0
     for i, n in enumerate(lengths):  # arrivals between steps: mixed batches of every kind
         prompt = torch.randint(3, 32000, (n,), generator=g).tolist()
-        eng.add_request(EngineCoreRequest(request_id=f"w{i}", prompt_token_ids=prompt,
-                                          params=SamplingParams(max_tokens=int(3 + (i * 7) % 20), ignore_eos=True,
-                                                                temperature=0.0 if i % 3 else 0.8,
-                                                                top_p=0.9 if i % 2 else 1.0)))
+        eng.add_request(
+            EngineCoreRequest(
+                request_id=f"w{i}",
+                prompt_token_ids=prompt,
+                params=SamplingParams(
+                    max_tokens=int(3 + (i * 7) % 20),
+                    ignore_eos=True,
+                    temperature=0.0 if i % 3 else 0.8,
+                    top_p=0.9 if i % 2 else 1.0,
+                ),
+            )
+        )
         for _ in range(i % 4):
             eng.step()
             step += 1
@@ -50,9 +60,13 @@ def test_no_triton_compiles_while_serving(engine_bench):
         eng.step()
         step += 1
     for i in range(32):  # a full batch of top-p rows: the device sampler's sort-free search
-        eng.add_request(EngineCoreRequest(request_id=f"p{i}", prompt_token_ids=[5 + i, 7, 9],
-                                          params=SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.8,
-                                                                top_p=0.9)))
+        eng.add_request(
+            EngineCoreRequest(
+                request_id=f"p{i}",
+                prompt_token_ids=[5 + i, 7, 9],
+                params=SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.8, top_p=0.9),
+            )
+        )
     while eng.has_unfinished():
         eng.step()
         step += 1
@@ -60,7 +74,6 @@ def test_no_triton_compiles_while_serving(engine_bench):
     new = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
     assert not new, f"kernels compiled while serving: {new} (after {step} steps)"
     assert eng.runner.num_eager_steps > 0 and eng.runner.num_graph_steps > 0
-
 
 
 def test_greedy_matches_hf_graphs_and_eager(engine_bench):
@@ -86,9 +99,14 @@ def test_device_sampling(engine_bench):
     logits = torch.randn(6, 32000, device="cuda") * 3
     greedy = logits.argmax(-1).tolist()
     s = Sampler(0)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1),
-              SamplingParams(temperature=0.7, top_p=1e-6), SamplingParams(temperature=1.0, min_p=0.999),
-              SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=1.0)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=0.7, top_p=1e-6),
+        SamplingParams(temperature=1.0, min_p=0.999),
+        SamplingParams(temperature=1.0, seed=5),
+        SamplingParams(temperature=1.0),
+    ]
     gens = [None, None, None, None, NoiseStream(5), None]
     out = [r.token_id for r in s.sample(logits, params, gens)]
     assert out[:4] == greedy[:4]
@@ -109,8 +127,11 @@ def _compiled_variants() -> dict[str, int]:
 
     from kvmesh.kernels import _triton as tk
 
-    return {name: sum(len(c[0]) for c in f.device_caches.values())
-            for name, f in vars(tk).items() if isinstance(f, JITFunction)}
+    return {
+        name: sum(len(c[0]) for c in f.device_caches.values())
+        for name, f in vars(tk).items()
+        if isinstance(f, JITFunction)
+    }
 
 
 def test_sampled_requests_run_multi_step_on_the_gpu(engine_bench):
@@ -129,9 +150,18 @@ def test_sampled_requests_run_multi_step_on_the_gpu(engine_bench):
     prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (20, 77, 150, 33)]
 
     def run(steps, params):
-        eng, _ = EngineCore.from_model(EngineArgs(device="cuda", dtype="float32", num_kv_blocks=512,
-                                                  max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512,
-                                                  num_scheduler_steps=steps), loaded=loaded)
+        eng, _ = EngineCore.from_model(
+            EngineArgs(
+                device="cuda",
+                dtype="float32",
+                num_kv_blocks=512,
+                max_num_batched_tokens=512,
+                max_num_seqs=8,
+                max_model_len=512,
+                num_scheduler_steps=steps,
+            ),
+            loaded=loaded,
+        )
         out = {}
         for i, p in enumerate(prompts):
             eng.add_request(EngineCoreRequest(request_id=f"s{i}", prompt_token_ids=p, params=params[i]))
@@ -143,8 +173,10 @@ def test_sampled_requests_run_multi_step_on_the_gpu(engine_bench):
 
     greedy = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 4
     _, want = run(1, greedy)
-    params = [SamplingParams(temperature=0.7, top_k=1, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True)] * 2
+    params = [
+        SamplingParams(temperature=0.7, top_k=1, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True),
+    ] * 2
     eng, got = run(8, params)
     assert eng.num_multi_step_rounds > 0
     for i in (0, 2):
@@ -171,9 +203,19 @@ def test_async_scheduling_matches_waiting_rounds_on_the_gpu(engine_bench):
     prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (20, 77, 150, 33, 64, 9)]
 
     def run(lazy, params, abort_at=None):
-        eng, _ = EngineCore.from_model(EngineArgs(device="cuda", dtype="float32", num_kv_blocks=512,
-                                                  max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512,
-                                                  num_scheduler_steps=8, async_scheduling=lazy), loaded=loaded)
+        eng, _ = EngineCore.from_model(
+            EngineArgs(
+                device="cuda",
+                dtype="float32",
+                num_kv_blocks=512,
+                max_num_batched_tokens=512,
+                max_num_seqs=8,
+                max_model_len=512,
+                num_scheduler_steps=8,
+                async_scheduling=lazy,
+            ),
+            loaded=loaded,
+        )
         out = {}
         for i, p in enumerate(prompts[:5]):
             eng.add_request(EngineCoreRequest(request_id=f"s{i}", prompt_token_ids=p, params=params[i]))
@@ -237,8 +279,11 @@ def test_penalties_match_hf_on_the_gpu(engine_bench):
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (12, 40, 25, 60, 7, 90, 33, 18)]
     n_new = 32
-    settings = [dict(repetition_penalty=1.3), dict(presence_penalty=1.5, frequency_penalty=0.5),
-                dict(repetition_penalty=1.2, presence_penalty=-0.5, frequency_penalty=1.0)]
+    settings = [
+        dict(repetition_penalty=1.3),
+        dict(presence_penalty=1.5, frequency_penalty=0.5),
+        dict(repetition_penalty=1.2, presence_penalty=-0.5, frequency_penalty=1.0),
+    ]
 
     class OpenAIAdjust(LogitsProcessor):
         """logit_bias, then presence / frequency over the generated tokens, as OpenAI defines them."""
@@ -251,28 +296,58 @@ def test_penalties_match_hf_on_the_gpu(engine_bench):
             for t, b in self.bias.items():
                 scores[:, t] += b
             counts = torch.zeros_like(scores)
-            out = input_ids[:, self.start:]
+            out = input_ids[:, self.start :]
             counts.scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
             return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
     def hf_greedy(prompt, s):
         t = torch.tensor([prompt], device="cuda")
-        procs = LogitsProcessorList([OpenAIAdjust(len(prompt), s.get("presence_penalty", 0.0),
-                                                  s.get("frequency_penalty", 0.0), s.get("logit_bias", {}))])
+        procs = LogitsProcessorList(
+            [
+                OpenAIAdjust(
+                    len(prompt),
+                    s.get("presence_penalty", 0.0),
+                    s.get("frequency_penalty", 0.0),
+                    s.get("logit_bias", {}),
+                )
+            ]
+        )
         with torch.inference_mode():
-            o = hf.generate(t, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                            repetition_penalty=s.get("repetition_penalty", 1.0), logits_processor=procs,
-                            attention_mask=torch.ones_like(t), pad_token_id=0, eos_token_id=None)
-        return o[0, len(prompt):].tolist()
+            o = hf.generate(
+                t,
+                max_new_tokens=n_new,
+                min_new_tokens=n_new,
+                do_sample=False,
+                repetition_penalty=s.get("repetition_penalty", 1.0),
+                logits_processor=procs,
+                attention_mask=torch.ones_like(t),
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+        return o[0, len(prompt) :].tolist()
 
     def run(per_row):
-        eng, _ = EngineCore.from_model(EngineArgs(device="cuda", dtype="float32", num_kv_blocks=512,
-                                                  max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512,
-                                                  num_scheduler_steps=4), loaded=loaded)
+        eng, _ = EngineCore.from_model(
+            EngineArgs(
+                device="cuda",
+                dtype="float32",
+                num_kv_blocks=512,
+                max_num_batched_tokens=512,
+                max_num_seqs=8,
+                max_model_len=512,
+                num_scheduler_steps=4,
+            ),
+            loaded=loaded,
+        )
         out = {}
         for i, (p, s) in enumerate(zip(prompts, per_row)):
-            eng.add_request(EngineCoreRequest(request_id=f"p{i}", prompt_token_ids=p, params=SamplingParams(
-                temperature=0.0, max_tokens=n_new, ignore_eos=True, **s)))
+            eng.add_request(
+                EngineCoreRequest(
+                    request_id=f"p{i}",
+                    prompt_token_ids=p,
+                    params=SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True, **s),
+                )
+            )
             out[f"p{i}"] = []
         while eng.has_unfinished():
             for o in eng.step():
@@ -319,13 +394,28 @@ def test_logprobs_and_seeds_in_rounds_match_one_step_on_the_gpu(engine_bench):
     g = torch.Generator().manual_seed(13)
     prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (30, 90, 14, 61, 45)]
     base = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    params = [base.with_(logprobs=0), base.with_(logprobs=2), base.with_(logprobs=5, presence_penalty=0.8), base,
-              base.with_(temperature=1.0, seed=21)]
+    params = [
+        base.with_(logprobs=0),
+        base.with_(logprobs=2),
+        base.with_(logprobs=5, presence_penalty=0.8),
+        base,
+        base.with_(temperature=1.0, seed=21),
+    ]
 
     def run(steps, lazy, rows=5):
-        eng, _ = EngineCore.from_model(EngineArgs(device="cuda", dtype="float32", num_kv_blocks=512,
-                                                  max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512,
-                                                  num_scheduler_steps=steps, async_scheduling=lazy), loaded=loaded)
+        eng, _ = EngineCore.from_model(
+            EngineArgs(
+                device="cuda",
+                dtype="float32",
+                num_kv_blocks=512,
+                max_num_batched_tokens=512,
+                max_num_seqs=8,
+                max_model_len=512,
+                num_scheduler_steps=steps,
+                async_scheduling=lazy,
+            ),
+            loaded=loaded,
+        )
         toks, lps = {}, {}
         for i, (p, s) in list(enumerate(zip(prompts, params)))[-rows:]:
             eng.add_request(EngineCoreRequest(request_id=f"l{i}", prompt_token_ids=p, params=s))

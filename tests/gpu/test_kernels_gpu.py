@@ -7,14 +7,26 @@ stated there; ``bench/gpu_kernels.py`` runs the same ones), one test per kernel 
 
 ``make test`` leaves tests/gpu out; without CUDA these tests skip (tests/gpu/conftest.py).
 """
+
 from __future__ import annotations
 
 import kernel_checks
 import pytest
 
 
-@pytest.mark.parametrize("check", ["check_write_kv", "check_blocks", "check_elementwise", "check_top_p", "check_race",
-                                   "check_attention", "check_cuda_graph", "check_pdl"])
+@pytest.mark.parametrize(
+    "check",
+    [
+        "check_write_kv",
+        "check_blocks",
+        "check_elementwise",
+        "check_top_p",
+        "check_race",
+        "check_attention",
+        "check_cuda_graph",
+        "check_pdl",
+    ],
+)
 def test_kernel_family(gen, check):
     kernel_checks.FAILED.clear()
     getattr(kernel_checks, check)(gen)

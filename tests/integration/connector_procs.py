@@ -5,6 +5,7 @@ spaces). Each process owns one ``EngineCore`` and answers small commands; while
 idle it keeps stepping the engine whenever a connector still holds blocks, because
 ``step()`` is where notifications and lease expiry are processed.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -22,24 +23,39 @@ def _build(spec: dict, loaded):
     from kvmesh.engine.core import EngineCore
 
     connector = make_connector(spec.get("connector", "none"), None, **spec.get("connector_opts", {}))
-    args = EngineArgs(num_kv_blocks=spec.get("num_kv_blocks", 64), role=spec.get("role", "both"),
-                      engine_id=spec.get("engine_id", "kvmesh-0"),
-                      max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048))
+    args = EngineArgs(
+        num_kv_blocks=spec.get("num_kv_blocks", 64),
+        role=spec.get("role", "both"),
+        engine_id=spec.get("engine_id", "kvmesh-0"),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
+    )
     engine, _ = EngineCore.from_model(args, connector=connector, loaded=loaded)
     return engine
 
 
-def run_request(engine, rid: str, prompt: list[int], max_tokens: int, kv_params: dict | None = None,
-                cache_salt: str | None = None, max_steps: int = 20000) -> dict:
+def run_request(
+    engine,
+    rid: str,
+    prompt: list[int],
+    max_tokens: int,
+    kv_params: dict | None = None,
+    cache_salt: str | None = None,
+    max_steps: int = 20000,
+) -> dict:
     """Run one request to completion (bounded), returning tokens, params and counters."""
     from kvmesh.engine.messages import EngineCoreRequest
     from kvmesh.engine.sampling_params import SamplingParams
 
     before = engine.num_computed_tokens
-    engine.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=list(prompt),
-                                         params=SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                               ignore_eos=True),
-                                         kv_transfer_params=kv_params, cache_salt=cache_salt))
+    engine.add_request(
+        EngineCoreRequest(
+            request_id=rid,
+            prompt_token_ids=list(prompt),
+            params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            kv_transfer_params=kv_params,
+            cache_salt=cache_salt,
+        )
+    )
     tokens: list[int] = []
     out: dict[str, Any] = {"finish_reason": None}
     for _ in range(max_steps):
@@ -63,10 +79,13 @@ def stats(engine) -> dict:
     s = engine.stats()
     c = engine.connector
     return {
-        "free": s.num_free_blocks, "total": s.num_total_blocks,
-        "delayed_free": len(engine.scheduler.delayed_free), "unfinished": engine.has_unfinished(),
+        "free": s.num_free_blocks,
+        "total": s.num_total_blocks,
+        "delayed_free": len(engine.scheduler.delayed_free),
+        "unfinished": engine.has_unfinished(),
         "held": c.num_held() if hasattr(c, "num_held") else 0,
-        "connector": dict(getattr(c, "stats", {})), "port": getattr(c, "port", None),
+        "connector": dict(getattr(c, "stats", {})),
+        "port": getattr(c, "port", None),
         "computed": engine.num_computed_tokens,
     }
 

@@ -1,5 +1,6 @@
 """`kvmesh bench router` end to end on a tiny trace: real simulated instances, kvmesh's router, a
 variant of it and round-robin, two rounds with the instances' caches reset between runs."""
+
 from __future__ import annotations
 
 import json
@@ -17,18 +18,55 @@ def test_bench_router_repeats_with_cold_caches(tmp_path):
     rows = []
     for c in range(2):
         for turn in range(3):
-            rows.append({"timestamp": 100 * (2 * turn + c), "input_length": 512 * (turn + 3), "output_length": 2,
-                         "hash_ids": [0] + [100 * (c + 1) + k for k in range(turn + 2)]})
+            rows.append(
+                {
+                    "timestamp": 100 * (2 * turn + c),
+                    "input_length": 512 * (turn + 3),
+                    "output_length": 2,
+                    "hash_ids": [0] + [100 * (c + 1) + k for k in range(turn + 2)],
+                }
+            )
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "router.json"
     env = dict(os.environ, KVMESH_CPU_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "kvmesh.cli", "bench", "router", "--trace", str(trace),
-                        "--instances", "2", "--policies", "round-robin,kvmesh,noshare", "--requests", "0",
-                        "--rate", "4", "--variant", "noshare=--weight-share 0",
-                        "--max-output", "2", "--max-model-len", "512", "--num-kv-blocks", "64", "--repeats", "2",
-                        "--log-dir", str(tmp_path / "logs"), "--json", str(out)],
-                       capture_output=True, text=True, timeout=600, env=env)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "bench",
+            "router",
+            "--trace",
+            str(trace),
+            "--instances",
+            "2",
+            "--policies",
+            "round-robin,kvmesh,noshare",
+            "--requests",
+            "0",
+            "--rate",
+            "4",
+            "--variant",
+            "noshare=--weight-share 0",
+            "--max-output",
+            "2",
+            "--max-model-len",
+            "512",
+            "--num-kv-blocks",
+            "64",
+            "--repeats",
+            "2",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["_setup"]["repeats"] == 2
@@ -64,11 +102,36 @@ def test_sigterm_stops_the_instances(tmp_path):
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = dict(os.environ, KVMESH_CPU_THREADS="1")
-    p = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "bench", "router", "--trace", str(trace),
-                          "--instances", "2", "--policies", "round-robin", "--requests", "0", "--rate", "0.5",
-                          "--max-output", "2", "--max-model-len", "512", "--num-kv-blocks", "64",
-                          "--log-dir", str(tmp_path / "logs")],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "bench",
+            "router",
+            "--trace",
+            str(trace),
+            "--instances",
+            "2",
+            "--policies",
+            "round-robin",
+            "--requests",
+            "0",
+            "--rate",
+            "0.5",
+            "--max-output",
+            "2",
+            "--max-model-len",
+            "512",
+            "--num-kv-blocks",
+            "64",
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     try:
         tree: set[int] = set()
         for _ in range(240):  # both instances with their engine processes (4), then the router (5)
@@ -100,14 +163,15 @@ def test_stray_children_are_stopped_with_their_groups(tmp_path):
         "import subprocess, sys, time\n"
         "from kvmesh.bench_router import stop_strays\n"
         "child = [sys.executable, '-c', 'import subprocess, sys, time; '\n"
-        "         'g = subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(120)\"]); '\n"
+        '         \'g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]); \'\n'
         "         'print(g.pid, flush=True); time.sleep(120)']\n"
         "p = subprocess.Popen(child, start_new_session=True, stdout=subprocess.PIPE, text=True)\n"
         "grandchild = int(p.stdout.readline())\n"
         "print(p.pid, grandchild, flush=True)\n"
         "del p  # nothing holds it any more, as after an interrupted start\n"
         "stop_strays(grace_s=5)\n"
-        "print('done', flush=True)\n")
+        "print('done', flush=True)\n"
+    )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.split("\n")

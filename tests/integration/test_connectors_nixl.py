@@ -8,6 +8,7 @@ same weights, and its computed-token counter must show that the pulled tokens
 were not recomputed. Failure cases must still answer exactly, by recomputing.
 The prefill-kill test is last because it consumes the prefill process.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -18,9 +19,11 @@ pytestmark = pytest.mark.integration
 
 BS = 16
 MAX_NEW = 8
-TEXT = ("Photosynthesis converts light energy into chemical energy. Plants, algae and some bacteria capture "
-        "sunlight with chlorophyll, split water, release oxygen and fix carbon dioxide into sugars that feed "
-        "nearly every food chain on Earth. ")
+TEXT = (
+    "Photosynthesis converts light energy into chemical energy. Plants, algae and some bacteria capture "
+    "sunlight with chlorophyll, split water, release oxygen and fix carbon dioxide into sugars that feed "
+    "nearly every food chain on Earth. "
+)
 
 
 def test_registry_and_param_checks():
@@ -30,16 +33,32 @@ def test_registry_and_param_checks():
     assert type(make_connector("none")) is KVConnector and type(make_connector(None)) is KVConnector
     with pytest.raises(ValueError, match="unknown KV connector"):
         make_connector("lmcache")
-    ok = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "127.0.0.1", "remote_port": 5600,
-          "remote_request_id": "r", "remote_transfer_id": "t", "remote_block_ids": [3, 4], "remote_block_size": 16}
+    ok = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "p",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "remote_request_id": "r",
+        "remote_transfer_id": "t",
+        "remote_block_ids": [3, 4],
+        "remote_block_size": 16,
+    }
     assert check_kv_transfer_params(ok) is None
     assert check_kv_transfer_params({"do_remote_decode": True}) is None
     assert check_kv_transfer_params(dict(ok, remote_block_ids=[])) is None  # nothing to pull is fine
     bad = [
-        "not a dict", {"do_remote_decode": "yes"}, dict(ok, do_remote_decode=True),
-        dict(ok, remote_block_ids="3,4"), dict(ok, remote_block_ids=[3, -1]), dict(ok, remote_block_ids=[3, 3]),
-        dict(ok, remote_block_ids=[True]), dict(ok, remote_port=0), dict(ok, remote_port="5600"),
-        dict(ok, remote_host=""), dict(ok, remote_engine_id=None), dict(ok, remote_block_size=0),
+        "not a dict",
+        {"do_remote_decode": "yes"},
+        dict(ok, do_remote_decode=True),
+        dict(ok, remote_block_ids="3,4"),
+        dict(ok, remote_block_ids=[3, -1]),
+        dict(ok, remote_block_ids=[3, 3]),
+        dict(ok, remote_block_ids=[True]),
+        dict(ok, remote_port=0),
+        dict(ok, remote_port="5600"),
+        dict(ok, remote_host=""),
+        dict(ok, remote_engine_id=None),
+        dict(ok, remote_block_size=0),
         dict(ok, remote_block_hash="xyz"),
     ]
     for p in bad:
@@ -52,11 +71,18 @@ def test_registry_and_param_checks():
 def procs():
     made: list[EngineProc] = []
     try:
-        prefill = EngineProc({"role": "prefill", "connector": "nixl", "engine_id": "prefill-0",
-                              "connector_opts": {"lease_s": 600.0}})
+        prefill = EngineProc(
+            {"role": "prefill", "connector": "nixl", "engine_id": "prefill-0", "connector_opts": {"lease_s": 600.0}}
+        )
         made.append(prefill)
-        decode = EngineProc({"role": "decode", "connector": "nixl", "engine_id": "decode-0",
-                             "connector_opts": {"handshake_timeout_s": 5.0, "transfer_timeout_s": 60.0}})
+        decode = EngineProc(
+            {
+                "role": "decode",
+                "connector": "nixl",
+                "engine_id": "decode-0",
+                "connector_opts": {"handshake_timeout_s": 5.0, "transfer_timeout_s": 60.0},
+            }
+        )
         made.append(decode)
         yield prefill, decode
     finally:
@@ -128,7 +154,7 @@ def test_pd_transfer_matches_single_engine(procs, prompts, reference, kind):
 def test_local_prefix_hit_pulls_only_the_rest(procs, prompts, reference):
     prefill, decode = procs
     p = prompts["extra"]  # 50 tokens: 3 full blocks
-    decode.call("gen", "warm", p[:BS + 3], 1)  # decode now holds block 0 in its prefix cache
+    decode.call("gen", "warm", p[: BS + 3], 1)  # decode now holds block 0 in its prefix cache
     before = decode.call("stats")["connector"]["blocks_loaded"]
     first = prefill.call("gen", "hit-part", p, 1, {"do_remote_decode": True})
     out = decode.call("gen", "hit-part", p, MAX_NEW, first["kv_transfer_params"])
@@ -206,8 +232,7 @@ def test_invalid_params_are_rejected_before_admission(procs, prompts, reference)
     cases = {
         "wrong types": (dict(good, remote_block_ids="0,1"), "remote_block_ids must be a list of integers"),
         "unreachable side channel": (dict(good, remote_port=1), "did not answer the side-channel handshake"),
-        "another engine's side channel": (dict(good, remote_engine_id="prefill-9"),
-                                          "belongs to engine 'prefill-0'"),
+        "another engine's side channel": (dict(good, remote_engine_id="prefill-9"), "belongs to engine 'prefill-0'"),
         "block ids out of range": (dict(good, remote_block_ids=[0, n_remote]), "remote_block_ids out of range"),
         "other block size": (dict(good, remote_block_size=BS * 2), "remote_block_size"),
     }

@@ -4,6 +4,7 @@ Engines here share one process (they share nothing but the loaded weights and th
 Redis server, exactly like two pods sharing a store). "Loaded, not recomputed" is
 proved by the engine's own counter of tokens run through the model.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,9 +28,11 @@ pytestmark = pytest.mark.integration
 
 BS = 16
 MAX_NEW = 8
-TEXT = ("The history of computing spans centuries, from mechanical calculators and punched cards to "
-        "vacuum tubes, transistors and integrated circuits. Each step made machines smaller, faster and "
-        "cheaper, and each opened new uses that their inventors had not imagined. ")
+TEXT = (
+    "The history of computing spans centuries, from mechanical calculators and punched cards to "
+    "vacuum tubes, transistors and integrated circuits. Each step made machines smaller, faster and "
+    "cheaper, and each opened new uses that their inventors had not imagined. "
+)
 
 
 class RedisServer:
@@ -40,9 +43,23 @@ class RedisServer:
         if exe is None:
             pytest.skip("redis-server is not installed (scripts/install.sh installs it)")
         self.port = _free_port()
-        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--protected-mode", "no"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         import redis
 
         self.client = redis.Redis(port=self.port, socket_timeout=2)

@@ -1,4 +1,5 @@
 """Engine behaviour on the real model: parallel sampling, stop conditions, bad input, no leaks."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,7 @@ def test_n_greater_than_one_shares_prompt_blocks_and_copies_on_write(make_llm):
     eng = llm.engine
     prompt = llm.encode("The weather today is")[1]  # not block-aligned: the last prompt block is partial
     assert len(prompt) % 16 != 0
-    eng.add_request(EngineCoreRequest("g", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=6,
-                                                                   ignore_eos=True)))
+    eng.add_request(EngineCoreRequest("g", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=6, ignore_eos=True)))
     eng.step()  # prefill + fork
     blocks = {rid: eng.kv.get_block_ids(rid) for rid in ("g", "g#1", "g#2")}
     assert blocks["g"] == blocks["g#1"] == blocks["g#2"]
@@ -71,8 +71,9 @@ def test_stop_strings_stop_tokens_and_logprobs(make_llm):
     assert cut.finish_reason == "stop" and cut.stop_reason == " 6"
     assert cut.text == base.text[: base.text.index(" 6")]
     stop_tok = base.token_ids[2]
-    st = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=12,
-                                                       stop_token_ids=[stop_tok]))[0].outputs[0]
+    st = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]))[
+        0
+    ].outputs[0]
     assert st.token_ids == base.token_ids[:3] and st.finish_reason == "stop" and st.stop_reason == stop_tok
     lp = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0].outputs[0]
     assert len(lp.logprobs) == 4
@@ -91,7 +92,7 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(make_llm):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([[5] * 300], SamplingParams())
     with pytest.raises(ValueError, match="out of range"):
-        llm.generate([[10 ** 7]], SamplingParams())
+        llm.generate([[10**7]], SamplingParams())
     with pytest.raises(ValueError, match="max_tokens"):
         llm.generate(["hi"], SamplingParams(max_tokens=0))
     with pytest.raises(ValueError, match="temperature"):

@@ -4,6 +4,7 @@ Every engine configuration that changes *how* tokens are computed (batching,
 chunked prefill, preemption by recompute, prefix-cache hits) must leave *what*
 is computed unchanged.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -66,8 +67,9 @@ def expected(hf_model, prompt_ids, smol):
     with torch.inference_mode():
         for ids in prompt_ids:
             x = torch.tensor([ids])
-            g = hf_model.generate(x, max_new_tokens=MAX_NEW, do_sample=False, attention_mask=torch.ones_like(x),
-                                  pad_token_id=2)[0, len(ids):].tolist()
+            g = hf_model.generate(
+                x, max_new_tokens=MAX_NEW, do_sample=False, attention_mask=torch.ones_like(x), pad_token_id=2
+            )[0, len(ids) :].tolist()
             cut = next((i + 1 for i, t in enumerate(g) if t in eos), len(g))
             outs.append(g[:cut])
     return outs
@@ -145,9 +147,15 @@ def test_repetition_penalty_matches_hf(make_llm, hf_model, prompt_ids, smol):
     with torch.inference_mode():
         for x in ids:
             t = torch.tensor([x])
-            g = hf_model.generate(t, max_new_tokens=MAX_NEW, do_sample=False, repetition_penalty=1.3,
-                                  attention_mask=torch.ones_like(t), pad_token_id=2)[0, len(x):].tolist()
-            want.append(g[:next((i + 1 for i, tok in enumerate(g) if tok in eos), len(g))])
+            g = hf_model.generate(
+                t,
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                repetition_penalty=1.3,
+                attention_mask=torch.ones_like(t),
+                pad_token_id=2,
+            )[0, len(x) :].tolist()
+            want.append(g[: next((i + 1 for i, tok in enumerate(g) if tok in eos), len(g))])
     base = make_llm(num_scheduler_steps=4)
     plain = [o.outputs[0].token_ids for o in base.generate(ids, GREEDY)]
     assert plain != want, "the penalty changes nothing on these prompts: the test would prove nothing"
@@ -168,9 +176,13 @@ def test_logit_adjustments_in_rounds_match_one_step(make_llm, prompt_ids):
     ids = [prompt_ids[i] for i in (0, 3, 8, 12, 5)]
     n = 24
     base = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    params = [base.with_(repetition_penalty=1.3), base.with_(presence_penalty=1.5, frequency_penalty=0.7),
-              base.with_(logit_bias={ids[2][0]: 4.0, 17: -100}, repetition_penalty=0.9, frequency_penalty=0.4),
-              base, base.with_(presence_penalty=-1.0)]
+    params = [
+        base.with_(repetition_penalty=1.3),
+        base.with_(presence_penalty=1.5, frequency_penalty=0.7),
+        base.with_(logit_bias={ids[2][0]: 4.0, 17: -100}, repetition_penalty=0.9, frequency_penalty=0.4),
+        base,
+        base.with_(presence_penalty=-1.0),
+    ]
 
     def run(**kw):
         llm = make_llm(**kw)
@@ -178,8 +190,11 @@ def test_logit_adjustments_in_rounds_match_one_step(make_llm, prompt_ids):
         return llm, [o.outputs[0].token_ids for o in outs]
 
     _, want = run(num_scheduler_steps=1, async_scheduling=False)
-    for kw in (dict(num_scheduler_steps=4, async_scheduling=False), dict(num_scheduler_steps=4, async_scheduling=True),
-               dict(num_scheduler_steps=1, async_scheduling=True)):
+    for kw in (
+        dict(num_scheduler_steps=4, async_scheduling=False),
+        dict(num_scheduler_steps=4, async_scheduling=True),
+        dict(num_scheduler_steps=1, async_scheduling=True),
+    ):
         llm, got = run(**kw)
         assert got == want, kw
         assert llm.engine.num_multi_step_rounds > 0, kw

@@ -1,5 +1,6 @@
 """The engine process loop without a model: batching, rejection, aborts, stats and admission, driven over ZMQ
 IPC sockets by a fake engine."""
+
 from __future__ import annotations
 
 import time
@@ -20,11 +21,14 @@ class FakeEngine:
     """Two steps per request, one token each; enough to test the loop around it."""
 
     def __init__(self, max_waiting: int = 2) -> None:
-        self.config = SimpleNamespace(model=SimpleNamespace(name="fake"),
-                                      scheduler=SimpleNamespace(max_model_len=64, max_num_seqs=4,
-                                                                max_num_batched_tokens=64),
-                                      cache=SimpleNamespace(block_size=16, gpu_memory_utilization=0.9),
-                                      role="both", dtype="float32", device="cpu")
+        self.config = SimpleNamespace(
+            model=SimpleNamespace(name="fake"),
+            scheduler=SimpleNamespace(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64),
+            cache=SimpleNamespace(block_size=16, gpu_memory_utilization=0.9),
+            role="both",
+            dtype="float32",
+            device="cpu",
+        )
         self.kv = SimpleNamespace(pool=SimpleNamespace(num_blocks=8))
         self.requests: dict = {}
         self.max_waiting = max_waiting
@@ -38,8 +42,9 @@ class FakeEngine:
             raise ValueError("prompt is empty")
         if len(self.requests) >= self.max_waiting:
             raise QueueFullError("full")
-        self.requests[req.request_id] = SimpleNamespace(left=2, first_scheduled_time=None,
-                                                        arrival_time=time.monotonic(), is_finished=False)
+        self.requests[req.request_id] = SimpleNamespace(
+            left=2, first_scheduled_time=None, arrival_time=time.monotonic(), is_finished=False
+        )
 
     def abort(self, ids):
         for i in ids:

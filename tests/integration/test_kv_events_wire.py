@@ -1,4 +1,5 @@
 """KV-event publisher wire format and replay, over real ZMQ sockets on loopback."""
+
 from __future__ import annotations
 
 import time

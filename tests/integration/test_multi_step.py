@@ -6,6 +6,7 @@ cases that could go wrong: a window longer than what a request may still produce
 stop token in the middle of a window, rounds mixed with sampled requests (which must
 fall back to one step), and a pool too small to reserve the window.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -44,9 +45,10 @@ def test_multi_step_matches_hf(make_llm, hf_model, smol):
     with torch.inference_mode():
         for x in ids:
             t = torch.tensor([x])
-            g = hf_model.generate(t, max_new_tokens=11, do_sample=False, attention_mask=torch.ones_like(t),
-                                  pad_token_id=2)[0, len(x):].tolist()
-            expected.append(g[:next((i + 1 for i, v in enumerate(g) if v in eos), len(g))])
+            g = hf_model.generate(
+                t, max_new_tokens=11, do_sample=False, attention_mask=torch.ones_like(t), pad_token_id=2
+            )[0, len(x) :].tolist()
+            expected.append(g[: next((i + 1 for i, v in enumerate(g) if v in eos), len(g))])
     llm = make_llm(num_scheduler_steps=4)
     outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=11))
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -62,12 +64,14 @@ def test_multi_step_equals_one_step_with_stops_and_sampling(make_llm, smol):
     # A stop token that first appears mid-way through request 0's output (not at a window edge).
     toks0 = ref[0].outputs[0].token_ids
     stop_at = next(i for i in range(2, len(toks0)) if toks0[i] not in toks0[:i] and i % 4 != 0)
-    params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, stop_token_ids=[toks0[stop_at]]),
-              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=9, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=13)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, stop_token_ids=[toks0[stop_at]]),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=13),
+    ]
     want = _tokens(one.generate(ids, params))
     assert len(want[0][0]) == stop_at + 1 and want[0][1] == "stop"
     multi = make_llm(num_scheduler_steps=4)
@@ -106,8 +110,12 @@ def test_sampling_runs_multi_step_only_where_drawn_on_device(make_llm, smol):
     tok = smol.tokenizer
     ids = [tok(p).input_ids for p in PROMPTS]
     greedy = _tokens(make_llm().generate(ids, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)))
-    params = [SamplingParams(temperature=0.7, top_k=1, max_tokens=12, ignore_eos=True) if i % 2 else
-              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True) for i in range(len(ids))]
+    params = [
+        SamplingParams(temperature=0.7, top_k=1, max_tokens=12, ignore_eos=True)
+        if i % 2
+        else SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True)
+        for i in range(len(ids))
+    ]
     cpu = make_llm(num_scheduler_steps=4)
     cpu.generate(ids, params)
     assert cpu.engine.num_multi_step_rounds == 0  # CPU: one step, seeded default generator
@@ -151,12 +159,14 @@ def test_async_scheduling_equals_waiting_for_each_round(make_llm, smol):
     ref = sync.generate(ids, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     toks0 = ref[0].outputs[0].token_ids
     stop_at = next(i for i in range(6, len(toks0)) if toks0[i] not in toks0[:i] and i % 4 != 3)
-    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[toks0[stop_at]]),
-              SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=25)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[toks0[stop_at]]),
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=25),
+    ]
     want = _tokens(sync.generate(ids, params))
     assert sync.engine.num_chained_rounds == 0
     for steps in (4, 1):  # rounds of 4, and async scheduling of single steps (the GPU default)

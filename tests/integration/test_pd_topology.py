@@ -5,6 +5,7 @@ processes, the router) on loopback. Greedy outputs must equal the offline
 engine's; the decode pod must report the transferred tokens as not computed by
 it; the prefill pod must end with every block free.
 """
+
 from __future__ import annotations
 
 import re
@@ -27,9 +28,14 @@ def topo(request, tmp_path_factory, monkeypatch_module):
     from kvmesh.topology import Topology, TopologyConfig, free_port
 
     monkeypatch_module.setenv("KVMESH_CPU_THREADS", "1")
-    cfg = TopologyConfig(port=free_port(), kv_connector=request.param, engine_args=WORKER_ARGS,
-                         router_args=("--pd-min-uncached", "0", "--block-size", str(BS)),
-                         log_dir=str(tmp_path_factory.mktemp(f"up-{request.param}")), startup_timeout_s=600)
+    cfg = TopologyConfig(
+        port=free_port(),
+        kv_connector=request.param,
+        engine_args=WORKER_ARGS,
+        router_args=("--pd-min-uncached", "0", "--block-size", str(BS)),
+        log_dir=str(tmp_path_factory.mktemp(f"up-{request.param}")),
+        startup_timeout_s=600,
+    )
     t = Topology(cfg)
     t.start()
     yield t
@@ -48,11 +54,13 @@ def monkeypatch_module():
 
 @pytest.fixture(scope="module")
 def prompts(smol):
-    text = ("The history of computing spans centuries, from mechanical calculators and punched cards to "
-            "vacuum tubes, transistors and integrated circuits. ") * 12
+    text = (
+        "The history of computing spans centuries, from mechanical calculators and punched cards to "
+        "vacuum tubes, transistors and integrated circuits. "
+    ) * 12
     ids = smol.tokenizer(text).input_ids
     # shorter than a block, an exact multiple of the block size, and several blocks plus a remainder
-    return {"short": ids[:5], "exact": ids[:4 * BS], "long": ids[:150]}
+    return {"short": ids[:5], "exact": ids[: 4 * BS], "long": ids[:150]}
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +77,12 @@ def _metric(url: str, name: str) -> float:
     base, _, rest = name.partition("{")
     labels = dict(re.findall(r'(\w+)="([^"]*)"', rest)) if rest else None
     text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == base and (labels is None or s.labels == labels))
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == base and (labels is None or s.labels == labels)
+    )
 
 
 def test_pd_greedy_equals_single_engine_and_decode_skips_received_tokens(topo, prompts, reference):
@@ -79,8 +91,9 @@ def test_pd_greedy_equals_single_engine_and_decode_skips_received_tokens(topo, p
     pd = 'kvmesh:router_pd_decisions_total{path="prefill_decode"}'
     before = _metric(topo.router_url, pd)
     for name, ids in prompts.items():
-        r = httpx.post(topo.router_url + "/v1/completions",
-                       json={"prompt": ids, "max_tokens": 8, "temperature": 0}, timeout=600)
+        r = httpx.post(
+            topo.router_url + "/v1/completions", json={"prompt": ids, "max_tokens": 8, "temperature": 0}, timeout=600
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["choices"][0]["text"] == reference[name], name
@@ -101,17 +114,23 @@ def test_pd_greedy_equals_single_engine_and_decode_skips_received_tokens(topo, p
     assert _metric(decode.url, "vllm:kv_cache_usage_perc") == 0
 
 
-@pytest.mark.parametrize("params, fragment", [
-    ({"do_remote_prefill": "yes"}, "do_remote_prefill"),
-    ({"do_remote_prefill": True, "remote_block_ids": [1, "x"]}, "remote_block_ids"),
-    ({"do_remote_prefill": True, "remote_block_ids": [-4]}, "remote_block_ids"),
-    ({"do_remote_prefill": True, "do_remote_decode": True}, "both"),
-    ("not-an-object", "kv_transfer_params"),
-])
+@pytest.mark.parametrize(
+    "params, fragment",
+    [
+        ({"do_remote_prefill": "yes"}, "do_remote_prefill"),
+        ({"do_remote_prefill": True, "remote_block_ids": [1, "x"]}, "remote_block_ids"),
+        ({"do_remote_prefill": True, "remote_block_ids": [-4]}, "remote_block_ids"),
+        ({"do_remote_prefill": True, "do_remote_decode": True}, "both"),
+        ("not-an-object", "kv_transfer_params"),
+    ],
+)
 def test_malformed_kv_transfer_params_get_400(topo, params, fragment):
     decode = next(w for w in topo.workers if w.role == "decode")
-    r = httpx.post(decode.url + "/v1/completions",
-                   json={"prompt": "hello", "max_tokens": 2, "kv_transfer_params": params}, timeout=60)
+    r = httpx.post(
+        decode.url + "/v1/completions",
+        json={"prompt": "hello", "max_tokens": 2, "kv_transfer_params": params},
+        timeout=60,
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert fragment in err["message"] and err["param"] == "kv_transfer_params"
@@ -131,19 +150,35 @@ def test_bad_remote_params_get_400_and_leave_nothing(topo, prompts, reference):
     prefill = next(w for w in topo.workers if w.role == "prefill")
     decode = next(w for w in topo.workers if w.role == "decode")
     ids = prompts["long"]
-    bogus = {"do_remote_prefill": True, "remote_block_ids": list(range(8)), "remote_engine_id": "nobody",
-             "remote_host": "127.0.0.1", "remote_port": 9, "remote_request_id": "r-none",
-             "remote_transfer_id": "t-none"}
+    bogus = {
+        "do_remote_prefill": True,
+        "remote_block_ids": list(range(8)),
+        "remote_engine_id": "nobody",
+        "remote_host": "127.0.0.1",
+        "remote_port": 9,
+        "remote_request_id": "r-none",
+        "remote_transfer_id": "t-none",
+    }
     if topo.config.kv_connector != "nixl":
-        r = httpx.post(decode.url + "/v1/completions",
-                       json={"prompt": ids, "max_tokens": 8, "temperature": 0, "kv_transfer_params": bogus,
-                             "cache_salt": "isolated"}, timeout=600)
+        r = httpx.post(
+            decode.url + "/v1/completions",
+            json={
+                "prompt": ids,
+                "max_tokens": 8,
+                "temperature": 0,
+                "kv_transfer_params": bogus,
+                "cache_salt": "isolated",
+            },
+            timeout=600,
+        )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == reference["long"]
         return
-    first = httpx.post(prefill.url + "/v1/completions",
-                       json={"prompt": ids, "max_tokens": 1, "temperature": 0,
-                             "kv_transfer_params": {"do_remote_decode": True}}, timeout=600)
+    first = httpx.post(
+        prefill.url + "/v1/completions",
+        json={"prompt": ids, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}},
+        timeout=600,
+    )
     assert first.status_code == 200, first.text
     good = first.json()["kv_transfer_params"]
     assert good["remote_block_ids"], good
@@ -155,10 +190,15 @@ def test_bad_remote_params_get_400_and_leave_nothing(topo, prompts, reference):
         (dict(good, remote_block_ids=[pool]), "remote_block_ids out of range", True),  # streaming
     ]
     for params, fragment, stream in cases:
-        for path, body in (("/v1/completions", {"prompt": ids}),
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
-            r = httpx.post(decode.url + path, json={**body, "max_tokens": 4, "temperature": 0, "stream": stream,
-                                                    "kv_transfer_params": params}, timeout=120)
+        for path, body in (
+            ("/v1/completions", {"prompt": ids}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ):
+            r = httpx.post(
+                decode.url + path,
+                json={**body, "max_tokens": 4, "temperature": 0, "stream": stream, "kv_transfer_params": params},
+                timeout=120,
+            )
             assert r.status_code == 400, (path, r.text)
             err = r.json()["error"]
             assert fragment in err["message"], (path, err)
@@ -166,8 +206,11 @@ def test_bad_remote_params_get_400_and_leave_nothing(topo, prompts, reference):
             assert err["param"] == "kv_transfer_params", err
     assert _metric(decode.url, "vllm:kv_cache_usage_perc") == 0
     # The genuine params still pull and answer exactly; afterwards both pools are empty again.
-    r = httpx.post(decode.url + "/v1/completions",
-                   json={"prompt": ids, "max_tokens": 8, "temperature": 0, "kv_transfer_params": good}, timeout=600)
+    r = httpx.post(
+        decode.url + "/v1/completions",
+        json={"prompt": ids, "max_tokens": 8, "temperature": 0, "kv_transfer_params": good},
+        timeout=600,
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == reference["long"]
     assert _wait_metric_zero(prefill.url, "vllm:kv_cache_usage_perc", 120) == 0

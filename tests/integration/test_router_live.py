@@ -5,6 +5,7 @@ to the pod that served the first; after that pod evicts the blocks (small
 pool), the index forgets them; streaming passes through to the official
 `openai` client unchanged; a killed pod is taken out and no request fails.
 """
+
 from __future__ import annotations
 
 import time
@@ -37,10 +38,26 @@ def cluster(tmp_path_factory):
     pods, specs = [], []
     for i in range(2):
         ev, rep = f"ipc://{d}/ev{i}", f"ipc://{d}/rep{i}"
-        srv = ServerProcess(["--max-model-len", "512", "--num-kv-blocks", "64", "--block-size", str(BS),
-                             "--kv-events-endpoint", ev, "--kv-events-replay-endpoint", rep,
-                             "--engine-id", f"pod{i}", "--stats-interval", "0.1"],
-                            env=ENV, log_path=str(d / f"pod{i}.log"))
+        srv = ServerProcess(
+            [
+                "--max-model-len",
+                "512",
+                "--num-kv-blocks",
+                "64",
+                "--block-size",
+                str(BS),
+                "--kv-events-endpoint",
+                ev,
+                "--kv-events-replay-endpoint",
+                rep,
+                "--engine-id",
+                f"pod{i}",
+                "--stats-interval",
+                "0.1",
+            ],
+            env=ENV,
+            log_path=str(d / f"pod{i}.log"),
+        )
         pods.append(srv)
         specs.append(PodSpec(srv.base_url, "both", ev, rep))
     try:
@@ -62,8 +79,9 @@ def doc(i: int, words: int = 60) -> str:
 
 
 def complete(url, prompt, **kw):
-    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0, **kw},
-                   timeout=120)
+    r = httpx.post(
+        url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0, **kw}, timeout=120
+    )
     assert r.status_code == 200, r.text
     return r
 
@@ -102,13 +120,20 @@ def test_streaming_passthrough_openai_client(cluster):
     client = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
     prompt = "The capital of France is"
     direct = OpenAI(base_url=pods[0].base_url + "/v1", api_key="none").completions.create(
-        model=client.models.list().data[0].id, prompt=prompt, max_tokens=6, temperature=0)
-    chunks = list(client.completions.create(model=direct.model, prompt=prompt, max_tokens=6, temperature=0,
-                                            stream=True))
+        model=client.models.list().data[0].id, prompt=prompt, max_tokens=6, temperature=0
+    )
+    chunks = list(
+        client.completions.create(model=direct.model, prompt=prompt, max_tokens=6, temperature=0, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == direct.choices[0].text
-    chat = client.chat.completions.create(model=direct.model, messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=4, temperature=0, stream=True,
-                                          stream_options={"include_usage": True})
+    chat = client.chat.completions.create(
+        model=direct.model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     parts = list(chat)
     assert parts[-1].usage is not None and parts[-1].usage.prompt_tokens > 0
 

@@ -4,6 +4,7 @@ Covers: events -> index (stored, removed, cleared), gap recovery through the rep
 detection, hot-prefix spreading, selective P/D, the P/D fallback, retry on a dead pod, upstream
 timeouts and streaming relay.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -107,8 +108,7 @@ def pods():
 
 def test_hot_prefix_spreads(pods):
     """64 concurrent requests share a 512-token system prompt: no pod gets more than 1.5x the mean."""
-    cfg = RouterConfig(port=free_port(), block_size=BS, pods=tuple(PodSpec(p.url) for p in pods),
-                       health_interval=0.5)
+    cfg = RouterConfig(port=free_port(), block_size=BS, pods=tuple(PodSpec(p.url) for p in pods), health_interval=0.5)
     srv, router = start_router(cfg, TOK)
     try:
         system = list(range(1000, 1512))
@@ -117,8 +117,7 @@ def test_hot_prefix_spreads(pods):
         own = lambda i: [50000 + i] * (256 if i == 0 else 32)  # noqa: E731
 
         def one(i):
-            r = httpx.post(srv.url + "/v1/completions", json={"prompt": system + own(i), "max_tokens": 4},
-                           timeout=30)
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": system + own(i), "max_tokens": 4}, timeout=30)
             assert r.status_code == 200, r.text
             return r.headers["x-kvmesh-pod"]
 
@@ -128,8 +127,9 @@ def test_hot_prefix_spreads(pods):
         assert max(counts) / (64 / len(pods)) <= 1.5 and min(counts) > 0, counts
         # a follow-up of request 0's conversation goes where request 0 went (history/predicted index)
         time.sleep(1.2)  # let a scrape see the pods idle again
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": system + own(0) + list(range(40)),
-                                                           "max_tokens": 1}, timeout=30)
+        r = httpx.post(
+            srv.url + "/v1/completions", json={"prompt": system + own(0) + list(range(40)), "max_tokens": 1}, timeout=30
+        )
         assert r.headers["x-kvmesh-pod"] == got[0]
         m = httpx.get(srv.url + "/metrics").text
         assert "kvmesh:router_routing_decisions_total" in m and "kvmesh:router_index_drift_tokens" in m
@@ -139,8 +139,13 @@ def test_hot_prefix_spreads(pods):
 
 def test_dead_pod_is_retried_and_taken_out(pods):
     dead = f"http://127.0.0.1:{free_port()}"
-    cfg = RouterConfig(port=free_port(), block_size=BS, policy="round-robin",
-                       pods=(PodSpec(dead), PodSpec(pods[0].url)), health_interval=60)
+    cfg = RouterConfig(
+        port=free_port(),
+        block_size=BS,
+        policy="round-robin",
+        pods=(PodSpec(dead), PodSpec(pods[0].url)),
+        health_interval=60,
+    )
     srv, router = start_router(cfg, TOK)
     try:
         router.pods[dead].healthy = True  # as if it died after the last health check
@@ -155,8 +160,7 @@ def test_dead_pod_is_retried_and_taken_out(pods):
 
 def test_upstream_timeout_is_an_openai_error_and_close_frees_the_client():
     slow = FakePod(delay=2.0).start()
-    cfg = RouterConfig(port=free_port(), block_size=BS, pods=(PodSpec(slow.url),), health_interval=60,
-                       read_timeout=0.3)
+    cfg = RouterConfig(port=free_port(), block_size=BS, pods=(PodSpec(slow.url),), health_interval=60, read_timeout=0.3)
     srv, router = start_router(cfg, TOK)
     try:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, timeout=30)
@@ -227,6 +231,7 @@ def test_stream_is_relayed_chunk_by_chunk():
                 text = str(i) if seen else "buffered"
                 yield f'data: {{"choices": [{{"index": 0, "text": "{text}"}}]}}\n\n'
             yield "data: [DONE]\n\n"
+
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     pod = ThreadServer(app).start()
@@ -234,8 +239,9 @@ def test_stream_is_relayed_chunk_by_chunk():
     srv, router = start_router(cfg, TOK)
     try:
         seen = []
-        with httpx.stream("POST", srv.url + "/v1/completions", json={"prompt": [1, 2], "stream": True},
-                          timeout=60) as r:
+        with httpx.stream(
+            "POST", srv.url + "/v1/completions", json={"prompt": [1, 2], "stream": True}, timeout=60
+        ) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             for chunk in r.iter_raw():
                 seen.append(chunk)
@@ -254,8 +260,13 @@ def test_selective_pd_and_fallback(tmp_path):
     pre, dec = FakePod().start(), FakePod(cached_tokens=0).start()
     ep, rep = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/rep"
     pub = KVEventPublisher(PublisherConfig(ep, rep, "kv@dec@m"))
-    cfg = RouterConfig(port=free_port(), block_size=BS, pd_min_uncached=64, health_interval=60,
-                       pods=(PodSpec(pre.url, "prefill"), PodSpec(dec.url, "decode", ep, rep)))
+    cfg = RouterConfig(
+        port=free_port(),
+        block_size=BS,
+        pd_min_uncached=64,
+        health_interval=60,
+        pods=(PodSpec(pre.url, "prefill"), PodSpec(dec.url, "decode", ep, rep)),
+    )
     srv, router = start_router(cfg, TOK)
     try:
         prompt = list(range(500, 500 + 320))  # 20 blocks
@@ -280,8 +291,11 @@ def test_selective_pd_and_fallback(tmp_path):
         assert 'kvmesh:router_pd_decisions_total{path="prefill_decode"} 1.0' in m
         # prefill pod dies: decode recomputes, the client still gets its answer
         pre.stop()
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": list(range(3000, 3400)), "max_tokens": 2,
-                                                           "stream": True}, timeout=30)
+        r = httpx.post(
+            srv.url + "/v1/completions",
+            json={"prompt": list(range(3000, 3400)), "max_tokens": 2, "stream": True},
+            timeout=30,
+        )
         assert r.status_code == 200 and "[DONE]" in r.text
         assert "kv_transfer_params" not in dec.bodies[-1]
         assert "fallback_prefill_unavailable" in httpx.get(srv.url + "/metrics").text

@@ -6,6 +6,7 @@ params to the decode pod, and streams its answer; greedy outputs must equal the
 decode pod's own answer without a transfer. A second request whose prefix the
 decode pod now holds skips the prefill pod (selective P/D).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,17 +29,32 @@ def pd(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("pd")
     common = ["--max-model-len", "512", "--num-kv-blocks", "128", "--block-size", str(BS), "--kv-connector", "nixl"]
-    pre = ServerProcess([*common, "--role", "prefill", "--engine-id", "pre0"],
-                        env=ENV, log_path=str(d / "prefill.log"))
-    dec = ServerProcess([*common, "--role", "decode", "--engine-id", "dec0",
-                         "--kv-events-endpoint", f"ipc://{d}/ev", "--kv-events-replay-endpoint", f"ipc://{d}/rep"],
-                        env=ENV, log_path=str(d / "decode.log"))
+    pre = ServerProcess([*common, "--role", "prefill", "--engine-id", "pre0"], env=ENV, log_path=str(d / "prefill.log"))
+    dec = ServerProcess(
+        [
+            *common,
+            "--role",
+            "decode",
+            "--engine-id",
+            "dec0",
+            "--kv-events-endpoint",
+            f"ipc://{d}/ev",
+            "--kv-events-replay-endpoint",
+            f"ipc://{d}/rep",
+        ],
+        env=ENV,
+        log_path=str(d / "decode.log"),
+    )
     try:
         pre.start()
         dec.start()
-        cfg = RouterConfig(port=free_port(), block_size=BS, pd_min_uncached=64, health_interval=1.0,
-                           pods=(PodSpec(pre.base_url, "prefill"),
-                                 PodSpec(dec.base_url, "decode", f"ipc://{d}/ev", f"ipc://{d}/rep")))
+        cfg = RouterConfig(
+            port=free_port(),
+            block_size=BS,
+            pd_min_uncached=64,
+            health_interval=1.0,
+            pods=(PodSpec(pre.base_url, "prefill"), PodSpec(dec.base_url, "decode", f"ipc://{d}/ev", f"ipc://{d}/rep")),
+        )
         srv, router = start_router(cfg)
         yield srv, router, pre, dec
         srv.stop()
@@ -55,8 +71,9 @@ def test_pd_through_router_exact_and_selective(pd):
     ref = httpx.post(dec.base_url + "/v1/completions", json={**body, "cache_salt": "ref"}, timeout=300).json()
     with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
         assert r.status_code == 200
-        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
-                       if line.startswith("data: {"))
+        text = "".join(
+            json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines() if line.startswith("data: {")
+        )
     assert text == ref["choices"][0]["text"]
     m = httpx.get(srv.url + "/metrics").text
     assert 'kvmesh:router_pd_decisions_total{path="prefill_decode"} 1.0' in m, m

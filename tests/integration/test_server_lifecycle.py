@@ -4,6 +4,7 @@
 refused with 503 + Retry-After. The engine-kill test runs last in this module
 because it ends the server's engine (each test leaves the server usable for the next otherwise).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,11 @@ def server(tmp_path_factory):
     from kvmesh.services.api.testing import ServerProcess, alive
 
     log = str(tmp_path_factory.mktemp("serve") / "server.log")
-    srv = ServerProcess(["--max-model-len", "512", "--num-kv-blocks", "128", "--max-num-seqs", "1",
-                         "--max-waiting", "1"], env=ENV, log_path=log)
+    srv = ServerProcess(
+        ["--max-model-len", "512", "--num-kv-blocks", "128", "--max-num-seqs", "1", "--max-waiting", "1"],
+        env=ENV,
+        log_path=log,
+    )
     srv.start()
     yield srv
     engine = srv.engine_pid()

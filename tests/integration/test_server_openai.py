@@ -4,6 +4,7 @@ The server runs the embedded SmolLM2 on the CPU with an API key, a 512-token
 context and a 64 KiB body limit, so every error path is reachable with small
 requests. Outputs are compared to the offline `LLM` on the same weights.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,9 +28,24 @@ def server(tmp_path_factory):
     from kvmesh.services.api.testing import ServerProcess
 
     log = str(tmp_path_factory.mktemp("serve") / "server.log")
-    srv = ServerProcess(["--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256",
-                         "--max-body-bytes", "65536", "--served-model-name", "smol", "--stats-interval", "0.1"],
-                        env=ENV, log_path=log)
+    srv = ServerProcess(
+        [
+            "--api-key",
+            API_KEY,
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--num-kv-blocks",
+            "256",
+            "--max-body-bytes",
+            "65536",
+            "--served-model-name",
+            "smol",
+            "--stats-interval",
+            "0.1",
+        ],
+        env=ENV,
+        log_path=log,
+    )
     srv.start()
     yield srv
     srv.stop()
@@ -45,8 +61,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=120) as c:
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
         yield c
 
 
@@ -78,8 +93,11 @@ def wait_idle(http, idle_usage: float, timeout: float = 60) -> dict[str, float]:
     m = metrics(http)
     while time.monotonic() < deadline:
         m = metrics(http)
-        if (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
-                and m["vllm:kv_cache_usage_perc"] == idle_usage):
+        if (
+            m["vllm:num_requests_running"] == 0
+            and m["vllm:num_requests_waiting"] == 0
+            and m["vllm:kv_cache_usage_perc"] == idle_usage
+        ):
             return m
         time.sleep(0.2)
     return m
@@ -124,12 +142,19 @@ def test_completion_greedy_matches_offline(client, offline):
     assert r.usage.completion_tokens == 8
     assert r.usage.prompt_tokens_details.cached_tokens is not None
 
-    chunks = list(client.completions.create(model="smol", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="smol",
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-
 
 
 def test_penalties_reach_the_engine(client, offline):
@@ -139,13 +164,16 @@ def test_penalties_reach_the_engine(client, offline):
     from kvmesh import SamplingParams
 
     kw = dict(presence_penalty=0.5, frequency_penalty=1.0)
-    ref = offline.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.2,
-                                                    **kw))[0].outputs[0]
+    ref = offline.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.2, **kw))[
+        0
+    ].outputs[0]
     plain = offline.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
     assert ref.token_ids != plain.token_ids
-    r = client.completions.create(model="smol", prompt=PROMPT, max_tokens=12, temperature=0,
-                                  extra_body={"repetition_penalty": 1.2}, **kw)
+    r = client.completions.create(
+        model="smol", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"repetition_penalty": 1.2}, **kw
+    )
     assert r.choices[0].text == ref.text
+
 
 def test_logit_bias_reaches_the_engine(client, offline):
     """OpenAI's ``logit_bias`` through the official client: -100 on the greedy first token bans
@@ -159,12 +187,18 @@ def test_logit_bias_reaches_the_engine(client, offline):
     ban = {plain.token_ids[0]: -100}
     ref = offline.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, logit_bias=ban))[0].outputs[0]
     assert ref.token_ids[0] != plain.token_ids[0]
-    r = client.completions.create(model="smol", prompt=PROMPT, max_tokens=6, temperature=0,
-                                  logit_bias={str(k): v for k, v in ban.items()})
+    r = client.completions.create(
+        model="smol", prompt=PROMPT, max_tokens=6, temperature=0, logit_bias={str(k): v for k, v in ban.items()}
+    )
     assert r.choices[0].text == ref.text != plain.text
     forced = offline.encode(" yes")[1][-1]
-    r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                       temperature=0, logit_bias={str(forced): 100})
+    r = client.chat.completions.create(
+        model="smol",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(forced): 100},
+    )
     assert r.choices[0].message.content == offline.tokenizer.decode([forced] * 4)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smol", prompt=PROMPT, max_tokens=2, logit_bias={"99999999": 1})
@@ -181,8 +215,14 @@ def test_chat_greedy_matches_offline(client, offline):
     assert r.choices[0].message.content == ref.text
     assert r.usage.completion_tokens == len(ref.token_ids)
 
-    stream = client.chat.completions.create(model="smol", messages=msgs, max_completion_tokens=8, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="smol",
+        messages=msgs,
+        max_completion_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
@@ -196,8 +236,17 @@ def test_n2_and_seed(client):
     again = client.completions.create(model="smol", prompt=PROMPT, max_tokens=6, temperature=1.0, n=2, seed=7)
     assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded: reproducible
 
-    chunks = list(client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
-                                                 max_tokens=4, n=2, stream=True, temperature=0.8, seed=1))
+    chunks = list(
+        client.chat.completions.create(
+            model="smol",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            n=2,
+            stream=True,
+            temperature=0.8,
+            seed=1,
+        )
+    )
     texts = {0: "", 1: ""}
     for c in chunks:
         for ch in c.choices:
@@ -214,8 +263,9 @@ def test_stop_strings(client):
     r = client.completions.create(model="smol", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
     assert r.choices[0].text == cut
     assert r.choices[0].finish_reason == "stop"
-    chunks = list(client.completions.create(model="smol", prompt=PROMPT, max_tokens=12, temperature=0,
-                                            stop=stop, stream=True))
+    chunks = list(
+        client.completions.create(model="smol", prompt=PROMPT, max_tokens=12, temperature=0, stop=stop, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -230,8 +280,14 @@ def test_logprobs(client):
         assert max(top.values()) == pytest.approx(val, abs=1e-4)  # greedy: the sampled token is the best
     assert lp.text_offset[0] == 0
 
-    c = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                       temperature=0, logprobs=True, top_logprobs=2)
+    c = client.chat.completions.create(
+        model="smol",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = c.choices[0].logprobs.content
     assert len(content) == c.usage.completion_tokens
     assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content)
@@ -245,8 +301,13 @@ def test_prefix_cache_and_salt(client):
     assert second.usage.prompt_tokens_details.cached_tokens >= 32
     assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens_details.cached_tokens
     # cache_salt travels to the engine: another tenant's salt shares nothing
-    salted = client.completions.create(model="smol", prompt=prompt, max_tokens=1, temperature=0,
-                                       extra_body={"cache_salt": "tenant-b", "kv_transfer_params": {"x": 1}})
+    salted = client.completions.create(
+        model="smol",
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"cache_salt": "tenant-b", "kv_transfer_params": {"x": 1}},
+    )
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
 
 
@@ -276,8 +337,12 @@ def test_errors(http, server):
     assert_error(http.post("/v1/completions", json={"prompt": "x" * 100_000}), 413)
     # auth: everything but /health and /metrics
     assert_error(httpx.get(server.base_url + "/v1/models"), 401)
-    assert_error(httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi"},
-                            headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(
+        httpx.post(
+            server.base_url + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer wrong"}
+        ),
+        401,
+    )
     assert httpx.get(server.base_url + "/metrics").status_code == 200
     # the server still serves after all that
     assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
@@ -285,9 +350,18 @@ def test_errors(http, server):
 
 def test_chat_default_max_tokens_is_rest_of_context(http):
     """Without max_tokens a chat request may run to max_model_len (vLLM's default); we only check acceptance."""
-    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "temperature": 0,
-                                                "stop": ["."], "max_tokens": None, "stream": False,
-                                                "min_p": 0.1, "top_k": 5})
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "temperature": 0,
+            "stop": ["."],
+            "max_tokens": None,
+            "stream": False,
+            "min_p": 0.1,
+            "top_k": 5,
+        },
+    )
     assert r.status_code == 200
     assert r.json()["usage"]["prompt_tokens"] + r.json()["usage"]["completion_tokens"] <= MAX_MODEL_LEN
 
@@ -297,8 +371,13 @@ def test_disconnect_mid_stream_aborts(http, server):
     idle = wait_idle(http, 0.0)
     assert idle["vllm:kv_cache_usage_perc"] == 0.0
     aborted_before = idle.get("vllm:request_success_total{finished_reason=abort}", 0)
-    body = {"prompt": "Write a very long story about dragons.", "max_tokens": 400, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "prompt": "Write a very long story about dragons.",
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -332,8 +411,9 @@ def test_64_concurrent_streams(server, client):
         return p, text, ids
 
     async def run_all():
-        ac = AsyncOpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300,
-                         http_client=None)
+        ac = AsyncOpenAI(
+            base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300, http_client=None
+        )
         try:
             return await asyncio.gather(*(one(ac, p) for p in prompts))
         finally:
@@ -356,12 +436,23 @@ def test_metrics_parse_and_move(http):
 
     text = http.get("/metrics").text
     names = {f.name for f in text_string_to_metric_families(text)}
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:time_to_first_token_seconds",
-                 "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
-                 "vllm:request_queue_time_seconds", "vllm:num_preemptions", "vllm:prompt_tokens",
-                 "vllm:generation_tokens", "vllm:request_success", "kvmesh:engine_steps",
-                 "kvmesh:engine_chained_rounds"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:num_preemptions",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:request_success",
+        "kvmesh:engine_steps",
+        "kvmesh:engine_chained_rounds",
+    ):
         assert name in names, name
     assert 'model_name="smol"' in text
     before = wait_idle(http, 0.0)

@@ -5,6 +5,7 @@ call time. Each test sets it and points the kernel lookup at an interpreted copy
 bodies (tests/kernels/triton_interpreter.py), both undone after the test, so the engine's CPU path in
 other test directories stays on the fast reference.
 """
+
 from __future__ import annotations
 
 import os

@@ -7,6 +7,7 @@ rounded inputs, bounded by 1e-5 (fp32), 3e-3 (fp16), 1.5e-2 (bf16); elementwise
 kernels within 2 ulps (fp16) / 3 ulps (bf16: the interpreter truncates fp32->bf16
 where the GPU rounds) or 1e-6 relative norm error (fp32).
 """
+
 from __future__ import annotations
 
 import math
@@ -55,7 +56,7 @@ def make_paged(gen, q_lens, ctx_lens, hq, hkv, d, bs, dtype, num_layers=3, layer
     bt = torch.randint(0, n_blocks, (len(q_lens), max(nbs) + 1), generator=gen, dtype=torch.int32)
     i = 0
     for b, nb in enumerate(nbs):
-        bt[b, :nb] = perm[i:i + nb]
+        bt[b, :nb] = perm[i : i + nb]
         i += nb
     q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
@@ -70,7 +71,7 @@ def run_attention(gen, q_lens, ctx_lens, hq, hkv, d, bs, dtype, pad_tokens=0, **
     if pad_tokens:
         q = torch.cat([q, torch.randn(pad_tokens, hq, d, generator=gen).to(dtype)])
     out = torch.full_like(q, float("nan"))
-    scale = d ** -0.5
+    scale = d**-0.5
     res = K.paged_attention(q, k, v, bt, qsl, sl, scale, out=out, **kw)
     assert res is out
     ref = K.paged_attention_reference(q[:T].float(), k.float(), v.float(), bt, qsl, sl, scale)
@@ -81,17 +82,40 @@ def run_attention(gen, q_lens, ctx_lens, hq, hkv, d, bs, dtype, pad_tokens=0, **
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 2)])  # GQA ratios 1, 3, 4
 @pytest.mark.parametrize("bs", [16, 32])
 def test_decode(gen, hq, hkv, bs):
-    run_attention(gen, [1, 1, 1, 1], [0, 17, 70, bs - 1], hq, hkv, 32, bs, torch.bfloat16, pad_tokens=2,
-                  max_query_len=1, tile_n=32)
+    run_attention(
+        gen,
+        [1, 1, 1, 1],
+        [0, 17, 70, bs - 1],
+        hq,
+        hkv,
+        32,
+        bs,
+        torch.bfloat16,
+        pad_tokens=2,
+        max_query_len=1,
+        tile_n=32,
+    )
 
 
-@pytest.mark.parametrize("hq,hkv,bs,dtype", [(8, 2, 16, torch.bfloat16), (4, 4, 32, torch.float16),
-                                             (32, 8, 16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "hq,hkv,bs,dtype", [(8, 2, 16, torch.bfloat16), (4, 4, 32, torch.float16), (32, 8, 16, torch.bfloat16)]
+)
 def test_decode_tma(gen, hq, hkv, bs, dtype):
     """The TMA decode kernel (one descriptor load per page): full and partial last pages, a
     one-token context, a sequence without a query token (graph padding) and padding tokens."""
-    run_attention(gen, [1, 1, 0, 1, 1], [0, 2 * bs - 1, 5, 3 * bs + 7, bs], hq, hkv, 32, bs, dtype, pad_tokens=2,
-                  max_query_len=1, tma=True)
+    run_attention(
+        gen,
+        [1, 1, 0, 1, 1],
+        [0, 2 * bs - 1, 5, 3 * bs + 7, bs],
+        hq,
+        hkv,
+        32,
+        bs,
+        dtype,
+        pad_tokens=2,
+        max_query_len=1,
+        tma=True,
+    )
 
 
 @pytest.mark.parametrize("nseg", [2, 4])
@@ -99,8 +123,20 @@ def test_decode_tma_split(gen, nseg):
     """Split-KV through the TMA kernel: page runs that hold the partial last page, runs past a
     short sequence's end (nothing to read: m = -inf, l = 0 drop out in the merge), a padded
     sequence and padding tokens."""
-    run_attention(gen, [1, 1, 0, 1, 1], [0, 2 * 16 - 1, 5, 9 * 16 + 7, 16], 8, 2, 32, 16, torch.bfloat16,
-                  pad_tokens=2, max_query_len=1, tma=True, num_segments=nseg)
+    run_attention(
+        gen,
+        [1, 1, 0, 1, 1],
+        [0, 2 * 16 - 1, 5, 9 * 16 + 7, 16],
+        8,
+        2,
+        32,
+        16,
+        torch.bfloat16,
+        pad_tokens=2,
+        max_query_len=1,
+        tma=True,
+        num_segments=nseg,
+    )
 
 
 @pytest.mark.parametrize("nseg", [1, 2])
@@ -109,8 +145,8 @@ def test_decode_tma_broken_promise_is_loud(gen, nseg):
     two earlier tokens (the newest is right), never a silently wrong attention."""
     q, k, v, bt, qsl, sl = make_paged(gen, [1, 3, 1], [20, 17, 0], 8, 2, 32, 16, torch.bfloat16)
     out = torch.zeros_like(q)
-    K.paged_attention(q, k, v, bt, qsl, sl, 32 ** -0.5, out=out, max_query_len=1, tma=True, num_segments=nseg)
-    ref = K.paged_attention_reference(q.float(), k.float(), v.float(), bt, qsl, sl, 32 ** -0.5)
+    K.paged_attention(q, k, v, bt, qsl, sl, 32**-0.5, out=out, max_query_len=1, tma=True, num_segments=nseg)
+    ref = K.paged_attention_reference(q.float(), k.float(), v.float(), bt, qsl, sl, 32**-0.5)
     assert torch.isnan(out[1:3]).all()
     keep = [0, 3, 4]
     assert rel_err(out[keep], ref[keep]) < ATT_BOUND[torch.bfloat16]
@@ -123,8 +159,8 @@ def test_decode_tma_falls_back_where_no_descriptor_fits(gen):
     k_hm, v_hm = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
     assert attention._tma_view(k_hm) is None and attention._tma_view(k) is not None
     out = torch.full_like(q, float("nan"))
-    K.paged_attention(q, k_hm, v_hm, bt, qsl, sl, 32 ** -0.5, out=out, max_query_len=1, tma=True)
-    ref = K.paged_attention_reference(q.float(), k.float(), v.float(), bt, qsl, sl, 32 ** -0.5)
+    K.paged_attention(q, k_hm, v_hm, bt, qsl, sl, 32**-0.5, out=out, max_query_len=1, tma=True)
+    ref = K.paged_attention_reference(q.float(), k.float(), v.float(), bt, qsl, sl, 32**-0.5)
     assert rel_err(out, ref) < ATT_BOUND[torch.bfloat16]
     with pytest.raises(ValueError, match="tma=True needs decode"):
         K.paged_attention(q, k, v, bt, qsl, sl, 1.0, max_query_len=2, tma=True)
@@ -139,10 +175,10 @@ def test_tma_descriptor_kept_per_cache_view(gen):
     assert first is not None and attention._tma_view(k) is first and attention._tma_view(v) is not first
     k_hm = k.transpose(1, 2).contiguous().transpose(1, 2)
     assert attention._tma_view(k_hm) is None and attention._tma_view(k_hm) is None
-    ref = K.paged_attention_reference(q.float(), k.float(), v.float(), bt, qsl, sl, 32 ** -0.5)
+    ref = K.paged_attention_reference(q.float(), k.float(), v.float(), bt, qsl, sl, 32**-0.5)
     for _ in range(2):
         out = torch.full_like(q, float("nan"))
-        K.paged_attention(q, k, v, bt, qsl, sl, 32 ** -0.5, out=out, max_query_len=1, tma=True)
+        K.paged_attention(q, k, v, bt, qsl, sl, 32**-0.5, out=out, max_query_len=1, tma=True)
         assert rel_err(out, ref) < ATT_BOUND[torch.bfloat16]
     assert attention._tma_view(k) is first
 
@@ -188,27 +224,63 @@ def test_prefill_and_chunked_prefill(gen, dtype):
 
 @pytest.mark.parametrize("hq,hkv,bs", [(4, 4, 16), (6, 2, 32), (8, 2, 16)])
 def test_mixed_batch(gen, hq, hkv, bs):
-    run_attention(gen, [1, 9, 1, 0, 5], [60, 20, 0, 7, 40], hq, hkv, 32, bs, torch.bfloat16, pad_tokens=3,
-                  max_query_len=9, block_m=16, tile_n=16)
+    run_attention(
+        gen,
+        [1, 9, 1, 0, 5],
+        [60, 20, 0, 7, 40],
+        hq,
+        hkv,
+        32,
+        bs,
+        torch.bfloat16,
+        pad_tokens=3,
+        max_query_len=9,
+        block_m=16,
+        tile_n=16,
+    )
 
 
 @pytest.mark.parametrize("d", [24, 32])  # non power of two head size (masked) and even
 def test_mixed_batch_k_natural_and_odd_head(gen, d):
-    run_attention(gen, [1, 7, 1], [50, 30, 3], 4, 2, d, 16, torch.float16, k_natural=True,
-                  block_m=16, tile_n=16)
+    run_attention(gen, [1, 7, 1], [50, 30, 3], 4, 2, d, 16, torch.float16, k_natural=True, block_m=16, tile_n=16)
 
 
 @pytest.mark.parametrize("num_segments,head_fastest", [(2, False), (4, True)])
 def test_split_kv(gen, num_segments, head_fastest):
     # decode and a short chunk, long-ish contexts cut into segments; one sequence so
     # short that some segments see no keys at all
-    run_attention(gen, [1, 1, 3, 1], [150, 3, 90, 40], 8, 2, 32, 16, torch.bfloat16, pad_tokens=2,
-                  num_segments=num_segments, tile_n=16, head_fastest=head_fastest)
+    run_attention(
+        gen,
+        [1, 1, 3, 1],
+        [150, 3, 90, 40],
+        8,
+        2,
+        32,
+        16,
+        torch.bfloat16,
+        pad_tokens=2,
+        num_segments=num_segments,
+        tile_n=16,
+        head_fastest=head_fastest,
+    )
 
 
 def test_head_fastest_grid_mixed(gen):
-    run_attention(gen, [1, 9, 1, 0, 5], [60, 20, 0, 7, 40], 6, 2, 32, 16, torch.float32, pad_tokens=1,
-                  max_query_len=9, block_m=16, tile_n=16, head_fastest=True)
+    run_attention(
+        gen,
+        [1, 9, 1, 0, 5],
+        [60, 20, 0, 7, 40],
+        6,
+        2,
+        32,
+        16,
+        torch.float32,
+        pad_tokens=1,
+        max_query_len=9,
+        block_m=16,
+        tile_n=16,
+        head_fastest=True,
+    )
 
 
 def test_split_kv_heuristic_chooses_split_for_few_long_sequences():
@@ -336,7 +408,7 @@ def test_gemv(gen, dtype, n, k, bias):
     """One-row linear through the GEMV kernel (rows and K not multiples of the tiles
     included) against a float64 product of the same rounded inputs."""
     x = torch.randn(1, k, generator=gen).to(dtype)
-    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     y = K.linear(x, w, b, config=(8, 32, 4, 1))
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
@@ -349,7 +421,7 @@ def test_gemv(gen, dtype, n, k, bias):
 def test_silu_mul_linear(gen, dtype):
     n, k = 40, 96
     x = torch.randn(1, 2 * k, generator=gen).to(dtype)
-    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
     y = K.silu_mul_linear(x, w, config=(8, 64, 4, 1))
     # the activation as the unfused kernel forms it (rounded to the dtype; the interpreter truncates
     # fp32 -> bf16, a bias the reference's round-to-nearest would not share)

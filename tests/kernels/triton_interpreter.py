@@ -7,6 +7,7 @@ compiled kernels first; `kvmesh.kernels._dispatch.kernels_for` is pointed at tha
 tensors per test (tests/kernels/conftest.py), so nothing leaks into other tests, where the
 engine's CPU path stays on the torch reference.
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,6 +47,7 @@ def patch_interpreter() -> None:
         try:
             int(np.zeros(1, dtype=np.int32))
         except TypeError:
+
             def patched(tensor, scope):
                 orig(tensor, scope)
                 scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
@@ -56,6 +58,7 @@ def patch_interpreter() -> None:
     builder = interp.InterpreterBuilder
     orig_dot = builder.create_dot
     if not getattr(orig_dot, "_kvmesh_patched", False):
+
         def widen(h):
             if h.dtype == tl.bfloat16:
                 data = interp._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32)
@@ -93,8 +96,9 @@ def interpreted_kernels() -> ModuleType:
     """An interpreted copy of `kvmesh.kernels._triton` (its submodules included), imported once."""
     patch_interpreter()
     path = importlib.util.find_spec(_BODIES).submodule_search_locations
-    spec = importlib.util.spec_from_file_location(_COPY, os.path.join(path[0], "__init__.py"),
-                                                  submodule_search_locations=list(path))
+    spec = importlib.util.spec_from_file_location(
+        _COPY, os.path.join(path[0], "__init__.py"), submodule_search_locations=list(path)
+    )
     mod = importlib.util.module_from_spec(spec)
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"

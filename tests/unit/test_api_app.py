@@ -3,6 +3,7 @@
 No model and no engine process: a scripted client answers each request with
 fixed tokens, so these run in milliseconds and pin the HTTP contract.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,9 +65,17 @@ class FakeClient:
             for k, t in enumerate(toks):
                 lp = [(-0.5, [(t, -0.5), (9, -1.5)])] if req.params.logprobs is not None else None
                 done = k == len(toks) - 1
-                stream.queue.put_nowait(EngineCoreOutput(req.request_id, i, [t], lp, "length" if done else None,
-                                                         num_prompt_tokens=len(req.prompt_token_ids),
-                                                         num_cached_tokens=16))
+                stream.queue.put_nowait(
+                    EngineCoreOutput(
+                        req.request_id,
+                        i,
+                        [t],
+                        lp,
+                        "length" if done else None,
+                        num_prompt_tokens=len(req.prompt_token_ids),
+                        num_cached_tokens=16,
+                    )
+                )
         return stream
 
     def abort(self, ids):
@@ -98,12 +107,18 @@ def err(r, status):
 
 def test_completion_and_usage(app_client):
     c, fake, _ = app_client
-    r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, "cache_salt": "t",
-                                        "kv_transfer_params": {"do_remote_decode": True}})
+    r = c.post(
+        "/v1/completions",
+        json={"prompt": "abc", "max_tokens": 4, "cache_salt": "t", "kv_transfer_params": {"do_remote_decode": True}},
+    )
     body = r.json()
     assert body["choices"][0]["text"] == "bcde" and body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
-                             "prompt_tokens_details": {"cached_tokens": 16}}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
     assert fake.added[0].cache_salt == "t" and fake.added[0].kv_transfer_params == {"do_remote_decode": True}
 
 
@@ -117,8 +132,16 @@ def test_stop_string_aborts_sequence(app_client):
 
 def test_stream_sse_framing_n2_and_usage(app_client):
     c, _, _ = app_client
-    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}], "max_tokens": 4,
-                                             "n": 2, "stream": True, "stream_options": {"include_usage": True}})
+    r = c.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "ab"}],
+            "max_tokens": 4,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     lines = [ln for ln in r.text.split("\n\n") if ln]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
@@ -134,10 +157,16 @@ def test_logprob_formats(app_client):
     c, _, _ = app_client
     body = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "logprobs": 1}).json()
     lp = body["choices"][0]["logprobs"]
-    assert lp == {"tokens": ["b", "c"], "token_logprobs": [-0.5, -0.5], "top_logprobs": [{"b": -0.5}, {"c": -0.5}],
-                  "text_offset": [0, 1]}
-    chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}], "max_tokens": 1,
-                                                "logprobs": True, "top_logprobs": 2}).json()
+    assert lp == {
+        "tokens": ["b", "c"],
+        "token_logprobs": [-0.5, -0.5],
+        "top_logprobs": [{"b": -0.5}, {"c": -0.5}],
+        "text_offset": [0, 1],
+    }
+    chat = c.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "a"}], "max_tokens": 1, "logprobs": True, "top_logprobs": 2},
+    ).json()
     entry = chat["choices"][0]["logprobs"]["content"][0]
     assert entry["token"] == "b" and entry["bytes"] == [98]
     assert [t["token"] for t in entry["top_logprobs"]] == ["b", "i"]
@@ -152,25 +181,42 @@ def test_errors(app_client):
     err(c.post("/v1/completions", content=b"{", headers={"content-type": "application/json"}), 400)
     err(c.post("/v1/completions", json={"prompt": "a" * 5000}), 413)
     err(c.post("/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer x"}), 401)
-    assert c.post("/v1/completions", json={"prompt": "a", "presence_penalty": 1.0,
-                                           "frequency_penalty": -0.5, "repetition_penalty": 1.2}).status_code == 200
+    assert (
+        c.post(
+            "/v1/completions",
+            json={"prompt": "a", "presence_penalty": 1.0, "frequency_penalty": -0.5, "repetition_penalty": 1.2},
+        ).status_code
+        == 200
+    )
     sent = fake.added[-1].params  # the penalties reach the engine as given
     assert (sent.presence_penalty, sent.frequency_penalty, sent.repetition_penalty) == (1.0, -0.5, 1.2)
-    assert err(c.post("/v1/completions", json={"prompt": "a", "presence_penalty": 2.5}), 400)["param"] == \
-        "presence_penalty"
-    assert err(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}],
-                                                    "repetition_penalty": 0}), 400)["param"] == "repetition_penalty"
+    assert (
+        err(c.post("/v1/completions", json={"prompt": "a", "presence_penalty": 2.5}), 400)["param"]
+        == "presence_penalty"
+    )
+    assert (
+        err(
+            c.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}], "repetition_penalty": 0}
+            ),
+            400,
+        )["param"]
+        == "repetition_penalty"
+    )
     assert c.post("/v1/completions", json={"prompt": "a", "logit_bias": {"5": -100, "7": 2}}).status_code == 200
     assert fake.added[-1].params.logit_bias == ((5, -100.0), (7, 2.0))
     for bias in ({"x": 1}, {"-1": 1}, {"100000": 1}, {"5": 101}, {"5": "high"}):
-        assert err(c.post("/v1/completions", json={"prompt": "a", "logit_bias": bias}), 400)["param"] == \
-            "logit_bias", bias
+        assert err(c.post("/v1/completions", json={"prompt": "a", "logit_bias": bias}), 400)["param"] == "logit_bias", (
+            bias
+        )
     chat = {"messages": [{"role": "user", "content": "a"}]}
     image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
     assert "image_url" in err(c.post("/v1/chat/completions", json=image), 400)["message"]
     assert c.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"}}).status_code == 200
-    assert err(c.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}}),
-               400)["param"] == "response_format"
+    assert (
+        err(c.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}}), 400)["param"]
+        == "response_format"
+    )
     fake.fail = EngineRejectedError("queue_full", "waiting queue is full")
     r = c.post("/v1/completions", json={"prompt": "a"})
     assert err(r, 503) and r.headers["retry-after"] == "1"
@@ -197,8 +243,9 @@ def test_health_and_metrics_open_without_key(app_client):
 def test_metrics_counters_advance_by_delta():
     m = ServerMetrics("m")
     m.on_stats(EngineStats(prefix_cache_queries=10, num_preemptions=1, num_steps=5, num_round_steps=0))
-    m.on_stats(EngineStats(prefix_cache_queries=15, num_preemptions=1, num_steps=30, num_round_steps=24,
-                           num_chained_rounds=2))
+    m.on_stats(
+        EngineStats(prefix_cache_queries=15, num_preemptions=1, num_steps=30, num_round_steps=24, num_chained_rounds=2)
+    )
     text = m.render().decode()
     assert 'vllm:prefix_cache_queries_total{model_name="m"} 15.0' in text
     assert 'vllm:num_preemptions_total{model_name="m"} 1.0' in text

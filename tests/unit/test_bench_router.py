@@ -1,4 +1,5 @@
 """`kvmesh bench router`'s pure parts: trace loading, the ideal hit ratio, and the repeat summary."""
+
 from __future__ import annotations
 
 import json
@@ -18,11 +19,13 @@ def test_load_trace_rejects_rows_without_mooncake_fields(tmp_path):
 
 
 def test_conversation_selection_keeps_whole_conversations(tmp_path):
-    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [0, 1]},
-            {"timestamp": 10, "input_length": 1024, "output_length": 1, "hash_ids": [0, 2]},
-            {"timestamp": 20, "input_length": 1536, "output_length": 1, "hash_ids": [0, 1, 3]},
-            {"timestamp": 30, "input_length": 512, "output_length": 1, "hash_ids": [0, 4]},
-            {"timestamp": 40, "input_length": 1536, "output_length": 1, "hash_ids": [0, 4, 5]}]
+    rows = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [0, 1]},
+        {"timestamp": 10, "input_length": 1024, "output_length": 1, "hash_ids": [0, 2]},
+        {"timestamp": 20, "input_length": 1536, "output_length": 1, "hash_ids": [0, 1, 3]},
+        {"timestamp": 30, "input_length": 512, "output_length": 1, "hash_ids": [0, 4]},
+        {"timestamp": 40, "input_length": 1536, "output_length": 1, "hash_ids": [0, 4, 5]},
+    ]
     p = tmp_path / "t.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = B.load_trace(str(p), 0, "conversations", window_s=1.0)
@@ -40,10 +43,25 @@ def test_ideal_hit_ratio_counts_whole_shared_blocks_only():
 
 
 def test_summarize_means_deviations_and_runs():
-    runs = [dict(hit_ratio=h, ttft_p50=0.1, ttft_p90=p90, ttft_p99=1.0, ttft_mean=0.2, throughput=4.0,
-                 output_tok_s=30.0, makespan_s=40.0, imbalance=im, router_cpu_pct=None, ok=10, failed=f,
-                 ideal_hit_ratio=0.5, round=i)
-            for i, (h, p90, im, f) in enumerate([(0.4, 1.0, 1.2, 0), (0.5, 1.4, 1.4, 1), (0.6, 1.2, 1.0, 0)])]
+    runs = [
+        dict(
+            hit_ratio=h,
+            ttft_p50=0.1,
+            ttft_p90=p90,
+            ttft_p99=1.0,
+            ttft_mean=0.2,
+            throughput=4.0,
+            output_tok_s=30.0,
+            makespan_s=40.0,
+            imbalance=im,
+            router_cpu_pct=None,
+            ok=10,
+            failed=f,
+            ideal_hit_ratio=0.5,
+            round=i,
+        )
+        for i, (h, p90, im, f) in enumerate([(0.4, 1.0, 1.2, 0), (0.5, 1.4, 1.4, 1), (0.6, 1.2, 1.0, 0)])
+    ]
     s = B.summarize(runs)
     assert s["hit_ratio"] == pytest.approx(0.5) and s["ttft_p90"] == pytest.approx(1.2)
     assert s["sd"]["hit_ratio"] == pytest.approx(0.1) and s["sd"]["imbalance"] == pytest.approx(0.2)
@@ -73,8 +91,11 @@ def test_ideal_hits_per_request_and_losses():
     # (b's ideal is half its prompt: a follow-up; a partial hit of 4 is not "missed", 0 is)
     ideal2 = [(0, 9), (8, 16)]
     assert B.hit_losses(ideal2, [0, 4])["missed_followups"] == 0
-    assert B.hit_losses(ideal2, [0, 0]) == {"lost_ratio": pytest.approx(8 / 25), "missed_followups": 1,
-                                            "lost_in_missed": 1.0}
+    assert B.hit_losses(ideal2, [0, 0]) == {
+        "lost_ratio": pytest.approx(8 / 25),
+        "missed_followups": 1,
+        "lost_in_missed": 1.0,
+    }
     assert B.hit_losses(ideal2, [0, 8])["lost_ratio"] == 0.0
     # a router that drops usage: no figures rather than wrong ones
     assert B.hit_losses(ideal2, [0, None])["lost_ratio"] is None

@@ -1,4 +1,5 @@
 """The block manager pinned exactly, plus a randomized property test of its invariants."""
+
 from __future__ import annotations
 
 import pytest
@@ -132,8 +133,14 @@ def test_fork_shares_blocks_and_copy_on_write():
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["add", "append", "fork", "free", "preempt"]),
-                          st.integers(0, 1000), st.integers(1, 40)), max_size=60))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "append", "fork", "free", "preempt"]), st.integers(0, 1000), st.integers(1, 40)
+        ),
+        max_size=60,
+    )
+)
 def test_random_operation_sequences_keep_invariants(ops):
     kv = KVCacheManager(num_blocks=24, block_size=BS)
     live: dict[str, Request] = {}

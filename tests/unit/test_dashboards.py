@@ -7,6 +7,7 @@ a panel/alert that references one that never existed, fails here. Alert expressi
 taken from the template text with the `{{ $a.X }}` placeholders filled from values.yaml
 (no helm needed); when a helm binary is around, the rendered chart is checked as well.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,16 +30,24 @@ RULES_TEMPLATE = CHART / "templates" / "prometheusrule.yaml"
 # Labels Prometheus (Operator) attaches to every scraped series; a metric's own label that
 # collides with one of them is renamed exported_<name> (no honorLabels on our ServiceMonitor).
 TARGET_LABELS = {"namespace", "pod", "service", "job", "instance", "container", "endpoint"}
-_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-             "summary": ("_sum", "_count", "_created"), "gauge": ("",), "info": ("_info",)}
+_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "summary": ("_sum", "_count", "_created"),
+    "gauge": ("",),
+    "info": ("_info",),
+}
 
 
 def _exported() -> dict[str, set[str]]:
     """Every series name the code can expose -> the label names it carries."""
     out: dict[str, set[str]] = {}
     for owner in (ServerMetrics("m"), RouterMetrics()):
-        labels_of = {c._name: set(getattr(c, "_labelnames", ())) for c in vars(owner).values()
-                     if hasattr(c, "_name") and hasattr(c, "collect")}
+        labels_of = {
+            c._name: set(getattr(c, "_labelnames", ()))
+            for c in vars(owner).values()
+            if hasattr(c, "_name") and hasattr(c, "collect")
+        }
         for fam in owner.registry.collect():
             base = fam.name if fam.type != "counter" else fam.name.removesuffix("_total")
             labels = labels_of.get(base, set()) | {k for s in fam.samples for k in s.labels}
@@ -50,8 +59,22 @@ def _exported() -> dict[str, set[str]]:
 
 EXPORTED = _exported()
 
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",
-             "bool", "offset", "inf", "nan", "atan2"}
+_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
+    "atan2",
+}
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
 _SELECTOR = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)\s*\{([^}]*)\}")
 _IDENT = re.compile(r"(?<![\w:$.])([A-Za-z_:][A-Za-z0-9_:]*)(?![\w:])(\s*\()?")
@@ -65,8 +88,8 @@ def metrics_in(expr: str) -> tuple[set[str], dict[str, set[str]]]:
             if m.strip():
                 matchers.setdefault(name, set()).add(re.split(r"\s*(?:=~|!~|!=|=)", m.strip())[0])
     e = _STRING.sub(" ", expr)
-    e = re.sub(r"\{[^}]*\}", " ", e)                       # label matchers
-    e = re.sub(r"\[[^\]]*\]", " ", e)                      # range / subquery windows
+    e = re.sub(r"\{[^}]*\}", " ", e)  # label matchers
+    e = re.sub(r"\[[^\]]*\]", " ", e)  # range / subquery windows
     e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e)
     e = re.sub(r"(?<![\w:])\d+(\.\d+)?([eE][+-]?\d+)?", " ", e)  # numbers, not digits in names
     names = {m.group(1) for m in _IDENT.finditer(e) if not m.group(2) and m.group(1).lower() not in _KEYWORDS}
@@ -87,8 +110,12 @@ def _panels(panels: list[dict]) -> list[dict]:
 
 def _dashboard_exprs() -> list[tuple[str, str]]:
     d = _dashboard()
-    out = [(f"panel {p['id']} {p.get('title')!r}", t["expr"])
-           for p in _panels(d["panels"]) for t in p.get("targets", []) if "expr" in t]
+    out = [
+        (f"panel {p['id']} {p.get('title')!r}", t["expr"])
+        for p in _panels(d["panels"])
+        for t in p.get("targets", [])
+        if "expr" in t
+    ]
     for v in d["templating"]["list"]:
         if v["type"] == "query":
             q = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
@@ -107,6 +134,7 @@ def _alert_exprs(values: dict | None = None) -> list[tuple[str, str]]:
 
     def fill(m: re.Match) -> str:
         return str(a[m.group(1)])
+
     out = []
     for name, expr in alerts:
         e = re.sub(r"\{\{-?\s*(?:\$a|\.Values\.alerts)\.(\w+)\s*-?\}\}", fill, expr)
@@ -133,6 +161,7 @@ def _check(exprs: list[tuple[str, str]]) -> list[str]:
 
 # ---- the checker itself ------------------------------------------------------------------
 
+
 def test_exported_names_follow_prometheus_client_suffixes() -> None:
     assert "vllm:num_preemptions_total" in EXPORTED and "vllm:num_preemptions" not in EXPORTED
     assert "vllm:time_to_first_token_seconds_bucket" in EXPORTED
@@ -142,27 +171,36 @@ def test_exported_names_follow_prometheus_client_suffixes() -> None:
     assert EXPORTED["vllm:kv_cache_usage_perc"] == {"model_name"}
 
 
-@pytest.mark.parametrize("expr, want", [
-    ('histogram_quantile(0.9, sum by (pod, le) (rate(vllm:time_to_first_token_seconds_bucket'
-     '{namespace=~"$namespace"}[$__rate_interval])))', {"vllm:time_to_first_token_seconds_bucket"}),
-    ('label_replace(rate(vllm:request_success_total[5m]), "role", "$1", "pod", ".*-(prefill|decode)-.*")',
-     {"vllm:request_success_total"}),
-    ("sum(a_total) / on (x) group_left (y) sum(b_bucket) > 1e3 and c", {"a_total", "b_bucket", "c"}),
-    ("kvmesh:router_pod_healthy < 1", {"kvmesh:router_pod_healthy"}),
-    ("rate(vllm:e2e_request_latency_seconds_count[5m]) * 2", {"vllm:e2e_request_latency_seconds_count"}),
-])
+@pytest.mark.parametrize(
+    "expr, want",
+    [
+        (
+            "histogram_quantile(0.9, sum by (pod, le) (rate(vllm:time_to_first_token_seconds_bucket"
+            '{namespace=~"$namespace"}[$__rate_interval])))',
+            {"vllm:time_to_first_token_seconds_bucket"},
+        ),
+        (
+            'label_replace(rate(vllm:request_success_total[5m]), "role", "$1", "pod", ".*-(prefill|decode)-.*")',
+            {"vllm:request_success_total"},
+        ),
+        ("sum(a_total) / on (x) group_left (y) sum(b_bucket) > 1e3 and c", {"a_total", "b_bucket", "c"}),
+        ("kvmesh:router_pod_healthy < 1", {"kvmesh:router_pod_healthy"}),
+        ("rate(vllm:e2e_request_latency_seconds_count[5m]) * 2", {"vllm:e2e_request_latency_seconds_count"}),
+    ],
+)
 def test_metric_extraction(expr: str, want: set[str]) -> None:
     assert metrics_in(expr)[0] == want
 
 
 def test_checker_rejects_unknown_metrics_and_labels() -> None:
-    assert _check([("p", "rate(vllm:num_preemptions[5m])")])           # missing _total
+    assert _check([("p", "rate(vllm:num_preemptions[5m])")])  # missing _total
     assert _check([("p", "sum(rate(kvmesh:router_bogus_total[5m]))")])
     assert _check([("p", 'vllm:kv_cache_usage_perc{role="decode"}')])  # no such label
     assert not _check([("p", 'vllm:kv_cache_usage_perc{model_name="m", pod="x"}')])
 
 
 # ---- the dashboard ------------------------------------------------------------------------
+
 
 def test_dashboard_uses_only_exported_metrics() -> None:
     exprs = _dashboard_exprs()
@@ -192,11 +230,17 @@ def test_dashboard_is_well_formed() -> None:
 
 # ---- the alerts ---------------------------------------------------------------------------
 
+
 def test_alerts_use_only_exported_metrics() -> None:
     exprs = _alert_exprs()
-    assert {n for n, _ in exprs} >= {"KvmeshNoHealthyDecodePod", "KvmeshHighTimeToFirstToken",
-                                     "KvmeshKVCacheNearlyFull", "KvmeshWaitingQueueHigh",
-                                     "KvmeshPreemptionRateHigh", "KvmeshRouterIndexDriftHigh"}
+    assert {n for n, _ in exprs} >= {
+        "KvmeshNoHealthyDecodePod",
+        "KvmeshHighTimeToFirstToken",
+        "KvmeshKVCacheNearlyFull",
+        "KvmeshWaitingQueueHigh",
+        "KvmeshPreemptionRateHigh",
+        "KvmeshRouterIndexDriftHigh",
+    }
     assert _check(exprs) == []
 
 

@@ -1,4 +1,5 @@
 """EngineArgs: the engine's settings declared once, and the CLI generated from them."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,17 @@ from kvmesh.engine.config import CacheConfig, EngineConfig, ModelConfig, Schedul
 
 pytestmark = pytest.mark.unit
 
-MODEL = ModelConfig(name="m", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
-                    num_kv_heads=1, head_dim=4, max_position_embeddings=512)
+MODEL = ModelConfig(
+    name="m",
+    vocab_size=100,
+    hidden_size=8,
+    intermediate_size=16,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    max_position_embeddings=512,
+)
 
 
 def parse(*argv: str, command: str = "serve") -> argparse.Namespace:
@@ -30,16 +40,62 @@ def test_defaults_of_the_cli_are_the_dataclass_defaults() -> None:
 
 
 def test_flags_parse_as_before() -> None:
-    ns = parse("--model", "/m", "--block-size", "32", "--num-kv-blocks", "64", "--kv-cache-memory-gb", "1.5",
-               "--gpu-memory-utilization", "0.5", "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
-               "--max-model-len", "300", "--long-prefill-token-threshold", "64", "--num-scheduler-steps", "4",
-               "--no-async-scheduling", "--no-enable-prefix-caching", "--dtype", "float16", "--device", "cpu",
-               "--seed", "3", "--role", "decode", "--max-waiting", "5", "--engine-id", "d-0")
+    ns = parse(
+        "--model",
+        "/m",
+        "--block-size",
+        "32",
+        "--num-kv-blocks",
+        "64",
+        "--kv-cache-memory-gb",
+        "1.5",
+        "--gpu-memory-utilization",
+        "0.5",
+        "--max-num-batched-tokens",
+        "512",
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        "300",
+        "--long-prefill-token-threshold",
+        "64",
+        "--num-scheduler-steps",
+        "4",
+        "--no-async-scheduling",
+        "--no-enable-prefix-caching",
+        "--dtype",
+        "float16",
+        "--device",
+        "cpu",
+        "--seed",
+        "3",
+        "--role",
+        "decode",
+        "--max-waiting",
+        "5",
+        "--engine-id",
+        "d-0",
+    )
     assert EngineArgs.from_cli_args(ns) == EngineArgs(
-        model="/m", block_size=32, num_kv_blocks=64, kv_cache_memory_gb=1.5, gpu_memory_utilization=0.5,
-        max_num_batched_tokens=512, max_num_seqs=8, max_model_len=300, long_prefill_token_threshold=64,
-        num_scheduler_steps=4, async_scheduling=False, enable_prefix_caching=False, dtype="float16",
-        device="cpu", seed=3, role="decode", max_waiting=5, engine_id="d-0")
+        model="/m",
+        block_size=32,
+        num_kv_blocks=64,
+        kv_cache_memory_gb=1.5,
+        gpu_memory_utilization=0.5,
+        max_num_batched_tokens=512,
+        max_num_seqs=8,
+        max_model_len=300,
+        long_prefill_token_threshold=64,
+        num_scheduler_steps=4,
+        async_scheduling=False,
+        enable_prefix_caching=False,
+        dtype="float16",
+        device="cpu",
+        seed=3,
+        role="decode",
+        max_waiting=5,
+        engine_id="d-0",
+    )
     assert EngineArgs.from_cli_args(parse("--async-scheduling")).async_scheduling is True
 
 
@@ -51,13 +107,28 @@ def test_dtype_offers_no_none_and_server_flags_stay_off_generate() -> None:
 
 
 def test_engine_config_takes_every_setting() -> None:
-    args = EngineArgs(block_size=32, num_kv_blocks=64, max_num_seqs=8, max_model_len=4096, max_waiting=2,
-                      role="prefill", device="cpu", engine_id="p-1", enable_prefix_caching=False)
+    args = EngineArgs(
+        block_size=32,
+        num_kv_blocks=64,
+        max_num_seqs=8,
+        max_model_len=4096,
+        max_waiting=2,
+        role="prefill",
+        device="cpu",
+        engine_id="p-1",
+        enable_prefix_caching=False,
+    )
     cfg = args.create_engine_config(MODEL, "/m")
     assert cfg == EngineConfig(
-        model_path="/m", model=MODEL, role="prefill", dtype="float32", device="cpu", engine_id="p-1",
+        model_path="/m",
+        model=MODEL,
+        role="prefill",
+        dtype="float32",
+        device="cpu",
+        engine_id="p-1",
         cache=CacheConfig(block_size=32, num_kv_blocks=64, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512, max_waiting=2))  # capped by the model
+        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512, max_waiting=2),
+    )  # capped by the model
     assert EngineArgs(device="cuda:1").create_engine_config(MODEL, "/m").dtype == "bfloat16"
 
 

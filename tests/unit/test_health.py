@@ -1,4 +1,5 @@
 """The one readiness wait: a deadline, and a dead process ends the wait at once."""
+
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
 """KV-event publisher choices that need no socket (the wire format and replay are in the integration tier)."""
+
 from __future__ import annotations
 
 import pytest

@@ -93,14 +93,24 @@ def by_kind(objs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]
 
 def test_minimal_layout_and_ownership() -> None:
     objs = by_kind(rendered(ROOT / "examples" / "minimal.yaml"))
-    assert sorted(objs) == sorted([
-        ("ConfigMap", "tiny-config"), ("ServiceAccount", "tiny-router"), ("Role", "tiny-router"),
-        ("RoleBinding", "tiny-router"), ("Deployment", "tiny-prefill"),
-        ("Deployment", "tiny-decode"), ("Deployment", "tiny-router"), ("Service", "tiny"),
-        ("Service", "tiny-workers"), ("Service", "tiny-prefill"), ("Service", "tiny-decode"),
-        ("PodDisruptionBudget", "tiny-prefill"),
-        ("PodDisruptionBudget", "tiny-decode"), ("PodDisruptionBudget", "tiny-router"),
-    ])
+    assert sorted(objs) == sorted(
+        [
+            ("ConfigMap", "tiny-config"),
+            ("ServiceAccount", "tiny-router"),
+            ("Role", "tiny-router"),
+            ("RoleBinding", "tiny-router"),
+            ("Deployment", "tiny-prefill"),
+            ("Deployment", "tiny-decode"),
+            ("Deployment", "tiny-router"),
+            ("Service", "tiny"),
+            ("Service", "tiny-workers"),
+            ("Service", "tiny-prefill"),
+            ("Service", "tiny-decode"),
+            ("PodDisruptionBudget", "tiny-prefill"),
+            ("PodDisruptionBudget", "tiny-decode"),
+            ("PodDisruptionBudget", "tiny-router"),
+        ]
+    )
     for o in objs.values():
         (ref,) = o["metadata"]["ownerReferences"]
         assert ref["uid"] == META["uid"] and ref["controller"] is True
@@ -112,10 +122,15 @@ def test_minimal_layout_and_ownership() -> None:
     decode = objs[("Deployment", "tiny-decode")]["spec"]["template"]["spec"]["containers"][0]
     assert decode["command"] == ["kvmesh"]
     assert "--model" not in decode["args"]  # the embedded model is the CLI default
-    assert decode["args"][:7] == ["serve", "--served-model-name", "tiny", "--role", "decode",
-                                  "--port", "8000"]
-    assert decode["args"][-6:] == ["--kv-events-endpoint", "tcp://*:5557",
-                                   "--engine-id", "$(POD_NAME)", "--shutdown-timeout", "45"]
+    assert decode["args"][:7] == ["serve", "--served-model-name", "tiny", "--role", "decode", "--port", "8000"]
+    assert decode["args"][-6:] == [
+        "--kv-events-endpoint",
+        "tcp://*:5557",
+        "--engine-id",
+        "$(POD_NAME)",
+        "--shutdown-timeout",
+        "45",
+    ]
     assert decode["resources"]["limits"][GPU_RESOURCE] == 1
     assert decode["securityContext"]["readOnlyRootFilesystem"] is True
     router = objs[("Deployment", "tiny-router")]["spec"]["template"]["spec"]["containers"][0]
@@ -132,10 +147,10 @@ def test_autoscaling_renders_hpas_and_leaves_replicas_to_them() -> None:
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 6)
     assert "replicas" not in objs[("Deployment", "llama-pd-redis-decode")]["spec"]
     assert objs[("Deployment", "llama-pd-redis-router")]["spec"]["replicas"] == 1
-    args = objs[("Deployment", "llama-pd-redis-prefill")]["spec"]["template"]["spec"][
-        "containers"][0]["args"]
+    args = objs[("Deployment", "llama-pd-redis-prefill")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert json.loads(args[args.index("--kv-connector-config") + 1]) == {
-        "url": "redis://llama-pd-redis-redis.demo.svc:6379/0"}
+        "url": "redis://llama-pd-redis-redis.demo.svc:6379/0"
+    }
     assert args[args.index("--model") + 1] == "/models/tinyllama-1.1b-chat.Q4_K_M.gguf"
     assert ("Deployment", "llama-pd-redis-redis") in objs
 
@@ -146,15 +161,20 @@ def test_engine_change_rolls_pods_through_config_hash() -> None:
     b = by_kind(render({"engine": {"maxNumSeqs": 32}}, {**META, "name": "x"}))
     key = ("Deployment", "x-decode")
     ann = "serving.kvmesh.io/config-hash"
-    assert (a[key]["spec"]["template"]["metadata"]["annotations"][ann]
-            != b[key]["spec"]["template"]["metadata"]["annotations"][ann])
+    assert (
+        a[key]["spec"]["template"]["metadata"]["annotations"][ann]
+        != b[key]["spec"]["template"]["metadata"]["annotations"][ann]
+    )
 
 
-@pytest.mark.parametrize("spec, fragment", [
-    ({"engine": {"maxNumBatchedTokens": 32, "maxNumSeqs": 64}}, "must be >= engine.maxNumSeqs"),
-    ({"engine": {"maxNumBatchedTokens": 1000}}, "multiple of engine.blockSize"),
-    ({"kvConnector": {"type": "redis", "redis": {"url": "http://x"}}}, "not a redis://"),
-])
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ({"engine": {"maxNumBatchedTokens": 32, "maxNumSeqs": 64}}, "must be >= engine.maxNumSeqs"),
+        ({"engine": {"maxNumBatchedTokens": 1000}}, "multiple of engine.blockSize"),
+        ({"kvConnector": {"type": "redis", "redis": {"url": "http://x"}}}, "not a redis://"),
+    ],
+)
 def test_semantic_problems(spec: dict[str, Any], fragment: str) -> None:
     found = problems(InferenceServiceSpec.parse(spec))
     assert any(fragment in p for p in found), found
@@ -170,9 +190,11 @@ def test_condition_transition_time_moves_only_on_status_change() -> None:
 
 
 def test_status_sets_all_three_conditions_on_first_visit() -> None:
-    out = Outcome(generation=4, roles={r: {"replicas": 1, "readyReplicas": 0}
-                                       for r in ("prefill", "decode", "router")},
-                  not_ready=["prefill 0/1"])
+    out = Outcome(
+        generation=4,
+        roles={r: {"replicas": 1, "readyReplicas": 0} for r in ("prefill", "decode", "router")},
+        not_ready=["prefill 0/1"],
+    )
     st = status_for({}, out)
     assert st["observedGeneration"] == 4
     assert [c["type"] for c in st["conditions"]] == ["Ready", "Progressing", "Degraded"]
@@ -180,16 +202,18 @@ def test_status_sets_all_three_conditions_on_first_visit() -> None:
     assert st["prefill"] == {"replicas": 1, "readyReplicas": 0, "summary": "0/1"}
     bad = status_for({}, Outcome(generation=5, invalid=["x is wrong"]))
     degraded = next(c for c in bad["conditions"] if c["type"] == "Degraded")
-    assert (degraded["status"], degraded["reason"], degraded["message"]) == (
-        "True", "InvalidSpec", "x is wrong")
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == ("True", "InvalidSpec", "x is wrong")
 
 
 def test_status_when_applies_fail() -> None:
     out = Outcome(generation=2, apply_errors=["Deployment x-decode: 403 forbidden"])
     st = status_for({}, out)
     got = {c["type"]: (c["status"], c["reason"]) for c in st["conditions"]}
-    assert got == {"Ready": ("False", "ReconcileFailed"), "Progressing": ("False", "Blocked"),
-                   "Degraded": ("True", "ApplyFailed")}
+    assert got == {
+        "Ready": ("False", "ReconcileFailed"),
+        "Progressing": ("False", "Blocked"),
+        "Degraded": ("True", "ApplyFailed"),
+    }
     assert "403 forbidden" in st["conditions"][2]["message"]
 
 
@@ -219,9 +243,14 @@ def test_every_engine_field_reaches_the_engine(example: Path, role: str) -> None
     e = spec.engine
     # every CRD engine property has a flag, and every flag's value arrives unchanged
     crd_fields = set(crd_schema()["properties"]["spec"]["properties"]["engine"]["properties"])
-    camel = {"block_size": "blockSize", "max_num_batched_tokens": "maxNumBatchedTokens",
-             "max_num_seqs": "maxNumSeqs", "dtype": "dtype", "gpu_memory_utilization": "gpuMemoryUtilization",
-             "kv_cache_memory_gb": "kvCacheMemoryGB"}
+    camel = {
+        "block_size": "blockSize",
+        "max_num_batched_tokens": "maxNumBatchedTokens",
+        "max_num_seqs": "maxNumSeqs",
+        "dtype": "dtype",
+        "gpu_memory_utilization": "gpuMemoryUtilization",
+        "kv_cache_memory_gb": "kvCacheMemoryGB",
+    }
     assert {camel[a] for a, _ in ENGINE_FLAGS} == crd_fields
     for attr, _ in ENGINE_FLAGS:
         want = getattr(e, attr)
@@ -233,27 +262,34 @@ def test_every_engine_field_reaches_the_engine(example: Path, role: str) -> None
     assert proc.kv_connector == spec.connector.type
     if spec.connector.type == "nixl":
         # the side channel must be reachable from other pods: fixed port, pod IP advertised
-        assert proc.kv_connector_config == {"side_channel_host": "0.0.0.0", "side_channel_port": 5600,
-                                            "advertise_host": "10.0.0.7"}
+        assert proc.kv_connector_config == {
+            "side_channel_host": "0.0.0.0",
+            "side_channel_port": 5600,
+            "advertise_host": "10.0.0.7",
+        }
         port_names = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert port_names["nixl"] == 5600
     assert server.shutdown_timeout > 0
     grace = objs[("Deployment", f"{obj['metadata']['name']}-{role}")]["spec"]["template"]["spec"][
-        "terminationGracePeriodSeconds"]
+        "terminationGracePeriodSeconds"
+    ]
     assert grace > server.shutdown_timeout + c["lifecycle"]["preStop"]["sleep"]["seconds"]
 
 
-@pytest.mark.parametrize("crd_file", [ROOT / "crds" / "inferenceservices.yaml",
-                                      ROOT / "charts" / "kvmesh" / "crds" / "inferenceservices.yaml"],
-                         ids=["crds", "chart"])  # the chart's crds/ links to crds/; this holds if it is ever a copy
+@pytest.mark.parametrize(
+    "crd_file",
+    [ROOT / "crds" / "inferenceservices.yaml", ROOT / "charts" / "kvmesh" / "crds" / "inferenceservices.yaml"],
+    ids=["crds", "chart"],
+)  # the chart's crds/ links to crds/; this holds if it is ever a copy
 def test_crd_engine_properties_are_the_engine_args_exposed_to_it(crd_file: Path) -> None:
     """Each EngineArgs field that names a CRD property (engine/args.py) is in the CRD's
     spec.engine with the same default, and the CRD has no engine property without such a field."""
     from kvmesh.engine.args import CRD, EngineArgs
 
     crd = yaml.safe_load(crd_file.read_text())
-    props = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
-        "engine"]["properties"]
+    props = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"][
+        "properties"
+    ]
     declared = {f.metadata[CRD].name: f.metadata[CRD].default for f in EngineArgs.crd_fields()}
     assert set(declared) == set(props)
     for name, default in declared.items():
@@ -323,4 +359,6 @@ def test_router_drains_within_its_grace_period_and_survives_engine_changes() -> 
     c = pod["containers"][0]
     args = [x.replace("$(POD_NAMESPACE)", "demo") for x in c["args"]]
     cfg = config_from_args(build_parser().parse_args(args))
-    assert 0 < cfg.shutdown_timeout < pod["terminationGracePeriodSeconds"] - c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert (
+        0 < cfg.shutdown_timeout < pod["terminationGracePeriodSeconds"] - c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    )

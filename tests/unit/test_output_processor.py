@@ -1,4 +1,5 @@
 """Incremental detokenization must give exactly the text of a full decode, token by token."""
+
 from __future__ import annotations
 
 import random
@@ -10,8 +11,11 @@ from kvmesh.engine.messages import EngineCoreOutput
 from kvmesh.engine.output_processor import RequestState
 
 pytestmark = pytest.mark.unit
-TEXTS = ["Héllo wörld — naïve café 你好世界 🙂🚀 <|im_end|> code:\n\tdef f(x):\n  return x",
-         "  leading spaces and\n\nnewlines", "emoji 👩‍👩‍👧 mix ½ ∑ ∫"]
+TEXTS = [
+    "Héllo wörld — naïve café 你好世界 🙂🚀 <|im_end|> code:\n\tdef f(x):\n  return x",
+    "  leading spaces and\n\nnewlines",
+    "emoji 👩‍👩‍👧 mix ½ ∑ ∫",
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,7 @@ def test_incremental_text_equals_full_decode(tok, skip):
         streamed, i = "", 0
         while i < len(ids):
             n = rng.randint(1, 3)
-            deltas, _ = st.process(EngineCoreOutput("r", 0, ids[i:i + n]))
+            deltas, _ = st.process(EngineCoreOutput("r", 0, ids[i : i + n]))
             streamed += "".join(d for _, d in deltas)
             i += n
             assert st.result.outputs[0].text == tok.decode(ids[:i], skip_special_tokens=skip)

@@ -4,6 +4,7 @@ pyproject maps folders into one namespace and lists its packages by hand; a new 
 missing from that list works in the editable checkout and is absent from `pip install .`
 (the images), so the miss would only show in a pod.
 """
+
 from __future__ import annotations
 
 import pathlib

@@ -1,6 +1,7 @@
 """Router logic without sockets: scoring, the balance guards, in-flight accounting, the prefix index's
 eviction pressure, config and EndpointSlice parsing, drift metrics (the loopback HTTP/ZMQ tests are in
 the integration tier)."""
+
 from __future__ import annotations
 
 import pytest
@@ -222,14 +223,20 @@ def test_endpoint_slice_parsing_and_metrics_scrape():
     from kvmesh.services.router.discovery import endpoints_from_slice
     from kvmesh.services.router.scrape import parse_vllm_metrics
 
-    sl = {"ports": [{"name": "metrics", "port": 9000}, {"name": "http", "port": 8000}],
-          "endpoints": [{"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
-                        {"addresses": ["10.0.0.2"], "conditions": {"ready": False}},
-                        {"addresses": ["10.0.0.3"], "conditions": {"ready": True, "terminating": True}},
-                        {"addresses": ["10.0.0.4"]}]}
+    sl = {
+        "ports": [{"name": "metrics", "port": 9000}, {"name": "http", "port": 8000}],
+        "endpoints": [
+            {"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
+            {"addresses": ["10.0.0.2"], "conditions": {"ready": False}},
+            {"addresses": ["10.0.0.3"], "conditions": {"ready": True, "terminating": True}},
+            {"addresses": ["10.0.0.4"]},
+        ],
+    }
     assert endpoints_from_slice(sl, "http") == {("10.0.0.1", 8000), ("10.0.0.4", 8000)}
-    text = ('# HELP x\nvllm:num_requests_running{model_name="a"} 2.0\nvllm:num_requests_running{model_name="b"} 1.0\n'
-            'vllm:num_requests_waiting{model_name="a"} 3.0\nvllm:kv_cache_usage_perc{model_name="a"} 0.5\n')
+    text = (
+        '# HELP x\nvllm:num_requests_running{model_name="a"} 2.0\nvllm:num_requests_running{model_name="b"} 1.0\n'
+        'vllm:num_requests_waiting{model_name="a"} 3.0\nvllm:kv_cache_usage_perc{model_name="a"} 0.5\n'
+    )
     assert parse_vllm_metrics(text) == {"running": 3.0, "waiting": 3.0, "kv_usage": 0.5}
 
 
@@ -245,8 +252,9 @@ def test_index_drift_is_recorded_in_both_directions(predicted: int, reported: in
     from kvmesh.services.router.router import Router
 
     router = SimpleNamespace(metrics=RouterMetrics())
-    Router.observe_usage(router, SimpleNamespace(hit_tokens=predicted),
-                         {"prompt_tokens_details": {"cached_tokens": reported}})
+    Router.observe_usage(
+        router, SimpleNamespace(hit_tokens=predicted), {"prompt_tokens_details": {"cached_tokens": reported}}
+    )
     text = generate_latest(router.metrics.registry).decode()
     assert f"kvmesh:router_index_overpredicted_tokens_total {float(max(0, predicted - reported))}" in text
     assert f"kvmesh:router_index_underpredicted_tokens_total {float(max(0, reported - predicted))}" in text

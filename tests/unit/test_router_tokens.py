@@ -1,4 +1,5 @@
 """Router details SREs and the index depend on: tokenization identical to the pod's, metric series of departed pods."""
+
 from __future__ import annotations
 
 import random
@@ -24,7 +25,8 @@ def test_chat_is_rendered_by_the_engine_and_non_text_parts_are_refused(rt):
     body = {"messages": [{"role": "user", "content": parts}], "continue_final_message": False}
     assert rt.prompt_ids("/v1/chat/completions", body) == render_chat(rt.tokenizer, body["messages"])
     assert render_chat(rt.tokenizer, body["messages"]) == render_chat(
-        rt.tokenizer, [{"role": "user", "content": "Hello\nthere"}])
+        rt.tokenizer, [{"role": "user", "content": "Hello\nthere"}]
+    )
     image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
     with pytest.raises(ChatContentError, match="image_url"):
         rt.prompt_ids("/v1/chat/completions", image)
@@ -34,7 +36,8 @@ def test_fast_encode_equals_the_hf_tokenizer(rt):
     rng = random.Random(7)
     words = ["alpha", " beta", "γ", "漢字", "🎉", "\n", "\t", "  ", "12345", "!!", "<|im_start|>", "don't"]
     texts = ["", "Hello world", "  leading spaces\nand newlines"] + [
-        "".join(rng.choice(words) for _ in range(rng.randrange(1, 200))) for _ in range(40)]
+        "".join(rng.choice(words) for _ in range(rng.randrange(1, 200))) for _ in range(40)
+    ]
     assert rt._fast is not None  # the embedded model's tokenizer is a fast one: the fast path is what runs
     for t in texts:
         assert rt._encode(t) == list(rt.tokenizer(t, add_special_tokens=True).input_ids), t
@@ -66,14 +69,19 @@ def test_long_prompts_tokenize_off_the_event_loop(rt, monkeypatch):
     long_text = " ".join(f"word{i} γ 漢字 don't" for i in range(tokens.OFFLOAD_CHARS // 10))
     assert len(long_text) > tokens.OFFLOAD_CHARS
     chat = {"messages": [{"role": "system", "content": long_text}, {"role": "user", "content": "hi"}]}
-    expect = [inline("/v1/completions", {"prompt": long_text}), inline("/v1/chat/completions", chat),
-              inline("/v1/completions", {"prompt": "short"})]
+    expect = [
+        inline("/v1/completions", {"prompt": long_text}),
+        inline("/v1/chat/completions", chat),
+        inline("/v1/completions", {"prompt": "short"}),
+    ]
     monkeypatch.setattr(rt, "prompt_ids", spy)
 
     async def go():
-        return [await rt.prompt_ids_async("/v1/completions", {"prompt": long_text}),
-                await rt.prompt_ids_async("/v1/chat/completions", chat),
-                await rt.prompt_ids_async("/v1/completions", {"prompt": "short"})]
+        return [
+            await rt.prompt_ids_async("/v1/completions", {"prompt": long_text}),
+            await rt.prompt_ids_async("/v1/chat/completions", chat),
+            await rt.prompt_ids_async("/v1/completions", {"prompt": "short"}),
+        ]
 
     try:
         got = asyncio.run(go())
@@ -93,9 +101,34 @@ def test_piece_cache_is_exact_and_skips_repeated_prefixes(rt):
     assert pc is not None  # the embedded tokenizer is byte-level BPE with the GPT-2 regex
     small = PieceCache(rt._fast, piece_chars=24, max_pieces=64)  # many cuts, and evictions
     rng = random.Random(11)
-    words = ["alpha", " beta", " Gamma", "γ", " δέλτα", "漢字", " 漢字", "🎉", "\n", "\n\n", "\t", "  ", "   x",
-             " 12345", "7", "!!", " ?!", "<|im_start|>", "<|im_end|>", " don't", "'s", " 's", "\u00a0", " \u3000y",
-             " ÉCOLE", " x" * 3]
+    words = [
+        "alpha",
+        " beta",
+        " Gamma",
+        "γ",
+        " δέλτα",
+        "漢字",
+        " 漢字",
+        "🎉",
+        "\n",
+        "\n\n",
+        "\t",
+        "  ",
+        "   x",
+        " 12345",
+        "7",
+        "!!",
+        " ?!",
+        "<|im_start|>",
+        "<|im_end|>",
+        " don't",
+        "'s",
+        " 's",
+        "\u00a0",
+        " \u3000y",
+        " ÉCOLE",
+        " x" * 3,
+    ]
     whole = rt._fast.encode_batch_fast
     for _ in range(300):
         text = "".join(rng.choice(words) for _ in range(rng.randrange(1, 400)))
@@ -113,8 +146,14 @@ def test_piece_cache_is_exact_and_skips_repeated_prefixes(rt):
     assert 0 < new_pieces <= len(pc.cut_points(turn2)) + 1 - len(pc.cut_points(turn1))
 
     # chat: the rendered conversation in pieces == the template's own tokenization
-    chat = {"messages": [{"role": "system", "content": turn1}, {"role": "user", "content": "Summarise."},
-                         {"role": "assistant", "content": turn2[:3000]}, {"role": "user", "content": "And now?"}]}
+    chat = {
+        "messages": [
+            {"role": "system", "content": turn1},
+            {"role": "user", "content": "Summarise."},
+            {"role": "assistant", "content": turn2[:3000]},
+            {"role": "user", "content": "And now?"},
+        ]
+    }
     msgs = [dict(m) for m in chat["messages"]]
     want = rt.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "input_ids") else want
@@ -149,8 +188,12 @@ def test_removed_pod_leaves_no_health_series():
     r = Router(RouterConfig(block_size=16), tokenizer=IdTokenizer())
 
     def healthy_series():
-        return {s.labels["pod"] for fam in r.metrics.registry.collect() for s in fam.samples
-                if s.name == "kvmesh:router_pod_healthy"}
+        return {
+            s.labels["pod"]
+            for fam in r.metrics.registry.collect()
+            for s in fam.samples
+            if s.name == "kvmesh:router_pod_healthy"
+        }
 
     r.add_pod(PodSpec("http://a:1"))
     r.add_pod(PodSpec("http://b:1"))

@@ -1,6 +1,7 @@
 """The sampling filters and draws, run here on CPU tensors: the device path's batched filter
 (`filter_batched`) and the CPU's per-row rule (`filter_row`) keep exactly what a plain sort-based
 reference of the rules keeps, and the device draws follow that distribution."""
+
 from __future__ import annotations
 
 import pytest
@@ -183,12 +184,15 @@ def test_penalties_match_the_rules():
 
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 50, generator=gen) * 3
-    params = [SamplingParams(temperature=0, repetition_penalty=1.5),
-              SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4),
-              SamplingParams(temperature=0.5),  # no penalty: row untouched
-              SamplingParams(repetition_penalty=0.8, frequency_penalty=1.0, presence_penalty=2.0,
-                             logit_bias={49: 3.0, 0: -1.5}),
-              SamplingParams(logit_bias={4: -100, 10: 7.5})]  # bias only: no history needed
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.5),
+        SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4),
+        SamplingParams(temperature=0.5),  # no penalty: row untouched
+        SamplingParams(
+            repetition_penalty=0.8, frequency_penalty=1.0, presence_penalty=2.0, logit_bias={49: 3.0, 0: -1.5}
+        ),
+        SamplingParams(logit_bias={4: -100, 10: 7.5}),
+    ]  # bias only: no history needed
     hist = [([1, 2, 2, 40], [7, 7, 3]), ([5], [9, 9, 9, 11]), ([1], [2]), ([0, 49], [49, 49, 3]), None]
     got = adjust_logits(logits, params, hist)
     assert torch.equal(logits[2], got[2]) and not torch.equal(logits, got)  # input not modified in place
@@ -242,10 +246,12 @@ def test_logit_adjustment_extended_by_drawn_tokens_equals_a_rebuild():
 
     gen = torch.Generator().manual_seed(4)
     V = 40
-    params = [SamplingParams(repetition_penalty=1.4, frequency_penalty=0.5, logit_bias={3: 2.0}),
-              SamplingParams(),  # untouched row between adjusted ones
-              SamplingParams(presence_penalty=1.2),  # no output yet: only `extend` gives it history
-              SamplingParams(repetition_penalty=0.7)]
+    params = [
+        SamplingParams(repetition_penalty=1.4, frequency_penalty=0.5, logit_bias={3: 2.0}),
+        SamplingParams(),  # untouched row between adjusted ones
+        SamplingParams(presence_penalty=1.2),  # no output yet: only `extend` gives it history
+        SamplingParams(repetition_penalty=0.7),
+    ]
     hist = [([1, 2], [5, 5]), None, ([7], []), ([0], [9])]
     a = LogitAdjustment.build(params, hist, V, torch.device("cpu"))
     grown = [(list(h[0]), list(h[1])) if h else None for h in hist]
@@ -298,6 +304,15 @@ def test_seeded_draws_do_not_depend_on_the_batch():
     s = NoiseStream(7)
     alone = [int(draw_on_device(logits[:1], [p], [0], generators=[s])[0]) for _ in range(20)]
     s = NoiseStream(7)
-    mixed = [int(draw_on_device(logits[[1, 0, 2]], [SamplingParams(temperature=1.0), p, p.with_(seed=8)], [0, 1, 2],
-                                generators=[None, s, NoiseStream(8)])[1]) for _ in range(20)]
+    mixed = [
+        int(
+            draw_on_device(
+                logits[[1, 0, 2]],
+                [SamplingParams(temperature=1.0), p, p.with_(seed=8)],
+                [0, 1, 2],
+                generators=[None, s, NoiseStream(8)],
+            )[1]
+        )
+        for _ in range(20)
+    ]
     assert alone == mixed and len(set(alone)) > 5

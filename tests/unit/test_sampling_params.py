@@ -1,4 +1,5 @@
 """Bad sampling parameters are rejected at construction with an error naming the field."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,34 +9,37 @@ from kvmesh import SamplingParams
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": -3}, "max_tokens"),
-    ({"temperature": -0.1}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"),
-    ({"min_p": 1.5}, "min_p"),
-    ({"n": 0}, "n"),
-    ({"logprobs": 50}, "logprobs"),
-    ({"stop": [""]}, "stop"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"presence_penalty": 2.5}, "presence_penalty"),
-    ({"frequency_penalty": -3}, "frequency_penalty"),
-    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
-    ({"logit_bias": {5: 101}}, "logit_bias"),
-    ({"logit_bias": {5: float("nan")}}, "logit_bias"),
-    ({"logit_bias": {-1: 1.0}}, "logit_bias"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-    ({"logit_bias": {True: 1.0}}, "logit_bias"),
-    ({"logit_bias": {5: "x"}}, "logit_bias"),
-    ({"logit_bias": [(5, 1.0), (5, 2.0)]}, "logit_bias"),
-    ({"logit_bias": [5]}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {True: 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: "x"}}, "logit_bias"),
+        ({"logit_bias": [(5, 1.0), (5, 2.0)]}, "logit_bias"),
+        ({"logit_bias": [5]}, "logit_bias"),
+    ],
+)
 def test_rejects(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
@@ -60,8 +64,18 @@ def test_roundtrips_through_msgpack():
 
     from kvmesh.engine.messages import EngineCoreRequest
 
-    req = EngineCoreRequest("r1", [1, 2, 3], SamplingParams(n=2, stop=("x",), temperature=0.5, seed=7,
-                                                            frequency_penalty=0.5, repetition_penalty=1.1,
-                                                            logit_bias={7: -100, 3: 2.5}))
+    req = EngineCoreRequest(
+        "r1",
+        [1, 2, 3],
+        SamplingParams(
+            n=2,
+            stop=("x",),
+            temperature=0.5,
+            seed=7,
+            frequency_penalty=0.5,
+            repetition_penalty=1.1,
+            logit_bias={7: -100, 3: 2.5},
+        ),
+    )
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=EngineCoreRequest)
     assert back == req and back.params.stop == ("x",) and back.params.logit_bias == ((3, 2.5), (7, -100))

@@ -1,4 +1,5 @@
 """The scheduler without a model: its output is plain data, and it owns what a step's tokens do."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,6 @@
 """`serve --simulate`'s engine: real scheduler, block pool, prefix cache and KV events; modelled latency;
 deterministic tokens; no weights loaded."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,8 +31,9 @@ def make(loaded, **sim):
 
 
 def run(eng, rid, prompt, n=6, temperature=0.0):
-    eng.add_request(EngineCoreRequest(rid, list(prompt), SamplingParams(max_tokens=n, temperature=temperature,
-                                                                        ignore_eos=True)))
+    eng.add_request(
+        EngineCoreRequest(rid, list(prompt), SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True))
+    )
     toks, cached = [], None
     while eng.has_unfinished():
         for o in eng.step():
