@@ -552,7 +552,8 @@ def table() -> str:
         lines.append(f"copy bandwidth (D2D, read+write): {R['copy_TBps']:.3f} TB/s")
     if R.get("decode"):
         lines.append(
-            f"{'gemv':>6} {'steps':>5}{'async':>6} {'batch':>5} {'decode tok/s':>12} {'e2e tok/s':>10} {'HF tok/s':>9} {'x HF':>6} "
+            f"{'gemv':>6} {'steps':>5}{'async':>6} {'batch':>5} {'decode tok/s':>12} "
+            f"{'e2e tok/s':>10} {'HF tok/s':>9} {'x HF':>6} "
             f"{'GPU ms/step':>11} {'GB/step':>8} {'roofline':>9} {'%roof':>6} {'%roof GPU-only':>14}"
         )
         for r in R["decode"]:
@@ -560,7 +561,9 @@ def table() -> str:
             x = f"{r['ratio_e2e_vs_hf']:.1f}" if "ratio_e2e_vs_hf" in r else "-"
             mark = {True: "*", "seeded": "s"}.get(r.get("sampled"), "p" if r.get("penalized") else " ")
             lines.append(
-                f"{'triton' if r.get('gemv', True) else 'cublas':>6}{mark}{r.get('steps_per_round', 1):>5}{'yes' if r.get('async_scheduling') else 'no':>6} {r['B']:>5} {r['decode_tok_s']:>12.1f} {r['e2e_tok_s']:>10.1f} {hf:>9} {x:>6} "
+                f"{'triton' if r.get('gemv', True) else 'cublas':>6}{mark}{r.get('steps_per_round', 1):>5}"
+                f"{'yes' if r.get('async_scheduling') else 'no':>6} {r['B']:>5} {r['decode_tok_s']:>12.1f} "
+                f"{r['e2e_tok_s']:>10.1f} {hf:>9} {x:>6} "
                 f"{r['gpu_step_ms']:>11.3f} {r['step_GB']:>8.2f} {r['roofline_tok_s']:>9.1f} "
                 f"{100 * r['frac_roofline']:>5.1f}% {100 * r['gpu_only_frac_roofline']:>13.1f}%"
                 + (f"  (A/B: {AB_NAMES[r['ab']]} {'on' if r['on'] else 'off'})" if r.get("ab") else "")
@@ -580,7 +583,8 @@ def table() -> str:
     tp = R.get("throughput")
     if tp:
         lines.append(
-            f"throughput (steps/round {tp.get('steps_per_round', 1)}): {tp['completed']}/{tp['prompts']} prompts x (1024 in, 128 out) in {tp['s']:.1f}s: "
+            f"throughput (steps/round {tp.get('steps_per_round', 1)}): {tp['completed']}/{tp['prompts']} prompts "
+            f"x (1024 in, 128 out) in {tp['s']:.1f}s: "
             f"{tp['output_tok_s']:.0f} output tok/s, {tp['total_tok_s']:.0f} total tok/s, "
             f"{tp['requests_s']:.2f} req/s{' (CUT BY DEADLINE)' if tp['cut_by_deadline'] else ''}"
         )

@@ -29,6 +29,7 @@ writes ``gpu_kernels.json`` under ``$OUT`` (or the current directory).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -77,60 +78,81 @@ GEMV_VARIANTS = [
 ]
 
 
+def _gemv_row(name, n, k, gen, copy_tbps, variants):
+    """One shape of bench_gemv; a function of its own so the timed closures bind this shape's tensors."""
+    w = (torch.randn(n, k, device=DEV, generator=gen) / k**0.5).to(torch.bfloat16)
+    xin = torch.randn(1, 2 * k if name == "down" else k, dtype=torch.bfloat16, device=DEV, generator=gen)
+    gb = n * k * 2 / 1e9
+
+    def tb(ms):
+        return gb / ms  # GB / ms = TB/s
+
+    if name == "down":
+        cub = graph_ms(lambda: F.linear(K.silu_and_mul(xin), w))
+        heur = graph_ms(lambda: K.silu_mul_linear(xin, w))
+        run = lambda cfg: K.silu_mul_linear(xin, w, config=cfg)  # noqa: E731
+    else:
+        cub = graph_ms(lambda: F.linear(xin, w))
+        heur = graph_ms(lambda: K.linear(xin, w))
+        run = lambda cfg: K.linear(xin, w, config=cfg)  # noqa: E731
+    timed = []
+    for cfg in variants:
+        try:
+            timed.append((graph_ms(functools.partial(run, cfg)), cfg))
+        except Exception as e:  # a config the compiler rejects (registers, shared memory)
+            print(f"    {name} {cfg}: {type(e).__name__}", flush=True)
+    best_ms, best_cfg = min(timed) if timed else (float("nan"), None)
+    top = sorted(timed)[:5]
+    r = dict(
+        name=name,
+        N=n,
+        K=k,
+        GB=gb,
+        cublas_us=cub * 1e3,
+        cublas_TBps=tb(cub),
+        heuristic_us=heur * 1e3,
+        heuristic_TBps=tb(heur),
+        heuristic_cfg=K.gemv_config(n, k, torch.device(DEV)),
+        best_us=best_ms * 1e3,
+        best_TBps=tb(best_ms),
+        best_cfg=best_cfg,
+        top5=[(round(ms * 1e3, 2), c) for ms, c in top],
+        vs_copy=tb(min(heur, best_ms)) / copy_tbps,
+    )
+    print(
+        f"  gemv {name} {n}x{k}: cuBLAS {r['cublas_us']:.1f} us ({r['cublas_TBps']:.2f} TB/s), heuristic "
+        f"{r['heuristic_us']:.1f} us ({r['heuristic_TBps']:.2f}) {r['heuristic_cfg']}, best {r['best_us']:.1f} us "
+        f"({r['best_TBps']:.2f}) {best_cfg}; top5 {r['top5']}",
+        flush=True,
+    )
+    return r
+
+
+def _rope_write_kv_row(T, gen):
+    """The fused rope + KV write against its two parts for ``T`` tokens."""
+    pos = torch.randint(0, 2048, (T,), device=DEV, generator=gen)
+    cs = torch.randn(2048, 128, device=DEV, generator=gen)
+    qkv = torch.randn(T, 6144, dtype=torch.bfloat16, device=DEV, generator=gen)
+    q, k, v = (t.view(T, -1, 128) for t in qkv.split([4096, 1024, 1024], -1))
+    kv = torch.randn(4096, 1, 2, 16, 8, 128, dtype=torch.bfloat16, device=DEV, generator=gen)
+    slots = torch.randperm(4096 * 16, device=DEV, generator=gen)[:T]
+
+    def two():
+        qq, kk = K.rope(pos, q, k, cs)
+        K.write_kv(kk, v, kv[:, 0, 0], kv[:, 0, 1], slots)
+
+    sep = graph_ms(two)
+    fused = graph_ms(lambda: K.rope_write_kv(pos, q, k, v, kv[:, 0, 0], kv[:, 0, 1], slots, cs))
+    RESULTS.setdefault("rope_write_kv", []).append(dict(T=T, separate_us=sep * 1e3, fused_us=fused * 1e3))
+    print(f"  rope+write_kv T={T}: separate {sep * 1e3:.2f} us, fused {fused * 1e3:.2f} us", flush=True)
+
+
 def bench_gemv(gen, copy_tbps, variants):
     """One-row projections of Llama-3-8B (decode at batch 1) from HBM (L2 flushed before each
     call, CUDA-graph timed): cuBLAS (F.linear) against the GEMV kernel's heuristic and best
     configuration; down also fused with silu_and_mul vs the two launches. Then the
     per-step sum over the 32 layers + lm_head."""
-    rows = []
-    for name, n, k in GEMV_SHAPES:
-        w = (torch.randn(n, k, device=DEV, generator=gen) / k**0.5).to(torch.bfloat16)
-        xin = torch.randn(1, 2 * k if name == "down" else k, dtype=torch.bfloat16, device=DEV, generator=gen)
-        gb = n * k * 2 / 1e9
-
-        def tb(ms):
-            return gb / ms  # GB / ms = TB/s
-
-        if name == "down":
-            cub = graph_ms(lambda: F.linear(K.silu_and_mul(xin), w))
-            heur = graph_ms(lambda: K.silu_mul_linear(xin, w))
-            run = lambda cfg: K.silu_mul_linear(xin, w, config=cfg)  # noqa: E731
-        else:
-            cub = graph_ms(lambda: F.linear(xin, w))
-            heur = graph_ms(lambda: K.linear(xin, w))
-            run = lambda cfg: K.linear(xin, w, config=cfg)  # noqa: E731
-        timed = []
-        for cfg in variants:
-            try:
-                timed.append((graph_ms(lambda: run(cfg)), cfg))
-            except Exception as e:  # a config the compiler rejects (registers, shared memory)
-                print(f"    {name} {cfg}: {type(e).__name__}", flush=True)
-        best_ms, best_cfg = min(timed) if timed else (float("nan"), None)
-        top = sorted(timed)[:5]
-        r = dict(
-            name=name,
-            N=n,
-            K=k,
-            GB=gb,
-            cublas_us=cub * 1e3,
-            cublas_TBps=tb(cub),
-            heuristic_us=heur * 1e3,
-            heuristic_TBps=tb(heur),
-            heuristic_cfg=K.gemv_config(n, k, torch.device(DEV)),
-            best_us=best_ms * 1e3,
-            best_TBps=tb(best_ms),
-            best_cfg=best_cfg,
-            top5=[(round(ms * 1e3, 2), c) for ms, c in top],
-            vs_copy=tb(min(heur, best_ms)) / copy_tbps,
-        )
-        print(
-            f"  gemv {name} {n}x{k}: cuBLAS {r['cublas_us']:.1f} us ({r['cublas_TBps']:.2f} TB/s), heuristic "
-            f"{r['heuristic_us']:.1f} us ({r['heuristic_TBps']:.2f}) {r['heuristic_cfg']}, best {r['best_us']:.1f} us "
-            f"({r['best_TBps']:.2f}) {best_cfg}; top5 {r['top5']}",
-            flush=True,
-        )
-        rows.append(r)
-        del w
+    rows = [_gemv_row(name, n, k, gen, copy_tbps, variants) for name, n, k in GEMV_SHAPES]
     step = {
         key: sum(GEMV_PER_STEP[r["name"]] * r[key] for r in rows) / 1e3
         for key in ("cublas_us", "heuristic_us", "best_us")
@@ -139,21 +161,7 @@ def bench_gemv(gen, copy_tbps, variants):
     RESULTS["gemv"] = dict(rows=rows, per_step_ms=step)
     # the fused rope + KV write against its two parts, one token (decode at batch 1) and 128
     for T in (1, 128):
-        pos = torch.randint(0, 2048, (T,), device=DEV, generator=gen)
-        cs = torch.randn(2048, 128, device=DEV, generator=gen)
-        qkv = torch.randn(T, 6144, dtype=torch.bfloat16, device=DEV, generator=gen)
-        q, k, v = (t.view(T, -1, 128) for t in qkv.split([4096, 1024, 1024], -1))
-        kv = torch.randn(4096, 1, 2, 16, 8, 128, dtype=torch.bfloat16, device=DEV, generator=gen)
-        slots = torch.randperm(4096 * 16, device=DEV, generator=gen)[:T]
-
-        def two():
-            qq, kk = K.rope(pos, q, k, cs)
-            K.write_kv(kk, v, kv[:, 0, 0], kv[:, 0, 1], slots)
-
-        sep = graph_ms(two)
-        fused = graph_ms(lambda: K.rope_write_kv(pos, q, k, v, kv[:, 0, 0], kv[:, 0, 1], slots, cs))
-        RESULTS.setdefault("rope_write_kv", []).append(dict(T=T, separate_us=sep * 1e3, fused_us=fused * 1e3))
-        print(f"  rope+write_kv T={T}: separate {sep * 1e3:.2f} us, fused {fused * 1e3:.2f} us", flush=True)
+        _rope_write_kv_row(T, gen)
 
 
 # --------------------------------------------------------------------------- benchmarks
@@ -183,7 +191,7 @@ def graph_ms(fn, n=16):
 
     g_all, g_flush = capture(True), capture(False)
     ms = bench_ms(g_all.replay, rep=50) - bench_ms(g_flush.replay, rep=50)
-    del g_all, g_flush, flush
+    del g_all, g_flush
     return max(ms, 1e-6) / n
 
 
@@ -192,7 +200,7 @@ def copy_bandwidth():
     a = torch.empty(n, dtype=torch.uint8, device=DEV)
     a.random_()
     b = torch.empty_like(a)
-    ms = bench_ms(lambda: b.copy_(a))
+    ms = bench_ms(functools.partial(b.copy_, a))
     del a, b
     torch.cuda.empty_cache()
     return 2 * n / (ms * 1e-3) / 1e12
@@ -322,7 +330,7 @@ def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode", timer=None
                 )
             try:
                 K.paged_attention(*args, **kw)
-                ms = timer(lambda: K.paged_attention(*args, **kw))
+                ms = timer(functools.partial(K.paged_attention, *args, **kw))
             except Exception as e:  # a config that does not compile must not end the run
                 print(f"  decode {B}x{L} {var}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
@@ -332,9 +340,9 @@ def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode", timer=None
                 if var is None
                 else var
                 if var == "pointer"
-                else "%s seg%d w%d s%d" % var
+                else "{} seg{:d} w{:d} s{:d}".format(*var)
                 if var[0] == "tma"
-                else "seg%d tile%d w%d s%d kn%d hf%d" % var
+                else "seg{:d} tile{:d} w{:d} s{:d} kn{:d} hf{:d}".format(*var)
             )
             row["variants"].append(dict(cfg=name, us=ms * 1e3, TBps=tbps))
             print(f"  decode B={B} L={L} {name}: {ms * 1e3:.1f} us, {tbps:.2f} TB/s", flush=True)
@@ -353,7 +361,7 @@ def bench_decode(gen, copy_tbps, variants, shapes=None, key="decode", timer=None
         q = torch.randn(B, hq, 1, d, dtype=torch.bfloat16, device=DEV, generator=gen)
         k = torch.randn(B, hkv, L, d, dtype=torch.bfloat16, device=DEV, generator=gen)
         v = torch.randn_like(k)
-        ms = timer(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        ms = timer(functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True))
         row["sdpa"] = dict(us=ms * 1e3, TBps=kv_bytes / (ms * 1e-3) / 1e12)
         print(f"  decode B={B} L={L} SDPA contiguous: {ms * 1e3:.1f} us, {row['sdpa']['TBps']:.2f} TB/s", flush=True)
         del q, k, v
@@ -429,12 +437,12 @@ def bench_prefill(gen, variants):
                     )
                 try:
                     K.paged_attention(*args, **kw)
-                    ms = bench_ms(lambda: K.paged_attention(*args, **kw), rep=200)
+                    ms = bench_ms(functools.partial(K.paged_attention, *args, **kw), rep=200)
                 except Exception as e:
                     print(f"  prefill {B}x{S} {var}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
                 tf = flop / (ms * 1e-3) / 1e12
-                name = "heuristic" if var is None else "m%d tile%d w%d s%d kn%d hf%d" % var
+                name = "heuristic" if var is None else "m{:d} tile{:d} w{:d} s{:d} kn{:d} hf{:d}".format(*var)
                 row["variants"].append(dict(cfg=name, ms=ms, TFLOPs=tf))
                 print(f"  prefill B={B} S={S} cached={cached} {name}: {ms:.3f} ms, {tf:.0f} TFLOP/s", flush=True)
                 if var is None:

@@ -588,7 +588,7 @@ def peer_copy(R: dict, args, block_bytes: int) -> None:
     for n in args.sizes:
         nb = n * block_bytes
         times = []
-        for r in range(args.reps + 1):
+        for _ in range(args.reps + 1):
             sync()
             t = time.perf_counter()
             dst[:nb].copy_(src[:nb])
@@ -682,11 +682,11 @@ def correctness(D: Driver, R: dict, args, vocab: int) -> None:
                 row[f"{kind}_first_diff"] = j
                 if j is not None:
 
-                    def gap(rec):
+                    def gap(rec, j):
                         t2 = rec["top2"][j] if j < len(rec["top2"]) else []
                         return round(t2[0][1] - t2[1][1], 4) if len(t2) == 2 else None
 
-                    row[f"{kind}_gap_at_diff"] = [gap(pd), gap(ref)]  # top1-top2 logprob, P/D run and reference
+                    row[f"{kind}_gap_at_diff"] = [gap(pd, j), gap(ref, j)]  # top1-top2 logprob, P/D run and reference
         rows.append(row)
         log("check", row)
     R["correctness"] = rows

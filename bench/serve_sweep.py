@@ -209,7 +209,7 @@ def main() -> int:
             lat, makespan = fifo_latencies(hf["service"], float(rate), args.seed + 100 * (i + 1))
             ttft_ms = [x * 1000 for x in hf["ttft"]]
             tpot = [(s - t) / (args.output_len - 1) * 1000 for s, t in zip(hf["service"], hf["ttft"])]
-            wait = [(l - s) * 1000 for l, s in zip(lat, hf["service"])]
+            wait = [(done - s) * 1000 for done, s in zip(lat, hf["service"])]
             ttft_q = [w + t for w, t in zip(wait, ttft_ms)]
             print(
                 f"| HF generate, one at a time | {rate} | {len(prompts) / makespan:.2f} | {n_out / makespan:.1f} | "

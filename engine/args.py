@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from kvmesh.cli_fields import add_arguments, cli, scalar_type, values_from
 
@@ -134,7 +135,7 @@ class EngineArgs:
         add_arguments(container, cls, section)
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         return cls(**values_from(ns, cls))
 
     # ---- CRD (kvmesh/operator) ----------------------------------------------
@@ -144,7 +145,7 @@ class EngineArgs:
         return (f for f in dataclasses.fields(cls) if CRD in f.metadata)
 
     @classmethod
-    def from_crd(cls, spec_engine: Mapping[str, Any]) -> "EngineArgs":
+    def from_crd(cls, spec_engine: Mapping[str, Any]) -> EngineArgs:
         """The settings of an InferenceService's ``spec.engine``, its CRD defaults filling the gaps."""
         kw: dict[str, Any] = {}
         for f in cls.crd_fields():

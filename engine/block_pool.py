@@ -8,8 +8,7 @@ from the middle, when a cache hit revives it, is O(1).
 
 from __future__ import annotations
 
-import time
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from .hashing import BlockHash, external_hash
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent

@@ -10,7 +10,7 @@ tenants; every later block inherits them through the parent hash.
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import msgspec
 
@@ -38,7 +38,8 @@ def block_hashes_for(
     start: int = 0,
     parent: BlockHash | None = None,
 ) -> list[BlockHash]:
-    """Hashes of the full blocks of ``token_ids`` from block index ``start`` (``parent`` = hash of block ``start-1``)."""
+    """Hashes of the full blocks of ``token_ids`` from block index ``start``
+    (``parent`` = hash of block ``start-1``)."""
     out: list[BlockHash] = []
     n_full = len(token_ids) // block_size
     for i in range(start, n_full):

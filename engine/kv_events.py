@@ -10,8 +10,6 @@ The ZMQ framing is ``(topic, seq as 8-byte big-endian, payload)``.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import msgspec
 
 
@@ -21,16 +19,16 @@ class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 class BlockStored(KVCacheEvent):
     block_hashes: list[int]
-    parent_block_hash: Optional[int]
+    parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
-    lora_id: Optional[int] = None
-    medium: Optional[str] = "GPU"
+    lora_id: int | None = None
+    medium: str | None = "GPU"
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
-    medium: Optional[str] = "GPU"
+    medium: str | None = "GPU"
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -39,8 +37,8 @@ class AllBlocksCleared(KVCacheEvent):
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
-    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
-    data_parallel_rank: Optional[int] = None
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
 
 
 _enc = msgspec.msgpack.Encoder()

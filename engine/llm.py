@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 from .args import EngineArgs
 from .chat import render_chat
@@ -12,7 +12,7 @@ from .messages import EngineCoreRequest
 from .output_processor import RequestOutput, RequestState
 from .sampling_params import SamplingParams
 
-PromptType = Union[str, Sequence[int]]
+PromptType = str | Sequence[int]
 
 
 class LLM:

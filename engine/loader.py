@@ -192,7 +192,7 @@ def _load_gguf(path: str, load_weights: bool, load_tokenizer: bool) -> LoadedMod
             rms_norm_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
             tie_word_embeddings="output.weight" not in names,
-            attention_bias=f"blk.0.attn_q.bias" in names,
+            attention_bias="blk.0.attn_q.bias" in names,
             bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
         )

@@ -6,7 +6,7 @@ set of types for both, so the two paths cannot drift.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import msgspec
 
@@ -17,8 +17,8 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    cache_salt: Optional[str] = None
-    kv_transfer_params: Optional[dict[str, Any]] = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
     arrival_time: float = 0.0
 
 
@@ -29,13 +29,13 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     index: int = 0
     new_token_ids: list[int] = []
     # per new token: (logprob of the sampled token, [(token id, logprob), ...] top alternatives)
-    new_logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: Optional[Any] = None  # the stop token id or stop string that ended it
+    new_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: Any | None = None  # the stop token id or stop string that ended it
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    kv_transfer_params: Optional[dict[str, Any]] = None
-    error: Optional[str] = None
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

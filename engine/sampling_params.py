@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -96,5 +96,5 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def with_(self, **changes) -> "SamplingParams":
+    def with_(self, **changes) -> SamplingParams:
         return replace(self, **changes)

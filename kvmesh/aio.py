@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, Coroutine
+from collections.abc import Coroutine
+from typing import Any
 
 
 def run(main: Coroutine[Any, Any, Any]) -> Any:

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = _prompts(counts[-1], args.min_input_len, args.max_input_len, loaded.config.vocab_size, rng)
     times = {True: [], False: []}
     cpu = {True: [], False: []}
-    for rep in range(args.overhead_reps):
+    for _ in range(args.overhead_reps):
         for caching in (True, False):
             llm = LLM(loaded=loaded, max_num_seqs=levels[-1], enable_prefix_caching=caching)
             c0 = time.process_time()

@@ -766,7 +766,8 @@ def print_table(results: dict, setup: dict) -> None:
         print(
             f"{pol:<12} {f(r['hit_ratio']):>6} {f(r['ideal_hit_ratio']):>6} {f(r['ttft_p50']):>9} "
             f"{f(r['ttft_p90']):>7} {f(r['ttft_p99']):>7} {f(r['throughput']):>6} {f(r['imbalance'], 2):>6} "
-            f"{f(r.get('lost_ratio')):>6} {f(r.get('missed_followups'), 1):>6} {r['ok']:>4}/{r['failed']:<3} {f(r.get('router_cpu_pct'), 1):>12}"
+            f"{f(r.get('lost_ratio')):>6} {f(r.get('missed_followups'), 1):>6} {r['ok']:>4}/{r['failed']:<3} "
+            f"{f(r.get('router_cpu_pct'), 1):>12}"
         )
     multi = {pol: r["runs"] for pol, r in results.items() if r.get("runs")}
     if not multi:

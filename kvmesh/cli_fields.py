@@ -12,7 +12,8 @@ import argparse
 import dataclasses
 import types
 import typing
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 CLI = "cli"
 

@@ -28,7 +28,7 @@ class OperatorConfig:
         return float(min(self.max_backoff_seconds, 2 ** max(0, retry)))
 
     @staticmethod
-    def from_env(env: dict[str, str] | None = None) -> "OperatorConfig":
+    def from_env(env: dict[str, str] | None = None) -> OperatorConfig:
         e = os.environ if env is None else env
         p = "KVMESH_OPERATOR_"
         return OperatorConfig(

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from kvmesh.cli_fields import flag_of
 from kvmesh.engine.args import EngineArgs

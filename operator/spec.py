@@ -8,8 +8,9 @@ tests on raw example files, so every field here falls back to the same default a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from kvmesh import __version__
 from kvmesh.engine.args import EngineArgs
@@ -32,7 +33,7 @@ class ModelSpec:
     sub_path: str | None = None
 
     @staticmethod
-    def parse(d: Mapping[str, Any]) -> "ModelSpec":
+    def parse(d: Mapping[str, Any]) -> ModelSpec:
         vol = d.get("volume") or {}
         return ModelSpec(
             source=d.get("source", "embedded"),
@@ -51,7 +52,7 @@ class ConnectorSpec:
     redis_image: str = DEFAULT_REDIS_IMAGE
 
     @staticmethod
-    def parse(d: Mapping[str, Any]) -> "ConnectorSpec":
+    def parse(d: Mapping[str, Any]) -> ConnectorSpec:
         r = d.get("redis") or {}
         return ConnectorSpec(
             type=d.get("type", "nixl"),
@@ -72,7 +73,7 @@ class RoleSpec:
     tolerations: tuple[Mapping[str, Any], ...] = ()
 
     @staticmethod
-    def parse(d: Mapping[str, Any]) -> "RoleSpec":
+    def parse(d: Mapping[str, Any]) -> RoleSpec:
         res = d.get("resources") or {}
         return RoleSpec(
             replicas=int(d.get("replicas", 1)),
@@ -102,7 +103,7 @@ class AutoscalingSpec:
     decode: RoleScaling = RoleScaling(target_itl_ms=50, target_kv_usage=0.8)
 
     @staticmethod
-    def parse(d: Mapping[str, Any]) -> "AutoscalingSpec":
+    def parse(d: Mapping[str, Any]) -> AutoscalingSpec:
         p = d.get("prefill") or {}
         dc = d.get("decode") or {}
         return AutoscalingSpec(
@@ -136,7 +137,7 @@ class InferenceServiceSpec:
     autoscaling: AutoscalingSpec
 
     @staticmethod
-    def parse(spec: Mapping[str, Any]) -> "InferenceServiceSpec":
+    def parse(spec: Mapping[str, Any]) -> InferenceServiceSpec:
         return InferenceServiceSpec(
             image=spec.get("image", DEFAULT_IMAGE),
             image_pull_policy=spec.get("imagePullPolicy", "IfNotPresent"),
@@ -163,7 +164,7 @@ class ObjectMeta:
     generation: int = 0
 
     @staticmethod
-    def parse(meta: Mapping[str, Any]) -> "ObjectMeta":
+    def parse(meta: Mapping[str, Any]) -> ObjectMeta:
         return ObjectMeta(
             name=meta["name"],
             namespace=meta.get("namespace") or "default",

@@ -61,7 +61,7 @@ def random_state_dict(
     """HF-named random weights for ``cfg``; deterministic for a (seed, device) pair."""
     g = torch.Generator(device=device)
     g.manual_seed(seed)
-    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    H, inter, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
 
     def normal(*shape: int) -> torch.Tensor:
@@ -82,9 +82,9 @@ def random_state_dict(
                 sd[p + f"self_attn.{n}_proj.bias"] = normal(size)
         sd[p + "self_attn.o_proj.weight"] = normal(H, q)
         sd[p + "post_attention_layernorm.weight"] = norm_w()
-        sd[p + "mlp.gate_proj.weight"] = normal(I, H)
-        sd[p + "mlp.up_proj.weight"] = normal(I, H)
-        sd[p + "mlp.down_proj.weight"] = normal(H, I)
+        sd[p + "mlp.gate_proj.weight"] = normal(inter, H)
+        sd[p + "mlp.up_proj.weight"] = normal(inter, H)
+        sd[p + "mlp.down_proj.weight"] = normal(H, inter)
     sd["model.norm.weight"] = norm_w()
     if not cfg.tie_word_embeddings:
         sd["lm_head.weight"] = normal(cfg.vocab_size, H)

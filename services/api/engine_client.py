@@ -17,8 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -57,7 +57,7 @@ class EngineAddresses:
     output_addr: str
 
     @classmethod
-    def ipc_in(cls, directory: str | None = None) -> "EngineAddresses":
+    def ipc_in(cls, directory: str | None = None) -> EngineAddresses:
         d = directory or tempfile.mkdtemp(prefix="kvmesh-")
         return cls(f"ipc://{d}/engine-in.sock", f"ipc://{d}/engine-out.sock")
 
@@ -111,7 +111,7 @@ class EngineClient:
                 raise EngineDeadError("engine did not become ready in time")
             try:
                 await asyncio.wait_for(self._ready_event.wait(), 0.2)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         assert self.ready is not None
         return self.ready

@@ -24,8 +24,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import zmq
@@ -65,7 +66,7 @@ class EngineProcConfig:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "EngineProcConfig":
+    def from_json(cls, text: str) -> EngineProcConfig:
         return cls(**json.loads(text))
 
 

@@ -7,7 +7,7 @@ the same messages. Unknown fields are ignored, as OpenAI and vLLM do.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,66 +20,66 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: Optional[str] = None
+    model: str | None = None
     n: int = 1
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    seed: Optional[int] = None
-    max_tokens: Optional[int] = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
-    response_format: Optional[dict[str, Any]] = None  # only {"type": "text"}: no constrained decoding
-    user: Optional[str] = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: no constrained decoding
+    user: str | None = None
     # vLLM extras, passed through to the engine
-    cache_salt: Optional[str] = None
-    kv_transfer_params: Optional[dict[str, Any]] = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16  # OpenAI's default for completions
-    logprobs: Optional[int] = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
     echo: bool = False
-    suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    content: str | list[dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: Optional[str] = None
-    prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -87,5 +87,5 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: Optional[str] = None
+    model: str | None = None
     tokens: list[int]

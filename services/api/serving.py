@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from kvmesh.engine.chat import ChatContentError, render_chat
 from kvmesh.engine.messages import EngineCoreRequest
@@ -131,7 +132,7 @@ class Generation:
             else:
                 try:
                     item = await asyncio.wait_for(q.get(), 0.5)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if await is_disconnected():
                         self.close()
                         return

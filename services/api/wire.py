@@ -12,8 +12,6 @@ Direction engine -> API: ``Ready``, ``Outputs``, ``Rejected``, ``Stats``, ``Rese
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 from kvmesh.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
@@ -46,7 +44,7 @@ class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
     token: int  # echoed in the answer, so concurrent callers each get theirs
 
 
-ToEngine = Union[AddRequest, Abort, AbortSequence, Shutdown, ResetPrefixCache]
+ToEngine = AddRequest | Abort | AbortSequence | Shutdown | ResetPrefixCache
 
 
 # ---- engine -> API ----------------------------------------------------------
@@ -101,7 +99,7 @@ class Fatal(msgspec.Struct, tag="fatal"):
     message: str
 
 
-FromEngine = Union[Ready, Outputs, Rejected, Stats, ResetDone, Fatal]
+FromEngine = Ready | Outputs | Rejected | Stats | ResetDone | Fatal
 
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
 from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)

@@ -29,7 +29,6 @@ from array import array
 from collections import OrderedDict
 from typing import Any
 
-
 PARALLEL_PIECES = 32  # new pieces (~32 KB of text) from which a parallel batch costs no more CPU than one each
 
 
@@ -44,7 +43,7 @@ class PieceCache:
         self.misses = 0
 
     @classmethod
-    def for_tokenizer(cls, fast: Any, **kw: Any) -> "PieceCache | None":
+    def for_tokenizer(cls, fast: Any, **kw: Any) -> PieceCache | None:
         """A cache when cutting at `cut_points` is exact for this tokenizer (see the module doc), else None."""
         if fast is None or not hasattr(fast, "encode_batch_fast"):
             return None

@@ -15,9 +15,10 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -262,7 +263,7 @@ metadata:
   annotations:
     scheduler.alpha.kubernetes.io/node-selector: type=kwok
     scheduler.alpha.kubernetes.io/defaultTolerations: '[{{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}}]'
-""")
+""")  # noqa: E501 (one JSON annotation value)
     pv = f"models-{name}"
     chart.apply(f"""
 apiVersion: v1

@@ -14,9 +14,10 @@ import os
 import signal
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -226,7 +227,7 @@ class Load:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _workers: list[threading.Thread] = field(default_factory=list)
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         for i in range(self.threads):
             t = threading.Thread(target=self._run, args=(i,), daemon=True)
             t.start()

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from .conftest import Cluster, condition, record, wait_for, wait_ready
+from .conftest import Cluster, condition, record, wait_ready
 from .helpers import EXAMPLES, RESOURCE, example, expected_children, subset_mismatch
 
 pytestmark = pytest.mark.e2e

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -39,8 +40,8 @@ from .realpods import (
     kill_main_process,
     metric,
     new_namespace,
-    operator_pods,
     not_ready_on,
+    operator_pods,
     real_node_name,
     series,
     wait_rolled_out,
@@ -180,8 +181,9 @@ def test_cpu_example_serves_the_offline_engines_tokens(
             ran = [None]
 
             def settled() -> bool:
-                ran[0] = metric(svc.pod_metrics(pod), "kvmesh:engine_computed_tokens_total") - before[pod]
-                return ran[0] >= want
+                # polled by wait_for within this iteration
+                ran[0] = metric(svc.pod_metrics(pod), "kvmesh:engine_computed_tokens_total") - before[pod]  # noqa: B023
+                return ran[0] >= want  # noqa: B023
 
             wait_for("decode pod's computed-token counter", settled, 30, 0.3)
             time.sleep(1.0)  # a later snapshot must not add more
@@ -242,7 +244,7 @@ def test_repeated_long_prefix_goes_to_the_pod_that_holds_it(faulted: Service, sm
         placed[k] = pod
         wait_for(
             "KV events of the first request reach the router",
-            lambda: metric(svc.router_metrics(), "kvmesh:router_index_blocks") >= (len(prefix) // BS),
+            lambda: metric(svc.router_metrics(), "kvmesh:router_index_blocks") >= (len(prefix) // BS),  # noqa: B023 (polled now)
             60,
         )
         _, again, usage = complete(svc, prefix + base[:20], stream=False, max_tokens=2)

@@ -18,8 +18,8 @@ IDLE_POLL_S = 0.005
 
 
 def _build(spec: dict, loaded):
-    from kvmesh.engine.connectors import make_connector
     from kvmesh.engine.args import EngineArgs
+    from kvmesh.engine.connectors import make_connector
     from kvmesh.engine.core import EngineCore
 
     connector = make_connector(spec.get("connector", "none"), None, **spec.get("connector_opts", {}))

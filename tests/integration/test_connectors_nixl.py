@@ -12,7 +12,6 @@ The prefill-kill test is last because it consumes the prefill process.
 from __future__ import annotations
 
 import pytest
-
 from connector_procs import EngineProc
 
 pytestmark = pytest.mark.integration

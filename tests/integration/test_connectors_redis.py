@@ -15,14 +15,13 @@ import time
 
 import pytest
 import torch
+from connector_procs import run_request
 
+from kvmesh.engine.args import EngineArgs
 from kvmesh.engine.connectors import make_connector
 from kvmesh.engine.connectors.redis_connector import BlockFormatError, decode_block, encode_block
-from kvmesh.engine.args import EngineArgs
 from kvmesh.engine.core import EngineCore
 from kvmesh.topology import free_port as _free_port
-
-from connector_procs import run_request
 
 pytestmark = pytest.mark.integration
 
@@ -156,7 +155,7 @@ def test_block_format_rejects_every_kind_of_damage():
         "empty": b"",
         "foreign": b"not a block at all",
     }
-    for what, val in bad.items():
+    for val in bad.values():
         with pytest.raises(BlockFormatError):
             decode_block(val, sig, h, len(payload))
     with pytest.raises(BlockFormatError):

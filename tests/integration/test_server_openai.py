@@ -275,7 +275,7 @@ def test_logprobs(client):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert "".join(lp.tokens) == r.choices[0].text
-    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for val, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert val <= 0 and len(top) >= 3
         assert max(top.values()) == pytest.approx(val, abs=1e-4)  # greedy: the sampled token is the best
     assert lp.text_offset[0] == 0
