@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +31,9 @@ from .sampler import NoiseStream, Sampler, SampleResult
 from .sched_output import SchedulerOutput
 from .scheduler import Scheduler
 
+if TYPE_CHECKING:
+    from .sim_runner import SimulatedRunner
+
 log = logging.getLogger("kvmesh.engine")
 
 
@@ -45,7 +49,7 @@ class EngineCore:
         if simulate is not None:  # `serve --simulate`: latency model instead of the forward pass
             from .sim_runner import SimulatedRunner
 
-            self.runner = SimulatedRunner(config, **simulate)
+            self.runner: ModelRunner | SimulatedRunner = SimulatedRunner(config, **simulate)
         else:
             self.runner = ModelRunner(config, state_dict)
         self.kv = KVCacheManager(
@@ -85,7 +89,7 @@ class EngineCore:
         connector: KVConnector | None = None,
         loaded=None,
         simulate: dict | None = None,
-    ) -> tuple[EngineCore, object]:
+    ) -> tuple[EngineCore, Any]:
         """Load ``args.model`` (or take ``loaded``) and build an engine; returns ``(engine, tokenizer)``.
 
         ``simulate``: SimulatedRunner options (engine/sim_runner.py); no weights are loaded, the

@@ -29,12 +29,12 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import zmq
 
-from .kv_events import KVCacheEvent, KVEventBatch, encode_batch
+from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
 
 log = logging.getLogger("kvmesh.engine.kv_publisher")
 
@@ -81,7 +81,7 @@ class KVEventPublisher:
             raise RuntimeError(f"KV event publisher failed to start: {self._error}") from self._error
 
     # ---- engine side (any thread, never blocks) -----------------------------
-    def publish(self, events: Sequence[KVCacheEvent], ts: float | None = None) -> bool:
+    def publish(self, events: Sequence[BlockStored | BlockRemoved | AllBlocksCleared], ts: float | None = None) -> bool:
         if not events:
             return True
         try:

@@ -7,10 +7,10 @@ each other.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 
-def _is_int_list(x: Any) -> bool:
+def _is_int_list(x: Any) -> TypeGuard[list[int]]:
     return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
 
 

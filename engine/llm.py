@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import cast
 
 from .args import EngineArgs
 from .chat import render_chat
@@ -49,8 +50,10 @@ class LLM:
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        encoded = [self.encode(p) for p in prompts]  # type: ignore[union-attr]
+            batch = [cast(PromptType, prompts)]  # one prompt
+        else:
+            batch = list(cast(Sequence[PromptType], prompts))
+        encoded = [self.encode(p) for p in batch]
         return self._run(encoded, params, cache_salt)
 
     def chat(

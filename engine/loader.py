@@ -119,11 +119,11 @@ def _load_hf_folder(path: str, load_weights: bool, load_tokenizer: bool) -> Load
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
             raise ModelLoadError(f"no .safetensors files in {path}")
-        for f in files:
+        for name in files:
             try:
-                sd.update(load_file(os.path.join(path, f)))
+                sd.update(load_file(os.path.join(path, name)))
             except Exception as e:  # safetensors raises its own error types
-                raise ModelLoadError(f"cannot read {f}: {e}") from e
+                raise ModelLoadError(f"cannot read {name}: {e}") from e
     tok = None
     if load_tokenizer:
         from transformers import AutoTokenizer

@@ -90,9 +90,11 @@ class LogitAdjustment:
         if self.bias_pos.numel():
             flat.scatter_add_(0, self.bias_pos, self.bias_val.to(dt))
         if self.rep_pos.numel():
+            assert self.rep is not None  # set by build together with rep_pos
             v, pen = flat.index_select(0, self.rep_pos), self.rep.to(dt)[self.rep_pos // self.V]
             flat.index_copy_(0, self.rep_pos, torch.where(v > 0, v / pen, v * pen))
         if self.out_pos.numel():
+            assert self.freq_pres is not None  # set by build together with out_pos
             fp = self.freq_pres.to(dt)[self.out_pos // self.V]
             flat.scatter_add_(0, self.out_pos, -fp[:, 0])
             flat.index_copy_(0, self.out_pos, flat.index_select(0, self.out_pos) - fp[:, 1])

@@ -115,7 +115,7 @@ class RequestState:
                     out.logprobs = []
                     out.cumulative_logprob = 0.0
                 out.logprobs.append({"token_id": tok, "logprob": lp, "top": [tuple(t) for t in top]})
-                out.cumulative_logprob += lp
+                out.cumulative_logprob = (out.cumulative_logprob or 0.0) + lp
         stopped = False
         if self.tokenizer is not None and eo.new_token_ids:
             text = st.detokenize(self.tokenizer, self.params.skip_special_tokens)

@@ -100,6 +100,7 @@ class Request:
             if buf is None or len(buf) < n + len(new):
                 grown = np.empty(max(16, 2 * (n + len(new))), dtype=np.int64)
                 if n:
+                    assert buf is not None  # n tokens were copied into it before
                     grown[:n] = buf[:n]
                 buf = self._out_buf = grown
             buf[n : n + len(new)] = new

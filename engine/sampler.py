@@ -16,7 +16,9 @@ request, independent of batch composition).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
+import numpy.typing as npt
 import torch
 
 from .device_draw import NoiseStream, draw_on_device
@@ -40,7 +42,7 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | NoiseStream | None],
-        histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
+        histories: Sequence[tuple[npt.ArrayLike, npt.ArrayLike] | None] | None = None,
         on_device: bool | None = None,
     ) -> list[SampleResult]:
         """``logits[i]`` is sampled with ``params[i]``; rows may repeat for n > 1 forks. Rows with
@@ -50,19 +52,20 @@ class Sampler:
         raw = logits.float()
         logits = adjust_logits(raw, params, histories)
         if logits.is_cuda if on_device is None else on_device:
-            ids = draw_on_device(
-                logits, params, [i for i, p in enumerate(params) if not p.greedy], generators=generators
-            )
+            # drawn on the device, a seeded row's stream is a NoiseStream (EngineCore._generator)
+            streams = cast(Sequence[NoiseStream | None], generators)
+            ids = draw_on_device(logits, params, [i for i, p in enumerate(params) if not p.greedy], generators=streams)
         else:
             greedy_rows = [i for i, p in enumerate(params) if p.greedy]
             greedy_tok = dict(zip(greedy_rows, logits[greedy_rows].argmax(-1).tolist())) if greedy_rows else {}
-            ids = []
+            tokens: list[int] = []
             for i, p in enumerate(params):
                 if i in greedy_tok:
-                    ids.append(greedy_tok[i])
+                    tokens.append(greedy_tok[i])
                 else:
                     probs = filter_row(logits[i], p).softmax(-1).cpu()
-                    gen = generators[i] or self.default_generator
-                    ids.append(int(torch.multinomial(probs, 1, generator=gen).item()))
-            ids = torch.tensor(ids, dtype=torch.int64, device=raw.device)
+                    # drawn on the host, a seeded row's stream is a CPU generator (EngineCore._generator)
+                    gen = cast(torch.Generator | None, generators[i]) or self.default_generator
+                    tokens.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+            ids = torch.tensor(tokens, dtype=torch.int64, device=raw.device)
         return sample_results(raw, ids, params)

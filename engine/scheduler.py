@@ -28,6 +28,7 @@ from .request import Request, RequestStatus
 from .sched_output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
+    from .block_pool import KVCacheBlock
     from .sampler import SampleResult
 
 
@@ -108,7 +109,8 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
-                hits, n_hit = ([], 0)
+                hits: list[KVCacheBlock] = []
+                n_hit = 0
                 ext, load_async = 0, False
                 looked_up = req.num_computed_tokens == 0
                 if looked_up:
@@ -270,6 +272,7 @@ class Scheduler:
     def _append(self, r: Request, res: SampleResult) -> EngineCoreOutput:
         lp = None
         if r.params.logprobs is not None:
+            assert res.logprob is not None  # the sampler computes it for every row that asks
             lp = [(res.logprob, res.top_logprobs or [])]
         r.append_output_token(res.token_id)
         if r.first_token_time is None:

@@ -120,7 +120,7 @@ def _tma_view(cache: torch.Tensor):
     cached = getattr(cache, "_kvmesh_tma", _UNSET)
     if cached is _UNSET:
         cached = _build_tma_view(cache)
-        cache._kvmesh_tma = cached
+        cache._kvmesh_tma = cached  # type: ignore[attr-defined]  # cached on the tensor object itself, see above
     return cached
 
 
@@ -275,6 +275,7 @@ def paged_attention(
         stride_os, stride_ms, stride_mt = part.stride(0), m.stride(0), m.stride(1)
     kern = _dispatch.kernels_for(query)
     if cfg["tma"]:
+        assert descs is not None  # cfg keeps "tma" only where both descriptors were built
         kern.paged_decode_tma_kernel[(B * Hkv, nseg)](
             query,
             descs[0],
@@ -286,8 +287,7 @@ def paged_attention(
             query_start_loc,
             seq_lens,
             scale_log2,
-            query.stride(0),
-            query.stride(1),
+            *query.stride()[:2],
             part.stride(-3),
             part.stride(-2),
             stride_os,
@@ -345,17 +345,12 @@ def paged_attention(
             scale_log2,
             B,
             num_q_blocks,
-            query.stride(0),
-            query.stride(1),
+            *query.stride()[:2],
             part.stride(-3),
             part.stride(-2),
             stride_os,
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            v_cache.stride(0),
-            v_cache.stride(1),
-            v_cache.stride(2),
+            *k_cache.stride()[:3],
+            *v_cache.stride()[:3],
             block_tables.stride(0),
             stride_ms,
             stride_mt,
@@ -381,13 +376,9 @@ def _reduce_segments(kern, part, m, l_sum, out, query_start_loc, num_seqs) -> No
         out,
         query_start_loc,
         num_seqs,
-        part.stride(0),
-        part.stride(1),
-        part.stride(2),
-        m.stride(0),
-        m.stride(1),
-        out.stride(0),
-        out.stride(1),
+        *part.stride()[:3],
+        *m.stride()[:2],
+        *out.stride()[:2],
         HQ=Hq,
         HEAD_D=D,
         D_PAD=dpad,

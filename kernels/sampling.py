@@ -176,11 +176,13 @@ def race_argmax(
             )
         check_last_contig(fn, "noise", noise)
     else:
+        assert seeds is not None  # exactly one of noise and seeds, checked above
         _check_seeds(fn, seeds, probs.shape[0])
     _check_per_row(fn, "lo", lo, "probs", probs)
     check_device(fn, "probs", probs, **({"noise": noise} if noise is not None else {"seeds": seeds}))
     if backend(probs) == "reference":
         if noise is None:
+            assert seeds is not None
             noise = _ref.race_noise_reference(seeds, probs.shape[1])
         return _ref.race_argmax_reference(probs, noise, lo)
     rows, V = probs.shape
@@ -189,6 +191,7 @@ def race_argmax(
     lo = _fresh(lo)
     seeded = noise is None
     if seeded:
+        assert seeds is not None
         seeds = seeds.contiguous()
     chunks, chunk = _row_chunks(rows, V, _RACE_BLOCK, probs.device)
     val = torch.empty(rows, chunks, dtype=torch.float32, device=probs.device)
@@ -201,7 +204,7 @@ def race_argmax(
         val,
         idx,
         probs.stride(0),
-        0 if seeded else noise.stride(0),
+        0 if noise is None else noise.stride(0),
         V,
         chunk,
         BLOCK=_RACE_BLOCK,

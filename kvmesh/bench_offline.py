@@ -132,8 +132,8 @@ def run(args: argparse.Namespace) -> int:
     # Prefix-caching overhead when nothing hits: same unique prompts, caching on vs off, alternated.
     # Process CPU time is compared (one thread): wall time on a shared machine varies more than 2%.
     prompts = _prompts(counts[-1], args.min_input_len, args.max_input_len, loaded.config.vocab_size, rng)
-    times = {True: [], False: []}
-    cpu = {True: [], False: []}
+    times: dict[bool, list[float]] = {True: [], False: []}
+    cpu: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.overhead_reps):
         for caching in (True, False):
             llm = LLM(loaded=loaded, max_num_seqs=levels[-1], enable_prefix_caching=caching)

@@ -140,7 +140,7 @@ def load_trace(
     """Mooncake trace -> requests; hash id ``h`` always becomes the same ``block_tokens`` tokens."""
     scale = block_tokens / TRACE_BLOCK
     blocks: dict[int, list[int]] = {}
-    out = []
+    out: list[BenchRequest] = []
     with open(path) as f:
         for line in f:
             if len(out) >= limit:

@@ -8,8 +8,9 @@ testable and keeps handlers free of timestamp bookkeeping.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 READY = "Ready"
 PROGRESSING = "Progressing"
@@ -30,7 +31,7 @@ class Condition:
 
 
 def now() -> str:
-    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.now(dt.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def merge(
@@ -39,8 +40,8 @@ def merge(
     """Full condition list: `new` wins, lastTransitionTime is kept when status did not change,
     conditions of other types already on the object are preserved."""
     ts = timestamp or now()
-    previous = {c.get("type"): c for c in old or () if isinstance(c, dict)}
-    out: dict[str, dict[str, Any]] = dict(previous)
+    previous: dict[str | None, dict[str, Any]] = {c.get("type"): c for c in old or () if isinstance(c, dict)}
+    out = dict(previous)
     for c in new:
         prev = previous.get(c.type)
         changed = prev is None or prev.get("status") != c.status
@@ -49,7 +50,7 @@ def merge(
             "status": c.status,
             "reason": c.reason,
             "message": c.message,
-            "lastTransitionTime": ts if changed else prev.get("lastTransitionTime", ts),
+            "lastTransitionTime": ts if changed or prev is None else prev.get("lastTransitionTime", ts),
             "observedGeneration": generation,
         }
     order = {t: i for i, t in enumerate(TYPES)}

@@ -108,7 +108,7 @@ async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
 if CONFIG.watch_children:
 
     @kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGER})
-    def on_child_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
+    def on_child_event(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
         owner = next(
             (
                 r

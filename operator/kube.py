@@ -7,6 +7,7 @@ the RBAC story obvious (every verb used here is one the chart grants).
 
 from __future__ import annotations
 
+import builtins
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -133,7 +134,7 @@ class Kube:
         out = self._call("GET", k.collection(namespace), query=[("labelSelector", label_selector)])
         return list(out.get("items") or [])
 
-    def list_inference_services(self) -> list[dict]:
+    def list_inference_services(self) -> builtins.list[dict]:  # `list` here is the method above
         """All InferenceServices the operator may see (cluster-wide list, filtered by caller)."""
         k = INFERENCE_SERVICES
         out = self._call("GET", f"/apis/{k.api_version}/{k.plural}")

@@ -67,6 +67,7 @@ class PeerMetaCache:
     def fetch(self, host: str, port: int) -> Entry:
         """One "meta" handshake (any thread); the answer, or why there is none, goes into the cache."""
         self._stats["handshakes"] += 1
+        entry: Entry
         try:
             reply = self._ask(host, port, {"op": "meta"})
             if not reply.get("ok") or not isinstance(reply.get("meta"), dict):

@@ -346,9 +346,9 @@ class NixlConnector(KVConnector):
             ld = self._to_load.pop(rid)
             self._submit_release(ld.host, ld.port, ld.transfer_id)
             return False, None
-        ld = self._loads.get(rid)
-        if ld is not None:  # aborted while a read may be writing into its blocks
-            ld.abandoned = True
+        reading = self._loads.get(rid)
+        if reading is not None:  # aborted while a read may be writing into its blocks
+            reading.abandoned = True
             return True, None
         p = request.kv_transfer_params
         if not (isinstance(p, dict) and p.get("do_remote_decode") is True) or self.port is None:

@@ -50,8 +50,7 @@ class HeldBlocks:
         op = msg.get("op")
         xid = msg.get("transfer_id")
         with self._lock:
-            held = self._held.get(xid)
-            if held is None:
+            if not isinstance(xid, str) or (held := self._held.get(xid)) is None:
                 return {"ok": False, "error": f"unknown or expired transfer {xid!r}"}
             if op == "claim":
                 ids = msg.get("block_ids")

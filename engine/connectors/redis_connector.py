@@ -350,7 +350,7 @@ class RedisConnector(KVConnector):
         """Raw bytes of each block: views into a CPU cache, one gathered host copy for a GPU cache."""
         assert self.kv_cache is not None
         if self.kv_cache.device.type == "cpu":
-            return [memoryview(self.kv_cache[b].view(-1).view(torch.uint8).numpy()) for b in ids]
+            return [self.kv_cache[b].view(-1).view(torch.uint8).numpy().data for b in ids]
         packed = self.kv_cache[torch.tensor(ids, dtype=torch.long, device=self.kv_cache.device)].cpu()
         flat = packed.view(len(ids), -1).view(torch.uint8).numpy()
         return [memoryview(flat[i]) for i in range(len(ids))]

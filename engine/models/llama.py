@@ -9,6 +9,7 @@ read blocks another request in the same batch is filling this very step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,18 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32
     max_query_len: int = 0  # host-side launch hints for the attention kernel (0: let it guess)
     max_seq_len: int = 0
+
+
+class LayerWeights(TypedDict):
+    """One decoder layer's weights, fused as the kernels take them (q/k/v and gate/up concatenated)."""
+
+    in_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -56,7 +69,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.lm_head = (
             self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in state_dict else w("lm_head.weight")
         )
-        self.layers: list[dict[str, torch.Tensor | None]] = []
+        self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             qkv = torch.cat(
@@ -106,10 +119,10 @@ class LlamaForCausalLM(torch.nn.Module):
         data-dependent gather and its output rows are the (padded) batch rows."""
         cfg = self.cfg
         h = F.embedding(input_ids, self.embed)
-        residual = None
+        residual: torch.Tensor | None = None
         T = h.shape[0]
         caches = self.layer_caches(kv_cache)
-        hints = {}
+        hints: dict[str, Any] = {}
         if meta.max_query_len > 0:
             hints = dict(max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
         for li, layer in enumerate(self.layers):
@@ -131,6 +144,7 @@ class LlamaForCausalLM(torch.nn.Module):
             h = kernels.linear(attn.reshape(T, self.q_size), layer["o"])
             x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
             h = kernels.silu_mul_linear(kernels.linear(x, layer["gate_up"]), layer["down"])
+        assert residual is not None  # set by the first layer
         if logits_indices is not None:  # gather first: the add then touches only the sampled rows
             h = h.index_select(0, logits_indices)
             residual = residual.index_select(0, logits_indices)

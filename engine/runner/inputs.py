@@ -11,13 +11,15 @@ read yet (a chunked-prefill step returns without any sync).
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 import torch
 
 from ..models.llama import AttentionMetadata
 from ..sched_output import SchedulerOutput
+
+A = TypeVar("A")  # what EagerInputs holds: host arrays, then device tensors
 
 
 def align4(n: int) -> int:
@@ -72,6 +74,7 @@ class Staging:
         """The step's inputs as a tensor on the model's device (``dst[:n]`` on a GPU)."""
         if not self.cuda:
             return self.host[self.i][:n]
+        assert dst is not None  # a GPU step has its device buffer
         dst[:n].copy_(self.host[self.i][:n], non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
@@ -100,6 +103,18 @@ class StepPlan:
         "max_query_len",
         "max_seq_len",
     )
+    B: int
+    T: int
+    ids: np.ndarray
+    pos: np.ndarray
+    slots: np.ndarray
+    qsl: np.ndarray
+    seq_lens: np.ndarray
+    bt: np.ndarray
+    rows: np.ndarray
+    logits_idx: np.ndarray
+    max_query_len: int
+    max_seq_len: int
 
 
 def plan_step(sched: SchedulerOutput, block_size: int) -> StepPlan:
@@ -152,17 +167,17 @@ def block_table(block_ids: list[list[int]]) -> np.ndarray:
     return bt
 
 
-class EagerInputs(NamedTuple):
+class EagerInputs(NamedTuple, Generic[A]):
     """An eager step's inputs in staging order: host arrays before the upload, views of the one
     uploaded buffer after it (``block_tables`` flat, ``[B * W]``)."""
 
-    ids: object
-    positions: object
-    slots: object
-    query_start_loc: object
-    seq_lens: object
-    logits_idx: object
-    block_tables: object
+    ids: A
+    positions: A
+    slots: A
+    query_start_loc: A
+    seq_lens: A
+    logits_idx: A
+    block_tables: A
 
 
 def eager_layout_size(T: int, B: int, W: int) -> int:
@@ -181,7 +196,7 @@ class EagerStager:
         self.staging = staging
         self.device_buf = torch.zeros(staging.n, dtype=torch.int32, device=staging.device) if staging.cuda else None
 
-    def stage(self, p: StepPlan) -> tuple[EagerInputs, AttentionMetadata]:
+    def stage(self, p: StepPlan) -> tuple[EagerInputs[torch.Tensor], AttentionMetadata]:
         B, W = p.B, p.bt.shape[1]
         arrays = EagerInputs(p.ids, p.pos, p.slots, p.qsl, p.seq_lens, p.logits_idx, p.bt.reshape(-1))
         sizes = [len(a) for a in arrays]
@@ -190,7 +205,7 @@ class EagerStager:
         buf = staging.acquire(offs[-1])
         for k, arr in enumerate(arrays):
             buf[offs[k] : offs[k] + sizes[k]] = arr
-        if staging.cuda and offs[-1] > self.device_buf.numel():
+        if self.device_buf is not None and offs[-1] > self.device_buf.numel():  # on a GPU
             self.device_buf = torch.zeros(staging.n, dtype=torch.int32, device=staging.device)
         t = staging.upload(self.device_buf, offs[-1])
         v = EagerInputs(*(t[offs[k] : offs[k] + sizes[k]] for k in range(len(sizes))))

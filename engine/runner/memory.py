@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -73,7 +74,7 @@ def profile_reserve(
         (nb, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=device
     )
     dev = device
-    i32 = dict(dtype=torch.int32, device=dev)
+    i32: dict[str, Any] = dict(dtype=torch.int32, device=dev)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(T, **i32),
         block_tables=torch.arange(nb, **i32)[None],

@@ -113,6 +113,7 @@ class ModelRunner(DecodeRoundRunner):
         p = plan_step(sched, self.block_size)
         rows = p.rows.tolist()
         if self._uses_graph(p):
+            assert self.graphs is not None
             logits = self.graphs.run(p)
             self.num_graph_steps += 1
             if len(rows) != p.B:

@@ -10,6 +10,7 @@ advanced in place on the device from step to step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +21,7 @@ from ..logit_adjustment import LogitAdjustment
 from ..logprobs import SampleResult, device_logprobs, logprob_width, results_with_logprobs
 from ..models.llama import AttentionMetadata
 from ..sched_output import SchedulerOutput
-from .inputs import block_table, plan_step
+from .inputs import StepPlan, block_table, plan_step
 
 if TYPE_CHECKING:
     from ..models.llama import LlamaForCausalLM
@@ -61,6 +62,8 @@ class DecodeRoundRunner:
     graphs: DecodeGraphs | None
     num_graph_steps: int
     num_eager_steps: int
+    _apply_copies: Callable[[SchedulerOutput], None]
+    _uses_graph: Callable[[StepPlan], bool]
 
     def launch_round(self, sched: SchedulerOutput, k: int) -> Round:
         """Queue ``k`` decode steps on the device; no host wait.
@@ -77,6 +80,7 @@ class DecodeRoundRunner:
         adjusted = any(sp.adjusts_logits for sp in params)
         hist = [s.penalty_history for s in sched.scheduled] if adjusted else None
         if self._uses_graph(p):
+            assert self.graphs is not None
             rnd.graph = self.graphs.size_for(p.B)
             ids, pos, m = self.graphs.views(rnd.graph)
             B = p.B  # the real rows of the padded graph inputs: only these advance
@@ -121,9 +125,11 @@ class DecodeRoundRunner:
         rnd.graph, rnd.inputs = prev.graph, prev.inputs
         bt = block_table(block_ids)
         if rnd.graph:
+            assert self.graphs is not None
             self.graphs.stage_block_tables(bt, rnd.B)  # stream-ordered after prev's reads
         else:
             rnd.inputs[2].block_tables = to_device(bt, self.device, torch.int32)
+        assert prev.toks is not None  # launched: its tokens are on the device
         self._step_inputs(rnd, prev.toks[-1])
         self._run_steps(rnd, k, self._forward_again(rnd))
         return rnd
@@ -178,6 +184,7 @@ class DecodeRoundRunner:
     def _forward_again(self, rnd: Round) -> torch.Tensor:
         """One more step on a round's (already advanced) inputs."""
         if rnd.graph:
+            assert self.graphs is not None
             return self.graphs.replay(rnd.graph)[: rnd.B]
         ids, pos, meta = rnd.inputs
         return self.model(ids, pos, self.kv_cache, meta, None)

@@ -31,18 +31,21 @@ def register(sub) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The flags as a `RouterConfig`; ``--worker``/``--selector`` name pods of the engine's role "both"."""
+    from kvmesh.engine.config import Role
     from kvmesh.services.router.config import RouterConfig, ScoringWeights, parse_pod_spec
 
-    pods = tuple(
-        parse_pod_spec(s, role, args.kv_events_port, args.kv_replay_port)
-        for role, lst in (("both", args.worker), ("prefill", args.prefill), ("decode", args.decode))
-        for s in lst
+    urls: tuple[tuple[Role, list[str]], ...] = (
+        ("both", args.worker),
+        ("prefill", args.prefill),
+        ("decode", args.decode),
     )
-    selectors = tuple(
-        (r, s)
-        for r, s in (("both", args.selector), ("prefill", args.prefill_selector), ("decode", args.decode_selector))
-        if s
+    pods = tuple(parse_pod_spec(s, role, args.kv_events_port, args.kv_replay_port) for role, lst in urls for s in lst)
+    named: tuple[tuple[Role, str | None], ...] = (
+        ("both", args.selector),
+        ("prefill", args.prefill_selector),
+        ("decode", args.decode_selector),
     )
+    selectors = tuple((r, s) for r, s in named if s)
     if args.discovery == "static" and not pods:
         raise ValueError("give --worker/--prefill/--decode URLs, or --discovery k8s --selector ...")
     if args.discovery == "k8s" and not selectors:

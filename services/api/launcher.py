@@ -57,7 +57,8 @@ async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
             host=cfg.host,
             port=cfg.port,
             log_level=cfg.uvicorn_log_level,
-            timeout_graceful_shutdown=cfg.shutdown_timeout,
+            # uvicorn annotates an int but only hands it to asyncio.wait_for, which takes seconds as a float
+            timeout_graceful_shutdown=cfg.shutdown_timeout,  # type: ignore[arg-type]
             lifespan="off",
         )
     )
@@ -69,7 +70,7 @@ async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
         stop_requested.append(time.monotonic())
         uvicorn_exit(sig, frame)
 
-    server.handle_exit = handle_exit
+    server.handle_exit = handle_exit  # type: ignore[method-assign]  # wraps uvicorn's signal handler
     try:
         await server.serve()  # on SIGTERM: stops accepting, waits for open requests (shutdown_timeout)
     finally:

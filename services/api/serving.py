@@ -276,7 +276,7 @@ class Serving:
                 f"({max_tokens} > {self.max_model_len} - {longest}).",
                 "max_tokens",
             )
-        stop = req.stop if req.stop is not None else ()
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         fmt = (req.response_format or {}).get("type", "text")
         if fmt != "text":
             raise bad_request(

@@ -129,7 +129,8 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> int:
             port=cfg.port,
             log_level=cfg.log_level,
             lifespan="off",
-            timeout_graceful_shutdown=cfg.shutdown_timeout,
+            # uvicorn annotates an int but only hands it to asyncio.wait_for, which takes seconds as a float
+            timeout_graceful_shutdown=cfg.shutdown_timeout,  # type: ignore[arg-type]
         )
     )
     log.info(

@@ -116,7 +116,7 @@ class PodSpec:
             raise ValueError(f"pod url must start with http:// or https://, got {self.url!r}")
 
 
-def parse_pod_spec(text: str, role: str, events_port: int | None = None, replay_port: int | None = None) -> PodSpec:
+def parse_pod_spec(text: str, role: Role, events_port: int | None = None, replay_port: int | None = None) -> PodSpec:
     """``URL[,events=tcp://...][,replay=tcp://...]``; without ``events=``, ``--kv-events-port`` gives tcp://HOST:PORT."""
     parts = text.split(",")
     url = parts[0].rstrip("/")
@@ -159,7 +159,7 @@ class RouterConfig:
     pods: tuple[PodSpec, ...] = ()
     discovery: str = field(default="static", metadata=cli(choices=list(DISCOVERY)))
     k8s_namespace: str = field(default="default", metadata=cli(flag="--namespace"))
-    k8s_selectors: tuple[tuple[str, str], ...] = ()  # (role, label selector)
+    k8s_selectors: tuple[tuple[Role, str], ...] = ()  # (role, label selector)
     k8s_port_name: str = field(
         default="http", metadata=cli("EndpointSlice port name of the pods' HTTP port", flag="--port-name")
     )

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
+
+from kvmesh.engine.config import Role
 
 from .config import PodSpec, RouterConfig
 
@@ -68,7 +70,7 @@ class K8sDiscovery:
     def stop(self) -> None:
         self._stop.set()
 
-    def _spec(self, role: str, host: str, port: int) -> PodSpec:
+    def _spec(self, role: Role, host: str, port: int) -> PodSpec:
         h = f"[{host}]" if ":" in host else host
         c = self.cfg
         return PodSpec(
@@ -78,7 +80,7 @@ class K8sDiscovery:
             f"tcp://{h}:{c.kv_replay_port}" if c.kv_replay_port else None,
         )
 
-    def _sync(self, role: str, slices: dict[str, dict]) -> None:
+    def _sync(self, role: Role, slices: dict[str, dict]) -> None:
         eps: set[tuple[str, int]] = set()
         for obj in slices.values():
             eps |= endpoints_from_slice(obj, self.cfg.k8s_port_name)
@@ -90,7 +92,7 @@ class K8sDiscovery:
             self.loop.call_soon_threadsafe(self.add, specs[url])
         self._known[role] = set(specs)
 
-    def _watch(self, role: str, selector: str) -> None:
+    def _watch(self, role: Role, selector: str) -> None:
         from kubernetes import client, watch
 
         api = client.DiscoveryV1Api()
@@ -98,7 +100,9 @@ class K8sDiscovery:
         while not self._stop.is_set():
             try:
                 lst = api.list_namespaced_endpoint_slice(ns, label_selector=selector)
-                slices = {s.metadata.name: api.api_client.sanitize_for_serialization(s) for s in lst.items}
+                objs = [api.api_client.sanitize_for_serialization(s) for s in lst.items]
+                slices: dict[str, dict] = {o["metadata"]["name"]: o for o in objs}
+                assert lst.metadata is not None  # a list response always carries its resourceVersion
                 self._sync(role, slices)
                 w = watch.Watch()
                 for ev in w.stream(

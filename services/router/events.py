@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import msgspec
 import zmq
@@ -31,6 +31,16 @@ from kvmesh.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored,
 from .index import PrefixIndex
 
 log = logging.getLogger("kvmesh.router.events")
+
+
+@dataclass(frozen=True)
+class _PodAdd:
+    """A pod to subscribe to, queued by add_pod for the hub's thread."""
+
+    pod: str
+    model: str
+    endpoint: str
+    replay_endpoint: str | None
 
 
 @dataclass
@@ -71,7 +81,7 @@ class EventHub:
         self._subs: dict[zmq.Socket, _Sub] = {}
         self._by_pod: dict[str, _Sub] = {}
         self._lock = threading.Lock()
-        self._pending: list[tuple[str, object]] = []  # ("add", _Sub args) | ("remove", pod)
+        self._pending: list[_PodAdd | str] = []  # a pod to add, or the name of one to remove
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-event-hub", daemon=True)
         self._thread.start()
@@ -79,11 +89,11 @@ class EventHub:
     # ---- membership (any thread) --------------------------------------------
     def add_pod(self, pod: str, model: str, endpoint: str, replay_endpoint: str | None) -> None:
         with self._lock:
-            self._pending.append(("add", (pod, model, endpoint, replay_endpoint)))
+            self._pending.append(_PodAdd(pod, model, endpoint, replay_endpoint))
 
     def remove_pod(self, pod: str) -> None:
         with self._lock:
-            self._pending.append(("remove", pod))
+            self._pending.append(pod)
 
     def pod_seq(self, pod: str) -> int | None:
         s = self._by_pod.get(pod)
@@ -98,9 +108,9 @@ class EventHub:
     def _apply_membership(self, poller: zmq.Poller) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
-        for op, arg in pending:
-            if op == "add":
-                pod, model, endpoint, replay = arg  # type: ignore[misc]
+        for item in pending:
+            if isinstance(item, _PodAdd):
+                pod, model, endpoint, replay = item.pod, item.model, item.endpoint, item.replay_endpoint
                 if pod in self._by_pod:
                     continue
                 sock = self.ctx.socket(zmq.SUB)
@@ -115,13 +125,13 @@ class EventHub:
                 poller.register(sock, zmq.POLLIN)
                 self.index.mark_exact(pod)
             else:
-                sub = self._by_pod.pop(arg, None)  # type: ignore[arg-type]
-                if sub is not None:
-                    poller.unregister(sub.sock)
-                    del self._subs[sub.sock]
-                    sub.sock.close(linger=0)
-                    self.index.mark_exact(sub.pod, False)
-                    self.index.clear_pod(sub.pod)
+                gone = self._by_pod.pop(item, None)
+                if gone is not None:
+                    poller.unregister(gone.sock)
+                    del self._subs[gone.sock]
+                    gone.sock.close(linger=0)
+                    self.index.mark_exact(gone.pod, False)
+                    self.index.clear_pod(gone.pod)
 
     def _run(self) -> None:
         poller = zmq.Poller()

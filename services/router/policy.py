@@ -141,7 +141,8 @@ def shared_hits(pods: list[Pod], hits: dict[str, int], hashes: list[int]) -> tup
     """``(private, hot)``: the pods whose cached prefix of this request is held, in its deepest matched
     block, by at most one of their in-flight requests (private: the conversation's previous turn,
     still streaming) or by two or more (hot: a shared system prompt under concurrent traffic)."""
-    private, hot = set(), set()
+    private: set[str] = set()
+    hot: set[str] = set()
     for p in pods:
         k = hits.get(p.url, 0)
         if 0 < k <= len(hashes):

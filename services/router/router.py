@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from fastapi.responses import Response, StreamingResponse
@@ -44,6 +44,9 @@ from .metrics import RouterMetrics
 from .policy import Decision, Pod, least_load, predicted_cached_tokens, round_robin, score_pods, shared_hits
 from .scrape import parse_vllm_metrics
 from .upstream import Upstream, UpstreamError, UpstreamResponse
+
+if TYPE_CHECKING:
+    from .discovery import K8sDiscovery
 
 log = logging.getLogger("kvmesh.router")
 
@@ -98,7 +101,7 @@ class Router:
         self._prompts = 0
         self.upstream = Upstream(cfg.connect_timeout, cfg.read_timeout)
         self._tasks: list[asyncio.Task] = []
-        self._discovery = None
+        self._discovery: K8sDiscovery | None = None
         for spec in cfg.pods:
             self.add_pod(spec)
 
