@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 
-from kvmesh.bench_router import router_command
 from kvmesh.health import wait_healthy
 from kvmesh.services.api.testing import ServerProcess
 from kvmesh.topology import Topology, TopologyConfig, free_port
@@ -86,7 +85,17 @@ def main() -> int:
             w.start()
         port = free_port()
         router = subprocess.Popen(
-            router_command(port, *sum((["--worker", w.base_url] for w in workers), [])),
+            [
+                sys.executable,
+                "-m",
+                "kvmesh.cli",
+                "router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                *sum((["--worker", w.base_url] for w in workers), []),
+            ],
             start_new_session=True,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
