@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+from kvmesh.bench_router import router_command
 from kvmesh.health import wait_healthy
 from kvmesh.services.api.testing import ServerProcess
 from kvmesh.topology import Topology, TopologyConfig, free_port
@@ -85,17 +86,7 @@ def main() -> int:
             w.start()
         port = free_port()
         router = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvmesh.cli",
-                "router",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                *sum((["--worker", w.base_url] for w in workers), []),
-            ],
+            router_command(port, *sum((["--worker", w.base_url] for w in workers), [])),
             start_new_session=True,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

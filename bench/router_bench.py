@@ -43,8 +43,13 @@ from kvmesh.bench_router import (
     free_port,
     group_cpu_s,
     ideal_hit_ratio,
+    kvmesh_router_command,
+    launch_router,
     load_trace,
+    peer_command,
+    peer_router_command,
     replay,
+    router_command,
     scrape,
     wait_ready,
     word_vocab,
@@ -68,83 +73,26 @@ def build_requests(rows: list[dict], block_tokens: int, max_blocks: int, max_out
 
 
 def start_router(policy: str, workers: list[dict], tmp: str, args) -> tuple[Proc, str] | None:
+    """The router under ``policy``, or None when that peer's venv is not there."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = os.path.join(args.log_dir, f"router-{policy}.log")
-    wurls = [w["url"] for w in workers]
     if policy in ("kvmesh", "kvmesh-rr"):
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvmesh.cli",
-            "router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--block-size",
-            str(args.block_tokens),
-            "--health-interval",
-            "1.0",
-            "--policy",
-            "kv-aware" if policy == "kvmesh" else "round-robin",
-        ]
-        for w in workers:
-            cmd += ["--worker", f"{w['url']},events={w['events']},replay={w['replay']}"]
-        cmd += args.kvmesh_args.split()
-        env = {"KVMESH_LOG_LEVEL": "WARNING"}
-    elif policy in ("sglang", "sglang-rr"):
-        py = os.path.join(args.peer_venvs, "venv-sgl", "bin", "python")
-        if not os.path.exists(py):
-            return None
-        cmd = [
-            py,
-            "-m",
-            "sglang_router.launch_router",
-            "--worker-urls",
-            *wurls,
-            "--policy",
-            "cache_aware" if policy == "sglang" else "round_robin",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(free_port()),
-            "--log-level",
-            "warn",
-        ]
-        env = {}
+        kp = "kv-aware" if policy == "kvmesh" else "round-robin"
+        cmd = kvmesh_router_command(port, workers, args.block_tokens, kp) + args.kvmesh_args.split()
+        return launch_router(cmd, log, {"KVMESH_LOG_LEVEL": "WARNING"}, None, url)
+    if policy in ("sglang", "sglang-rr"):
+        peer, pp = "sglang", "cache_aware" if policy == "sglang" else "round_robin"
     elif policy == "vllm":
-        exe = os.path.join(args.peer_venvs, "venv-vllm", "bin", "vllm-router")
-        if not os.path.exists(exe):
-            return None
-        cmd = [
-            exe,
-            "--worker-urls",
-            *wurls,
-            "--policy",
-            "cache_aware",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--prometheus-port",
-            str(free_port()),
-        ]
-        env = {}
+        peer, pp = "vllm", "cache_aware"
     else:
         raise ValueError(f"unknown policy {policy}")
+    base = peer_command(peer, args)
+    if base is None:
+        return None
     # peers run outside the repo: its top-level operator/ folder would shadow the stdlib module there
-    p = Proc(cmd, log, env, cwd=None if policy.startswith("kvmesh") else tempfile.gettempdir())
-    try:
-        wait_ready(url, 120, p)
-    except RuntimeError:
-        p.stop()
-        raise
-    return p, url
+    cmd = peer_router_command(base, peer, [w["url"] for w in workers], port, pp)
+    return launch_router(cmd, log, {}, tempfile.gettempdir(), url)
 
 
 FAKE_POD = """
@@ -209,22 +157,7 @@ def overhead(args) -> dict:
             if pol.startswith("kvmesh"):
                 rport = free_port()
                 env = {"KVMESH_LOG_LEVEL": "WARNING", "KVMESH_UVLOOP": "0" if pol == "kvmesh-asyncio" else "1"}
-                rp = Proc(
-                    [
-                        sys.executable,
-                        "-m",
-                        "kvmesh.cli",
-                        "router",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(rport),
-                        "--worker",
-                        url,
-                    ],
-                    os.path.join(logs, f"overhead-{pol}.log"),
-                    env,
-                )
+                rp = Proc(router_command(rport, "--worker", url), os.path.join(logs, f"overhead-{pol}.log"), env)
                 rurl = f"http://127.0.0.1:{rport}"
                 wait_ready(rurl, 120, rp)
             else:

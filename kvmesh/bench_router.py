@@ -372,72 +372,29 @@ def parse_variants(specs: list[str], reserved: set[str]) -> dict[str, list[str]]
     return out
 
 
-def start_router(policy: str, workers: list[dict], args) -> tuple[Proc, str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = os.path.join(args.log_dir, f"router-{policy}.log")
-    wurls = [w["url"] for w in workers]
-    cwd = None
-    variants = getattr(args, "variants", {})
-    if policy in ("kvmesh", "round-robin", "least-load") or policy in variants:
-        kp = "kv-aware" if policy == "kvmesh" or policy in variants else policy
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvmesh.cli",
-            "router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--block-size",
-            str(args.block_tokens),
-            "--health-interval",
-            "1.0",
-            "--policy",
-            kp,
-        ]
-        for w in workers:
-            cmd += ["--worker", f"{w['url']},events={w['events']},replay={w['replay']}"]
-        if policy == "kvmesh":
-            cmd += args.kvmesh_args.split()
-        cmd += variants.get(policy, [])
-        # KVMESH_BENCH_ROUTER_LOG=DEBUG logs every routing decision (hits, loads) to router-<policy>.log
-        env = {"KVMESH_LOG_LEVEL": os.environ.get("KVMESH_BENCH_ROUTER_LOG", "WARNING")}
-    else:
-        base = peer_command(policy, args)
-        cwd = tempfile.gettempdir()
-        if policy == "sglang":
-            cmd = base + [
-                "--worker-urls",
-                *wurls,
-                "--policy",
-                "cache_aware",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--prometheus-host",
-                "127.0.0.1",
-                "--prometheus-port",
-                str(free_port()),
-                "--log-level",
-                "warn",
-            ]
-        else:
-            cmd = base + [
-                "--worker-urls",
-                *wurls,
-                "--policy",
-                "cache_aware",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--prometheus-port",
-                str(free_port()),
-            ]
-        env = {}
+def router_command(port: int, *flags: str) -> list[str]:
+    """``kvmesh router`` on 127.0.0.1:``port`` with ``flags`` after the address."""
+    return [sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(port), *flags]
+
+
+def kvmesh_router_command(port: int, workers: list[dict], block_tokens: int, policy: str) -> list[str]:
+    """The kvmesh router over ``workers`` (each with its KV event and replay endpoints) under ``policy``."""
+    cmd = router_command(port, "--block-size", str(block_tokens), "--health-interval", "1.0", "--policy", policy)
+    for w in workers:
+        cmd += ["--worker", f"{w['url']},events={w['events']},replay={w['replay']}"]
+    return cmd
+
+
+def peer_router_command(base: list[str], peer: str, wurls: list[str], port: int, policy: str) -> list[str]:
+    """A peer router (``base`` from `peer_command`) over ``wurls``; sglang also gets its metrics host and log level."""
+    cmd = base + ["--worker-urls", *wurls, "--policy", policy, "--host", "127.0.0.1", "--port", str(port)]
+    if peer == "sglang":
+        return cmd + ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"]
+    return cmd + ["--prometheus-port", str(free_port())]
+
+
+def launch_router(cmd: list[str], log: str, env: dict[str, str], cwd: str | None, url: str) -> tuple[Proc, str]:
+    """Start ``cmd`` and wait until ``url`` answers; the process is stopped if it never does."""
     p = Proc(cmd, log, env, cwd=cwd)
     try:
         wait_ready(url, 120, p)
@@ -445,6 +402,27 @@ def start_router(policy: str, workers: list[dict], args) -> tuple[Proc, str]:
         p.stop()
         raise
     return p, url
+
+
+def start_router(policy: str, workers: list[dict], args) -> tuple[Proc, str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = os.path.join(args.log_dir, f"router-{policy}.log")
+    variants = getattr(args, "variants", {})
+    if policy in ("kvmesh", "round-robin", "least-load") or policy in variants:
+        kp = "kv-aware" if policy == "kvmesh" or policy in variants else policy
+        cmd = kvmesh_router_command(port, workers, args.block_tokens, kp)
+        if policy == "kvmesh":
+            cmd += args.kvmesh_args.split()
+        cmd += variants.get(policy, [])
+        # KVMESH_BENCH_ROUTER_LOG=DEBUG logs every routing decision (hits, loads) to router-<policy>.log
+        env = {"KVMESH_LOG_LEVEL": os.environ.get("KVMESH_BENCH_ROUTER_LOG", "WARNING")}
+        return launch_router(cmd, log, env, None, url)
+    base = peer_command(policy, args)
+    if base is None:  # main leaves out the peers whose venv is missing
+        raise RuntimeError(f"{policy}: no router under {args.peer_venvs}")
+    cmd = peer_router_command(base, policy, [w["url"] for w in workers], port, "cache_aware")
+    return launch_router(cmd, log, {}, tempfile.gettempdir(), url)
 
 
 # ---- replay ---------------------------------------------------------------------------
