@@ -17,6 +17,7 @@ import sys
 import time
 
 from kvmesh.bench_router import router_command
+from kvmesh.bench_serve import run_in_subprocess
 from kvmesh.health import wait_healthy
 from kvmesh.services.api.testing import ServerProcess
 from kvmesh.topology import Topology, TopologyConfig, free_port
@@ -26,35 +27,9 @@ WORKER = ("--max-model-len", "2048", "--num-kv-blocks", "512")
 
 def bench(url: str, args, label: str, out_dir: str) -> dict:
     path = os.path.join(out_dir, f"pd_serve_{label}.json")
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvmesh.cli",
-        "bench",
-        "serve",
-        "--base-url",
-        url,
-        "--dataset",
-        "random",
-        "--num-prompts",
-        str(args.num_prompts),
-        "--request-rate",
-        args.request_rate,
-        "--input-len",
-        str(args.input_len),
-        "--output-len",
-        str(args.output_len),
-        "--seed",
-        "7",
-        "--no-progress",
-        "--result-json",
-        path,
-        "--label",
-        label,
-    ]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    with open(path) as f:
-        return json.load(f)["summary"]
+    return run_in_subprocess(
+        url, path, args, args.request_rate, "--seed", "7", "--label", label, stdout=subprocess.DEVNULL
+    )
 
 
 def main() -> int:

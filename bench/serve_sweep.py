@@ -19,11 +19,12 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
 import httpx
+
+from kvmesh.bench_serve import run_in_subprocess
 
 
 def pct(xs, p):
@@ -37,33 +38,7 @@ def pct(xs, p):
 def bench_rate(base_url: str, rate: str, args, out_dir: str, seed: int) -> dict:
     """One `kvmesh bench serve` run; each rate gets its own seed, so no run hits another's cached prefixes."""
     path = os.path.join(out_dir, f"serve-rate-{rate}.json")
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvmesh.cli",
-        "bench",
-        "serve",
-        "--base-url",
-        base_url,
-        "--dataset",
-        "random",
-        "--num-prompts",
-        str(args.num_prompts),
-        "--input-len",
-        str(args.input_len),
-        "--output-len",
-        str(args.output_len),
-        "--request-rate",
-        rate,
-        "--result-json",
-        path,
-        "--no-progress",
-        "--seed",
-        str(seed),
-    ]
-    subprocess.run(cmd, check=True, stdout=sys.stderr)
-    with open(path) as f:
-        return json.load(f)["summary"]
+    return run_in_subprocess(base_url, path, args, rate, "--seed", str(seed), stdout=sys.stderr)
 
 
 def dataset_prompts(args) -> list[list[int]]:

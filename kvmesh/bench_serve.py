@@ -26,6 +26,7 @@ import asyncio
 import json
 import math
 import random
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -379,3 +380,35 @@ def run(args: argparse.Namespace) -> int:
     plot(summary, percentiles, png, f"{args.dataset}, rate {args.request_rate}, {len(reqs)} prompts")
     print(f"wrote {path} and {png}")
     return 0 if summary["failed"] == 0 else 1
+
+
+def run_in_subprocess(base_url: str, result_json: str, args, rate: str, *flags: str, stdout=None) -> dict:
+    """One `kvmesh bench serve` run on the random dataset (``args`` gives num_prompts, input_len and
+    output_len) at request rate ``rate``, in a process of its own as a user would start it; returns the
+    summary it wrote to ``result_json``. ``flags`` are further `kvmesh bench serve` flags."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        "bench",
+        "serve",
+        "--base-url",
+        base_url,
+        "--dataset",
+        "random",
+        "--num-prompts",
+        str(args.num_prompts),
+        "--request-rate",
+        rate,
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--no-progress",
+        "--result-json",
+        result_json,
+        *flags,
+    ]
+    subprocess.run(cmd, check=True, stdout=stdout)
+    with open(result_json) as f:
+        return json.load(f)["summary"]
