@@ -134,13 +134,31 @@ def _compiled_variants() -> dict[str, int]:
     }
 
 
+def _float32_engine(loaded, **args):
+    """An engine on the GPU in float32, so token comparisons are exact, sized for a few short requests."""
+    from kvmesh.engine.args import EngineArgs
+    from kvmesh.engine.core import EngineCore
+
+    eng, _ = EngineCore.from_model(
+        EngineArgs(
+            device="cuda",
+            dtype="float32",
+            num_kv_blocks=512,
+            max_num_batched_tokens=512,
+            max_num_seqs=8,
+            max_model_len=512,
+            **args,
+        ),
+        loaded=loaded,
+    )
+    return eng
+
+
 def test_sampled_requests_run_multi_step_on_the_gpu(engine_bench):
     """Unseeded sampled requests decode in multi-step rounds, drawn on the device; with top_k=1
     the draw is deterministic and must give the greedy one-step tokens. In float32: bf16 logits
     tie at the top often enough that top_k=1 (which keeps every tied maximum) and argmax (the
     first one) may legitimately differ."""
-    from kvmesh.engine.args import EngineArgs
-    from kvmesh.engine.core import EngineCore
     from kvmesh.engine.messages import EngineCoreRequest
     from kvmesh.engine.models.random_init import random_model
     from kvmesh.engine.sampling_params import SamplingParams
@@ -150,18 +168,7 @@ def test_sampled_requests_run_multi_step_on_the_gpu(engine_bench):
     prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (20, 77, 150, 33)]
 
     def run(steps, params):
-        eng, _ = EngineCore.from_model(
-            EngineArgs(
-                device="cuda",
-                dtype="float32",
-                num_kv_blocks=512,
-                max_num_batched_tokens=512,
-                max_num_seqs=8,
-                max_model_len=512,
-                num_scheduler_steps=steps,
-            ),
-            loaded=loaded,
-        )
+        eng = _float32_engine(loaded, num_scheduler_steps=steps)
         out = {}
         for i, p in enumerate(prompts):
             eng.add_request(EngineCoreRequest(request_id=f"s{i}", prompt_token_ids=p, params=params[i]))
@@ -192,8 +199,6 @@ def test_async_scheduling_matches_waiting_rounds_on_the_gpu(engine_bench):
     tokens on the device, block tables uploaded behind it) give exactly the tokens of rounds that
     wait for each other. float32, so equality is exact; a stop mid-round and different lengths
     end the chaining at different rounds; an abort and an arrival arrive mid-flight."""
-    from kvmesh.engine.args import EngineArgs
-    from kvmesh.engine.core import EngineCore
     from kvmesh.engine.messages import EngineCoreRequest
     from kvmesh.engine.models.random_init import random_model
     from kvmesh.engine.sampling_params import SamplingParams
@@ -203,19 +208,7 @@ def test_async_scheduling_matches_waiting_rounds_on_the_gpu(engine_bench):
     prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (20, 77, 150, 33, 64, 9)]
 
     def run(lazy, params, abort_at=None):
-        eng, _ = EngineCore.from_model(
-            EngineArgs(
-                device="cuda",
-                dtype="float32",
-                num_kv_blocks=512,
-                max_num_batched_tokens=512,
-                max_num_seqs=8,
-                max_model_len=512,
-                num_scheduler_steps=8,
-                async_scheduling=lazy,
-            ),
-            loaded=loaded,
-        )
+        eng = _float32_engine(loaded, num_scheduler_steps=8, async_scheduling=lazy)
         out = {}
         for i, p in enumerate(prompts[:5]):
             eng.add_request(EngineCoreRequest(request_id=f"s{i}", prompt_token_ids=p, params=params[i]))
@@ -267,8 +260,6 @@ def test_penalties_match_hf_on_the_gpu(engine_bench):
     (`logit_adjustment.LogitAdjustment.extend`)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from kvmesh.engine.args import EngineArgs
-    from kvmesh.engine.core import EngineCore
     from kvmesh.engine.messages import EngineCoreRequest
     from kvmesh.engine.models.random_init import hf_model_from_state_dict, random_model
     from kvmesh.engine.sampling_params import SamplingParams
@@ -327,18 +318,7 @@ def test_penalties_match_hf_on_the_gpu(engine_bench):
         return o[0, len(prompt) :].tolist()
 
     def run(per_row):
-        eng, _ = EngineCore.from_model(
-            EngineArgs(
-                device="cuda",
-                dtype="float32",
-                num_kv_blocks=512,
-                max_num_batched_tokens=512,
-                max_num_seqs=8,
-                max_model_len=512,
-                num_scheduler_steps=4,
-            ),
-            loaded=loaded,
-        )
+        eng = _float32_engine(loaded, num_scheduler_steps=4)
         out = {}
         for i, (p, s) in enumerate(zip(prompts, per_row)):
             eng.add_request(
@@ -384,8 +364,6 @@ def test_logprobs_and_seeds_in_rounds_match_one_step_on_the_gpu(engine_bench):
     logprobs are taken on the device from the raw logits and copied with the tokens, the seeded
     row draws from its own CUDA generator. float32: the same tokens, chosen logprobs and top
     entries as one step at a time, and the seeded row's tokens as when it runs alone."""
-    from kvmesh.engine.args import EngineArgs
-    from kvmesh.engine.core import EngineCore
     from kvmesh.engine.messages import EngineCoreRequest
     from kvmesh.engine.models.random_init import random_model
     from kvmesh.engine.sampling_params import SamplingParams
@@ -403,19 +381,7 @@ def test_logprobs_and_seeds_in_rounds_match_one_step_on_the_gpu(engine_bench):
     ]
 
     def run(steps, lazy, rows=5):
-        eng, _ = EngineCore.from_model(
-            EngineArgs(
-                device="cuda",
-                dtype="float32",
-                num_kv_blocks=512,
-                max_num_batched_tokens=512,
-                max_num_seqs=8,
-                max_model_len=512,
-                num_scheduler_steps=steps,
-                async_scheduling=lazy,
-            ),
-            loaded=loaded,
-        )
+        eng = _float32_engine(loaded, num_scheduler_steps=steps, async_scheduling=lazy)
         toks, lps = {}, {}
         for i, (p, s) in list(enumerate(zip(prompts, params)))[-rows:]:
             eng.add_request(EngineCoreRequest(request_id=f"l{i}", prompt_token_ids=p, params=s))
