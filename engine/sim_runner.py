@@ -69,6 +69,7 @@ class SimulatedRunner:
         vocab: int = DEFAULT_VOCAB,
         vocab_lo: int = DEFAULT_VOCAB_LO,
         sleep=time.sleep,
+        clock=time.perf_counter,
     ) -> None:
         self.config = config
         vsize = config.model.vocab_size
@@ -81,6 +82,7 @@ class SimulatedRunner:
         self.decode_base_ms = decode_base_ms
         self.decode_per_seq_ms = decode_per_seq_ms
         self.sleep = sleep
+        self.clock = clock  # with ``sleep``, injectable so a test checks the model without timing the host
         self.num_blocks = config.cache.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS
         self.kv_cache = torch.zeros(self.num_blocks, 1, dtype=torch.float32)  # placeholder, one element per block
         self.device = torch.device("cpu")
@@ -98,7 +100,7 @@ class SimulatedRunner:
         """Sleep for the step's modelled latency; ``logits[j]`` belongs to ``sched.scheduled[rows[j]]``."""
         if not sched.scheduled:
             return torch.empty(0, self.width), []
-        t0 = time.perf_counter()
+        t0 = self.clock()
         rows, toks = [], []
         for j, s in enumerate(sched.scheduled):
             end = s.num_computed_tokens + s.num_tokens
@@ -112,7 +114,7 @@ class SimulatedRunner:
         self.num_eager_steps += 1
         ms = self.step_ms(sched)
         self.simulated_s += ms / 1000
-        left = ms / 1000 - (time.perf_counter() - t0)
+        left = ms / 1000 - (self.clock() - t0)
         if left > 0:
             self.sleep(left)
         return logits, rows

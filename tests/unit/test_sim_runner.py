@@ -95,11 +95,12 @@ def test_latency_model(loaded):
     eng, _ = make(loaded)
     slept = []
     eng.runner.sleep = slept.append
+    eng.runner.clock = lambda: 0.0  # the host's own time is left out, so the sleeps are exactly the model
     eng.runner.prefill_ms_per_token, eng.runner.decode_base_ms, eng.runner.decode_per_seq_ms = 0.5, 4.0, 0.25
     run(eng, "x", list(range(1100, 1200)), n=3)
-    # prefill step: 4 + 0.25 + 100 x 0.5 ms; two decode steps: 4 + 0.25 ms (minus the step's own host time)
+    # prefill step: 4 + 0.25 + 100 x 0.5 ms; two decode steps: 4 + 0.25 ms
     assert len(slept) == 3
-    assert 0.050 < slept[0] <= 0.05425 and all(0.003 < s <= 0.00425 for s in slept[1:])
+    assert slept == pytest.approx([0.05425, 0.00425, 0.00425], abs=1e-12)
     assert abs(eng.runner.simulated_s - (0.05425 + 2 * 0.00425)) < 1e-9
 
 
