@@ -51,6 +51,7 @@ from kvmesh.bench_router import (
     replay,
     router_command,
     scrape,
+    start_instance,
     wait_ready,
     word_vocab,
 )
@@ -313,31 +314,16 @@ def main(argv=None) -> int:
     results: dict[str, dict] = {}
     try:
         for i in range(args.workers):
-            port = free_port()
-            w = {"url": f"http://127.0.0.1:{port}", "events": f"ipc://{tmp}/ev{i}", "replay": f"ipc://{tmp}/rep{i}"}
-            cmd = [
-                sys.executable,
-                "-m",
-                "kvmesh.cli",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
+            flags = (
                 "--max-model-len",
                 "1024",
                 "--num-kv-blocks",
                 str(args.num_kv_blocks),
                 "--block-size",
                 str(args.block_tokens),
-                "--engine-id",
-                f"w{i}",
-                "--kv-events-endpoint",
-                w["events"],
-                "--kv-events-replay-endpoint",
-                w["replay"],
-            ]
-            procs.append(Proc(cmd, os.path.join(logs, f"worker{i}.log"), env))
+            )
+            w, p = start_instance(tmp, i, f"w{i}", os.path.join(logs, f"worker{i}.log"), env, *flags)
+            procs.append(p)
             workers.append(w)
         for w, p in zip(workers, procs):
             wait_ready(w["url"], 900, p)

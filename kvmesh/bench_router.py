@@ -372,6 +372,31 @@ def parse_variants(specs: list[str], reserved: set[str]) -> dict[str, list[str]]
     return out
 
 
+def start_instance(tmp: str, i: int, engine_id: str, log: str, env: dict[str, str], *flags: str) -> tuple[dict, Proc]:
+    """`kvmesh serve` number ``i`` with ``flags``, publishing its KV events (and serving their replay) on ipc
+    sockets under ``tmp``; returns the worker as the router commands take it (url, events, replay) and its process."""
+    port = free_port()
+    w = {"url": f"http://127.0.0.1:{port}", "events": f"ipc://{tmp}/ev{i}", "replay": f"ipc://{tmp}/rep{i}"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *flags,
+        "--engine-id",
+        engine_id,
+        "--kv-events-endpoint",
+        w["events"],
+        "--kv-events-replay-endpoint",
+        w["replay"],
+    ]
+    return w, Proc(cmd, log, env)
+
+
 def router_command(port: int, *flags: str) -> list[str]:
     """``kvmesh router`` on 127.0.0.1:``port`` with ``flags`` after the address."""
     return [sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(port), *flags]
@@ -552,18 +577,8 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     try:
         for i in range(args.instances):
-            port = free_port()
-            w = {"url": f"http://127.0.0.1:{port}", "events": f"ipc://{tmp}/ev{i}", "replay": f"ipc://{tmp}/rep{i}"}
-            cmd = [
-                sys.executable,
-                "-m",
-                "kvmesh.cli",
-                "serve",
+            flags = [
                 "--simulate",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
                 "--max-model-len",
                 str(args.max_model_len),
                 "--num-kv-blocks",
@@ -574,16 +589,11 @@ def run(args: argparse.Namespace) -> int:
                 str(chunk),
                 "--sim-prefill-ms-per-token",
                 f"{prefill_ms:.6g}",
-                "--engine-id",
-                f"sim{i}",
-                "--kv-events-endpoint",
-                w["events"],
-                "--kv-events-replay-endpoint",
-                w["replay"],
             ]
             if args.sim_decode_ms:
-                cmd += ["--sim-decode-ms", args.sim_decode_ms]
-            procs.append(Proc(cmd, os.path.join(args.log_dir, f"instance{i}.log"), env))
+                flags += ["--sim-decode-ms", args.sim_decode_ms]
+            w, p = start_instance(tmp, i, f"sim{i}", os.path.join(args.log_dir, f"instance{i}.log"), env, *flags)
+            procs.append(p)
             workers.append(w)
         print(f"starting {args.instances} simulated instances (logs in {args.log_dir}) ...", file=sys.stderr)
         for w, p in zip(workers, procs):
