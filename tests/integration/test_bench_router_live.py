@@ -13,6 +13,38 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
+def bench_router(tmp_path, rows: list[dict], policies: str, rate: str, *flags: str) -> list[str]:
+    """`kvmesh bench router` over ``rows`` (written as the trace) on two small simulated instances."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        "bench",
+        "router",
+        "--trace",
+        str(trace),
+        "--instances",
+        "2",
+        "--policies",
+        policies,
+        "--requests",
+        "0",
+        "--rate",
+        rate,
+        "--max-output",
+        "2",
+        "--max-model-len",
+        "512",
+        "--num-kv-blocks",
+        "64",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        *flags,
+    ]
+
+
 def test_bench_router_repeats_with_cold_caches(tmp_path):
     # two conversations of three turns; every turn extends the previous one by a block
     rows = []
@@ -26,42 +58,16 @@ def test_bench_router_repeats_with_cold_caches(tmp_path):
                     "hash_ids": [0] + [100 * (c + 1) + k for k in range(turn + 2)],
                 }
             )
-    trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "router.json"
     env = dict(os.environ, KVMESH_CPU_THREADS="1")
     p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvmesh.cli",
-            "bench",
-            "router",
-            "--trace",
-            str(trace),
-            "--instances",
-            "2",
-            "--policies",
+        bench_router(
+            tmp_path,
+            rows,
             "round-robin,kvmesh,noshare",
-            "--requests",
-            "0",
-            "--rate",
             "4",
-            "--variant",
-            "noshare=--weight-share 0",
-            "--max-output",
-            "2",
-            "--max-model-len",
-            "512",
-            "--num-kv-blocks",
-            "64",
-            "--repeats",
-            "2",
-            "--log-dir",
-            str(tmp_path / "logs"),
-            "--json",
-            str(out),
-        ],
+            *("--variant", "noshare=--weight-share 0", "--repeats", "2", "--json", str(out)),
+        ),
         capture_output=True,
         text=True,
         timeout=600,
@@ -99,35 +105,9 @@ def test_sigterm_stops_the_instances(tmp_path):
     from kvmesh.services.api.testing import alive, descendants
 
     rows = [{"timestamp": 1000 * i, "input_length": 512, "output_length": 2, "hash_ids": [i]} for i in range(4)]
-    trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = dict(os.environ, KVMESH_CPU_THREADS="1")
     p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvmesh.cli",
-            "bench",
-            "router",
-            "--trace",
-            str(trace),
-            "--instances",
-            "2",
-            "--policies",
-            "round-robin",
-            "--requests",
-            "0",
-            "--rate",
-            "0.5",
-            "--max-output",
-            "2",
-            "--max-model-len",
-            "512",
-            "--num-kv-blocks",
-            "64",
-            "--log-dir",
-            str(tmp_path / "logs"),
-        ],
+        bench_router(tmp_path, rows, "round-robin", "0.5"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
