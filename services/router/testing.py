@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
+from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -170,3 +172,13 @@ def start_router(cfg, tokenizer=None):
     router = Router(cfg, tokenizer=tokenizer)
     srv = ThreadServer(build_app(router), port=cfg.port or None, on_start=router.start, on_stop=router.close)
     return srv.start(), router
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0, poll: float = 0.02) -> bool:
+    """Poll ``cond`` until it holds or ``timeout`` seconds pass; returns its last answer, for the test to assert."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(poll)
+    return cond()

@@ -8,10 +8,12 @@ pool), the index forgets them; streaming passes through to the official
 
 from __future__ import annotations
 
-import time
+import functools
 
 import httpx
 import pytest
+
+from kvmesh.services.router import testing
 
 pytestmark = pytest.mark.integration
 
@@ -19,13 +21,8 @@ ENV = {"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING"}
 BS = 16
 
 
-def wait_for(cond, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
+# Real pods publish events at their own pace: a longer wait than the loopback tests'.
+wait_for = functools.partial(testing.wait_for, timeout=20.0, poll=0.05)
 
 
 @pytest.fixture(scope="module")

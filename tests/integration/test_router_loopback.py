@@ -18,20 +18,11 @@ from kvmesh.engine.kv_publisher import KVEventPublisher, PublisherConfig
 from kvmesh.services.router.config import PodSpec, RouterConfig
 from kvmesh.services.router.events import EventHub
 from kvmesh.services.router.index import PrefixIndex
-from kvmesh.services.router.testing import FakePod, IdTokenizer, free_port, start_router
+from kvmesh.services.router.testing import FakePod, IdTokenizer, free_port, start_router, wait_for
 
 pytestmark = pytest.mark.integration
 BS = 16
 TOK = IdTokenizer()
-
-
-def wait_for(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def hashes(ids):
