@@ -8,7 +8,6 @@ is computed unchanged.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvmesh import SamplingParams
 
@@ -61,18 +60,8 @@ def prompt_ids(smol):
 
 
 @pytest.fixture(scope="module")
-def expected(hf_model, prompt_ids, smol):
-    eos = set(smol.config.eos_token_ids)
-    outs = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            x = torch.tensor([ids])
-            g = hf_model.generate(
-                x, max_new_tokens=MAX_NEW, do_sample=False, attention_mask=torch.ones_like(x), pad_token_id=2
-            )[0, len(ids) :].tolist()
-            cut = next((i + 1 for i, t in enumerate(g) if t in eos), len(g))
-            outs.append(g[:cut])
-    return outs
+def expected(hf_greedy, prompt_ids):
+    return hf_greedy(prompt_ids, MAX_NEW)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
@@ -137,25 +126,12 @@ def test_chat_helper_uses_template(make_llm, expected, prompt_ids):
     assert out.outputs[0].token_ids == expected[len(SHORT) + len(LONG)]
 
 
-def test_repetition_penalty_matches_hf(make_llm, hf_model, prompt_ids, smol):
+def test_repetition_penalty_matches_hf(make_llm, hf_greedy, prompt_ids):
     """HF's ``repetition_penalty`` is the same rule (every prompt or generated token's logit divided
     when positive, multiplied when negative), so greedy tokens must match HF's token for token,
     batched, and in multi-step rounds (the penalty then follows each step's token on the device)."""
     ids = [prompt_ids[i] for i in (0, 3, 8, 12)]
-    eos = set(smol.config.eos_token_ids)
-    want = []
-    with torch.inference_mode():
-        for x in ids:
-            t = torch.tensor([x])
-            g = hf_model.generate(
-                t,
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                repetition_penalty=1.3,
-                attention_mask=torch.ones_like(t),
-                pad_token_id=2,
-            )[0, len(x) :].tolist()
-            want.append(g[: next((i + 1 for i, tok in enumerate(g) if tok in eos), len(g))])
+    want = hf_greedy(ids, MAX_NEW, repetition_penalty=1.3)
     base = make_llm(num_scheduler_steps=4)
     plain = [o.outputs[0].token_ids for o in base.generate(ids, GREEDY)]
     assert plain != want, "the penalty changes nothing on these prompts: the test would prove nothing"
