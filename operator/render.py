@@ -385,8 +385,11 @@ def _router(spec: InferenceServiceSpec, meta: ObjectMeta) -> Manifest:
             *_cache_env(),
         ],
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        # /health is 503 until a decode pod is ready: right for readiness, wrong for liveness (slow or
+        # absent workers would get a healthy router restarted, cutting its streams); /live is the loop alone.
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
+        "startupProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 5, "failureThreshold": 60},
+        "livenessProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},
         "resources": _resources(r, default_gpus=0),
         "securityContext": _security_context(),

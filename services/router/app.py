@@ -69,8 +69,15 @@ def build_app(router: Router) -> FastAPI:
             "data": [{"id": router.model, "object": "model", "created": int(time.time()), "owned_by": "kvmesh"}],
         }
 
+    @app.get("/live")
+    async def live():
+        """Liveness: the router's loop answers. Unlike /health it does not depend on the pods, so
+        workers that are still loading or down never get a healthy router restarted."""
+        return Response(status_code=200)
+
     @app.get("/health")
     async def health():
+        """Readiness: 200 only while a pod can decode, so a Service sends no traffic before then."""
         if router.candidates(DECODE_ROLES):
             return Response(status_code=200)
         return error_response(503, NO_DECODE_POD)

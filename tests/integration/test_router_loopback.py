@@ -294,3 +294,16 @@ def test_selective_pd_and_fallback(tmp_path):
         srv.stop()
         pub.close()
         dec.stop()
+
+
+def test_liveness_does_not_depend_on_the_pods():
+    """No decode pod: /health (readiness) is 503, /live (liveness) stays 200."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    cfg = RouterConfig(port=free_port(), block_size=BS, pods=(PodSpec(dead, role="decode"),), health_interval=0.2)
+    srv, router = start_router(cfg, TOK)
+    try:
+        wait_for(lambda: not router.pods[dead].healthy)
+        assert httpx.get(srv.url + "/health").status_code == 503
+        assert httpx.get(srv.url + "/live").status_code == 200
+    finally:
+        srv.stop()
