@@ -62,7 +62,7 @@ def warm_up_attention(
     Integer arguments that vary per batch are not specialised on and eager inputs are 16-byte
     aligned, so the configuration alone decides which variant runs. Each configuration is
     launched for one token and for two: one-token calls run with programmatic dependent
-    launch on Hopper (`kernels.ops._pdl`), a variant of its own."""
+    launch on Hopper (`kernels._dispatch.pdl`), a variant of its own."""
     t0 = time.perf_counter()
     m = model.cfg
     dev, D = device, m.head_dim

@@ -21,7 +21,7 @@ def jit_unspecialized(*names: str):
 
 @triton.jit
 def grid_dependency(PDL: tl.constexpr):
-    """Programmatic dependent launch (Hopper and newer; ``ops`` passes PDL with ``launch_pdl``).
+    """Programmatic dependent launch (Hopper and newer; ``kernels._dispatch.pdl`` passes PDL with ``launch_pdl``).
 
     A kernel launched that way may start while the one before it in the stream is still
     finishing; it first waits until that kernel has completed and its writes are visible
