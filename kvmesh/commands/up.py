@@ -19,6 +19,13 @@ def register(sub) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--log-dir", default=None, help="write each process's output to DIR/NAME.log")
     p.add_argument("--worker-arg", action="append", default=[], help="extra flag for every worker (repeatable)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="clients' API key at the router (repeatable; default: $KVMESH_API_KEY; none: open)",
+    )
+    p.add_argument("--api-keys-file", default=None, help="JSON keys file for the router (tenants, limits)")
     p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeatable)")
     p.set_defaults(func=run)
 
@@ -36,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         engine_args=tuple(args.worker_arg),
         router_args=tuple(args.router_arg),
+        api_keys=tuple(args.api_key),
+        api_keys_file=args.api_keys_file,
         log_dir=args.log_dir,
     )
     topo = Topology(cfg)

@@ -126,7 +126,8 @@ def test_pd_greedy_equals_single_engine_and_decode_skips_received_tokens(topo, p
 )
 def test_malformed_kv_transfer_params_get_400(topo, params, fragment):
     decode = next(w for w in topo.workers if w.role == "decode")
-    r = httpx.post(
+    r = _worker_post(
+        topo,
         decode.url + "/v1/completions",
         json={"prompt": "hello", "max_tokens": 2, "kv_transfer_params": params},
         timeout=60,
@@ -134,6 +135,11 @@ def test_malformed_kv_transfer_params_get_400(topo, params, fragment):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert fragment in err["message"] and err["param"] == "kv_transfer_params"
+
+
+def _worker_post(topo, url: str, **kw) -> httpx.Response:
+    """A request straight to a worker, with the router's credential (the only key `kvmesh up` workers accept)."""
+    return httpx.post(url, headers={"Authorization": f"Bearer {topo.upstream_key}"}, **kw)
 
 
 def _wait_metric_zero(url: str, name: str, timeout_s: float) -> float:
@@ -160,7 +166,8 @@ def test_bad_remote_params_get_400_and_leave_nothing(topo, prompts, reference):
         "remote_transfer_id": "t-none",
     }
     if topo.config.kv_connector != "nixl":
-        r = httpx.post(
+        r = _worker_post(
+            topo,
             decode.url + "/v1/completions",
             json={
                 "prompt": ids,
@@ -174,7 +181,8 @@ def test_bad_remote_params_get_400_and_leave_nothing(topo, prompts, reference):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == reference["long"]
         return
-    first = httpx.post(
+    first = _worker_post(
+        topo,
         prefill.url + "/v1/completions",
         json={"prompt": ids, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}},
         timeout=600,
@@ -194,7 +202,8 @@ def test_bad_remote_params_get_400_and_leave_nothing(topo, prompts, reference):
             ("/v1/completions", {"prompt": ids}),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
         ):
-            r = httpx.post(
+            r = _worker_post(
+                topo,
                 decode.url + path,
                 json={**body, "max_tokens": 4, "temperature": 0, "stream": stream, "kv_transfer_params": params},
                 timeout=120,
@@ -206,7 +215,8 @@ def test_bad_remote_params_get_400_and_leave_nothing(topo, prompts, reference):
             assert err["param"] == "kv_transfer_params", err
     assert _metric(decode.url, "vllm:kv_cache_usage_perc") == 0
     # The genuine params still pull and answer exactly; afterwards both pools are empty again.
-    r = httpx.post(
+    r = _worker_post(
+        topo,
         decode.url + "/v1/completions",
         json={"prompt": ids, "max_tokens": 8, "temperature": 0, "kv_transfer_params": good},
         timeout=600,
