@@ -87,6 +87,20 @@ def test_every_flag_reaches_the_config() -> None:
         "1.5",
         "--hot-limit-scope",
         "all",
+        "--api-key",
+        "k1",
+        "--api-key",
+        "k2",
+        "--api-keys-file",
+        "/keys.json",
+        "--upstream-api-key-file",
+        "/up",
+        "--max-concurrent-requests",
+        "8",
+        "--queue-size",
+        "16",
+        "--queue-timeout",
+        "5",
     ]
     cfg = config_from_args(build_parser().parse_args(argv))
     assert cfg == RouterConfig(
@@ -109,6 +123,12 @@ def test_every_flag_reaches_the_config() -> None:
         max_retries=1,
         log_level="info",
         shutdown_timeout=20.0,
+        api_keys=("k1", "k2"),
+        api_keys_file="/keys.json",
+        upstream_api_key_file="/up",
+        max_concurrent_requests=8,
+        queue_size=16,
+        queue_timeout=5.0,
         weights=ScoringWeights(
             hit=0.9,
             load=0.3,
