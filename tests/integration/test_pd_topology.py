@@ -8,6 +8,7 @@ it; the prefill pod must end with every block free.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -18,6 +19,8 @@ from kvmesh import SamplingParams
 
 pytestmark = pytest.mark.integration
 BS = 16
+TENANT_KEYS = {"alpha": "alpha-key", "beta": "beta-key"}  # the router's clients (tenants)
+ROUTER_AUTH = {"Authorization": "Bearer alpha-key"}
 WORKER_ARGS = ("--max-model-len", "1024", "--num-kv-blocks", "256", "--block-size", str(BS))
 
 
@@ -28,6 +31,8 @@ def topo(request, tmp_path_factory, monkeypatch_module):
     from kvmesh.topology import Topology, TopologyConfig, free_port
 
     monkeypatch_module.setenv("KVMESH_CPU_THREADS", "1")
+    keys = tmp_path_factory.mktemp(f"keys-{request.param}") / "keys.json"
+    keys.write_text(json.dumps([{"key": k, "tenant": t} for t, k in TENANT_KEYS.items()]))
     cfg = TopologyConfig(
         port=free_port(),
         kv_connector=request.param,
@@ -35,6 +40,7 @@ def topo(request, tmp_path_factory, monkeypatch_module):
         router_args=("--pd-min-uncached", "0", "--block-size", str(BS)),
         log_dir=str(tmp_path_factory.mktemp(f"up-{request.param}")),
         startup_timeout_s=600,
+        api_keys_file=str(keys),
     )
     t = Topology(cfg)
     t.start()
@@ -92,7 +98,10 @@ def test_pd_greedy_equals_single_engine_and_decode_skips_received_tokens(topo, p
     before = _metric(topo.router_url, pd)
     for name, ids in prompts.items():
         r = httpx.post(
-            topo.router_url + "/v1/completions", json={"prompt": ids, "max_tokens": 8, "temperature": 0}, timeout=600
+            topo.router_url + "/v1/completions",
+            json={"prompt": ids, "max_tokens": 8, "temperature": 0},
+            headers=ROUTER_AUTH,
+            timeout=600,
         )
         assert r.status_code == 200, r.text
         body = r.json()
@@ -223,5 +232,53 @@ def test_bad_remote_params_get_400_and_leave_nothing(topo, prompts, reference):
     )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == reference["long"]
+    assert _wait_metric_zero(prefill.url, "vllm:kv_cache_usage_perc", 120) == 0
+    assert _wait_metric_zero(decode.url, "vllm:kv_cache_usage_perc", 60) == 0
+
+
+def test_tenants_never_share_blocks_through_pd(topo, smol):
+    """The same long prompt from alpha twice, then from beta, through router -> prefill -> decode:
+    alpha's second prefill hits the prefill pod's cache, beta's hits nothing there; the router's
+    index predicts nothing for beta; without keys at the workers, a tenant key is refused there."""
+    prefill = next(w for w in topo.workers if w.role == "prefill")
+    decode = next(w for w in topo.workers if w.role == "decode")
+    ids = smol.tokenizer(" ".join(f"private{j} note of tenant alpha" for j in range(30))).input_ids[:150]
+    hits, queries, predicted = (
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+        "kvmesh:router_predicted_hit_tokens_total",
+    )
+
+    def send(tenant: str) -> dict:
+        q0, dq0 = _metric(prefill.url, queries), _metric(decode.url, queries)
+        r = httpx.post(
+            topo.router_url + "/v1/completions",
+            json={"prompt": ids, "max_tokens": 2, "temperature": 0},
+            headers={"Authorization": f"Bearer {TENANT_KEYS[tenant]}"},
+            timeout=600,
+        )
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 60  # the pods' counters follow their stats interval
+        while time.monotonic() < deadline and (
+            _metric(prefill.url, queries) < q0 + len(ids) or _metric(decode.url, queries) < dq0 + len(ids)
+        ):
+            time.sleep(0.2)
+        return r.json()["usage"]
+
+    d0 = _metric(decode.url, hits)
+    send("alpha")
+    d_alpha = _metric(decode.url, hits) - d0  # a prompt new to the decode pod: what came from the prefill pod
+    h0, p0 = _metric(prefill.url, hits), _metric(topo.router_url, predicted)
+    send("alpha")
+    assert _metric(prefill.url, hits) - h0 >= (len(ids) - 1) // BS * BS - BS  # alpha's own blocks hit
+    assert _metric(topo.router_url, predicted) > p0
+    h1, p1, d1 = _metric(prefill.url, hits), _metric(topo.router_url, predicted), _metric(decode.url, hits)
+    send("beta")
+    assert _metric(prefill.url, hits) == h1  # no hit on alpha's blocks in the prefill pod's cache
+    assert _metric(topo.router_url, predicted) == p1  # nor in the router's index
+    # the decode pod counts for beta what it counted for alpha's first request (new to it), no hit on alpha's
+    assert _metric(decode.url, hits) - d1 == d_alpha
+    r = httpx.post(prefill.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=ROUTER_AUTH)
+    assert r.status_code == 401  # a tenant's key is not the workers' key
     assert _wait_metric_zero(prefill.url, "vllm:kv_cache_usage_perc", 120) == 0
     assert _wait_metric_zero(decode.url, "vllm:kv_cache_usage_perc", 60) == 0
