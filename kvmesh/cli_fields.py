@@ -60,7 +60,9 @@ def add_arguments(container: argparse._ActionsContainer, cls: type, section: str
                 kw["type"] = t
             if "choices" not in kw:  # the metavar argparse derives from the flag, not from the dest
                 kw.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
-        default = list(f.default) if kw.get("action") == "append" else f.default  # argparse appends to a list
+        default: Any = f.default
+        if kw.get("action") == "append":
+            default = list(default)  # argparse appends to a copy of a list
         container.add_argument(flag, dest=f.name, default=default, **kw)
 
 

@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvmesh.services.errors import error_response
 
@@ -95,13 +96,13 @@ def plain_keys(keys: Iterable[str], env: Mapping[str, str] | None = None) -> tup
 class _WatchedFile:
     """A file's text, re-read when its stat signature changes (checked at most every `RECHECK_S`)."""
 
-    def __init__(self, path: str, parse: Callable[[str], object], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, path: str, parse: Callable[[str], Any], clock: Callable[[], float] = time.monotonic) -> None:
         self.path, self._parse, self._clock = path, parse, clock
         self._sig: tuple | None = None
         self._checked = -1e18
         self.value = self._load(first=True)
 
-    def _load(self, first: bool = False):
+    def _load(self, first: bool = False) -> Any:
         try:
             st = os.stat(self.path)
             with open(self.path) as f:
@@ -117,7 +118,7 @@ class _WatchedFile:
             log.info("reloaded %s", self.path)
         return value
 
-    def current(self):
+    def current(self) -> Any:
         now = self._clock()
         if now - self._checked >= RECHECK_S:
             self._checked = now
@@ -155,7 +156,7 @@ class KeyStore:
         return bool(self._plain) or self._file is not None
 
     def keys(self) -> tuple[APIKey, ...]:
-        extra: tuple[APIKey, ...] = self._file.current() if self._file is not None else ()  # type: ignore[assignment]
+        extra: tuple[APIKey, ...] = self._file.current() if self._file is not None else ()
         return self._plain + extra
 
     def lookup(self, authorization: str | None) -> APIKey | None:
@@ -188,7 +189,7 @@ class SecretFile:
 
     def get(self) -> str | None:
         if self._file is not None:
-            return self._file.current()  # type: ignore[return-value]
+            return self._file.current()
         return self._env
 
 

@@ -264,6 +264,4 @@ class Admission:
         return tk
 
     def _depth(self, priority: int) -> None:
-        self.metrics.queue_depth.labels(str(priority)).set(
-            sum(len(q) for q in self._levels.get(priority, {}).values())
-        )
+        self.metrics.queue_depth.labels(str(priority)).set(sum(len(q) for q in self._levels.get(priority, {}).values()))

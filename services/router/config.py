@@ -176,7 +176,7 @@ class RouterConfig:
     api_keys: tuple[str, ...] = field(
         default=(),
         metadata=cli(
-            "accept this API key (tenant \"default\"; repeatable; default: $KVMESH_API_KEY, comma-separated)",
+            'accept this API key (tenant "default"; repeatable; default: $KVMESH_API_KEY, comma-separated)',
             flag="--api-key",
             action="append",
         ),

@@ -516,7 +516,6 @@ class Router:
         return StreamingResponse(body(), status_code=200, media_type=ctype, headers=headers)
 
 
-
 def _usage_from_sse(tail: bytes) -> dict | None:
     for line in tail.split(b"\n"):
         if line.startswith(b"data: {") and b'"usage"' in line:

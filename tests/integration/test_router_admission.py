@@ -76,9 +76,12 @@ def post(url: str, key: str, max_tokens: int = 1, **headers) -> httpx.Response:
 
 
 def rejected(router, reason: str, tenant: str) -> float:
-    return router.metrics.registry.get_sample_value(
-        "kvmesh:router_rejected_requests_total", {"reason": reason, "tenant": tenant}
-    ) or 0.0
+    return (
+        router.metrics.registry.get_sample_value(
+            "kvmesh:router_rejected_requests_total", {"reason": reason, "tenant": tenant}
+        )
+        or 0.0
+    )
 
 
 def hold_one(stack, key: str = "alpha-key"):
