@@ -188,6 +188,7 @@ class Admission:
         self._tenants[tk.tenant].last_admitted = self._seq
         tk.admitted = True
         self.metrics.admitted.labels(tk.tenant).inc()
+        self.metrics.active.set(self.active)
 
     async def _wait(self, tk: Ticket, gone: Callable[[], Awaitable[object]] | None) -> None:
         tk.future = asyncio.get_running_loop().create_future()
@@ -246,6 +247,7 @@ class Admission:
 
     def _free(self) -> None:
         self.active -= 1
+        self.metrics.active.set(self.active)
         while self.waiting and (self.max_concurrent <= 0 or self.active < self.max_concurrent):
             tk = self._pop()
             self._grant(tk)

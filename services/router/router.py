@@ -392,14 +392,11 @@ class Router:
             key.tpm if key is not None else None,
             gone,
         )
-        self.metrics.active.set(self.admission.active)
         try:
             return await self._route(path, body, ids, plen, tenant, ticket.settle)
         except BaseException:
             ticket.settle()
             raise
-        finally:
-            self.metrics.active.set(self.admission.active)
 
     async def _route(
         self, path: str, body: dict, ids: list[int] | None, plen: int, tenant: str, done: Callable[[int | None], None]
