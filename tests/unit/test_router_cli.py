@@ -16,7 +16,10 @@ def test_defaults_are_the_dataclass_defaults() -> None:
     assert cfg == RouterConfig(pods=(PodSpec("http://a:1", "both"),))
 
 
-def test_every_flag_reaches_the_config() -> None:
+def test_every_flag_reaches_the_config(tmp_path) -> None:
+    keys, up = tmp_path / "keys.json", tmp_path / "up"
+    keys.write_text('[{"key": "k3", "tenant": "t"}]')
+    up.write_text("internal\n")
     argv = [
         "router",
         "--host",
@@ -92,9 +95,9 @@ def test_every_flag_reaches_the_config() -> None:
         "--api-key",
         "k2",
         "--api-keys-file",
-        "/keys.json",
+        str(keys),
         "--upstream-api-key-file",
-        "/up",
+        str(up),
         "--max-concurrent-requests",
         "8",
         "--queue-size",
@@ -124,8 +127,8 @@ def test_every_flag_reaches_the_config() -> None:
         log_level="info",
         shutdown_timeout=20.0,
         api_keys=("k1", "k2"),
-        api_keys_file="/keys.json",
-        upstream_api_key_file="/up",
+        api_keys_file=str(keys),
+        upstream_api_key_file=str(up),
         max_concurrent_requests=8,
         queue_size=16,
         queue_timeout=5.0,
@@ -146,6 +149,13 @@ def test_every_flag_reaches_the_config() -> None:
             hot_limit_scope="all",
         ),
     )
+
+
+def test_a_missing_keys_file_is_a_config_error(tmp_path) -> None:
+    for flag in ("--api-keys-file", "--upstream-api-key-file"):
+        args = build_parser().parse_args(["router", "--worker", "http://a:1", flag, str(tmp_path / "none")])
+        with pytest.raises(ValueError, match="none"):
+            config_from_args(args)
 
 
 def test_choices_are_checked_by_the_parser() -> None:
