@@ -60,9 +60,13 @@ def add_arguments(container: argparse._ActionsContainer, cls: type, section: str
                 kw["type"] = t
             if "choices" not in kw:  # the metavar argparse derives from the flag, not from the dest
                 kw.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
-        container.add_argument(flag, dest=f.name, default=f.default, **kw)
+        default: Any = f.default
+        if kw.get("action") == "append":
+            default = list(default)  # argparse appends to a copy of a list
+        container.add_argument(flag, dest=f.name, default=default, **kw)
 
 
 def values_from(ns: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The flag values in ``ns`` by field name, for every field whose flag the parser had."""
-    return {f.name: getattr(ns, f.name) for f in cli_fields(cls, None) if hasattr(ns, f.name)}
+    out = {f.name: getattr(ns, f.name) for f in cli_fields(cls, None) if hasattr(ns, f.name)}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}  # repeatable flags: tuple fields

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -32,6 +33,8 @@ class TopologyConfig:
     redis_url: str | None = None  # None with the redis connector: start a private redis-server
     engine_args: tuple[str, ...] = ()  # extra flags for every worker (engine settings)
     router_args: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()  # clients' keys at the router (--api-key)
+    api_keys_file: str | None = None  # or a keys file (--api-keys-file)
     cpu_threads: int | None = None  # KVMESH_CPU_THREADS for each worker (default: cores / workers)
     startup_timeout_s: float = 300.0
     log_dir: str | None = None
@@ -65,6 +68,8 @@ class Topology:
     workers: list[Worker] = field(default_factory=list)
     redis_url: str | None = None
     router_url: str = ""
+    # The router's credential towards the workers, new each run; the workers accept only it.
+    upstream_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
 
     # ---- start --------------------------------------------------------------
     def start(self) -> Topology:
@@ -164,6 +169,8 @@ class Topology:
             argv += ["--model", cfg.model]
         argv += list(cfg.engine_args)
         env = dict(os.environ, KVMESH_CPU_THREADS=os.environ.get("KVMESH_CPU_THREADS", str(threads)))
+        env.pop("KVMESH_API_KEYS_FILE", None)  # a worker's only key is the router's (in the env: not in ps)
+        env["KVMESH_API_KEY"] = self.upstream_key
         w = Worker(role, f"http://{host}:{port}", f"tcp://{host}:{ev}", f"tcp://{host}:{rp}")
         w.proc = self._spawn(f"{role}-{i}", argv, env)
         self.workers.append(w)
@@ -175,8 +182,11 @@ class Topology:
             argv += [f"--{w.role}", f"{w.url},events={w.events},replay={w.replay}"]
         if cfg.model:
             argv += ["--model", cfg.model]
+        argv += [a for k in cfg.api_keys for a in ("--api-key", k)]
+        if cfg.api_keys_file:
+            argv += ["--api-keys-file", cfg.api_keys_file]
         argv += list(cfg.router_args)
-        p = self._spawn("router", argv)
+        p = self._spawn("router", argv, dict(os.environ, KVMESH_UPSTREAM_API_KEY=self.upstream_key))
         self.router_url = f"http://{cfg.host}:{cfg.port}"
         wait_healthy(self.router_url, deadline - time.monotonic(), p, f"router at {self.router_url}")
 

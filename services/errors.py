@@ -37,14 +37,26 @@ class APIError(Exception):
         self.headers = headers
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "APIError"), "param": param, "code": status}}
+def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
+    """``code`` defaults to the status; OpenAI names some (``invalid_api_key`` for a 401)."""
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "APIError"),
+            "param": param,
+            "code": status if code is None else code,
+        }
+    }
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+    code: str | int | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -51,7 +51,14 @@ def config_from_args(args: argparse.Namespace):
     if args.discovery == "k8s" and not selectors:
         raise ValueError("--discovery k8s needs --selector (and/or --prefill-selector/--decode-selector)")
     weights = ScoringWeights(**values_from(args, ScoringWeights))
-    return RouterConfig(**values_from(args, RouterConfig), weights=weights, pods=pods, k8s_selectors=selectors)
+    cfg = RouterConfig(**values_from(args, RouterConfig), weights=weights, pods=pods, k8s_selectors=selectors)
+    from kvmesh.services.auth import ENV_UPSTREAM_KEY, KeyStore, SecretFile
+
+    if cfg.api_keys_file:  # a missing or malformed file is a start-up error, not a traceback later
+        KeyStore(path=cfg.api_keys_file)
+    if cfg.upstream_api_key_file:
+        SecretFile(cfg.upstream_api_key_file, ENV_UPSTREAM_KEY)
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:

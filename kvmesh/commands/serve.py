@@ -26,8 +26,15 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
     )
     g.add_argument(
         "--api-key",
-        default=os.environ.get("KVMESH_API_KEY"),
-        help="require `Authorization: Bearer KEY` on all endpoints but /health and /metrics (default: $KVMESH_API_KEY)",
+        action="append",
+        default=[],
+        help="require `Authorization: Bearer KEY` on all endpoints but /health, /live and /metrics "
+        "(repeatable; default: $KVMESH_API_KEY, comma-separated)",
+    )
+    g.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="JSON list of {key, tenant, priority, rpm, tpm}, re-read when it changes (default: $KVMESH_API_KEYS_FILE)",
     )
     g.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     g.add_argument("--engine-ipc-dir", default=None, help="directory for the engine's ipc sockets (default: temp)")
@@ -123,7 +130,8 @@ def configs_from_args(args: argparse.Namespace):
         port=args.port,
         role=args.role,
         served_model_names=tuple(args.served_model_name or ()),
-        api_key=args.api_key or None,
+        api_keys=tuple(args.api_key),
+        api_keys_file=args.api_keys_file,
         max_body_bytes=args.max_body_bytes,
         ipc_dir=args.engine_ipc_dir,
         engine_input_addr=args.engine_input_addr,
@@ -131,6 +139,10 @@ def configs_from_args(args: argparse.Namespace):
         uvicorn_log_level=args.log_level,
         shutdown_timeout=args.shutdown_timeout,
     )
+    if cfg.api_keys_file:  # a missing or malformed keys file fails now, not after the model loaded
+        from kvmesh.services.auth import KeyStore
+
+        KeyStore(path=cfg.api_keys_file)
     addrs = engine_addresses(cfg)
     # The engine process gets the model and role as fields of its own; the rest by EngineArgs field name.
     kw = {k: v for k, v in asdict(EngineArgs.from_cli_args(args)).items() if k not in ("model", "role")}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -19,6 +20,13 @@ def register(sub) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--log-dir", default=None, help="write each process's output to DIR/NAME.log")
     p.add_argument("--worker-arg", action="append", default=[], help="extra flag for every worker (repeatable)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="clients' API key at the router (repeatable; default: $KVMESH_API_KEY; none: open)",
+    )
+    p.add_argument("--api-keys-file", default=None, help="JSON keys file for the router (tenants, limits)")
     p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeatable)")
     p.set_defaults(func=run)
 
@@ -36,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         engine_args=tuple(args.worker_arg),
         router_args=tuple(args.router_arg),
+        api_keys=tuple(args.api_key),
+        api_keys_file=args.api_keys_file,
         log_dir=args.log_dir,
     )
     topo = Topology(cfg)
@@ -54,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {w.role:8s} {w.url}  events {w.events}", flush=True)
     if topo.redis_url:
         print(f"  redis    {topo.redis_url}", flush=True)
+    if not (cfg.api_keys or cfg.api_keys_file or os.environ.get("KVMESH_API_KEY")):
+        print("  the router takes requests without a key (give --api-key or --api-keys-file)", flush=True)
+    print("  workers accept only the router's key (generated for this run)", flush=True)
     print(f"ready: OpenAI endpoint {topo.router_url}/v1  (Ctrl-C stops everything)", flush=True)
     try:
         while not stop.wait(1.0):

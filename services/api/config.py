@@ -13,7 +13,10 @@ class ServerConfig:
     port: int = 8000
     role: Role = "both"  # what the engine runs as (checked by the CLI and the engine); the API is the same
     served_model_names: tuple[str, ...] = ()  # empty: the engine's model name
-    api_key: str | None = None  # every endpoint but /health and /metrics needs "Authorization: Bearer <key>"
+    # Accepted API keys (services/auth.py): every endpoint but /health, /live and /metrics needs one
+    # when any is set. Empty and no file: $KVMESH_API_KEY / $KVMESH_API_KEYS_FILE, else open.
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: str | None = None  # JSON list of {key, tenant, priority, rpm, tpm}, re-read on change
     max_body_bytes: int = 8 << 20  # larger bodies get 413
     ready_timeout: float = 900.0  # seconds to wait for the engine to load the model
     ipc_dir: str | None = None  # where the engine's ipc sockets live (default: a fresh temp dir)

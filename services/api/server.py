@@ -7,7 +7,6 @@ configuration, never this file. `build_app` takes an already started
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 
@@ -16,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from kvmesh import __version__
+from kvmesh.services.auth import APIKeyMiddleware, KeyStore
 from kvmesh.services.errors import APIError, error_body, error_response
 
 from .config import ServerConfig
@@ -26,8 +26,6 @@ from .responses import Answer, answer
 from .serving import Event, Serving
 
 log = logging.getLogger("kvmesh.api.server")
-
-OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key (probes, scrapers)
 
 
 class BodyLimitMiddleware:
@@ -107,19 +105,8 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
         log.exception("unhandled error")
         return error_response(500, f"internal error: {type(e).__name__}")
 
-    # ---- auth ---------------------------------------------------------------
-    if cfg.api_key:
-        expected = f"Bearer {cfg.api_key}".encode()
-
-        @app.middleware("http")
-        async def _auth(request: Request, call_next):
-            if request.url.path in OPEN_PATHS:
-                return await call_next(request)
-            got = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
-                return error_response(401, "invalid or missing API key (Authorization: Bearer ...)")
-            return await call_next(request)
-
+    # ---- auth (services/auth.py; /health and /metrics stay open) -------------
+    app.add_middleware(APIKeyMiddleware, store=KeyStore.from_config(cfg.api_keys, cfg.api_keys_file))
     app.add_middleware(BodyLimitMiddleware, limit=cfg.max_body_bytes)
 
     # ---- plain endpoints ----------------------------------------------------

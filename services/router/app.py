@@ -15,8 +15,10 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from kvmesh.services.auth import APIKeyMiddleware, request_key
 from kvmesh.services.errors import APIError, bad_request, error_response
 
+from .admission import ClientGone
 from .config import RouterConfig
 from .router import DECODE_ROLES, NO_DECODE_POD, Router
 from .upstream import UpstreamError
@@ -28,6 +30,8 @@ _json = msgspec.json.Decoder()
 
 def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvmesh router")
+    # every path but /health, /live and /metrics needs a key once keys are configured (services/auth.py)
+    app.add_middleware(APIKeyMiddleware, store=router.keys)
 
     async def _proxy(path: str, request: Request) -> Response:
         status = 500
@@ -38,9 +42,19 @@ def build_app(router: Router) -> FastAPI:
                 raise bad_request("request body is not JSON") from None
             if not isinstance(body, dict):
                 raise bad_request("request body must be a JSON object")
-            resp = await router.handle(path, body)
+
+            async def gone() -> None:  # the body is read: the next message is the client's disconnect
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+
+            resp = await router.handle(
+                path, body, request_key(request.scope), request.headers.get("x-kvmesh-priority"), gone
+            )
             status = resp.status_code
             return resp
+        except ClientGone:
+            status = 499  # nginx's "client closed request": nobody reads this answer
+            return Response(status_code=status)
         except APIError as e:
             status = e.status
             return error_response(e.status, e.message, e.param, e.headers)

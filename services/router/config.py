@@ -172,6 +172,36 @@ class RouterConfig:
     pending_ttl: float = 30.0  # predicted index entries for event-publishing pods
     approx_capacity: int = 1 << 20  # predicted blocks kept per pod without events
     log_level: str = field(default="warning", metadata=cli())
+    # ---- keys and admission (docs/router.md, "Keys, tenants and limits") ----
+    api_keys: tuple[str, ...] = field(
+        default=(),
+        metadata=cli(
+            'accept this API key (tenant "default"; repeatable; default: $KVMESH_API_KEY, comma-separated)',
+            flag="--api-key",
+            action="append",
+        ),
+    )
+    api_keys_file: str | None = field(
+        default=None,
+        metadata=cli(
+            "JSON list of {key, tenant, priority, rpm, tpm}, re-read when it changes (default: $KVMESH_API_KEYS_FILE)"
+        ),
+    )
+    upstream_api_key_file: str | None = field(
+        default=None,
+        metadata=cli(
+            "file holding the key the router sends to its pods, re-read when it changes "
+            "(default: $KVMESH_UPSTREAM_API_KEY)"
+        ),
+    )
+    max_concurrent_requests: int = field(
+        default=0,
+        metadata=cli("requests sent upstream at once; more wait in the admission queue (0: no limit)"),
+    )
+    queue_size: int = field(default=1024, metadata=cli("requests that may wait for a slot; more get 429"))
+    queue_timeout: float = field(
+        default=60.0, metadata=cli("seconds a request may wait for a slot before it gets 429 (0: no limit)")
+    )
     # uvicorn answers 500 for any request still unanswered after it.
     shutdown_timeout: float = field(
         default=30.0,
@@ -189,3 +219,5 @@ class RouterConfig:
             raise ValueError("block_size must be >= 1")
         if self.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        if self.max_concurrent_requests < 0 or self.queue_size < 0 or self.queue_timeout < 0:
+            raise ValueError("max_concurrent_requests, queue_size and queue_timeout must be >= 0")

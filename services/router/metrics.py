@@ -91,5 +91,21 @@ class RouterMetrics:
         self.kv_replayed = Gauge("kvmesh:router_kv_event_replayed_batches", "batches recovered by replay", registry=r)
         self.kv_resyncs = Gauge("kvmesh:router_kv_event_resyncs", "pods cleared after an unrecoverable gap", registry=r)
 
+        # admission control (admission.py); tenant labels are the configured tenants ("default" for plain keys)
+        self.queue_depth = Gauge(
+            "kvmesh:router_queue_depth", "requests waiting for an upstream slot, by priority", ["priority"], registry=r
+        )
+        self.rejected = Counter(
+            "kvmesh:router_rejected_requests",
+            "requests refused or dropped before routing, by reason (rpm, tpm, queue_full, queue_timeout, "
+            "client_gone, no_pod) and tenant",
+            ["reason", "tenant"],
+            registry=r,
+        )
+        self.admitted = Counter(
+            "kvmesh:router_admitted_requests", "requests admitted upstream, by tenant", ["tenant"], registry=r
+        )
+        self.active = Gauge("kvmesh:router_active_requests", "admitted requests not yet finished", registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

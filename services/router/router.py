@@ -26,17 +26,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from fastapi.responses import Response, StreamingResponse
 
 from kvmesh.engine.chat import ChatContentError
+from kvmesh.services.auth import DEFAULT_TENANT, ENV_UPSTREAM_KEY, APIKey, KeyStore, SecretFile
 from kvmesh.services.errors import APIError, bad_request
 
 from . import pd
+from .admission import Admission
 from .config import PodSpec, RouterConfig
 from .events import EventHub
 from .index import PrefixIndex
@@ -99,7 +102,10 @@ class Router:
         self.pods: dict[str, Pod] = {}
         self.mean_prompt = 0.0  # typical prompt length, the scale of a hit's value (see `score_pods`)
         self._prompts = 0
-        self.upstream = Upstream(cfg.connect_timeout, cfg.read_timeout)
+        self.keys = KeyStore.from_config(cfg.api_keys, cfg.api_keys_file)
+        self.upstream_key = SecretFile(cfg.upstream_api_key_file, ENV_UPSTREAM_KEY)
+        self.upstream = Upstream(cfg.connect_timeout, cfg.read_timeout, self.upstream_key.get)
+        self.admission = Admission(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout, self.metrics)
         self._tasks: list[asyncio.Task] = []
         self._discovery: K8sDiscovery | None = None
         for spec in cfg.pods:
@@ -317,7 +323,11 @@ class Router:
                 raise
             self.metrics.upstream_latency.labels(phase).observe(time.monotonic() - t0)
             return d, resp, fl
-        raise APIError(503, f"no pod could take the request ({last})")
+        raise APIError(
+            503,
+            f"no pod could take the request ({last})",
+            headers={"Retry-After": str(max(1, math.ceil(2 * self.cfg.health_interval)))},
+        )
 
     def observe_usage(self, d: Decision, usage: Any) -> None:
         try:
@@ -332,12 +342,65 @@ class Router:
         self.metrics.under_predicted.inc(max(0, cached - d.hit_tokens))
 
     # ---- the request path ---------------------------------------------------
-    async def handle(self, path: str, body: dict) -> Response:
+    def no_pod(self, tenant: str, message: str = NO_DECODE_POD) -> APIError:
+        """503 with the seconds after which a health check may have brought a pod back."""
+        self.metrics.rejected.labels("no_pod", tenant).inc()
+        return APIError(503, message, headers={"Retry-After": str(max(1, math.ceil(2 * self.cfg.health_interval)))})
+
+    def priority(self, key: APIKey | None, header: str | None) -> int:
+        """The key's priority, or the ``x-kvmesh-priority`` header's when lower: a client may lower its
+        requests' priority, never raise it above its key's (nor below the lowest configured one)."""
+        own = key.priority if key is not None else 0
+        if header is None:
+            return own
+        try:
+            asked = int(header)
+        except ValueError:
+            raise bad_request(f"x-kvmesh-priority must be an integer, got {header!r}") from None
+        floor = min([0, own, *(k.priority for k in self.keys.keys())])
+        return max(floor, min(asked, own))
+
+    async def handle(
+        self,
+        path: str,
+        body: dict,
+        key: APIKey | None = None,
+        priority_header: str | None = None,
+        gone: Callable[[], Awaitable[object]] | None = None,
+    ) -> Response:
+        """Route one request. ``key``: the caller's (None when no key is configured): its tenant salts
+        the cache and owns the limits. ``gone`` returns when the client disconnects (left the queue)."""
+        tenant = key.tenant if key is not None else DEFAULT_TENANT
+        if key is not None:  # before hashing: the index, the pods' caches and the connectors split by tenant
+            salt = body.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise bad_request("cache_salt must be a string", "cache_salt")
+            body["cache_salt"] = f"{tenant}:{salt}" if salt else tenant
+        prio = self.priority(key, priority_header)
         try:
             ids = await self.tok.prompt_ids_async(path, body)
         except ChatContentError as e:  # the pod would refuse it the same way
             raise bad_request(str(e), "messages") from e
         plen = len(ids) if ids else 0
+        if not self.candidates(DECODE_ROLES):
+            raise self.no_pod(tenant)
+        ticket = await self.admission.admit(
+            tenant,
+            prio,
+            plen + _completion_budget(body),
+            key.rpm if key is not None else None,
+            key.tpm if key is not None else None,
+            gone,
+        )
+        try:
+            return await self._route(path, body, ids, plen, tenant, ticket.settle)
+        except BaseException:
+            ticket.settle()
+            raise
+
+    async def _route(
+        self, path: str, body: dict, ids: list[int] | None, plen: int, tenant: str, done: Callable[[int | None], None]
+    ) -> Response:
         hashes = self.tok.block_hashes(ids, self.cfg.block_size, body.get("cache_salt")) if ids else []
         self.metrics.prompt_tokens.inc(plen)
         if plen:
@@ -345,8 +408,8 @@ class Router:
             self.mean_prompt += (plen - self.mean_prompt) / min(self._prompts, PROMPT_WINDOW)
         stream = bool(body.get("stream"))
         pods = self.candidates(DECODE_ROLES)
-        if not pods:
-            raise APIError(503, NO_DECODE_POD)
+        if not pods:  # went down while the request waited
+            raise self.no_pod(tenant)
         dd = self.pick(pods, hashes, plen)
         self.metrics.predicted_hit.inc(dd.hit_tokens)
         params = None
@@ -366,7 +429,7 @@ class Router:
             self.metrics.pd.labels("fallback_decode_rejected").inc()
             d, resp, fl = await self.send(DECODE_ROLES, path, body, hashes, plen, "decode", d)
         measure = pd_path in (None, "decode_only")
-        return await self.relay(d, resp, fl, stream, phase, measure)
+        return await self.relay(d, resp, fl, stream, phase, measure, done)
 
     async def prefill(self, path: str, body: dict, hashes: list[int], plen: int) -> tuple[dict | None, str]:
         """Prefill on a prefill pod: (the transfer params for the decode pod or None, the P/D path)."""
@@ -396,8 +459,17 @@ class Router:
         return params, pd.PREFILL_DECODE
 
     async def relay(
-        self, d: Decision, resp: UpstreamResponse, fl: Flight, stream: bool, phase: str, measure: bool
+        self,
+        d: Decision,
+        resp: UpstreamResponse,
+        fl: Flight,
+        stream: bool,
+        phase: str,
+        measure: bool,
+        done: Callable[[int | None], None] | None = None,
     ) -> Response:
+        """Pass the pod's answer on; ``done`` gets the reported total tokens (None if none) once the
+        answer is over, whatever way it ends (admission's slot and token correction)."""
         t0 = time.monotonic()
         headers = {"x-kvmesh-pod": d.pod.url}
         retry_after = resp.headers.get("retry-after")
@@ -413,8 +485,11 @@ class Router:
                 resp.release()
                 self._end(fl)
                 self.metrics.upstream_total.labels(phase).observe(time.monotonic() - t0)
-            if measure and resp.status == 200:
-                self.observe_usage(d, json_object(content).get("usage") or {})
+            usage = json_object(content).get("usage") if resp.status == 200 else None
+            if measure and usage is not None:
+                self.observe_usage(d, usage)
+            if done is not None:
+                done(_total_tokens(usage))
             return Response(content, status_code=resp.status, media_type=ctype, headers=headers)
 
         async def body() -> AsyncIterator[bytes]:
@@ -422,20 +497,41 @@ class Router:
             try:
                 async for chunk in resp.chunks():
                     fl.prefilled()  # the first streamed byte follows the first token: prefill is done
-                    if measure and b"cached_tokens" in chunk or tail:
+                    if b'"usage"' in chunk or tail:  # the usage chunk (include_usage) closes the stream
                         tail = (tail + chunk)[-65536:]
                     yield chunk
             finally:
                 resp.release()
                 self._end(fl)
                 self.metrics.upstream_total.labels(phase).observe(time.monotonic() - t0)
-                if measure and tail:
-                    self._usage_from_sse(d, tail)
+                usage = _usage_from_sse(tail) if tail else None
+                if measure and usage is not None:
+                    self.observe_usage(d, usage)
+                if done is not None:
+                    done(_total_tokens(usage))
 
         return StreamingResponse(body(), status_code=200, media_type=ctype, headers=headers)
 
-    def _usage_from_sse(self, d: Decision, tail: bytes) -> None:
-        for line in tail.split(b"\n"):
-            if line.startswith(b"data: {") and b"cached_tokens" in line:
-                self.observe_usage(d, json_object(line[6:]).get("usage") or {})
-                return
+
+def _usage_from_sse(tail: bytes) -> dict | None:
+    for line in tail.split(b"\n"):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            usage = json_object(line[6:]).get("usage")
+            if isinstance(usage, dict):
+                return usage
+    return None
+
+
+def _total_tokens(usage: Any) -> int | None:
+    total = usage.get("total_tokens") if isinstance(usage, dict) else None
+    return total if isinstance(total, int) else None
+
+
+def _completion_budget(body: dict) -> int:
+    """Tokens the request may generate (``max_tokens`` × ``n``; 0 when unset): its TPM charge beyond the prompt."""
+    m = body.get("max_tokens")
+    if m is None:
+        m = body.get("max_completion_tokens")
+    n = body.get("n")
+    m = m if isinstance(m, int) and m > 0 else 0
+    return m * (n if isinstance(n, int) and n > 0 else 1)

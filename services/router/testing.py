@@ -70,6 +70,7 @@ class FakePod:
         self.bodies: list[dict] = []
         self.inflight = 0
         self.max_inflight = 0
+        self.paused = False  # while set, requests are held before answering (a test's gate)
         app = FastAPI()
 
         @app.get("/health")
@@ -95,6 +96,8 @@ class FakePod:
             self.max_inflight = max(self.max_inflight, self.inflight)
             try:
                 await asyncio.sleep(self.delay)
+                while self.paused:
+                    await asyncio.sleep(0.005)
             finally:
                 self.inflight -= 1
             usage = {

@@ -1,5 +1,8 @@
 """The router's one HTTP client to its pods (requests, health probes, ``/metrics`` scrapes, ``/v1/models``).
 
+Every call carries the router's own key (``--upstream-api-key-file`` / ``$KVMESH_UPSTREAM_API_KEY``)
+as ``Authorization: Bearer``, never a client's.
+
 An aiohttp session whose failures all come out as `UpstreamError`, named so that the caller can
 tell a pod that is gone (retry elsewhere, mark it down) from one that is slow.
 """
@@ -7,7 +10,7 @@ tell a pod that is gone (retry elsewhere, mark it down) from one that is slow.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import msgspec
@@ -76,8 +79,11 @@ class Upstream:
 
     KEEPALIVE_S = 4.0  # below uvicorn's 5 s idle close (vLLM, kvmesh serve): a reused connection is still open
 
-    def __init__(self, connect_timeout: float, read_timeout: float) -> None:
+    def __init__(
+        self, connect_timeout: float, read_timeout: float, api_key: Callable[[], str | None] | None = None
+    ) -> None:
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        self._api_key = api_key  # the router's credential towards its pods (read per call: it rotates)
         self.session: aiohttp.ClientSession | None = None
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
@@ -91,6 +97,12 @@ class Upstream:
         if self.session is not None:
             await self.session.close()
             self.session = None
+
+    def _headers(self, base: dict[str, str] | None = None) -> dict[str, str] | None:
+        key = self._api_key() if self._api_key is not None else None
+        if key is None:
+            return base
+        return {**(base or {}), "Authorization": f"Bearer {key}"}
 
     def _stream_timeout(self, read: float) -> aiohttp.ClientTimeout:
         t = self._timeouts.get(read)
@@ -107,7 +119,7 @@ class Upstream:
             r = await self.session.post(
                 url,
                 data=msgspec.json.encode(body),
-                headers=_JSON_HEADERS,
+                headers=self._headers(_JSON_HEADERS),
                 timeout=self._stream_timeout(read_timeout or self.read_timeout),
             )
         except (TimeoutError, aiohttp.ClientError) as e:
@@ -118,7 +130,9 @@ class Upstream:
         """GET the whole response within ``timeout`` seconds: (status, body)."""
         assert self.session is not None
         try:
-            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            async with self.session.get(
+                url, timeout=aiohttp.ClientTimeout(total=timeout), headers=self._headers()
+            ) as r:
                 return r.status, await r.read()
         except (TimeoutError, aiohttp.ClientError) as e:
             raise _upstream_error(e) from e

@@ -8,6 +8,7 @@ it; the prefill pod must end with every block free.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -18,6 +19,8 @@ from kvmesh import SamplingParams
 
 pytestmark = pytest.mark.integration
 BS = 16
+TENANT_KEYS = {"alpha": "alpha-key", "beta": "beta-key"}  # the router's clients (tenants)
+ROUTER_AUTH = {"Authorization": "Bearer alpha-key"}
 WORKER_ARGS = ("--max-model-len", "1024", "--num-kv-blocks", "256", "--block-size", str(BS))
 
 
@@ -28,6 +31,8 @@ def topo(request, tmp_path_factory, monkeypatch_module):
     from kvmesh.topology import Topology, TopologyConfig, free_port
 
     monkeypatch_module.setenv("KVMESH_CPU_THREADS", "1")
+    keys = tmp_path_factory.mktemp(f"keys-{request.param}") / "keys.json"
+    keys.write_text(json.dumps([{"key": k, "tenant": t} for t, k in TENANT_KEYS.items()]))
     cfg = TopologyConfig(
         port=free_port(),
         kv_connector=request.param,
@@ -35,6 +40,7 @@ def topo(request, tmp_path_factory, monkeypatch_module):
         router_args=("--pd-min-uncached", "0", "--block-size", str(BS)),
         log_dir=str(tmp_path_factory.mktemp(f"up-{request.param}")),
         startup_timeout_s=600,
+        api_keys_file=str(keys),
     )
     t = Topology(cfg)
     t.start()
@@ -92,7 +98,10 @@ def test_pd_greedy_equals_single_engine_and_decode_skips_received_tokens(topo, p
     before = _metric(topo.router_url, pd)
     for name, ids in prompts.items():
         r = httpx.post(
-            topo.router_url + "/v1/completions", json={"prompt": ids, "max_tokens": 8, "temperature": 0}, timeout=600
+            topo.router_url + "/v1/completions",
+            json={"prompt": ids, "max_tokens": 8, "temperature": 0},
+            headers=ROUTER_AUTH,
+            timeout=600,
         )
         assert r.status_code == 200, r.text
         body = r.json()
@@ -126,7 +135,8 @@ def test_pd_greedy_equals_single_engine_and_decode_skips_received_tokens(topo, p
 )
 def test_malformed_kv_transfer_params_get_400(topo, params, fragment):
     decode = next(w for w in topo.workers if w.role == "decode")
-    r = httpx.post(
+    r = _worker_post(
+        topo,
         decode.url + "/v1/completions",
         json={"prompt": "hello", "max_tokens": 2, "kv_transfer_params": params},
         timeout=60,
@@ -134,6 +144,11 @@ def test_malformed_kv_transfer_params_get_400(topo, params, fragment):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert fragment in err["message"] and err["param"] == "kv_transfer_params"
+
+
+def _worker_post(topo, url: str, **kw) -> httpx.Response:
+    """A request straight to a worker, with the router's credential (the only key `kvmesh up` workers accept)."""
+    return httpx.post(url, headers={"Authorization": f"Bearer {topo.upstream_key}"}, **kw)
 
 
 def _wait_metric_zero(url: str, name: str, timeout_s: float) -> float:
@@ -160,7 +175,8 @@ def test_bad_remote_params_get_400_and_leave_nothing(topo, prompts, reference):
         "remote_transfer_id": "t-none",
     }
     if topo.config.kv_connector != "nixl":
-        r = httpx.post(
+        r = _worker_post(
+            topo,
             decode.url + "/v1/completions",
             json={
                 "prompt": ids,
@@ -174,7 +190,8 @@ def test_bad_remote_params_get_400_and_leave_nothing(topo, prompts, reference):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == reference["long"]
         return
-    first = httpx.post(
+    first = _worker_post(
+        topo,
         prefill.url + "/v1/completions",
         json={"prompt": ids, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}},
         timeout=600,
@@ -194,7 +211,8 @@ def test_bad_remote_params_get_400_and_leave_nothing(topo, prompts, reference):
             ("/v1/completions", {"prompt": ids}),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
         ):
-            r = httpx.post(
+            r = _worker_post(
+                topo,
                 decode.url + path,
                 json={**body, "max_tokens": 4, "temperature": 0, "stream": stream, "kv_transfer_params": params},
                 timeout=120,
@@ -206,12 +224,61 @@ def test_bad_remote_params_get_400_and_leave_nothing(topo, prompts, reference):
             assert err["param"] == "kv_transfer_params", err
     assert _metric(decode.url, "vllm:kv_cache_usage_perc") == 0
     # The genuine params still pull and answer exactly; afterwards both pools are empty again.
-    r = httpx.post(
+    r = _worker_post(
+        topo,
         decode.url + "/v1/completions",
         json={"prompt": ids, "max_tokens": 8, "temperature": 0, "kv_transfer_params": good},
         timeout=600,
     )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == reference["long"]
+    assert _wait_metric_zero(prefill.url, "vllm:kv_cache_usage_perc", 120) == 0
+    assert _wait_metric_zero(decode.url, "vllm:kv_cache_usage_perc", 60) == 0
+
+
+def test_tenants_never_share_blocks_through_pd(topo, smol):
+    """The same long prompt from alpha twice, then from beta, through router -> prefill -> decode:
+    alpha's second prefill hits the prefill pod's cache, beta's hits nothing there; the router's
+    index predicts nothing for beta; without keys at the workers, a tenant key is refused there."""
+    prefill = next(w for w in topo.workers if w.role == "prefill")
+    decode = next(w for w in topo.workers if w.role == "decode")
+    ids = smol.tokenizer(" ".join(f"private{j} note of tenant alpha" for j in range(30))).input_ids[:150]
+    hits, queries, predicted = (
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+        "kvmesh:router_predicted_hit_tokens_total",
+    )
+
+    def send(tenant: str) -> dict:
+        q0, dq0 = _metric(prefill.url, queries), _metric(decode.url, queries)
+        r = httpx.post(
+            topo.router_url + "/v1/completions",
+            json={"prompt": ids, "max_tokens": 2, "temperature": 0},
+            headers={"Authorization": f"Bearer {TENANT_KEYS[tenant]}"},
+            timeout=600,
+        )
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 60  # the pods' counters follow their stats interval
+        while time.monotonic() < deadline and (
+            _metric(prefill.url, queries) < q0 + len(ids) or _metric(decode.url, queries) < dq0 + len(ids)
+        ):
+            time.sleep(0.2)
+        return r.json()["usage"]
+
+    d0 = _metric(decode.url, hits)
+    send("alpha")
+    d_alpha = _metric(decode.url, hits) - d0  # a prompt new to the decode pod: what came from the prefill pod
+    h0, p0 = _metric(prefill.url, hits), _metric(topo.router_url, predicted)
+    send("alpha")
+    assert _metric(prefill.url, hits) - h0 >= (len(ids) - 1) // BS * BS - BS  # alpha's own blocks hit
+    assert _metric(topo.router_url, predicted) > p0
+    h1, p1, d1 = _metric(prefill.url, hits), _metric(topo.router_url, predicted), _metric(decode.url, hits)
+    send("beta")
+    assert _metric(prefill.url, hits) == h1  # no hit on alpha's blocks in the prefill pod's cache
+    assert _metric(topo.router_url, predicted) == p1  # nor in the router's index
+    # the decode pod counts for beta what it counted for alpha's first request (new to it), no hit on alpha's
+    assert _metric(decode.url, hits) - d1 == d_alpha
+    r = httpx.post(prefill.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=ROUTER_AUTH)
+    assert r.status_code == 401  # a tenant's key is not the workers' key
     assert _wait_metric_zero(prefill.url, "vllm:kv_cache_usage_perc", 120) == 0
     assert _wait_metric_zero(decode.url, "vllm:kv_cache_usage_perc", 60) == 0

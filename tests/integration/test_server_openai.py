@@ -103,12 +103,12 @@ def wait_idle(http, idle_usage: float, timeout: float = 60) -> dict[str, float]:
     return m
 
 
-def assert_error(r: httpx.Response, status: int) -> dict:
+def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
     assert r.status_code == status, r.text
     body = r.json()
     assert set(body) == {"error"}
     assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert body["error"]["code"] == status and body["error"]["message"]
+    assert body["error"]["code"] == (code or status) and body["error"]["message"]
     return body["error"]
 
 
@@ -336,12 +336,13 @@ def test_errors(http, server):
     # oversized body
     assert_error(http.post("/v1/completions", json={"prompt": "x" * 100_000}), 413)
     # auth: everything but /health and /metrics
-    assert_error(httpx.get(server.base_url + "/v1/models"), 401)
+    assert_error(httpx.get(server.base_url + "/v1/models"), 401, "invalid_api_key")
     assert_error(
         httpx.post(
             server.base_url + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer wrong"}
         ),
         401,
+        "invalid_api_key",
     )
     assert httpx.get(server.base_url + "/metrics").status_code == 200
     # the server still serves after all that

@@ -92,16 +92,16 @@ class FakeClient:
 def app_client():
     fake = FakeClient()
     metrics = ServerMetrics("fake")
-    cfg = ServerConfig(served_model_names=("fake",), api_key="k", max_body_bytes=2048)
+    cfg = ServerConfig(served_model_names=("fake",), api_keys=("k",), max_body_bytes=2048)
     app = build_app(cfg, fake, FakeTokenizer(), metrics)
     with TestClient(app, headers={"Authorization": "Bearer k"}) as c:
         yield c, fake, metrics
 
 
-def err(r, status):
+def err(r, status, code=None):
     assert r.status_code == status, r.text
     body = r.json()
-    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == status
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == (code or status)
     return body["error"]
 
 
@@ -180,7 +180,7 @@ def test_errors(app_client):
     assert err(c.post("/v1/completions", json={"model": "nope", "prompt": "a"}), 404)["param"] == "model"
     err(c.post("/v1/completions", content=b"{", headers={"content-type": "application/json"}), 400)
     err(c.post("/v1/completions", json={"prompt": "a" * 5000}), 413)
-    err(c.post("/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer x"}), 401)
+    err(c.post("/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer x"}), 401, "invalid_api_key")
     assert (
         c.post(
             "/v1/completions",
@@ -237,7 +237,7 @@ def test_health_and_metrics_open_without_key(app_client):
     text = c.get("/metrics", headers={"Authorization": ""}).text
     assert 'vllm:num_requests_running{model_name="fake"} 3.0' in text
     assert 'vllm:prefix_cache_hits_total{model_name="fake"} 4.0' in text
-    err(c.get("/v1/models", headers={"Authorization": ""}), 401)
+    err(c.get("/v1/models", headers={"Authorization": ""}), 401, "invalid_api_key")
 
 
 def test_metrics_counters_advance_by_delta():

@@ -16,7 +16,10 @@ def test_defaults_are_the_dataclass_defaults() -> None:
     assert cfg == RouterConfig(pods=(PodSpec("http://a:1", "both"),))
 
 
-def test_every_flag_reaches_the_config() -> None:
+def test_every_flag_reaches_the_config(tmp_path) -> None:
+    keys, up = tmp_path / "keys.json", tmp_path / "up"
+    keys.write_text('[{"key": "k3", "tenant": "t"}]')
+    up.write_text("internal\n")
     argv = [
         "router",
         "--host",
@@ -87,6 +90,20 @@ def test_every_flag_reaches_the_config() -> None:
         "1.5",
         "--hot-limit-scope",
         "all",
+        "--api-key",
+        "k1",
+        "--api-key",
+        "k2",
+        "--api-keys-file",
+        str(keys),
+        "--upstream-api-key-file",
+        str(up),
+        "--max-concurrent-requests",
+        "8",
+        "--queue-size",
+        "16",
+        "--queue-timeout",
+        "5",
     ]
     cfg = config_from_args(build_parser().parse_args(argv))
     assert cfg == RouterConfig(
@@ -109,6 +126,12 @@ def test_every_flag_reaches_the_config() -> None:
         max_retries=1,
         log_level="info",
         shutdown_timeout=20.0,
+        api_keys=("k1", "k2"),
+        api_keys_file=str(keys),
+        upstream_api_key_file=str(up),
+        max_concurrent_requests=8,
+        queue_size=16,
+        queue_timeout=5.0,
         weights=ScoringWeights(
             hit=0.9,
             load=0.3,
@@ -126,6 +149,13 @@ def test_every_flag_reaches_the_config() -> None:
             hot_limit_scope="all",
         ),
     )
+
+
+def test_a_missing_keys_file_is_a_config_error(tmp_path) -> None:
+    for flag in ("--api-keys-file", "--upstream-api-key-file"):
+        args = build_parser().parse_args(["router", "--worker", "http://a:1", flag, str(tmp_path / "none")])
+        with pytest.raises(ValueError, match="none"):
+            config_from_args(args)
 
 
 def test_choices_are_checked_by_the_parser() -> None:

@@ -1,0 +1,237 @@
+"""API keys: who may call the router and the API server, and which tenant a key speaks for.
+
+One store serves both processes. Keys come from ``--api-key`` (repeatable; env ``KVMESH_API_KEY``,
+comma-separated; each maps to tenant "default") and from ``--api-keys-file`` (env
+``KVMESH_API_KEYS_FILE``): a JSON list of ``{"key", "tenant", "priority", "rpm", "tpm"}`` objects.
+The file is a Kubernetes Secret mounted as a file in a cluster, and the kubelet swaps it in place
+on rotation, so the store re-reads it when its mtime, size or inode change (checked at most once a
+second: one ``stat`` per second, not per request). A file that cannot be read or parsed keeps the
+keys already loaded (a half-written file must not open or lock the service) and logs an error.
+
+No key configured at all means no authentication (the behaviour of a local ``kvmesh serve``), with a
+warning at start. Keys are compared in constant time against every configured key, so the answer
+time tells nothing about how much of a key matched or which key it was.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.services.errors import error_response
+
+log = logging.getLogger("kvmesh.auth")
+
+OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})  # probes and scrapers never need a key
+DEFAULT_TENANT = "default"
+ENV_KEYS = "KVMESH_API_KEY"
+ENV_KEYS_FILE = "KVMESH_API_KEYS_FILE"
+ENV_UPSTREAM_KEY = "KVMESH_UPSTREAM_API_KEY"
+RECHECK_S = 1.0  # a changed key file is seen within this many seconds
+
+
+@dataclass(frozen=True)
+class APIKey:
+    """One accepted key and what it grants: its tenant (the cache namespace and the unit of limits),
+    its highest queue priority, and its tenant's requests and tokens per minute (None: unlimited)."""
+
+    key: str
+    tenant: str = DEFAULT_TENANT
+    priority: int = 0
+    rpm: int | None = None
+    tpm: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not self.key:
+            raise ValueError("an API key must be a non-empty string")
+        if not isinstance(self.tenant, str) or not self.tenant:
+            raise ValueError("tenant must be a non-empty string")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        for name in ("rpm", "tpm"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive integer or null, got {v!r}")
+
+
+def parse_keys_file(text: str) -> tuple[APIKey, ...]:
+    """The keys of a keys file's text; `ValueError` names what is wrong (the file's name is the caller's)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(data, list):
+        raise ValueError("want a JSON list of {key, tenant, priority, rpm, tpm} objects")
+    out = []
+    for i, item in enumerate(data):
+        if not isinstance(item, dict):
+            raise ValueError(f"entry {i} is not an object")
+        unknown = set(item) - {"key", "tenant", "priority", "rpm", "tpm"}
+        if unknown:
+            raise ValueError(f"entry {i}: unknown fields {sorted(unknown)}")
+        if "key" not in item:
+            raise ValueError(f"entry {i} has no key")
+        try:
+            out.append(APIKey(**item))
+        except ValueError as e:
+            raise ValueError(f"entry {i}: {e}") from None
+    return tuple(out)
+
+
+def plain_keys(keys: Iterable[str], env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """``--api-key`` values, or ``$KVMESH_API_KEY`` (comma-separated) when none was given."""
+    given = tuple(k for k in keys if k)
+    if given:
+        return given
+    raw = (os.environ if env is None else env).get(ENV_KEYS, "")
+    return tuple(k.strip() for k in raw.split(",") if k.strip())
+
+
+class _WatchedFile:
+    """A file's text, re-read when its stat signature changes (checked at most every `RECHECK_S`)."""
+
+    def __init__(self, path: str, parse: Callable[[str], Any], clock: Callable[[], float] = time.monotonic) -> None:
+        self.path, self._parse, self._clock = path, parse, clock
+        self._sig: tuple | None = None
+        self._checked = -1e18
+        self.value = self._load(first=True)
+
+    def _load(self, first: bool = False) -> Any:
+        try:
+            st = os.stat(self.path)
+            with open(self.path) as f:
+                text = f.read()
+            value = self._parse(text)
+        except (OSError, ValueError) as e:
+            if first:
+                raise ValueError(f"{self.path}: {e}") from None
+            log.error("keeping the keys loaded before: cannot use %s: %s", self.path, e)
+            return self.value
+        self._sig = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if not first:
+            log.info("reloaded %s", self.path)
+        return value
+
+    def current(self) -> Any:
+        now = self._clock()
+        if now - self._checked >= RECHECK_S:
+            self._checked = now
+            try:
+                st = os.stat(self.path)
+                sig: tuple | None = (st.st_mtime_ns, st.st_size, st.st_ino)
+            except OSError:
+                sig = None  # gone for a moment (a Secret's symlink swap): keep what we have
+            if sig is not None and sig != self._sig:
+                self.value = self._load()
+        return self.value
+
+
+class KeyStore:
+    """The accepted keys: plain ones (tenant "default") plus those of a watched keys file."""
+
+    def __init__(self, keys: Iterable[str] = (), path: str | None = None, clock: Callable[[], float] = time.monotonic):
+        self._plain = tuple(APIKey(k) for k in keys)
+        self._file = _WatchedFile(path, parse_keys_file, clock) if path else None
+        self.path = path
+
+    @classmethod
+    def from_config(
+        cls, keys: Iterable[str] = (), path: str | None = None, env: Mapping[str, str] | None = None
+    ) -> KeyStore:
+        """The store of a service's flags, falling back to ``$KVMESH_API_KEY`` / ``$KVMESH_API_KEYS_FILE``."""
+        env = os.environ if env is None else env
+        store = cls(plain_keys(keys, env), path or env.get(ENV_KEYS_FILE) or None)
+        if not store.configured:
+            log.warning("no API key configured (--api-key / --api-keys-file): every endpoint is open to anyone")
+        return store
+
+    @property
+    def configured(self) -> bool:
+        return bool(self._plain) or self._file is not None
+
+    def keys(self) -> tuple[APIKey, ...]:
+        extra: tuple[APIKey, ...] = self._file.current() if self._file is not None else ()
+        return self._plain + extra
+
+    def lookup(self, authorization: str | None) -> APIKey | None:
+        """The key an ``Authorization: Bearer <key>`` header carries, or None. Every configured key is
+        compared, in constant time each, whichever matches."""
+        if not authorization:
+            return None
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        got = token.strip().encode()
+        found = None
+        for k in self.keys():
+            if hmac.compare_digest(got, k.key.encode()) and found is None:
+                found = k
+        return found
+
+    def tenants(self) -> list[str]:
+        """The configured tenants (the bound on metric label values)."""
+        return sorted({k.tenant for k in self.keys()})
+
+
+class SecretFile:
+    """One secret from a file (re-read on change) or, without a file, from an environment variable."""
+
+    def __init__(self, path: str | None, env_var: str, env: Mapping[str, str] | None = None) -> None:
+        env = os.environ if env is None else env
+        self._file = _WatchedFile(path, _one_secret) if path else None
+        self._env = (env.get(env_var) or "").strip() or None
+
+    def get(self) -> str | None:
+        if self._file is not None:
+            return self._file.current()
+        return self._env
+
+
+def _one_secret(text: str) -> str:
+    s = text.strip()
+    if not s:
+        raise ValueError("the file is empty")
+    return s
+
+
+API_KEY_SCOPE = "kvmesh.api_key"  # where the middleware leaves the caller's `APIKey` in the ASGI scope
+
+
+def request_key(scope: Mapping) -> APIKey | None:
+    """The caller's key (None when no key is configured)."""
+    return scope.get(API_KEY_SCOPE)
+
+
+class APIKeyMiddleware:
+    """ASGI middleware: 401 in OpenAI's schema unless the request carries an accepted key (open
+    paths aside); the accepted `APIKey` goes into the scope for the app (`request_key`). Pure ASGI,
+    not Starlette's ``BaseHTTPMiddleware``: streaming and disconnect detection pass through untouched."""
+
+    def __init__(self, app, store: KeyStore) -> None:
+        self.app, self.store = app, store
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.store.configured or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        auth = None
+        for k, v in scope.get("headers", ()):
+            if k == b"authorization":
+                auth = v.decode("latin-1")
+                break
+        key = self.store.lookup(auth)
+        if key is None:
+            resp = error_response(
+                401,
+                "invalid or missing API key: send `Authorization: Bearer <key>`",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            return await resp(scope, receive, send)
+        scope[API_KEY_SCOPE] = key
+        return await self.app(scope, receive, send)
