@@ -11,6 +11,7 @@ import zmq
 from kvmesh.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.engine.kv_events_auth import CurveKeys
 from kvmesh.engine.kv_publisher import END_SEQ, KVEventPublisher, PublisherConfig, make_topic
+from kvmesh.services.router.testing import free_port, handshake_refused, kv_event_outsider, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -55,33 +56,7 @@ def test_wire_layout_and_replay(tmp_path):
 
 
 def _tcp() -> str:
-    from kvmesh.topology import free_port
-
     return f"tcp://127.0.0.1:{free_port()}"
-
-
-def _wait(pred, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
-
-
-def _refused(monitor: zmq.Socket, timeout: float = 15.0) -> bool:
-    """Wait for the monitored socket to report a failed handshake: it never got past the pod's security."""
-    from zmq.utils.monitor import recv_monitor_message
-
-    failed = (
-        zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    )
-    while monitor.poll(int(timeout * 1000)):
-        ev = recv_monitor_message(monitor)["event"]
-        assert ev != zmq.EVENT_HANDSHAKE_SUCCEEDED
-        if ev & failed:
-            return True
-    return False
 
 
 def test_curve_stream_and_replay_reach_only_the_router_key():
@@ -96,21 +71,18 @@ def test_curve_stream_and_replay_reach_only_the_router_key():
     socks: list[zmq.Socket] = []
 
     def sock(kind: int, who: str, endpoint: str) -> tuple[zmq.Socket, zmq.Socket]:
-        """A connected socket of ``who`` (router, plain, stranger, other) and its monitor."""
-        s = ctx.socket(kind)
-        s.setsockopt(zmq.LINGER, 0)
-        if kind == zmq.SUB:
-            s.setsockopt(zmq.SUBSCRIBE, b"")
+        """A connected socket of ``who`` (the router, or an outsider) and its monitor."""
         if who == "router":
+            s = ctx.socket(kind)
+            s.setsockopt(zmq.LINGER, 0)
+            if kind == zmq.SUB:
+                s.setsockopt(zmq.SUBSCRIBE, b"")
             keys.make_client(s)
-        elif who == "other":
-            CurveKeys.derive(b"another secret").make_client(s)
-        elif who == "stranger":
-            s.curve_serverkey = keys.server_public
-            s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
-        m = s.get_monitor_socket()
+            m = s.get_monitor_socket()
+            s.connect(endpoint)
+        else:
+            s, m = kv_event_outsider(ctx, kind, endpoint, who, keys.server_public)
         socks.extend((m, s))
-        s.connect(endpoint)
         return s, m
 
     try:
@@ -120,7 +92,7 @@ def test_curve_stream_and_replay_reach_only_the_router_key():
             squatter.bind(ep)
         outsiders = [sock(zmq.SUB, who, ep) for who in ("plain", "stranger", "other")]
         for _, m in outsiders:
-            assert _refused(m)
+            assert handshake_refused(m)
         assert pub.zap is not None and pub.zap.refused >= 1  # the stranger's key reached the ZAP check
         router, _ = sock(zmq.SUB, "router", ep)
         n = 0  # the router's subscription is up once a batch sent now reaches it
@@ -139,9 +111,8 @@ def test_curve_stream_and_replay_reach_only_the_router_key():
         assert all(s.poll(0) == 0 for s, _ in outsiders)  # those batches never reached them
         # replay: outsiders asking for history are refused; the router's key gets all of it
         thieves = [sock(zmq.DEALER, who, rep) for who in ("plain", "stranger", "other")]
-        for t, m in thieves:
-            t.send_multipart([b"", (0).to_bytes(8, "big")])
-            assert _refused(m)
+        for _, m in thieves:  # each asked for the history from seq 0
+            assert handshake_refused(m)
         d, _ = sock(zmq.DEALER, "router", rep)
         d.send_multipart([b"", (0).to_bytes(8, "big")])
         replayed = []
@@ -176,7 +147,7 @@ def test_router_hub_reports_streams_it_cannot_read():
     try:
         for hub in (good, bad, plain):
             hub.add_pod("a", "m", ep, rep)
-        assert _wait(lambda: good.pod_stream("a") is not None and good.pod_stream("a").connected)
+        assert wait_for(lambda: good.pod_stream("a") is not None and good.pod_stream("a").connected, 15)
         assert good_idx.is_exact("a")
         n = 0  # publish until the hub has a batch (its first one replays the earlier ones)
         while good.pod_seq("a") is None:
@@ -184,10 +155,10 @@ def test_router_hub_reports_streams_it_cannot_read():
             n += 1
             assert n < 100, "the router's hub never received a batch"
             time.sleep(0.1)
-        assert _wait(lambda: good.pod_seq("a") == n - 1)
+        assert wait_for(lambda: good.pod_seq("a") == n - 1, 15)
         assert good.pod_stream("a").batches == n and good_idx.match("m", [0], ["a"])["a"] == 1
         for hub, idx in ((bad, bad_idx), (plain, plain_idx)):
-            assert _wait(lambda h=hub: h.pod_stream("a").handshake_failures >= 1)
+            assert wait_for(lambda h=hub: h.pod_stream("a").handshake_failures >= 1, 15)
             st = hub.pod_stream("a")
             assert not st.connected and st.batches == 0 and hub.pod_seq("a") is None
             assert not idx.is_exact("a") and idx.match("m", [0], ["a"])["a"] == 0
