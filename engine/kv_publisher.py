@@ -67,7 +67,7 @@ class KVEventPublisher:
         self.cfg = cfg
         # The ZAP handler is per context: with CURVE the publisher owns one, so no other socket shares it.
         self._own_ctx = ctx is None or cfg.keys is not None
-        self.ctx = zmq.Context() if self._own_ctx else ctx
+        self.ctx: zmq.Context = zmq.Context() if ctx is None or self._own_ctx else ctx
         self._auth = None
         self.zap = None  # the RouterOnly check (its `refused` counts unknown subscribers)
         if cfg.keys is not None:
