@@ -127,14 +127,21 @@ class KVEventPublisher:
         s.setsockopt(zmq.SNDHWM, self.cfg.hwm)
         if self.cfg.keys is not None:
             self.cfg.keys.make_server(s)
-        s.bind(endpoint)
+        try:
+            s.bind(endpoint)
+        except BaseException:
+            s.close(linger=0)  # an open socket would keep the context's term() waiting
+            raise
         return s
 
     def _run(self) -> None:
+        pub = None
         try:
             pub = self._open(zmq.PUB, self.cfg.endpoint)
             replay = self._open(zmq.ROUTER, self.cfg.replay_endpoint) if self.cfg.replay_endpoint else None
         except BaseException as e:  # bad endpoint / port in use: reported to the constructor
+            if pub is not None:
+                pub.close(linger=0)
             self._error = e
             self._ready.set()
             return

@@ -166,3 +166,19 @@ def test_router_hub_reports_streams_it_cannot_read():
         for hub in (good, bad, plain):
             hub.close()
         pub.close()
+
+
+def test_port_taken_fails_at_start_and_leaks_nothing():
+    """A pod whose KV-event or replay port is taken fails to start with the reason (it must bind: nobody else
+    would), and releases what it opened: its other port is free again and nothing hangs."""
+    keys = CurveKeys.derive(b"kv-secret")
+    ep, other = _tcp(), _tcp()
+    first = KVEventPublisher(PublisherConfig(ep, None, "t", keys=keys))
+    try:
+        for endpoints in ((ep, None), (other, ep)):  # the PUB port taken; the replay port taken
+            with pytest.raises(RuntimeError, match="failed to start.*Address already in use"):
+                KVEventPublisher(PublisherConfig(*endpoints, "t", keys=keys))
+        again = KVEventPublisher(PublisherConfig(other, None, "t", keys=keys))  # the failed start freed it
+        again.close()
+    finally:
+        first.close()
