@@ -32,6 +32,7 @@ def register(sub) -> None:
 def config_from_args(args: argparse.Namespace):
     """The flags as a `RouterConfig`; ``--worker``/``--selector`` name pods of the engine's role "both"."""
     from kvmesh.engine.config import Role
+    from kvmesh.engine.kv_events_auth import load_kv_auth_key
     from kvmesh.services.router.config import RouterConfig, ScoringWeights, parse_pod_spec
 
     urls: tuple[tuple[Role, list[str]], ...] = (
@@ -51,7 +52,9 @@ def config_from_args(args: argparse.Namespace):
     if args.discovery == "k8s" and not selectors:
         raise ValueError("--discovery k8s needs --selector (and/or --prefill-selector/--decode-selector)")
     weights = ScoringWeights(**values_from(args, ScoringWeights))
-    return RouterConfig(**values_from(args, RouterConfig), weights=weights, pods=pods, k8s_selectors=selectors)
+    cfg = RouterConfig(**values_from(args, RouterConfig), weights=weights, pods=pods, k8s_selectors=selectors)
+    load_kv_auth_key(cfg.kv_auth_key_file)  # a missing or empty secret file fails here, with the reason
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,7 +16,9 @@ def test_defaults_are_the_dataclass_defaults() -> None:
     assert cfg == RouterConfig(pods=(PodSpec("http://a:1", "both"),))
 
 
-def test_every_flag_reaches_the_config() -> None:
+def test_every_flag_reaches_the_config(tmp_path) -> None:
+    secret = tmp_path / "kv-auth-key"
+    secret.write_text("s3cret\n")
     argv = [
         "router",
         "--host",
@@ -33,6 +35,8 @@ def test_every_flag_reaches_the_config() -> None:
         "5557",
         "--kv-replay-port",
         "5558",
+        "--kv-auth-key-file",
+        str(secret),
         "--policy",
         "least-load",
         "--pd-min-uncached",
@@ -97,6 +101,7 @@ def test_every_flag_reaches_the_config() -> None:
         block_size=32,
         kv_events_port=5557,
         kv_replay_port=5558,
+        kv_auth_key_file=str(secret),
         policy="least-load",
         pd_min_uncached=64,
         discovery="k8s",
@@ -126,6 +131,14 @@ def test_every_flag_reaches_the_config() -> None:
             hot_limit_scope="all",
         ),
     )
+
+
+def test_unreadable_kv_auth_key_file_is_a_clear_error(tmp_path) -> None:
+    (tmp_path / "empty").write_text("")
+    for path, why in ((tmp_path / "missing", "No such file"), (tmp_path / "empty", "is empty")):
+        argv = ["router", "--worker", "http://a:1", "--kv-auth-key-file", str(path)]
+        with pytest.raises(ValueError, match=why):
+            config_from_args(build_parser().parse_args(argv))
 
 
 def test_choices_are_checked_by_the_parser() -> None:
