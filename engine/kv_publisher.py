@@ -15,8 +15,12 @@ Wire (vLLM's `ZmqEventPublisher`, layout pinned in `kv_events.py`):
   then ``(identity, b"", -1 as signed 8 bytes, b"")``. A subscriber uses a
   DEALER (or REQ-style envelope) to ask.
 
-Bind/connect follows vLLM: an endpoint with ``*``, ``::``, ``ipc://`` or
-``inproc://`` is bound, anything else is connected to (the subscriber binds).
+Both sockets are always bound: the pod owns its ports and subscribers (the
+router, which learns pods from its static list or from EndpointSlices) connect.
+With a `CurveKeys` (from the shared secret, see `kv_events_auth`) both are CURVE
+servers whose ZAP handler admits only the router's key: the stream carries every
+cached prompt's token ids. Without one they are plain and anyone who reaches the
+port reads them, so the publisher warns.
 When the queue is full (the thread is behind) batches are dropped and counted,
 but they still consume sequence numbers: the resulting gap is one the replay
 socket cannot fill, so a subscriber resyncs rather than trusting a stale index.
@@ -35,15 +39,11 @@ from dataclasses import dataclass
 import zmq
 
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from .kv_events_auth import CurveKeys, start_zap
 
 log = logging.getLogger("kvmesh.engine.kv_publisher")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def should_bind(endpoint: str) -> bool:
-    """vLLM's rule: wildcard hosts and local transports are bound, concrete tcp addresses connected."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 def make_topic(pod: str, model: str) -> str:
@@ -59,13 +59,25 @@ class PublisherConfig:
     buffer_steps: int = 10_000  # batches kept for replay
     hwm: int = 100_000  # ZMQ send high-water mark
     max_queue_size: int = 100_000  # batches waiting for the thread before we drop
+    keys: CurveKeys | None = None  # CURVE: only the router reads (None: plain sockets, anyone who connects)
 
 
 class KVEventPublisher:
     def __init__(self, cfg: PublisherConfig, ctx: zmq.Context | None = None) -> None:
         self.cfg = cfg
-        self._own_ctx = ctx is None
-        self.ctx = ctx or zmq.Context()
+        # The ZAP handler is per context: with CURVE the publisher owns one, so no other socket shares it.
+        self._own_ctx = ctx is None or cfg.keys is not None
+        self.ctx: zmq.Context = zmq.Context() if ctx is None or self._own_ctx else ctx
+        self._auth = None
+        self.zap = None  # the RouterOnly check (its `refused` counts unknown subscribers)
+        if cfg.keys is not None:
+            self._auth, self.zap = start_zap(self.ctx, cfg.keys)
+        else:
+            log.warning(
+                "KV events on %s are not authenticated: any process that reaches it reads every cached "
+                "prompt's token ids; set KVMESH_KV_AUTH_KEY (or --kv-auth-key-file) on pods and router",
+                cfg.endpoint,
+            )
         self._q: queue.Queue[KVEventBatch | None] = queue.Queue(cfg.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self.next_seq = 0
@@ -78,6 +90,10 @@ class KVEventPublisher:
         self._thread.start()
         self._ready.wait(10)
         if self._error is not None:
+            if self._auth is not None:
+                self._auth.stop()
+            if self._own_ctx:
+                self.ctx.term()
             raise RuntimeError(f"KV event publisher failed to start: {self._error}") from self._error
 
     # ---- engine side (any thread, never blocks) -----------------------------
@@ -99,6 +115,8 @@ class KVEventPublisher:
         except queue.Full:
             pass
         self._thread.join(timeout)
+        if self._auth is not None:
+            self._auth.stop()
         if self._own_ctx:
             self.ctx.term()
 
@@ -107,14 +125,23 @@ class KVEventPublisher:
         s = self.ctx.socket(kind)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, self.cfg.hwm)
-        (s.bind if should_bind(endpoint) else s.connect)(endpoint)
+        if self.cfg.keys is not None:
+            self.cfg.keys.make_server(s)
+        try:
+            s.bind(endpoint)
+        except BaseException:
+            s.close(linger=0)  # an open socket would keep the context's term() waiting
+            raise
         return s
 
     def _run(self) -> None:
+        pub = None
         try:
             pub = self._open(zmq.PUB, self.cfg.endpoint)
             replay = self._open(zmq.ROUTER, self.cfg.replay_endpoint) if self.cfg.replay_endpoint else None
         except BaseException as e:  # bad endpoint / port in use: reported to the constructor
+            if pub is not None:
+                pub.close(linger=0)
             self._error = e
             self._ready.set()
             return

@@ -4,6 +4,12 @@ decode servers, and the router in front, each in its own process group.
 Every child is a real process talking over loopback, exactly what runs in a pod;
 this module only picks ports, starts things in order, waits for health, and
 tears everything down (router first, so no request is routed to a dying worker).
+
+KV events are wired as in a cluster: each worker binds its PUB and replay sockets
+on a loopback port and the router connects to them. Every run gets a random
+KV-path secret (``KVMESH_KV_AUTH_KEY`` in the children's environment, unless the
+caller's environment already has one), so the streams are CURVE-encrypted and
+only the router's key is admitted.
 """
 
 from __future__ import annotations
@@ -70,10 +76,12 @@ class Topology:
     router_url: str = ""
     # The router's credential towards the workers, new each run; the workers accept only it.
     upstream_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    kv_auth_key: str = ""  # the run's KV-path secret (workers and router get it as $KVMESH_KV_AUTH_KEY)
 
     # ---- start --------------------------------------------------------------
     def start(self) -> Topology:
         cfg = self.config
+        self.kv_auth_key = os.environ.get("KVMESH_KV_AUTH_KEY") or secrets.token_urlsafe(32)
         try:
             if cfg.kv_connector == "redis":
                 self.redis_url = cfg.redis_url or self._start_redis()
@@ -90,6 +98,10 @@ class Topology:
             self.stop()
             raise
         return self
+
+    def _env(self) -> dict[str, str]:
+        """The children's environment: ours plus the run's KV-path secret (never on a command line)."""
+        return dict(os.environ, KVMESH_KV_AUTH_KEY=self.kv_auth_key)
 
     def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         out = None
@@ -168,7 +180,7 @@ class Topology:
         if cfg.model:
             argv += ["--model", cfg.model]
         argv += list(cfg.engine_args)
-        env = dict(os.environ, KVMESH_CPU_THREADS=os.environ.get("KVMESH_CPU_THREADS", str(threads)))
+        env = dict(self._env(), KVMESH_CPU_THREADS=os.environ.get("KVMESH_CPU_THREADS", str(threads)))
         env.pop("KVMESH_API_KEYS_FILE", None)  # a worker's only key is the router's (in the env: not in ps)
         env["KVMESH_API_KEY"] = self.upstream_key
         w = Worker(role, f"http://{host}:{port}", f"tcp://{host}:{ev}", f"tcp://{host}:{rp}")
@@ -186,7 +198,7 @@ class Topology:
         if cfg.api_keys_file:
             argv += ["--api-keys-file", cfg.api_keys_file]
         argv += list(cfg.router_args)
-        p = self._spawn("router", argv, dict(os.environ, KVMESH_UPSTREAM_API_KEY=self.upstream_key))
+        p = self._spawn("router", argv, dict(self._env(), KVMESH_UPSTREAM_API_KEY=self.upstream_key))
         self.router_url = f"http://{cfg.host}:{cfg.port}"
         wait_healthy(self.router_url, deadline - time.monotonic(), p, f"router at {self.router_url}")
 

@@ -37,7 +37,8 @@ KIND = "InferenceService"
 MANAGER = "kvmesh-operator"
 
 HTTP_PORT = 8000
-KV_EVENTS_PORT = 5557
+KV_EVENTS_PORT = 5557  # workers bind their KV-event PUB socket here; the router connects to each pod IP
+KV_REPLAY_PORT = 5558  # and the replay ROUTER socket (a router started late, or after a gap, asks for history)
 NIXL_SIDE_CHANNEL_PORT = 5600
 # Graceful shutdown: the router drops a pod as soon as its endpoint is `terminating`; preStop waits
 # PRESTOP_S so that has happened before the server stops accepting, then the server finishes its
@@ -221,6 +222,8 @@ def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> lis
     args += [
         "--kv-events-endpoint",
         f"tcp://*:{KV_EVENTS_PORT}",
+        "--kv-events-replay-endpoint",
+        f"tcp://*:{KV_REPLAY_PORT}",
         "--engine-id",
         "$(POD_NAME)",
         "--shutdown-timeout",
@@ -356,6 +359,8 @@ def _router_args(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[str]:
         "http",
         "--kv-events-port",
         str(KV_EVENTS_PORT),
+        "--kv-replay-port",
+        str(KV_REPLAY_PORT),
         "--block-size",
         str(spec.engine.block_size),
         "--served-model-name",

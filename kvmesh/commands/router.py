@@ -32,6 +32,7 @@ def register(sub) -> None:
 def config_from_args(args: argparse.Namespace):
     """The flags as a `RouterConfig`; ``--worker``/``--selector`` name pods of the engine's role "both"."""
     from kvmesh.engine.config import Role
+    from kvmesh.engine.kv_events_auth import load_kv_auth_key
     from kvmesh.services.router.config import RouterConfig, ScoringWeights, parse_pod_spec
 
     urls: tuple[tuple[Role, list[str]], ...] = (
@@ -58,6 +59,7 @@ def config_from_args(args: argparse.Namespace):
         KeyStore(path=cfg.api_keys_file)
     if cfg.upstream_api_key_file:
         SecretFile(cfg.upstream_api_key_file, ENV_UPSTREAM_KEY)
+    load_kv_auth_key(cfg.kv_auth_key_file)  # a missing or empty secret file fails here, with the reason
     return cfg
 
 

@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 
 from kvmesh.engine.args import EngineArgs
+from kvmesh.engine.kv_events_auth import load_kv_auth_key
 
 
 def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> None:
@@ -41,12 +42,20 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
     g.add_argument("--engine-input-addr", default=None, help="ZMQ endpoint for requests (instead of ipc)")
     g.add_argument("--engine-output-addr", default=None, help="ZMQ endpoint for outputs (instead of ipc)")
     g.add_argument(
-        "--kv-events-endpoint", default=None, help="bind a ZMQ PUB socket here for KV cache events, e.g. tcp://*:5557"
+        "--kv-events-endpoint",
+        default=None,
+        help="bind a ZMQ PUB socket here for KV cache events, e.g. tcp://*:5557 (routers connect to it)",
     )
     g.add_argument(
         "--kv-events-replay-endpoint",
         default=None,
         help="bind a ZMQ ROUTER socket here that replays missed KV-event sequences, e.g. tcp://*:5558",
+    )
+    g.add_argument(
+        "--kv-auth-key-file",
+        default=None,
+        help="file holding the KV-path secret shared with the router: the KV-event sockets then admit only "
+        "the router (CURVE) (default: $KVMESH_KV_AUTH_KEY; neither: plain sockets, with a warning)",
     )
     g.add_argument(
         "--kv-connector",
@@ -157,6 +166,8 @@ def configs_from_args(args: argparse.Namespace):
         if args.kv_connector != "redis":
             raise ValueError("--redis-url needs --kv-connector redis")
         connector_cfg.setdefault("url", args.redis_url)
+    if args.kv_events_endpoint:
+        load_kv_auth_key(args.kv_auth_key_file)  # a missing or empty file fails here, before any process starts
     proc_cfg = EngineProcConfig(
         input_addr=addrs.input_addr,
         output_addr=addrs.output_addr,
@@ -167,6 +178,7 @@ def configs_from_args(args: argparse.Namespace):
         kv_connector_config=connector_cfg,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_auth_key_file=args.kv_auth_key_file,
         stats_interval=args.stats_interval,
         parent_pid=os.getpid(),
     )

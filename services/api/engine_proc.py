@@ -51,6 +51,7 @@ class EngineProcConfig:
     kv_connector_config: dict[str, Any] = field(default_factory=dict)
     kv_events_endpoint: str | None = None  # ZMQ PUB endpoint to bind for KV events (None: events dropped)
     kv_events_replay_endpoint: str | None = None  # ZMQ ROUTER endpoint serving missed KV-event sequences
+    kv_auth_key_file: str | None = None  # the KV-path secret (None: $KVMESH_KV_AUTH_KEY); never the secret itself
     kv_events_topic: str | None = None  # None: kv@{pod}@{model} (pod = $POD_NAME or the engine id)
     stats_interval: float = 0.5  # seconds between stats snapshots while busy
     idle_poll_ms: int = 1000  # longest blocking wait when idle (bounded to notice a dead parent)
@@ -329,13 +330,18 @@ def _make_kv_publisher(cfg: EngineProcConfig, engine, ctx):
     """The KV-event publisher (kvmesh.engine.kv_publisher), or None without --kv-events-endpoint."""
     if not cfg.kv_events_endpoint:
         return None
+    from kvmesh.engine.kv_events_auth import CurveKeys, load_kv_auth_key
     from kvmesh.engine.kv_publisher import KVEventPublisher, PublisherConfig, make_topic
 
     topic = cfg.kv_events_topic
     if topic is None:
         pod = os.environ.get("POD_NAME") or cfg.engine_kwargs.get("engine_id", "kvmesh-0")
         topic = make_topic(pod, engine.config.model.name)
-    return KVEventPublisher(PublisherConfig(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, topic), ctx)
+    secret = load_kv_auth_key(cfg.kv_auth_key_file)
+    keys = CurveKeys.derive(secret) if secret else None
+    return KVEventPublisher(
+        PublisherConfig(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, topic, keys=keys), ctx
+    )
 
 
 def _peek_request_id(raw: bytes) -> str | None:

@@ -28,6 +28,20 @@ log = logging.getLogger("kvmesh.router")
 _json = msgspec.json.Decoder()
 
 
+def _stream(router: Router, url: str) -> dict | None:
+    """The pod's KV-event stream as the router sees it (None: the pod publishes none, approximate mode)."""
+    st = router.hub.pod_stream(url)
+    if st is None:
+        return None
+    age = None if st.last_batch_age_s is None else round(st.last_batch_age_s, 3)
+    return {
+        "connected": st.connected,
+        "batches": st.batches,
+        "handshake_failures": st.handshake_failures,
+        "last_batch_age_s": age,
+    }
+
+
 def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvmesh router")
     # every path but /health, /live and /metrics needs a key once keys are configured (services/auth.py)
@@ -98,6 +112,7 @@ def build_app(router: Router) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
+        router.refresh_event_metrics()
         return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/pods")
@@ -120,6 +135,7 @@ def build_app(router: Router) -> FastAPI:
                     "indexed_blocks": router.index.pod_blocks(p.url),
                     "eviction_pressure": router.index.eviction_pressure([p.url])[p.url],
                     "event_seq": router.hub.pod_seq(p.url),
+                    "events": _stream(router, p.url),
                     "last_error": p.last_error,
                 }
                 for p in router.pods.values()

@@ -150,6 +150,13 @@ class RouterConfig:
         default=None, metadata=cli("pods publish KV events on tcp://HOST:PORT (for pods without events=)")
     )
     kv_replay_port: int | None = field(default=None, metadata=cli())
+    kv_auth_key_file: str | None = field(
+        default=None,
+        metadata=cli(
+            "file holding the KV-path secret the pods share: the KV-event streams are then read over CURVE "
+            "(default: $KVMESH_KV_AUTH_KEY; neither: plain streams)"
+        ),
+    )
     policy: str = field(default="kv-aware", metadata=cli(choices=list(POLICIES)))
     weights: ScoringWeights = field(default_factory=ScoringWeights)
     pd_min_uncached: int = field(

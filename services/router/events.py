@@ -14,23 +14,39 @@ to hundreds of pods). Per pod it tracks the last sequence number applied:
 
 The first message from a pod triggers a replay from 0, so a router started
 after its pods learns what they already hold (as far as the ring buffer goes).
+
+The pods bind, the hub connects (to the endpoints of the static list or of the
+EndpointSlices). With `CurveKeys` every SUB and replay socket is a CURVE client:
+the pods admit only the routers' key. A socket monitor per pod tracks whether
+the handshake succeeded, so a stream that never came up (wrong or missing
+secret, nothing listening) shows as not connected instead of as a quiet pod;
+only a connected pod counts as exact in the index (`PrefixIndex.mark_exact`),
+the others keep the approximate mode's predicted entries.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvmesh.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
+from kvmesh.engine.kv_events_auth import CurveKeys
 
 from .index import PrefixIndex
 
 log = logging.getLogger("kvmesh.router.events")
+
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
 
 
 @dataclass(frozen=True)
@@ -50,12 +66,26 @@ class _Sub:
     endpoint: str
     replay_endpoint: str | None
     sock: zmq.Socket
+    monitor: zmq.Socket
     last_seq: int | None = None
+    connected: bool = False  # the (CURVE) handshake with the pod's PUB socket succeeded and it has not dropped
+    handshake_failures: int = 0  # refused by the pod (wrong secret) or a security mismatch (one side plain)
+    last_batch_at: float | None = None  # time.time() of the last batch applied
     batches: int = 0
     gaps: int = 0
     replayed: int = 0
     resyncs: int = 0
     restarts: int = 0
+
+
+@dataclass(frozen=True)
+class PodStream:
+    """A snapshot of one pod's stream for `/pods` and the metrics."""
+
+    connected: bool
+    batches: int
+    handshake_failures: int
+    last_batch_age_s: float | None
 
 
 @dataclass
@@ -71,11 +101,18 @@ class EventStats:
 
 class EventHub:
     def __init__(
-        self, index: PrefixIndex, replay_timeout: float = 2.0, on_event: Callable[[str, str], None] | None = None
+        self,
+        index: PrefixIndex,
+        replay_timeout: float = 2.0,
+        on_event: Callable[[str, str], None] | None = None,
+        keys: CurveKeys | None = None,
+        on_batch: Callable[[str], None] | None = None,
     ) -> None:
         self.index = index
         self.replay_timeout_ms = int(replay_timeout * 1000)
         self.on_event = on_event  # (pod, kind) -> None, for metrics
+        self.on_batch = on_batch  # (pod) -> None, once per batch received (live or replayed)
+        self.keys = keys  # CURVE client keys; None: plain sockets (pods without a secret)
         self.ctx = zmq.Context()
         self.stats = EventStats()
         self._subs: dict[zmq.Socket, _Sub] = {}
@@ -99,6 +136,13 @@ class EventHub:
         s = self._by_pod.get(pod)
         return None if s is None else s.last_seq
 
+    def pod_stream(self, pod: str) -> PodStream | None:
+        s = self._by_pod.get(pod)
+        if s is None:
+            return None
+        age = None if s.last_batch_at is None else max(0.0, time.time() - s.last_batch_at)
+        return PodStream(s.connected, s.batches, s.handshake_failures, age)
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(3)
@@ -117,18 +161,31 @@ class EventHub:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.RCVHWM, 100_000)
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
-                # a pod that binds (the default) is connected to; "*" means the pod connects to us
-                (sock.bind if "*" in endpoint else sock.connect)(endpoint)
-                sub = _Sub(pod, model, endpoint, replay, sock)
+                if self.keys is not None:
+                    self.keys.make_client(sock)
+                monitor = sock.get_monitor_socket(_MONITORED)
+                try:
+                    sock.connect(endpoint)  # pods bind their PUB socket; the router always connects
+                except zmq.ZMQError as e:
+                    log.error("pod %s: bad KV-event endpoint %r: %s", pod, endpoint, e)
+                    sock.disable_monitor()
+                    monitor.close(linger=0)
+                    sock.close(linger=0)
+                    continue
+                sub = _Sub(pod, model, endpoint, replay, sock, monitor)
                 self._subs[sock] = sub
+                self._subs[monitor] = sub
                 self._by_pod[pod] = sub
                 poller.register(sock, zmq.POLLIN)
-                self.index.mark_exact(pod)
+                poller.register(monitor, zmq.POLLIN)
             else:
                 gone = self._by_pod.pop(item, None)
                 if gone is not None:
-                    poller.unregister(gone.sock)
-                    del self._subs[gone.sock]
+                    for s in (gone.sock, gone.monitor):
+                        poller.unregister(s)
+                        del self._subs[s]
+                    gone.sock.disable_monitor()
+                    gone.monitor.close(linger=0)
                     gone.sock.close(linger=0)
                     self.index.mark_exact(gone.pod, False)
                     self.index.clear_pod(gone.pod)
@@ -148,6 +205,9 @@ class EventHub:
                 sub = self._subs.get(sock)
                 if sub is None:
                     continue
+                if sock is sub.monitor:
+                    self._on_monitor(sub)
+                    continue
                 for _ in range(1000):  # bounded drain per socket, fair across pods
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -155,7 +215,35 @@ class EventHub:
                         break
                     self._on_message(sub, frames)
         for sub in list(self._by_pod.values()):
+            sub.sock.disable_monitor()
+            sub.monitor.close(linger=0)
             sub.sock.close(linger=0)
+
+    def _on_monitor(self, sub: _Sub) -> None:
+        while True:
+            try:
+                ev = parse_monitor_message(sub.monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
+            if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if not sub.connected:
+                    log.info("KV events of %s connected (%s)", sub.pod, "CURVE" if self.keys else "plain")
+                sub.connected = True
+                self.index.mark_exact(sub.pod)  # predicted entries now expire: the events take over
+            elif ev == zmq.EVENT_DISCONNECTED:
+                sub.connected = False
+                self.index.mark_exact(sub.pod, False)  # until it is back, predictions are all we have
+            elif ev & _HANDSHAKE_FAILED:
+                sub.connected = False
+                self.index.mark_exact(sub.pod, False)
+                sub.handshake_failures += 1
+                if sub.handshake_failures == 1:
+                    log.error(
+                        "KV events of %s: handshake refused (%s); the router and the pods need the same "
+                        "KVMESH_KV_AUTH_KEY; routing to this pod uses the approximate index until it connects",
+                        sub.pod,
+                        "router has a secret" if self.keys else "router has no secret",
+                    )
 
     def _on_message(self, sub: _Sub, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -187,6 +275,8 @@ class EventHub:
             return False
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            self.keys.make_client(dealer)
         got: list[tuple[int, bytes]] = []
         try:
             dealer.connect(sub.replay_endpoint)
@@ -251,4 +341,7 @@ class EventHub:
                 self.on_event(sub.pod, kind)
         sub.last_seq = seq
         sub.batches += 1
+        sub.last_batch_at = time.time()
         self.stats.batches += 1
+        if self.on_batch is not None:
+            self.on_batch(sub.pod)

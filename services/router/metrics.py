@@ -87,6 +87,21 @@ class RouterMetrics:
             registry=r,
         )
         self.kv_events = Counter("kvmesh:router_kv_events", "KV events applied", ["pod", "kind"], registry=r)
+        self.kv_event_batches = Counter(
+            "kvmesh:router_kv_event_batches", "KV-event batches received (live or replayed)", ["pod"], registry=r
+        )
+        self.kv_events_connected = Gauge(
+            "kvmesh:router_kv_events_connected",
+            "1 while the pod's KV-event stream is connected (handshake done); 0: the pod is routed on predictions",
+            ["pod"],
+            registry=r,
+        )
+        self.kv_event_handshake_failures = Gauge(
+            "kvmesh:router_kv_event_handshake_failures",
+            "KV-event handshakes the pod refused (secret mismatch, one side without a secret)",
+            ["pod"],
+            registry=r,
+        )
         self.kv_gaps = Gauge("kvmesh:router_kv_event_gaps", "sequence gaps seen (all pods)", registry=r)
         self.kv_replayed = Gauge("kvmesh:router_kv_event_replayed_batches", "batches recovered by replay", registry=r)
         self.kv_resyncs = Gauge("kvmesh:router_kv_event_resyncs", "pods cleared after an unrecoverable gap", registry=r)

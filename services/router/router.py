@@ -35,6 +35,7 @@ import msgspec
 from fastapi.responses import Response, StreamingResponse
 
 from kvmesh.engine.chat import ChatContentError
+from kvmesh.engine.kv_events_auth import CurveKeys, load_kv_auth_key
 from kvmesh.services.auth import DEFAULT_TENANT, ENV_UPSTREAM_KEY, APIKey, KeyStore, SecretFile
 from kvmesh.services.errors import APIError, bad_request
 
@@ -98,7 +99,15 @@ class Router:
         self.model = cfg.served_model_name or self.tok.model_name
         self.ns = self.tok.identity  # index namespace: the model identity the hashes are salted with
         self.index = PrefixIndex(cfg.pending_ttl, cfg.approx_capacity, cfg.weights.evict_halflife_s)
-        self.hub = EventHub(self.index, on_event=lambda pod, kind: self.metrics.kv_events.labels(pod, kind).inc())
+        secret = load_kv_auth_key(cfg.kv_auth_key_file)
+        self.hub = EventHub(
+            self.index,
+            on_event=lambda pod, kind: self.metrics.kv_events.labels(pod, kind).inc(),
+            keys=CurveKeys.derive(secret) if secret else None,
+            on_batch=lambda pod: self.metrics.kv_event_batches.labels(pod).inc(),
+        )
+        if secret is None and any(p.events for p in cfg.pods):
+            log.warning("no KV auth secret: reading the pods' KV events unauthenticated (set KVMESH_KV_AUTH_KEY)")
         self.pods: dict[str, Pod] = {}
         self.mean_prompt = 0.0  # typical prompt length, the scale of a hit's value (see `score_pods`)
         self._prompts = 0
@@ -128,10 +137,16 @@ class Router:
         if pod.spec.events:
             self.hub.remove_pod(url)
         self.index.clear_pod(url)
-        try:  # a departed pod's series must not keep reporting it healthy (alerts count healthy pods)
-            self.metrics.pod_healthy.remove(url, pod.spec.role)
-        except KeyError:
-            pass
+        # a departed pod's series must not keep reporting it (alerts count healthy pods and dead streams)
+        for gauge, labels in (
+            (self.metrics.pod_healthy, (url, pod.spec.role)),
+            (self.metrics.kv_events_connected, (url,)),
+            (self.metrics.kv_event_handshake_failures, (url,)),
+        ):
+            try:
+                gauge.remove(*labels)
+            except KeyError:
+                pass
         log.info("pod removed: %s", url)
 
     def set_healthy(self, pod: Pod, ok: bool, why: str = "") -> None:
@@ -183,10 +198,19 @@ class Router:
             self.metrics.index_blocks.labels(model if model != self.ns else self.model).set(n)
         for url, v in self.index.eviction_pressure(list(self.pods)).items():
             self.metrics.pod_evict_pressure.labels(url).set(v)
+        self.refresh_event_metrics()
+
+    def refresh_event_metrics(self) -> None:
+        """Copy the event hub's state into the gauges (the health loop and each /metrics scrape)."""
         s = self.hub.stats
         self.metrics.kv_gaps.set(s.gaps)
         self.metrics.kv_replayed.set(s.replayed)
         self.metrics.kv_resyncs.set(s.resyncs)
+        for pod in list(self.pods.values()):
+            st = self.hub.pod_stream(pod.url) if pod.spec.events else None
+            if st is not None:
+                self.metrics.kv_events_connected.labels(pod.url).set(1 if st.connected else 0)
+                self.metrics.kv_event_handshake_failures.labels(pod.url).set(st.handshake_failures)
 
     async def _check(self, pod: Pod) -> None:
         t = self.cfg.connect_timeout

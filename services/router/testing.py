@@ -185,3 +185,48 @@ def wait_for(cond: Callable[[], bool], timeout: float = 5.0, poll: float = 0.02)
             return True
         time.sleep(poll)
     return cond()
+
+
+def kv_event_outsider(ctx, kind: int, endpoint: str, who: str, server_public: bytes | None = None):
+    """A socket that tries to read a pod's KV events (``kind`` SUB) or their replay (DEALER, which asks
+    for the whole history at once) without the router's key, and its monitor: ``who`` is ``plain`` (no
+    CURVE), ``stranger`` (a key pair of its own and the pod's public key, which is no secret) or ``other``
+    (keys derived from another secret)."""
+    import zmq
+
+    from kvmesh.engine.kv_events_auth import CurveKeys
+
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.LINGER, 0)
+    if kind == zmq.SUB:
+        s.setsockopt(zmq.SUBSCRIBE, b"")
+    if who == "stranger":
+        assert server_public is not None
+        s.curve_serverkey = server_public
+        s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
+    elif who == "other":
+        CurveKeys.derive(b"another secret").make_client(s)
+    elif who != "plain":
+        raise ValueError(f"unknown outsider {who!r}")
+    monitor = s.get_monitor_socket()
+    s.connect(endpoint)
+    if kind == zmq.DEALER:  # queued now: once the handshake is refused a send would block
+        s.send_multipart([b"", (0).to_bytes(8, "big")], zmq.NOBLOCK)
+    return s, monitor
+
+
+def handshake_refused(monitor, timeout: float = 15.0) -> bool:
+    """Wait until the monitored socket reports a failed handshake (it never got past the pod's security);
+    a handshake that succeeds is a failure of the test's premise."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    failed = (
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    )
+    while monitor.poll(int(timeout * 1000)):
+        ev = recv_monitor_message(monitor)["event"]
+        assert ev != zmq.EVENT_HANDSHAKE_SUCCEEDED, "an outsider completed the KV-event handshake"
+        if ev & failed:
+            return True
+    return False

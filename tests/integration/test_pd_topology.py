@@ -282,3 +282,76 @@ def test_tenants_never_share_blocks_through_pd(topo, smol):
     assert r.status_code == 401  # a tenant's key is not the workers' key
     assert _wait_metric_zero(prefill.url, "vllm:kv_cache_usage_perc", 120) == 0
     assert _wait_metric_zero(decode.url, "vllm:kv_cache_usage_perc", 60) == 0
+
+
+def test_kv_events_feed_the_router_exact_index_and_nobody_else(topo, smol):
+    """`kvmesh up` wires KV events as a cluster does (workers bind, the router connects) under the run's
+    secret: every worker's stream is connected and its batches counted; blocks a worker cached behind the
+    router's back are predicted as a hit from its events alone; sockets without the secret on the same ports
+    get no batch and no replay."""
+    import zmq
+
+    from kvmesh.engine.kv_events_auth import CurveKeys
+    from kvmesh.services.router.testing import handshake_refused, kv_event_outsider, wait_for
+
+    router, decode = topo.router_url, next(w for w in topo.workers if w.role == "decode")
+    server_public = CurveKeys.derive(topo.kv_auth_key.encode()).server_public
+    ctx = zmq.Context()
+    outsiders = [
+        kv_event_outsider(ctx, kind, ep, who, server_public)
+        for w in topo.workers
+        for kind, ep in ((zmq.SUB, w.events), (zmq.DEALER, w.replay))
+        for who in ("plain", "stranger")
+    ]
+
+    def pods() -> dict[str, dict]:
+        return {p["url"]: p for p in httpx.get(router + "/pods", headers=ROUTER_AUTH, timeout=30).json()["pods"]}
+
+    def batches(url: str) -> float:
+        return _metric(router, f'kvmesh:router_kv_event_batches_total{{pod="{url}"}}')
+
+    try:
+        for _, m in outsiders:
+            assert handshake_refused(m)
+        before = {w.url: batches(w.url) for w in topo.workers}
+        text = "Lighthouses guide ships along rocky coasts at night, each with a light pattern of its own. "
+        r = httpx.post(
+            router + "/v1/completions",
+            json={"prompt": text * 4, "max_tokens": 2, "temperature": 0},
+            headers=ROUTER_AUTH,
+            timeout=600,
+        )
+        assert r.status_code == 200, r.text
+        assert wait_for(lambda: all(batches(w.url) > before[w.url] for w in topo.workers), 120, 0.5)
+        seen = pods()
+        for w in topo.workers:
+            assert _metric(router, f'kvmesh:router_kv_events_connected{{pod="{w.url}"}}') == 1, w.role
+            ev = seen[w.url]["events"]
+            assert ev["connected"] and ev["batches"] > 0 and ev["handshake_failures"] == 0, (w.role, ev)
+            assert seen[w.url]["exact"] and seen[w.url]["indexed_blocks"] > 0, (w.role, seen[w.url])
+        # A prompt the router never routed, sent straight to the decode pod: only its events tell the router.
+        ids = smol.tokenizer("Glaciers carve valleys slowly over many thousands of years. " * 12).input_ids[:100]
+        held = seen[decode.url]["indexed_blocks"]
+        # salted as the router salts tenant alpha's requests, so its blocks hash like alpha's
+        body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "cache_salt": "alpha"}
+        r = _worker_post(topo, decode.url + "/v1/completions", json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        expected = ((len(ids) - 1) // BS) * BS  # the engine never counts the last prompt token as cached
+        assert wait_for(lambda: pods()[decode.url]["indexed_blocks"] >= held + expected // BS, 120, 0.5)
+        hit0 = _metric(router, "kvmesh:router_predicted_hit_tokens_total")
+        r = httpx.post(
+            router + "/v1/completions",
+            json={"prompt": ids, "max_tokens": 2, "temperature": 0},
+            headers=ROUTER_AUTH,
+            timeout=600,
+        )
+        assert r.status_code == 200, r.text
+        assert _metric(router, "kvmesh:router_predicted_hit_tokens_total") - hit0 == expected
+        for s, _ in outsiders:  # all those batches (and the replay asked for) never reached them
+            assert s.poll(0) == 0
+    finally:
+        for s, m in outsiders:
+            s.disable_monitor()
+            m.close(linger=0)
+            s.close(linger=0)
+        ctx.term()

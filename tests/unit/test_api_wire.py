@@ -94,6 +94,21 @@ def test_serve_flags_reach_engine_config():
     assert proc.kv_connector == "nixl" and proc.kv_connector_config == {"lease_s": 5}
 
 
+def test_kv_auth_key_file_reaches_the_engine_as_a_path(tmp_path):
+    """The engine process gets the secret's path (its config travels on a command line), never the secret;
+    a missing file is refused before any process starts."""
+    from kvmesh.cli import build_parser
+    from kvmesh.commands.serve import configs_from_args
+
+    secret = tmp_path / "kv-auth-key"
+    secret.write_text("s3cret")
+    ev = ["serve", "--kv-events-endpoint", "tcp://*:5557", "--kv-auth-key-file"]
+    _, proc = configs_from_args(build_parser().parse_args([*ev, str(secret)]))
+    assert proc.kv_auth_key_file == str(secret) and "s3cret" not in proc.to_json()
+    with pytest.raises(ValueError, match="No such file"):
+        configs_from_args(build_parser().parse_args([*ev, str(tmp_path / "missing")]))
+
+
 def test_connector_factory_uses_registry(monkeypatch):
     from kvmesh.engine import connectors
     from kvmesh.services.api.engine_proc import default_connector_factory

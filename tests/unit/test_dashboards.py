@@ -240,6 +240,7 @@ def test_alerts_use_only_exported_metrics() -> None:
         "KvmeshWaitingQueueHigh",
         "KvmeshPreemptionRateHigh",
         "KvmeshRouterIndexDriftHigh",
+        "KvmeshRouterKVEventStreamDown",
     }
     assert _check(exprs) == []
 

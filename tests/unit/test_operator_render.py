@@ -123,9 +123,11 @@ def test_minimal_layout_and_ownership() -> None:
     assert decode["command"] == ["kvmesh"]
     assert "--model" not in decode["args"]  # the embedded model is the CLI default
     assert decode["args"][:7] == ["serve", "--served-model-name", "tiny", "--role", "decode", "--port", "8000"]
-    assert decode["args"][-6:] == [
+    assert decode["args"][-8:] == [
         "--kv-events-endpoint",
         "tcp://*:5557",
+        "--kv-events-replay-endpoint",
+        "tcp://*:5558",
         "--engine-id",
         "$(POD_NAME)",
         "--shutdown-timeout",

@@ -20,6 +20,8 @@ def test_every_flag_reaches_the_config(tmp_path) -> None:
     keys, up = tmp_path / "keys.json", tmp_path / "up"
     keys.write_text('[{"key": "k3", "tenant": "t"}]')
     up.write_text("internal\n")
+    secret = tmp_path / "kv-auth-key"
+    secret.write_text("s3cret\n")
     argv = [
         "router",
         "--host",
@@ -36,6 +38,8 @@ def test_every_flag_reaches_the_config(tmp_path) -> None:
         "5557",
         "--kv-replay-port",
         "5558",
+        "--kv-auth-key-file",
+        str(secret),
         "--policy",
         "least-load",
         "--pd-min-uncached",
@@ -114,6 +118,7 @@ def test_every_flag_reaches_the_config(tmp_path) -> None:
         block_size=32,
         kv_events_port=5557,
         kv_replay_port=5558,
+        kv_auth_key_file=str(secret),
         policy="least-load",
         pd_min_uncached=64,
         discovery="k8s",
@@ -156,6 +161,14 @@ def test_a_missing_keys_file_is_a_config_error(tmp_path) -> None:
         args = build_parser().parse_args(["router", "--worker", "http://a:1", flag, str(tmp_path / "none")])
         with pytest.raises(ValueError, match="none"):
             config_from_args(args)
+
+
+def test_unreadable_kv_auth_key_file_is_a_clear_error(tmp_path) -> None:
+    (tmp_path / "empty").write_text("")
+    for path, why in ((tmp_path / "missing", "No such file"), (tmp_path / "empty", "is empty")):
+        argv = ["router", "--worker", "http://a:1", "--kv-auth-key-file", str(path)]
+        with pytest.raises(ValueError, match=why):
+            config_from_args(build_parser().parse_args(argv))
 
 
 def test_choices_are_checked_by_the_parser() -> None:
