@@ -4,12 +4,16 @@ decode servers, and the router in front, each in its own process group.
 Every child is a real process talking over loopback, exactly what runs in a pod;
 this module only picks ports, starts things in order, waits for health, and
 tears everything down (router first, so no request is routed to a dying worker).
+Each run makes its own KV-path secret (``KVMESH_KV_AUTH_KEY``) and hands it to every
+child through the environment; UCX is kept on the loopback device.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -65,6 +69,7 @@ class Topology:
     workers: list[Worker] = field(default_factory=list)
     redis_url: str | None = None
     router_url: str = ""
+    kv_auth_key: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     # ---- start --------------------------------------------------------------
     def start(self) -> Topology:
@@ -163,7 +168,9 @@ class Topology:
         if cfg.model:
             argv += ["--model", cfg.model]
         argv += list(cfg.engine_args)
-        env = dict(os.environ, KVMESH_CPU_THREADS=os.environ.get("KVMESH_CPU_THREADS", str(threads)))
+        env = self._env(KVMESH_CPU_THREADS=os.environ.get("KVMESH_CPU_THREADS", str(threads)))
+        if _is_loopback(host):  # NIXL's UCX listens on loopback only, like everything else here
+            env.setdefault("UCX_NET_DEVICES", "lo")
         w = Worker(role, f"http://{host}:{port}", f"tcp://{host}:{ev}", f"tcp://{host}:{rp}")
         w.proc = self._spawn(f"{role}-{i}", argv, env)
         self.workers.append(w)
@@ -176,9 +183,13 @@ class Topology:
         if cfg.model:
             argv += ["--model", cfg.model]
         argv += list(cfg.router_args)
-        p = self._spawn("router", argv)
+        p = self._spawn("router", argv, self._env())
         self.router_url = f"http://{cfg.host}:{cfg.port}"
         wait_healthy(self.router_url, deadline - time.monotonic(), p, f"router at {self.router_url}")
+
+    def _env(self, **extra: str) -> dict[str, str]:
+        """A child's environment: ours, this run's KV-path secret, and ``extra``."""
+        return dict(os.environ, KVMESH_KV_AUTH_KEY=self.kv_auth_key, **extra)
 
     # ---- stop ---------------------------------------------------------------
     def stop(self, timeout: float = 15.0) -> None:
@@ -212,3 +223,10 @@ class Topology:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

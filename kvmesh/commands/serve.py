@@ -48,6 +48,18 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
     )
     g.add_argument("--kv-connector-config", default="{}", help="JSON options for the KV connector")
     g.add_argument("--redis-url", default=None, help="Redis for --kv-connector redis (same as config key `url`)")
+    g.add_argument(
+        "--redis-password-file",
+        default=None,
+        help="file holding the Redis AUTH password (default: $KVMESH_REDIS_PASSWORD)",
+    )
+    g.add_argument("--redis-tls", action="store_true", help="talk TLS to Redis (same as a rediss:// URL)")
+    g.add_argument(
+        "--kv-auth-key-file",
+        default=None,
+        help="file holding the shared KV-path secret (default: $KVMESH_KV_AUTH_KEY); "
+        "required with --kv-connector nixl",
+    )
     g.add_argument("--stats-interval", type=float, default=0.5, help="seconds between engine stats snapshots")
     g.add_argument("--log-level", default="warning", help="uvicorn's log level")
     g.add_argument(
@@ -145,6 +157,22 @@ def configs_from_args(args: argparse.Namespace):
         if args.kv_connector != "redis":
             raise ValueError("--redis-url needs --kv-connector redis")
         connector_cfg.setdefault("url", args.redis_url)
+    for flag, key, value in (
+        ("--redis-password-file", "password_file", args.redis_password_file),
+        ("--redis-tls", "tls", args.redis_tls or None),
+    ):
+        if value is not None:
+            if args.kv_connector != "redis":
+                raise ValueError(f"{flag} needs --kv-connector redis")
+            connector_cfg.setdefault(key, value)
+    if args.kv_connector == "nixl":
+        from kvmesh.engine.kv_auth import load_kv_auth_key, missing_key_message
+
+        # Fail here, before any process starts, rather than in the engine process.
+        if "auth_key" not in connector_cfg and load_kv_auth_key(args.kv_auth_key_file) is None:
+            raise ValueError(missing_key_message("--kv-connector nixl"))
+        if args.kv_auth_key_file:
+            connector_cfg.setdefault("auth_key_file", args.kv_auth_key_file)
     proc_cfg = EngineProcConfig(
         input_addr=addrs.input_addr,
         output_addr=addrs.output_addr,

@@ -62,9 +62,11 @@ def test_config_validation_and_json():
         EngineProcConfig("ipc://a", "ipc://b", role="sideways")
 
 
-def test_serve_flags_reach_engine_config():
+def test_serve_flags_reach_engine_config(monkeypatch):
     from kvmesh.cli import build_parser
     from kvmesh.commands.serve import configs_from_args
+
+    monkeypatch.setenv("KVMESH_KV_AUTH_KEY", "unit-test-kv-auth-key")  # the nixl connector requires it
 
     args = build_parser().parse_args(
         [
