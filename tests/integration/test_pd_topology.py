@@ -215,3 +215,45 @@ def test_bad_remote_params_get_400_and_leave_nothing(topo, prompts, reference):
     assert r.json()["choices"][0]["text"] == reference["long"]
     assert _wait_metric_zero(prefill.url, "vllm:kv_cache_usage_perc", 120) == 0
     assert _wait_metric_zero(decode.url, "vllm:kv_cache_usage_perc", 60) == 0
+
+
+def _listening(session_ids: set[int]) -> list[str]:
+    """Local addresses of the TCP sockets listening in any process of the given sessions (from /proc)."""
+    import os
+
+    inodes: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                sid = int(f.read().rsplit(")", 1)[1].split()[3])
+            if sid not in session_ids:
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    out.append(cols[1])
+    return out
+
+
+def _is_loopback(hex_addr: str) -> bool:
+    ip = hex_addr.split(":")[0]
+    if len(ip) == 8:  # IPv4, little-endian: 127.x.x.x ends in 7F
+        return ip.endswith("7F")
+    return ip == "00000000000000000000000001000000" or (ip[:24] == "0000000000000000FFFF0000" and ip.endswith("7F"))
+
+
+def test_every_worker_listens_on_loopback_only(topo):
+    """security_probe row 5: in the local topology NIXL's UCX listened on the machine's other interfaces."""
+    sessions = {p.pid for name, p in topo.procs if name != "redis"}  # each child leads its own session
+    addrs = _listening(sessions)
+    assert len(addrs) >= 3, addrs  # router, prefill and decode HTTP at least
+    assert all(_is_loopback(a) for a in addrs), addrs
