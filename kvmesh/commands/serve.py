@@ -57,8 +57,7 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
     g.add_argument(
         "--kv-auth-key-file",
         default=None,
-        help="file holding the shared KV-path secret (default: $KVMESH_KV_AUTH_KEY); "
-        "required with --kv-connector nixl",
+        help="file holding the shared KV-path secret (default: $KVMESH_KV_AUTH_KEY); required with --kv-connector nixl",
     )
     g.add_argument("--stats-interval", type=float, default=0.5, help="seconds between engine stats snapshots")
     g.add_argument("--log-level", default="warning", help="uvicorn's log level")
