@@ -257,3 +257,36 @@ def test_every_worker_listens_on_loopback_only(topo):
     addrs = _listening(sessions)
     assert len(addrs) >= 3, addrs  # router, prefill and decode HTTP at least
     assert all(_is_loopback(a) for a in addrs), addrs
+
+
+def test_unauthenticated_side_channel_message_is_refused_and_counted(topo):
+    """NIXL: the prefill's side channel answers a message without the run's secret with an error and
+    nothing else, and its /metrics count the refusal (kvmesh:kv_transfer_refused_total{reason="auth"})."""
+    if topo.config.kv_connector != "nixl":
+        return  # Redis has no side channel (its AUTH is test_connectors_redis.py's)
+    import json
+
+    import msgspec
+    import zmq
+
+    prefill = next(w for w in topo.workers if w.role == "prefill")
+    argv = next(p.args for name, p in topo.procs if name == "prefill-0")
+    port = json.loads(argv[argv.index("--kv-connector-config") + 1])["side_channel_port"]
+    name = "kvmesh:kv_transfer_refused_total"
+    before = _metric(prefill.url, name)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send(msgspec.msgpack.encode({"op": "meta"}))  # the probe's request, without a MAC
+        assert sock.poll(30_000)
+        reply = msgspec.msgpack.decode(sock.recv())
+    finally:
+        sock.close(0)
+        ctx.term()
+    assert reply["ok"] is False and "meta" not in reply
+    deadline = time.monotonic() + 30
+    while _metric(prefill.url, name) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _metric(prefill.url, name) == before + 1
