@@ -4,8 +4,9 @@ decode servers, and the router in front, each in its own process group.
 Every child is a real process talking over loopback, exactly what runs in a pod;
 this module only picks ports, starts things in order, waits for health, and
 tears everything down (router first, so no request is routed to a dying worker).
-Each run makes its own KV-path secret (``KVMESH_KV_AUTH_KEY``) and hands it to every
-child through the environment; UCX is kept on the loopback device.
+Each run makes its own KV-path secret (``KVMESH_KV_AUTH_KEY``) and, for the private
+redis-server, a password (``KVMESH_REDIS_PASSWORD``), and hands them to every child
+through the environment; UCX is kept on the loopback device.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Topology:
     redis_url: str | None = None
     router_url: str = ""
     kv_auth_key: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    redis_password: str | None = field(default=None, repr=False)  # set when this run starts its own redis-server
 
     # ---- start --------------------------------------------------------------
     def start(self) -> Topology:
@@ -91,15 +93,28 @@ class Topology:
             raise
         return self
 
-    def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+    def _spawn(
+        self, name: str, argv: list[str], env: dict | None = None, stdin: bytes | None = None
+    ) -> subprocess.Popen:
+        """Start a child in its own session; ``stdin`` (e.g. a config holding a secret, kept off the
+        command line that ``ps`` shows) is written to its standard input, which is then closed."""
         out = None
         if self.config.log_dir:
             os.makedirs(self.config.log_dir, exist_ok=True)
             out = open(os.path.join(self.config.log_dir, f"{name}.log"), "ab")
         p = subprocess.Popen(
-            argv, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT if out else None
+            argv,
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.PIPE if stdin is not None else None,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
         )
         self.procs.append((name, p))
+        if stdin is not None:
+            assert p.stdin is not None
+            with p.stdin:
+                p.stdin.write(stdin)
         return p
 
     def _start_redis(self) -> str:
@@ -107,10 +122,12 @@ class Topology:
         if exe is None:
             raise RuntimeError("redis-server not found: run `make install` (it installs the apt package)")
         port = free_port(self.config.host)
+        self.redis_password = secrets.token_urlsafe(32)
         p = self._spawn(
             "redis",
             [
                 exe,
+                "-",  # the rest of the config (the password) from stdin
                 "--port",
                 str(port),
                 "--bind",
@@ -124,6 +141,7 @@ class Topology:
                 "--maxmemory-policy",
                 "allkeys-lru",
             ],
+            stdin=f"requirepass {self.redis_password}\n".encode(),
         )
 
         def accepts() -> bool:
@@ -189,7 +207,10 @@ class Topology:
 
     def _env(self, **extra: str) -> dict[str, str]:
         """A child's environment: ours, this run's KV-path secret, and ``extra``."""
-        return dict(os.environ, KVMESH_KV_AUTH_KEY=self.kv_auth_key, **extra)
+        env = dict(os.environ, KVMESH_KV_AUTH_KEY=self.kv_auth_key, **extra)
+        if self.redis_password is not None:
+            env["KVMESH_REDIS_PASSWORD"] = self.redis_password
+        return env
 
     # ---- stop ---------------------------------------------------------------
     def stop(self, timeout: float = 15.0) -> None:

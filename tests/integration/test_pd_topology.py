@@ -290,3 +290,18 @@ def test_unauthenticated_side_channel_message_is_refused_and_counted(topo):
     while _metric(prefill.url, name) < before + 1 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _metric(prefill.url, name) == before + 1
+
+
+def test_private_redis_requires_the_run_password(topo):
+    """Redis: `kvmesh up`'s own redis-server refuses a client without this run's password (the workers,
+    which hold it in $KVMESH_REDIS_PASSWORD, are the ones that served the tests above)."""
+    if topo.config.kv_connector != "redis":
+        return  # NIXL runs no Redis (its side channel's secret is the test above's)
+    import redis
+
+    anonymous = redis.Redis.from_url(topo.redis_url, socket_timeout=10)
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        anonymous.ping()
+    anonymous.close()
+    with redis.Redis.from_url(topo.redis_url, password=topo.redis_password, socket_timeout=10) as client:
+        assert client.ping() and client.dbsize() > 0  # the prefill pod stored blocks with the password
