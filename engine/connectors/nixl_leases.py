@@ -2,7 +2,9 @@
 
 Shared between the engine thread (``hold``, ``collect``) and the side-channel thread (``answer``) under
 one lock. A hold ends when the reader's READ notification arrives, when the reader releases it over the
-side channel, or when its lease runs out (a claim extends the lease to cover the read).
+side channel, or when its lease runs out (a claim extends the lease to cover the read, never past twice
+the lease). Only authenticated messages reach ``answer`` (the side channel checks their MAC); a claim must
+still name a held transfer and exactly its blocks.
 """
 
 from __future__ import annotations
