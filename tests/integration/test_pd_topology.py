@@ -290,6 +290,11 @@ def test_unauthenticated_side_channel_message_is_refused_and_counted(topo):
     while _metric(prefill.url, name) < before + 1 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _metric(prefill.url, name) == before + 1
+    import os
+
+    assert topo.config.log_dir is not None
+    with open(os.path.join(topo.config.log_dir, "prefill-0.log"), errors="replace") as f:
+        assert "NIXL side channel: refused a message: unsigned message" in f.read()  # and logged
 
 
 def test_private_redis_requires_the_run_password(topo):
