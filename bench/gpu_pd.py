@@ -63,6 +63,8 @@ import numpy as np
 T0 = time.time()
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ[_k] = _v  # NVLink multicast stays off (shared host); inherited by the workers
+# The NIXL connector MACs its side channel with this run's secret (inherited by the workers).
+os.environ.setdefault("KVMESH_KV_AUTH_KEY", uuid.uuid4().hex + uuid.uuid4().hex)
 
 
 def log(*a):

@@ -24,7 +24,7 @@ from .decode_rounds import DecodeRounds, RoundOutcome
 from .kv_cache_manager import KVCacheManager
 from .kv_events import KVCacheEvent
 from .loader import load_model
-from .messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+from .messages import KV_TRANSFER_REFUSALS, EngineCoreOutput, EngineCoreRequest, EngineStats
 from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import NoiseStream, Sampler, SampleResult
@@ -313,7 +313,14 @@ class EngineCore:
             num_round_steps=self.num_round_steps,
             num_chained_rounds=self.num_chained_rounds,
             num_held_requests=len(self.scheduler.delayed_free),
+            kv_transfer_refused=self._kv_transfer_refused(),
         )
+
+    def _kv_transfer_refused(self) -> dict[str, int]:
+        counters = getattr(self.connector, "stats", None)
+        if not isinstance(counters, dict):
+            return {}
+        return {reason: int(counters[k]) for k, reason in KV_TRANSFER_REFUSALS.items() if k in counters}
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

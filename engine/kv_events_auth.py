@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 from dataclasses import dataclass
 
 import zmq
@@ -24,28 +23,9 @@ from zmq.utils import z85
 
 log = logging.getLogger("kvmesh.engine.kv_events_auth")
 
-ENV = "KVMESH_KV_AUTH_KEY"
 ZAP_DOMAIN = "kvmesh-kv-events"
 _SERVER_LABEL = b"kvmesh kv-events curve server v1"
 _CLIENT_LABEL = b"kvmesh kv-events curve client v1"
-
-
-def load_kv_auth_key(path: str | None = None) -> bytes | None:
-    """The KV-path secret: the file at ``path`` if given (stripped; must not be empty), else ``$KVMESH_KV_AUTH_KEY``.
-
-    None when neither is set: the caller runs unauthenticated and says so.
-    """
-    if path:
-        try:
-            with open(path, "rb") as f:
-                key = f.read().strip()
-        except OSError as e:
-            raise ValueError(f"--kv-auth-key-file {path}: {e.strerror}") from e
-        if not key:
-            raise ValueError(f"--kv-auth-key-file {path} is empty")
-        return key
-    env = os.environ.get(ENV, "").strip()
-    return env.encode() or None
 
 
 @dataclass(frozen=True)

@@ -59,3 +59,9 @@ class EngineStats(msgspec.Struct):
     num_round_steps: int = 0
     num_chained_rounds: int = 0  # rounds queued behind the one in flight (async scheduling)
     num_held_requests: int = 0  # finished requests whose blocks a connector holds for a remote reader
+    # KV-transfer messages and pulls a connector refused, by reason (see KV_TRANSFER_REFUSALS)
+    kv_transfer_refused: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+# connector stats key -> the ``reason`` of kvmesh:kv_transfer_refused_total
+KV_TRANSFER_REFUSALS = {"auth_rejected": "auth", "claims_refused": "claim", "hash_mismatches": "hash_mismatch"}

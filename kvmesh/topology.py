@@ -7,13 +7,17 @@ tears everything down (router first, so no request is routed to a dying worker).
 
 KV events are wired as in a cluster: each worker binds its PUB and replay sockets
 on a loopback port and the router connects to them. Every run gets a random
-KV-path secret (``KVMESH_KV_AUTH_KEY`` in the children's environment, unless the
-caller's environment already has one), so the streams are CURVE-encrypted and
-only the router's key is admitted.
+KV-path secret (``KVMESH_KV_AUTH_KEY``, unless the caller's environment already has
+one), so the event streams are CURVE-encrypted and admit only the router, and the
+NIXL side channel is MAC'd; the router gets a random key towards the workers, which
+accept only it, and the private redis-server a password (``KVMESH_REDIS_PASSWORD``).
+Secrets reach the children through the environment, never a command line; UCX is
+kept on the loopback device.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
@@ -75,8 +79,9 @@ class Topology:
     redis_url: str | None = None
     router_url: str = ""
     # The router's credential towards the workers, new each run; the workers accept only it.
-    upstream_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    upstream_key: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
     kv_auth_key: str = ""  # the run's KV-path secret (workers and router get it as $KVMESH_KV_AUTH_KEY)
+    redis_password: str | None = field(default=None, repr=False)  # set when this run starts its own redis-server
 
     # ---- start --------------------------------------------------------------
     def start(self) -> Topology:
@@ -99,19 +104,28 @@ class Topology:
             raise
         return self
 
-    def _env(self) -> dict[str, str]:
-        """The children's environment: ours plus the run's KV-path secret (never on a command line)."""
-        return dict(os.environ, KVMESH_KV_AUTH_KEY=self.kv_auth_key)
-
-    def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+    def _spawn(
+        self, name: str, argv: list[str], env: dict | None = None, stdin: bytes | None = None
+    ) -> subprocess.Popen:
+        """Start a child in its own session; ``stdin`` (e.g. a config holding a secret, kept off the
+        command line that ``ps`` shows) is written to its standard input, which is then closed."""
         out = None
         if self.config.log_dir:
             os.makedirs(self.config.log_dir, exist_ok=True)
             out = open(os.path.join(self.config.log_dir, f"{name}.log"), "ab")
         p = subprocess.Popen(
-            argv, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT if out else None
+            argv,
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.PIPE if stdin is not None else None,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
         )
         self.procs.append((name, p))
+        if stdin is not None:
+            assert p.stdin is not None
+            with p.stdin:
+                p.stdin.write(stdin)
         return p
 
     def _start_redis(self) -> str:
@@ -119,10 +133,12 @@ class Topology:
         if exe is None:
             raise RuntimeError("redis-server not found: run `make install` (it installs the apt package)")
         port = free_port(self.config.host)
+        self.redis_password = secrets.token_urlsafe(32)
         p = self._spawn(
             "redis",
             [
                 exe,
+                "-",  # the rest of the config (the password) from stdin
                 "--port",
                 str(port),
                 "--bind",
@@ -136,6 +152,7 @@ class Topology:
                 "--maxmemory-policy",
                 "allkeys-lru",
             ],
+            stdin=f"requirepass {self.redis_password}\n".encode(),
         )
 
         def accepts() -> bool:
@@ -180,9 +197,11 @@ class Topology:
         if cfg.model:
             argv += ["--model", cfg.model]
         argv += list(cfg.engine_args)
-        env = dict(self._env(), KVMESH_CPU_THREADS=os.environ.get("KVMESH_CPU_THREADS", str(threads)))
+        env = self._env(KVMESH_CPU_THREADS=os.environ.get("KVMESH_CPU_THREADS", str(threads)))
         env.pop("KVMESH_API_KEYS_FILE", None)  # a worker's only key is the router's (in the env: not in ps)
         env["KVMESH_API_KEY"] = self.upstream_key
+        if _is_loopback(host):  # NIXL's UCX listens on loopback only, like everything else here
+            env.setdefault("UCX_NET_DEVICES", "lo")
         w = Worker(role, f"http://{host}:{port}", f"tcp://{host}:{ev}", f"tcp://{host}:{rp}")
         w.proc = self._spawn(f"{role}-{i}", argv, env)
         self.workers.append(w)
@@ -198,9 +217,16 @@ class Topology:
         if cfg.api_keys_file:
             argv += ["--api-keys-file", cfg.api_keys_file]
         argv += list(cfg.router_args)
-        p = self._spawn("router", argv, dict(self._env(), KVMESH_UPSTREAM_API_KEY=self.upstream_key))
+        p = self._spawn("router", argv, self._env(KVMESH_UPSTREAM_API_KEY=self.upstream_key))
         self.router_url = f"http://{cfg.host}:{cfg.port}"
         wait_healthy(self.router_url, deadline - time.monotonic(), p, f"router at {self.router_url}")
+
+    def _env(self, **extra: str) -> dict[str, str]:
+        """A child's environment: ours, this run's KV-path secret, and ``extra``."""
+        env = dict(os.environ, KVMESH_KV_AUTH_KEY=self.kv_auth_key, **extra)
+        if self.redis_password is not None:
+            env["KVMESH_REDIS_PASSWORD"] = self.redis_password
+        return env
 
     # ---- stop ---------------------------------------------------------------
     def stop(self, timeout: float = 15.0) -> None:
@@ -234,3 +260,10 @@ class Topology:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -9,20 +9,28 @@ Protocol (pull, one-sided; see docs/connectors.md):
 2. Prefill side: a request carrying ``{"do_remote_decode": true}`` finishes with
    ``delay_free=True``; its full prompt blocks are *held* under a lease and the
    returned ``kv_transfer_params`` say where they are (engine id, side-channel
-   host/port, block ids, a transfer id, the hash of the last full block).
+   host/port, block ids, an unguessable transfer id, the hash of the last full block).
 3. Decode side: the scheduler sees ``do_remote_prefill`` and reports the loadable
    full-block tokens as an async load; once local blocks exist a background
    thread *claims* the transfer over the ZMQ side channel (the reply carries the
-   prefill agent's metadata and block layout, and extends the lease so it cannot
-   expire under a running read). The engine thread then adds the remote agent
+   prefill agent's metadata and block layout and the chained hashes of the held
+   blocks, and extends the lease so it cannot expire under a running read, never
+   past twice the lease). The held blocks' hashes must equal the ones the decode
+   computed for its own prompt (model, cache salt and every token), or nothing is
+   read. The engine thread then adds the remote agent
    (cached per agent), issues one prepped READ of the remote blocks into the
    local blocks with a completion notification, and polls it in ``get_finished``.
 4. The notification (``kvmesh/done/<transfer id>``) tells the prefill side the
    blocks are no longer needed: they are reported in ``done_sending`` and freed.
    No reader within the lease: the blocks are freed anyway.
-5. Any failure (unreachable side channel, unknown transfer, layout mismatch, NIXL
-   error, timeout) reports ``failed_recving``; the scheduler then recomputes the
-   prompt locally, so the answer is still exact.
+5. Any failure (unreachable side channel, unknown transfer, hash or layout mismatch,
+   a reply without a valid MAC, NIXL error, timeout) reports ``failed_recving``; the
+   scheduler then recomputes the prompt locally, so the answer is still exact.
+
+Every side-channel message and reply is authenticated with HMAC-SHA256 under the
+deployment's shared secret (``KVMESH_KV_AUTH_KEY``, see ``nixl_side_channel``): an
+engine without the secret gets nothing and can make a decode engine read nothing.
+The connector refuses to start without it.
 
 Before all that, at admission (``validate_kv_transfer_params``), params that name a
 side channel that does not answer, another engine, or block ids beyond the remote
@@ -44,6 +52,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import secrets
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -51,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ..connector import ConnectorMetadata, KVConnector
+from ..kv_auth import load_kv_auth_key, missing_key_message
 from ..kv_transfer_params import check_kv_transfer_params
 from ..request import RequestStatus
 from .common import BlockLayout
@@ -58,7 +68,7 @@ from .nixl_admission import PeerMetaCache, meta_problem
 from .nixl_agent import KVAgent
 from .nixl_leases import HeldBlocks
 from .nixl_pulls import Pull
-from .nixl_side_channel import PROTOCOL_VERSION, SideChannelServer, request
+from .nixl_side_channel import PROTOCOL_VERSION, AuthError, SideChannelServer, Signer, request
 
 if TYPE_CHECKING:
     import torch
@@ -88,8 +98,13 @@ class NixlConnector(KVConnector):
         poll_sleep_s: float = 0.001,
         ucx_error_handling_mode: str = "peer",
         progress_thread: bool = False,
+        auth_key: str | None = None,
+        auth_key_file: str | None = None,
     ) -> None:
         """``serve`` starts the side channel (default: every role except ``decode``).
+
+        ``auth_key`` (else the file ``auth_key_file``, else ``$KVMESH_KV_AUTH_KEY``) is the shared secret
+        every side-channel message is MAC'd with; without one the connector refuses to start (ValueError).
 
         ``lease_s`` bounds how long unclaimed blocks stay held; a claim extends the
         lease to cover the reader's ``transfer_timeout_s``. ``poll_sleep_s`` is the
@@ -109,6 +124,11 @@ class NixlConnector(KVConnector):
         host, RDMA, cuda_ipc) never need the prefill side to progress; a READ that UCX emulates over TCP
         between hosts without RDMA does, and then advances only at the prefill's step rate: turn it on there.
         """
+        key = auth_key.encode() if auth_key else load_kv_auth_key(auth_key_file)
+        if key is None:
+            raise ValueError(missing_key_message("the NIXL connector"))
+        self._signer = Signer(key)
+        self._last_reject_log = 0.0
         self.side_channel_host = side_channel_host
         self.side_channel_port = side_channel_port
         self.advertise_host = advertise_host or (
@@ -139,6 +159,9 @@ class NixlConnector(KVConnector):
             "bad_params": 0,
             "params_rejected": 0,
             "handshakes": 0,
+            "auth_rejected": 0,  # messages (prefill) or replies (decode) refused for lack of a valid MAC
+            "claims_refused": 0,  # authenticated claims or releases the prefill refused
+            "hash_mismatches": 0,  # pulls refused because the held blocks hold another prompt
         }
         # scheduler side (engine thread)
         self._to_load: dict[str, Pull] = {}
@@ -192,7 +215,9 @@ class NixlConnector(KVConnector):
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-nixl-claim")
         serve = self._serve if self._serve is not None else self.engine_config.role != "decode"
         if serve:
-            self._server = SideChannelServer(self._ctx, self.side_channel_host, self.side_channel_port, self._handle)
+            self._server = SideChannelServer(
+                self._ctx, self.side_channel_host, self.side_channel_port, self._handle, self._signer, self._rejected
+            )
             self.port = self._server.port
 
     def _handle(self, msg: dict) -> dict:
@@ -201,10 +226,24 @@ class NixlConnector(KVConnector):
             return {"ok": True, "meta": self._meta}
         return self._held.answer(msg, self._meta)
 
+    def _rejected(self, reason: str) -> None:
+        """Count (and log, at most once a second) a message or reply refused for lack of a valid MAC."""
+        self.stats["auth_rejected"] += 1
+        now = time.monotonic()
+        if now - self._last_reject_log >= 1.0:
+            self._last_reject_log = now
+            log.warning(
+                "NIXL side channel: refused a message: %s (%d refused so far)", reason, self.stats["auth_rejected"]
+            )
+
     def _request(self, host: str, port: int, msg: dict) -> dict:
-        """One bounded round trip on the side channel (helper thread)."""
+        """One bounded, authenticated round trip on the side channel (helper thread)."""
         assert self._ctx is not None
-        return request(self._ctx, host, port, msg, self.handshake_timeout_s)
+        try:
+            return request(self._ctx, host, port, msg, self.handshake_timeout_s, self._signer)
+        except AuthError as e:
+            self._rejected(f"reply from tcp://{host}:{port}: {e}")
+            raise
 
     # ---- admission (decode side) ---------------------------------------------
     def validate_kv_transfer_params(self, params: Any) -> None:
@@ -272,10 +311,11 @@ class NixlConnector(KVConnector):
     def _usable_blocks(self, request: Request) -> int | None:
         """How many remote blocks belong to this request's prompt; None if the params cannot be used.
 
-        The chained hash of the last offered block must equal ours: it covers every
-        token before it, the model identity and the cache salt, so a mismatch means
-        the blocks hold something else and must never be loaded (nor released: the
-        transfer is not this request's to give back).
+        The chained hash of the last offered block must be given and equal ours: it covers every
+        token before it, the model identity and the cache salt, so a mismatch means the blocks hold
+        something else and must never be loaded (nor released: the transfer is not this request's to
+        give back). This is only the early check: the claim reply's hashes of every held block are
+        compared again before any byte is read (``Pull.start_read``).
         """
         p = self._remote_params(request)
         if p is None or self.agent is None or check_kv_transfer_params(p) is not None:
@@ -287,7 +327,7 @@ class NixlConnector(KVConnector):
             return None
         n = len(ids)
         want = p.get("remote_block_hash")
-        if want is not None and (len(request.block_hashes) < n or request.block_hashes[n - 1].hex() != want):
+        if want is None or len(request.block_hashes) < n or request.block_hashes[n - 1].hex() != want:
             return None
         return n
 
@@ -330,6 +370,8 @@ class NixlConnector(KVConnector):
             port=p["remote_port"],
             local_ids=list(block_ids[start : start + k]),
             remote_ids=list(p["remote_block_ids"][start : start + k]),
+            claim_ids=list(p["remote_block_ids"]),
+            expected_hashes=[h.hex() for h in request.block_hashes[:n]],
         )
 
     def build_connector_meta(self, sched_out: ConnectorStep | None = None) -> ConnectorMetadata:
@@ -372,11 +414,12 @@ class NixlConnector(KVConnector):
         }
         if n_full == 0:
             return False, params  # shorter than one block: nothing worth holding, decode computes it all
-        xid = uuid.uuid4().hex
+        xid = secrets.token_hex(16)
         params["remote_transfer_id"] = xid
         params["remote_block_hash"] = request.block_hashes[n_full - 1].hex()
         params["remote_lease_s"] = self.lease_s
-        self._held.hold(xid, rid, block_ids[:n_full], self.lease_s)
+        hashes = [h.hex() for h in request.block_hashes[:n_full]]
+        self._held.hold(xid, rid, block_ids[:n_full], hashes, self.lease_s)
         self.stats["sends_held"] += 1
         return True, params
 
@@ -392,19 +435,20 @@ class NixlConnector(KVConnector):
             self.stats["loads_started"] += 1
 
     def _claim(self, ld: Pull) -> dict:
+        """The prefill's authenticated claim reply: its agent metadata and the held blocks' hashes."""
         reply = self._request(
             ld.host,
             ld.port,
             {
                 "op": "claim",
                 "transfer_id": ld.transfer_id,
-                "block_ids": ld.remote_ids,
+                "block_ids": ld.claim_ids,
                 "timeout_s": self.transfer_timeout_s,
             },
         )
         if not reply.get("ok"):
             raise RuntimeError(f"prefill {ld.remote_engine_id} refused the transfer: {reply.get('error')}")
-        return reply["meta"]
+        return reply
 
     def _submit_release(self, host: str, port: int, transfer_id: str) -> None:
         if self._executor is None:
@@ -450,6 +494,7 @@ class NixlConnector(KVConnector):
                     "total_s": end - ld.started,
                     "local_ids": list(ld.local_ids),
                     "remote_ids": list(ld.remote_ids),
+                    "failure": None if outcome else ld.failure,
                 }
             )
             if outcome:
@@ -458,6 +503,8 @@ class NixlConnector(KVConnector):
                 self.stats["bytes_loaded"] += len(ld.local_ids) * self.layout.block_bytes
             else:
                 self.stats["loads_failed"] += 1
+                if ld.failure == "hash_mismatch":
+                    self.stats["hash_mismatches"] += 1
             if ld.abandoned:
                 done_sending.add(rid)  # its blocks sit in the scheduler's delayed_free
             elif outcome:

@@ -2,12 +2,15 @@
 
 Shared between the engine thread (``hold``, ``collect``) and the side-channel thread (``answer``) under
 one lock. A hold ends when the reader's READ notification arrives, when the reader releases it over the
-side channel, or when its lease runs out (a claim extends the lease to cover the read).
+side channel, or when its lease runs out (a claim extends the lease to cover the read, never past twice
+the lease). Only authenticated messages reach ``answer`` (the side channel checks their MAC); a claim must
+still name a held transfer and exactly its blocks.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,7 +26,9 @@ class Held:
 
     request_id: str
     block_ids: list[int]
+    block_hashes: list[str]  # hex chained hashes of ``block_ids``: what the reader compares with its own
     deadline: float
+    max_deadline: float  # no claim extends the lease past this (twice the lease after the hold)
     claimed: bool = False
     since: float = field(default_factory=time.monotonic)
 
@@ -41,29 +46,47 @@ class HeldBlocks:
         with self._lock:
             return len(self._held)
 
-    def hold(self, transfer_id: str, request_id: str, block_ids: list[int], lease_s: float) -> None:
+    def hold(
+        self, transfer_id: str, request_id: str, block_ids: list[int], block_hashes: list[str], lease_s: float
+    ) -> None:
+        now = time.monotonic()
         with self._lock:
-            self._held[transfer_id] = Held(request_id, list(block_ids), time.monotonic() + lease_s)
+            self._held[transfer_id] = Held(
+                request_id, list(block_ids), list(block_hashes), now + lease_s, now + 2 * lease_s, since=now
+            )
 
     def answer(self, msg: dict, meta: dict | None) -> dict:
-        """The side-channel reply to a ``claim`` or ``release`` (side-channel thread)."""
+        """The side-channel reply to an authenticated ``claim`` or ``release`` (side-channel thread).
+
+        A claim names the transfer id and exactly the blocks held for it, with a finite, non-negative
+        ``timeout_s``; the extension it buys never goes past ``max_deadline``. Refusals are counted
+        (``claims_refused``) and logged."""
         op = msg.get("op")
         xid = msg.get("transfer_id")
         with self._lock:
-            if not isinstance(xid, str) or (held := self._held.get(xid)) is None:
-                return {"ok": False, "error": f"unknown or expired transfer {xid!r}"}
-            if op == "claim":
-                ids = msg.get("block_ids")
-                if not isinstance(ids, list) or not set(ids) <= set(held.block_ids):
-                    return {"ok": False, "error": "block ids are not those held for this transfer"}
-                held.claimed = True
-                held.deadline = max(held.deadline, time.monotonic() + float(msg.get("timeout_s", 0)) + 5.0)
-                return {"ok": True, "meta": meta}
-            if op == "release":
-                del self._held[xid]
-                self._released.append(held.request_id)
-                return {"ok": True}
-        return {"ok": False, "error": f"unknown op {op!r}"}
+            reply = self._answer(op, xid, msg, meta)
+        if not reply["ok"]:
+            self._stats["claims_refused"] += 1
+            log.warning("side channel: %s of transfer %.12r refused: %s", op, xid, reply["error"])
+        return reply
+
+    def _answer(self, op: object, xid: object, msg: dict, meta: dict | None) -> dict:
+        if op not in ("claim", "release"):
+            return {"ok": False, "error": f"unknown op {op!r}"}
+        if not isinstance(xid, str) or (held := self._held.get(xid)) is None:
+            return {"ok": False, "error": "unknown or expired transfer"}
+        if op == "release":
+            del self._held[xid]
+            self._released.append(held.request_id)
+            return {"ok": True}
+        if msg.get("block_ids") != held.block_ids:
+            return {"ok": False, "error": "block ids are not those held for this transfer"}
+        t = msg.get("timeout_s")
+        if not isinstance(t, float | int) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            return {"ok": False, "error": f"timeout_s must be a finite number >= 0, got {t!r}"}
+        held.claimed = True
+        held.deadline = max(held.deadline, min(time.monotonic() + t + 5.0, held.max_deadline))
+        return {"ok": True, "meta": meta, "block_hashes": held.block_hashes}
 
     def collect(self, notifs: dict[str, list[bytes]], done_sending: set[str]) -> None:
         """Add to ``done_sending`` every request whose hold ended: read (notified), released or expired."""

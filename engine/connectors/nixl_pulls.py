@@ -30,8 +30,10 @@ class Pull:
     host: str
     port: int
     local_ids: list[int]
-    remote_ids: list[int]
-    future: concurrent.futures.Future | None = None  # the claim: the prefill's meta
+    remote_ids: list[int]  # the blocks read (a tail of ``claim_ids`` when a local prefix hit covers the rest)
+    claim_ids: list[int]  # every block the prefill holds for the transfer, as its params named them
+    expected_hashes: list[str]  # this engine's own chained hashes (hex) of the prompt blocks ``claim_ids`` hold
+    future: concurrent.futures.Future | None = None  # the claim: the prefill's reply (meta, block hashes)
     handle: Any = None
     agent_name: str | None = None
     deadline: float = 0.0
@@ -39,13 +41,27 @@ class Pull:
     abandoned: bool = False  # the request was aborted while loading: free its blocks when the read stops
     started: float = field(default_factory=time.monotonic)
     posted: float | None = None  # when the READ was posted (claim done, remote agent known)
+    failure: str | None = None  # why the pull failed: "claim", "hash_mismatch", "mismatch", "read", "timeout"
 
     @property
     def notif(self) -> bytes:
         return DONE_PREFIX + self.transfer_id.encode()
 
-    def start_read(self, agent: KVAgent, meta: dict, layout: BlockLayout, model_identity: str) -> None:
-        """Check what the claim answered against this engine, then post the READ."""
+    def start_read(self, agent: KVAgent, claimed: dict, layout: BlockLayout, model_identity: str) -> None:
+        """Check what the claim answered against this engine and this prompt, then post the READ.
+
+        The held blocks' chained hashes (the prefill's own record) must equal the hashes this engine
+        computed for the request's prompt (model identity and cache salt included): any difference
+        means the blocks hold another prompt, and nothing is read."""
+        if claimed.get("block_hashes") != self.expected_hashes:
+            self.failure = "hash_mismatch"
+            raise RuntimeError("the held blocks' hashes differ from this prompt's: they hold another prompt")
+        meta = claimed.get("meta")
+        self.failure = "mismatch"
+        if not isinstance(meta, dict):
+            raise RuntimeError("the claim reply carries no agent metadata")
+        if meta.get("engine_id") != self.remote_engine_id:
+            raise RuntimeError(f"the side channel belongs to engine {meta.get('engine_id')!r}")
         if meta.get("version") != PROTOCOL_VERSION:
             raise RuntimeError(f"remote speaks protocol {meta.get('version')}, this engine {PROTOCOL_VERSION}")
         if meta["layout"] != layout.signature():
@@ -55,8 +71,10 @@ class Pull:
         r = agent.remote(meta)
         if any(not (0 <= b < r.num_blocks) for b in self.remote_ids):
             raise RuntimeError(f"remote block ids out of range [0, {r.num_blocks})")
+        self.failure = "read"
         self.agent_name = r.agent_name
         self.handle = agent.read(self.local_ids, r, self.remote_ids, self.notif)
+        self.failure = None
         self.posted = time.monotonic()
 
     def release_handle(self, agent: KVAgent | None) -> bool:
@@ -76,6 +94,8 @@ class Pull:
             if not self.future.done():
                 return None  # the claim itself is bounded by handshake_timeout_s
             try:
+                if self.future.exception() is not None:
+                    self.failure = "claim"
                 self.start_read(agent, self.future.result(), layout, model_identity)
             except Exception as e:
                 log.warning(
@@ -108,8 +128,10 @@ class Pull:
                     return None
                 log.error("request %s: read could not be aborted; dropping it", self.request_id)
             log.warning("request %s: KV read timed out after %.1fs; recomputing", self.request_id, now - self.started)
+            self.failure = "timeout"
             return False
         log.warning("request %s: NIXL read ended in %s; recomputing", self.request_id, state)
+        self.failure = "read"
         self.release_handle(agent)
         if self.agent_name is not None:
             try:  # let the prefill side free its blocks now rather than at lease expiry

@@ -1,10 +1,17 @@
 """Redis connector: a content-addressed store of KV blocks, shared by every instance of a model.
 
 Key = ``kvmesh:{namespace}:{block hash hex}``. The block hash is the engine's
-chained hash (it covers every earlier token, the model identity and the tenant's
-``cache_salt``); the namespace folds in the model identity *and* the KV layout
+chained hash, computed by the reading engine itself from its own prompt (it covers
+every earlier token, the model identity and the tenant's ``cache_salt``), and the
+stored header repeats it: a block is only ever loaded for the prompt and tenant it
+was computed for. The namespace folds in the model identity *and* the KV layout
 (dtype, block shape), so two models, or one model in two dtypes, never read
 each other's blocks even if hashes collided.
+
+Redis AUTH: the password comes from ``password``, else ``password_file``, else
+``$KVMESH_REDIS_PASSWORD`` (or the URL's own ``redis://:pw@host``); ``tls`` (or a
+``rediss://`` URL) turns on TLS. A wrong or missing password fails at start
+(``register_kv_cache`` pings the server) with an error naming Redis AUTH.
 
 Value = a fixed header + the block's raw bytes (all layers, K and V, exactly as
 ``kv_cache[b]`` holds them)::
@@ -33,6 +40,7 @@ to recompute: a synchronous load would already have counted the tokens computed.
 from __future__ import annotations
 
 import logging
+import os
 import struct
 import time
 import warnings
@@ -50,6 +58,8 @@ if TYPE_CHECKING:
     from ..request import Request
 
 log = logging.getLogger("kvmesh.connector.redis")
+
+REDIS_PASSWORD_ENV = "KVMESH_REDIS_PASSWORD"
 
 try:  # the same CRC-32 as zlib.crc32 (same values, same stored format), ~15 GB/s with PCLMUL instead of ~1-4
     from isal.isal_zlib import crc32
@@ -120,13 +130,21 @@ class RedisConnector(KVConnector):
         socket_timeout_s: float = 2.0,
         max_batch_bytes: int = 64 << 20,
         client: Any = None,
+        password: str | None = None,
+        password_file: str | None = None,
+        tls: bool = False,
     ) -> None:
         """``save`` defaults to every role but ``decode`` (prefill fills the store, decode reads it);
         turn it on for decode too to make Redis a shared prefix cache of generated text as well.
         ``ttl_s=None`` leaves expiry to Redis' own ``maxmemory-policy`` (e.g. allkeys-lru).
         ``max_batch_bytes`` bounds the block bytes of one ``MGET`` or ``SET`` pipeline (and so the
-        replies and encoded values held at once)."""
+        replies and encoded values held at once). ``password`` / ``password_file`` /
+        ``$KVMESH_REDIS_PASSWORD`` and ``tls``: see the module docstring."""
+        if tls and url.startswith("redis://"):
+            url = "rediss://" + url[len("redis://") :]
         self.url = url
+        self.tls = url.startswith("rediss://")
+        self._password = password or _read_secret(password_file) or os.environ.get(REDIS_PASSWORD_ENV) or None
         self.ttl_s = ttl_s
         self._save_opt = save
         self.load_enabled = load
@@ -173,8 +191,10 @@ class RedisConnector(KVConnector):
             # cheaper than stalling the engine loop through a backoff schedule during an outage.
             # The Python packer sends block values without re-copying them (see the module docstring);
             # 1 MiB socket reads: hiredis parses a large reply fed in few big pieces several times faster.
+            auth = {"password": self._password} if self._password else {}
             self._client = redis.Redis.from_url(
                 self.url,
+                **auth,
                 socket_timeout=self.socket_timeout_s,
                 socket_connect_timeout=self.socket_timeout_s,
                 retry=Retry(NoBackoff(), 0),
@@ -196,6 +216,25 @@ class RedisConnector(KVConnector):
         self.layout = BlockLayout.of(kv_cache)
         self._sig = self.layout.signature().encode()
         self.prefix = f"kvmesh:{model_namespace(self.engine_config.model.identity(), self.layout)}:"
+        self.check_auth()
+
+    def check_auth(self) -> None:
+        """Ping Redis once at start: a refused password is a configuration error (RuntimeError) now,
+        not a stream of recomputes later. An unreachable Redis only logs: the engine serves without it."""
+        from redis.exceptions import AuthenticationError, ResponseError
+
+        try:
+            self.client.ping()
+        except (AuthenticationError, ResponseError) as e:
+            if isinstance(e, ResponseError) and "auth" not in str(e).lower():
+                raise
+            how = "a password is set" if self._password else "no password is set"
+            raise RuntimeError(
+                f"Redis AUTH failed for {self.url} ({how}: {e}); give the connector the server's password "
+                f"with ${REDIS_PASSWORD_ENV} or --redis-password-file"
+            ) from None
+        except Exception as e:
+            self._redis_error("ping at start", e)
 
     def key(self, block_hash: bytes) -> str:
         return self.prefix + block_hash.hex()
@@ -393,3 +432,14 @@ class RedisConnector(KVConnector):
             except Exception:
                 pass
             self._client = None
+
+
+def _read_secret(path: str | None) -> str | None:
+    """A secret file's content without surrounding whitespace; None without a path."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError as e:
+        raise ValueError(f"--redis-password-file {path}: {e}") from e

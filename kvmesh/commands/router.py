@@ -32,7 +32,7 @@ def register(sub) -> None:
 def config_from_args(args: argparse.Namespace):
     """The flags as a `RouterConfig`; ``--worker``/``--selector`` name pods of the engine's role "both"."""
     from kvmesh.engine.config import Role
-    from kvmesh.engine.kv_events_auth import load_kv_auth_key
+    from kvmesh.engine.kv_auth import load_kv_auth_key
     from kvmesh.services.router.config import RouterConfig, ScoringWeights, parse_pod_spec
 
     urls: tuple[tuple[Role, list[str]], ...] = (

@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 
 from kvmesh.engine.args import EngineArgs
-from kvmesh.engine.kv_events_auth import load_kv_auth_key
+from kvmesh.engine.kv_auth import load_kv_auth_key
 
 
 def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> None:
@@ -52,18 +52,25 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
         help="bind a ZMQ ROUTER socket here that replays missed KV-event sequences, e.g. tcp://*:5558",
     )
     g.add_argument(
-        "--kv-auth-key-file",
-        default=None,
-        help="file holding the KV-path secret shared with the router: the KV-event sockets then admit only "
-        "the router (CURVE) (default: $KVMESH_KV_AUTH_KEY; neither: plain sockets, with a warning)",
-    )
-    g.add_argument(
         "--kv-connector",
         default="none",
         help="KV connector name, resolved by kvmesh.engine.connectors.make_connector (none: no connector)",
     )
     g.add_argument("--kv-connector-config", default="{}", help="JSON options for the KV connector")
     g.add_argument("--redis-url", default=None, help="Redis for --kv-connector redis (same as config key `url`)")
+    g.add_argument(
+        "--redis-password-file",
+        default=None,
+        help="file holding the Redis AUTH password (default: $KVMESH_REDIS_PASSWORD)",
+    )
+    g.add_argument("--redis-tls", action="store_true", help="talk TLS to Redis (same as a rediss:// URL)")
+    g.add_argument(
+        "--kv-auth-key-file",
+        default=None,
+        help="file holding the KV-path secret shared by the workers and the router (default: $KVMESH_KV_AUTH_KEY): "
+        "it MACs the NIXL side channel (required with --kv-connector nixl) and the KV-event sockets then admit "
+        "only the router (CURVE; without it: plain sockets, with a warning)",
+    )
     g.add_argument("--stats-interval", type=float, default=0.5, help="seconds between engine stats snapshots")
     g.add_argument("--log-level", default="warning", help="uvicorn's log level")
     g.add_argument(
@@ -168,6 +175,22 @@ def configs_from_args(args: argparse.Namespace):
         connector_cfg.setdefault("url", args.redis_url)
     if args.kv_events_endpoint:
         load_kv_auth_key(args.kv_auth_key_file)  # a missing or empty file fails here, before any process starts
+    for flag, key, value in (
+        ("--redis-password-file", "password_file", args.redis_password_file),
+        ("--redis-tls", "tls", args.redis_tls or None),
+    ):
+        if value is not None:
+            if args.kv_connector != "redis":
+                raise ValueError(f"{flag} needs --kv-connector redis")
+            connector_cfg.setdefault(key, value)
+    if args.kv_connector == "nixl":
+        from kvmesh.engine.kv_auth import missing_key_message
+
+        # Fail here, before any process starts, rather than in the engine process.
+        if "auth_key" not in connector_cfg and load_kv_auth_key(args.kv_auth_key_file) is None:
+            raise ValueError(missing_key_message("--kv-connector nixl"))
+        if args.kv_auth_key_file:
+            connector_cfg.setdefault("auth_key_file", args.kv_auth_key_file)
     proc_cfg = EngineProcConfig(
         input_addr=addrs.input_addr,
         output_addr=addrs.output_addr,

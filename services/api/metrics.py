@@ -162,6 +162,14 @@ class ServerMetrics:
             L,
             registry=r,
         )
+        self.kv_transfer_refused = Counter(
+            "kvmesh:kv_transfer_refused",
+            "KV-transfer messages and pulls refused by the connector: reason=auth (a side-channel message or reply "
+            "without a valid MAC, stale or replayed), claim (an authenticated claim or release naming what is not "
+            "held), hash_mismatch (held blocks hold another prompt; recomputed).",
+            L + ["reason"],
+            registry=r,
+        )
         self.engine_info = Gauge(
             "kvmesh:engine_config_info",
             "The running engine's settings as labels (value 1).",
@@ -228,6 +236,11 @@ class ServerMetrics:
         ):
             if new > old:
                 self.engine_steps.labels(m, path).inc(new - old)
+        for reason, new in s.kv_transfer_refused.items():
+            refused = self.kv_transfer_refused.labels(m, reason)  # the series exists (at 0) from the start
+            old = last.kv_transfer_refused.get(reason, 0)
+            if new > old:
+                refused.inc(new - old)
         self._last = s
 
     def on_ready(self, ready) -> None:

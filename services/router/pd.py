@@ -1,9 +1,9 @@
 """Prefill/decode disaggregation: when a request goes through a prefill pod first, and how.
 
 Selective P/D: the decode pod chosen by policy computes the prompt itself when it would have
-fewer than ``pd_min_uncached`` tokens left to compute, when the request has more than one
-prompt or sequence (a prefill answers for one), or when the client brought its own
-``kv_transfer_params``. Otherwise a prefill pod computes the prompt (``max_tokens=1``,
+fewer than ``pd_min_uncached`` tokens left to compute, or when the request has more than one
+prompt or sequence (a prefill answers for one). (A client's own ``kv_transfer_params`` never
+get this far: the router refuses them.) Otherwise a prefill pod computes the prompt (``max_tokens=1``,
 ``kv_transfer_params={"do_remote_decode": true}``) and its answer carries the params the
 decode pod pulls the blocks with. The path names are the ``pd`` metric's labels.
 """
@@ -18,8 +18,6 @@ PREFILL_DECODE = "prefill_decode"
 def plan(body: dict[str, Any], ids: list[int] | None, plen: int, hit_tokens: int, min_uncached: int) -> str:
     """The P/D path of a request whose decode pod is a ``decode`` pod (prefill pods being up):
     `PREFILL_DECODE`, or why the decode pod goes alone."""
-    if body.get("kv_transfer_params") is not None:
-        return "client_params"
     prompt = body.get("prompt")
     several_prompts = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
     if body.get("n", 1) not in (None, 1) or ids is None or several_prompts:

@@ -7,7 +7,9 @@ Request path (``/v1/completions``, ``/v1/chat/completions``):
 2. choose a decode-capable pod (role ``both`` or ``decode``) by policy;
 3. P/D (`pd`): when prefill pods exist and the chosen decode pod would still have to
    compute at least ``pd_min_uncached`` tokens, prefill on a prefill pod first, then
-   send the original request to the decode pod with the returned params.
+   send the original request to the decode pod with the params that prefill pod returned
+   (the only ``kv_transfer_params`` a pod ever gets through the router: a client request
+   carrying its own is refused with 400, as they name blocks and side channels to read).
    Otherwise (selective P/D) go straight to the decode pod. Any prefill failure,
    missing params, or a decode pod rejecting the params falls back to the
    decode pod computing the prompt itself: slower, never a wrong token;
@@ -35,7 +37,8 @@ import msgspec
 from fastapi.responses import Response, StreamingResponse
 
 from kvmesh.engine.chat import ChatContentError
-from kvmesh.engine.kv_events_auth import CurveKeys, load_kv_auth_key
+from kvmesh.engine.kv_auth import load_kv_auth_key
+from kvmesh.engine.kv_events_auth import CurveKeys
 from kvmesh.services.auth import DEFAULT_TENANT, ENV_UPSTREAM_KEY, APIKey, KeyStore, SecretFile
 from kvmesh.services.errors import APIError, bad_request
 
@@ -58,6 +61,7 @@ DECODE_ROLES = ("both", "decode")  # pods that can answer a request (the rest on
 WHOLE = "worker"  # the ``phase`` label of a request one pod answers alone (no P/D)
 PROMPT_WINDOW = 256  # requests the typical prompt length is averaged over
 NO_DECODE_POD = "no healthy pod that can decode (role both or decode)"
+CLIENT_KV_PARAMS = "kv_transfer_params are set by the router (prefill/decode disaggregation), not by clients"
 
 _json = msgspec.json.Decoder()
 
@@ -394,6 +398,8 @@ class Router:
     ) -> Response:
         """Route one request. ``key``: the caller's (None when no key is configured): its tenant salts
         the cache and owns the limits. ``gone`` returns when the client disconnects (left the queue)."""
+        if body.get("kv_transfer_params") is not None:
+            raise bad_request(CLIENT_KV_PARAMS, "kv_transfer_params")
         tenant = key.tenant if key is not None else DEFAULT_TENANT
         if key is not None:  # before hashing: the index, the pods' caches and the connectors split by tenant
             salt = body.get("cache_salt")

@@ -6,15 +6,30 @@ NIXL agent and KV pool. The prefill answers ``max_tokens=1`` requests with
 pulls the blocks and continues. Its answer must equal a single engine's on the
 same weights, and its computed-token counter must show that the pulled tokens
 were not recomputed. Failure cases must still answer exactly, by recomputing.
+Every side-channel message is MAC'd with the shared secret ``KEY``: messages without a valid MAC,
+replayed or over-reaching ones are refused and counted, and a side channel the params name that
+is not the prefill (the probe's fake one) makes the decode read nothing and cache nothing foreign.
 The prefill-kill test is last because it consumes the prefill process.
 """
 
 from __future__ import annotations
 
+import math
+import secrets
+import threading
+import time
+
+import msgspec
 import pytest
+import zmq
 from connector_procs import EngineProc
 
+from kvmesh.engine.connectors.nixl_side_channel import REPLY, REQUEST, Signer, request, seal_request
+from kvmesh.engine.hashing import block_hashes_for
+
 pytestmark = pytest.mark.integration
+
+KEY = "test-kv-auth-key-" + secrets.token_hex(8)
 
 BS = 16
 MAX_NEW = 8
@@ -71,7 +86,12 @@ def procs():
     made: list[EngineProc] = []
     try:
         prefill = EngineProc(
-            {"role": "prefill", "connector": "nixl", "engine_id": "prefill-0", "connector_opts": {"lease_s": 600.0}}
+            {
+                "role": "prefill",
+                "connector": "nixl",
+                "engine_id": "prefill-0",
+                "connector_opts": {"lease_s": 600.0, "auth_key": KEY},
+            }
         )
         made.append(prefill)
         decode = EngineProc(
@@ -79,7 +99,7 @@ def procs():
                 "role": "decode",
                 "connector": "nixl",
                 "engine_id": "decode-0",
-                "connector_opts": {"handshake_timeout_s": 5.0, "transfer_timeout_s": 60.0},
+                "connector_opts": {"handshake_timeout_s": 5.0, "transfer_timeout_s": 60.0, "auth_key": KEY},
             }
         )
         made.append(decode)
@@ -95,7 +115,7 @@ def procs():
 def prompts(procs):
     _, decode = procs
     ids = decode.call("tokenize", TEXT * 12)
-    assert len(ids) > 330
+    assert len(ids) > 475
     # Disjoint slices, one per use: no prompt is a prefix of another, and no test finds a block
     # that an earlier test left in the decode engine's prefix cache.
     return {
@@ -106,6 +126,9 @@ def prompts(procs):
         "lease": ids[180:225],
         "bad": ids[230:275],
         "killed": ids[280:328],
+        "auth": ids[330:375],
+        "victim": ids[380:425],
+        "attacker": ids[430:475],
     }
 
 
@@ -203,6 +226,7 @@ def test_bad_params_recompute_exactly(procs, prompts, reference):
         "unknown transfer": dict(good, remote_transfer_id="0" * 32),
         "block ids not held": dict(good, remote_block_ids=[g + 1 for g in good["remote_block_ids"]]),
         "another prompt": dict(good, remote_block_hash="ab" * 32),
+        "no block hash": {k: v for k, v in good.items() if k != "remote_block_hash"},
     }
     for i, (what, params) in enumerate(cases.items()):
         assert decode.call("reset_cache")  # each case starts cold (and nothing is in use)
@@ -250,6 +274,182 @@ def test_invalid_params_are_rejected_before_admission(procs, prompts, reference)
     out = decode.call("gen", "rej-good", p, MAX_NEW, good)
     assert out["tokens"] == reference["bad"]
     assert out["computed"] == len(p) - 2 * BS + MAX_NEW - 1
+    _assert_drained(prefill)
+    _assert_drained(decode)
+
+
+def _raw(ctx: zmq.Context, port: int, frame: bytes):
+    """One REQ round trip with the prefill's side channel, the reply decoded but not opened."""
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send(frame)
+        assert sock.poll(30_000), "the side channel did not answer"
+        return sock.recv()
+    finally:
+        sock.close(0)
+
+
+def test_side_channel_refuses_what_is_not_authentic(procs, prompts):
+    """No MAC, a wrong MAC or key, a replayed or stale message: refused with an unsigned error, counted.
+    Authentic claims that over-reach (blocks not held, a guessed transfer, timeout_s=inf or < 0) are
+    refused and counted too; an unauthenticated release frees nothing; an authentic one frees it all."""
+    prefill, _ = procs
+    port = prefill.info["port"]
+    first = prefill.call("gen", "auth", prompts["auth"], 1, {"do_remote_decode": True})
+    good = first["kv_transfer_params"]
+    xid, ids = good["remote_transfer_id"], good["remote_block_ids"]
+    assert len(xid) == 32 and len(ids) == 2
+    before = prefill.call("stats")["connector"]
+    signer = Signer(KEY.encode())
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
+    ctx = zmq.Context()
+    try:
+        # An authentic meta request works, and its reply is sealed and bound to it.
+        frame, nonce = seal_request(signer, {"op": "meta"})
+        reply = signer.open(REPLY, _raw(ctx, port, frame))
+        assert reply["ok"] and reply["re"] == nonce and reply["meta"]["engine_id"] == "prefill-0"
+
+        payload, mac = dec.decode(seal_request(signer, {"op": "meta"})[0])
+        refused = {
+            "no MAC (the old protocol)": enc.encode({"op": "meta"}),
+            "another key": seal_request(Signer(b"not-the-deployment-key"), {"op": "meta"})[0],
+            "flipped MAC": enc.encode([payload, bytes([mac[0] ^ 1]) + mac[1:]]),
+            "MAC of a request used on a reply direction": signer.seal(REPLY, dec.decode(payload)),
+            "replayed": frame,
+            "stale": signer.seal(REQUEST, {"op": "meta", "ts": time.time() - 3600, "nonce": secrets.token_hex(16)}),
+            "release without MAC": enc.encode({"op": "release", "transfer_id": xid}),
+            "not msgpack": b"\xc1garbage",
+        }
+        for what, f in refused.items():
+            out = dec.decode(_raw(ctx, port, f))
+            assert isinstance(out, dict) and out["ok"] is False and "meta" not in out, what
+        s = prefill.call("stats")
+        assert s["connector"]["auth_rejected"] == before["auth_rejected"] + len(refused)
+        assert s["held"] == 1  # the unauthenticated release freed nothing
+
+        def claim(**kw) -> dict:
+            msg = {"op": "claim", "transfer_id": xid, "block_ids": ids, "timeout_s": 5.0, **kw}
+            return request(ctx, "127.0.0.1", port, msg, 30.0, signer)
+
+        over = [
+            claim(block_ids=ids[:1]),  # a subset is not the blocks held for it
+            claim(block_ids=[*ids, ids[-1] + 1]),
+            claim(block_ids=[0, 1, 2, 3]),
+            claim(transfer_id=secrets.token_hex(16)),  # a guessed transfer
+            claim(timeout_s=math.inf),
+            claim(timeout_s=-1.0),
+            claim(timeout_s=math.nan),
+            claim(timeout_s=True),
+        ]
+        assert all(r["ok"] is False for r in over), over
+        s = prefill.call("stats")
+        assert s["connector"]["claims_refused"] == before["claims_refused"] + len(over)
+        assert s["connector"]["auth_rejected"] == before["auth_rejected"] + len(refused)  # these were authentic
+        assert s["held"] == 1
+
+        ok = claim()  # the exact blocks: the reply carries their chained hashes
+        assert ok["ok"] and ok["block_hashes"] == [h.hex() for h in _hashes(ok["meta"], prompts["auth"])[:2]]
+        assert request(ctx, "127.0.0.1", port, {"op": "release", "transfer_id": xid}, 30.0, signer)["ok"]
+        _assert_drained(prefill)
+
+        # A huge finite timeout_s extends the lease to at most twice the lease: the blocks are freed anyway.
+        prefill.call("set", "lease_s", 5.0)
+        try:
+            held = prefill.call("gen", "auth-2", prompts["auth"], 1, {"do_remote_decode": True})
+        finally:
+            prefill.call("set", "lease_s", 600.0)
+        p2 = held["kv_transfer_params"]
+        expired = prefill.call("stats")["connector"]["leases_expired"]
+        r = claim(transfer_id=p2["remote_transfer_id"], block_ids=p2["remote_block_ids"], timeout_s=1e9)
+        assert r["ok"]
+        s = _assert_drained(prefill)
+        assert s["connector"]["leases_expired"] == expired + 1
+    finally:
+        ctx.term()
+
+
+def _hashes(meta: dict, tokens: list[int]) -> list[bytes]:
+    return block_hashes_for(tokens, BS, meta["model_identity"])
+
+
+class FakeSideChannel:
+    """The probe's fake side channel: a real ROUTER socket on loopback that either relays every frame to
+    the real prefill (valid MACs, the victim's blocks) or answers with the real prefill's meta, unsigned."""
+
+    def __init__(self, prefill_port: int, meta: dict, attacker_hashes: list[str], relay: bool) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.prefill_port, self.relay = prefill_port, relay
+        self.forged = msgspec.msgpack.encode({"ok": True, "meta": meta, "block_hashes": attacker_hashes})
+        self.seen = 0
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop_event.is_set():
+            if not self.sock.poll(50):
+                continue
+            ident, _, frame = self.sock.recv_multipart()
+            self.seen += 1
+            out = _raw(self.ctx, self.prefill_port, frame) if self.relay else self.forged
+            self.sock.send_multipart([ident, b"", out])
+
+    def close(self) -> None:
+        self.stop_event.set()
+        self.thread.join(10)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_fake_side_channel_reads_nothing_and_poisons_nothing(procs, prompts, reference):
+    """security_probe 4b+: params naming a fake side channel with the victim's transfer and blocks, and the
+    attacker prompt's own last-block hash (so they pass the early check). Forged replies are refused at
+    admission; relayed authentic ones reach the claim, whose block hashes are the victim's: nothing is
+    read, the attacker gets the honest tokens, and the decode's prefix cache holds only honest blocks."""
+    prefill, decode = procs
+    victim, attacker = prompts["victim"], prompts["attacker"]
+    v = prefill.call("gen", "victim", victim, 1, {"do_remote_decode": True})["kv_transfer_params"]
+    ctx = zmq.Context()
+    try:
+        meta = request(ctx, "127.0.0.1", v["remote_port"], {"op": "meta"}, 30.0, Signer(KEY.encode()))["meta"]
+    finally:
+        ctx.term()
+    mine = [h.hex() for h in _hashes(meta, attacker)[:2]]
+    assert mine[1] != v["remote_block_hash"]
+    before = decode.call("stats")["connector"]
+    for relay in (False, True):
+        fake = FakeSideChannel(v["remote_port"], meta, mine, relay)
+        try:
+            params = dict(v, remote_port=fake.port, remote_block_hash=mine[1])
+            assert decode.call("reset_cache")
+            if not relay:  # an unsigned answer is no answer: refused before anything is allocated
+                with pytest.raises(RuntimeError, match="unsigned message"):
+                    decode.call("gen", "steal-forged", attacker, MAX_NEW, params)
+            else:
+                out = decode.call("gen", "steal-relayed", attacker, MAX_NEW, params)
+                assert out["tokens"] == reference["attacker"]
+                assert out["computed"] == len(attacker) + MAX_NEW - 1  # recomputed: nothing was read
+            assert fake.seen >= 1  # the decode did talk to it
+        finally:
+            fake.close()
+    d = decode.call("stats")
+    assert d["connector"]["blocks_loaded"] == before["blocks_loaded"]
+    assert d["connector"]["hash_mismatches"] == before["hash_mismatches"] + 1
+    assert d["connector"]["auth_rejected"] >= before["auth_rejected"] + 1
+    assert d["free"] == d["total"]
+    # A plain request with the attacker's prompt: its prefix-cache hit holds the honest blocks.
+    again = decode.call("gen", "plain-after", attacker, MAX_NEW)
+    assert again["tokens"] == reference["attacker"]
+    assert again["num_cached_tokens"] == 2 * BS and again["computed"] == len(attacker) - 2 * BS + MAX_NEW - 1
+    # The victim's own transfer is untouched and still works.
+    out = decode.call("gen", "victim", victim, MAX_NEW, v)
+    assert out["tokens"] == reference["victim"]
+    assert out["computed"] == len(victim) - 2 * BS + MAX_NEW - 1
     _assert_drained(prefill)
     _assert_drained(decode)
 

@@ -37,7 +37,7 @@ TEXT = (
 class RedisServer:
     """A throwaway redis-server: random port, no persistence, killed at teardown."""
 
-    def __init__(self) -> None:
+    def __init__(self, password: str | None = None) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.skip("redis-server is not installed (scripts/install.sh installs it)")
@@ -55,13 +55,14 @@ class RedisServer:
                 "no",
                 "--protected-mode",
                 "no",
+                *(["--requirepass", password] if password else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         import redis
 
-        self.client = redis.Redis(port=self.port, socket_timeout=2)
+        self.client = redis.Redis(port=self.port, socket_timeout=2, password=password)
         for _ in range(200):
             try:
                 if self.client.ping():
@@ -345,3 +346,33 @@ def test_save_and_load_store_exact_bytes_in_any_chunking(redis_server, chunk_blo
     c.close()
     saver.close()
     db3.close()
+
+
+def test_redis_auth_password_required(smol, one_thread, prompts, reference, monkeypatch, tmp_path):
+    """A redis-server with --requirepass: without the password, or with a wrong one, the connector fails at
+    start naming Redis AUTH; with it (env or file) prefill saves and decode loads exactly."""
+    password = "redis-test-" + os.urandom(8).hex()
+    srv = RedisServer(password=password)
+    try:
+        monkeypatch.delenv("KVMESH_REDIS_PASSWORD", raising=False)
+        for opts in ({}, {"password": "wrong-password"}):
+            with pytest.raises(RuntimeError, match="Redis AUTH failed"):
+                _engine(smol, srv.url, role="prefill", **opts)
+        monkeypatch.setenv("KVMESH_REDIS_PASSWORD", password)
+        prefill = _engine(smol, srv.url, role="prefill")
+        monkeypatch.delenv("KVMESH_REDIS_PASSWORD")
+        f = tmp_path / "redis-password"
+        f.write_text(password + "\n")
+        decode = _engine(smol, srv.url, role="decode", password_file=str(f))
+        p = prompts["long"]
+        run_request(prefill, "auth-p", p, 1, {"do_remote_decode": True})
+        out = run_request(decode, "auth-d", p, MAX_NEW)
+        assert out["tokens"] == reference["long"]
+        assert out["computed"] == len(p) - _loadable(len(p)) + MAX_NEW - 1
+        assert decode.connector.stats["redis_errors"] == 0
+        _assert_no_leak(prefill, decode)
+        prefill.shutdown()
+        decode.shutdown()
+    finally:
+        srv.stop()
+    assert srv.proc.poll() is not None

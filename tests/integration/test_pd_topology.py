@@ -355,3 +355,98 @@ def test_kv_events_feed_the_router_exact_index_and_nobody_else(topo, smol):
             m.close(linger=0)
             s.close(linger=0)
         ctx.term()
+
+
+def _listening(session_ids: set[int]) -> list[str]:
+    """Local addresses of the TCP sockets listening in any process of the given sessions (from /proc)."""
+    import os
+
+    inodes: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                sid = int(f.read().rsplit(")", 1)[1].split()[3])
+            if sid not in session_ids:
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    out.append(cols[1])
+    return out
+
+
+def _is_loopback(hex_addr: str) -> bool:
+    ip = hex_addr.split(":")[0]
+    if len(ip) == 8:  # IPv4, little-endian: 127.x.x.x ends in 7F
+        return ip.endswith("7F")
+    return ip == "00000000000000000000000001000000" or (ip[:24] == "0000000000000000FFFF0000" and ip.endswith("7F"))
+
+
+def test_every_worker_listens_on_loopback_only(topo):
+    """security_probe row 5: in the local topology NIXL's UCX listened on the machine's other interfaces."""
+    sessions = {p.pid for name, p in topo.procs if name != "redis"}  # each child leads its own session
+    addrs = _listening(sessions)
+    assert len(addrs) >= 3, addrs  # router, prefill and decode HTTP at least
+    assert all(_is_loopback(a) for a in addrs), addrs
+
+
+def test_unauthenticated_side_channel_message_is_refused_and_counted(topo):
+    """NIXL: the prefill's side channel answers a message without the run's secret with an error and
+    nothing else, and its /metrics count the refusal (kvmesh:kv_transfer_refused_total{reason="auth"})."""
+    if topo.config.kv_connector != "nixl":
+        return  # Redis has no side channel (its AUTH is test_connectors_redis.py's)
+    import json
+
+    import msgspec
+    import zmq
+
+    prefill = next(w for w in topo.workers if w.role == "prefill")
+    argv = next(p.args for name, p in topo.procs if name == "prefill-0")
+    port = json.loads(argv[argv.index("--kv-connector-config") + 1])["side_channel_port"]
+    name = "kvmesh:kv_transfer_refused_total"
+    before = _metric(prefill.url, name)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send(msgspec.msgpack.encode({"op": "meta"}))  # the probe's request, without a MAC
+        assert sock.poll(30_000)
+        reply = msgspec.msgpack.decode(sock.recv())
+    finally:
+        sock.close(0)
+        ctx.term()
+    assert reply["ok"] is False and "meta" not in reply
+    deadline = time.monotonic() + 30
+    while _metric(prefill.url, name) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _metric(prefill.url, name) == before + 1
+    import os
+
+    assert topo.config.log_dir is not None
+    with open(os.path.join(topo.config.log_dir, "prefill-0.log"), errors="replace") as f:
+        assert "NIXL side channel: refused a message: unsigned message" in f.read()  # and logged
+
+
+def test_private_redis_requires_the_run_password(topo):
+    """Redis: `kvmesh up`'s own redis-server refuses a client without this run's password (the workers,
+    which hold it in $KVMESH_REDIS_PASSWORD, are the ones that served the tests above)."""
+    if topo.config.kv_connector != "redis":
+        return  # NIXL runs no Redis (its side channel's secret is the test above's)
+    import redis
+
+    anonymous = redis.Redis.from_url(topo.redis_url, socket_timeout=10)
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        anonymous.ping()
+    anonymous.close()
+    with redis.Redis.from_url(topo.redis_url, password=topo.redis_password, socket_timeout=10) as client:
+        assert client.ping() and client.dbsize() > 0  # the prefill pod stored blocks with the password

@@ -267,6 +267,19 @@ def test_selective_pd_and_fallback(tmp_path):
         assert pre.bodies[-1]["max_tokens"] == 1 and pre.bodies[-1]["kv_transfer_params"] == {"do_remote_decode": True}
         assert dec.bodies[-1]["kv_transfer_params"]["remote_engine_id"] == "fake"
         assert dec.bodies[-1]["max_tokens"] == 5
+        # only the router sets kv_transfer_params: a client's own never reach a pod (security_probe 4b+)
+        n_pre, n_dec = len(pre.bodies), len(dec.bodies)
+        for stream in (False, True):
+            stolen = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1, "remote_block_ids": [0]}
+            r = httpx.post(
+                srv.url + "/v1/completions",
+                json={"prompt": prompt, "max_tokens": 5, "stream": stream, "kv_transfer_params": stolen},
+                timeout=30,
+            )
+            assert r.status_code == 400
+            err = r.json()["error"]
+            assert err["param"] == "kv_transfer_params" and err["type"] == "BadRequestError" and err["code"] == 400
+        assert (len(pre.bodies), len(dec.bodies)) == (n_pre, n_dec)
         # decode publishes that it holds 18 of the 20 blocks of another prompt sharing the first 18
         time.sleep(0.3)
         other = prompt[:288] + list(range(9000, 9040))

@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-ENV = {"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING"}
+ENV = {"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING", "KVMESH_KV_AUTH_KEY": "router-pd-live-kv-auth-key"}
 BS = 16
 
 
@@ -83,3 +83,24 @@ def test_pd_through_router_exact_and_selective(pd):
     m = httpx.get(srv.url + "/metrics").text
     assert 'kvmesh:router_pd_decisions_total{path="decode_only"} 1.0' in m, m
     assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4 * BS
+
+
+def test_client_kv_transfer_params_are_refused(pd):
+    """security_probe 4b+: a client naming a side channel and blocks of its choice gets 400 from the router
+    (OpenAI error schema); test_router_loopback shows no pod sees such a request."""
+    srv, _, _, _ = pd
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "pre0",
+        "remote_host": "127.0.0.1",
+        "remote_port": 1,
+        "remote_transfer_id": "0" * 32,
+        "remote_block_ids": [0, 1],
+    }
+    r = httpx.post(
+        srv.url + "/v1/completions",
+        json={"prompt": "steal", "max_tokens": 4, "kv_transfer_params": params},
+        timeout=60,
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "kv_transfer_params" and r.json()["error"]["type"] == "BadRequestError"

@@ -62,9 +62,11 @@ def test_config_validation_and_json():
         EngineProcConfig("ipc://a", "ipc://b", role="sideways")
 
 
-def test_serve_flags_reach_engine_config():
+def test_serve_flags_reach_engine_config(monkeypatch):
     from kvmesh.cli import build_parser
     from kvmesh.commands.serve import configs_from_args
+
+    monkeypatch.setenv("KVMESH_KV_AUTH_KEY", "unit-test-kv-auth-key")  # the nixl connector requires it
 
     args = build_parser().parse_args(
         [
@@ -101,10 +103,10 @@ def test_kv_auth_key_file_reaches_the_engine_as_a_path(tmp_path):
     from kvmesh.commands.serve import configs_from_args
 
     secret = tmp_path / "kv-auth-key"
-    secret.write_text("s3cret")
+    secret.write_text("s3cret-kv-path-secret")
     ev = ["serve", "--kv-events-endpoint", "tcp://*:5557", "--kv-auth-key-file"]
     _, proc = configs_from_args(build_parser().parse_args([*ev, str(secret)]))
-    assert proc.kv_auth_key_file == str(secret) and "s3cret" not in proc.to_json()
+    assert proc.kv_auth_key_file == str(secret) and "s3cret-kv-path-secret" not in proc.to_json()
     with pytest.raises(ValueError, match="No such file"):
         configs_from_args(build_parser().parse_args([*ev, str(tmp_path / "missing")]))
 

@@ -6,13 +6,18 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from kvmesh.engine.kv_events_auth import CurveKeys, RouterOnly, load_kv_auth_key
+from kvmesh.engine.kv_auth import load_kv_auth_key
+from kvmesh.engine.kv_events_auth import CurveKeys, RouterOnly
 
 pytestmark = pytest.mark.unit
 
 
 def test_keys_are_derived_deterministically_and_differ_per_secret_and_role():
-    a, a2, b = CurveKeys.derive(b"s3cret"), CurveKeys.derive(b"s3cret"), CurveKeys.derive(b"other")
+    a, a2, b = (
+        CurveKeys.derive(b"s3cret-kv-path-secret"),
+        CurveKeys.derive(b"s3cret-kv-path-secret"),
+        CurveKeys.derive(b"other"),
+    )
     assert a == a2  # every pod and router replica derives the same pairs: nothing to distribute
     assert a.server_public != b.server_public and a.client_public != b.client_public
     assert len({a.server_public, a.server_secret, a.client_public, a.client_secret}) == 4
@@ -22,7 +27,7 @@ def test_keys_are_derived_deterministically_and_differ_per_secret_and_role():
 
 
 def test_zap_check_admits_only_the_router_key():
-    keys = CurveKeys.derive(b"s3cret")
+    keys = CurveKeys.derive(b"s3cret-kv-path-secret")
     check = RouterOnly(keys)
     assert check.callback("d", keys.client_public)
     stranger = zmq.curve_keypair()[0]
@@ -33,11 +38,11 @@ def test_zap_check_admits_only_the_router_key():
 def test_secret_from_file_or_env(tmp_path, monkeypatch):
     monkeypatch.delenv("KVMESH_KV_AUTH_KEY", raising=False)
     assert load_kv_auth_key() is None
-    monkeypatch.setenv("KVMESH_KV_AUTH_KEY", " from-env\n")
-    assert load_kv_auth_key() == b"from-env"
+    monkeypatch.setenv("KVMESH_KV_AUTH_KEY", " from-env-kv-path-secret\n")
+    assert load_kv_auth_key() == b"from-env-kv-path-secret"
     f = tmp_path / "kv-auth-key"
-    f.write_text("from-file\n")
-    assert load_kv_auth_key(str(f)) == b"from-file"  # the file wins over the environment
+    f.write_text("from-file-kv-path-secret\n")
+    assert load_kv_auth_key(str(f)) == b"from-file-kv-path-secret"  # the file wins over the environment
     f.write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         load_kv_auth_key(str(f))

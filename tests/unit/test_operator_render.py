@@ -227,7 +227,9 @@ def _engine_settings_from_args(args: list[str]):
 
     expanded = [a.replace("$(POD_NAME)", "pod-0").replace("$(POD_IP)", "10.0.0.7") for a in args]
     ns = build_parser().parse_args(expanded)
-    return configs_from_args(ns)
+    with pytest.MonkeyPatch.context() as mp:  # the pod gets the KV-path secret from the internal Secret
+        mp.setenv("KVMESH_KV_AUTH_KEY", "unit-test-kv-auth-key")
+        return configs_from_args(ns)
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=example_id)

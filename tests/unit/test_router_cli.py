@@ -21,7 +21,7 @@ def test_every_flag_reaches_the_config(tmp_path) -> None:
     keys.write_text('[{"key": "k3", "tenant": "t"}]')
     up.write_text("internal\n")
     secret = tmp_path / "kv-auth-key"
-    secret.write_text("s3cret\n")
+    secret.write_text("s3cret-kv-path-secret\n")
     argv = [
         "router",
         "--host",
