@@ -54,7 +54,7 @@ class StructuredOutput:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str) -> StructuredOutput:
-        return cls("json", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
+        return cls("json", schema if isinstance(schema, str) else json.dumps(schema))
 
     @classmethod
     def choice(cls, choices: Sequence[str]) -> StructuredOutput:

@@ -30,6 +30,12 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
         help="require `Authorization: Bearer KEY` on all endpoints but /health and /metrics (default: $KVMESH_API_KEY)",
     )
     g.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    g.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json"),
+        default=None,
+        help="how tool calls are read from a model's output with tool_choice auto (default: from the chat template)",
+    )
     g.add_argument("--engine-ipc-dir", default=None, help="directory for the engine's ipc sockets (default: temp)")
     g.add_argument("--engine-input-addr", default=None, help="ZMQ endpoint for requests (instead of ipc)")
     g.add_argument("--engine-output-addr", default=None, help="ZMQ endpoint for outputs (instead of ipc)")
@@ -130,6 +136,7 @@ def configs_from_args(args: argparse.Namespace):
         engine_output_addr=args.engine_output_addr,
         uvicorn_log_level=args.log_level,
         shutdown_timeout=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser,
     )
     addrs = engine_addresses(cfg)
     # The engine process gets the model and role as fields of its own; the rest by EngineArgs field name.
