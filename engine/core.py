@@ -29,8 +29,8 @@ from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import NoiseStream, Sampler, SampleResult
 from .sched_output import SchedulerOutput
-from .structured import GrammarCompiler
 from .scheduler import Scheduler
+from .structured import GrammarCompiler
 
 if TYPE_CHECKING:
     from .sim_runner import SimulatedRunner

@@ -19,12 +19,12 @@ from kvmesh import __version__
 from kvmesh.services.errors import APIError, error_body, error_response
 
 from .config import ServerConfig
-from .tools import ToolStream
 from .engine_client import EngineClient
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .responses import Answer, answer
 from .serving import Event, Serving
+from .tools import ToolStream
 
 log = logging.getLogger("kvmesh.api.server")
 
@@ -281,7 +281,13 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
                     msg, finish = gen.tools.message(o.text, o.finish_reason)
                 lp = serving.chat_logprobs(o.logprobs, k) if req.logprobs and o.logprobs is not None else None
                 out.append(
-                    {"index": idx, "message": msg, "logprobs": lp, "finish_reason": finish, "stop_reason": o.stop_reason}
+                    {
+                        "index": idx,
+                        "message": msg,
+                        "logprobs": lp,
+                        "finish_reason": finish,
+                        "stop_reason": o.stop_reason,
+                    }
                 )
             return out
 

@@ -30,9 +30,9 @@ from kvmesh.engine.output_processor import RequestState
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.services.errors import APIError, bad_request
 
+from .constraints import structured_output
 from .engine_client import EngineClient, EngineDeadError, EngineRejectedError, RequestStream
 from .metrics import ServerMetrics
-from .constraints import structured_output
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from .tools import PARSERS, ChatTools, parser_for_template
 
