@@ -5,11 +5,13 @@ required and optional fields), sized so the embedded model finishes them well in
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
 MAX_TOKENS = 160
+Word = Annotated[str, Field(max_length=10)]
+Small = Annotated[int, Field(ge=0, le=100)]
 
 
 class Color(StrEnum):
@@ -43,11 +45,11 @@ class Segment(BaseModel):
 
 
 class Tags(BaseModel):
-    tags: list[str] = Field(max_length=3)
+    tags: list[Word] = Field(max_length=3)
 
 
 class Scores(BaseModel):
-    scores: list[int] = Field(min_length=1, max_length=4)
+    scores: list[Small] = Field(min_length=1, max_length=4)
 
 
 class MaybeNick(BaseModel):
@@ -92,7 +94,7 @@ class Book(BaseModel):
 class Pets(BaseModel):
     cats: int = Field(ge=0, le=5)
     dogs: int = Field(ge=0, le=5)
-    names: list[str] = Field(max_length=2)
+    names: list[Word] = Field(max_length=2)
 
 
 class Weekday(StrEnum):
@@ -124,7 +126,7 @@ class Answer(BaseModel):
 
 
 class Grid(BaseModel):
-    rows: list[list[int]] = Field(max_length=2)
+    rows: list[Annotated[list[Small], Field(max_length=3)]] = Field(max_length=2)
 
 
 class Palette(BaseModel):
