@@ -26,9 +26,9 @@ PERSON = {
 }
 FREE_PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 FREE = [
-    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-    SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True),
-    SamplingParams(temperature=0.7, top_k=20, seed=9, max_tokens=24, repetition_penalty=1.2, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_k=20, seed=9, max_tokens=16, repetition_penalty=1.2, ignore_eos=True),
 ]
 
 
@@ -36,10 +36,9 @@ def _constrained() -> list[tuple[str, SamplingParams]]:
     js = StructuredOutput.json_schema(PERSON)
     return [
         ("A person as JSON:", SamplingParams(temperature=0.0, max_tokens=64, structured=js)),
-        ("A person as JSON:", SamplingParams(temperature=1.0, seed=1, max_tokens=64, structured=js)),
         (
             "A person as JSON:",
-            SamplingParams(temperature=0.8, min_p=0.05, presence_penalty=0.5, max_tokens=64, structured=js),
+            SamplingParams(temperature=0.8, min_p=0.05, presence_penalty=0.5, seed=1, max_tokens=64, structured=js),
         ),
         (
             "Phone:",
@@ -51,22 +50,17 @@ def _constrained() -> list[tuple[str, SamplingParams]]:
             "Yes or no?",
             SamplingParams(temperature=0.0, max_tokens=8, structured=StructuredOutput.choice(["yes", "no"])),
         ),
-        ("Anything:", SamplingParams(temperature=0.0, max_tokens=64, structured=StructuredOutput("json_object"))),
     ]
 
 
 def _check_constrained(outs) -> None:
-    for o in outs[:3]:
+    for o in outs[:2]:
         assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
         v = json.loads(o.outputs[0].text)
         assert set(v) == {"name", "age", "pet"} and 0 <= v["age"] <= 99 and v["pet"] in ("cat", "dog")
         assert len(v["name"]) <= 10
-    assert re.fullmatch(r"\d{3}-\d{4}", outs[3].outputs[0].text)
-    assert outs[4].outputs[0].text in ("yes", "no")
-    if outs[5].outputs[0].finish_reason == "stop":
-        assert isinstance(json.loads(outs[5].outputs[0].text), dict)
-    else:
-        assert outs[5].outputs[0].text.startswith("{")
+    assert re.fullmatch(r"\d{3}-\d{4}", outs[2].outputs[0].text)
+    assert outs[3].outputs[0].text in ("yes", "no")
 
 
 @pytest.mark.parametrize("steps", [1, 4], ids=["one-step", "multi-step"])
