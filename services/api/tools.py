@@ -244,15 +244,16 @@ class ChatTools:
                 items = json.loads(text)
             except json.JSONDecodeError:
                 return text, []
-            calls = [_call(x) for x in items] if isinstance(items, list) else [None]
-            if not calls or any(c is None for c in calls):
+            maybe = [_call(x) for x in items] if isinstance(items, list) else [None]
+            done = [c for c in maybe if c is not None]
+            if not done or len(done) != len(maybe):
                 return text, []
-            return None, [c for c in calls if c is not None]
+            return None, done
         if self.mode == "auto":
-            content, calls = PARSERS[self.parser](text)
-            if calls and any(c.name not in self.schemas for c in calls):
+            content, parsed = PARSERS[self.parser](text)
+            if parsed and any(c.name not in self.schemas for c in parsed):
                 return text, []  # a call of an undeclared function is not a call
-            return content, calls
+            return content, parsed
         return text, []
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
