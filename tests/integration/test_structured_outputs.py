@@ -135,6 +135,15 @@ def test_json_object_regex_and_choice(client):
             max_tokens=10,
         )
         assert r.choices[0].message.content in ("yes", "no", "maybe")
+    # completions take the same constraints
+    r = client.completions.create(
+        model=MODEL,
+        prompt="Q: Is Paris in France?\nA:",
+        extra_body={"structured_outputs": {"choice": [" yes", " no"]}},
+        temperature=0.0,
+        max_tokens=10,
+    )
+    assert r.choices[0].text in (" yes", " no") and r.choices[0].finish_reason == "stop"
 
 
 def _tool_request(
