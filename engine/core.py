@@ -30,6 +30,7 @@ from .runner import ModelRunner
 from .sampler import NoiseStream, Sampler, SampleResult
 from .sched_output import SchedulerOutput
 from .scheduler import Scheduler
+from .structured import GrammarCompiler
 
 if TYPE_CHECKING:
     from .sim_runner import SimulatedRunner
@@ -67,6 +68,8 @@ class EngineCore:
         )
         self.sampler = Sampler(config.seed)
         self.model_identity = config.model.identity()
+        # compiles structured outputs' grammars (engine/structured.py); set by from_model, which has the tokenizer
+        self.grammars: GrammarCompiler | None = None
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model (prefix hits and loaded KV excluded)
         # Decode rounds (multi-step, async scheduling) need a runner that feeds its own tokens back
@@ -106,7 +109,10 @@ class EngineCore:
                 num_kv_blocks=args.num_kv_blocks if args.num_kv_blocks is not None else DEFAULT_NUM_KV_BLOCKS,
             )
         config = args.create_engine_config(loaded.config, loaded.source)
-        return cls(config, loaded.state_dict, connector, simulate=simulate), loaded.tokenizer
+        engine = cls(config, loaded.state_dict, connector, simulate=simulate)
+        if loaded.tokenizer is not None:
+            engine.grammars = GrammarCompiler(loaded.tokenizer, config.model.vocab_size, config.model.eos_token_ids)
+        return engine, loaded.tokenizer
 
     # ---- requests -----------------------------------------------------------
     def validate(self, req: EngineCoreRequest) -> None:
@@ -129,6 +135,8 @@ class EngineCore:
         need = -(-min(n + 1, max_len) // self.config.cache.block_size)
         if need > self.kv.pool.num_blocks:
             raise ValueError(f"prompt needs {need} KV blocks but the pool has {self.kv.pool.num_blocks}")
+        if req.params.structured is not None and self.grammars is None:
+            raise ValueError("structured outputs need the model's tokenizer (this engine was built without one)")
         if req.kv_transfer_params is not None:  # last: it may ask the remote engine (bounded, cached)
             check = getattr(self.connector, "validate_kv_transfer_params", None)
             if check is not None:
@@ -149,6 +157,9 @@ class EngineCore:
         )
         if req.params.seed is not None:
             r.generator = self._generator(req.params.seed)
+        if req.params.structured is not None:
+            assert self.grammars is not None  # checked by validate
+            r.grammar = self.grammars.submit(req.params.structured)  # compiles while the prompt prefills
         self.scheduler.add_request(r)  # may raise QueueFullError, before any state changes
 
     @property
@@ -269,7 +280,7 @@ class EngineCore:
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor, rows: list[int]) -> list[SampleResult]:
         """Draw each sampling row's tokens: ``num_samples`` per row (n for an n > 1 request that
         just finished its prompt), in row order."""
-        row_params, row_gens, row_src, hist = [], [], [], []
+        row_params, row_gens, row_src, hist, grammars = [], [], [], [], []
         for k, j in enumerate(rows):
             s = sched.scheduled[j]
             for _ in range(s.num_samples):
@@ -277,10 +288,24 @@ class EngineCore:
                 row_gens.append(s.generator)
                 row_src.append(k)
                 hist.append(s.penalty_history)
+                grammars.append(s.grammar)
         if not row_params:
             return []
         histories = hist if any(p.penalized for p in row_params) else None
-        return self.sampler.sample(logits[row_src], row_params, row_gens, histories, on_device=self._on_device())
+        constrained = any(g is not None for g in grammars)
+        results = self.sampler.sample(
+            logits[row_src],
+            row_params,
+            row_gens,
+            histories,
+            on_device=self._on_device(),
+            grammars=grammars if constrained else None,
+        )
+        if constrained:  # each matcher takes its row's token (stop_status then ends a finished grammar)
+            for g, res in zip(grammars, results):
+                if g is not None and not g.accept(res.token_id):
+                    log.error("structured output: %s", g.failed)
+        return results
 
     def _counted(self, outcome: RoundOutcome) -> list[EngineCoreOutput]:
         self.num_steps += outcome.steps
@@ -328,3 +353,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.connector.close()
+        if self.grammars is not None:
+            self.grammars.close()

@@ -18,6 +18,8 @@ What keeps it exact:
   sampling is not reproducible in either path; a seeded request's noise comes from
   its seed and its draw count (`device_draw.NoiseStream`) in both paths, so its tokens
   are the same in rounds, in one step and in any batch.
+* Requests with a structured output (engine/structured.py) never run in rounds: their token
+  mask comes from a matcher on the host before every step, so they take the one-step path.
 * Logprobs come along: each step's are taken on the device from its raw logits
   (`logprobs.device_logprobs`) and copied with the tokens. So do a logit bias and
   penalties: the round's `logit_adjustment.LogitAdjustment` is built from the host's
@@ -129,6 +131,8 @@ class DecodeRounds:
             ):
                 return 0
             if not s.params.greedy and not sample_on_device:
+                return 0
+            if s.grammar is not None:  # a grammar's mask needs the host's matcher before each step
                 return 0
         ids = [s.request_id for s in sched.scheduled]
         k = sch.decode_headroom(ids, 0, k_max)

@@ -71,6 +71,7 @@ class Request:
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
     generator: Any = None  # seeded sampling: device_draw.NoiseStream on a GPU, a CPU torch.Generator else
+    grammar: Any = None  # a structured output's structured.RequestGrammar (its matcher)
     forked: bool = False  # an n > 1 parent whose children have been created
     # the output as an int64 array for the sampler's penalties, filled up to _out_n (see output_array)
     _out_buf: np.ndarray | None = field(default=None, init=False, repr=False)

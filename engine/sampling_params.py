@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from .structured import KINDS, StructuredOutput
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,6 +34,8 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to those logits before the
     # penalties (a dict is accepted and stored sorted). -100 bans a token in practice, +100 forces it.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # the output must match this grammar (engine/structured.py); its mask applies before everything else
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists/str for convenience but store tuples (frozen, hashable).
@@ -78,6 +82,11 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise ValueError("logit_bias names a token twice")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput) or self.structured.kind not in KINDS:
+                raise ValueError(f"structured must be a StructuredOutput of kind {', '.join(KINDS)}")
+            if self.n != 1:
+                raise ValueError("n must be 1 with a structured output (response_format, structured_outputs, tools)")
         rp = self.repetition_penalty
         if not isinstance(rp, (int, float)) or not math.isfinite(rp) or rp <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {rp!r}")

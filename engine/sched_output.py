@@ -45,6 +45,7 @@ class ScheduledRequest:
     block_ids: list[int] = field(default_factory=list)
     # (prompt, output so far) int64 arrays for the penalties, when a penalized sequence samples this step
     penalty_history: tuple[np.ndarray, np.ndarray] | None = None
+    grammar: Any = None  # a structured output's structured.RequestGrammar: its mask applies when it samples
 
     @property
     def completes_prompt(self) -> bool:

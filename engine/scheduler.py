@@ -171,7 +171,16 @@ class Scheduler:
             if p.penalized:
                 history = r.penalty_history()
         return ScheduledRequest(
-            r.request_id, r.all_token_ids, r.num_computed_tokens, n, p, r.generator, samples, w.block_ids, history
+            r.request_id,
+            r.all_token_ids,
+            r.num_computed_tokens,
+            n,
+            p,
+            r.generator,
+            samples,
+            w.block_ids,
+            history,
+            r.grammar,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -297,6 +306,8 @@ class Scheduler:
         ``min_tokens``), ``max_tokens``, or the model's context. Sets ``stop_reason`` for a stop token."""
         p = r.params
         n_out = r.num_output_tokens
+        if r.grammar is not None and r.grammar.terminated:  # the structured output is complete
+            return RequestStatus.FINISHED_STOPPED
         if n_out >= p.min_tokens:
             if tok in p.stop_token_ids:
                 r.stop_reason = tok

@@ -38,6 +38,12 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
         help="JSON list of {key, tenant, priority, rpm, tpm}, re-read when it changes (default: $KVMESH_API_KEYS_FILE)",
     )
     g.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    g.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json"),
+        default=None,
+        help="how tool calls are read from a model's output with tool_choice auto (default: from the chat template)",
+    )
     g.add_argument("--engine-ipc-dir", default=None, help="directory for the engine's ipc sockets (default: temp)")
     g.add_argument("--engine-input-addr", default=None, help="ZMQ endpoint for requests (instead of ipc)")
     g.add_argument("--engine-output-addr", default=None, help="ZMQ endpoint for outputs (instead of ipc)")
@@ -154,6 +160,7 @@ def configs_from_args(args: argparse.Namespace):
         engine_output_addr=args.engine_output_addr,
         uvicorn_log_level=args.log_level,
         shutdown_timeout=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser,
     )
     if cfg.api_keys_file:  # a missing or malformed keys file fails now, not after the model loaded
         from kvmesh.services.auth import KeyStore

@@ -26,6 +26,8 @@ class ServerConfig:
     # On SIGTERM: stop accepting, let open requests and streams finish, then let the engine hand over
     # blocks held for remote readers; all within this many seconds (the pod's grace period covers it).
     shutdown_timeout: float = 30.0
+    # how `auto` tool calls are read from the output (services/api/tools.py PARSERS); None: from the chat template
+    tool_call_parser: str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -40,7 +40,8 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}: no constrained decoding
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema (services/api/constraints.py)
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: one of json, regex, choice, grammar
     user: str | None = None
     # vLLM extras, passed through to the engine
     cache_salt: str | None = None
@@ -71,7 +72,9 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # services/api/tools.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(BaseModel):

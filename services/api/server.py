@@ -24,6 +24,7 @@ from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .responses import Answer, answer
 from .serving import Event, Serving
+from .tools import ToolStream
 
 log = logging.getLogger("kvmesh.api.server")
 
@@ -80,7 +81,7 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
     ready = client.ready
     assert ready is not None, "start the engine client before building the app"
     served = list(cfg.served_model_names) or [ready.model_name]
-    serving = Serving(client, tokenizer, metrics, served, ready.max_model_len)
+    serving = Serving(client, tokenizer, metrics, served, ready.max_model_len, tool_call_parser=cfg.tool_call_parser)
     app = FastAPI(title="kvmesh", version=__version__, docs_url=None, redoc_url=None)
     app.state.serving = serving
     app.state.client = client
@@ -238,6 +239,7 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
     async def chat(req: ChatCompletionRequest, raw: Request):
         model, gen = serving.prepare_chat(req)
         k = req.top_logprobs or 0
+        tool_streams = {i: ToolStream(gen.tools) for i in range(req.n)} if gen.tools else None  # tools.py
 
         def lead() -> list[dict]:
             return [
@@ -247,27 +249,34 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
 
         def delta(ev: Event) -> dict:
             lp = serving.chat_logprobs(ev.logprobs, k) if req.logprobs and ev.logprobs else None
+            d, finish = ({"content": ev.text} if ev.text else {}), ev.finish_reason
+            if tool_streams is not None:
+                d, finish = tool_streams[ev.choice].delta(ev.text, ev.finish_reason)
             return {
                 "index": ev.choice,
-                "delta": {"content": ev.text} if ev.text else {},
+                "delta": d,
                 "logprobs": lp,
-                "finish_reason": ev.finish_reason,
+                "finish_reason": finish,
                 "stop_reason": ev.stop_reason,
             }
 
         def choices() -> list[dict]:
-            return [
-                {
-                    "index": idx,
-                    "message": {"role": "assistant", "content": o.text},
-                    "logprobs": serving.chat_logprobs(o.logprobs, k)
-                    if req.logprobs and o.logprobs is not None
-                    else None,
-                    "finish_reason": o.finish_reason,
-                    "stop_reason": o.stop_reason,
-                }
-                for idx, o, _ in gen.outputs()
-            ]
+            out = []
+            for idx, o, _ in gen.outputs():
+                msg, finish = {"role": "assistant", "content": o.text}, o.finish_reason
+                if gen.tools is not None:
+                    msg, finish = gen.tools.message(o.text, o.finish_reason)
+                lp = serving.chat_logprobs(o.logprobs, k) if req.logprobs and o.logprobs is not None else None
+                out.append(
+                    {
+                        "index": idx,
+                        "message": msg,
+                        "logprobs": lp,
+                        "finish_reason": finish,
+                        "stop_reason": o.stop_reason,
+                    }
+                )
+            return out
 
         return await answer(
             Answer("chat.completion", "chat.completion.chunk", choices, delta, lead),

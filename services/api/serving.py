@@ -30,9 +30,11 @@ from kvmesh.engine.output_processor import RequestState
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.services.errors import APIError, bad_request
 
+from .constraints import structured_output
 from .engine_client import EngineClient, EngineDeadError, EngineRejectedError, RequestStream
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from .tools import PARSERS, ChatTools, parser_for_template
 
 RETRY_AFTER_SECONDS = "1"
 
@@ -99,6 +101,7 @@ class Generation:
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params
         self.unfinished = set(self.ids)
+        self.tools: ChatTools | None = None  # a chat request's tools, when its output is read for calls
         self._last_token_time: dict[tuple[str, int], float] = {}
         self._first_token: set[str] = set()
         self.error: APIError | None = None
@@ -233,6 +236,7 @@ class Serving:
         served_names: list[str],
         max_model_len: int,
         vocab_size: int | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
@@ -241,6 +245,9 @@ class Serving:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size or len(tokenizer)
         self._token_str: dict[int, str] = {}
+        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
+        self.tool_call_parser = tool_call_parser or parser_for_template(tokenizer)
 
     # ---- validation ---------------------------------------------------------
     def check_model(self, name: str | None) -> str:
@@ -264,7 +271,12 @@ class Serving:
             raise bad_request(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", "prompt")
 
     def sampling_params(
-        self, req: _Sampling, max_tokens: int | None, logprobs: int | None, prompt_lens: list[int]
+        self,
+        req: _Sampling,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_lens: list[int],
+        tools: ChatTools | None = None,
     ) -> SamplingParams:
         longest = max(prompt_lens)
         if max_tokens is None:
@@ -277,11 +289,7 @@ class Serving:
                 "max_tokens",
             )
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        fmt = (req.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise bad_request(
-                f"response_format {fmt!r} is not supported (no constrained decoding); only 'text'", "response_format"
-            )
+        structured = structured_output(req.response_format, req.structured_outputs, tools)
         bias = self.logit_bias(req.logit_bias)
         try:
             return SamplingParams(
@@ -303,6 +311,7 @@ class Serving:
                 frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 logit_bias=bias,
+                structured=structured,
             )
         except (ValueError, TypeError) as e:
             field = str(e).split(" ", 1)[0]  # SamplingParams names the offending field first
@@ -332,9 +341,10 @@ class Serving:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         kwargs: dict | None = None,
+        tools: list | None = None,
     ) -> list[int]:
         try:
-            return render_chat(self.tokenizer, messages, add_generation_prompt, continue_final_message, kwargs)
+            return render_chat(self.tokenizer, messages, add_generation_prompt, continue_final_message, kwargs, tools)
         except ChatContentError as e:
             raise bad_request(str(e), "messages") from e
         except Exception as e:  # jinja errors from a template that rejects the conversation
@@ -432,10 +442,9 @@ class Serving:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, Generation]:
         model = self.check_model(req.model)
-        if req.tools:
-            raise bad_request("tool calling is not supported", "tools")
+        tools = ChatTools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser)
         ids = self.chat_prompt(
-            req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+            req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs, req.tools
         )
         self.check_prompt(ids)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -444,5 +453,7 @@ class Serving:
             logprobs = req.top_logprobs or 0
         elif req.top_logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-        params = self.sampling_params(req, max_tokens, logprobs, [len(ids)])
-        return model, self.new_generation("chatcmpl", [_Prompt(None, ids)], params, req)
+        params = self.sampling_params(req, max_tokens, logprobs, [len(ids)], tools)
+        gen = self.new_generation("chatcmpl", [_Prompt(None, ids)], params, req)
+        gen.tools = tools if tools.active else None
+        return model, gen

@@ -16,7 +16,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvmesh.engine.chat import ChatContentError, chat_messages, render_chat, template_args
+from kvmesh.engine.chat import ChatContentError, chat_input, render_chat, template_args
 from kvmesh.engine.hashing import block_hashes_for, external_hash
 
 from .token_cache import PieceCache
@@ -102,11 +102,10 @@ class RouterTokenizer:
         if self.pieces is not None and _text_chars(body) > self.pieces.piece_chars:
             # The rendered conversation, tokenized in cached pieces: earlier turns come from the cache.
             # (`tokenize=True` tokenizes the rendered text without adding special tokens: the same ids.)
-            text = self.tokenizer.apply_chat_template(
-                chat_messages(messages), tokenize=False, **template_args(gen, cont, kwargs)
-            )
+            msgs, extra = chat_input(self.tokenizer, messages, body.get("tools"))
+            text = self.tokenizer.apply_chat_template(msgs, tokenize=False, **extra, **template_args(gen, cont, kwargs))
             return self.pieces.encode(text)
-        return render_chat(self.tokenizer, messages, gen, cont, kwargs)
+        return render_chat(self.tokenizer, messages, gen, cont, kwargs, body.get("tools"))
 
     def block_hashes(self, ids: list[int], block_size: int, cache_salt: str | None) -> list[int]:
         """The wire (64-bit) hashes of the prompt's full blocks, as the engine computes them."""

@@ -450,3 +450,60 @@ def test_private_redis_requires_the_run_password(topo):
     anonymous.close()
     with redis.Redis.from_url(topo.redis_url, password=topo.redis_password, socket_timeout=10) as client:
         assert client.ping() and client.dbsize() > 0  # the prefill pod stored blocks with the password
+
+
+def test_structured_outputs_and_tools_through_pd(topo):
+    """`parse()` through the router's P/D path (the prefill pod's token obeys the grammar, the decode
+    pod's grammar starts from the prompt) returns what the decode pod answers alone, greedy, streamed
+    and not; a required tool call too. The router passes response_format, tools and tool_choice on."""
+    from openai import OpenAI
+    from structured_schemas import MAX_TOKENS, SCHEMAS
+
+    decode = next(w for w in topo.workers if w.role == "decode")
+    via_pd = OpenAI(base_url=topo.router_url + "/v1", api_key=TENANT_KEYS["alpha"], max_retries=0, timeout=600)
+    alone = OpenAI(base_url=decode.url + "/v1", api_key=topo.upstream_key, max_retries=0, timeout=600)
+    model = alone.models.list().data[0].id
+    pd = 'kvmesh:router_pd_decisions_total{path="prefill_decode"}'
+    before = _metric(topo.router_url, pd)
+    for i, (cls, prompt) in enumerate(SCHEMAS[:4]):
+        kw = dict(
+            model=model,
+            messages=[{"role": "user", "content": prompt + " Answer in JSON."}],
+            response_format=cls,
+            temperature=0.0,
+            max_tokens=MAX_TOKENS,
+        )
+        want = alone.chat.completions.parse(**kw).choices[0].message
+        if i % 2:
+            with via_pd.chat.completions.stream(**kw) as s:
+                for _ in s:
+                    pass
+                got = s.get_final_completion().choices[0].message
+        else:
+            got = via_pd.chat.completions.parse(**kw).choices[0].message
+        assert isinstance(got.parsed, cls) and got.content == want.content, (cls.__name__, got.content, want.content)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["a"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    r = via_pd.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Add 2 and 3."}],
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "add" and 0 <= json.loads(call.function.arguments)["a"] <= 99
+    assert _metric(topo.router_url, pd) == before + 5

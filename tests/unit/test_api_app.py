@@ -213,8 +213,10 @@ def test_errors(app_client):
     image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
     assert "image_url" in err(c.post("/v1/chat/completions", json=image), 400)["message"]
     assert c.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"}}).status_code == 200
+    assert c.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}}).status_code == 200
+    assert fake.added[-1].params.structured.kind == "json_object"
     assert (
-        err(c.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}}), 400)["param"]
+        err(c.post("/v1/chat/completions", json={**chat, "response_format": {"type": "yaml"}}), 400)["param"]
         == "response_format"
     )
     fake.fail = EngineRejectedError("queue_full", "waiting queue is full")
