@@ -1,6 +1,7 @@
 """Structured outputs: decode tok/s with every row constrained against none, and grammar compile time.
 
     .venv/bin/python bench/structured.py [--batches 1,32] [--tokens 64] [--device cpu|cuda] [--model M]
+    python3 bench/structured.py --device cuda --batches 1,32,128 --random-shape --tokenizer DIR   # on a GPU
 
 Same engine, same prompts, same number of output tokens per row (``ignore_eos``; the grammar is an
 unbounded JSON array of short strings, so no row finishes before ``--tokens``). Free rows and
@@ -52,13 +53,32 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default=None)
     ap.add_argument("--model", default=None)
+    ap.add_argument(
+        "--random-shape",
+        action="store_true",
+        help="the Llama-3-8B shape with random bf16 weights and the vocabulary of --tokenizer (a GPU's figure "
+        "at the step time of a real model, without carrying its weights)",
+    )
+    ap.add_argument("--tokenizer", default=None, help="HF tokenizer folder for --random-shape")
     args = ap.parse_args()
     eargs = EngineArgs(model=args.model, num_kv_blocks=2048, max_num_seqs=256)
     if args.device:
         from dataclasses import replace
 
         eargs = replace(eargs, device=args.device)
-    engine, tok = EngineCore.from_model(eargs)
+    loaded = None
+    if args.random_shape:
+        from dataclasses import replace
+
+        from transformers import AutoTokenizer
+
+        from kvmesh.engine.models.random_init import LLAMA3_8B, random_model
+
+        hf_tok = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+        vocab = -(-len(hf_tok) // 64) * 64
+        cfg = {**LLAMA3_8B, "vocab_size": vocab, "eos_token_id": hf_tok.eos_token_id, "bos_token_id": None}
+        loaded = replace(random_model(cfg, "llama3-8b-shape-random", device=eargs.device or "cpu"), tokenizer=hf_tok)
+    engine, tok = EngineCore.from_model(eargs, loaded=loaded)
     assert engine.grammars is not None
     base = tok("Write a list of fruit names as a JSON array:").input_ids
     rows = []
