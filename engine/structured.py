@@ -192,6 +192,14 @@ class RequestGrammar:
         return self.failed is not None or (self._matcher is not None and self._matcher.is_terminated())
 
 
+@functools.cache
+def _batch_filler():
+    """xgrammar's thread pool for filling many rows' masks at once (one per process)."""
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher(max_threads="auto")
+
+
 def apply_masks(logits: torch.Tensor, grammars: Sequence[RequestGrammar | None]) -> torch.Tensor:
     """``logits`` (``[rows, V]``) with every constrained row's disallowed tokens at -inf, on a copy
     when some row is constrained (the caller may still read the raw logits for logprobs). The
@@ -204,11 +212,12 @@ def apply_masks(logits: torch.Tensor, grammars: Sequence[RequestGrammar | None])
 
     V = logits.shape[-1]
     mask = xgr.allocate_token_bitmask(len(rows), V)
-    for k, i in enumerate(rows):
-        g = grammars[i]
-        m = g.matcher if g is not None else None
-        if m is not None:
-            m.fill_next_token_bitmask(mask, k)  # else all allowed: a failed grammar ends its sequence
+    live = [(k, m) for k, i in enumerate(rows) if (g := grammars[i]) is not None and (m := g.matcher) is not None]
+    if len(live) == 1:
+        live[0][1].fill_next_token_bitmask(mask, live[0][0])
+    elif live:  # one fill can take milliseconds (a state inside a bounded string): rows fill in parallel
+        _batch_filler().batch_fill_next_token_bitmask([m for _, m in live], mask, [k for k, _ in live])
+    # a row without a matcher keeps every token allowed: its failed grammar ends the sequence
     out = logits.clone()
     sub = out[rows] if len(rows) != out.shape[0] else out
     if logits.is_cuda:
