@@ -109,6 +109,9 @@ def test_minimal_layout_and_ownership() -> None:
             ("PodDisruptionBudget", "tiny-prefill"),
             ("PodDisruptionBudget", "tiny-decode"),
             ("PodDisruptionBudget", "tiny-router"),
+            ("NetworkPolicy", "tiny-default-deny"),
+            ("NetworkPolicy", "tiny-router"),
+            ("NetworkPolicy", "tiny-workers"),
         ]
     )
     for o in objs.values():
