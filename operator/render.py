@@ -474,7 +474,11 @@ def _router(spec: InferenceServiceSpec, meta: ObjectMeta) -> Manifest:
 
 
 # The router's only permission (the chart's ClusterRole holds the same, so the operator may grant it).
-ROUTER_RULE: dict[str, Any] = {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}
+ROUTER_RULE: dict[str, Any] = {
+    "apiGroups": ["discovery.k8s.io"],
+    "resources": ["endpointslices"],
+    "verbs": ["list", "watch"],
+}
 
 
 def _api_keys_mounts(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
@@ -675,7 +679,10 @@ def network_policies(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manif
     if spec.connector.type == "redis" and spec.connector.redis_managed:
         out.append(
             _policy(
-                meta, "redis", selector(meta, "redis"), [{"from": [{"podSelector": {"matchLabels": workers}}], "ports": _tcp(REDIS_PORT)}]
+                meta,
+                "redis",
+                selector(meta, "redis"),
+                [{"from": [{"podSelector": {"matchLabels": workers}}], "ports": _tcp(REDIS_PORT)}],
             )
         )
     return out
