@@ -230,10 +230,14 @@ def process_status(pid: int) -> dict[str, str]:
 
 
 def container_pids(pod: dict[str, Any]) -> list[int]:
-    """Host PIDs of the processes in a pod's containers (its cgroup paths carry the pod UID;
-    the sandbox's pause process is left out)."""
-    uid = pod["metadata"]["uid"]
-    forms = (uid, uid.replace("-", "_"))
+    """Host PIDs of the processes in a pod's containers: their cgroup paths end in the container
+    IDs the pod's status reports (the sandbox's pause process has its own ID and is left out)."""
+    forms = tuple(
+        s["containerID"].split("://", 1)[1]
+        for s in pod["status"].get("containerStatuses") or ()
+        if s.get("containerID")
+    )
+    assert forms, f"no container IDs in {pod['metadata']['name']}'s status"
     out = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
