@@ -70,10 +70,16 @@ INTERNAL_KEYS = (KEY_UPSTREAM_API_KEY, KEY_KV_AUTH, KEY_REDIS_PASSWORD)
 # Tenant keys: the user's Secret (spec.auth.apiKeysSecret, key keys.json) mounted in the router.
 API_KEYS_SECRET_KEY = "keys.json"
 API_KEYS_DIR = "/etc/kvmesh/api-keys"
-# The managed Redis gets its password through the workers' connector URL, expanded by the kubelet
-# from their KVMESH_REDIS_PASSWORD env (never stored in the Deployment): the connector sends AUTH
-# from the URL's userinfo. Once the connector reads KVMESH_REDIS_PASSWORD itself, the URL can drop it.
+# Two switches for what the pods' own code reads, so every pod keeps talking to its peers:
+# - REDIS_PASSWORD_IN_URL: the workers' Redis URL carries the password as `$(KVMESH_REDIS_PASSWORD)`
+#   (expanded by the kubelet, never stored in an object), for a connector that takes AUTH from the
+#   URL only. False once the connector reads KVMESH_REDIS_PASSWORD itself: the URL then holds no
+#   secret (it shows in the process's arguments and in the connector's warnings).
+# - WORKERS_REQUIRE_UPSTREAM_KEY: workers get KVMESH_API_KEY (they then refuse any request without
+#   it, /health and /metrics aside). True only with a router that sends KVMESH_UPSTREAM_API_KEY,
+#   else the router's requests to its workers would be refused.
 REDIS_PASSWORD_IN_URL = True
+WORKERS_REQUIRE_UPSTREAM_KEY = False
 GPU_RESOURCE = "nvidia.com/gpu"
 MODEL_MOUNT = "/models"
 
@@ -329,10 +335,9 @@ def _model_volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
 def _worker_secret_env(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[dict[str, Any]]:
     """A worker accepts only the router's key on its API; the KV path is authenticated with the
     shared key; a managed Redis's password (the only one the operator knows)."""
-    env = [
-        _secret_env("KVMESH_API_KEY", meta, KEY_UPSTREAM_API_KEY),
-        _secret_env("KVMESH_KV_AUTH_KEY", meta, KEY_KV_AUTH),
-    ]
+    env = [_secret_env("KVMESH_KV_AUTH_KEY", meta, KEY_KV_AUTH)]
+    if WORKERS_REQUIRE_UPSTREAM_KEY:
+        env.insert(0, _secret_env("KVMESH_API_KEY", meta, KEY_UPSTREAM_API_KEY))
     if spec.connector.type == "redis" and spec.connector.redis_managed:
         env.append(_secret_env("KVMESH_REDIS_PASSWORD", meta, KEY_REDIS_PASSWORD))
     return env
