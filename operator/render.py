@@ -643,7 +643,12 @@ def _redis(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manifest]:
 
 def _policy(meta: ObjectMeta, name: str, pod_selector: dict[str, str], ingress: list[dict[str, Any]]) -> Manifest:
     obj = _object("networking.k8s.io/v1", "NetworkPolicy", f"{meta.name}-{name}", meta, "network-policy")
-    obj["spec"] = {"podSelector": {"matchLabels": pod_selector}, "policyTypes": ["Ingress"], "ingress": ingress}
+    # No rules: deny all. The key is left out then, as the API server stores it (an empty list is dropped).
+    obj["spec"] = {
+        "podSelector": {"matchLabels": pod_selector},
+        "policyTypes": ["Ingress"],
+        **({"ingress": ingress} if ingress else {}),
+    }
     return obj
 
 
