@@ -41,8 +41,12 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
         Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
         Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
+        Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
     )
 }
+# Not in KINDS (never applied, listed or pruned): the operator may only create Secrets, so it can
+# read none; the generated one goes away with its owner (garbage collection).
+SECRETS = Kind("v1", "Secret", "secrets")
 INFERENCE_SERVICES = Kind("serving.kvmesh.io/v1alpha1", "InferenceService", "inferenceservices")
 
 # Status codes worth retrying: throttling, server-side trouble, and conflicts from racing writers.
@@ -119,6 +123,19 @@ class Kube:
             query=[("fieldManager", MANAGER), ("force", "true")],
             content_type="application/apply-patch+yaml",
         )
+
+    def create_if_absent(self, obj: dict[str, Any]) -> bool:
+        """Create a Secret unless one of that name exists (409: left exactly as it is). True when
+        this call created it. Create is the only Secret verb the operator holds."""
+        try:
+            self._call(
+                "POST", SECRETS.collection(obj["metadata"]["namespace"]), body=obj, query=[("fieldManager", MANAGER)]
+            )
+        except TransientError as e:
+            if isinstance(e.__cause__, ApiException) and e.__cause__.status == 409:
+                return False
+            raise
+        return True
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
         k = KINDS[(api_version, kind)] if (api_version, kind) in KINDS else INFERENCE_SERVICES

@@ -17,7 +17,7 @@ from typing import Any
 from . import conditions as cond
 from .conditions import Condition
 from .kube import KINDS, Kube, TransientError
-from .render import LABEL_MANAGED_BY, LABEL_OWNER, MANAGER, child_key, render
+from .render import LABEL_MANAGED_BY, LABEL_OWNER, MANAGER, child_key, internal_secret, render
 from .spec import ROLES, InferenceServiceSpec, ObjectMeta
 from .validate import problems
 
@@ -107,6 +107,7 @@ def _reconcile_once(kube: Kube, meta: ObjectMeta, apply_delay: float) -> Outcome
         return out
     desired = render(spec, meta)
     try:
+        _ensure_internal_secret(kube, meta, out)
         _apply_all(kube, meta, desired, out, apply_delay, _replica_floors(spec))
         _prune(kube, meta, desired)
     except TransientError:
@@ -123,6 +124,19 @@ def _api_message(e: Exception) -> str:
         return str(json.loads(getattr(e, "body", "") or "{}").get("message") or e)
     except ValueError:
         return str(getattr(e, "reason", e))
+
+
+def _ensure_internal_secret(kube: Kube, meta: ObjectMeta, out: Outcome) -> None:
+    """Create NAME-kvmesh-internal before the pods that reference it. One that exists (made by an
+    earlier pass, or keys the user brought) is left as it is, so keys stay stable."""
+    from kubernetes.client.rest import ApiException
+
+    secret = internal_secret(meta)
+    try:
+        if kube.create_if_absent(secret):
+            log.info("created Secret %s/%s", meta.namespace, secret["metadata"]["name"])
+    except ApiException as e:
+        out.apply_errors.append(f"Secret {secret['metadata']['name']}: {e.status} {_api_message(e)}")
 
 
 def _replica_floors(spec: InferenceServiceSpec) -> dict[str, int]:

@@ -17,12 +17,18 @@ Object layout for an InferenceService NAME:
     NAME-{prefill,decode}                    HPAs, only when autoscaling is enabled
     NAME-router                              ServiceAccount/Role/RoleBinding (pod discovery)
     NAME-redis                               Deployment + Service, only for a managed Redis
+    NAME-{default-deny,router,workers,redis} NetworkPolicies, unless spec.networkPolicy.enabled
+                                             is false (redis only with a managed Redis)
+    NAME-kvmesh-internal                     Secret with the generated keys; created once by
+                                             reconcile (internal_secret), never rendered here: a
+                                             render would regenerate the keys on every pass
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,6 +62,25 @@ CACHE_ENV = (
     ("TORCHINDUCTOR_CACHE_DIR", "/tmp/inductor"),
 )
 REDIS_PORT = 6379
+# The generated Secret NAME-kvmesh-internal and its keys (one random value each, made once).
+INTERNAL_SECRET_SUFFIX = "-kvmesh-internal"
+KEY_UPSTREAM_API_KEY = "upstream-api-key"
+KEY_KV_AUTH = "kv-auth-key"
+KEY_REDIS_PASSWORD = "redis-password"
+INTERNAL_KEYS = (KEY_UPSTREAM_API_KEY, KEY_KV_AUTH, KEY_REDIS_PASSWORD)
+# Tenant keys: the user's Secret (spec.auth.apiKeysSecret, key keys.json) mounted in the router.
+API_KEYS_SECRET_KEY = "keys.json"
+API_KEYS_DIR = "/etc/kvmesh/api-keys"
+# Two switches for what the pods' own code reads, so every pod keeps talking to its peers:
+# - REDIS_PASSWORD_IN_URL: the workers' Redis URL carries the password as `$(KVMESH_REDIS_PASSWORD)`
+#   (expanded by the kubelet, never stored in an object), for a connector that takes AUTH from the
+#   URL only. False once the connector reads KVMESH_REDIS_PASSWORD itself: the URL then holds no
+#   secret (it shows in the process's arguments and in the connector's warnings).
+# - WORKERS_REQUIRE_UPSTREAM_KEY: workers get KVMESH_API_KEY (they then refuse any request without
+#   it, /health and /metrics aside). True only with a router that sends KVMESH_UPSTREAM_API_KEY,
+#   else the router's requests to its workers would be refused.
+REDIS_PASSWORD_IN_URL = True
+WORKERS_REQUIRE_UPSTREAM_KEY = False
 GPU_RESOURCE = "nvidia.com/gpu"
 MODEL_MOUNT = "/models"
 
@@ -130,13 +155,35 @@ def model_path(spec: InferenceServiceSpec) -> str:
     return f"{MODEL_MOUNT}/{(spec.model.path or '').lstrip('/')}"
 
 
-def redis_url(spec: InferenceServiceSpec, meta: ObjectMeta) -> str | None:
+def redis_url(spec: InferenceServiceSpec, meta: ObjectMeta, password_ref: str = "") -> str | None:
+    """The Redis URL; with password_ref (a `$(VAR)` the kubelet expands) for a managed Redis, that
+    as the URL's password, so the value itself never appears in any object."""
     c = spec.connector
     if c.type != "redis":
         return None
     if c.redis_managed:
-        return f"redis://{meta.name}-redis.{meta.namespace}.svc:{REDIS_PORT}/0"
+        auth = f":{password_ref}@" if password_ref else ""
+        return f"redis://{auth}{meta.name}-redis.{meta.namespace}.svc:{REDIS_PORT}/0"
     return c.redis_url
+
+
+def internal_secret_name(meta: ObjectMeta) -> str:
+    return f"{meta.name}{INTERNAL_SECRET_SUFFIX}"
+
+
+def internal_secret(meta: ObjectMeta) -> Manifest:
+    """The generated keys of one InferenceService: the router's credential towards its workers,
+    the KV path's shared secret (NIXL side channel HMAC, KV-event stream) and the managed Redis's
+    password. Fresh random values on every call, so reconcile creates it once and never applies it
+    again (keys stay stable across passes); the owner reference deletes it with the service."""
+    obj = _object("v1", "Secret", internal_secret_name(meta), meta, "secret")
+    obj["type"] = "Opaque"
+    obj["stringData"] = {k: secrets.token_urlsafe(32) for k in INTERNAL_KEYS}
+    return obj
+
+
+def _secret_env(name: str, meta: ObjectMeta, key: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": internal_secret_name(meta), "key": key}}}
 
 
 def _security_context() -> dict[str, Any]:
@@ -208,7 +255,7 @@ def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> lis
         "--kv-connector",
         spec.connector.type,
     ]
-    url = redis_url(spec, meta)
+    url = redis_url(spec, meta, "$(KVMESH_REDIS_PASSWORD)" if REDIS_PASSWORD_IN_URL else "")
     if spec.connector.type == "nixl":
         args += ["--kv-connector-config", json.dumps(nixl_config(), sort_keys=True)]
     elif url:
@@ -288,6 +335,17 @@ def _model_volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     return [{"name": "model", "persistentVolumeClaim": {"claimName": spec.model.claim_name, "readOnly": True}}]
 
 
+def _worker_secret_env(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[dict[str, Any]]:
+    """A worker accepts only the router's key on its API; the KV path is authenticated with the
+    shared key; a managed Redis's password (the only one the operator knows)."""
+    env = [_secret_env("KVMESH_KV_AUTH_KEY", meta, KEY_KV_AUTH)]
+    if WORKERS_REQUIRE_UPSTREAM_KEY:
+        env.insert(0, _secret_env("KVMESH_API_KEY", meta, KEY_UPSTREAM_API_KEY))
+    if spec.connector.type == "redis" and spec.connector.redis_managed:
+        env.append(_secret_env("KVMESH_REDIS_PASSWORD", meta, KEY_REDIS_PASSWORD))
+    return env
+
+
 def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash: str) -> Manifest:
     r = spec.role(role)
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "dshm", "mountPath": "/dev/shm"}]
@@ -307,6 +365,7 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             *_cache_env(),
+            *_worker_secret_env(spec, meta),
         ],
         "ports": [
             {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
@@ -327,7 +386,13 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
         meta,
         role,
         container,
-        {"volumes": volumes, "terminationGracePeriodSeconds": TERMINATION_GRACE_S, **_pod_scheduling(r)},
+        {
+            # Workers never call the API server: no token in the pod.
+            "automountServiceAccountToken": False,
+            "volumes": volumes,
+            "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+            **_pod_scheduling(r),
+        },
         replicas,
         config_hash,
         {LABEL_WORKER: "true"},
@@ -388,6 +453,13 @@ def _router(spec: InferenceServiceSpec, meta: ObjectMeta) -> Manifest:
         "env": [
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             *_cache_env(),
+            _secret_env("KVMESH_UPSTREAM_API_KEY", meta, KEY_UPSTREAM_API_KEY),
+            _secret_env("KVMESH_KV_AUTH_KEY", meta, KEY_KV_AUTH),
+            *(
+                [{"name": "KVMESH_API_KEYS_FILE", "value": f"{API_KEYS_DIR}/{API_KEYS_SECRET_KEY}"}]
+                if spec.auth.api_keys_secret
+                else []
+            ),
         ],
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         # /health is 503 until a decode pod is ready: right for readiness, wrong for liveness (slow or
@@ -398,11 +470,11 @@ def _router(spec: InferenceServiceSpec, meta: ObjectMeta) -> Manifest:
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},
         "resources": _resources(r, default_gpus=0),
         "securityContext": _security_context(),
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *_model_mounts(spec)],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *_model_mounts(spec), *_api_keys_mounts(spec)],
     }
     pod_extra = {
         "serviceAccountName": f"{meta.name}-router",
-        "volumes": [{"name": "tmp", "emptyDir": {}}, *_model_volumes(spec)],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, *_model_volumes(spec), *_api_keys_volumes(spec)],
         "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
         **_pod_scheduling(r),
     }
@@ -411,17 +483,45 @@ def _router(spec: InferenceServiceSpec, meta: ObjectMeta) -> Manifest:
     return _deployment(spec, meta, "router", container, pod_extra, r.replicas, "", {})
 
 
+# The router's only permission (the chart's ClusterRole holds the same, so the operator may grant it).
+ROUTER_RULE: dict[str, Any] = {
+    "apiGroups": ["discovery.k8s.io"],
+    "resources": ["endpointslices"],
+    "verbs": ["list", "watch"],
+}
+
+
+def _api_keys_mounts(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    if not spec.auth.api_keys_secret:
+        return []
+    return [{"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True}]
+
+
+def _api_keys_volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The tenant keys as a directory mount (not subPath), so a rotated Secret reaches the
+    running router, which re-reads the file when it changes."""
+    if not spec.auth.api_keys_secret:
+        return []
+    return [
+        {
+            "name": "api-keys",
+            "secret": {
+                "secretName": spec.auth.api_keys_secret,
+                "items": [{"key": API_KEYS_SECRET_KEY, "path": API_KEYS_SECRET_KEY}],
+                "defaultMode": 0o440,
+            },
+        }
+    ]
+
+
 def _router_rbac(meta: ObjectMeta) -> list[Manifest]:
-    """The router discovers worker pods through the API, so it gets read access to pods and
-    endpointslices in its own namespace and nothing else."""
+    """The router discovers worker pods by listing and watching EndpointSlices in its own
+    namespace (services/router/discovery.py) and needs nothing else from the API."""
     name = f"{meta.name}-router"
     sa = _object("v1", "ServiceAccount", name, meta, "router")
     sa["automountServiceAccountToken"] = True
     role = _object("rbac.authorization.k8s.io/v1", "Role", name, meta, "router")
-    role["rules"] = [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
-    ]
+    role["rules"] = [ROUTER_RULE]
     binding = _object("rbac.authorization.k8s.io/v1", "RoleBinding", name, meta, "router")
     binding["roleRef"] = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}
     binding["subjects"] = [{"kind": "ServiceAccount", "name": name, "namespace": meta.namespace}]
@@ -512,13 +612,30 @@ def _redis(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manifest]:
         "imagePullPolicy": spec.image_pull_policy,
         # No persistence (a cache, rebuilt by prefill); protected mode off because the workers
         # reach it over the pod network (it refuses every non-loopback client otherwise).
-        "args": ["--save", "", "--appendonly", "no", "--protected-mode", "no", "--bind", "0.0.0.0", "--dir", "/data"],
+        # The password from the generated Secret, expanded by the kubelet (redis-server rewrites its
+        # process title, so it does not stay in the command line either).
+        "args": [
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+            "--bind",
+            "0.0.0.0",
+            "--dir",
+            "/data",
+            "--requirepass",
+            "$(REDIS_PASSWORD)",
+        ],
+        "env": [_secret_env("REDIS_PASSWORD", meta, KEY_REDIS_PASSWORD)],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
         "securityContext": _security_context(),
         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
     }
-    dep = _deployment(spec, meta, "redis", container, {"volumes": [{"name": "data", "emptyDir": {}}]}, 1, "", {})
+    pod_extra = {"automountServiceAccountToken": False, "volumes": [{"name": "data", "emptyDir": {}}]}
+    dep = _deployment(spec, meta, "redis", container, pod_extra, 1, "", {})
     dep["spec"]["strategy"] = {"type": "Recreate"}
     svc = _object("v1", "Service", f"{meta.name}-redis", meta, "redis")
     svc["spec"] = {
@@ -529,8 +646,66 @@ def _redis(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manifest]:
     return [dep, svc]
 
 
+def _policy(meta: ObjectMeta, name: str, pod_selector: dict[str, str], ingress: list[dict[str, Any]]) -> Manifest:
+    obj = _object("networking.k8s.io/v1", "NetworkPolicy", f"{meta.name}-{name}", meta, "network-policy")
+    # No rules: deny all. The key is left out then, as the API server stores it (an empty list is dropped).
+    obj["spec"] = {
+        "podSelector": {"matchLabels": pod_selector},
+        "policyTypes": ["Ingress"],
+        **({"ingress": ingress} if ingress else {}),
+    }
+    return obj
+
+
+def _tcp(*ports: int) -> list[dict[str, Any]]:
+    return [{"protocol": "TCP", "port": p} for p in ports]
+
+
+def network_policies(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manifest]:
+    """Ingress to the service's pods, exactly the flows it uses (policies are additive; a pod
+    selected by any of them refuses what none allows):
+
+    * default-deny: every pod of this InferenceService, no rule;
+    * router: its HTTP port from anywhere (the clients);
+    * workers: HTTP and the KV-event PUB port from this service's router pods (the router connects
+      to each pod's events socket), and every TCP port from this service's other workers: the NIXL
+      side channel is a fixed port, but UCX, which moves the blocks, listens on ports it picks at
+      run time;
+    * redis (managed only): its port from this service's workers.
+
+    Egress stays open (the router and the engine reach the API server, DNS and model stores).
+    Traffic from the node itself (kubelet probes) is not subject to NetworkPolicy.
+    """
+    workers = {LABEL_INSTANCE: meta.name, LABEL_WORKER: "true"}
+    router = {"podSelector": {"matchLabels": selector(meta, "router")}}
+    out = [
+        _policy(meta, "default-deny", {LABEL_NAME: "kvmesh", LABEL_INSTANCE: meta.name}, []),
+        _policy(meta, "router", selector(meta, "router"), [{"ports": _tcp(HTTP_PORT)}]),
+        _policy(
+            meta,
+            "workers",
+            workers,
+            [
+                {"from": [router], "ports": _tcp(HTTP_PORT, KV_EVENTS_PORT)},
+                {"from": [{"podSelector": {"matchLabels": workers}}], "ports": [{"protocol": "TCP"}]},
+            ],
+        ),
+    ]
+    if spec.connector.type == "redis" and spec.connector.redis_managed:
+        out.append(
+            _policy(
+                meta,
+                "redis",
+                selector(meta, "redis"),
+                [{"from": [{"podSelector": {"matchLabels": workers}}], "ports": _tcp(REDIS_PORT)}],
+            )
+        )
+    return out
+
+
 def render(spec: InferenceServiceSpec | Mapping[str, Any], meta: ObjectMeta | Mapping[str, Any]) -> list[Manifest]:
-    """Every child object for one InferenceService, in apply order (config and RBAC first).
+    """Every child object for one InferenceService, in apply order (config, RBAC and network
+    policies first). The generated Secret is not among them (see internal_secret).
 
     Accepts the plain dicts kopf hands to handlers or the typed views from spec.py.
     """
@@ -545,6 +720,8 @@ def render(spec: InferenceServiceSpec | Mapping[str, Any], meta: ObjectMeta | Ma
     cm["data"] = {"engine.json": cfg_json + "\n"}
 
     out: list[Manifest] = [cm, *_router_rbac(meta)]
+    if spec.network_policy.enabled:  # before the pods, which then never run unprotected
+        out += network_policies(spec, meta)
     if spec.connector.type == "redis" and spec.connector.redis_managed:
         out += _redis(spec, meta)
     out += [

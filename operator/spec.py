@@ -125,6 +125,28 @@ class AutoscalingSpec:
 
 
 @dataclass(frozen=True)
+class AuthSpec:
+    """spec.auth: the user Secret (key keys.json) holding the tenant API keys the router accepts."""
+
+    api_keys_secret: str | None = None
+
+    @staticmethod
+    def parse(d: Mapping[str, Any]) -> AuthSpec:
+        return AuthSpec(api_keys_secret=d.get("apiKeysSecret") or None)
+
+
+@dataclass(frozen=True)
+class NetworkPolicySpec:
+    """spec.networkPolicy: render the service's NetworkPolicies (on by default)."""
+
+    enabled: bool = True
+
+    @staticmethod
+    def parse(d: Mapping[str, Any]) -> NetworkPolicySpec:
+        return NetworkPolicySpec(enabled=bool(d.get("enabled", True)))
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     image: str
     image_pull_policy: str
@@ -135,6 +157,8 @@ class InferenceServiceSpec:
     decode: RoleSpec
     router: RoleSpec
     autoscaling: AutoscalingSpec
+    auth: AuthSpec = AuthSpec()
+    network_policy: NetworkPolicySpec = NetworkPolicySpec()
 
     @staticmethod
     def parse(spec: Mapping[str, Any]) -> InferenceServiceSpec:
@@ -148,6 +172,8 @@ class InferenceServiceSpec:
             decode=RoleSpec.parse(spec.get("decode") or {}),
             router=RoleSpec.parse(spec.get("router") or {}),
             autoscaling=AutoscalingSpec.parse(spec.get("autoscaling") or {}),
+            auth=AuthSpec.parse(spec.get("auth") or {}),
+            network_policy=NetworkPolicySpec.parse(spec.get("networkPolicy") or {}),
         )
 
     def role(self, name: str) -> RoleSpec:

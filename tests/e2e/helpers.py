@@ -22,6 +22,7 @@ RESOURCE = {
     "HorizontalPodAutoscaler": "horizontalpodautoscaler.autoscaling",
     "Role": "role.rbac.authorization.k8s.io",
     "RoleBinding": "rolebinding.rbac.authorization.k8s.io",
+    "NetworkPolicy": "networkpolicy.networking.k8s.io",
 }
 
 

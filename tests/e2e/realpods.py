@@ -117,8 +117,23 @@ def real_node_name(c: Cluster) -> str:
     return nodes[0]["metadata"]["name"]
 
 
+# Every namespace of this tier enforces the `restricted` Pod Security level (the API server's
+# PodSecurity admission): a pod the operator or the chart renders that breaks it is refused.
+RESTRICTED = {
+    "pod-security.kubernetes.io/enforce": "restricted",
+    "pod-security.kubernetes.io/enforce-version": "latest",
+    "pod-security.kubernetes.io/warn": "restricted",
+}
+
+
+def create_restricted_namespace(c: Cluster, name: str) -> None:
+    c.apply(json.dumps({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": RESTRICTED}}))
+
+
 def install_chart(c: Cluster) -> None:
-    """`helm install` as a user would, plus the test's namespace scope and a short resync."""
+    """`helm install` as a user would (into a namespace that enforces Pod Security `restricted`),
+    plus the test's namespace scope and a short resync."""
+    create_restricted_namespace(c, REAL_OPERATOR_NS)
     c.helm(
         "upgrade",
         "--install",
@@ -148,7 +163,7 @@ def operator_pods(c: Cluster) -> list[dict[str, Any]]:
 
 def new_namespace(c: Cluster) -> str:
     name = f"{REAL_NS_PREFIX}{uuid.uuid4().hex[:8]}"
-    c.kubectl("create", "namespace", name)
+    create_restricted_namespace(c, name)
     return name
 
 
@@ -203,6 +218,51 @@ def host_pids_of(pod_name: str, needle: str = "kvmesh") -> list[int]:
         if want in env and needle.encode() in cmd:
             out.append(int(d.name))
     return sorted(out)
+
+
+def process_status(pid: int) -> dict[str, str]:
+    """/proc/PID/status as a dict (Seccomp, NoNewPrivs, CapEff, Uid, ...)."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        k, _, v = line.partition(":")
+        out[k] = v.strip()
+    return out
+
+
+def container_pids(pod: dict[str, Any]) -> list[int]:
+    """Host PIDs of the processes in a pod's containers: their cgroup paths end in the container
+    IDs the pod's status reports (the sandbox's pause process has its own ID and is left out)."""
+    forms = tuple(
+        s["containerID"].split("://", 1)[1]
+        for s in pod["status"].get("containerStatuses") or ()
+        if s.get("containerID")
+    )
+    assert forms, f"no container IDs in {pod['metadata']['name']}'s status"
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cg = (d / "cgroup").read_text()
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if any(f in cg for f in forms) and not cmd.startswith(b"/pause"):
+            out.append(int(d.name))
+    return sorted(out)
+
+
+def confinement(pod: dict[str, Any]) -> dict[int, tuple[str, str, str, str]]:
+    """PID -> (Seccomp, NoNewPrivs, CapEff, effective uid) of each of the pod's container
+    processes on this host: what the runtime really applied, not what the pod spec asked for."""
+    out = {}
+    for pid in container_pids(pod):
+        try:
+            st = process_status(pid)
+        except OSError:
+            continue  # exited meanwhile
+        out[pid] = (st["Seccomp"], st["NoNewPrivs"], st["CapEff"], st["Uid"].split()[1])
+    return out
 
 
 def kill_main_process(pod_name: str) -> int:

@@ -33,7 +33,14 @@ def test_helm_template_passes_server_dry_run(chart: Cluster, values: list[str]) 
     out = helm_template(chart, *values)
     docs = [d for d in yaml.safe_load_all(out) if d]
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "ServiceAccount"]
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "CustomResourceDefinition",
+        "Deployment",
+        "NetworkPolicy",
+        "ServiceAccount",
+    ]
     res = chart.run("apply", "--dry-run=server", "-f", "-", input=out, check=False)
     assert res.returncode == 0, res.stderr
     dep = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]

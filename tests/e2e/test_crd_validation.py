@@ -40,6 +40,15 @@ CASES = {
         "model.path must name a .gguf file",
     ),
     "cel-hf-needs-volume": ({"model": {"source": "hf"}}, "model.path and model.volume are required"),
+    "api-keys-secret-name": (
+        {"auth": {"apiKeysSecret": "Tenant_Keys"}},
+        'spec.auth.apiKeysSecret: Invalid value: "Tenant_Keys": spec.auth.apiKeysSecret in body should match',
+    ),
+    "cel-api-keys-not-internal": (
+        {"auth": {"apiKeysSecret": "bad-kvmesh-internal"}},
+        "auth.apiKeysSecret must not name an operator-generated <name>-kvmesh-internal Secret",
+    ),
+    "network-policy-type": ({"networkPolicy": {"enabled": "no"}}, "spec.networkPolicy.enabled: Invalid value"),
 }
 
 

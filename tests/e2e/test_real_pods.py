@@ -1,7 +1,9 @@
 """Must show, with real pods on the test cluster's real node (kubelet, containerd, runc, CNI,
 kube-proxy, CoreDNS) running the images `make images` builds:
 
-* `kubectl apply -f` of each CPU example reaches Ready=True with every pod Running and Ready, and
+* `kubectl apply -f` of each CPU example, in a namespace that enforces Pod Security `restricted`,
+  reaches Ready=True with every pod Running and Ready (each process under seccomp, no_new_privs,
+  no capability, not root; the managed Redis refusing clients without its password), and
   the official `openai` client, through the InferenceService's Service, gets the offline engine's
   greedy tokens for prompts shorter than a block, an exact multiple of it, and many blocks long,
   streamed and not;
@@ -34,6 +36,7 @@ from .realpods import (
     REAL_OPERATOR_NS,
     Load,
     Service,
+    confinement,
     delete_namespace,
     deploy,
     install_chart,
@@ -149,6 +152,22 @@ def test_cpu_example_serves_the_offline_engines_tokens(
     assert images <= {"ghcr.io/kvmesh/worker:0.1.0", "ghcr.io/kvmesh/router:0.1.0", "ghcr.io/kvmesh/redis:0.1.0"}, (
         images
     )
+    # Pod Security `restricted` admitted every pod, and the runtime applied what it asks for to
+    # every process: seccomp filter mode (RuntimeDefault), no_new_privs, no capability, not root.
+    assert real_operator.get("namespace", rns)["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == (
+        "restricted"
+    )
+    for p in pods:
+        conf = confinement(p)
+        assert conf, p["metadata"]["name"]
+        for pid, (seccomp, nnp, cap_eff, uid) in conf.items():
+            assert (seccomp, nnp, cap_eff) == ("2", "1", "0000000000000000"), (p["metadata"]["name"], pid)
+            assert uid != "0", (p["metadata"]["name"], pid)
+    if example == "pd-redis":
+        # the managed Redis takes only clients that know the password of the generated Secret
+        (redis,) = svc.pods("redis")
+        res = real_operator.run("exec", "-n", rns, redis["metadata"]["name"], "--", "redis-cli", "ping", check=False)
+        assert "NOAUTH" in res.stdout + res.stderr, (res.stdout, res.stderr)
     # the router answers through the Service's ClusterIP (kube-proxy) once its endpoints exist
     svc.routed()
     # a prompt of its own: the checks below need caches that have not seen theirs
