@@ -71,16 +71,6 @@ INTERNAL_KEYS = (KEY_UPSTREAM_API_KEY, KEY_KV_AUTH, KEY_REDIS_PASSWORD)
 # Tenant keys: the user's Secret (spec.auth.apiKeysSecret, key keys.json) mounted in the router.
 API_KEYS_SECRET_KEY = "keys.json"
 API_KEYS_DIR = "/etc/kvmesh/api-keys"
-# Two switches for what the pods' own code reads, so every pod keeps talking to its peers:
-# - REDIS_PASSWORD_IN_URL: the workers' Redis URL carries the password as `$(KVMESH_REDIS_PASSWORD)`
-#   (expanded by the kubelet, never stored in an object), for a connector that takes AUTH from the
-#   URL only. False once the connector reads KVMESH_REDIS_PASSWORD itself: the URL then holds no
-#   secret (it shows in the process's arguments and in the connector's warnings).
-# - WORKERS_REQUIRE_UPSTREAM_KEY: workers get KVMESH_API_KEY (they then refuse any request without
-#   it, /health and /metrics aside). True only with a router that sends KVMESH_UPSTREAM_API_KEY,
-#   else the router's requests to its workers would be refused.
-REDIS_PASSWORD_IN_URL = True
-WORKERS_REQUIRE_UPSTREAM_KEY = False
 GPU_RESOURCE = "nvidia.com/gpu"
 MODEL_MOUNT = "/models"
 
@@ -155,15 +145,14 @@ def model_path(spec: InferenceServiceSpec) -> str:
     return f"{MODEL_MOUNT}/{(spec.model.path or '').lstrip('/')}"
 
 
-def redis_url(spec: InferenceServiceSpec, meta: ObjectMeta, password_ref: str = "") -> str | None:
-    """The Redis URL; with password_ref (a `$(VAR)` the kubelet expands) for a managed Redis, that
-    as the URL's password, so the value itself never appears in any object."""
+def redis_url(spec: InferenceServiceSpec, meta: ObjectMeta) -> str | None:
+    """The Redis URL. It holds no password: the connector reads a managed Redis's password from
+    $KVMESH_REDIS_PASSWORD (a URL shows in the process's arguments and in the connector's logs)."""
     c = spec.connector
     if c.type != "redis":
         return None
     if c.redis_managed:
-        auth = f":{password_ref}@" if password_ref else ""
-        return f"redis://{auth}{meta.name}-redis.{meta.namespace}.svc:{REDIS_PORT}/0"
+        return f"redis://{meta.name}-redis.{meta.namespace}.svc:{REDIS_PORT}/0"
     return c.redis_url
 
 
@@ -255,7 +244,7 @@ def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> lis
         "--kv-connector",
         spec.connector.type,
     ]
-    url = redis_url(spec, meta, "$(KVMESH_REDIS_PASSWORD)" if REDIS_PASSWORD_IN_URL else "")
+    url = redis_url(spec, meta)
     if spec.connector.type == "nixl":
         args += ["--kv-connector-config", json.dumps(nixl_config(), sort_keys=True)]
     elif url:
@@ -338,9 +327,10 @@ def _model_volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
 def _worker_secret_env(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[dict[str, Any]]:
     """A worker accepts only the router's key on its API; the KV path is authenticated with the
     shared key; a managed Redis's password (the only one the operator knows)."""
-    env = [_secret_env("KVMESH_KV_AUTH_KEY", meta, KEY_KV_AUTH)]
-    if WORKERS_REQUIRE_UPSTREAM_KEY:
-        env.insert(0, _secret_env("KVMESH_API_KEY", meta, KEY_UPSTREAM_API_KEY))
+    env = [
+        _secret_env("KVMESH_API_KEY", meta, KEY_UPSTREAM_API_KEY),
+        _secret_env("KVMESH_KV_AUTH_KEY", meta, KEY_KV_AUTH),
+    ]
     if spec.connector.type == "redis" and spec.connector.redis_managed:
         env.append(_secret_env("KVMESH_REDIS_PASSWORD", meta, KEY_REDIS_PASSWORD))
     return env

@@ -154,7 +154,7 @@ def test_autoscaling_renders_hpas_and_leaves_replicas_to_them() -> None:
     assert objs[("Deployment", "llama-pd-redis-router")]["spec"]["replicas"] == 1
     args = objs[("Deployment", "llama-pd-redis-prefill")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert json.loads(args[args.index("--kv-connector-config") + 1]) == {
-        "url": "redis://:$(KVMESH_REDIS_PASSWORD)@llama-pd-redis-redis.demo.svc:6379/0"
+        "url": "redis://llama-pd-redis-redis.demo.svc:6379/0"
     }
     assert args[args.index("--model") + 1] == "/models/tinyllama-1.1b-chat.Q4_K_M.gguf"
     assert ("Deployment", "llama-pd-redis-redis") in objs

@@ -106,28 +106,19 @@ def env_of(container: dict[str, Any]) -> dict[str, tuple[str, str] | str]:
     return out
 
 
-@pytest.mark.parametrize("require_key", [False, True], ids=["open-workers", "keyed-workers"])
-@pytest.mark.parametrize("in_url", [False, True], ids=["password-env", "password-in-url"])
-def test_generated_keys_reach_exactly_the_containers_that_use_them(
-    monkeypatch: pytest.MonkeyPatch, require_key: bool, in_url: bool
-) -> None:
-    from kvmesh.operator import render as r
-
-    monkeypatch.setattr(r, "WORKERS_REQUIRE_UPSTREAM_KEY", require_key)
-    monkeypatch.setattr(r, "REDIS_PASSWORD_IN_URL", in_url)
+def test_generated_keys_reach_exactly_the_containers_that_use_them() -> None:
     objs = by_kind(render({**REDIS, "auth": {"apiKeysSecret": "tenants"}}, META))
     s = "svc-kvmesh-internal"
     for role in ("prefill", "decode"):
         c = objs[("Deployment", f"svc-{role}")]["spec"]["template"]["spec"]["containers"][0]
         env = env_of(c)
-        assert env.get("KVMESH_API_KEY") == ((s, "upstream-api-key") if require_key else None)
+        assert env["KVMESH_API_KEY"] == (s, "upstream-api-key")  # workers accept only the router's key
         assert env["KVMESH_KV_AUTH_KEY"] == (s, "kv-auth-key")
         assert env["KVMESH_REDIS_PASSWORD"] == (s, "redis-password")
         assert "KVMESH_UPSTREAM_API_KEY" not in env and "KVMESH_API_KEYS_FILE" not in env
-        # with the password in the URL, the kubelet expands it there; the object holds only the reference
+        # the connector reads the password from the environment: the URL (in the arguments) holds none
         url = next(a for a in c["args"] if a.startswith('{"url"'))
-        auth = ":$(KVMESH_REDIS_PASSWORD)@" if in_url else ""
-        assert f'"redis://{auth}svc-redis.demo.svc:6379/0"' in url
+        assert '"redis://svc-redis.demo.svc:6379/0"' in url
     router = objs[("Deployment", "svc-router")]["spec"]["template"]["spec"]
     env = env_of(router["containers"][0])
     assert env["KVMESH_UPSTREAM_API_KEY"] == (s, "upstream-api-key")
