@@ -30,6 +30,12 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
         help="require `Authorization: Bearer KEY` on all endpoints but /health and /metrics (default: $KVMESH_API_KEY)",
     )
     g.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds for a request body to arrive in full; a slower client gets 408",
+    )
     g.add_argument("--engine-ipc-dir", default=None, help="directory for the engine's ipc sockets (default: temp)")
     g.add_argument("--engine-input-addr", default=None, help="ZMQ endpoint for requests (instead of ipc)")
     g.add_argument("--engine-output-addr", default=None, help="ZMQ endpoint for outputs (instead of ipc)")
@@ -125,6 +131,7 @@ def configs_from_args(args: argparse.Namespace):
         served_model_names=tuple(args.served_model_name or ()),
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
+        body_timeout=args.body_timeout,
         ipc_dir=args.engine_ipc_dir,
         engine_input_addr=args.engine_input_addr,
         engine_output_addr=args.engine_output_addr,

@@ -15,6 +15,7 @@ class ServerConfig:
     served_model_names: tuple[str, ...] = ()  # empty: the engine's model name
     api_key: str | None = None  # every endpoint but /health and /metrics needs "Authorization: Bearer <key>"
     max_body_bytes: int = 8 << 20  # larger bodies get 413
+    body_timeout: float = 30.0  # seconds for a request body to arrive in full; slower ones get 408
     ready_timeout: float = 900.0  # seconds to wait for the engine to load the model
     ipc_dir: str | None = None  # where the engine's ipc sockets live (default: a fresh temp dir)
     engine_input_addr: str | None = None  # explicit ZMQ endpoints (e.g. tcp://127.0.0.1:5555) instead of ipc
@@ -30,6 +31,8 @@ class ServerConfig:
             raise ValueError(f"port out of range: {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.body_timeout <= 0:
+            raise ValueError("body_timeout must be > 0")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must be >= 0")
         if (self.engine_input_addr is None) != (self.engine_output_addr is None):

@@ -27,7 +27,7 @@ from typing import Any
 from kvmesh.engine.chat import ChatContentError, render_chat
 from kvmesh.engine.messages import EngineCoreRequest
 from kvmesh.engine.output_processor import RequestState
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sampling_params import MAX_N, SamplingParams
 from kvmesh.services.errors import APIError, bad_request
 
 from .engine_client import EngineClient, EngineDeadError, EngineRejectedError, RequestStream
@@ -425,6 +425,8 @@ class Serving:
         if req.echo and req.logprobs is not None:
             raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
         prompts = self.completion_prompts(req)
+        if len(prompts) * req.n > MAX_N:  # each prompt is a request of n sequences
+            raise bad_request(f"prompts * n must be <= {MAX_N}, got {len(prompts)} * {req.n}", "prompt")
         for p in prompts:
             self.check_prompt(p.token_ids)
         params = self.sampling_params(req, req.max_tokens, req.logprobs, [len(p.token_ids) for p in prompts])

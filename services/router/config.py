@@ -172,6 +172,10 @@ class RouterConfig:
     pending_ttl: float = 30.0  # predicted index entries for event-publishing pods
     approx_capacity: int = 1 << 20  # predicted blocks kept per pod without events
     log_level: str = field(default="warning", metadata=cli())
+    max_body_bytes: int = field(default=8 << 20, metadata=cli("larger request bodies get 413"))
+    body_timeout: float = field(
+        default=30.0, metadata=cli("seconds for a request body to arrive in full; a slower client gets 408")
+    )
     # uvicorn answers 500 for any request still unanswered after it.
     shutdown_timeout: float = field(
         default=30.0,
@@ -189,3 +193,5 @@ class RouterConfig:
             raise ValueError("block_size must be >= 1")
         if self.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        if self.max_body_bytes < 1024 or self.body_timeout <= 0:
+            raise ValueError("max_body_bytes must be >= 1024 and body_timeout > 0")
