@@ -36,6 +36,13 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
         default=30.0,
         help="seconds for a request body to arrive in full; a slower client gets 408",
     )
+    g.add_argument(
+        "--engine-restarts",
+        type=int,
+        default=3,
+        help="times a dead engine process is started again (in-flight requests get 503); "
+        "past that /health stays 503 so the pod's liveness probe restarts it",
+    )
     g.add_argument("--engine-ipc-dir", default=None, help="directory for the engine's ipc sockets (default: temp)")
     g.add_argument("--engine-input-addr", default=None, help="ZMQ endpoint for requests (instead of ipc)")
     g.add_argument("--engine-output-addr", default=None, help="ZMQ endpoint for outputs (instead of ipc)")
@@ -132,6 +139,7 @@ def configs_from_args(args: argparse.Namespace):
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
         body_timeout=args.body_timeout,
+        engine_restarts=args.engine_restarts,
         ipc_dir=args.engine_ipc_dir,
         engine_input_addr=args.engine_input_addr,
         engine_output_addr=args.engine_output_addr,

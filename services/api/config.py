@@ -17,6 +17,9 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20  # larger bodies get 413
     body_timeout: float = 30.0  # seconds for a request body to arrive in full; slower ones get 408
     ready_timeout: float = 900.0  # seconds to wait for the engine to load the model
+    # A dead engine process (killed, out of memory) is started again this many times; in-flight
+    # requests get 503, later ones are served once it is back. Past that, /health stays 503.
+    engine_restarts: int = 3
     ipc_dir: str | None = None  # where the engine's ipc sockets live (default: a fresh temp dir)
     engine_input_addr: str | None = None  # explicit ZMQ endpoints (e.g. tcp://127.0.0.1:5555) instead of ipc
     engine_output_addr: str | None = None
@@ -31,6 +34,8 @@ class ServerConfig:
             raise ValueError(f"port out of range: {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.engine_restarts < 0:
+            raise ValueError("engine_restarts must be >= 0")
         if self.body_timeout <= 0:
             raise ValueError("body_timeout must be > 0")
         if self.shutdown_timeout < 0:

@@ -425,11 +425,11 @@ class Serving:
         if req.echo and req.logprobs is not None:
             raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
         prompts = self.completion_prompts(req)
-        if len(prompts) * req.n > MAX_N:  # each prompt is a request of n sequences
-            raise bad_request(f"prompts * n must be <= {MAX_N}, got {len(prompts)} * {req.n}", "prompt")
         for p in prompts:
             self.check_prompt(p.token_ids)
         params = self.sampling_params(req, req.max_tokens, req.logprobs, [len(p.token_ids) for p in prompts])
+        if len(prompts) * req.n > MAX_N:  # each prompt is a request of n sequences
+            raise bad_request(f"prompts * n must be <= {MAX_N}, got {len(prompts)} * {req.n}", "prompt")
         return model, self.new_generation("cmpl", prompts, params, req)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, Generation]:
