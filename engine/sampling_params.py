@@ -59,7 +59,9 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", bias)
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
+        ):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
@@ -72,9 +74,7 @@ class SamplingParams:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.max_tokens is not None and self.n * self.max_tokens > MAX_SEQUENCE_TOKENS:
-            raise ValueError(
-                f"max_tokens * n must be <= {MAX_SEQUENCE_TOKENS}, got {self.max_tokens} * {self.n}"
-            )
+            raise ValueError(f"max_tokens * n must be <= {MAX_SEQUENCE_TOKENS}, got {self.max_tokens} * {self.n}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):

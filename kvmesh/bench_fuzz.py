@@ -110,11 +110,9 @@ def _cap(body):
 
 
 def run_schemathesis(url: str, tally: Tally, max_examples: int, seed: int, timeout: float) -> None:
+    """Every operation of ``url``'s OpenAPI schema, valid and invalid requests, ``max_examples`` each."""
     import httpx
     import schemathesis
-    from hypothesis import HealthCheck, Phase, given, settings
-    from hypothesis import seed as hseed
-    from hypothesis.errors import Unsatisfiable
 
     spec = httpx.get(url + "/openapi.json", timeout=30).json()
     schema = schemathesis.openapi.from_dict(spec)
@@ -122,39 +120,49 @@ def run_schemathesis(url: str, tally: Tally, max_examples: int, seed: int, timeo
         for res in schema.get_all_operations():
             op = res.ok()
             for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+                before = tally.sent
+                _fuzz_operation(http, url, op, mode, tally, max_examples, seed)
+                print(f"  {url} {op.method.upper()} {op.path} {mode.name.lower()}: {tally.sent - before}", flush=True)
 
-                @hseed(seed)
-                @settings(
-                    max_examples=max_examples,
-                    database=None,
-                    deadline=None,
-                    suppress_health_check=list(HealthCheck),
-                    phases=[Phase.generate],
-                )
-                @given(op.as_strategy(generation_mode=mode))
-                def one(case) -> None:
-                    kw = case.as_transport_kwargs(base_url=url)
-                    if "json" in kw:
-                        kw["json"] = _cap(kw["json"])
-                    what = f"{mode.name.lower()} {case.method} {case.path}"
-                    try:
-                        r = http.request(
-                            kw["method"],
-                            kw["url"],
-                            headers=kw.get("headers"),
-                            params=kw.get("params"),
-                            json=kw.get("json"),
-                            content=kw.get("data") if "json" not in kw else None,
-                        )
-                    except httpx.TimeoutException:
-                        tally.record(what, None, b"", "")
-                        return
-                    tally.record(what, r.status_code, r.content, r.headers.get("content-type", ""))
 
-                try:
-                    one()
-                except Unsatisfiable:
-                    pass  # no invalid request exists for an operation without parameters
+def _fuzz_operation(http, url: str, op, mode, tally: Tally, max_examples: int, seed: int) -> None:
+    import httpx
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+    from hypothesis.errors import Unsatisfiable
+
+    @hseed(seed)
+    @settings(
+        max_examples=max_examples,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate],
+    )
+    @given(op.as_strategy(generation_mode=mode))
+    def one(case) -> None:
+        kw = case.as_transport_kwargs(base_url=url)
+        if "json" in kw:
+            kw["json"] = _cap(kw["json"])
+        what = f"{mode.name.lower()} {case.method} {case.path}"
+        try:
+            r = http.request(
+                kw["method"],
+                kw["url"],
+                headers=kw.get("headers"),
+                params=kw.get("params"),
+                json=kw.get("json"),
+                content=kw.get("data") if "json" not in kw else None,
+            )
+        except httpx.TimeoutException:
+            tally.record(what, None, b"", "")
+            return
+        tally.record(what, r.status_code, r.content, r.headers.get("content-type", ""))
+
+    try:
+        one()
+    except Unsatisfiable:
+        pass  # no invalid request exists for an operation without parameters
 
 
 # ---- raw probes ------------------------------------------------------------------------------------
@@ -162,8 +170,11 @@ def _raw(url: str, data: bytes, timeout: float, trickle_s: float = 0.0) -> tuple
     """Send raw bytes; with ``trickle_s``, then one byte a 0.2 s for that long. (status, body, content type)."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=timeout) as s:
-        s.sendall(data)
         got = b""
+        try:
+            s.sendall(data)
+        except OSError:  # refused before the whole request was sent (a 413 on Content-Length): read the answer
+            pass
         end = time.monotonic() + trickle_s
         s.settimeout(0.2 if trickle_s else timeout)
         deadline = time.monotonic() + timeout + trickle_s
@@ -177,18 +188,22 @@ def _raw(url: str, data: bytes, timeout: float, trickle_s: float = 0.0) -> tuple
                     break
                 continue
             except OSError:
-                break
+                return (RESET if not got else None), got, ""
             if not chunk:
                 break
             got += chunk
             head, sep, body = got.partition(b"\r\n\r\n")
             if sep:
                 hdrs = {
-                    k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in head.decode().split("\r\n")[1:])
+                    k.strip().lower(): v.strip()
+                    for k, _, v in (ln.partition(":") for ln in head.decode().split("\r\n")[1:])
                 }
                 if len(body) >= int(hdrs.get("content-length", 0) or 0):
                     return int(head.split(b" ", 2)[1]), body, hdrs.get("content-type", "")
         return None, got, ""
+
+
+RESET = -1  # the server reset the connection before an answer could be read (not a hang)
 
 
 def _post(path: str, body: bytes, ctype: str = "application/json", extra: str = "") -> bytes:
@@ -266,6 +281,10 @@ def run_raw(url: str, tally: Tally, timeout: float, body_timeout: float) -> None
         if name in PARSER_PROBES and (status is None or 400 <= status < 500):
             tally.sent += 1  # uvicorn's parser answers a plain-text 400 or closes: never reaches the app
             tally.statuses[f"{status or 'closed'} (parser)"] += 1
+            continue
+        if status == RESET:
+            tally.sent += 1
+            tally.statuses["reset"] += 1
             continue
         tally.record(f"raw {name}", status, body, ctype)
     # a client that leaves: a long non-streaming request, the connection closed mid-generation

@@ -204,6 +204,18 @@ def test_router_openapi_declares_bodies_and_content_types(router):
     assert httpx.get(router + "/health").content == b""
 
 
+def test_fuzz_keeps_the_invariants(server, router):
+    """A small `kvmesh bench fuzz` (schemathesis on both OpenAPI schemas, plus the raw probes): no 5xx
+    but 503, every error in the OpenAI schema, no hang, no engine restart, and the pools empty after."""
+    from kvmesh.bench_fuzz import fuzz, passed
+
+    s = fuzz(server.base_url, router, 8, 1, 60.0, BODY_TIMEOUT, server.engine_pid)
+    bad = {k: (t["server_errors"], t["bad_error_bodies"], t["hangs"]) for k, t in s["per_target"].items()}
+    assert passed(s), (bad, s["pools_after"], s["engine_restarted"])
+    assert s["requests"] > 200
+    assert server.proc.poll() is None
+
+
 # ---- last: restarts the engine ------------------------------------------------------------------
 def test_killed_engine_is_restarted(server, router):
     """SIGKILL the engine core: the in-flight request gets a 503, /health goes 503 then 200, new requests
