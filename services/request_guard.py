@@ -44,8 +44,8 @@ def json_depth_error(body: bytes) -> str | None:
         return f"request body is nested deeper than {MAX_JSON_DEPTH} levels"
     if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH:
         return None  # cannot be too deep: skip the walk (the common case)
-    level = [value]
-    for depth in range(1, MAX_JSON_DEPTH + 2):
+    level = [value]  # the containers at ``depth``
+    for depth in range(1, MAX_JSON_DEPTH + 1):
         nxt: list = []
         for v in level:
             if isinstance(v, dict):
@@ -54,8 +54,8 @@ def json_depth_error(body: bytes) -> str | None:
                 nxt.extend(x for x in v if isinstance(x, (dict, list)))
         if not nxt:
             return None
-        if depth > MAX_JSON_DEPTH:
-            break
+        if depth == MAX_JSON_DEPTH:
+            break  # a container below the deepest allowed level
         level = nxt
     return f"request body is nested deeper than {MAX_JSON_DEPTH} levels"
 

@@ -13,11 +13,17 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from kvmesh import __version__
-from kvmesh.services.errors import APIError, error_body, error_response, validation_error_response
+from kvmesh.services.errors import (
+    APIError,
+    error_body,
+    error_response,
+    error_responses,
+    validation_error_response,
+)
 from kvmesh.services.request_guard import RequestGuard
 
 from .config import ServerConfig
@@ -29,6 +35,7 @@ from .serving import Event, Serving
 
 log = logging.getLogger("kvmesh.api.server")
 
+_ERRORS = error_responses(400, 404, 413, 503)
 OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key (probes, scrapers)
 
 
@@ -75,7 +82,11 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
     app.add_middleware(RequestGuard, max_body_bytes=cfg.max_body_bytes, body_timeout=cfg.body_timeout)
 
     # ---- plain endpoints ----------------------------------------------------
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "the engine is up (empty body)", "content": {}}, **error_responses(503)},
+    )
     async def health():
         if client.healthy:
             return Response(status_code=200)
@@ -87,7 +98,7 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
     async def version():
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {}}}})
     async def prom_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -140,7 +151,7 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
         return {"reset": True}
 
     # ---- completions --------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_ERRORS)
     async def completions(req: CompletionRequest, raw: Request):
         model, gen = serving.prepare_completion(req)
         k = req.logprobs or 0
@@ -199,7 +210,7 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
         )
 
     # ---- chat ---------------------------------------------------------------
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat(req: ChatCompletionRequest, raw: Request):
         model, gen = serving.prepare_chat(req)
         k = req.top_logprobs or 0
