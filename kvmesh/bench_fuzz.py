@@ -118,7 +118,7 @@ def run_schemathesis(url: str, tally: Tally, max_examples: int, seed: int, timeo
     schema = schemathesis.openapi.from_dict(spec)
     with httpx.Client(base_url=url, timeout=timeout) as http:
         for res in schema.get_all_operations():
-            op = res.ok()
+            op = res.ok()  # type: ignore[union-attr]  # an invalid operation raises here: the schema is ours
             for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
                 before = tally.sent
                 _fuzz_operation(http, url, op, mode, tally, max_examples, seed)
@@ -229,7 +229,7 @@ def raw_probes() -> list[tuple[str, bytes, float]]:
         "nested 10,000 deep objects": b'{"prompt": "a", "x": ' + b'{"a":' * 10_000 + b"1" + b"}" * 10_000 + b"}",
         "10 MB prompt": json.dumps({"prompt": "word " * (2 << 20), "max_tokens": 2}).encode(),
     }
-    for field_, values in {
+    wrong: dict[str, list] = {
         "seed": [2**70, -(2**70), 1.5, "1"],
         "max_tokens": ["10", -1, 0, 2**63, 1e30, True],
         "n": ["2", 1000, 0, 129],
@@ -240,7 +240,8 @@ def raw_probes() -> list[tuple[str, bytes, float]]:
         "logit_bias": [{"x": 1}, {"1": 1e9}],
         "prompt": [[], [2**70], [[]], [-1], 5],
         "stop_token_ids": [list(range(1000))],
-    }.items():
+    }
+    for field_, values in wrong.items():
         for v in values:
             bodies[f"{field_}={json.dumps(v)[:24]}"] = json.dumps({**ok, field_: v}).encode()
     for name, b in bodies.items():
@@ -438,6 +439,7 @@ def run(args: argparse.Namespace) -> int:
         crashed = 0
         for p in procs:
             proc = p.proc if isinstance(p, ServerProcess) else p
+            assert proc is not None
             crashed += 0 if proc.poll() is None and alive(proc.pid) else 1
         s["crashed"] = crashed
         s["command"] = " ".join(["kvmesh", "bench", "fuzz", *sys.argv[3:]])
