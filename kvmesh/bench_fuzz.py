@@ -351,7 +351,9 @@ def fuzz(
     tallies = {}
     for name, url in targets.items():
         t = tallies[name] = Tally()
+        print(f"{name} {url}: schemathesis", flush=True)
         run_schemathesis(url, t, max_examples, seed, timeout)
+        print(f"{name} {url}: raw probes", flush=True)
         run_raw(url, t, timeout, body_timeout)
     pools = wait_pools_idle(server_url)
     pid1 = engine_pid() if engine_pid else None
@@ -425,6 +427,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvmesh.services.api.testing import ServerProcess, alive
 
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a SIGTERM stops what we started too
     os.makedirs(args.output_dir, exist_ok=True)
     procs: list = []
     try:
