@@ -97,13 +97,18 @@ def wait_pools_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:
 
 # ---- schemathesis ----------------------------------------------------------------------------------
 def _cap(body):
-    """Keep a generated body cheap to serve: bounded max_tokens and n (bounds are probed separately)."""
+    """Keep a generated body cheap to serve: bounded max_tokens and n (bounds are probed separately).
+
+    A missing or null max_tokens means the rest of the context (chat, or an explicit null), minutes of
+    generation on a loaded CPU: it gets the cap too."""
     if isinstance(body, dict):
+        limits = [body.get(k) for k in ("max_tokens", "max_completion_tokens")]
+        if all(v is None for v in limits):  # a wrong type stays: the server must refuse it
+            body.pop("max_completion_tokens", None)
+            body["max_tokens"] = CAP_MAX_TOKENS
         for k in ("max_tokens", "max_completion_tokens"):
             if isinstance(body.get(k), int) and not isinstance(body.get(k), bool) and body[k] > CAP_MAX_TOKENS:
                 body[k] = CAP_MAX_TOKENS
-        if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
-            body["max_tokens"] = CAP_MAX_TOKENS  # chat's default is the rest of the context
         if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) and body["n"] > CAP_N:
             body["n"] = CAP_N
     return body
