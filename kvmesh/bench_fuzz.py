@@ -21,6 +21,7 @@ import argparse
 import collections
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -431,8 +432,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.services.api.testing import ServerProcess, alive
-
-    import signal
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a SIGTERM stops what we started too
     os.makedirs(args.output_dir, exist_ok=True)
