@@ -163,6 +163,11 @@ def _fuzz_operation(http, url: str, op, mode, tally: Tally, max_examples: int, s
         except httpx.TimeoutException:
             tally.record(what, None, b"", "")
             return
+        except httpx.TransportError as e:  # the server dropped the connection: a failure, never a pass
+            tally.sent += 1
+            tally.statuses["connection error"] += 1
+            tally.server_errors.append(f"connection error {what}: {e!r} body {str(kw.get('json'))[:200]}")
+            return
         tally.record(what, r.status_code, r.content, r.headers.get("content-type", ""))
 
     try:

@@ -10,6 +10,8 @@
 - a body that is not JSON, not UTF-8, or nested deeper than `MAX_JSON_DEPTH`: 400, before
   any JSON parser recurses into it.
 
+An exception the app did not handle becomes a 500 in the same schema (logged with its traceback).
+
 It also cancels the app when the client disconnects before its response is complete, so a
 non-streaming request whose client left stops at once: at the API server the cancelled
 handler aborts its engine requests (their blocks are freed), at the router it closes the
@@ -21,10 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import msgspec
 
 from .errors import error_response
+
+log = logging.getLogger("kvmesh.request_guard")
 
 MAX_JSON_DEPTH = 32  # a chat body nests ~5 deep (body, messages, message, content part, url)
 MAX_HEADERS = 100
@@ -125,7 +130,7 @@ class RequestGuard:
     async def _run(self, scope, receive, send, body: bytes) -> None:
         gone = asyncio.Event()
         replayed = False
-        complete = False
+        started = complete = False
 
         async def app_receive():
             nonlocal replayed
@@ -136,7 +141,8 @@ class RequestGuard:
             return {"type": "http.disconnect"}
 
         async def app_send(msg):
-            nonlocal complete
+            nonlocal complete, started
+            started = True
             if msg["type"] == "http.response.body" and not msg.get("more_body", False):
                 complete = True
             await send(msg)
@@ -158,6 +164,10 @@ class RequestGuard:
         except asyncio.CancelledError:
             if not gone.is_set():  # cancelled from outside (shutdown), not by a client that left
                 raise
+        except Exception as e:  # a bug, never bad input: still an answer in the OpenAI schema
+            log.exception("unhandled error")
+            if not started:
+                await error_response(500, f"internal error: {type(e).__name__}")(scope, receive, send)
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

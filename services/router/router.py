@@ -338,7 +338,10 @@ class Router:
         except ChatContentError as e:  # the pod would refuse it the same way
             raise bad_request(str(e), "messages") from e
         plen = len(ids) if ids else 0
-        hashes = self.tok.block_hashes(ids, self.cfg.block_size, body.get("cache_salt")) if ids else []
+        try:
+            hashes = self.tok.block_hashes(ids, self.cfg.block_size, body.get("cache_salt")) if ids else []
+        except OverflowError:  # token ids beyond 64 bits cannot be hashed (nor exist in any vocabulary)
+            raise bad_request("token ids out of range", "prompt") from None
         self.metrics.prompt_tokens.inc(plen)
         if plen:
             self._prompts += 1  # running mean of prompt lengths, over the last ~PROMPT_WINDOW requests

@@ -100,6 +100,7 @@ BAD_JSON = {
     "logprobs 50": (json.dumps({**OK, "logprobs": 50}).encode(), "logprobs"),
     "200 prompts of n=2": (json.dumps({**OK, "prompt": ["a"] * 200, "n": 2}).encode(), "prompt"),
     "not an object": (b"[1, 2]", None),
+    "a token id beyond 64 bits": (json.dumps({**OK, "prompt": [1, 2**70]}).encode(), "prompt"),  # found by fuzzing
 }
 
 

@@ -44,8 +44,12 @@ def client():
     async def echo(request: Request):
         return {"n": len(await request.body())}
 
+    @app.get("/bug")
+    async def bug():
+        raise ZeroDivisionError
+
     app.add_middleware(RequestGuard, max_body_bytes=2048, body_timeout=5.0)
-    return TestClient(app)
+    return TestClient(app, raise_server_exceptions=False)
 
 
 def error(r, status: int) -> dict:
@@ -65,3 +69,7 @@ def test_refusals_are_openai_errors(client):
     error(client.post("/echo", json={}, headers={f"x-{i}": "v" for i in range(120)}), 431)
     error(client.post("/echo", json={}, headers={"x-big": "v" * 40_000}), 431)
     assert client.post("/echo", json={}, headers={"content-type": "application/json; charset=utf-8"}).status_code == 200
+
+
+def test_an_unhandled_error_is_a_500_in_the_schema(client):
+    assert error(client.get("/bug"), 500)["message"] == "internal error: ZeroDivisionError"
