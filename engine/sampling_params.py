@@ -7,6 +7,16 @@ from dataclasses import dataclass, replace
 
 from .structured import KINDS, StructuredOutput
 
+# Per-request bounds: what one request may ask of an engine's memory and time (a request beyond
+# them gets a clear error, never an engine that runs out of memory). n and the stop list follow
+# OpenAI (n <= 128, at most 4 stop strings); a seed is an int64, as torch's generators take it.
+MAX_N = 128
+MAX_STOP = 4
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_SEQUENCE_TOKENS = 1 << 20  # n * max_tokens: every sequence's output ids and logprobs are held
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -51,8 +61,12 @@ class SamplingParams:
         except (TypeError, ValueError):
             raise ValueError("logit_bias must map token ids to numbers") from None
         object.__setattr__(self, "logit_bias", bias)
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
+        ):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
@@ -63,14 +77,20 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and self.n * self.max_tokens > MAX_SEQUENCE_TOKENS:
+            raise ValueError(f"max_tokens * n must be <= {MAX_SEQUENCE_TOKENS}, got {self.max_tokens} * {self.n}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if len(self.stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not (-2.0 <= v <= 2.0):

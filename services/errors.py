@@ -14,8 +14,11 @@ _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     409: "ConflictError",
     413: "RequestEntityTooLargeError",
+    431: "RequestHeaderFieldsTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",
     502: "BadGatewayError",
@@ -61,3 +64,39 @@ def error_response(
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
+
+
+def validation_error_response(errors: list) -> JSONResponse:
+    """A 400 for pydantic's errors on a request body: the first three, and the first field as ``param``."""
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    msg = "; ".join(
+        f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body')}: {er.get('msg')}" for er in errors[:3]
+    )
+    return error_response(400, msg or "invalid request", loc[0] if loc else None)
+
+
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "integer"},
+            },
+        }
+    },
+}
+
+
+def error_responses(*statuses: int) -> dict:
+    """OpenAPI ``responses`` entries for errors in this schema (FastAPI's ``responses=`` argument)."""
+    return {
+        s: {"description": _TYPES.get(s, "error"), "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+        for s in statuses
+    }

@@ -44,6 +44,19 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
         default=None,
         help="how tool calls are read from a model's output with tool_choice auto (default: from the chat template)",
     )
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds for a request body to arrive in full; a slower client gets 408",
+    )
+    g.add_argument(
+        "--engine-restarts",
+        type=int,
+        default=3,
+        help="times a dead engine process is started again (in-flight requests get 503); "
+        "past that /health stays 503 so the pod's liveness probe restarts it",
+    )
     g.add_argument("--engine-ipc-dir", default=None, help="directory for the engine's ipc sockets (default: temp)")
     g.add_argument("--engine-input-addr", default=None, help="ZMQ endpoint for requests (instead of ipc)")
     g.add_argument("--engine-output-addr", default=None, help="ZMQ endpoint for outputs (instead of ipc)")
@@ -155,6 +168,8 @@ def configs_from_args(args: argparse.Namespace):
         api_keys=tuple(args.api_key),
         api_keys_file=args.api_keys_file,
         max_body_bytes=args.max_body_bytes,
+        body_timeout=args.body_timeout,
+        engine_restarts=args.engine_restarts,
         ipc_dir=args.engine_ipc_dir,
         engine_input_addr=args.engine_input_addr,
         engine_output_addr=args.engine_output_addr,

@@ -18,7 +18,11 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     api_keys_file: str | None = None  # JSON list of {key, tenant, priority, rpm, tpm}, re-read on change
     max_body_bytes: int = 8 << 20  # larger bodies get 413
+    body_timeout: float = 30.0  # seconds for a request body to arrive in full; slower ones get 408
     ready_timeout: float = 900.0  # seconds to wait for the engine to load the model
+    # A dead engine process (killed, out of memory) is started again this many times; in-flight
+    # requests get 503, later ones are served once it is back. Past that, /health stays 503.
+    engine_restarts: int = 3
     ipc_dir: str | None = None  # where the engine's ipc sockets live (default: a fresh temp dir)
     engine_input_addr: str | None = None  # explicit ZMQ endpoints (e.g. tcp://127.0.0.1:5555) instead of ipc
     engine_output_addr: str | None = None
@@ -35,6 +39,10 @@ class ServerConfig:
             raise ValueError(f"port out of range: {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.engine_restarts < 0:
+            raise ValueError("engine_restarts must be >= 0")
+        if self.body_timeout <= 0:
+            raise ValueError("body_timeout must be > 0")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must be >= 0")
         if (self.engine_input_addr is None) != (self.engine_output_addr is None):

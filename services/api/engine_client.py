@@ -5,7 +5,10 @@ One background task reads the engine's output socket and hands each
 their own queue and never touch the socket. A second task watches the engine
 process: if it dies, every in-flight request receives `EngineDeadError` (so
 streams end and non-streaming calls return an error instead of hanging) and
-`healthy` turns False for ``/health``.
+`healthy` turns False for ``/health``. The watchdog then starts a new engine
+process on the same sockets (up to ``max_restarts`` times); ``/health`` turns
+200 again once it reports `Ready`. Past that many restarts the server stays
+unhealthy, so the kubelet's liveness probe restarts the pod.
 """
 
 from __future__ import annotations
@@ -68,8 +71,14 @@ class EngineClient:
         proc_cfg: EngineProcConfig,
         on_stats: Callable[[EngineStats], None] | None = None,
         on_queue_time: Callable[[float], None] | None = None,
+        max_restarts: int = 0,
+        ready_timeout: float = 600.0,
     ) -> None:
         self.proc_cfg = proc_cfg
+        self.max_restarts = max_restarts
+        self.restarts = 0  # engine processes started after the first one died
+        self.ready_timeout = ready_timeout
+        self._closing = False
         self.on_stats = on_stats
         self.on_queue_time = on_queue_time
         self.ctx = zmq.asyncio.Context()
@@ -101,7 +110,8 @@ class EngineClient:
         self.proc = subprocess.Popen(cmd)  # same process group: a group kill takes both down
         log.info("engine process started, pid %d", self.proc.pid)
 
-    async def start(self, ready_timeout: float = 600.0) -> wire.Ready:
+    async def start(self, ready_timeout: float | None = None) -> wire.Ready:
+        ready_timeout = self.ready_timeout if ready_timeout is None else ready_timeout
         self._tasks = [asyncio.create_task(self._reader()), asyncio.create_task(self._watchdog())]
         deadline = time.monotonic() + ready_timeout
         while not self._ready_event.is_set():
@@ -122,6 +132,7 @@ class EngineClient:
 
     async def close(self, drain_s: float = 0.0) -> None:
         """Stop the engine; ``drain_s`` lets it first hand over blocks it holds for remote readers."""
+        self._closing = True
         if self.dead_reason is None and self.proc is not None and self.proc.poll() is None:
             self._send(wire.Shutdown(drain_s=drain_s))
         for t in self._tasks:
@@ -216,6 +227,9 @@ class EngineClient:
                 if fut is not None and not fut.done():
                     fut.set_result(msg.ok)
             elif isinstance(msg, wire.Ready):
+                if self.ready is not None and self.dead_reason is not None:
+                    log.warning("engine restarted (%d so far); serving again", self.restarts)
+                    self.dead_reason = None  # a restarted engine: new requests go to it
                 self.ready = msg
                 self._ready_event.set()
                 log.info(
@@ -229,10 +243,21 @@ class EngineClient:
                 self._fail_all(msg.message)
 
     async def _watchdog(self) -> None:
-        while self.dead_reason is None:
+        while True:
             await asyncio.sleep(0.2)
-            if self.proc is not None and self.proc.poll() is not None:
-                self._fail_all(f"engine process exited with code {self.proc.returncode}")
+            if self._closing or self.proc is None or self.proc.poll() is None:
+                continue
+            self._fail_all(f"engine process exited with code {self.proc.returncode}")
+            if self.ready is None or self.restarts >= self.max_restarts:
+                return  # it never loaded (a restart would fail the same way), or it keeps dying
+            self.restarts += 1
+            log.warning("restarting the engine process (%d of %d)", self.restarts, self.max_restarts)
+            self.spawn()  # it connects to the same sockets; its `Ready` clears dead_reason
+            deadline = time.monotonic() + self.ready_timeout
+            while self.dead_reason is not None and self.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            if self.dead_reason is not None and self.proc.poll() is None:  # hung while loading
+                self.proc.kill()
 
     def _fail_all(self, reason: str) -> None:
         if self.dead_reason is None:

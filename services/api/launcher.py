@@ -31,11 +31,11 @@ log = logging.getLogger("kvmesh.api")
 async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
     from kvmesh.engine.loader import load_model
 
-    client = EngineClient(proc_cfg)
+    client = EngineClient(proc_cfg, max_restarts=cfg.engine_restarts, ready_timeout=cfg.ready_timeout)
     client.spawn()
     try:
         loaded = await asyncio.to_thread(load_model, proc_cfg.model, False, True)
-        ready = await client.start(cfg.ready_timeout)
+        ready = await client.start()
     except (EngineDeadError, ValueError) as e:
         log.error("engine failed: %s", e)
         await client.close()

@@ -2,7 +2,12 @@
 
 Only the shape is checked here; value ranges are checked once, by
 `SamplingParams`, so the offline and served paths reject the same inputs with
-the same messages. Unknown fields are ignored, as OpenAI and vLLM do.
+the same messages. Unknown fields are ignored, as OpenAI and vLLM do. Types are
+strict, as OpenAI's are: ``"max_tokens": "10"`` or ``"stream": "yes"`` is a 400,
+not a coercion (an integer is still a valid float).
+
+The router validates request bodies with these same models and declares them in
+its OpenAPI schema, so a client sees the same 400 before or behind the router.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     n: int = 1
@@ -58,7 +65,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -78,7 +85,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     prompt: str | None = None
@@ -88,7 +95,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     tokens: list[int]

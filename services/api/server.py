@@ -12,11 +12,19 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException
 
 from kvmesh import __version__
 from kvmesh.services.auth import APIKeyMiddleware, KeyStore
-from kvmesh.services.errors import APIError, error_body, error_response
+from kvmesh.services.errors import (
+    APIError,
+    error_body,
+    error_response,
+    error_responses,
+    validation_error_response,
+)
+from kvmesh.services.request_guard import RequestGuard
 
 from .config import ServerConfig
 from .engine_client import EngineClient
@@ -28,53 +36,7 @@ from .tools import ToolStream
 
 log = logging.getLogger("kvmesh.api.server")
 
-
-class BodyLimitMiddleware:
-    """Reject bodies over ``limit`` bytes with 413 before the app parses them.
-
-    Buffers the body (JSON bodies are small), then replays it; later
-    ``receive`` calls go to the server, so disconnect detection still works.
-    """
-
-    def __init__(self, app, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
-            return await self.app(scope, receive, send)
-        too_big = False
-        for k, v in scope.get("headers", []):
-            if k == b"content-length":
-                try:
-                    too_big = int(v) > self.limit
-                except ValueError:
-                    pass
-        body = bytearray()
-        if not too_big:
-            while True:
-                msg = await receive()
-                if msg["type"] != "http.request":
-                    return  # client went away while sending
-                body += msg.get("body", b"")
-                if len(body) > self.limit:
-                    too_big = True
-                    break
-                if not msg.get("more_body", False):
-                    break
-        if too_big:
-            resp = error_response(413, f"request body exceeds the limit of {self.limit} bytes")
-            return await resp(scope, receive, send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
+_ERRORS = error_responses(400, 404, 413, 503)
 
 
 def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: ServerMetrics) -> FastAPI:
@@ -93,25 +55,27 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        msg = "; ".join(
-            f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body')}: {er.get('msg')}" for er in errs[:3]
-        )
-        return error_response(400, msg or "invalid request", loc[0] if loc else None)
+        return validation_error_response(list(e.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, e: HTTPException):  # unknown path, wrong method, unparsable body
+        return error_response(e.status_code, str(e.detail), None, dict(e.headers) if e.headers else None)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception):  # a bug, never bad input
         log.exception("unhandled error")
         return error_response(500, f"internal error: {type(e).__name__}")
 
-    # ---- auth (services/auth.py; /health and /metrics stay open) -------------
+    # ---- auth (services/auth.py; /health and /metrics stay open) and request hygiene (outermost) --
     app.add_middleware(APIKeyMiddleware, store=KeyStore.from_config(cfg.api_keys, cfg.api_keys_file))
-    app.add_middleware(BodyLimitMiddleware, limit=cfg.max_body_bytes)
+    app.add_middleware(RequestGuard, max_body_bytes=cfg.max_body_bytes, body_timeout=cfg.body_timeout)
 
     # ---- plain endpoints ----------------------------------------------------
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "the engine is up (empty body)", "content": {}}, **error_responses(503)},
+    )
     async def health():
         if client.healthy:
             return Response(status_code=200)
@@ -123,7 +87,7 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
     async def version():
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {}}}})
     async def prom_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -176,7 +140,7 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
         return {"reset": True}
 
     # ---- completions --------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_ERRORS)
     async def completions(req: CompletionRequest, raw: Request):
         model, gen = serving.prepare_completion(req)
         k = req.logprobs or 0
@@ -235,7 +199,7 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
         )
 
     # ---- chat ---------------------------------------------------------------
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat(req: ChatCompletionRequest, raw: Request):
         model, gen = serving.prepare_chat(req)
         k = req.top_logprobs or 0

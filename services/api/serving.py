@@ -27,7 +27,7 @@ from typing import Any
 from kvmesh.engine.chat import ChatContentError, render_chat
 from kvmesh.engine.messages import EngineCoreRequest
 from kvmesh.engine.output_processor import RequestState
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sampling_params import MAX_N, SamplingParams
 from kvmesh.services.errors import APIError, bad_request
 
 from .constraints import structured_output
@@ -438,6 +438,8 @@ class Serving:
         for p in prompts:
             self.check_prompt(p.token_ids)
         params = self.sampling_params(req, req.max_tokens, req.logprobs, [len(p.token_ids) for p in prompts])
+        if len(prompts) * req.n > MAX_N:  # each prompt is a request of n sequences
+            raise bad_request(f"prompts * n must be <= {MAX_N}, got {len(prompts)} * {req.n}", "prompt")
         return model, self.new_generation("cmpl", prompts, params, req)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, Generation]:

@@ -3,6 +3,12 @@
 ``/v1/completions`` and ``/v1/chat/completions`` go through `Router.handle`; ``/v1/models``
 asks a decode-capable pod; ``/health`` is 200 while one is up; ``/pods`` is a debug view of the
 pod table. Errors are OpenAI-schema bodies from `kvmesh.services.errors`, the same the pods send.
+
+Request bodies are validated with the API server's own models (`kvmesh.services.api.protocol`),
+so a bad request gets the same 400 whether the router or a pod refuses it, and the router's
+``/openapi.json`` declares them; the body forwarded is the client's, unknown fields included.
+`RequestGuard` bounds what a request may hold the router for (headers, body size and read time)
+and cancels a request whose client left, which closes its upstream connection.
 """
 
 from __future__ import annotations
@@ -13,10 +19,14 @@ import time
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse, Response
+from starlette.exceptions import HTTPException
 
+from kvmesh.services.api.protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.services.auth import APIKeyMiddleware, request_key
-from kvmesh.services.errors import APIError, bad_request, error_response
+from kvmesh.services.errors import APIError, bad_request, error_response, error_responses, validation_error_response
+from kvmesh.services.request_guard import RequestGuard
 
 from .admission import ClientGone
 from .config import RouterConfig
@@ -42,10 +52,25 @@ def _stream(router: Router, url: str) -> dict | None:
     }
 
 
+_ERRORS = error_responses(400, 404, 413, 502, 503, 504)
+_PLAIN = {"content": {"text/plain": {"schema": {"type": "string"}}}}
+
+
 def build_app(router: Router) -> FastAPI:
+    cfg = router.cfg
     app = FastAPI(title="kvmesh router")
     # every path but /health, /live and /metrics needs a key once keys are configured (services/auth.py)
     app.add_middleware(APIKeyMiddleware, store=router.keys)
+    app.add_middleware(RequestGuard, max_body_bytes=cfg.max_body_bytes, body_timeout=cfg.body_timeout)  # outermost
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        router.metrics.requests.labels(_endpoint(request.url.path), "400").inc()
+        return validation_error_response(list(e.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, e: HTTPException):  # unknown path, wrong method, unparsable body
+        return error_response(e.status_code, str(e.detail), None, dict(e.headers) if e.headers else None)
 
     async def _proxy(path: str, request: Request) -> Response:
         status = 500
@@ -75,12 +100,13 @@ def build_app(router: Router) -> FastAPI:
         finally:
             router.metrics.requests.labels(path, str(status)).inc()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    # The parsed model is only the check (and the schema); the client's own body is what goes on.
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def completions(checked: CompletionRequest, request: Request):
         return await _proxy("/v1/completions", request)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def chat(checked: ChatCompletionRequest, request: Request):
         return await _proxy("/v1/chat/completions", request)
 
     @app.get("/v1/models")
@@ -97,20 +123,24 @@ def build_app(router: Router) -> FastAPI:
             "data": [{"id": router.model, "object": "model", "created": int(time.time()), "owned_by": "kvmesh"}],
         }
 
-    @app.get("/live")
+    @app.get("/live", response_class=Response, responses={200: {"description": "the loop answers", "content": {}}})
     async def live():
         """Liveness: the router's loop answers. Unlike /health it does not depend on the pods, so
         workers that are still loading or down never get a healthy router restarted."""
         return Response(status_code=200)
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "a pod can decode (empty body)", "content": {}}, **error_responses(503)},
+    )
     async def health():
         """Readiness: 200 only while a pod can decode, so a Service sends no traffic before then."""
         if router.candidates(DECODE_ROLES):
             return Response(status_code=200)
         return error_response(503, NO_DECODE_POD)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: _PLAIN})
     async def metrics():
         router.refresh_event_metrics()
         return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -151,6 +181,11 @@ def build_app(router: Router) -> FastAPI:
         }
 
     return app
+
+
+def _endpoint(path: str) -> str:
+    """The ``endpoint`` label of a path: only the two proxied ones, so no client can grow the label set."""
+    return path if path in ("/v1/completions", "/v1/chat/completions") else "other"
 
 
 async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> int:

@@ -177,7 +177,11 @@ class RouterConfig:
     prefill_timeout: float = 300.0
     max_retries: int = field(default=2, metadata=cli())  # other pods tried after a connect failure
     pending_ttl: float = 30.0  # predicted index entries for event-publishing pods
-    approx_capacity: int = 1 << 20  # predicted blocks kept per pod without events
+    # Predicted blocks kept per pod without events (~180 bytes each): about a large pod's KV cache
+    # (64 Ki blocks of 16 tokens = 1 Mi tokens); the pod itself cannot hold more, so more is only memory.
+    approx_capacity: int = field(
+        default=1 << 16, metadata=cli("predicted blocks kept per pod that publishes no KV events (an LRU)")
+    )
     log_level: str = field(default="warning", metadata=cli())
     # ---- keys and admission (docs/router.md, "Keys, tenants and limits") ----
     api_keys: tuple[str, ...] = field(
@@ -209,6 +213,10 @@ class RouterConfig:
     queue_timeout: float = field(
         default=60.0, metadata=cli("seconds a request may wait for a slot before it gets 429 (0: no limit)")
     )
+    max_body_bytes: int = field(default=8 << 20, metadata=cli("larger request bodies get 413"))
+    body_timeout: float = field(
+        default=30.0, metadata=cli("seconds for a request body to arrive in full; a slower client gets 408")
+    )
     # uvicorn answers 500 for any request still unanswered after it.
     shutdown_timeout: float = field(
         default=30.0,
@@ -228,3 +236,7 @@ class RouterConfig:
             raise ValueError("max_retries must be >= 0")
         if self.max_concurrent_requests < 0 or self.queue_size < 0 or self.queue_timeout < 0:
             raise ValueError("max_concurrent_requests, queue_size and queue_timeout must be >= 0")
+        if self.approx_capacity < 1:
+            raise ValueError("approx_capacity must be >= 1")
+        if self.max_body_bytes < 1024 or self.body_timeout <= 0:
+            raise ValueError("max_body_bytes must be >= 1024 and body_timeout > 0")

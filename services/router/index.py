@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 
 class PrefixIndex:
     def __init__(
-        self, pending_ttl: float = 10.0, approx_capacity: int = 1 << 20, evict_halflife: float = 120.0
+        self, pending_ttl: float = 10.0, approx_capacity: int = 1 << 16, evict_halflife: float = 120.0
     ) -> None:
         self.pending_ttl = pending_ttl
         self.approx_capacity = approx_capacity

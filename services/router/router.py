@@ -431,7 +431,10 @@ class Router:
     async def _route(
         self, path: str, body: dict, ids: list[int] | None, plen: int, tenant: str, done: Callable[[int | None], None]
     ) -> Response:
-        hashes = self.tok.block_hashes(ids, self.cfg.block_size, body.get("cache_salt")) if ids else []
+        try:
+            hashes = self.tok.block_hashes(ids, self.cfg.block_size, body.get("cache_salt")) if ids else []
+        except OverflowError:  # token ids beyond 64 bits cannot be hashed (nor exist in any vocabulary)
+            raise bad_request("token ids out of range", "prompt") from None
         self.metrics.prompt_tokens.inc(plen)
         if plen:
             self._prompts += 1  # running mean of prompt lengths, over the last ~PROMPT_WINDOW requests

@@ -3,6 +3,8 @@
 ``--max-num-seqs 1 --max-waiting 1``: one request runs, one waits, the next is
 refused with 503 + Retry-After. The engine-kill test runs last in this module
 because it ends the server's engine (each test leaves the server usable for the next otherwise).
+``--engine-restarts 0``: a dead engine stays dead, so /health stays 503 and the pod's liveness probe
+restarts the pod (the restart itself is tested in test_robustness.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ def server(tmp_path_factory):
 
     log = str(tmp_path_factory.mktemp("serve") / "server.log")
     srv = ServerProcess(
-        ["--max-model-len", "512", "--num-kv-blocks", "128", "--max-num-seqs", "1", "--max-waiting", "1"],
+        [
+            *("--max-model-len", "512", "--num-kv-blocks", "128", "--max-num-seqs", "1", "--max-waiting", "1"),
+            *("--engine-restarts", "0"),
+        ],
         env=ENV,
         log_path=log,
     )

@@ -38,11 +38,24 @@ pytestmark = pytest.mark.unit
         ({"logit_bias": {5: "x"}}, "logit_bias"),
         ({"logit_bias": [(5, 1.0), (5, 2.0)]}, "logit_bias"),
         ({"logit_bias": [5]}, "logit_bias"),
+        # bounds of one request (the security probe: n=1000 accepted, seed=2**70 a 500)
+        ({"n": 129}, "n"),
+        ({"seed": 2**70}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": ["x" * 1025]}, "stop"),
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+        ({"n": 128, "max_tokens": 8193}, "max_tokens"),
     ],
 )
 def test_rejects(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_accepts_the_bounds():
+    SamplingParams(n=128, max_tokens=8192, seed=2**63 - 1, stop=["a", "b", "c", "x" * 1024])
+    SamplingParams(seed=-(2**63), stop_token_ids=list(range(64)))
 
 
 def test_normalises_stop_to_tuple():
