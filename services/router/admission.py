@@ -199,8 +199,9 @@ class Admission:
         try:
             waits = {tk.future} if watch is None else {tk.future, watch}
             await asyncio.wait(waits, timeout=self.queue_timeout or None, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # cancelled: the handler's task is gone
+        except BaseException:  # cancelled: the client left (RequestGuard cancels its handler) or the router stops
             self._leave(tk)
+            self.metrics.rejected.labels("client_gone", tk.tenant).inc()
             raise
         finally:
             if watch is not None:
