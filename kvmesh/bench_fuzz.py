@@ -69,16 +69,12 @@ def _openai_error(body: bytes, status: int, ctype: str) -> bool:
 def pool_metrics(base_url: str) -> dict[str, float]:
     """A server's /metrics as ``{name{labels}: value}`` (``model_name`` left out of the labels)."""
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
+
+    from .health import flat_metrics
 
     r = httpx.get(base_url + "/metrics", timeout=30)
     r.raise_for_status()
-    out = {}
-    for fam in text_string_to_metric_families(r.text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return out
+    return flat_metrics(r.text)
 
 
 def wait_pools_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:

@@ -15,6 +15,8 @@ import time
 import httpx
 import pytest
 
+from kvmesh.health import flat_metrics
+
 pytestmark = pytest.mark.integration
 
 API_KEY = "test-key"
@@ -75,16 +77,9 @@ def offline():
 
 
 def metrics(http) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
     r = http.get("/metrics")
     assert r.status_code == 200
-    out = {}
-    for fam in text_string_to_metric_families(r.text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return out
+    return flat_metrics(r.text)
 
 
 def wait_idle(http, idle_usage: float, timeout: float = 60) -> dict[str, float]:
