@@ -26,11 +26,11 @@ import torch
 from kvmesh import kernels
 
 from ..config import EngineConfig
+from ..models.kv_scales import kv_cache_scales, scales_fingerprint
 from ..models.llama import LlamaForCausalLM
 from ..sched_output import SchedulerOutput
 from .graphs import DecodeGraphs
 from .inputs import EagerStager, Staging, StepPlan, cdiv, eager_layout_size, plan_step
-from ..models.kv_scales import kv_cache_scales, scales_fingerprint
 from .memory import configure_cpu_threads, kv_cache_dtype, num_blocks_for, profile_reserve, torch_dtype
 from .rounds import DecodeRoundRunner
 from .warmup import attention_launch_configs, warm_up_attention, warm_up_sampler
