@@ -167,3 +167,14 @@ def test_fp8_rounding_of_every_value_and_tie():
     K.write_kv(x, x, kv[:, 0, 0], kv[:, 0, 1], slots)
     K.write_kv_reference(x, x, expect[:, 0, 0], expect[:, 0, 1], slots)
     assert torch.equal(kv.view(torch.uint8), expect.view(torch.uint8))
+
+
+def test_fp8_kv_checks_of_the_gpu_run(gen, monkeypatch):
+    """tests/kernel_checks.py's ``check_fp8_kv`` (what tests/gpu and bench/gpu_kernels.py run) passes
+    in the interpreter on its small shapes."""
+    import kernel_checks
+
+    monkeypatch.setattr(kernel_checks, "DEV", "cpu")
+    kernel_checks.FAILED.clear()
+    kernel_checks.check_fp8_kv(gen)
+    assert not kernel_checks.FAILED, kernel_checks.FAILED
