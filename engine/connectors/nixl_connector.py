@@ -309,7 +309,7 @@ class NixlConnector(KVConnector):
             return p
         return None
 
-    def _usable_blocks(self, request: Request) -> int | None:
+    def _usable_blocks(self, request: Request, check_layout: bool = True) -> int | None:
         """How many remote blocks belong to this request's prompt; None if the params cannot be used.
 
         The chained hash of the last offered block must be given and equal ours: it covers every
@@ -326,8 +326,8 @@ class NixlConnector(KVConnector):
             return 0
         if p.get("remote_block_size", self.block_size) != self.block_size:
             return None
-        if self.layout is not None and layout_refusal(p.get("remote_kv_layout"), self.layout) is not None:
-            return None  # refused (and the blocks released) in update_state_after_alloc
+        if check_layout and self.layout is not None and layout_refusal(p.get("remote_kv_layout"), self.layout):
+            return None  # refused in update_state_after_alloc
         n = len(ids)
         want = p.get("remote_block_hash")
         if want is None or len(request.block_hashes) < n or request.block_hashes[n - 1].hex() != want:
@@ -350,7 +350,9 @@ class NixlConnector(KVConnector):
         refusal = layout_refusal(p.get("remote_kv_layout"), self.layout) if self.layout is not None else None
         if refusal is not None:
             # Blocks of another KV dtype (or shape, or FP8 scales) are never read: count, say so, give
-            # the prefill its blocks back now rather than at lease expiry, and compute locally.
+            # the prefill its blocks back now rather than at lease expiry (only when the params' hash is
+            # this prompt's: a tampered copy of another request's params never releases its transfer),
+            # and compute locally.
             self.stats["kv_layout_refused"] += 1
             log.warning(
                 "request %s: refused the KV blocks of engine %s: %s; recomputing",
@@ -358,7 +360,7 @@ class NixlConnector(KVConnector):
                 p.get("remote_engine_id"),
                 refusal,
             )
-            if p.get("remote_block_ids") and p.get("remote_transfer_id"):
+            if self._usable_blocks(request, check_layout=False):  # this prompt's transfer: ours to give back
                 self._submit_release(p["remote_host"], p["remote_port"], p["remote_transfer_id"])
             return
         n = self._usable_blocks(request)
