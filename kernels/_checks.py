@@ -10,7 +10,6 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 INTS = (torch.int32, torch.int64)
 FP8 = torch.float8_e4m3fn  # the FP8 KV cache's element type (--kv-cache-dtype fp8)
 KV_DTYPES = (*FLOATS, FP8)
-FP8_MAX = 448.0  # largest finite float8_e4m3fn; writes clamp to it (a cast beyond it gives NaN)
 
 
 def fail(fn: str, msg: str):

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448: an FP8 KV cache's writes clamp to it
+
 
 def quantize_kv_reference(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
     """What the cache stores for keys or values ``x`` ``[T, Hkv, D]``: ``x / scale[head]`` (fp32),
@@ -30,7 +32,7 @@ def quantize_kv_reference(x: torch.Tensor, cache_dtype: torch.dtype, scale: torc
     if scale is not None:
         xf = xf / scale[:, None]
     if cache_dtype == torch.float8_e4m3fn:
-        xf = xf.clamp(-448.0, 448.0)
+        xf = xf.clamp(-FP8_MAX, FP8_MAX)  # torch's cast gives NaN beyond it
     return xf.to(cache_dtype)
 
 
