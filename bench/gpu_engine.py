@@ -21,8 +21,9 @@ Needs the kvmesh package installed (docs/gpu.md) and one CUDA GPU.
    the tokens after every request has its first token over the time since then;
    end-to-end tok/s includes prefill (HF's number is end to end). The GPU time per
    decode step is taken with CUDA events around the runner's step. Roofline: (weight
-   bytes read per step + KV bytes read, averaged over the decode steps) / measured
-   copy bandwidth -> tokens/s; fraction = measured decode tok/s / that.
+   bytes read per step + KV bytes read, averaged over the decode steps, at the KV cache's
+   own element size: ``--kv-cache-dtype fp8`` halves them) / measured copy bandwidth ->
+   tokens/s; fraction = measured decode tok/s / that.
 4. Offline throughput like ``vllm bench throughput``: random prompts of 1,024 tokens,
    128 out, all submitted at once; output and total tokens/s. A deadline cuts the run
    short if needed (reported).
@@ -373,7 +374,7 @@ def engine_decode(
     step_ms = step_ms[len(step_ms) // 2] if step_ms else float("nan")
     gpu_step_ms = replay_ms(eng, B)
     m = eng.config.model
-    kv_per_tok = m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2
+    kv_per_tok = m.num_layers * 2 * m.num_kv_heads * m.head_dim * eng.runner.kv_cache.element_size()  # fp8: 1
     mean_ctx = P + N / 2  # context read per sequence, averaged over the decode steps
     step_bytes = weight_bytes_per_step(eng, B) + B * mean_ctx * kv_per_tok
     roof = B / (step_bytes / bw)
@@ -439,6 +440,7 @@ def bench_8b(args, bw: float) -> EngineCore:
         max_num_seqs=256,
         max_model_len=2048,
         gpu_memory_utilization=0.9,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     del loaded  # the unfused q/k/v/gate/up tensors go now; the pool was sized with them present
     torch.cuda.empty_cache()
@@ -446,6 +448,7 @@ def bench_8b(args, bw: float) -> EngineCore:
     R["graph_capture_s"] = eng.runner.graph_capture_s
     R["attention_warm_up"] = dict(s=eng.runner.warm_up_s, configs=eng.runner.warm_up_configs)
     R["num_kv_blocks"] = eng.runner.num_blocks
+    R["kv_cache_dtype"] = str(eng.runner.kv_cache.dtype).replace("torch.", "")
     log(
         f"engine built in {R['engine_build_s']:.1f}s ({eng.runner.num_blocks} KV blocks, graphs "
         f"{eng.runner.graph_sizes} in {eng.runner.graph_capture_s:.1f}s)"
@@ -636,6 +639,12 @@ def main() -> int:
         "--gemv-ab",
         action="store_true",
         help="also time batch 1 with cuBLAS GEMVs (KVMESH_GEMV=0) before the default GEMV kernel",
+    )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="the 8B engine's KV cache (fp8: float8_e4m3fn, scale 1.0; the roofline counts its bytes)",
     )
     ap.add_argument("--json", default="gpu_engine.json", help="file name of the results under $OUT (or the cwd)")
     ap.add_argument("--budget-s", type=float, default=560.0, help="whole-run deadline (throughput is cut to fit)")

@@ -532,6 +532,7 @@ def main():
     print("checks:", flush=True)
     checks = [
         C.check_write_kv,
+        C.check_fp8_kv,
         C.check_blocks,
         C.check_elementwise,
         C.check_fused,

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvmesh.cli_fields import add_arguments, cli, scalar_type, values_from
 
-from .config import ROLES, CacheConfig, EngineConfig, ModelConfig, Role, SchedulerConfig
+from .config import KV_CACHE_DTYPES, ROLES, CacheConfig, EngineConfig, ModelConfig, Role, SchedulerConfig
 
 CRD = "crd"
 
@@ -88,6 +88,20 @@ class EngineArgs:
     )
     dtype: str | None = _setting(
         None, choices=["float32", "bfloat16", "float16"], crd=CrdProperty("dtype", "auto", unset="auto")
+    )
+    kv_cache_dtype: str | None = _setting(
+        None,
+        "KV cache element type: auto (the model's dtype) or fp8 (float8_e4m3fn: half the bytes, twice the "
+        "blocks; static per-layer scales, the checkpoint's k_scale/v_scale or 1.0)",
+        choices=list(KV_CACHE_DTYPES),
+        crd=CrdProperty(
+            "kvCacheDtype",
+            "auto",
+            unset="auto",
+            enum=KV_CACHE_DTYPES,
+            description="KV cache element type: auto (the model's dtype) or fp8 (float8_e4m3fn, twice the "
+            "blocks per GB). KV blocks move only between pods that agree; others recompute.",
+        ),
     )
     device: str | None = _setting(None, "cpu, cuda, cuda:1 (default: cuda if available)")
     gpu_memory_utilization: float = _setting(
@@ -180,7 +194,7 @@ class EngineArgs:
             model=model,
             dtype=dtype,
             device=device,
-            cache=self._pick(CacheConfig),
+            cache=self._pick(CacheConfig, kv_cache_dtype=self.kv_cache_dtype or "auto"),
             scheduler=self._pick(SchedulerConfig, max_model_len=max_len),
         )
 

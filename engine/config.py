@@ -12,6 +12,8 @@ from typing import Literal
 
 Role = Literal["both", "prefill", "decode"]
 ROLES: tuple[str, ...] = ("both", "prefill", "decode")
+# "auto": the KV cache holds the model's dtype; "fp8": float8_e4m3fn with static per-layer scales
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,11 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory_gb: float = 2.0
     gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; fp8 halves the bytes per block (twice the blocks)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

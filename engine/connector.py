@@ -102,8 +102,9 @@ class KVConnector:
         return False, None
 
     # ---- worker side --------------------------------------------------------
-    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """Receive the engine's KV tensor ``[num_blocks, num_layers, 2, block_size, Hkv, D]``."""
+    def register_kv_cache(self, kv_cache: torch.Tensor, kv_scales_id: str = "") -> None:
+        """Receive the engine's KV tensor ``[num_blocks, num_layers, 2, block_size, Hkv, D]``; an FP8
+        cache comes with its scales' fingerprint, part of the block layout peers must share."""
 
     def start_load_kv(self, meta: ConnectorMetadata) -> None:
         """Begin loading the blocks named in ``meta`` (before the forward pass)."""

@@ -58,7 +58,7 @@ class EngineCore:
         )
         self.connector = connector or KVConnector()
         self.connector.configure(config)
-        self.connector.register_kv_cache(self.runner.kv_cache)
+        self.connector.register_kv_cache(self.runner.kv_cache, getattr(self.runner, "kv_scales_id", ""))
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv,

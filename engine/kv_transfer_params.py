@@ -29,6 +29,9 @@ def check_kv_transfer_params(params: Any) -> str | None:
             return f"kv_transfer_params.{flag} must be a boolean"
     if params.get("do_remote_decode") and params.get("do_remote_prefill"):
         return "kv_transfer_params cannot ask for both do_remote_decode and do_remote_prefill"
+    layout = params.get("remote_kv_layout")
+    if layout is not None and (not isinstance(layout, str) or not 0 < len(layout) <= 200):
+        return "kv_transfer_params.remote_kv_layout must be a short string (the sender's KV layout)"
     if not params.get("do_remote_prefill"):
         return None
     ids = params.get("remote_block_ids")

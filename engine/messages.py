@@ -64,4 +64,9 @@ class EngineStats(msgspec.Struct):
 
 
 # connector stats key -> the ``reason`` of kvmesh:kv_transfer_refused_total
-KV_TRANSFER_REFUSALS = {"auth_rejected": "auth", "claims_refused": "claim", "hash_mismatches": "hash_mismatch"}
+KV_TRANSFER_REFUSALS = {
+    "auth_rejected": "auth",
+    "claims_refused": "claim",
+    "hash_mismatches": "hash_mismatch",
+    "kv_layout_refused": "kv_layout",  # blocks of another KV dtype, block shape or FP8 scales
+}

@@ -14,9 +14,11 @@ from .kv_cache import copy_blocks, gather_blocks, rope_write_kv, write_kv
 from .matmul import gemv_config, gemv_enabled, linear, silu_mul_linear
 from .reference import (
     copy_blocks_reference,
+    dequantize_kv_reference,
     gather_blocks_reference,
     linear_reference,
     paged_attention_reference,
+    quantize_kv_reference,
     race_argmax_reference,
     race_noise_reference,
     rms_norm_reference,
@@ -50,9 +52,11 @@ __all__ = [
     "top_p_threshold",
     "write_kv",
     "copy_blocks_reference",
+    "dequantize_kv_reference",
     "gather_blocks_reference",
     "linear_reference",
     "paged_attention_reference",
+    "quantize_kv_reference",
     "race_argmax_reference",
     "race_noise_reference",
     "softmax_temperature_reference",

@@ -8,6 +8,8 @@ import torch
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 INTS = (torch.int32, torch.int64)
+FP8 = torch.float8_e4m3fn  # the FP8 KV cache's element type (--kv-cache-dtype fp8)
+KV_DTYPES = (*FLOATS, FP8)
 
 
 def fail(fn: str, msg: str):
@@ -44,7 +46,7 @@ def check_cache_pair(fn, k_cache, v_cache):
         fail(fn, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
     if k_cache.dtype != v_cache.dtype:
         fail(fn, f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) differ in dtype")
-    check_dtype(fn, "k_cache", k_cache, FLOATS)
+    check_dtype(fn, "k_cache", k_cache, KV_DTYPES)
     check_last_contig(fn, "k_cache", k_cache)
     check_last_contig(fn, "v_cache", v_cache)
     check_device(fn, "k_cache", k_cache, v_cache=v_cache)
@@ -93,3 +95,19 @@ def check_rope(fn, positions, query, key, cos_sin_cache):
     check_last_contig(fn, "query", query)
     check_last_contig(fn, "key", key)
     check_last_contig(fn, "cos_sin_cache", cos_sin_cache)
+
+
+def check_kv_scales(fn, k_scale, v_scale, k_cache):
+    """The KV cache's dequantisation scales: both None (values stored as they are) or both
+    float32 ``[Hkv]`` on the cache's device (a per-tensor scale is its value repeated per head)."""
+    if k_scale is None and v_scale is None:
+        return
+    if k_scale is None or v_scale is None:
+        fail(fn, "k_scale and v_scale must be given together")
+    hkv = k_cache.shape[2]
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        check_dim(fn, name, t, 1)
+        check_dtype(fn, name, t, (torch.float32,))
+        if t.shape[0] != hkv or t.stride(0) != 1:
+            fail(fn, f"{name} must be a contiguous [{hkv}] (one scale per KV head), got {tuple(t.shape)}")
+    check_device(fn, "k_cache", k_cache, k_scale=k_scale, v_scale=v_scale)

@@ -15,7 +15,17 @@ import torch
 
 from . import _dispatch
 from . import reference as _ref
-from ._checks import FLOATS, INTS, check_cache_pair, check_device, check_dim, check_dtype, check_last_contig, fail
+from ._checks import (
+    FLOATS,
+    INTS,
+    check_cache_pair,
+    check_device,
+    check_dim,
+    check_dtype,
+    check_kv_scales,
+    check_last_contig,
+    fail,
+)
 from ._dispatch import backend, cdiv, hopper, num_sms, p2, pdl
 
 
@@ -169,6 +179,8 @@ def paged_attention(
     k_natural: bool = False,
     head_fastest: bool | None = None,
     tma: bool | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed variable-length queries over the paged KV cache.
 
@@ -186,6 +198,10 @@ def paged_attention(
     when the caller passes ``max_query_len=1`` itself, which then is a promise of at most one
     query token per sequence (a sequence with more gets NaN for its earlier tokens), and only
     where the cache layout allows a descriptor; every other hint only tunes speed.
+
+    The cache may be FP8 (``float8_e4m3fn``, written by `rope_write_kv` / `write_kv`): keys and
+    values are then read as ``stored * k_scale[head]`` / ``stored * v_scale[head]`` (float32
+    ``[Hkv]``, both or neither; without them the stored values are used as they are).
     """
     fn = "paged_attention"
     check_dim(fn, "query", query, 3)
@@ -229,10 +245,20 @@ def paged_attention(
     )
     if not math.isfinite(scale):
         fail(fn, f"scale must be finite, got {scale}")
+    check_kv_scales(fn, k_scale, v_scale, k_cache)
     be = backend(query)
     if be == "reference":
         return _ref.paged_attention_reference(
-            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            out=out,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     if B == 0 or T == 0:
         return out
@@ -274,6 +300,9 @@ def paged_attention(
         l_sum = torch.empty_like(m)
         stride_os, stride_ms, stride_mt = part.stride(0), m.stride(0), m.stride(1)
     kern = _dispatch.kernels_for(query)
+    scaled = k_scale is not None
+    ks = k_scale if scaled else seq_lens  # never read unscaled
+    vs = v_scale if scaled else seq_lens
     if cfg["tma"]:
         assert descs is not None  # cfg keeps "tma" only where both descriptors were built
         kern.paged_decode_tma_kernel[(B * Hkv, nseg)](
@@ -286,6 +315,8 @@ def paged_attention(
             block_tables,
             query_start_loc,
             seq_lens,
+            ks,
+            vs,
             scale_log2,
             *query.stride()[:2],
             part.stride(-3),
@@ -300,6 +331,7 @@ def paged_attention(
             BLOCK_SIZE=bs,
             NUM_KV_HEADS=Hkv,
             NUM_SEG=nseg,
+            KV_SCALED=scaled,
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
             **pdl(query, T),
@@ -330,6 +362,7 @@ def paged_attention(
             K_NATURAL=bool(k_natural),
             HEAD_FASTEST=hf,
             NUM_KV_HEADS=Hkv,
+            KV_SCALED=scaled,
         )
         grid = (num_q_blocks * Hkv, 1, nseg) if hf else (num_q_blocks, Hkv, nseg)
         kern.paged_attention_kernel[grid](
@@ -342,6 +375,8 @@ def paged_attention(
             block_tables,
             query_start_loc,
             seq_lens,
+            ks,
+            vs,
             scale_log2,
             B,
             num_q_blocks,

@@ -3,6 +3,11 @@
 The caches the model passes are per-layer strided views of the engine's one KV tensor
 ``[num_blocks, layers, 2, block_size, Hkv, D]``, so block strides are passed to the kernels, never
 assumed; a slot of -1 (a padding token of a CUDA-graph batch) is skipped.
+
+An FP8 cache (``float8_e4m3fn``, ``--kv-cache-dtype fp8``) is written quantized: each key and
+value is divided by its KV head's static scale (``k_scale`` / ``v_scale``, float32 ``[Hkv]``;
+a per-tensor scale repeats one value), clamped to +-448 and cast; attention multiplies back on
+read (`paged_attention`). Without scales the values are cast as they are (scale 1).
 """
 
 from __future__ import annotations
@@ -13,29 +18,43 @@ import torch
 
 from . import _dispatch
 from . import reference as _ref
-from ._checks import INTS, check_dim, check_dtype, check_kv_write, check_rope, fail
+from ._checks import FP8, INTS, check_dim, check_dtype, check_kv_scales, check_kv_write, check_rope, fail
 from ._dispatch import backend, cdiv, p2, pdl
 
 
-def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+def _scale_args(key, k_cache, k_scale, v_scale) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The scale pointers (any tensor when unscaled: the kernel never reads it) and the
+    constexprs that pick the quantizing variant."""
+    scaled = k_scale is not None
+    ks = k_scale if scaled else key
+    vs = v_scale if scaled else key
+    return ks, vs, dict(KV_SCALED=scaled, KV_FP8=k_cache.dtype == FP8)
+
+
+def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Write new keys/values ``[T, Hkv, D]`` into their cache slots; slot -1 is skipped.
 
     The caches are per-layer strided views of the engine's KV tensor, so their
-    block stride is passed to the kernel rather than assumed."""
+    block stride is passed to the kernel rather than assumed. ``k_scale`` / ``v_scale``
+    (float32 ``[Hkv]``, optional) quantize as the module docstring says."""
     fn = "write_kv"
     check_kv_write(fn, key, value, k_cache, v_cache, slot_mapping)
+    check_kv_scales(fn, k_scale, v_scale, k_cache)
     T, Hkv, D = key.shape
     be = backend(key)
     if be == "reference":
-        return _ref.write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+        return _ref.write_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if T == 0:
         return None
+    ks, vs, quant = _scale_args(key, k_cache, k_scale, v_scale)
     _dispatch.kernels_for(key).write_kv_kernel[(T,)](
         key,
         value,
         k_cache,
         v_cache,
         slot_mapping,
+        ks,
+        vs,
         *key.stride()[:2],
         *value.stride()[:2],
         *k_cache.stride()[:3],
@@ -45,6 +64,7 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         HEAD_D=D,
         D_PAD=p2(D),
         BLOCK_SIZE=k_cache.shape[1],
+        **quant,
         num_warps=4 if Hkv * D >= 1024 else 1,
         **pdl(key, T),
     )
@@ -124,19 +144,26 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tens
     return out
 
 
-def rope_write_kv(positions, query, key, value, k_cache, v_cache, slot_mapping, cos_sin_cache) -> torch.Tensor:
+def rope_write_kv(
+    positions, query, key, value, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale=None, v_scale=None
+) -> torch.Tensor:
     """`rope` on query and key, then `write_kv` of the rotated key and the value, in one
-    launch; returns the rotated query. Same checks and semantics as the two calls."""
+    launch; returns the rotated query. Same checks and semantics as the two calls (an FP8
+    cache: the rotated key, rounded to the key's dtype, is what gets quantized)."""
     fn = "rope_write_kv"
     check_rope(fn, positions, query, key, cos_sin_cache)
     check_kv_write(fn, key, value, k_cache, v_cache, slot_mapping)
+    check_kv_scales(fn, k_scale, v_scale, k_cache)
     T, Hq, D = query.shape
     Hkv = key.shape[1]
     if backend(query) == "reference":
-        return _ref.rope_write_kv_reference(positions, query, key, value, k_cache, v_cache, slot_mapping, cos_sin_cache)
+        return _ref.rope_write_kv_reference(
+            positions, query, key, value, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale, v_scale
+        )
     qo = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if T == 0:
         return qo
+    ks, vs, quant = _scale_args(key, k_cache, k_scale, v_scale)
     half = D // 2
     _dispatch.kernels_for(query).rope_write_kv_kernel[(T,)](
         positions,
@@ -148,6 +175,8 @@ def rope_write_kv(positions, query, key, value, k_cache, v_cache, slot_mapping, 
         v_cache,
         slot_mapping,
         cos_sin_cache,
+        ks,
+        vs,
         *query.stride()[:2],
         *key.stride()[:2],
         *value.stride()[:2],
@@ -162,6 +191,7 @@ def rope_write_kv(positions, query, key, value, k_cache, v_cache, slot_mapping, 
         HALF=half,
         HALF_PAD=p2(half),
         BLOCK_SIZE=k_cache.shape[1],
+        **quant,
         num_warps=4 if Hq * D >= 2048 else 1,
         **pdl(query, T),
     )

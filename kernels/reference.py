@@ -20,6 +20,28 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448: an FP8 KV cache's writes clamp to it
+
+
+def quantize_kv_reference(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """What the cache stores for keys or values ``x`` ``[T, Hkv, D]``: ``x / scale[head]`` (fp32),
+    clamped to the FP8 range when the cache is FP8, cast to the cache's dtype."""
+    if scale is None and cache_dtype != torch.float8_e4m3fn:
+        return x.to(cache_dtype)
+    xf = x.float()
+    if scale is not None:
+        xf = xf / scale[:, None]
+    if cache_dtype == torch.float8_e4m3fn:
+        xf = xf.clamp(-FP8_MAX, FP8_MAX)  # torch's cast gives NaN beyond it
+    return xf.to(cache_dtype)
+
+
+def dequantize_kv_reference(cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cached keys or values ``[..., Hkv, D]`` back in ``dtype``: ``stored * scale[head]`` (fp32)."""
+    if scale is None:
+        return cache.to(dtype)
+    return (cache.float() * scale[:, None]).to(dtype)
+
 
 def write_kv_reference(
     key: torch.Tensor,  # [T, Hkv, D]
@@ -27,15 +49,18 @@ def write_kv_reference(
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int, -1 = skip
+    k_scale: torch.Tensor | None = None,  # [Hkv] float32: the cache holds key / k_scale
+    v_scale: torch.Tensor | None = None,  # [Hkv] float32
 ) -> None:
-    """Scatter new keys/values into their cache slots, skipping padding slots."""
+    """Scatter new keys/values into their cache slots, skipping padding slots (quantized as
+    `quantize_kv_reference` says)."""
     block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots % block_size
-    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
+    k_cache[blocks, offsets] = quantize_kv_reference(key[valid], k_cache.dtype, k_scale)
+    v_cache[blocks, offsets] = quantize_kv_reference(value[valid], v_cache.dtype, v_scale)
 
 
 def _gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -53,8 +78,13 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,  # [B] int: context + new tokens of sequence b (already written to the cache)
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,  # [Hkv] float32: keys are stored * k_scale
+    v_scale: torch.Tensor | None = None,  # [Hkv] float32
 ) -> torch.Tensor:
     """Causal attention of packed variable-length queries over paged KV.
+
+    The cached keys and values are first upcast (`dequantize_kv_reference`): an FP8 cache
+    is read as ``stored * scale`` per KV head, in the query's dtype.
 
     The query tokens of sequence ``b`` are its last ``q_len`` positions, so token
     ``i`` of the chunk (position ``seq_len - q_len + i``) attends to keys
@@ -86,8 +116,8 @@ def paged_attention_reference(
         pos = torch.arange(max_len, device=query.device)
         mask = pos[None, :] < lens_sel[:, None]  # [D_, L]
         q = query[rows].reshape(D_, 1, Hq, D).transpose(1, 2)
-        k = k.transpose(1, 2).to(query.dtype)
-        v = v.transpose(1, 2).to(query.dtype)
+        k = dequantize_kv_reference(k, k_scale, query.dtype).transpose(1, 2)
+        v = dequantize_kv_reference(v, v_scale, query.dtype).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=(Hq != Hkv)
         )
@@ -98,8 +128,8 @@ def paged_attention_reference(
         if q_len <= 1:
             continue  # empty, or handled by the batched decode call above
         seq_len = lens[b]
-        k = _gather_context(k_cache, block_tables[b], seq_len).to(query.dtype)
-        v = _gather_context(v_cache, block_tables[b], seq_len).to(query.dtype)
+        k = dequantize_kv_reference(_gather_context(k_cache, block_tables[b], seq_len), k_scale, query.dtype)
+        v = dequantize_kv_reference(_gather_context(v_cache, block_tables[b], seq_len), v_scale, query.dtype)
         q = query[s:e].transpose(0, 1)  # [Hq, q_len, D]
         k = k.transpose(0, 1)
         v = v.transpose(0, 1)
@@ -175,11 +205,13 @@ def rope_write_kv_reference(
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int, -1 = skip
     cos_sin_cache: torch.Tensor,  # [max_pos, D]
+    k_scale: torch.Tensor | None = None,  # [Hkv] float32
+    v_scale: torch.Tensor | None = None,  # [Hkv] float32
 ) -> torch.Tensor:
     """RoPE on query and key, then the rotated key and the value into their cache slots.
     Returns the rotated query (the rotated key lives only in the cache)."""
     q, k = rope_reference(positions, query, key, cos_sin_cache)
-    write_kv_reference(k, value, k_cache, v_cache, slot_mapping)
+    write_kv_reference(k, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
 
 

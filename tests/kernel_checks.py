@@ -371,6 +371,56 @@ def check_write_kv(gen):
         record(f"write_kv {str(dtype)[6:]} bs{bs} hkv{hkv} d{d}", 0.0 if torch.equal(kv, before) else 1.0, 0.0)
 
 
+def check_fp8_kv(gen):
+    """FP8 KV cache: quantizing writes (per-head scales, values beyond the range clamped) equal the
+    reference bit for bit; attention over the FP8 cache (pointer kernel: decode, split-KV, prefill
+    over a context; TMA decode on Hopper) within the bf16 bound of the reference that upcasts the
+    same FP8 values; block moves of the FP8 pool exact."""
+    fp8 = torch.float8_e4m3fn
+    small = DEV == "cpu"  # the interpreter (tests/kernels): the same checks on small shapes
+    bs, hkv, hq, d = (16, 2, 8, 32) if small else (16, 8, 32, 128)
+    kv = torch.zeros(40, 3, 2, bs, hkv, d, dtype=fp8, device=DEV)
+    before = kv.clone()
+    T = 50
+    slots = torch.randperm(40 * bs, device=DEV, generator=gen)[:T].to(torch.int64)
+    slots[::7] = -1
+    key = torch.randn(T, hkv, d, dtype=torch.bfloat16, device=DEV, generator=gen) * 20
+    val = torch.randn(T, hkv, d, dtype=torch.bfloat16, device=DEV, generator=gen) * 20
+    key[0, 0, :2] = torch.tensor([1e4, -1e4], device=DEV)
+    ks = (torch.rand(hkv, device=DEV, generator=gen) * 0.5 + 0.05).float()
+    vs = (ks * 1.7).contiguous()
+    K.write_kv(key, val, kv[:, 2, 0], kv[:, 2, 1], slots, ks, vs)
+    K.write_kv_reference(key, val, before[:, 2, 0], before[:, 2, 1], slots, ks, vs)
+    same = torch.equal(kv.view(torch.uint8), before.view(torch.uint8))
+    record("write_kv fp8 per-head scales", 0.0 if same else 1.0, 0.0)
+    ids = torch.randperm(40, device=DEV, generator=gen)[:6].to(torch.int32)
+    record(
+        "gather_blocks fp8",
+        0.0 if torch.equal(K.gather_blocks(kv, ids), K.gather_blocks_reference(kv, ids)) else 1.0,
+        0.0,
+    )
+    cases = [
+        ("decode", [1] * 6, [0, 17, 300, 64, 1000, 15], {}),
+        ("decode split", [1] * 2, [700, 2000], {"num_segments": 8}),
+        ("prefill+ctx", [37, 1, 120], [40, 300, 0], {}),
+    ]
+    if small:
+        cases = [("decode", [1] * 3, [0, 17, 40], {}), ("prefill+ctx", [9, 1], [20, 30], {})]
+    elif _dispatch.hopper(torch.device(DEV)):
+        cases.append(("decode tma", [1] * 4, [0, 33, 500, 2047], {"tma": True}))
+    for name, q_lens, ctx, kw in cases:
+        p = make_paged(q_lens, ctx, hq, hkv, d, bs, torch.bfloat16, gen=gen)
+        k8 = (p["k"].float() * 4).to(fp8)
+        v8 = (p["v"].float() * 4).to(fp8)
+        out = torch.full_like(p["q"], float("nan"))
+        hints = dict(max_query_len=p["max_q"], max_seq_len=p["max_s"], **kw)
+        K.paged_attention(p["q"], k8, v8, p["bt"], p["qsl"], p["sl"], d**-0.5, out=out, k_scale=ks, v_scale=vs, **hints)
+        ref = K.paged_attention_reference(
+            p["q"].float(), k8, v8, p["bt"], p["qsl"], p["sl"], d**-0.5, k_scale=ks, v_scale=vs
+        )
+        record(f"attention fp8 KV {name}", rel_err(out, ref), ATT_BOUND[torch.bfloat16])
+
+
 def check_blocks(gen):
     kv = torch.randn(64, 4, 2, 16, 8, 128, dtype=torch.bfloat16, device=DEV, generator=gen)
     perm = torch.randperm(64, device=DEV, generator=gen)

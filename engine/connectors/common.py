@@ -2,7 +2,10 @@
 
 The layout description is what two engines compare before moving bytes between them:
 a block is raw bytes, so the only protection against reading garbage is refusing to
-move blocks between engines whose block shape, dtype or model differ.
+move blocks between engines whose block shape, dtype or model differ. Its signature,
+``"float8_e4m3fn|30x2x16x3x64|s1a2b3c4d"`` (dtype | block shape | the FP8 scales'
+fingerprint, absent for an unscaled cache), travels in the NIXL handshake, in each Redis
+value's header and in the ``remote_kv_layout`` of a prefill's ``kv_transfer_params``.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ class BlockLayout:
     base_addr: int
     mem_type: str  # "DRAM" (CPU tensor) or "VRAM" (CUDA tensor), NIXL's names
     dev_id: int
+    scales: str = ""  # fingerprint of an FP8 cache's static scales (engine/models/kv_scales.py); "" unscaled
 
     @classmethod
-    def of(cls, kv_cache: torch.Tensor) -> BlockLayout:
+    def of(cls, kv_cache: torch.Tensor, scales: str = "") -> BlockLayout:
         if not kv_cache.is_contiguous():
             raise ValueError("the KV cache must be contiguous to be addressed block by block")
         n = kv_cache.shape[0]
@@ -40,6 +44,7 @@ class BlockLayout:
             base_addr=kv_cache.data_ptr(),
             mem_type="VRAM" if cuda else "DRAM",
             dev_id=(kv_cache.device.index or 0) if cuda else 0,
+            scales=scales,
         )
 
     @property
@@ -48,7 +53,28 @@ class BlockLayout:
 
     def signature(self) -> str:
         """What must match between a writer and a reader of a block (not where it lives)."""
-        return f"{self.dtype}|{'x'.join(map(str, self.block_shape))}"
+        sig = f"{self.dtype}|{self.shape_signature()}"
+        return f"{sig}|s{self.scales}" if self.scales else sig
+
+    def shape_signature(self) -> str:
+        return "x".join(map(str, self.block_shape))
+
+
+def layout_refusal(remote: object, local: BlockLayout) -> str | None:
+    """Why blocks written under the layout signature ``remote`` must not be read into ``local``'s
+    pool (another dtype, block shape or FP8 scales); None when they may (or ``remote`` is unknown)."""
+    if remote is None or remote == local.signature():
+        return None
+    parts = str(remote).split("|")
+    if parts[0] != local.dtype:
+        what = f"its KV cache is {parts[0]}, this engine's {local.dtype}"
+    elif parts[1:2] != [local.shape_signature()]:
+        what = "the block shapes differ"
+    else:
+        what = "their FP8 KV scales differ"
+    return (
+        f"KV layout {remote} cannot be read into this engine's {local.signature()} ({what}; use one --kv-cache-dtype)"
+    )
 
 
 def model_namespace(model_identity: str, layout: BlockLayout) -> str:

@@ -28,8 +28,10 @@ def meta_problem(meta: dict, params: dict, model_identity: str | None, layout: B
         return f"it speaks transfer protocol {meta.get('version')}, this engine {PROTOCOL_VERSION}"
     if model_identity is not None and meta.get("model_identity") != model_identity:
         return "it serves another model"
-    if layout is not None and meta.get("layout") != layout.signature():
+    if layout is not None and str(meta.get("layout")).split("|")[1:2] != [layout.shape_signature()]:
         return f"its KV layout {meta.get('layout')} differs from this engine's {layout.signature()}"
+    # Another KV dtype or FP8 scales alone is no reason to refuse the request: its blocks are refused
+    # at pull time (counted as kv_layout) and the prompt recomputed.
     bs = layout.block_size if layout is not None else None
     if bs is not None and params.get("remote_block_size", bs) != bs:
         return f"remote_block_size {params['remote_block_size']} is not the block size {bs}"

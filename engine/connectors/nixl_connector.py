@@ -63,7 +63,7 @@ from ..connector import ConnectorMetadata, KVConnector
 from ..kv_auth import load_kv_auth_key, missing_key_message
 from ..kv_transfer_params import check_kv_transfer_params
 from ..request import RequestStatus
-from .common import BlockLayout
+from .common import BlockLayout, layout_refusal
 from .nixl_admission import PeerMetaCache, meta_problem
 from .nixl_agent import KVAgent
 from .nixl_leases import HeldBlocks
@@ -157,6 +157,7 @@ class NixlConnector(KVConnector):
             "sends_released": 0,
             "leases_expired": 0,
             "bad_params": 0,
+            "kv_layout_refused": 0,  # pulls refused because the sender's KV dtype/layout is not ours
             "params_rejected": 0,
             "handshakes": 0,
             "auth_rejected": 0,  # messages (prefill) or replies (decode) refused for lack of a valid MAC
@@ -190,10 +191,10 @@ class NixlConnector(KVConnector):
         assert self.engine_config is not None, "configure() was not called"
         return self.engine_config.cache.block_size
 
-    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+    def register_kv_cache(self, kv_cache: torch.Tensor, kv_scales_id: str = "") -> None:
         if self.engine_config is None:
             raise RuntimeError("NixlConnector needs the engine config before register_kv_cache")
-        self.layout = lay = BlockLayout.of(kv_cache)
+        self.layout = lay = BlockLayout.of(kv_cache, kv_scales_id)
         self.agent_name = f"{self.engine_config.engine_id}-{uuid.uuid4().hex[:12]}"
         self.agent = KVAgent(
             self.agent_name, kv_cache, lay, self.backends, self.ucx_error_handling_mode, self.progress_thread
@@ -308,7 +309,7 @@ class NixlConnector(KVConnector):
             return p
         return None
 
-    def _usable_blocks(self, request: Request) -> int | None:
+    def _usable_blocks(self, request: Request, check_layout: bool = True) -> int | None:
         """How many remote blocks belong to this request's prompt; None if the params cannot be used.
 
         The chained hash of the last offered block must be given and equal ours: it covers every
@@ -325,6 +326,8 @@ class NixlConnector(KVConnector):
             return 0
         if p.get("remote_block_size", self.block_size) != self.block_size:
             return None
+        if check_layout and self.layout is not None and layout_refusal(p.get("remote_kv_layout"), self.layout):
+            return None  # refused in update_state_after_alloc
         n = len(ids)
         want = p.get("remote_block_hash")
         if want is None or len(request.block_hashes) < n or request.block_hashes[n - 1].hex() != want:
@@ -344,6 +347,22 @@ class NixlConnector(KVConnector):
         if p is None or request.request_id in self._consumed:
             return
         self._consumed.add(request.request_id)
+        refusal = layout_refusal(p.get("remote_kv_layout"), self.layout) if self.layout is not None else None
+        if refusal is not None:
+            # Blocks of another KV dtype (or shape, or FP8 scales) are never read: count, say so, give
+            # the prefill its blocks back now rather than at lease expiry (only when the params' hash is
+            # this prompt's: a tampered copy of another request's params never releases its transfer),
+            # and compute locally.
+            self.stats["kv_layout_refused"] += 1
+            log.warning(
+                "request %s: refused the KV blocks of engine %s: %s; recomputing",
+                request.request_id,
+                p.get("remote_engine_id"),
+                refusal,
+            )
+            if self._usable_blocks(request, check_layout=False):  # this prompt's transfer: ours to give back
+                self._submit_release(p["remote_host"], p["remote_port"], p["remote_transfer_id"])
+            return
         n = self._usable_blocks(request)
         if n is None:
             self.stats["bad_params"] += 1
@@ -412,6 +431,8 @@ class NixlConnector(KVConnector):
             "remote_block_size": bs,
             "remote_num_tokens": n_full * bs,
         }
+        if self.layout is not None:
+            params["remote_kv_layout"] = self.layout.signature()  # a decode pod of another KV dtype refuses
         if n_full == 0:
             return False, params  # shorter than one block: nothing worth holding, decode computes it all
         xid = secrets.token_hex(16)
@@ -505,6 +526,8 @@ class NixlConnector(KVConnector):
                 self.stats["loads_failed"] += 1
                 if ld.failure == "hash_mismatch":
                     self.stats["hash_mismatches"] += 1
+                elif ld.failure == "kv_layout":
+                    self.stats["kv_layout_refused"] += 1
             if ld.abandoned:
                 done_sending.add(rid)  # its blocks sit in the scheduler's delayed_free
             elif outcome:

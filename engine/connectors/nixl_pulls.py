@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .common import BlockLayout
+from .common import BlockLayout, layout_refusal
 from .nixl_agent import KVAgent
 from .nixl_side_channel import DONE_PREFIX, PROTOCOL_VERSION
 
@@ -41,7 +41,7 @@ class Pull:
     abandoned: bool = False  # the request was aborted while loading: free its blocks when the read stops
     started: float = field(default_factory=time.monotonic)
     posted: float | None = None  # when the READ was posted (claim done, remote agent known)
-    failure: str | None = None  # why the pull failed: "claim", "hash_mismatch", "mismatch", "read", "timeout"
+    failure: str | None = None  # why: "claim", "hash_mismatch", "kv_layout", "mismatch", "read", "timeout"
 
     @property
     def notif(self) -> bytes:
@@ -64,8 +64,10 @@ class Pull:
             raise RuntimeError(f"the side channel belongs to engine {meta.get('engine_id')!r}")
         if meta.get("version") != PROTOCOL_VERSION:
             raise RuntimeError(f"remote speaks protocol {meta.get('version')}, this engine {PROTOCOL_VERSION}")
-        if meta["layout"] != layout.signature():
-            raise RuntimeError(f"KV layout differs: remote {meta['layout']}, local {layout.signature()}")
+        refusal = layout_refusal(meta["layout"], layout)
+        if refusal is not None:
+            self.failure = "kv_layout"
+            raise RuntimeError(refusal)
         if meta["model_identity"] != model_identity:
             raise RuntimeError(f"remote serves another model: {meta['model_identity']}")
         r = agent.remote(meta)

@@ -16,7 +16,8 @@ Redis AUTH: the password comes from ``password``, else ``password_file``, else
 Value = a fixed header + the block's raw bytes (all layers, K and V, exactly as
 ``kv_cache[b]`` holds them)::
 
-    magic "KVMB" | u16 version | u16 layout length | layout "float32|30x2x16x3x64"
+    magic "KVMB" | u16 version | u16 layout length | layout "float32|30x2x16x3x64" (an FP8 cache:
+    "float8_e4m3fn|30x2x16x3x64|s<scales>", see engine/connectors/common.py)
     | 32-byte block hash | u64 payload length | u32 crc32(payload) | payload
 
 The header is checked field by field on read; any mismatch, a missing key or a
@@ -50,7 +51,7 @@ import numpy as np
 import torch
 
 from ..connector import ConnectorMetadata, KVConnector
-from .common import BlockLayout, model_namespace
+from .common import BlockLayout, layout_refusal, model_namespace
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -174,6 +175,7 @@ class RedisConnector(KVConnector):
             "redis_errors": 0,
             "corrupt_blocks": 0,
             "missing_blocks": 0,
+            "kv_layout_refused": 0,  # P/D requests whose prefill wrote another KV dtype/layout: recomputed
         }
         if engine_config is not None:
             self.configure(engine_config)
@@ -209,11 +211,11 @@ class RedisConnector(KVConnector):
             return self._save_opt
         return self.engine_config is None or self.engine_config.role != "decode"
 
-    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+    def register_kv_cache(self, kv_cache: torch.Tensor, kv_scales_id: str = "") -> None:
         if self.engine_config is None:
             raise RuntimeError("RedisConnector needs the engine config before register_kv_cache")
         self.kv_cache = kv_cache
-        self.layout = BlockLayout.of(kv_cache)
+        self.layout = BlockLayout.of(kv_cache, kv_scales_id)
         self._sig = self.layout.signature().encode()
         self.prefix = f"kvmesh:{model_namespace(self.engine_config.model.identity(), self.layout)}:"
         self.check_auth()
@@ -250,6 +252,8 @@ class RedisConnector(KVConnector):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.load_enabled or self.kv_cache is None or request.request_id in self._consumed:
             return 0, False
+        if self._refuses(request):
+            return 0, False
         bs = self.layout.block_size if self.layout else 1
         start = num_computed_tokens // bs
         stop = min(len(request.block_hashes), (request.num_tokens - 1) // bs)  # the last token is never loaded
@@ -271,6 +275,21 @@ class RedisConnector(KVConnector):
             n += 1
         self.stats["lookup_hit_blocks"] += n
         return n * bs, n > 0
+
+    def _refuses(self, request: Request) -> bool:
+        """A P/D request whose prefill (its ``kv_transfer_params``) wrote blocks of another KV layout
+        (dtype, block shape, FP8 scales): they live under another namespace and this engine could not
+        read them anyway, so it says so once, counts it and computes the prompt itself."""
+        p = request.kv_transfer_params
+        if not isinstance(p, dict) or self.layout is None:
+            return False
+        refusal = layout_refusal(p.get("remote_kv_layout"), self.layout)
+        if refusal is None:
+            return False
+        self._consumed.add(request.request_id)
+        self.stats["kv_layout_refused"] += 1
+        log.warning("request %s: refused the prefill's KV blocks: %s; recomputing", request.request_id, refusal)
+        return True
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         if num_external_tokens <= 0 or self.layout is None:
@@ -328,6 +347,8 @@ class RedisConnector(KVConnector):
             "do_remote_decode": False,
             "remote_num_tokens": n_full * bs,
         }
+        if self.layout is not None:
+            params["remote_kv_layout"] = self.layout.signature()  # a decode pod of another KV dtype refuses
         if n_full:
             params["remote_block_hash"] = request.block_hashes[n_full - 1].hex()
         return False, params

@@ -50,6 +50,7 @@ class LlamaForCausalLM(torch.nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         max_positions: int | None = None,
+        kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -95,6 +96,8 @@ class LlamaForCausalLM(torch.nn.Module):
         n_pos = max_positions or cfg.max_position_embeddings
         self.cos_sin = cos_sin_cache(cfg, n_pos).to(device)  # float32 on purpose: HF rotates in float32
         self._views: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        # per layer (k_scale, v_scale), float32 [Hkv], for an FP8 KV cache (engine/models/kv_scales.py)
+        self.kv_scales = kv_scales
 
     def layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer ``(k_cache, v_cache)`` views, made once per KV tensor rather than per step."""
@@ -137,9 +140,19 @@ class LlamaForCausalLM(torch.nn.Module):
             k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = caches[li]
-            q = kernels.rope_write_kv(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, self.cos_sin)
+            ks, vs = self.kv_scales[li] if self.kv_scales is not None else (None, None)
+            q = kernels.rope_write_kv(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, self.cos_sin, ks, vs)
             attn = kernels.paged_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale, **hints
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                self.scale,
+                k_scale=ks,
+                v_scale=vs,
+                **hints,
             )
             h = kernels.linear(attn.reshape(T, self.q_size), layer["o"])
             x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)

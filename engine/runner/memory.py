@@ -29,9 +29,15 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
 
 
+def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
+    """The KV pool's element type: the model's dtype, or float8_e4m3fn for ``kv_cache_dtype="fp8"``."""
+    return torch.float8_e4m3fn if config.cache.kv_cache_dtype == "fp8" else torch_dtype(config.dtype)
+
+
 def kv_bytes_per_block(config: EngineConfig) -> int:
+    """Bytes of one block (all layers, K and V): an FP8 pool fits twice the bf16 blocks in a budget."""
     m = config.model
-    return m.num_layers * 2 * config.cache.block_size * m.num_kv_heads * m.head_dim * torch_dtype(config.dtype).itemsize
+    return m.num_layers * 2 * config.cache.block_size * m.num_kv_heads * m.head_dim * kv_cache_dtype(config).itemsize
 
 
 def num_blocks_for(config: EngineConfig, weight_bytes: int = 0, reserve_bytes: int = 0) -> int:
@@ -65,13 +71,15 @@ def profile_reserve(
     model: LlamaForCausalLM, config: EngineConfig, max_model_len: int, dtype: torch.dtype, device: torch.device
 ) -> int:
     """Run the largest eager step once on a scratch cache; return the bytes a step needs on top
-    of what is allocated now (activation peak, graph pool estimate, sampler logits). GPU only."""
+    of what is allocated now (activation peak, graph pool estimate, sampler logits). GPU only.
+    The scratch cache has the pool's element type (FP8 or not), so the step runs the kernels
+    the engine will."""
     cfg, sc = config.model, config.scheduler
     block_size = config.cache.block_size
     T = max(1, min(sc.max_num_batched_tokens, max_model_len))
     nb = cdiv(T, block_size) + 1
     scratch = torch.zeros(
-        (nb, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=device
+        (nb, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), dtype=kv_cache_dtype(config), device=device
     )
     dev = device
     i32: dict[str, Any] = dict(dtype=torch.int32, device=dev)

@@ -26,11 +26,12 @@ import torch
 from kvmesh import kernels
 
 from ..config import EngineConfig
+from ..models.kv_scales import kv_cache_scales, scales_fingerprint
 from ..models.llama import LlamaForCausalLM
 from ..sched_output import SchedulerOutput
 from .graphs import DecodeGraphs
 from .inputs import EagerStager, Staging, StepPlan, cdiv, eager_layout_size, plan_step
-from .memory import configure_cpu_threads, num_blocks_for, profile_reserve, torch_dtype
+from .memory import configure_cpu_threads, kv_cache_dtype, num_blocks_for, profile_reserve, torch_dtype
 from .rounds import DecodeRoundRunner
 from .warmup import attention_launch_configs, warm_up_attention, warm_up_sampler
 
@@ -51,8 +52,12 @@ class ModelRunner(DecodeRoundRunner):
         self.max_model_len = max(config.scheduler.max_model_len, 1)
         self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
         m = config.model
+        self.kv_dtype = kv_cache_dtype(config)
+        fp8 = self.kv_dtype == torch.float8_e4m3fn
+        scales = kv_cache_scales(state_dict, m, self.device) if fp8 else None
+        self.kv_scales_id = scales_fingerprint(scales)  # part of the KV layout the connectors compare
         self.model = LlamaForCausalLM(
-            config.model, state_dict, self.dtype, self.device, max_positions=self.max_model_len
+            config.model, state_dict, self.dtype, self.device, max_positions=self.max_model_len, kv_scales=scales
         )
         self.sched_cfg = config.scheduler
         n_stage = eager_layout_size(
@@ -66,7 +71,7 @@ class ModelRunner(DecodeRoundRunner):
         self.num_blocks = num_blocks_for(config, reserve_bytes=reserve)
         self.kv_cache = torch.zeros(
             (self.num_blocks, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim),
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         self.graphs: DecodeGraphs | None = None

@@ -67,13 +67,27 @@ def warm_up_attention(
     m = model.cfg
     dev, D = device, m.head_dim
     k_cache, v_cache = model.layer_caches(kv_cache)[0]
+    ks, vs = model.kv_scales[0] if model.kv_scales is not None else (None, None)  # FP8: the scaled variants
     for n in (1, 2):  # n one-token sequences
         q = torch.zeros((n, m.num_heads, D), dtype=dtype, device=dev)
         bt = torch.zeros((n, 16), dtype=torch.int32, device=dev)
         qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
         seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         for cfg in configs:
-            kernels.paged_attention(q, k_cache, v_cache, bt, qsl, seq_lens, 1.0, max_query_len=1, max_seq_len=1, **cfg)
+            kernels.paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                bt,
+                qsl,
+                seq_lens,
+                1.0,
+                max_query_len=1,
+                max_seq_len=1,
+                k_scale=ks,
+                v_scale=vs,
+                **cfg,
+            )
     torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - t0
     log.info("compiled %d attention launch configurations in %.1fs", len(configs), seconds)

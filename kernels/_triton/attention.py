@@ -20,6 +20,8 @@ def paged_attention_kernel(
     bt_ptr,
     qsl_ptr,
     seqlen_ptr,
+    ks_ptr,
+    vs_ptr,
     scale_log2,
     num_seqs,
     num_q_blocks,
@@ -50,6 +52,7 @@ def paged_attention_kernel(
     K_NATURAL: tl.constexpr,
     HEAD_FASTEST: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
+    KV_SCALED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Unified causal paged attention (decode, prefill, chunked prefill, mixed).
@@ -74,6 +77,11 @@ def paged_attention_kernel(
     tiles and writes an unnormalised partial result plus its row max and sum (log2
     domain) for `reduce_segments_kernel`; that keeps the GPU full when there are few
     sequences with long contexts.
+
+    An FP8 cache is read as it is stored and converted to the query's dtype for the products
+    (exact: every e4m3 value is a bf16/fp16 value); with KV_SCALED the KV head's key scale is
+    folded into the softmax scale and its value scale into the output, so dequantizing costs
+    two loads per program, not a multiply per element.
     """
     grid_dependency(PDL)
     if HEAD_FASTEST:
@@ -105,6 +113,8 @@ def paged_attention_kernel(
         return
     seq_len = tl.load(seqlen_ptr + b).to(tl.int32)
     ctx = seq_len - q_len
+    if KV_SCALED:
+        scale_log2 = scale_log2 * tl.load(ks_ptr + kvh)
 
     offs_m = tl.arange(0, BLOCK_M)
     tok_local = qb * BLOCK_Q + offs_m // QPK_PAD
@@ -206,6 +216,8 @@ def paged_attention_kernel(
         m_i = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]
+    if KV_SCALED:
+        acc = acc * tl.load(vs_ptr + kvh)
     if NUM_SEG > 1:
         # Partial result for this key slice (fp32, unnormalised) + row stats.
         po = (
@@ -247,6 +259,8 @@ def paged_decode_tma_kernel(
     bt_ptr,
     qsl_ptr,
     seqlen_ptr,
+    ks_ptr,
+    vs_ptr,
     scale_log2,
     stride_qt,
     stride_qh,
@@ -262,6 +276,7 @@ def paged_decode_tma_kernel(
     BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     NUM_SEG: tl.constexpr,
+    KV_SCALED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Decode attention (one query token per sequence) reading K/V one page per step with TMA.
@@ -284,6 +299,9 @@ def paged_decode_tma_kernel(
     `reduce_segments_kernel`, exactly like the pointer kernel's split-KV: with fewer programs
     than SMs (small decode batches) every SM still gets several, each with pages in flight; there
     it matches or beats the pointer kernel's split.
+
+    An FP8 cache: pages are loaded as FP8 (half the bytes) and converted to the query's dtype;
+    KV_SCALED scales as in `paged_attention_kernel`.
     """
     grid_dependency(PDL)
     pid = tl.program_id(0)
@@ -295,6 +313,8 @@ def paged_decode_tma_kernel(
     if q_len == 0:
         return
     seq_len = tl.load(seqlen_ptr + b).to(tl.int32)
+    if KV_SCALED:
+        scale_log2 = scale_log2 * tl.load(ks_ptr + kvh)
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = offs_m < QPK
     head = kvh * QPK + offs_m % QPK
@@ -316,14 +336,14 @@ def paged_decode_tma_kernel(
         p_end = full_pages + 1
     for pg in range(p_begin, tl.minimum(p_end, full_pages)):  # no branch in the pipelined loop
         blk = tl.load(bt_row + pg).to(tl.int32)
-        k = k_desc.load([blk, 0, col]).reshape(BLOCK_SIZE, HEAD_D)
-        v = v_desc.load([blk, 0, col]).reshape(BLOCK_SIZE, HEAD_D)
+        k = k_desc.load([blk, 0, col]).reshape(BLOCK_SIZE, HEAD_D).to(q.dtype)
+        v = v_desc.load([blk, 0, col]).reshape(BLOCK_SIZE, HEAD_D).to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(tl.dot(q, tl.trans(k)) * scale_log2, v, m_i, l_i, acc)
     # The last, partly filled page (later slots hold stale data), in the segment that owns it.
     if (full_pages * BLOCK_SIZE < seq_len) & (p_begin <= full_pages) & (full_pages < p_end):
         blk = tl.load(bt_row + full_pages).to(tl.int32)
-        k = k_desc.load([blk, 0, col]).reshape(BLOCK_SIZE, HEAD_D)
-        v = v_desc.load([blk, 0, col]).reshape(BLOCK_SIZE, HEAD_D)
+        k = k_desc.load([blk, 0, col]).reshape(BLOCK_SIZE, HEAD_D).to(q.dtype)
+        v = v_desc.load([blk, 0, col]).reshape(BLOCK_SIZE, HEAD_D).to(q.dtype)
         n_ok = full_pages * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE) < seq_len
         s = tl.where(n_ok[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, tl.where(n_ok[:, None], v, 0.0), m_i, l_i, acc)
@@ -331,6 +351,8 @@ def paged_decode_tma_kernel(
     # earlier tokens get NaN (loud), not a silently wrong attention.
     nan = tl.full([BLOCK_M, HEAD_D], float("nan"), tl.float32)
     nan_row = tl.full([BLOCK_M], float("nan"), tl.float32)
+    if KV_SCALED:
+        acc = acc * tl.load(vs_ptr + kvh)
     if NUM_SEG > 1:
         # Partial for this page run (a run past the sequence's end keeps m = -inf, l = 0).
         po = o_ptr + seg.to(tl.int64) * stride_os + head[:, None] * stride_oh + offs_d[None, :]

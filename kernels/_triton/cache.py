@@ -9,12 +9,50 @@ from ._common import grid_dependency
 
 
 @triton.jit
+def _round_e4m3(x):
+    """fp32 ``x`` (|x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, still in
+    fp32: the cast that follows is then exact on the GPU and in Triton's interpreter alike (whose
+    own fp32 -> fp8 conversion rounds ties up and loses the carry into the exponent). Integer
+    arithmetic on the bits: normal values keep 3 mantissa bits (the add carries into the
+    exponent); below 2^-6 (FP8 subnormals) the significand is rounded to a multiple of 2^-9."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    ab = bits & 0x7FFFFFFF
+    normal = (ab + 0x7FFFF + ((ab >> 20) & 1)) & 0xFFF00000
+    e = ((ab >> 23) & 0xFF).to(tl.int32) - 127
+    m = ((ab & 0x7FFFFF) | 0x800000).to(tl.int32)  # 1.m * 2^23
+    sh = tl.minimum(14 - e, 30)  # value / 2^-9 = m >> sh (sh >= 21 here)
+    q = m >> sh
+    rem = m - (q << sh)
+    half = tl.full(m.shape, 1, tl.int32) << (sh - 1)
+    q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    sub = (q.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)
+    r = tl.where(e < -6, sub, normal)
+    return (r | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize(x, s_ptr, h, h_ok, KV_SCALED: tl.constexpr, KV_FP8: tl.constexpr):
+    """Keys or values ``x`` [H, D] as the cache stores them: divided by their KV head's scale,
+    and for an FP8 cache clamped to +-448 (a cast beyond it gives NaN) and rounded to FP8
+    (`_round_e4m3`); the caller casts. Unchanged when neither applies, so a bf16 cache compiles
+    exactly as before."""
+    if KV_SCALED:
+        x = x.to(tl.float32) / tl.load(s_ptr + h, mask=h_ok, other=1.0)[:, None]
+    if KV_FP8:
+        x = _round_e4m3(tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0))
+    return x
+
+
+@triton.jit
 def write_kv_kernel(
     key_ptr,
     value_ptr,
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    ks_ptr,
+    vs_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -30,9 +68,12 @@ def write_kv_kernel(
     HEAD_D: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_SCALED: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
-    """One program per token: copy its [Hkv, D] key and value into the slot's page.
+    """One program per token: copy its [Hkv, D] key and value into the slot's page (quantized by
+    `_quantize`: scaled per KV head, clamped for FP8).
 
     Padding slots (-1) return before touching memory, which is what lets the
     runner pad a batch to a CUDA-graph size without a scratch block."""
@@ -51,6 +92,9 @@ def write_kv_kernel(
     v = tl.load(value_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
     vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
+    h_ok = h < HKV
+    k = _quantize(k, ks_ptr, h, h_ok, KV_SCALED, KV_FP8)
+    v = _quantize(v, vs_ptr, h, h_ok, KV_SCALED, KV_FP8)
     tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -100,6 +144,8 @@ def rope_write_kv_kernel(
     v_cache_ptr,
     slot_ptr,
     cs_ptr,
+    ks_ptr,
+    vs_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -122,6 +168,8 @@ def rope_write_kv_kernel(
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_SCALED: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """One program per token: rotate its query heads (written to ``qo``), rotate its key heads
@@ -159,10 +207,15 @@ def rope_write_kv_kernel(
         # round to the key's dtype first: that is what the unfused path stores and then casts
         r1 = (k1 * cos[None, :] - k2 * sin[None, :]).to(k_ptr.dtype.element_ty)
         r2 = (k2 * cos[None, :] + k1 * sin[None, :]).to(k_ptr.dtype.element_ty)
+        hk_ok = hk < HKV
+        r1 = _quantize(r1, ks_ptr, hk, hk_ok, KV_SCALED, KV_FP8)
+        r2 = _quantize(r2, ks_ptr, hk, hk_ok, KV_SCALED, KV_FP8)
         kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + hk[:, None] * stride_kch + j[None, :]
         tl.store(kc, r1.to(k_cache_ptr.dtype.element_ty), mask=mk)
         tl.store(kc + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=mk)
         vb = v_ptr + t * stride_vt + hk[:, None] * stride_vh + j[None, :]
         vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + hk[:, None] * stride_vch + j[None, :]
-        tl.store(vc, tl.load(vb, mask=mk).to(v_cache_ptr.dtype.element_ty), mask=mk)
-        tl.store(vc + HALF, tl.load(vb + HALF, mask=mk).to(v_cache_ptr.dtype.element_ty), mask=mk)
+        v1 = _quantize(tl.load(vb, mask=mk), vs_ptr, hk, hk_ok, KV_SCALED, KV_FP8)
+        v2 = _quantize(tl.load(vb + HALF, mask=mk), vs_ptr, hk, hk_ok, KV_SCALED, KV_FP8)
+        tl.store(vc, v1.to(v_cache_ptr.dtype.element_ty), mask=mk)
+        tl.store(vc + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mk)

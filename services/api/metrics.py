@@ -166,7 +166,8 @@ class ServerMetrics:
             "kvmesh:kv_transfer_refused",
             "KV-transfer messages and pulls refused by the connector: reason=auth (a side-channel message or reply "
             "without a valid MAC, stale or replayed), claim (an authenticated claim or release naming what is not "
-            "held), hash_mismatch (held blocks hold another prompt; recomputed).",
+            "held), hash_mismatch (held blocks hold another prompt; recomputed), kv_layout (blocks of another KV "
+            "dtype, block shape or FP8 scales; recomputed).",
             L + ["reason"],
             registry=r,
         )
@@ -185,6 +186,20 @@ class ServerMetrics:
                 "max_model_len",
                 "gpu_memory_utilization",
                 "kv_connector",
+            ],
+            registry=r,
+        )
+        self.cache_config_info = Gauge(
+            "kvmesh:cache_config_info",
+            "The KV cache's configuration as labels (value 1), like vllm:cache_config_info.",
+            L
+            + [
+                "block_size",
+                "num_gpu_blocks",
+                "cache_dtype",
+                "quantization",
+                "enable_prefix_caching",
+                "gpu_memory_utilization",
             ],
             registry=r,
         )
@@ -257,6 +272,15 @@ class ServerMetrics:
             str(ready.max_model_len),
             f"{ready.gpu_memory_utilization:g}",
             ready.kv_connector,
+        ).set(1)
+        self.cache_config_info.labels(
+            self.model_name,
+            str(ready.block_size),
+            str(ready.num_kv_blocks),  # the pool's blocks, on whichever device it lives
+            ready.kv_cache_dtype,
+            ready.quantization or "none",
+            str(ready.enable_prefix_caching),
+            f"{ready.gpu_memory_utilization:g}",
         ).set(1)
 
     def on_queue_time(self, seconds: float) -> None:

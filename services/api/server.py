@@ -105,6 +105,9 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
                     "root": ready.model_name,
                     "parent": None,
                     "max_model_len": ready.max_model_len,
+                    # extra fields, as vLLM's: the weights' and the KV cache's number formats
+                    "quantization": ready.quantization or None,
+                    "kv_cache_dtype": ready.kv_cache_dtype,
                 }
                 for name in served
             ],

@@ -65,6 +65,11 @@ class Ready(msgspec.Struct, tag="ready"):
     max_num_batched_tokens: int = 0
     gpu_memory_utilization: float = 0.0
     kv_connector: str = ""
+    # Reported on /v1/models and kvmesh:cache_config_info: "auto" or "fp8" (the KV pool's element
+    # type), and the weights' quantization ("" for none, "fp8").
+    kv_cache_dtype: str = "auto"
+    quantization: str = ""
+    enable_prefix_caching: bool = True
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

@@ -18,6 +18,7 @@ import pytest
     "check",
     [
         "check_write_kv",
+        "check_fp8_kv",
         "check_blocks",
         "check_elementwise",
         "check_top_p",

@@ -28,6 +28,7 @@ def _build(spec: dict, loaded):
         role=spec.get("role", "both"),
         engine_id=spec.get("engine_id", "kvmesh-0"),
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
+        kv_cache_dtype=spec.get("kv_cache_dtype"),
     )
     engine, _ = EngineCore.from_model(args, connector=connector, loaded=loaded)
     return engine
@@ -127,12 +128,13 @@ def worker(conn, spec: dict) -> None:
                     break
                 if cmd == "gen":
                     res = run_request(engine, *args)
-                elif cmd == "ref":  # same weights, no connector: what a single engine answers
+                elif cmd == "ref":  # same weights and KV dtype, no connector: what a single engine answers
                     if ref is None:
                         from kvmesh.engine.args import EngineArgs
                         from kvmesh.engine.core import EngineCore
 
-                        ref, _ = EngineCore.from_model(EngineArgs(num_kv_blocks=64), loaded=loaded)
+                        ref_args = EngineArgs(num_kv_blocks=64, kv_cache_dtype=spec.get("kv_cache_dtype"))
+                        ref, _ = EngineCore.from_model(ref_args, loaded=loaded)
                     res = run_request(ref, *args)
                 elif cmd == "validate":  # the connector's admission check: None or the ValueError's text
                     try:

@@ -454,6 +454,57 @@ def test_fake_side_channel_reads_nothing_and_poisons_nothing(procs, prompts, ref
     _assert_drained(decode)
 
 
+@pytest.fixture(scope="module")
+def fp8_procs():
+    """A prefill and a decode engine with an FP8 KV cache (``kv_cache_dtype="fp8"``)."""
+    made: list[EngineProc] = []
+    try:
+        for role in ("prefill", "decode"):
+            opts = {"auth_key": KEY, "lease_s": 600.0} if role == "prefill" else {"auth_key": KEY}
+            spec = {"role": role, "connector": "nixl", "engine_id": f"{role}-fp8", "kv_cache_dtype": "fp8"}
+            made.append(EngineProc({**spec, "connector_opts": opts}))
+        yield made[0], made[1]
+    finally:
+        for p in made:
+            p.close()
+        for p in made:
+            assert not p.proc.is_alive()
+
+
+def test_fp8_blocks_move_between_fp8_engines_and_are_refused_from_another_dtype(procs, fp8_procs, prompts):
+    """fp8 prefill -> fp8 decode: the FP8 blocks are pulled, not recomputed, and the tokens are a
+    single fp8 engine's. float32 prefill -> fp8 decode: admitted, the blocks refused (counted as
+    kv_layout), released to the prefill at once, and the prompt recomputed to the same tokens."""
+    prefill, _ = procs
+    p8, d8 = fp8_procs
+    ref = {k: d8.call("ref", f"ref8-{k}", prompts[k], MAX_NEW)["tokens"] for k in ("long", "exact")}
+    p = prompts["long"]
+    first = p8.call("gen", "fp8-long", p, 1, {"do_remote_decode": True})
+    params = first["kv_transfer_params"]
+    assert params["remote_kv_layout"].startswith("float8_e4m3fn|")  # the dtype travels with the params
+    out = d8.call("gen", "fp8-long", p, MAX_NEW, params)
+    assert out["tokens"] == ref["long"]
+    loaded = _loadable(len(p), len(params["remote_block_ids"]))
+    assert loaded == 2 * BS and out["computed"] == len(p) - loaded + MAX_NEW - 1
+    _assert_drained(p8)
+
+    q = prompts["exact"]
+    before = prefill.call("stats")["connector"]
+    first = prefill.call("gen", "fp8-refused", q, 1, {"do_remote_decode": True})
+    params = first["kv_transfer_params"]
+    assert params["remote_kv_layout"].startswith("float32|") and params["remote_block_ids"]
+    assert d8.call("validate", params) is None  # another dtype is no reason to fail the request
+    out = d8.call("gen", "fp8-refused", q, MAX_NEW, params)
+    assert out["tokens"] == ref["exact"] and out["finish_reason"] == "length"
+    assert out["computed"] == len(q) + MAX_NEW - 1  # recomputed: nothing read
+    c = d8.call("stats")["connector"]
+    assert c["kv_layout_refused"] == 1 and c["blocks_loaded"] == 2 and c["loads_failed"] == 0
+    s = _assert_drained(prefill)  # the refused transfer's blocks went back to the prefill
+    assert s["connector"]["sends_released"] == before["sends_released"] + 1
+    assert s["connector"]["leases_expired"] == before["leases_expired"]  # released, not left to the lease
+    _assert_drained(d8)
+
+
 def test_prefill_killed_before_pull_recomputes(procs, prompts, reference):
     prefill, decode = procs
     first = prefill.call("gen", "killed", prompts["killed"], 1, {"do_remote_decode": True})

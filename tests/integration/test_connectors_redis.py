@@ -125,9 +125,10 @@ def reference(smol, one_thread, prompts):
     return {k: run_request(eng, f"ref-{k}", p, MAX_NEW)["tokens"] for k, p in prompts.items()}
 
 
-def _engine(smol, url, role="both", loaded=None, **opts):
+def _engine(smol, url, role="both", loaded=None, kv_cache_dtype=None, **opts):
     conn = make_connector("redis", None, url=url, ttl_s=600, **opts)
-    eng, _ = EngineCore.from_model(EngineArgs(num_kv_blocks=32, role=role), connector=conn, loaded=loaded or smol)
+    args = EngineArgs(num_kv_blocks=32, role=role, kv_cache_dtype=kv_cache_dtype)
+    eng, _ = EngineCore.from_model(args, connector=conn, loaded=loaded or smol)
     return eng
 
 
@@ -263,6 +264,42 @@ def decode_block_hashes(smol, prompt):
     from kvmesh.engine.hashing import block_hashes_for
 
     return block_hashes_for(prompt, BS, smol.config.identity())
+
+
+def test_fp8_blocks_through_redis_and_refused_from_another_dtype(smol, one_thread, redis_server, prompts):
+    """fp8 prefill -> fp8 decode (the prefill's params passed on, as the router does): FP8 blocks
+    loaded, not recomputed, tokens of a single fp8 engine. float32 prefill -> fp8 decode: its blocks
+    (another namespace, another header layout) are refused by the params' layout, counted, and the
+    prompt recomputed to the same tokens; nothing leaks."""
+    p = prompts["long"]
+    single, _ = EngineCore.from_model(EngineArgs(num_kv_blocks=32, kv_cache_dtype="fp8"), loaded=smol)
+    ref = run_request(single, "ref8", p, MAX_NEW)["tokens"]
+    p8 = _engine(smol, redis_server.url, role="prefill", kv_cache_dtype="fp8")
+    d8 = _engine(smol, redis_server.url, role="decode", kv_cache_dtype="fp8")
+    first = run_request(p8, "p8", p, 1, {"do_remote_decode": True})
+    params = first["kv_transfer_params"]
+    assert params["remote_kv_layout"].startswith("float8_e4m3fn|") and first["tokens"] == ref[:1]
+    keys = redis_server.client.keys("kvmesh:*")
+    assert len(keys) == len(p) // BS and all(k.decode().startswith(p8.connector.prefix) for k in keys)
+    assert b"float8_e4m3fn|" in redis_server.client.get(keys[0])[:80]  # the header names the dtype
+    out = run_request(d8, "d8", p, MAX_NEW, params)
+    assert out["tokens"] == ref
+    assert out["computed"] == len(p) - _loadable(len(p)) + MAX_NEW - 1
+    assert d8.connector.stats["blocks_loaded"] == _loadable(len(p)) // BS
+
+    pf = _engine(smol, redis_server.url, role="prefill")  # float32 (auto on the CPU)
+    first = run_request(pf, "pf", p, 1, {"do_remote_decode": True})
+    params = first["kv_transfer_params"]
+    assert params["remote_kv_layout"].startswith("float32|") and pf.connector.prefix != p8.connector.prefix
+    d8.kv.pool.reset_prefix_cache()  # no local hit: the refusal alone decides
+    out = run_request(d8, "d8-refused", p, MAX_NEW, params)
+    assert out["tokens"] == ref and out["computed"] == len(p) + MAX_NEW - 1
+    st = d8.connector.stats
+    assert st["kv_layout_refused"] == 1 and st["loads_failed"] == 0
+    assert d8.stats().kv_transfer_refused == {"kv_layout": 1}
+    _assert_no_leak(single, p8, d8, pf)
+    for e in (single, p8, d8, pf):
+        e.shutdown()
 
 
 def test_redis_stopped_mid_run_recomputes(smol, one_thread, prompts, reference):

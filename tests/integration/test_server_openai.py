@@ -111,6 +111,8 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dic
 def test_models_version_health(client, http, server):
     models = client.models.list()
     assert [m.id for m in models.data] == ["smol"]
+    entry = models.data[0].to_dict()  # extra fields: the number formats the engine runs
+    assert entry["kv_cache_dtype"] == "auto" and entry["quantization"] is None
     assert http.get("/version").json()["version"]
     assert httpx.get(server.base_url + "/health").status_code == 200  # no key needed
 
@@ -448,6 +450,7 @@ def test_metrics_parse_and_move(http):
         "vllm:request_success",
         "kvmesh:engine_steps",
         "kvmesh:engine_chained_rounds",
+        "kvmesh:cache_config_info",
     ):
         assert name in names, name
     assert 'model_name="smol"' in text

@@ -257,3 +257,29 @@ def test_metrics_counters_advance_by_delta():
     assert 'kvmesh:engine_chained_rounds_total{model_name="m"} 2.0' in text
     m.observe_finished("length", 0.5)
     assert 'vllm:request_success_total{finished_reason="length",model_name="m"} 1.0' in m.render().decode()
+
+
+def test_models_and_cache_config_info_report_number_formats():
+    """/v1/models entries carry the engine's quantization and KV cache dtype (extra fields, as vLLM's);
+    /metrics has kvmesh:cache_config_info with them as labels."""
+
+    def serve(ready):
+        fake = FakeClient()
+        fake.ready = ready
+        metrics = ServerMetrics("fake")
+        metrics.on_ready(ready)  # what the launcher does with the engine's Ready
+        app = build_app(ServerConfig(served_model_names=("fake",), api_keys=("k",)), fake, FakeTokenizer(), metrics)
+        with TestClient(app, headers={"Authorization": "Bearer k"}) as c:
+            (entry,) = c.get("/v1/models").json()["data"]
+            text = c.get("/metrics").text
+        line = next(x for x in text.splitlines() if x.startswith("kvmesh:cache_config_info{"))
+        assert line.endswith(" 1.0")
+        return entry, line
+
+    entry, line = serve(wire.Ready(1, "fake-model", 32, 16, 128, "both", kv_cache_dtype="fp8", quantization="fp8"))
+    assert (entry["quantization"], entry["kv_cache_dtype"]) == ("fp8", "fp8")
+    for label in ('block_size="16"', 'num_gpu_blocks="128"', 'cache_dtype="fp8"', 'quantization="fp8"'):
+        assert label in line, line
+    entry, line = serve(wire.Ready(1, "fake-model", 32, 16, 64, "both"))  # an unquantized model, auto KV
+    assert (entry["quantization"], entry["kv_cache_dtype"]) == (None, "auto")
+    assert 'cache_dtype="auto"' in line and 'quantization="none"' in line

@@ -257,12 +257,13 @@ def test_every_engine_field_reaches_the_engine(example: Path, role: str) -> None
         "dtype": "dtype",
         "gpu_memory_utilization": "gpuMemoryUtilization",
         "kv_cache_memory_gb": "kvCacheMemoryGB",
+        "kv_cache_dtype": "kvCacheDtype",
     }
     assert {camel[a] for a, _ in ENGINE_FLAGS} == crd_fields
     for attr, _ in ENGINE_FLAGS:
         want = getattr(e, attr)
-        if attr == "dtype" and want == "auto":
-            want = None  # the engine's default for its device
+        if attr in ("dtype", "kv_cache_dtype") and want == "auto":
+            want = None  # the flag is left out: the engine's default
         assert kw[attr] == want, attr
     gpus = spec.role(role).gpus
     assert kw["device"] == ("cpu" if gpus == 0 else None)
