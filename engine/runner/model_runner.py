@@ -26,7 +26,7 @@ import torch
 from kvmesh import kernels
 
 from ..config import EngineConfig
-from ..models.llama import LlamaForCausalLM
+from ..models import model_class
 from ..sched_output import SchedulerOutput
 from .graphs import DecodeGraphs
 from .inputs import EagerStager, Staging, StepPlan, cdiv, eager_layout_size, plan_step
@@ -51,7 +51,7 @@ class ModelRunner(DecodeRoundRunner):
         self.max_model_len = max(config.scheduler.max_model_len, 1)
         self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
         m = config.model
-        self.model = LlamaForCausalLM(
+        self.model = model_class(config.model)(
             config.model, state_dict, self.dtype, self.device, max_positions=self.max_model_len
         )
         self.sched_cfg = config.scheduler
