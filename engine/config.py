@@ -60,7 +60,9 @@ class ModelConfig:
 
     def identity(self) -> str:
         """A string naming the weights' shape; folded into block hashes so caches never mix models."""
-        ident = f"{self.name}|{self.num_layers}x{self.hidden_size}|kv{self.num_kv_heads}x{self.head_dim}|v{self.vocab_size}"
+        ident = (
+            f"{self.name}|{self.num_layers}x{self.hidden_size}|kv{self.num_kv_heads}x{self.head_dim}|v{self.vocab_size}"
+        )
         if self.architecture not in ("llama", "qwen2", "mistral"):  # the older ones keep their hashes
             ident += f"|{self.architecture}"
         if self.num_experts:

@@ -2,8 +2,8 @@
 
 HF folders: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral (the architecture from config.json's
 ``model_type``, else its ``architectures``). GGUF files: Llama and Qwen2.
-Weights come back as an HF-named state dict on the CPU, so the model code has
-one naming scheme whatever the source (Mixtral's expert names are renamed to Qwen3-MoE's). GGUF tensors are dequantized at load
+Weights come back as an HF-named state dict on the CPU, so the model code has one naming
+scheme whatever the source (Mixtral's expert names are renamed to Qwen3-MoE's). GGUF tensors are dequantized at load
 time, and llama.cpp's rotary permutation of q/k rows is undone so the result
 matches what HF `transformers` builds from the same file.
 """
@@ -149,7 +149,12 @@ def model_config_from_hf(cfg: dict, name: str) -> ModelConfig:
 
 
 # Mixtral's sparse-MLP names -> the Qwen3-MoE names the model code reads.
-_MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+_MIXTRAL_NAMES = (
+    (".block_sparse_moe.", ".mlp."),
+    (".w1.", ".gate_proj."),
+    (".w3.", ".up_proj."),
+    (".w2.", ".down_proj."),
+)
 
 
 def _hf_names(arch: str, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

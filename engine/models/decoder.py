@@ -14,8 +14,9 @@ reads one naming scheme.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, TypedDict
+from typing import Any, ClassVar, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,8 @@ class AttentionMetadata:
     max_seq_len: int = 0
 
 
-WeightFn = Callable[[str], torch.Tensor]
+WeightFn = Callable[[str], torch.Tensor]  # a checkpoint tensor by name, on the model's device and dtype
+HasFn = Callable[[str], bool]  # whether the checkpoint has a tensor of that name
 
 
 class DenseMLP:
@@ -92,6 +94,9 @@ class DecoderForCausalLM(torch.nn.Module):
                 raise ValueError(f"weight {name} missing from the checkpoint")
             return state_dict[name].to(device=device, dtype=dtype)
 
+        def has(name: str) -> bool:
+            return name in state_dict
+
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         self.lm_head = (
@@ -114,14 +119,14 @@ class DecoderForCausalLM(torch.nn.Module):
                     "k_norm": w(a + "k_norm.weight") if self.QK_NORM else None,
                     "o": w(a + "o_proj.weight"),
                     "post_norm": w(p + "post_attention_layernorm.weight"),
-                    "mlp": self.load_mlp(i, w, p + "mlp."),
+                    "mlp": self.load_mlp(i, w, has, p + "mlp."),
                 }
             )
         n_pos = max_positions or cfg.max_position_embeddings
         self.cos_sin = cos_sin_cache(cfg, n_pos).to(device)  # float32 on purpose: HF rotates in float32
         self._views: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
-    def load_mlp(self, layer: int, w: WeightFn, prefix: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def load_mlp(self, layer: int, w: WeightFn, has: HasFn, prefix: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """Layer ``layer``'s MLP from the weights under ``prefix`` (``model.layers.{i}.mlp.``)."""
         return DenseMLP(w, prefix)
 

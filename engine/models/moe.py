@@ -11,26 +11,35 @@ layers are sparse follows HF (`ModelConfig.is_sparse_layer`: ``decoder_sparse_st
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from kvmesh import kernels
 
-from .decoder import DecoderForCausalLM, DenseMLP, WeightFn
+from .decoder import DecoderForCausalLM, DenseMLP, HasFn, WeightFn
 from .qwen3 import Qwen3ForCausalLM
 
 
 class SparseMoeMLP:
-    """Top-k routed experts; expert weights stacked ``[E, 2I, H]`` (gate|up) and ``[E, H, I]`` (down)."""
+    """Top-k routed experts; expert weights stacked ``[E, 2I, H]`` (gate|up) and ``[E, H, I]`` (down).
 
-    def __init__(self, w: WeightFn, prefix: str, num_experts: int, top_k: int, renormalize: bool) -> None:
+    Read from per-expert checkpoint names (``experts.{e}.{gate,up,down}_proj.weight``), or taken
+    as they are when already stacked under HF's in-memory names (``experts.gate_up_proj``,
+    ``experts.down_proj``: what `random_init` makes, so the weights are not copied)."""
+
+    def __init__(self, w: WeightFn, has: HasFn, prefix: str, num_experts: int, top_k: int, renormalize: bool) -> None:
         self.gate = w(prefix + "gate.weight")
         e = prefix + "experts."
-        self.w_gate_up = torch.stack(
-            [torch.cat([w(f"{e}{i}.gate_proj.weight"), w(f"{e}{i}.up_proj.weight")], 0) for i in range(num_experts)]
-        )
-        self.w_down = torch.stack([w(f"{e}{i}.down_proj.weight") for i in range(num_experts)])
+        if has(e + "gate_up_proj"):
+            self.w_gate_up, self.w_down = w(e + "gate_up_proj"), w(e + "down_proj")
+        else:
+            self.w_gate_up = torch.stack(
+                [torch.cat([w(f"{e}{i}.gate_proj.weight"), w(f"{e}{i}.up_proj.weight")], 0) for i in range(num_experts)]
+            )
+            self.w_down = torch.stack([w(f"{e}{i}.down_proj.weight") for i in range(num_experts)])
+        if self.w_gate_up.shape[0] != num_experts or self.w_down.shape[0] != num_experts:
+            raise ValueError(f"{prefix}experts: {self.w_gate_up.shape[0]} experts, the config says {num_experts}")
         self.top_k = top_k
         self.renormalize = renormalize
 
@@ -40,11 +49,11 @@ class SparseMoeMLP:
 
 
 class _SparseMixin(DecoderForCausalLM):
-    def load_mlp(self, layer: int, w: WeightFn, prefix: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def load_mlp(self, layer: int, w: WeightFn, has: HasFn, prefix: str) -> Callable[[torch.Tensor], torch.Tensor]:
         c = self.cfg
         if not c.is_sparse_layer(layer):
             return DenseMLP(w, prefix)
-        return SparseMoeMLP(w, prefix, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
+        return SparseMoeMLP(w, has, prefix, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
 
 
 class Qwen3MoeForCausalLM(_SparseMixin, Qwen3ForCausalLM):

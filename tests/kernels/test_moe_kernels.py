@@ -1,6 +1,6 @@
 """The fused-MoE Triton kernel against its grouped torch reference, under TRITON_INTERPRET=1 on the CPU.
 
-Tiny shapes with ragged edges (H, I not multiples of the tiles), experts that get no pair and
+Tiny shapes with ragged edges (H, inter not multiples of the tiles), experts that get no pair and
 experts that get more than one tile, top-1 and top-3, the default launch configurations and small
 tiles. Outputs poisoned before the call. Bound: ``||out - ref|| / ||ref||`` against the reference
 in fp32 on the same rounded inputs, 1e-5 (fp32), 3e-2 (bf16: the kernel rounds gate, up, the
@@ -29,10 +29,10 @@ def rel_err(out, ref):
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def make(gen, T, H, I, E, k, dtype, skew=False):
+def make(gen, T, H, inter, E, k, dtype, skew=False):
     x = torch.randn(T, H, generator=gen).to(dtype)
-    w1 = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(dtype)
-    w2 = (torch.randn(E, H, I, generator=gen) * I**-0.5).to(dtype)
+    w1 = (torch.randn(E, 2 * inter, H, generator=gen) * H**-0.5).to(dtype)
+    w2 = (torch.randn(E, H, inter, generator=gen) * inter**-0.5).to(dtype)
     logits = torch.randn(T, E, generator=gen)
     if skew:  # most tokens to expert 0 (several tiles), expert E - 1 never chosen
         logits[:, 0] += 4.0
@@ -41,7 +41,7 @@ def make(gen, T, H, I, E, k, dtype, skew=False):
 
 
 @pytest.mark.parametrize(
-    "T,H,I,E,k,dtype,config,skew",
+    "T,H,inter,E,k,dtype,config,skew",
     [
         (5, 32, 24, 4, 2, torch.float32, (16, 16, 16, 4, 1), False),
         (37, 40, 48, 6, 3, torch.float32, (16, 32, 16, 4, 1), True),
@@ -49,8 +49,8 @@ def make(gen, T, H, I, E, k, dtype, skew=False):
         (70, 32, 16, 3, 2, torch.bfloat16, None, True),  # 140 pairs over 3 experts: the 64-row tiles
     ],
 )
-def test_fused_moe_matches_reference(gen, T, H, I, E, k, dtype, config, skew):
-    x, w1, w2, logits = make(gen, T, H, I, E, k, dtype, skew)
+def test_fused_moe_matches_reference(gen, T, H, inter, E, k, dtype, config, skew):
+    x, w1, w2, logits = make(gen, T, H, inter, E, k, dtype, skew)
     weights, ids = K.moe_routing(logits, k, renormalize=k > 1)
     assert _dispatch.backend(x) == "interpret"
     out = K.fused_moe(x, w1, w2, weights, ids, config=config)
@@ -85,4 +85,10 @@ def test_routing_and_argument_errors():
     with pytest.raises(ValueError, match="w_down"):
         K.fused_moe(x, torch.randn(3, 12, 8), torch.randn(3, 8, 5), w[:, :1].expand(2, 1), ids[:, :1].expand(2, 1))
     with pytest.raises(ValueError, match="differ in dtype"):
-        K.fused_moe(x, torch.randn(3, 12, 8).half(), torch.randn(3, 8, 6).half(), torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long))
+        K.fused_moe(
+            x,
+            torch.randn(3, 12, 8).half(),
+            torch.randn(3, 8, 6).half(),
+            torch.ones(2, 1),
+            torch.zeros(2, 1, dtype=torch.long),
+        )
