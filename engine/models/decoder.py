@@ -41,6 +41,10 @@ WeightFn = Callable[[str], torch.Tensor]  # a checkpoint tensor by name, on the 
 HasFn = Callable[[str], bool]  # whether the checkpoint has a tensor of that name
 
 
+def nbytes(*ts: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
 class DenseMLP:
     """``down(silu(gate(x)) * up(x))`` with gate|up fused into one projection."""
 
@@ -50,6 +54,10 @@ class DenseMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.silu_mul_linear(kernels.linear(x, self.gate_up), self.down)
+
+    def weight_bytes(self, num_tokens: int) -> int:
+        """Weight bytes one step over ``num_tokens`` tokens reads (all of them)."""
+        return nbytes(self.gate_up, self.down)
 
 
 class LayerWeights(TypedDict):
@@ -129,6 +137,16 @@ class DecoderForCausalLM(torch.nn.Module):
     def load_mlp(self, layer: int, w: WeightFn, has: HasFn, prefix: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """Layer ``layer``'s MLP from the weights under ``prefix`` (``model.layers.{i}.mlp.``)."""
         return DenseMLP(w, prefix)
+
+    def weight_bytes_per_step(self, num_tokens: int) -> int:
+        """Weight bytes a step over ``num_tokens`` tokens reads: every dense weight, the embedding rows
+        of those tokens, and of the experts those that tokens are routed to (the expected count under
+        uniform routing; the roofline of the GPU benchmarks)."""
+        n = nbytes(self.norm, self.lm_head) + num_tokens * nbytes(self.embed[0])
+        for layer in self.layers:
+            n += nbytes(*(t for k, t in layer.items() if k != "mlp"))  # type: ignore[misc]
+            n += layer["mlp"].weight_bytes(num_tokens)  # type: ignore[attr-defined]
+        return n
 
     def layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer ``(k_cache, v_cache)`` views, made once per KV tensor rather than per step."""

@@ -17,7 +17,7 @@ import torch
 
 from kvmesh import kernels
 
-from .decoder import DecoderForCausalLM, DenseMLP, HasFn, WeightFn
+from .decoder import DecoderForCausalLM, DenseMLP, HasFn, WeightFn, nbytes
 from .qwen3 import Qwen3ForCausalLM
 
 
@@ -46,6 +46,13 @@ class SparseMoeMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = kernels.moe_routing(kernels.linear(x, self.gate), self.top_k, self.renormalize)
         return kernels.fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
+
+    def weight_bytes(self, num_tokens: int) -> int:
+        """The router and the experts ``num_tokens`` tokens are expected to reach under uniform routing
+        (``E * (1 - (1 - k/E) ** tokens)`` distinct experts: 8 of 128 at one token, ~112 at 32)."""
+        E = self.w_gate_up.shape[0]
+        active = E * (1.0 - (1.0 - self.top_k / E) ** num_tokens)
+        return nbytes(self.gate) + int(active * nbytes(self.w_gate_up, self.w_down) / E)
 
 
 class _SparseMixin(DecoderForCausalLM):
