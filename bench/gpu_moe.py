@@ -140,15 +140,16 @@ def bench_fused_moe(quick: bool) -> None:
         x = torch.randn(T, H, generator=g, device=DEV).bfloat16()
         weights, ids = kernels.moe_routing(torch.randn(T, E, generator=g, device=DEV).bfloat16(), k, True)
         ref32 = kernels.fused_moe_reference(x.float(), w1.float(), w2.float(), weights.float(), ids)
-        ref_ms = _time(lambda: kernels.fused_moe_reference(x, w1, w2, weights, ids), 10)
+        args = (x, w1, w2, weights, ids)
+        ref_ms = _time(lambda args=args: kernels.fused_moe_reference(*args), 10)
         active = len(set(ids.flatten().tolist()))
         default = kernels.moe_config(T * k, E, x.device)
         res = {}
         for cfg in [default] + [c for c in CONFIGS if c != default and not quick]:
             try:
-                out = kernels.fused_moe(x, w1, w2, weights, ids, config=cfg)
+                out = kernels.fused_moe(*args, config=cfg)
                 err = ((out.float() - ref32).norm() / ref32.norm()).item()
-                replay = _graph(lambda cfg=cfg: kernels.fused_moe(x, w1, w2, weights, ids, config=cfg))
+                replay = _graph(lambda cfg=cfg, args=args: kernels.fused_moe(*args, config=cfg))
                 res[cfg] = (_time(replay), err)
             except Exception as e:  # a configuration that does not fit (shared memory): skipped, recorded
                 log(f"config {cfg} at T={T}: {type(e).__name__}: {e}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypedDict
+from typing import Any, ClassVar, Protocol, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,14 @@ class DenseMLP:
         return nbytes(self.gate_up, self.down)
 
 
+class MLP(Protocol):
+    """A layer's MLP: what it computes, and the weight bytes a step over some tokens reads."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def weight_bytes(self, num_tokens: int) -> int: ...
+
+
 class LayerWeights(TypedDict):
     """One decoder layer's weights, fused as the kernels take them (q/k/v concatenated)."""
 
@@ -70,7 +78,7 @@ class LayerWeights(TypedDict):
     k_norm: torch.Tensor | None
     o: torch.Tensor
     post_norm: torch.Tensor
-    mlp: Callable[[torch.Tensor], torch.Tensor]
+    mlp: MLP
 
 
 class DecoderForCausalLM(torch.nn.Module):
@@ -134,7 +142,7 @@ class DecoderForCausalLM(torch.nn.Module):
         self.cos_sin = cos_sin_cache(cfg, n_pos).to(device)  # float32 on purpose: HF rotates in float32
         self._views: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
-    def load_mlp(self, layer: int, w: WeightFn, has: HasFn, prefix: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def load_mlp(self, layer: int, w: WeightFn, has: HasFn, prefix: str) -> MLP:
         """Layer ``layer``'s MLP from the weights under ``prefix`` (``model.layers.{i}.mlp.``)."""
         return DenseMLP(w, prefix)
 
@@ -144,8 +152,8 @@ class DecoderForCausalLM(torch.nn.Module):
         uniform routing; the roofline of the GPU benchmarks)."""
         n = nbytes(self.norm, self.lm_head) + num_tokens * nbytes(self.embed[0])
         for layer in self.layers:
-            n += nbytes(*(t for k, t in layer.items() if k != "mlp"))  # type: ignore[misc]
-            n += layer["mlp"].weight_bytes(num_tokens)  # type: ignore[attr-defined]
+            attn = (layer["in_norm"], layer["qkv"], layer["qkv_bias"], layer["q_norm"], layer["k_norm"], layer["o"])
+            n += nbytes(*attn, layer["post_norm"]) + layer["mlp"].weight_bytes(num_tokens)
         return n
 
     def layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -11,13 +11,11 @@ layers are sparse follows HF (`ModelConfig.is_sparse_layer`: ``decoder_sparse_st
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from kvmesh import kernels
 
-from .decoder import DecoderForCausalLM, DenseMLP, HasFn, WeightFn, nbytes
+from .decoder import MLP, DecoderForCausalLM, DenseMLP, HasFn, WeightFn, nbytes
 from .qwen3 import Qwen3ForCausalLM
 
 
@@ -56,7 +54,7 @@ class SparseMoeMLP:
 
 
 class _SparseMixin(DecoderForCausalLM):
-    def load_mlp(self, layer: int, w: WeightFn, has: HasFn, prefix: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def load_mlp(self, layer: int, w: WeightFn, has: HasFn, prefix: str) -> MLP:
         c = self.cfg
         if not c.is_sparse_layer(layer):
             return DenseMLP(w, prefix)

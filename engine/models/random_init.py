@@ -182,5 +182,5 @@ def hf_model_from_state_dict(
     rot = model.model.rotary_emb
     with torch.device("cpu"):  # inv_freq in float32 as HF computes it, then moved with the model
         model.model.rotary_emb = type(rot)(config=cfg)
-    model.to(device=device)  # type: ignore[call-arg]  # transformers types its wrapped `to` without self
+    model.to(device=device)
     return model.eval()
