@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
-from ._common import grid_dependency
+from ._common import grid_dependency, jit_unspecialized
 from .elementwise import silu_mul
 
 
-@triton.jit
+@jit_unspecialized("num_pairs")  # T * k changes with every batch
 def fused_moe_kernel(
     a_ptr,
     w_ptr,
