@@ -82,7 +82,7 @@ def check_correctness() -> None:
     lm = random_init.random_model(cfg, name="small-moe", dtype=torch.float32, device=DEV, seed=5)
     hf = random_init.hf_model_from_state_dict(cfg, lm.state_dict, DEV, torch.float32)
     eng, _ = EngineCore.from_model(
-        EngineArgs(device=DEV, dtype="float32", max_model_len=512, num_kv_blocks=512), loaded=lm
+        EngineArgs(device=DEV, dtype="float32", max_model_len=512, num_kv_blocks=512, max_num_seqs=16), loaded=lm
     )
     g = torch.Generator().manual_seed(0)
     prompts = [

@@ -31,10 +31,11 @@ def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> t
 def moe_config(num_pairs: int, num_experts: int, device: torch.device) -> tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``num_pairs`` routed (token, slot) pairs.
 
-    Few pairs per expert (decode: at batch 128 and top-8 of 128 experts, 8 per expert) waste most
-    of a tall tile on padding and are bound by reading the active experts' weights: 16-row tiles
-    over long K chunks. Many pairs per expert (prefill) are compute bound: 64 x 128 tiles."""
-    if num_pairs <= 4 * num_experts:
+    Up to 16 pairs per expert on average (decode: at batch 128 and top-8 of 128 experts, 8 per
+    expert) would waste most of a tall tile on padding and are bound by reading the active experts'
+    weights: 16-row tiles over long K chunks. More pairs per expert (prefill) are compute bound:
+    64 x 128 tiles. `bench/gpu_moe.py` sweeps the alternatives."""
+    if num_pairs <= 16 * num_experts:
         return 16, 64, 128, 4, 3
     return 64, 128, 64, 8, 3
 
