@@ -334,13 +334,7 @@ def replay_ms(eng: EngineCore, B: int) -> float:
 
 
 def weight_bytes_per_step(eng: EngineCore, B: int) -> int:
-    m = eng.runner.model
-    n = 0
-    for layer in m.layers:
-        n += sum(t.numel() * t.element_size() for t in layer.values() if t is not None)
-    n += m.norm.numel() * m.norm.element_size() + m.lm_head.numel() * m.lm_head.element_size()
-    n += B * m.embed.shape[1] * m.embed.element_size()  # embedding rows actually read
-    return n
+    return eng.runner.model.weight_bytes_per_step(B)
 
 
 def engine_decode(

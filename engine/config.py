@@ -18,7 +18,10 @@ KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder, read from HF config.json or GGUF metadata."""
+    """Shape of a decoder-only model, read from HF config.json or GGUF metadata.
+
+    ``architecture`` is the HF ``model_type`` (``llama``, ``qwen3``, ``qwen3_moe``, ...): it picks the
+    model class (`kvmesh.engine.models.model_class`). The MoE fields are zero for dense models."""
 
     name: str
     vocab_size: int
@@ -36,6 +39,22 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 and i is not in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse_layer(self, i: int) -> bool:
+        """Whether layer ``i`` has a mixture-of-experts MLP (HF Qwen3-MoE's rule)."""
+        return (
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and self.decoder_sparse_step > 0
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -43,9 +62,14 @@ class ModelConfig:
 
     def identity(self) -> str:
         """A string naming the weights' shape; folded into block hashes so caches never mix models."""
-        return (
+        ident = (
             f"{self.name}|{self.num_layers}x{self.hidden_size}|kv{self.num_kv_heads}x{self.head_dim}|v{self.vocab_size}"
         )
+        if self.architecture not in ("llama", "qwen2", "mistral"):  # the older ones keep their hashes
+            ident += f"|{self.architecture}"
+        if self.num_experts:
+            ident += f"|e{self.num_experts}k{self.num_experts_per_tok}x{self.moe_intermediate_size}"
+        return ident
 
 
 @dataclass(frozen=True)

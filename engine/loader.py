@@ -1,7 +1,9 @@
-"""Load Llama-family weights, config and tokenizer from an HF folder or a GGUF file.
+"""Load decoder weights, config and tokenizer from an HF folder or a GGUF file.
 
-Weights come back as an HF-named state dict on the CPU, so the model code has
-one naming scheme whatever the source. GGUF tensors are dequantized at load
+HF folders: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral (the architecture from config.json's
+``model_type``, else its ``architectures``). GGUF files: Llama and Qwen2.
+Weights come back as an HF-named state dict on the CPU, so the model code has one naming
+scheme whatever the source (Mixtral's expert names are renamed to Qwen3-MoE's). GGUF tensors are dequantized at load
 time, and llama.cpp's rotary permutation of q/k rows is undone so the result
 matches what HF `transformers` builds from the same file.
 """
@@ -24,7 +26,7 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 
 class ModelLoadError(ValueError):
-    """The model source is missing, unreadable, or not a supported Llama-family model."""
+    """The model source is missing, unreadable, or not a supported architecture."""
 
 
 @dataclass
@@ -72,10 +74,30 @@ def load_model(model: str | None, load_weights: bool = True, load_tokenizer: boo
 
 
 # ---- HF folders -------------------------------------------------------------
+def hf_architecture(cfg: dict) -> str:
+    """The HF ``model_type`` a config.json names, directly or through its ``architectures``;
+    ModelLoadError for one kvmesh does not run. A config with neither is taken as Llama."""
+    from .models import BY_MODEL_TYPE, MODEL_TYPE_OF_HF
+
+    supported = ", ".join(sorted(BY_MODEL_TYPE))
+    arch = cfg.get("model_type")
+    if arch is None:
+        names = cfg.get("architectures") or ["LlamaForCausalLM"]
+        known = [MODEL_TYPE_OF_HF[n] for n in names if n in MODEL_TYPE_OF_HF]
+        if not known:
+            raise ModelLoadError(f"unsupported architectures {names}: kvmesh runs {supported}")
+        arch = known[0]
+    if arch not in BY_MODEL_TYPE:
+        raise ModelLoadError(f"unsupported model_type {arch!r}: kvmesh runs {supported}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r}: kvmesh runs SiLU-gated MLPs")
+    if cfg.get("use_sliding_window"):
+        raise ModelLoadError("sliding-window attention (use_sliding_window) is not supported")
+    return arch
+
+
 def model_config_from_hf(cfg: dict, name: str) -> ModelConfig:
-    arch = cfg.get("model_type", "llama")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise ModelLoadError(f"unsupported model_type {arch!r}: kvmesh runs Llama-family decoders")
+    arch = hf_architecture(cfg)
     heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
@@ -85,6 +107,25 @@ def model_config_from_hf(cfg: dict, name: str) -> ModelConfig:
         rope = None if rtype == "default" else tuple(sorted(rope.items()))
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    moe: dict = {}
+    if arch == "qwen3_moe":
+        moe = dict(
+            num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),  # HF's default
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+        )
+    elif arch == "mixtral":  # every layer sparse, experts of intermediate_size, always renormalised
+        moe = dict(
+            num_experts=int(cfg["num_local_experts"]),
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True,
+        )
+    if moe and not 0 < moe["num_experts_per_tok"] <= moe["num_experts"]:
+        raise ModelLoadError(f"num_experts_per_tok must be in 1..num_experts, got {moe['num_experts_per_tok']}")
     return ModelConfig(
         name=name,
         vocab_size=cfg["vocab_size"],
@@ -92,7 +133,7 @@ def model_config_from_hf(cfg: dict, name: str) -> ModelConfig:
         intermediate_size=cfg["intermediate_size"],
         num_layers=cfg["num_hidden_layers"],
         num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
@@ -102,7 +143,30 @@ def model_config_from_hf(cfg: dict, name: str) -> ModelConfig:
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        architecture=arch,
+        **moe,
     )
+
+
+# Mixtral's sparse-MLP names -> the Qwen3-MoE names the model code reads.
+_MIXTRAL_NAMES = (
+    (".block_sparse_moe.", ".mlp."),
+    (".w1.", ".gate_proj."),
+    (".w3.", ".up_proj."),
+    (".w2.", ".down_proj."),
+)
+
+
+def _hf_names(arch: str, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if arch != "mixtral":
+        return sd
+    out = {}
+    for k, v in sd.items():
+        if ".block_sparse_moe." in k:
+            for a, b in _MIXTRAL_NAMES:
+                k = k.replace(a, b)
+        out[k] = v
+    return out
 
 
 def _load_hf_folder(path: str, load_weights: bool, load_tokenizer: bool) -> LoadedModel:
@@ -124,6 +188,7 @@ def _load_hf_folder(path: str, load_weights: bool, load_tokenizer: bool) -> Load
                 sd.update(load_file(os.path.join(path, name)))
             except Exception as e:  # safetensors raises its own error types
                 raise ModelLoadError(f"cannot read {name}: {e}") from e
+        sd = _hf_names(config.architecture, sd)
     tok = None
     if load_tokenizer:
         from transformers import AutoTokenizer
@@ -195,6 +260,7 @@ def _load_gguf(path: str, load_weights: bool, load_tokenizer: bool) -> LoadedMod
             attention_bias="blk.0.attn_q.bias" in names,
             bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
+            architecture=arch,
         )
     except (TypeError, KeyError, ValueError) as e:
         raise ModelLoadError(f"GGUF metadata incomplete in {path}: {e}") from e

@@ -3,7 +3,7 @@
 Every public function checks its arguments and dispatches per call: compiled Triton on CUDA
 tensors, the Triton interpreter on CPU tensors when ``TRITON_INTERPRET=1``, else the torch
 reference in `kvmesh.kernels.reference` (see `kvmesh.kernels._dispatch`). Wrappers live in one
-module per family (attention, kv_cache, elementwise, matmul, sampling), kernel bodies in
+module per family (attention, kv_cache, elementwise, matmul, moe, sampling), kernel bodies in
 `kvmesh.kernels._triton`. See docs/kernels.md for the KV layout, tolerances and measurements.
 """
 
@@ -12,11 +12,14 @@ from .attention import attention_config, paged_attention
 from .elementwise import rms_norm, rope, silu_and_mul
 from .kv_cache import copy_blocks, gather_blocks, rope_write_kv, write_kv
 from .matmul import gemv_config, gemv_enabled, linear, silu_mul_linear
+from .moe import fused_moe, moe_config, moe_routing
 from .reference import (
     copy_blocks_reference,
     dequantize_kv_reference,
+    fused_moe_reference,
     gather_blocks_reference,
     linear_reference,
+    moe_routing_reference,
     paged_attention_reference,
     quantize_kv_reference,
     race_argmax_reference,
@@ -36,10 +39,13 @@ __all__ = [
     "attention_config",
     "backend",
     "copy_blocks",
+    "fused_moe",
     "gather_blocks",
     "gemv_config",
     "gemv_enabled",
     "linear",
+    "moe_config",
+    "moe_routing",
     "paged_attention",
     "race_argmax",
     "race_noise",
@@ -53,8 +59,10 @@ __all__ = [
     "write_kv",
     "copy_blocks_reference",
     "dequantize_kv_reference",
+    "fused_moe_reference",
     "gather_blocks_reference",
     "linear_reference",
+    "moe_routing_reference",
     "paged_attention_reference",
     "quantize_kv_reference",
     "race_argmax_reference",

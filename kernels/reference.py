@@ -225,6 +225,49 @@ def silu_mul_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Te
     return F.linear(silu_and_mul_reference(x), weight)
 
 
+def moe_routing_reference(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing as HF Qwen3-MoE / Mixtral route: softmax over all experts in float32, the k
+    largest (``(weights, expert_ids)``, each ``[T, k]``), renormalised to sum to 1 if asked, the
+    weights then cast to the logits' dtype."""
+    probs = router_logits.float().softmax(-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def fused_moe_reference(
+    x: torch.Tensor,  # [T, H]
+    w_gate_up: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows, per expert
+    w_down: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k] int
+) -> torch.Tensor:
+    """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = topk_ids[t, j]``.
+
+    Grouped per expert: the (token, slot) pairs sorted by expert, one gate|up and one down matmul
+    per expert over its rows, the results scattered back to pair order, weighted, summed over the
+    k slots. Every intermediate is rounded to ``x``'s dtype as HF's per-expert loop rounds it."""
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+    rows = x[order // k]
+    out = torch.empty(T * k, H, dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            seg = order[start : start + n]
+            hid = silu_and_mul_reference(F.linear(rows[start : start + n], w_gate_up[e]))
+            out[seg] = F.linear(hid, w_down[e])
+            start += n
+    out = out * topk_weights.reshape(-1, 1).to(x.dtype)
+    return out.view(T, k, H).sum(1)
+
+
 def softmax_temperature_reference(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """``softmax(logits / temperature[row])`` per row, in float32."""
     return (logits.float() / temperature[:, None]).softmax(-1)

@@ -1,3 +1,41 @@
-from .llama import LlamaForCausalLM
+"""Model classes by architecture: every one is the decoder skeleton (`decoder.py`) plus what differs."""
 
-__all__ = ["LlamaForCausalLM"]
+from __future__ import annotations
+
+from ..config import ModelConfig
+from .decoder import AttentionMetadata, DecoderForCausalLM
+from .llama import LlamaForCausalLM
+from .moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from .qwen3 import Qwen3ForCausalLM
+
+MODEL_CLASSES: tuple[type[DecoderForCausalLM], ...] = (
+    LlamaForCausalLM,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
+    MixtralForCausalLM,
+)
+# HF ``model_type`` -> class, and HF class name (config.json ``architectures``) -> model_type.
+BY_MODEL_TYPE: dict[str, type[DecoderForCausalLM]] = {t: c for c in MODEL_CLASSES for t in c.MODEL_TYPES}
+MODEL_TYPE_OF_HF: dict[str, str] = {a: t for c in MODEL_CLASSES for a, t in zip(c.HF_ARCHITECTURES, c.MODEL_TYPES)}
+
+
+def model_class(cfg: ModelConfig) -> type[DecoderForCausalLM]:
+    """The class that runs ``cfg.architecture`` (the loader already refused unknown ones)."""
+    try:
+        return BY_MODEL_TYPE[cfg.architecture]
+    except KeyError:
+        raise ValueError(f"no model class for architecture {cfg.architecture!r}") from None
+
+
+__all__ = [
+    "AttentionMetadata",
+    "BY_MODEL_TYPE",
+    "DecoderForCausalLM",
+    "LlamaForCausalLM",
+    "MODEL_CLASSES",
+    "MODEL_TYPE_OF_HF",
+    "MixtralForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "model_class",
+]

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..models.llama import AttentionMetadata, LlamaForCausalLM
+from ..models.decoder import AttentionMetadata, DecoderForCausalLM
 from .inputs import Staging, StepPlan
 
 log = logging.getLogger("kvmesh.engine")
@@ -47,7 +47,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: DecoderForCausalLM,
         kv_cache: torch.Tensor,
         staging: Staging,
         max_num_seqs: int,

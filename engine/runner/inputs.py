@@ -16,7 +16,7 @@ from typing import Generic, NamedTuple, TypeVar
 import numpy as np
 import torch
 
-from ..models.llama import AttentionMetadata
+from ..models.decoder import AttentionMetadata
 from ..sched_output import SchedulerOutput
 
 A = TypeVar("A")  # what EagerInputs holds: host arrays, then device tensors

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..config import EngineConfig
-from ..models.llama import AttentionMetadata, LlamaForCausalLM
+from ..models.decoder import AttentionMetadata, DecoderForCausalLM
 from .graphs import GRAPH_SIZES
 from .inputs import cdiv
 
@@ -68,7 +68,7 @@ def configure_cpu_threads() -> None:
 
 
 def profile_reserve(
-    model: LlamaForCausalLM, config: EngineConfig, max_model_len: int, dtype: torch.dtype, device: torch.device
+    model: DecoderForCausalLM, config: EngineConfig, max_model_len: int, dtype: torch.dtype, device: torch.device
 ) -> int:
     """Run the largest eager step once on a scratch cache; return the bytes a step needs on top
     of what is allocated now (activation peak, graph pool estimate, sampler logits). GPU only.

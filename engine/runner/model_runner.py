@@ -26,8 +26,8 @@ import torch
 from kvmesh import kernels
 
 from ..config import EngineConfig
+from ..models import model_class
 from ..models.kv_scales import kv_cache_scales, scales_fingerprint
-from ..models.llama import LlamaForCausalLM
 from ..sched_output import SchedulerOutput
 from .graphs import DecodeGraphs
 from .inputs import EagerStager, Staging, StepPlan, cdiv, eager_layout_size, plan_step
@@ -56,7 +56,7 @@ class ModelRunner(DecodeRoundRunner):
         fp8 = self.kv_dtype == torch.float8_e4m3fn
         scales = kv_cache_scales(state_dict, m, self.device) if fp8 else None
         self.kv_scales_id = scales_fingerprint(scales)  # part of the KV layout the connectors compare
-        self.model = LlamaForCausalLM(
+        self.model = model_class(config.model)(
             config.model, state_dict, self.dtype, self.device, max_positions=self.max_model_len, kv_scales=scales
         )
         self.sched_cfg = config.scheduler

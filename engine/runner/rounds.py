@@ -19,12 +19,12 @@ from ..device_draw import draw_on_device
 from ..host_copy import to_device
 from ..logit_adjustment import LogitAdjustment
 from ..logprobs import SampleResult, device_logprobs, logprob_width, results_with_logprobs
-from ..models.llama import AttentionMetadata
+from ..models.decoder import AttentionMetadata
 from ..sched_output import SchedulerOutput
 from .inputs import StepPlan, block_table, plan_step
 
 if TYPE_CHECKING:
-    from ..models.llama import LlamaForCausalLM
+    from ..models.decoder import DecoderForCausalLM
     from .graphs import DecodeGraphs
     from .inputs import Staging
 
@@ -53,7 +53,7 @@ class DecodeRoundRunner:
     """`ModelRunner`'s decode-round methods. The attributes below, and ``_apply_copies`` and
     ``_uses_graph``, are the runner's."""
 
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     kv_cache: torch.Tensor
     device: torch.device
     cuda: bool

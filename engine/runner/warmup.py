@@ -16,7 +16,7 @@ from kvmesh import kernels
 
 from ..config import ModelConfig, SchedulerConfig
 from ..device_draw import draw_on_device
-from ..models.llama import LlamaForCausalLM
+from ..models.decoder import DecoderForCausalLM
 from ..sampling_params import SamplingParams
 
 log = logging.getLogger("kvmesh.engine")
@@ -54,7 +54,7 @@ def attention_launch_configs(
 
 
 def warm_up_attention(
-    model: LlamaForCausalLM, kv_cache: torch.Tensor, configs: list[dict], dtype: torch.dtype, device: torch.device
+    model: DecoderForCausalLM, kv_cache: torch.Tensor, configs: list[dict], dtype: torch.dtype, device: torch.device
 ) -> float:
     """Compile every attention launch configuration in ``configs`` now, on dummy decode launches;
     returns the seconds it took.

@@ -6,6 +6,7 @@ from .attention import paged_attention_kernel, paged_decode_tma_kernel, reduce_s
 from .cache import block_copy_kernel, rope_write_kv_kernel, write_kv_kernel
 from .elementwise import rms_norm_kernel, rope_kernel, silu_and_mul_kernel
 from .gemv import gemv_kernel
+from .moe import fused_moe_kernel
 from .sampling import (
     race_argmax_kernel,
     race_noise_kernel,
@@ -17,6 +18,7 @@ from .sampling import (
 
 __all__ = [
     "block_copy_kernel",
+    "fused_moe_kernel",
     "gemv_kernel",
     "paged_attention_kernel",
     "paged_decode_tma_kernel",

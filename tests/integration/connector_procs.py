@@ -108,7 +108,7 @@ def worker(conn, spec: dict) -> None:
     try:
         from kvmesh.engine.loader import load_model
 
-        loaded = load_model(None)
+        loaded = load_model(spec.get("model"))  # None: the embedded SmolLM2
         engine = _build(spec, loaded)
         ref = None
         conn.send(("ready", stats(engine)))

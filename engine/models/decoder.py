@@ -1,0 +1,229 @@
+"""The decoder skeleton every architecture shares, over a paged KV cache.
+
+Inputs are flat: all scheduled tokens of all requests in one ``[T]`` vector, with
+positions, a slot mapping (where each token's K/V goes) and per-sequence block
+tables. Each layer first writes every new K/V, then attends, so a request can
+read blocks another request in the same batch is filling this very step.
+
+An architecture is a subclass that says what differs: whether q and k get a per-head
+RMSNorm before RoPE (`QK_NORM`), and which MLP a layer has (`load_mlp`: the dense
+SiLU-gated one here, the mixture of experts in `kvmesh.engine.models.moe`). Checkpoints
+of other layouts are renamed to the HF Llama/Qwen names by the loader, so the skeleton
+reads one naming scheme.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, TypedDict
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh import kernels
+
+from ..config import ModelConfig
+from .rope import cos_sin_cache
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    max_query_len: int = 0  # host-side launch hints for the attention kernel (0: let it guess)
+    max_seq_len: int = 0
+
+
+WeightFn = Callable[[str], torch.Tensor]  # a checkpoint tensor by name, on the model's device and dtype
+HasFn = Callable[[str], bool]  # whether the checkpoint has a tensor of that name
+
+
+def nbytes(*ts: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+class DenseMLP:
+    """``down(silu(gate(x)) * up(x))`` with gate|up fused into one projection."""
+
+    def __init__(self, w: WeightFn, prefix: str) -> None:
+        self.gate_up = torch.cat([w(prefix + "gate_proj.weight"), w(prefix + "up_proj.weight")], 0).contiguous()
+        self.down = w(prefix + "down_proj.weight")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.silu_mul_linear(kernels.linear(x, self.gate_up), self.down)
+
+    def weight_bytes(self, num_tokens: int) -> int:
+        """Weight bytes one step over ``num_tokens`` tokens reads (all of them)."""
+        return nbytes(self.gate_up, self.down)
+
+
+class MLP(Protocol):
+    """A layer's MLP: what it computes, and the weight bytes a step over some tokens reads."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def weight_bytes(self, num_tokens: int) -> int: ...
+
+
+class LayerWeights(TypedDict):
+    """One decoder layer's weights, fused as the kernels take them (q/k/v concatenated)."""
+
+    in_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    mlp: MLP
+
+
+class DecoderForCausalLM(torch.nn.Module):
+    """Pre-norm decoder: RMSNorm, GQA attention with RoPE over the paged cache, RMSNorm, MLP."""
+
+    # HF model types this class serves (the loader's `config.json` ``model_type``), and HF class names.
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = ()
+    HF_ARCHITECTURES: ClassVar[tuple[str, ...]] = ()
+    QK_NORM: ClassVar[bool] = False  # per-head RMSNorm of q and k (weights of size head_dim) before RoPE
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        state_dict: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int | None = None,
+        kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.scale = cfg.head_dim**-0.5
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+        def w(name: str) -> torch.Tensor:
+            if name not in state_dict:
+                raise ValueError(f"weight {name} missing from the checkpoint")
+            return state_dict[name].to(device=device, dtype=dtype)
+
+        def has(name: str) -> bool:
+            return name in state_dict
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        self.lm_head = (
+            self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in state_dict else w("lm_head.weight")
+        )
+        self.layers: list[LayerWeights] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv = torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")], 0).contiguous()
+            bias = None
+            if a + "q_proj.bias" in state_dict:
+                bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")], 0)
+            self.layers.append(
+                {
+                    "in_norm": w(p + "input_layernorm.weight"),
+                    "qkv": qkv,
+                    "qkv_bias": bias,
+                    "q_norm": w(a + "q_norm.weight") if self.QK_NORM else None,
+                    "k_norm": w(a + "k_norm.weight") if self.QK_NORM else None,
+                    "o": w(a + "o_proj.weight"),
+                    "post_norm": w(p + "post_attention_layernorm.weight"),
+                    "mlp": self.load_mlp(i, w, has, p + "mlp."),
+                }
+            )
+        n_pos = max_positions or cfg.max_position_embeddings
+        self.cos_sin = cos_sin_cache(cfg, n_pos).to(device)  # float32 on purpose: HF rotates in float32
+        self._views: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        # per layer (k_scale, v_scale), float32 [Hkv], for an FP8 KV cache (engine/models/kv_scales.py)
+        self.kv_scales = kv_scales
+
+    def load_mlp(self, layer: int, w: WeightFn, has: HasFn, prefix: str) -> MLP:
+        """Layer ``layer``'s MLP from the weights under ``prefix`` (``model.layers.{i}.mlp.``)."""
+        return DenseMLP(w, prefix)
+
+    def weight_bytes_per_step(self, num_tokens: int) -> int:
+        """Weight bytes a step over ``num_tokens`` tokens reads: every dense weight, the embedding rows
+        of those tokens, and of the experts those that tokens are routed to (the expected count under
+        uniform routing; the roofline of the GPU benchmarks)."""
+        n = nbytes(self.norm, self.lm_head) + num_tokens * nbytes(self.embed[0])
+        for layer in self.layers:
+            attn = (layer["in_norm"], layer["qkv"], layer["qkv_bias"], layer["q_norm"], layer["k_norm"], layer["o"])
+            n += nbytes(*attn, layer["post_norm"]) + layer["mlp"].weight_bytes(num_tokens)
+        return n
+
+    def layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer ``(k_cache, v_cache)`` views, made once per KV tensor rather than per step."""
+        if self._views is None or self._views[0] != kv_cache.data_ptr():
+            self._views = (
+                kv_cache.data_ptr(),
+                [(kv_cache[:, li, 0], kv_cache[:, li, 1]) for li in range(self.cfg.num_layers)],
+            )
+        return self._views[1]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Returns logits (float32) only for the rows in ``logits_indices`` (all rows if None):
+        sampling needs no others. A CUDA-graph decode step passes None, so the graph has no
+        data-dependent gather and its output rows are the (padded) batch rows."""
+        cfg = self.cfg
+        h = F.embedding(input_ids, self.embed)
+        residual: torch.Tensor | None = None
+        T = h.shape[0]
+        caches = self.layer_caches(kv_cache)
+        hints: dict[str, Any] = {}
+        if meta.max_query_len > 0:
+            hints = dict(max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
+        for li, layer in enumerate(self.layers):
+            if residual is None:
+                residual = h
+                x = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps)
+            else:
+                x, residual = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual)
+            qkv = kernels.linear(x, layer["qkv"], layer["qkv_bias"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(T, cfg.num_heads, cfg.head_dim)
+            k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+            if layer["q_norm"] is not None and layer["k_norm"] is not None:
+                q = kernels.rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+                k = kernels.rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+            k_cache, v_cache = caches[li]
+            ks, vs = self.kv_scales[li] if self.kv_scales is not None else (None, None)
+            q = kernels.rope_write_kv(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, self.cos_sin, ks, vs)
+            attn = kernels.paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                self.scale,
+                k_scale=ks,
+                v_scale=vs,
+                **hints,
+            )
+            h = kernels.linear(attn.reshape(T, self.q_size), layer["o"])
+            x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
+            h = layer["mlp"](x)
+        assert residual is not None  # set by the first layer
+        if logits_indices is not None:  # gather first: the add then touches only the sampled rows
+            h = h.index_select(0, logits_indices)
+            residual = residual.index_select(0, logits_indices)
+        h = h + residual
+        h = kernels.rms_norm(h, self.norm, cfg.rms_norm_eps)
+        return kernels.linear(h, self.lm_head).float()

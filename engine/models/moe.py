@@ -1,0 +1,71 @@
+"""Mixture-of-experts decoders: Qwen3-MoE (Qwen3 attention + sparse MLP) and Mixtral (Llama
+attention + sparse MLP, renormalised top-k; the loader renames its ``block_sparse_moe.*.w1/w3/w2``
+to the Qwen names used here).
+
+A sparse MLP routes each token to its top-k experts by the router ``mlp.gate.weight``: softmax over
+all experts in float32, the k largest, optionally renormalised to sum to 1 (``norm_topk_prob``),
+then `kernels.fused_moe` runs the chosen experts' SiLU-gated MLPs and sums them weighted. Which
+layers are sparse follows HF (`ModelConfig.is_sparse_layer`: ``decoder_sparse_step`` and
+``mlp_only_layers``); the others have the dense MLP of ``intermediate_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmesh import kernels
+
+from .decoder import MLP, DecoderForCausalLM, DenseMLP, HasFn, WeightFn, nbytes
+from .qwen3 import Qwen3ForCausalLM
+
+
+class SparseMoeMLP:
+    """Top-k routed experts; expert weights stacked ``[E, 2I, H]`` (gate|up) and ``[E, H, I]`` (down).
+
+    Read from per-expert checkpoint names (``experts.{e}.{gate,up,down}_proj.weight``), or taken
+    as they are when already stacked under HF's in-memory names (``experts.gate_up_proj``,
+    ``experts.down_proj``: what `random_init` makes, so the weights are not copied)."""
+
+    def __init__(self, w: WeightFn, has: HasFn, prefix: str, num_experts: int, top_k: int, renormalize: bool) -> None:
+        self.gate = w(prefix + "gate.weight")
+        e = prefix + "experts."
+        if has(e + "gate_up_proj"):
+            self.w_gate_up, self.w_down = w(e + "gate_up_proj"), w(e + "down_proj")
+        else:
+            self.w_gate_up = torch.stack(
+                [torch.cat([w(f"{e}{i}.gate_proj.weight"), w(f"{e}{i}.up_proj.weight")], 0) for i in range(num_experts)]
+            )
+            self.w_down = torch.stack([w(f"{e}{i}.down_proj.weight") for i in range(num_experts)])
+        if self.w_gate_up.shape[0] != num_experts or self.w_down.shape[0] != num_experts:
+            raise ValueError(f"{prefix}experts: {self.w_gate_up.shape[0]} experts, the config says {num_experts}")
+        self.top_k = top_k
+        self.renormalize = renormalize
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = kernels.moe_routing(kernels.linear(x, self.gate), self.top_k, self.renormalize)
+        return kernels.fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
+
+    def weight_bytes(self, num_tokens: int) -> int:
+        """The router and the experts ``num_tokens`` tokens are expected to reach under uniform routing
+        (``E * (1 - (1 - k/E) ** tokens)`` distinct experts: 8 of 128 at one token, ~112 at 32)."""
+        E = self.w_gate_up.shape[0]
+        active = E * (1.0 - (1.0 - self.top_k / E) ** num_tokens)
+        return nbytes(self.gate) + int(active * nbytes(self.w_gate_up, self.w_down) / E)
+
+
+class _SparseMixin(DecoderForCausalLM):
+    def load_mlp(self, layer: int, w: WeightFn, has: HasFn, prefix: str) -> MLP:
+        c = self.cfg
+        if not c.is_sparse_layer(layer):
+            return DenseMLP(w, prefix)
+        return SparseMoeMLP(w, has, prefix, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
+
+
+class Qwen3MoeForCausalLM(_SparseMixin, Qwen3ForCausalLM):
+    MODEL_TYPES = ("qwen3_moe",)
+    HF_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+
+
+class MixtralForCausalLM(_SparseMixin):
+    MODEL_TYPES = ("mixtral",)
+    HF_ARCHITECTURES = ("MixtralForCausalLM",)

@@ -1,0 +1,146 @@
+"""Mixture of experts: top-k routing, and the fused MoE (grouped GEMM over experts) that runs a routed
+batch's expert MLPs in two launches: gate|up with SiLU-and-multiply, then down with the routing weight.
+
+The (token, slot) pairs are sorted by expert and each expert's group padded to the tile height
+(`moe_align`), with torch ops that never read a value back to the host, so a decode step with
+experts still fits in a CUDA graph. The k weighted expert outputs of a token are summed by torch
+(``[T, k, H].sum(1)``, as the reference sums them)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _dispatch
+from . import reference as _ref
+from ._checks import FLOATS, INTS, check_device, check_dim, check_dtype, fail
+from ._dispatch import backend, cdiv, pdl
+
+
+def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, expert_ids)`` ``[T, k]`` of the top-k experts per token (softmax in float32, the k
+    largest, renormalised when ``renormalize``; weights in the logits' dtype). Torch ops on every
+    device: a softmax and a top-k over ``E`` values per token is not worth a kernel of its own."""
+    fn = "moe_routing"
+    check_dim(fn, "router_logits", router_logits, 2)
+    check_dtype(fn, "router_logits", router_logits, FLOATS)
+    if not 0 < top_k <= router_logits.shape[1]:
+        fail(fn, f"top_k must be in 1..{router_logits.shape[1]} (the number of experts), got {top_k}")
+    return _ref.moe_routing_reference(router_logits, top_k, renormalize)
+
+
+def moe_config(num_pairs: int, num_experts: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``num_pairs`` routed (token, slot) pairs.
+
+    Up to 16 pairs per expert on average (decode: at batch 128 and top-8 of 128 experts, 8 per
+    expert) would waste most of a tall tile on padding and are bound by reading the active experts'
+    weights: 16-row tiles over long K chunks. More pairs per expert (prefill) are compute bound:
+    64 x 128 tiles. `bench/gpu_moe.py` sweeps the alternatives."""
+    if num_pairs <= 16 * num_experts:
+        return 16, 64, 128, 4, 3
+    return 64, 128, 64, 8, 3
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """``(sorted_ids, expert_ids, num_padded)``: pair indices ``t * k + j`` grouped by expert (stable:
+    in pair order within an expert), each group padded to a multiple of ``block_m`` with the
+    sentinel ``T * k``; the expert of each ``block_m``-row tile; the padded total (a 1-element
+    tensor). Sized for the worst case, ``T*k + min(T*k, E) * (block_m - 1)`` rows, so nothing is
+    read back to the host."""
+    T, k = topk_ids.shape
+    n = T * k
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    cap = cdiv(n + min(n, num_experts) * (block_m - 1), block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[sorted_e]
+    dest = (ends - padded)[sorted_e] + rank
+    sorted_ids = torch.full((cap,), n, dtype=torch.int32, device=dev).scatter_(0, dest, order.to(torch.int32))
+    tiles = torch.arange(0, cap, block_m, device=dev)
+    expert_ids = torch.searchsorted(ends, tiles, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = topk_ids[t, j]``,
+    for ``x [T, H]``, ``w_gate_up [E, 2I, H]`` (gate rows then up rows), ``w_down [E, H, I]``,
+    ``topk_* [T, k]``. ``config`` overrides `moe_config`."""
+    fn = "fused_moe"
+    check_dim(fn, "x", x, 2)
+    check_dim(fn, "w_gate_up", w_gate_up, 3)
+    check_dim(fn, "w_down", w_down, 3)
+    check_dim(fn, "topk_weights", topk_weights, 2)
+    check_dim(fn, "topk_ids", topk_ids, 2)
+    for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down), ("topk_weights", topk_weights)):
+        check_dtype(fn, name, t, FLOATS)
+    check_dtype(fn, "topk_ids", topk_ids, INTS)
+    T, H = x.shape
+    E, two_i, _ = w_gate_up.shape
+    inter = two_i // 2
+    if w_gate_up.shape[2] != H or two_i % 2:
+        fail(fn, f"w_gate_up must be [E, 2I, {H}], got {tuple(w_gate_up.shape)}")
+    if tuple(w_down.shape) != (E, H, inter):
+        fail(fn, f"w_down must be [{E}, {H}, {inter}], got {tuple(w_down.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T:
+        fail(fn, f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must be [{T}, k]")
+    if x.dtype != w_gate_up.dtype or x.dtype != w_down.dtype:
+        fail(fn, f"x ({x.dtype}) and the expert weights ({w_gate_up.dtype}, {w_down.dtype}) differ in dtype")
+    check_device(fn, "x", x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids)
+    if backend(x) == "reference":
+        return _ref.fused_moe_reference(x, w_gate_up, w_down, topk_weights, topk_ids)
+    k = topk_ids.shape[1]
+    n = T * k
+    if n == 0 or H == 0:
+        return torch.zeros((T, H), dtype=x.dtype, device=x.device)
+    bm, bn, bk, warps, stages = config or moe_config(n, E, x.device)
+    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, bm)
+    x = x.contiguous()
+    w_gate_up = w_gate_up.contiguous()
+    w_down = w_down.contiguous()
+    weights = topk_weights.reshape(-1).to(x.dtype).contiguous()
+    act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
+    out = torch.empty((n, H), dtype=x.dtype, device=x.device)
+    kern = _dispatch.kernels_for(x).fused_moe_kernel
+    tiles = sorted_ids.shape[0] // bm
+    ieee = x.dtype == torch.float32
+    for a, w, c, N, K, a_div, gate_up in (
+        (x, w_gate_up, act, inter, H, k, True),
+        (act, w_down, out, H, inter, 1, False),
+    ):
+        kern[(tiles * cdiv(N, bn),)](
+            a,
+            w,
+            c,
+            weights,
+            sorted_ids,
+            expert_ids,
+            num_padded,
+            N,
+            K,
+            n,
+            a.stride(0),
+            w.stride(0),
+            w.stride(1),
+            c.stride(0),
+            A_DIV=a_div,
+            GATE_UP=gate_up,
+            MUL_WEIGHT=not gate_up,
+            IEEE=ieee,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            num_warps=warps,
+            num_stages=stages,
+            **pdl(x, T),
+        )
+    return out.view(T, k, H).sum(1)
