@@ -222,7 +222,7 @@ class DecodeRounds:
         self.num_rounds += 1
         outs = self.scheduler.update_from_round(cur.request_ids, results)  # the matchers take the tokens
         nxt = self._inflight
-        if masked and nxt is not None:  # its forward pass runs meanwhile; its draw needs the masks
+        if cur.grammars is not None and nxt is not None:  # its forward pass runs meanwhile; its draw needs masks
             try:
                 self._sample(nxt.handle, cur.grammars)
             except Exception as e:  # its forward pass is dropped: later work is queued behind it anyway

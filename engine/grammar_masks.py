@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -50,7 +50,9 @@ class TokenMask:
         at -inf, in place; returns it."""
         import xgrammar as xgr
 
-        xgr.apply_token_bitmask_inplace(logits, self.bits, vocab_size=self.vocab_size, indices=self.rows)
+        # a tensor (typed as a list): a list would travel in a pageable copy, which waits for the device
+        rows = cast(Any, self.rows)
+        xgr.apply_token_bitmask_inplace(logits, self.bits, vocab_size=self.vocab_size, indices=rows)
         return logits
 
 
