@@ -21,6 +21,7 @@ from .args import EngineArgs
 from .config import EngineConfig
 from .connector import KVConnector
 from .decode_rounds import DecodeRounds, RoundOutcome
+from .grammar_masks import GrammarMasks
 from .kv_cache_manager import KVCacheManager
 from .kv_events import KVCacheEvent
 from .loader import load_model
@@ -67,6 +68,8 @@ class EngineCore:
             make_generator=self._generator,
         )
         self.sampler = Sampler(config.seed)
+        # structured outputs' token masks, for the one-step path and decode rounds alike
+        self.masks = GrammarMasks(config.model.vocab_size, torch.device(config.device))
         self.model_identity = config.model.identity()
         # compiles structured outputs' grammars (engine/structured.py); set by from_model, which has the tokenizer
         self.grammars: GrammarCompiler | None = None
@@ -81,6 +84,7 @@ class EngineCore:
             self.runner,
             config.scheduler.num_scheduler_steps if rounds else 1,
             rounds and (getattr(self.runner, "cuda", False) if lazy is None else lazy),
+            self.masks,
         )
 
     # ---- construction -------------------------------------------------------
@@ -292,20 +296,16 @@ class EngineCore:
         if not row_params:
             return []
         histories = hist if any(p.penalized for p in row_params) else None
-        constrained = any(g is not None for g in grammars)
-        results = self.sampler.sample(
+        # the masks fill on the host while the device runs the step's forward pass (queued by execute);
+        # the scheduler advances each matcher with its token (Scheduler._append)
+        return self.sampler.sample(
             logits[row_src],
             row_params,
             row_gens,
             histories,
             on_device=self._on_device(),
-            grammars=grammars if constrained else None,
+            mask=self.masks.fill(grammars) if any(g is not None for g in grammars) else None,
         )
-        if constrained:  # each matcher takes its row's token (stop_status then ends a finished grammar)
-            for g, res in zip(grammars, results):
-                if g is not None and not g.accept(res.token_id):
-                    log.error("structured output: %s", g.failed)
-        return results
 
     def _counted(self, outcome: RoundOutcome) -> list[EngineCoreOutput]:
         self.num_steps += outcome.steps

@@ -18,8 +18,15 @@ What keeps it exact:
   sampling is not reproducible in either path; a seeded request's noise comes from
   its seed and its draw count (`device_draw.NoiseStream`) in both paths, so its tokens
   are the same in rounds, in one step and in any batch.
-* Requests with a structured output (engine/structured.py) never run in rounds: their token
-  mask comes from a matcher on the host before every step, so they take the one-step path.
+* Requests with a structured output (engine/structured.py) run in rounds of one step, and only
+  with async scheduling: their token mask comes from a matcher on the host before every step.
+  The round's forward pass is queued first (behind the round in flight, from its last token on
+  the device); the host then reads that round's tokens, advances the matchers, fills the new
+  masks (engine/grammar_masks.py) and only then queues the draw, so the fill overlaps the
+  forward pass. The draw is the one-step path's (argmax or `draw_on_device` of the masked
+  logits), so the tokens are the same as there. Several steps per round would need the
+  grammar on the device (xgrammar's matcher is a pushdown automaton on the host) or drafts
+  checked afterwards; with async scheduling the device is already the bottleneck.
 * Logprobs come along: each step's are taken on the device from its raw logits
   (`logprobs.device_logprobs`) and copied with the tokens. So do a logit bias and
   penalties: the round's `logit_adjustment.LogitAdjustment` is built from the host's
@@ -59,6 +66,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from .grammar_masks import GrammarMasks
 from .messages import EngineCoreOutput
 from .sched_output import SchedulerOutput
 from .scheduler import Scheduler
@@ -82,6 +90,7 @@ class _InFlight:
     request_ids: list[str]
     handle: Any  # the runner's handle for `collect_round` / `chain_round`
     steps: int
+    grammars: list[Any] | None = None  # per sequence, its structured.RequestGrammar; None: no row has one
 
 
 class DecodeRounds:
@@ -92,11 +101,17 @@ class DecodeRounds:
     `Scheduler.update_from_round`. ``max_steps``: steps per round (``--num-scheduler-steps``);
     ``async_scheduling``: queue the next round behind the one in flight."""
 
-    def __init__(self, scheduler: Scheduler, runner: Any, max_steps: int, async_scheduling: bool) -> None:
+    def __init__(
+        self, scheduler: Scheduler, runner: Any, max_steps: int, async_scheduling: bool, masks: GrammarMasks
+    ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.max_steps = max_steps
         self.async_scheduling = async_scheduling
+        self.masks = masks
+        # structured-output rows join async rounds of one step (off: the one-step path; benchmarks compare)
+        self.constrained_rounds = True
+        self.num_constrained_rounds = 0  # rounds whose draw waited for host-filled grammar masks
         self.num_rounds = 0
         self.num_round_steps = 0  # decode steps run inside rounds
         self.num_chained_rounds = 0  # rounds queued behind one in flight (async scheduling)
@@ -132,8 +147,10 @@ class DecodeRounds:
                 return 0
             if not s.params.greedy and not sample_on_device:
                 return 0
-            if s.grammar is not None:  # a grammar's mask needs the host's matcher before each step
-                return 0
+            if s.grammar is not None:  # its mask needs the host's matcher before each step: one step
+                if not (self.async_scheduling and self.constrained_rounds):
+                    return 0  # without a round queued behind, a round of one step gains nothing
+                k_max = 1
         ids = [s.request_id for s in sched.scheduled]
         k = sch.decode_headroom(ids, 0, k_max)
         if not k or not sch.reserve_decode_slots(ids, 0, k):
@@ -142,30 +159,41 @@ class DecodeRounds:
             s.block_ids = sch.block_ids(s.request_id)
         return k
 
-    def next_round_length(self, request_ids: list[str], pending: int) -> int:
+    def next_round_length(self, request_ids: list[str], pending: int, constrained: bool = False) -> int:
         """Steps of a round to queue behind one still on the device (0: none; async scheduling).
 
         ``request_ids``: the sequences of the round in flight, whose ``pending`` tokens each are
-        not appended yet. Reserves blocks for those tokens plus the new round's; returns 0 (and
-        may leave blocks reserved ahead, used by the next rounds) when it cannot."""
+        not appended yet; ``constrained``: some have a grammar (a round of one step). Reserves
+        blocks for those tokens plus the new round's; returns 0 (and may leave blocks reserved
+        ahead, used by the next rounds) when it cannot."""
         sch = self.scheduler
         if self.max_steps < 1 or not sch.runs_exactly(request_ids):
             return 0
         if sch.could_admit():
             return 0  # the next schedule() may admit it: let it run (a full batch admits nothing anyway)
-        k = sch.decode_headroom(request_ids, pending, self.max_steps)
+        k = sch.decode_headroom(request_ids, pending, 1 if constrained else self.max_steps)
         return k if k and sch.reserve_decode_slots(request_ids, pending, k) else 0
 
     def launch(self, sched: SchedulerOutput, k: int) -> RoundOutcome:
         """Queue a round of ``k`` decode steps for ``sched`` and collect it (chaining the next)."""
         ids = [s.request_id for s in sched.scheduled]
+        grammars = [s.grammar for s in sched.scheduled]
+        masked = any(g is not None for g in grammars)
         try:
-            handle = self.runner.launch_round(sched, k)
+            handle = self.runner.launch_round(sched, k, masked=masked)
+            if masked:  # filled while the forward pass runs
+                self._sample(handle, grammars)
         except Exception as e:
             log.exception("forward pass failed")
             return RoundOutcome(self._fail(ids, str(e)))
-        self._inflight = _InFlight(ids, handle, k)
+        self._inflight = _InFlight(ids, handle, k, grammars if masked else None)
         return self.collect()
+
+    def _sample(self, handle: Any, grammars: list[Any]) -> None:
+        """Queue the draw of a round whose forward pass is queued, with the masks its grammars
+        give now (the host has appended every earlier token)."""
+        self.runner.sample_round(handle, self.masks.fill(grammars))
+        self.num_constrained_rounds += 1
 
     def collect(self) -> RoundOutcome:
         """Read the tokens of the round in flight; with async scheduling, queue the next round
@@ -173,12 +201,14 @@ class DecodeRounds:
         sequence, its tokens of all steps merged."""
         cur, self._inflight = self._inflight, None
         assert cur is not None
-        if self.async_scheduling:
-            k = self.next_round_length(cur.request_ids, cur.steps)
+        masked = cur.grammars is not None
+        if self.async_scheduling and (not masked or self.constrained_rounds):
+            k = self.next_round_length(cur.request_ids, cur.steps, masked)
             if k:
                 try:
                     block_ids = [self.scheduler.block_ids(rid) for rid in cur.request_ids]
-                    self._inflight = _InFlight(cur.request_ids, self.runner.chain_round(cur.handle, k, block_ids), k)
+                    handle = self.runner.chain_round(cur.handle, k, block_ids, masked=masked)
+                    self._inflight = _InFlight(cur.request_ids, handle, k, cur.grammars)
                     self.num_chained_rounds += 1
                 except Exception:  # cur's own tokens decide below whether the requests fail
                     log.exception("queueing the next round failed")
@@ -190,7 +220,15 @@ class DecodeRounds:
             return RoundOutcome(self._fail(cur.request_ids, str(e)))
         self.num_round_steps += cur.steps
         self.num_rounds += 1
-        outs = self.scheduler.update_from_round(cur.request_ids, results)
+        outs = self.scheduler.update_from_round(cur.request_ids, results)  # the matchers take the tokens
+        nxt = self._inflight
+        if cur.grammars is not None and nxt is not None:  # its forward pass runs meanwhile; its draw needs masks
+            try:
+                self._sample(nxt.handle, cur.grammars)
+            except Exception as e:  # its forward pass is dropped: later work is queued behind it anyway
+                log.exception("structured output masks failed")
+                self._inflight = None
+                outs += self._fail(cur.request_ids, str(e))
         if cur.steps > 1:  # one step: already one output per sequence
             outs = merge_outputs(outs)
         return RoundOutcome(outs, cur.steps, cur.steps * len(cur.request_ids))

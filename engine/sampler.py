@@ -22,11 +22,11 @@ import numpy.typing as npt
 import torch
 
 from .device_draw import NoiseStream, draw_on_device
+from .grammar_masks import TokenMask
 from .logit_adjustment import adjust_logits
 from .logprobs import SampleResult, sample_results
 from .sampling_filter import filter_row
 from .sampling_params import SamplingParams
-from .structured import RequestGrammar, apply_masks
 
 __all__ = ["NoiseStream", "SampleResult", "Sampler"]
 
@@ -45,15 +45,15 @@ class Sampler:
         generators: Sequence[torch.Generator | NoiseStream | None],
         histories: Sequence[tuple[npt.ArrayLike, npt.ArrayLike] | None] | None = None,
         on_device: bool | None = None,
-        grammars: Sequence[RequestGrammar | None] | None = None,
+        mask: TokenMask | None = None,
     ) -> list[SampleResult]:
         """``logits[i]`` is sampled with ``params[i]``; rows may repeat for n > 1 forks. Rows with
         penalties need ``histories[i]`` = (prompt ids, output ids so far); see `adjust_logits`.
         ``on_device``: draw as multi-step rounds do (`draw_on_device`; the default on a GPU), so
-        that a seeded request draws the same way in both paths. ``grammars[i]``: row ``i``'s
-        structured-output matcher, whose token mask applies first (`structured.apply_masks`)."""
+        that a seeded request draws the same way in both paths. ``mask``: the structured-output rows'
+        token masks (engine/grammar_masks.py), applied first, on a copy (logprobs stay raw)."""
         raw = logits.float()
-        logits = adjust_logits(raw if not grammars else apply_masks(raw, grammars), params, histories)
+        logits = adjust_logits(raw if mask is None else mask.apply(raw.clone()), params, histories)
         if logits.is_cuda if on_device is None else on_device:
             # drawn on the device, a seeded row's stream is a NoiseStream (EngineCore._generator)
             streams = cast(Sequence[NoiseStream | None], generators)

@@ -15,6 +15,7 @@ data (engine/sched_output.py), never a `Request`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -26,6 +27,8 @@ from .kv_cache_manager import KVCacheManager
 from .messages import EngineCoreOutput
 from .request import Request, RequestStatus
 from .sched_output import ScheduledRequest, SchedulerOutput
+
+log = logging.getLogger("kvmesh.engine")
 
 if TYPE_CHECKING:
     from .block_pool import KVCacheBlock
@@ -284,6 +287,8 @@ class Scheduler:
             assert res.logprob is not None  # the sampler computes it for every row that asks
             lp = [(res.logprob, res.top_logprobs or [])]
         r.append_output_token(res.token_id)
+        if r.grammar is not None and not r.grammar.accept(res.token_id):  # then stop_status ends it
+            log.error("structured output: %s", r.grammar.failed)
         if r.first_token_time is None:
             r.first_token_time = time.monotonic()
         status = self.stop_status(r, res.token_id)

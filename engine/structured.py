@@ -11,10 +11,11 @@ Three pieces, each where its work belongs:
 * `GrammarCompiler`: compiles on a worker thread of the engine process, never on the engine
   loop, and caches by spec (xgrammar's compiler cache): a request's grammar compiles while its
   prompt is prefilled, and a repeated schema costs nothing.
-* `RequestGrammar`: one sequence's matcher. Before each sampling step the sampler asks every
-  constrained row for its token bitmask and applies it to the logits on their device
-  (`apply_masks`); the engine advances the matcher with the token drawn. A grammar that
-  terminates (its stop token accepted) ends the request with finish reason "stop".
+* `RequestGrammar`: one sequence's matcher. Before each sampling step the constrained rows'
+  token bitmasks are filled on the host and applied to the logits on their device
+  (engine/grammar_masks.py), while the device runs that step's forward pass; the scheduler
+  advances the matcher with each token it appends. A grammar that terminates (its stop token
+  accepted) ends the request with finish reason "stop".
 
 JSON is generated compact (no whitespace between tokens): a free-whitespace grammar lets a small
 model emit newlines until ``max_tokens``.
@@ -30,8 +31,6 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 log = logging.getLogger("kvmesh.engine")
 
@@ -190,39 +189,3 @@ class RequestGrammar:
     def terminated(self) -> bool:
         """The grammar is done (its stop token accepted) or broken: the sequence ends."""
         return self.failed is not None or (self._matcher is not None and self._matcher.is_terminated())
-
-
-@functools.cache
-def _batch_filler():
-    """xgrammar's thread pool for filling many rows' masks at once (one per process)."""
-    import xgrammar as xgr
-
-    return xgr.BatchGrammarMatcher(max_threads="auto")
-
-
-def apply_masks(logits: torch.Tensor, grammars: Sequence[RequestGrammar | None]) -> torch.Tensor:
-    """``logits`` (``[rows, V]``) with every constrained row's disallowed tokens at -inf, on a copy
-    when some row is constrained (the caller may still read the raw logits for logprobs). The
-    bitmask is filled on the host (xgrammar's matchers live there) and applied on the logits'
-    device in one copy and one kernel."""
-    rows = [i for i, g in enumerate(grammars) if g is not None]
-    if not rows:
-        return logits
-    import xgrammar as xgr
-
-    V = logits.shape[-1]
-    mask = xgr.allocate_token_bitmask(len(rows), V)
-    live = [(k, m) for k, i in enumerate(rows) if (g := grammars[i]) is not None and (m := g.matcher) is not None]
-    if len(live) == 1:
-        live[0][1].fill_next_token_bitmask(mask, live[0][0])
-    elif live:  # one fill can take milliseconds (a state inside a bounded string): rows fill in parallel
-        _batch_filler().batch_fill_next_token_bitmask([m for _, m in live], mask, [k for k, _ in live])
-    # a row without a matcher keeps every token allowed: its failed grammar ends the sequence
-    out = logits.clone()
-    sub = out[rows] if len(rows) != out.shape[0] else out
-    if logits.is_cuda:
-        mask = mask.pin_memory().to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(sub, mask, vocab_size=V)
-    if sub is not out:
-        out[rows] = sub
-    return out

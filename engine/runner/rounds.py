@@ -5,7 +5,8 @@ A round queues ``k`` decode steps on the device with no host wait: step ``i + 1`
 `device_draw.draw_on_device`), so the host builds inputs once; `collect_round` reads all ``k x B``
 tokens in one copy, and `chain_round` may queue the next round behind this one before that
 (async scheduling). The round's inputs (the CUDA graphs' static buffer, or eager tensors) are
-advanced in place on the device from step to step.
+advanced in place on the device from step to step. A round of structured-output rows (one step)
+queues only its forward pass; `sample_round` queues its draw once the host has the masks.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..sched_output import SchedulerOutput
 from .inputs import StepPlan, block_table, plan_step
 
 if TYPE_CHECKING:
+    from ..grammar_masks import TokenMask
     from ..models.decoder import DecoderForCausalLM
     from .graphs import DecodeGraphs
     from .inputs import Staging
@@ -33,7 +35,20 @@ class Round:
     """A multi-step round queued on the device: its inputs (graph buffers or eager tensors, advanced
     in place from step to step), its tokens on the device and, once copied, on the host."""
 
-    __slots__ = ("B", "params", "rand", "gens", "adjust", "lp_k", "graph", "inputs", "toks", "host", "event")
+    __slots__ = (
+        "B",
+        "params",
+        "rand",
+        "gens",
+        "adjust",
+        "lp_k",
+        "graph",
+        "inputs",
+        "toks",
+        "host",
+        "event",
+        "pending",
+    )
 
     def __init__(
         self, B: int, params: list, rand: list[int], gens: list, adjust: LogitAdjustment | None = None
@@ -47,6 +62,7 @@ class Round:
         self.toks: torch.Tensor | None = None
         self.host: tuple[torch.Tensor, ...] = ()  # tokens (+ chosen logprobs, top values, top ids)
         self.event: torch.cuda.Event | None = None
+        self.pending: torch.Tensor | None = None  # a masked round's logits, waiting for `sample_round`
 
 
 class DecodeRoundRunner:
@@ -65,11 +81,12 @@ class DecodeRoundRunner:
     _apply_copies: Callable[[SchedulerOutput], None]
     _uses_graph: Callable[[StepPlan], bool]
 
-    def launch_round(self, sched: SchedulerOutput, k: int) -> Round:
+    def launch_round(self, sched: SchedulerOutput, k: int, masked: bool = False) -> Round:
         """Queue ``k`` decode steps on the device; no host wait.
 
         Every scheduled request decodes one token and its blocks already cover ``k`` more
-        positions."""
+        positions. ``masked``: a round of one step whose draw waits for the structured-output
+        masks (`sample_round`); only its forward pass is queued."""
         self._apply_copies(sched)
         p = plan_step(sched, self.block_size)
         if p.T != p.B or len(p.rows) != p.B:
@@ -114,13 +131,14 @@ class DecodeRoundRunner:
             first = self.model(rnd.inputs[0], rnd.inputs[1], self.kv_cache, meta, None)
         if adjusted:
             rnd.adjust = LogitAdjustment.build(params, hist, first.shape[-1], first.device)
-        self._run_steps(rnd, k, first)
+        self._first_step(rnd, k, first, masked)
         return rnd
 
-    def chain_round(self, prev: Round, k: int, block_ids: list[list[int]]) -> Round:
+    def chain_round(self, prev: Round, k: int, block_ids: list[list[int]], masked: bool = False) -> Round:
         """Queue ``k`` more decode steps for the same sequences behind ``prev``, before its tokens
         reach the host: the first step's inputs are ``prev``'s last tokens, on the device.
-        ``block_ids``: each sequence's blocks, now covering ``k`` more positions."""
+        ``block_ids``: each sequence's blocks, now covering ``k`` more positions; ``masked``: as
+        for `launch_round`."""
         rnd = Round(prev.B, prev.params, prev.rand, prev.gens, prev.adjust)  # histories run on from prev's
         rnd.graph, rnd.inputs = prev.graph, prev.inputs
         bt = block_table(block_ids)
@@ -131,8 +149,23 @@ class DecodeRoundRunner:
             rnd.inputs[2].block_tables = to_device(bt, self.device, torch.int32)
         assert prev.toks is not None  # launched: its tokens are on the device
         self._step_inputs(rnd, prev.toks[-1])
-        self._run_steps(rnd, k, self._forward_again(rnd))
+        self._first_step(rnd, k, self._forward_again(rnd), masked)
         return rnd
+
+    def sample_round(self, rnd: Round, mask: TokenMask | None) -> None:
+        """Queue the draw of a masked round (`launch_round` / `chain_round` with ``masked``):
+        ``mask``, the constrained rows' token masks, applies before everything else."""
+        logits, rnd.pending = rnd.pending, None
+        assert logits is not None, "sample_round: the round's forward pass is not pending"
+        self._run_steps(rnd, 1, logits, mask)
+
+    def _first_step(self, rnd: Round, k: int, logits: torch.Tensor, masked: bool) -> None:
+        if masked:
+            if k != 1:
+                raise ValueError("a round with structured-output masks runs one step")
+            rnd.pending = logits
+        else:
+            self._run_steps(rnd, k, logits)
 
     def collect_round(self, rnd: Round) -> list[list[SampleResult]]:
         """Wait for a round's tokens: ``results[i][j]``, step ``i``, sequence ``j`` (with logprobs
@@ -144,8 +177,9 @@ class DecodeRoundRunner:
             return [[SampleResult(t) for t in step] for step in host[0]]
         return [results_with_logprobs(*step) for step in zip(host[0], [rnd.params] * len(host[0]), *host[1:])]
 
-    def _run_steps(self, rnd: Round, k: int, logits: torch.Tensor) -> None:
-        """Draw from the first step's ``logits``, then run the other ``k - 1`` steps; tokens to the host."""
+    def _run_steps(self, rnd: Round, k: int, logits: torch.Tensor, mask: TokenMask | None = None) -> None:
+        """Draw from the first step's ``logits`` (masked by ``mask`` first), then run the other
+        ``k - 1`` steps; tokens to the host."""
         toks = torch.empty((k, rnd.B), dtype=torch.int64, device=self.device)
         lps = []  # per step, with logprobs: (chosen, top values, top ids) of the raw distribution
         for i in range(k):
@@ -153,6 +187,8 @@ class DecodeRoundRunner:
                 self._step_inputs(rnd, toks[i - 1])
                 logits = self._forward_again(rnd)
             raw = logits
+            if mask is not None and not i:  # in place, unless the raw logits are still needed
+                logits = mask.apply(logits if rnd.lp_k is None else logits.clone())
             if rnd.adjust is not None:
                 logits = rnd.adjust.apply(logits)
             toks[i] = (

@@ -16,6 +16,7 @@ from kvmesh import kernels
 
 from ..config import ModelConfig, SchedulerConfig
 from ..device_draw import draw_on_device
+from ..grammar_masks import TokenMask
 from ..models.decoder import DecoderForCausalLM
 from ..sampling_params import SamplingParams
 
@@ -95,10 +96,15 @@ def warm_up_attention(
 
 
 def warm_up_sampler(vocab_size: int, device: torch.device) -> None:
-    """Compile the device sampler's Triton kernels (the top-p search and the race) on one dummy
-    draw, so a pod's first sampled batch does not wait for the JIT either. Their variants depend
-    only on the vocabulary (a row stride)."""
+    """Compile the device sampler's Triton kernels (the top-p search and the race, the structured
+    outputs' mask) on dummy inputs, so a pod's first sampled batch does not wait for the JIT
+    either. Their variants depend only on the vocabulary (a row stride) and the mask's row count."""
     logits = torch.zeros((2, vocab_size), dtype=torch.float32, device=device)
     params = [SamplingParams(temperature=0.8, top_p=0.9, min_p=0.01)] * 2
     draw_on_device(logits, params, [0, 1])
+    # xgrammar's mask kernel (structured outputs): Triton specialises its row count (1, a multiple of 16, other)
+    logits = torch.zeros((16, vocab_size), dtype=torch.float32, device=device)
+    bits = torch.full((16, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
+    for n in (1, 2, 16):
+        TokenMask(bits, torch.arange(n, dtype=torch.int32, device=device), vocab_size).apply(logits)
     torch.cuda.synchronize(device)

@@ -93,3 +93,31 @@ def test_structured_checks(make_llm):
         outs += eng.step()
     assert outs[-1].finish_reason == "stop"
     assert llm.tokenizer.decode([t for o in outs for t in o.new_token_ids], skip_special_tokens=True) == "ok"
+
+
+def test_async_rounds_with_grammars_match_one_step(make_llm):
+    """Constrained rows in async rounds (forward pass queued, masks filled meanwhile, then the
+    draw) give every row, free or constrained, exactly the tokens and logprobs of the one-step path."""
+    js = StructuredOutput.json_schema(PERSON)
+    prompts = ["A person as JSON:", "Another person as JSON:", "Yes or no?", *FREE_PROMPTS[:2]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, structured=js, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=40, structured=js, logit_bias={33: 5.0}, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=8, structured=StructuredOutput.choice(["yes", "no"])),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=0.5),
+    ]
+    outs = {}
+    for name, use_async in (("one-step", False), ("async", True)):
+        llm = make_llm(async_scheduling=use_async)
+        res = [o.outputs[0] for o in llm.generate(prompts, params)]
+        outs[name] = [(c.token_ids, c.finish_reason, c.logprobs) for c in res]
+        for c in res[:2]:
+            assert c.finish_reason == "stop" and set(json.loads(c.text)) == {"name", "age", "pet"}, c.text
+        assert res[2].text in ("yes", "no")
+        rounds = llm.engine.rounds
+        # async: the constrained rows ran in rounds, their masks filled behind a queued forward pass
+        assert (rounds.num_constrained_rounds > 0 and rounds.num_chained_rounds > 0) == use_async
+        s = llm.stats()
+        assert s["num_free_blocks"] == s["num_total_blocks"]
+    assert outs["async"] == outs["one-step"]
