@@ -391,16 +391,29 @@ build_prometheus() {
   touch "$PROMETHEUS_BIN/.done"
 }
 
+# KEDA's CRDs only (KEDA itself is not built: its go.mod has replace lines and it links every
+# cloud SDK its scalers use); the API server validates ScaledObjects against them.
+fetch_keda_crds() {
+  [[ -f "$KEDA_CRDS/.done" ]] && return 0
+  log "keda v$KEDA_VERSION CRDs"
+  local dir
+  dir="$(go mod download -json "github.com/kedacore/keda/v2@v$KEDA_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["Dir"])')"
+  mkdir -p "$KEDA_CRDS"
+  install -m 0644 "$dir"/config/crd/bases/keda.sh_*.yaml "$KEDA_CRDS/"
+  touch "$KEDA_CRDS/.done"
+}
+
 what="${1:-all}"
 case "$what" in
   tools) install_tools ;;
   # KVMESH_REAL_NODE=0: the control plane only (what up.sh then starts).
-  all) install_tools; build_etcd; build_kwok; build_k8s
+  all) install_tools; fetch_keda_crds; build_etcd; build_kwok; build_k8s
        if [[ "$KVMESH_REAL_NODE" != 0 ]]; then
          install_node_packages; build_k8s_node; build_coredns; build_node_images
        fi ;;
   prometheus) build_prometheus ;;
+  keda-crds) fetch_keda_crds ;;
   node) install_node_packages; build_k8s_node; build_coredns; build_node_images ;;
-  *) echo "usage: $0 [all|tools|node|prometheus]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|tools|node|prometheus|keda-crds]" >&2; exit 2 ;;
 esac
 log "done in $(( $(date +%s) - t0 ))s (cache: $KVMESH_CACHE)"
