@@ -671,7 +671,7 @@ def _scaled_objects(spec: InferenceServiceSpec, meta: ObjectMeta, prometheus_url
         so = _object("keda.sh/v1alpha1", "ScaledObject", f"{meta.name}-{role}", meta, role)
         so["spec"] = {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{meta.name}-{role}"},
-            "pollingInterval": int(knob(a, "interval_seconds", 15)),
+            "pollingInterval": int(knob(a, "interval_s", 15)),
             "cooldownPeriod": down,
             "minReplicaCount": s.min_replicas,
             "maxReplicaCount": s.max_replicas,

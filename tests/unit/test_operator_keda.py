@@ -64,6 +64,7 @@ def test_keda_provider_renders_scaled_objects_not_hpas() -> None:
     assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 120
     assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
     assert dec["spec"]["cooldownPeriod"] == 120
+    assert dec["spec"]["pollingInterval"] == 15
 
 
 def test_other_providers_render_no_scaled_objects() -> None:
