@@ -128,6 +128,15 @@ class Prometheus:
         assert r.status_code == 200 and body["status"] == "success", f"{expr}: {body}"
         return body["data"]["result"]
 
+    def rules_health(self) -> dict[str, str]:
+        """Rule name -> health ("ok", "err" with lastError, "unknown" before its first evaluation)."""
+        groups = httpx.get(self.url + "/api/v1/rules", timeout=10).json()["data"]["groups"]
+        return {
+            r["name"]: r["health"] + (f": {r['lastError']}" if r.get("lastError") else "")
+            for g in groups
+            for r in g["rules"]
+        }
+
     def has_data(self, expr: str) -> bool:
         """The query returns at least one sample with a number (not NaN: a ratio over no traffic)."""
         return any(not math.isnan(float(s["value"][1])) for s in self.query(expr))
@@ -146,6 +155,20 @@ def dashboard_queries(namespace: str) -> list[tuple[str, str]]:
         for t in p.get("targets") or ():
             e = t["expr"].replace("$namespace", namespace).replace("$model", ".*").replace("$router", ".*")
             out.append((p["title"], e.replace("$__rate_interval", RATE_INTERVAL)))
+    return out
+
+
+def variable_queries(namespace: str) -> list[tuple[str, str]]:
+    """(variable, query) for the dashboard's query variables: Grafana's `label_values(M, L)` as
+    the PromQL that lists the same values (`count by (L) (M)`)."""
+    d = json.loads(DASHBOARD.read_text())
+    out = []
+    for v in d["templating"]["list"]:
+        if v.get("type") != "query":
+            continue
+        m = re.fullmatch(r"label_values\((.+), (\w+)\)", v["definition"])
+        assert m, v["definition"]
+        out.append((f"${v['name']}", f"count by ({m[2]}) ({m[1].replace('$namespace', namespace)})"))
     return out
 
 

@@ -32,7 +32,7 @@ from kvmesh.operator.render import _role_selector, render
 from kvmesh.operator.spec import ObjectMeta
 
 from .conftest import Cluster, record, wait_for, wait_ready
-from .prometheus import Prometheus, alert_queries, dashboard_queries
+from .prometheus import Prometheus, alert_queries, dashboard_queries, variable_queries
 from .realpods import (
     CPU_EXAMPLES,
     MAX_TOKENS,
@@ -311,7 +311,7 @@ def test_real_prometheus_scrapes_the_pods_and_every_panel_and_alert_has_data(
             assert t["labels"]["service"] in (svc.name, f"{svc.name}-workers"), t["labels"]
         with Load(checked_sender(svc, prompts, reference), threads=2) as load:
             load.wait_ok(6)
-            queries = dashboard_queries(svc.ns) + alert_queries(prom.rules)
+            queries = dashboard_queries(svc.ns) + variable_queries(svc.ns) + alert_queries(prom.rules)
             t0 = time.monotonic()
 
             def missing() -> list[str]:
@@ -324,6 +324,11 @@ def test_real_prometheus_scrapes_the_pods_and_every_panel_and_alert_has_data(
             except AssertionError:
                 raise AssertionError("queries without data:\n" + "\n".join(missing())) from None
             record("real.prometheus_all_queries_data_seconds", round(time.monotonic() - t0, 1))
+            # the loaded alert rules evaluate without error
+            wait_for("every alert rule evaluated", lambda: "unknown" not in prom.rules_health().values(), 30, 1.0)
+            health = prom.rules_health()
+            assert set(health) == {r["alert"] for g in prom.rules for r in g["rules"]}
+            assert set(health.values()) == {"ok"}, health
             owner = svc.c.get("inferenceservice", svc.name, svc.ns)
             spec = {**owner["spec"], "autoscaling": {"enabled": True, "provider": "keda"}}
             meta = ObjectMeta.parse(owner["metadata"])
