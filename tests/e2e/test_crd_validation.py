@@ -26,10 +26,6 @@ CASES = {
         {"autoscaling": {"enabled": True, "decode": {"minReplicas": 5, "maxReplicas": 2}}},
         "autoscaling.decode.minReplicas must be <= maxReplicas",
     ),
-    "enum-autoscaling-provider": (
-        {"autoscaling": {"enabled": True, "provider": "custom"}},
-        'spec.autoscaling.provider: Unsupported value: "custom"',
-    ),
     "cel-redis-only-with-redis": (
         {"kvConnector": {"type": "nixl", "redis": {"url": "redis://r:6379"}}},
         "kvConnector.redis is only allowed when kvConnector.type is redis",
