@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .render import DEFAULT_PROMETHEUS_URL
+
 
 @dataclass(frozen=True)
 class OperatorConfig:
@@ -16,12 +18,16 @@ class OperatorConfig:
     watch_children: bool = True  # reconcile the owner when an owned Deployment changes
     # Test hook: pause between child applies so e2e tests can kill the operator mid-reconcile.
     debug_apply_delay_seconds: float = 0.0
+    # Prometheus that KEDA's prometheus scaler queries (InferenceServices with provider keda).
+    prometheus_url: str = DEFAULT_PROMETHEUS_URL
 
     def __post_init__(self) -> None:
         if self.resync_seconds <= 0:
             raise ValueError("resync_seconds must be > 0")
         if self.max_backoff_seconds < 1:
             raise ValueError("max_backoff_seconds must be >= 1")
+        if not self.prometheus_url.startswith(("http://", "https://")):
+            raise ValueError(f"prometheus_url must be an http(s) URL, got {self.prometheus_url!r}")
 
     def backoff(self, retry: int) -> float:
         """Exponential backoff for the kopf retry counter: 1, 2, 4 ... capped."""
@@ -36,4 +42,5 @@ class OperatorConfig:
             max_backoff_seconds=float(e.get(p + "MAX_BACKOFF_SECONDS", 60.0)),
             watch_children=e.get(p + "WATCH_CHILDREN", "1") not in ("0", "false", "False"),
             debug_apply_delay_seconds=float(e.get(p + "DEBUG_APPLY_DELAY_SECONDS", 0.0)),
+            prometheus_url=e.get(p + "PROMETHEUS_URL") or DEFAULT_PROMETHEUS_URL,
         )

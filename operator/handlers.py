@@ -56,7 +56,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 def _run(body: kopf.Body, retry: int = 0, wait: bool = True) -> None:
     try:
-        reconcile(kube(), dict(body), CONFIG.debug_apply_delay_seconds, wait=wait)
+        reconcile(kube(), dict(body), CONFIG.debug_apply_delay_seconds, wait=wait, prometheus_url=CONFIG.prometheus_url)
     except TransientError as e:
         raise kopf.TemporaryError(str(e), delay=CONFIG.backoff(retry)) from e
 
@@ -87,7 +87,9 @@ async def _resync_forever(namespaces: tuple[str, ...]) -> None:
             if namespaces and not any(fnmatch.fnmatch(ns, pat) for pat in namespaces):
                 continue
             try:
-                await asyncio.to_thread(reconcile, kube(), item, CONFIG.debug_apply_delay_seconds, False)
+                await asyncio.to_thread(
+                    reconcile, kube(), item, CONFIG.debug_apply_delay_seconds, False, CONFIG.prometheus_url
+                )
             except Exception as e:  # noqa: BLE001
                 log.warning("resync of %s/%s failed: %s", ns, item["metadata"]["name"], e)
 
@@ -124,6 +126,8 @@ if CONFIG.watch_children:
         if parent is None or parent["metadata"].get("uid") != owner.get("uid"):
             return  # orphan on its way to garbage collection
         try:
-            reconcile(kube(), parent, CONFIG.debug_apply_delay_seconds, wait=False)
+            reconcile(
+                kube(), parent, CONFIG.debug_apply_delay_seconds, wait=False, prometheus_url=CONFIG.prometheus_url
+            )
         except TransientError as e:
             log.info("child event reconcile deferred: %s", e)

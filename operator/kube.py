@@ -42,6 +42,8 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
         Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+        # autoscaling.provider keda; a cluster without KEDA's CRDs answers 404 to list (see list).
+        Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
     )
 }
 # Not in KINDS (never applied, listed or pruned): the operator may only create Secrets, so it can
@@ -147,8 +149,15 @@ class Kube:
             raise
 
     def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict]:
+        """Children of one kind by label; a kind the cluster does not serve (a CRD such as KEDA's
+        not installed) has none."""
         k = KINDS[(api_version, kind)]
-        out = self._call("GET", k.collection(namespace), query=[("labelSelector", label_selector)])
+        try:
+            out = self._call("GET", k.collection(namespace), query=[("labelSelector", label_selector)])
+        except ApiException as e:
+            if e.status == 404:
+                return []
+            raise
         return list(out.get("items") or [])
 
     def list_inference_services(self) -> builtins.list[dict]:  # `list` here is the method above

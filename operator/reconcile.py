@@ -17,7 +17,15 @@ from typing import Any
 from . import conditions as cond
 from .conditions import Condition
 from .kube import KINDS, Kube, TransientError
-from .render import LABEL_MANAGED_BY, LABEL_OWNER, MANAGER, child_key, internal_secret, render
+from .render import (
+    DEFAULT_PROMETHEUS_URL,
+    LABEL_MANAGED_BY,
+    LABEL_OWNER,
+    MANAGER,
+    child_key,
+    internal_secret,
+    render,
+)
 from .spec import ROLES, InferenceServiceSpec, ObjectMeta
 from .validate import problems
 
@@ -70,7 +78,13 @@ def _deployment_progress(dep: dict[str, Any], floor: int = 0) -> tuple[int, int,
     return desired, ready, settled
 
 
-def reconcile(kube: Kube, body: dict[str, Any], apply_delay: float = 0.0, wait: bool = True) -> Outcome | None:
+def reconcile(
+    kube: Kube,
+    body: dict[str, Any],
+    apply_delay: float = 0.0,
+    wait: bool = True,
+    prometheus_url: str = DEFAULT_PROMETHEUS_URL,
+) -> Outcome | None:
     """One pass (more if something asked for one meanwhile). Raises TransientError when the API
     should be retried later.
 
@@ -86,14 +100,16 @@ def reconcile(kube: Kube, body: dict[str, Any], apply_delay: float = 0.0, wait: 
     try:
         while True:
             _dirty.discard(key)
-            out = _reconcile_once(kube, meta, apply_delay)
+            out = _reconcile_once(kube, meta, apply_delay, prometheus_url)
             if key not in _dirty:
                 return out
     finally:
         lock.release()
 
 
-def _reconcile_once(kube: Kube, meta: ObjectMeta, apply_delay: float) -> Outcome:
+def _reconcile_once(
+    kube: Kube, meta: ObjectMeta, apply_delay: float, prometheus_url: str = DEFAULT_PROMETHEUS_URL
+) -> Outcome:
     # Re-read: the body may be stale when we waited for the lock or come from a child event.
     fresh = kube.get("serving.kvmesh.io/v1alpha1", "InferenceService", meta.namespace, meta.name)
     if fresh is None or fresh["metadata"].get("deletionTimestamp"):
@@ -105,7 +121,7 @@ def _reconcile_once(kube: Kube, meta: ObjectMeta, apply_delay: float) -> Outcome
     if out.invalid:
         write_status(kube, fresh, out)
         return out
-    desired = render(spec, meta)
+    desired = render(spec, meta, prometheus_url)
     try:
         _ensure_internal_secret(kube, meta, out)
         _apply_all(kube, meta, desired, out, apply_delay, _replica_floors(spec))

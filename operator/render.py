@@ -15,6 +15,7 @@ Object layout for an InferenceService NAME:
     NAME-config                              ConfigMap with the engine settings
     NAME-{prefill,decode,router}             PodDisruptionBudgets
     NAME-{prefill,decode}                    HPAs, only when autoscaling is enabled
+    NAME-{prefill,decode}                    KEDA ScaledObjects instead, with provider keda
     NAME-router                              ServiceAccount/Role/RoleBinding (pod discovery)
     NAME-redis                               Deployment + Service, only for a managed Redis
     NAME-{default-deny,router,workers,redis} NetworkPolicies, unless spec.networkPolicy.enabled
@@ -595,6 +596,105 @@ def _hpas(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manifest]:
     return out
 
 
+# KEDA's prometheus scaler reads this Prometheus unless the operator is told otherwise
+# (OperatorConfig.prometheus_url; chart value prometheus.serverAddress).
+DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
+_RATE_WINDOW = "1m"
+
+
+def _role_selector(meta: ObjectMeta, role: str) -> str:
+    """PromQL matchers for one role's pods, by the `namespace`/`pod` target labels that both the
+    chart's ServiceMonitor and its documented scrape config attach (Deployment pod names are
+    NAME-ROLE-<template hash>-<suffix>)."""
+    return f'namespace="{meta.namespace}", pod=~"{meta.name}-{role}-[^-]+-[^-]+"'
+
+
+def _ratio_query(metric: str, quantile: float, target_s: float, sel: str) -> str:
+    """Replicas needed to bring a latency quantile back to its target, the HPA's proportional
+    rule (current pods x observed / target), as one PromQL value. NaN (no traffic in the window)
+    and the empty result both read 0, so an idle role falls back to minReplicaCount."""
+    q = f"histogram_quantile({quantile:g}, sum by (le) (rate({metric}_bucket{{{sel}}}[{_RATE_WINDOW}])))"
+    return f"(({q} / {target_s:g}) * count(vllm:num_requests_running{{{sel}}})) > 0 or vector(0)"
+
+
+def _scaled_objects(spec: InferenceServiceSpec, meta: ObjectMeta, prometheus_url: str) -> list[Manifest]:
+    """spec.autoscaling.provider keda: one KEDA ScaledObject per worker role, prometheus-scaler
+    triggers on the planner's signals (prefill: TTFT at its percentile against the target;
+    decode: ITL against its target and KV-cache use against targetKVCacheUsage). Each query
+    returns the replicas it asks for and the trigger's AverageValue threshold is 1, so KEDA's
+    HPA takes the largest ask; min/max, polling interval and the stabilization windows come
+    from spec.autoscaling. KEDA creates and owns the HPA; the Deployment's replicas are left to it.
+    """
+    a = spec.autoscaling
+
+    def knob(obj: Any, name: str, default: Any) -> Any:
+        # Fields of the extended autoscaling contract (percentiles, scale-up windows, interval);
+        # the defaults are the CRD's.
+        value = getattr(obj, name, None)
+        return default if value is None else value
+
+    def trigger(name: str, query: str) -> dict[str, Any]:
+        return {
+            "type": "prometheus",
+            "name": name,
+            "metricType": "AverageValue",
+            "metadata": {
+                "serverAddress": prometheus_url,
+                "query": query,
+                "threshold": "1",
+                "ignoreNullValues": "true",
+            },
+        }
+
+    out = []
+    for role, s in (("prefill", a.prefill), ("decode", a.decode)):
+        sel = _role_selector(meta, role)
+        if role == "prefill":
+            pct = knob(s, "ttft_percentile", 90)
+            triggers = [
+                trigger(
+                    "ttft",
+                    _ratio_query("vllm:time_to_first_token_seconds", pct / 100, (s.target_ttft_ms or 500) / 1000, sel),
+                )
+            ]
+        else:
+            pct = knob(s, "itl_percentile", 90)
+            kv = s.target_kv_usage or 0.8
+            triggers = [
+                trigger(
+                    "itl",
+                    _ratio_query("vllm:inter_token_latency_seconds", pct / 100, (s.target_itl_ms or 50) / 1000, sel),
+                ),
+                trigger("kv_cache", f"(sum(vllm:kv_cache_usage_perc{{{sel}}}) / {kv:g}) > 0 or vector(0)"),
+            ]
+        down = s.scale_down_stabilization_s
+        so = _object("keda.sh/v1alpha1", "ScaledObject", f"{meta.name}-{role}", meta, role)
+        so["spec"] = {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{meta.name}-{role}"},
+            "pollingInterval": int(knob(a, "interval_s", 15)),
+            "cooldownPeriod": down,
+            "minReplicaCount": s.min_replicas,
+            "maxReplicaCount": s.max_replicas,
+            "advanced": {
+                "horizontalPodAutoscalerConfig": {
+                    "behavior": {
+                        "scaleUp": {
+                            "stabilizationWindowSeconds": int(knob(s, "scale_up_stabilization_s", 0)),
+                            "policies": [{"type": "Percent", "value": 100, "periodSeconds": 30}],
+                        },
+                        "scaleDown": {
+                            "stabilizationWindowSeconds": down,
+                            "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}],
+                        },
+                    }
+                }
+            },
+            "triggers": triggers,
+        }
+        out.append(so)
+    return out
+
+
 def _redis(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manifest]:
     container = {
         "name": "redis",
@@ -693,11 +793,16 @@ def network_policies(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manif
     return out
 
 
-def render(spec: InferenceServiceSpec | Mapping[str, Any], meta: ObjectMeta | Mapping[str, Any]) -> list[Manifest]:
+def render(
+    spec: InferenceServiceSpec | Mapping[str, Any],
+    meta: ObjectMeta | Mapping[str, Any],
+    prometheus_url: str = DEFAULT_PROMETHEUS_URL,
+) -> list[Manifest]:
     """Every child object for one InferenceService, in apply order (config, RBAC and network
     policies first). The generated Secret is not among them (see internal_secret).
 
     Accepts the plain dicts kopf hands to handlers or the typed views from spec.py.
+    `prometheus_url` is the operator's setting for KEDA's prometheus scaler (provider keda).
     """
     if not isinstance(spec, InferenceServiceSpec):
         spec = InferenceServiceSpec.parse(spec)
@@ -722,7 +827,10 @@ def render(spec: InferenceServiceSpec | Mapping[str, Any], meta: ObjectMeta | Ma
     out += _services(meta)
     out += [_pdb(meta, c) for c in ("prefill", "decode", "router")]
     if spec.autoscaling.enabled:
-        out += _hpas(spec, meta)
+        if getattr(spec.autoscaling, "provider", "hpa") == "keda":
+            out += _scaled_objects(spec, meta, prometheus_url)
+        else:
+            out += _hpas(spec, meta)
     return out
 
 

@@ -99,6 +99,7 @@ class RoleScaling:
 @dataclass(frozen=True)
 class AutoscalingSpec:
     enabled: bool = False
+    provider: str = "planner"  # planner | keda | hpa
     prefill: RoleScaling = RoleScaling(target_ttft_ms=500)
     decode: RoleScaling = RoleScaling(target_itl_ms=50, target_kv_usage=0.8)
 
@@ -108,6 +109,7 @@ class AutoscalingSpec:
         dc = d.get("decode") or {}
         return AutoscalingSpec(
             enabled=bool(d.get("enabled", False)),
+            provider=str(d.get("provider", "planner")),
             prefill=RoleScaling(
                 min_replicas=int(p.get("minReplicas", 1)),
                 max_replicas=int(p.get("maxReplicas", 4)),

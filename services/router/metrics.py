@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+# The failures the router retries on another pod (upstream.UpstreamError with gone=True), the
+# `reason` label values of kvmesh:router_retries_total.
+RETRY_REASONS = ("ConnectTimeout", "ConnectError", "RemoteProtocolError", "ReadError")
+
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TOK = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 
@@ -74,6 +78,8 @@ class RouterMetrics:
             registry=r,
         )
         self.retries = Counter("kvmesh:router_retries", "requests retried on another pod", ["reason"], registry=r)
+        for reason in RETRY_REASONS:  # at 0 from the start: the dashboard's retry panel shows 0, not "no data"
+            self.retries.labels(reason)
         self.pod_healthy = Gauge(
             "kvmesh:router_pod_healthy", "1 if the pod passes health checks", ["pod", "role"], registry=r
         )

