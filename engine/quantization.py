@@ -21,6 +21,7 @@ of the three (two), as vLLM fuses them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +29,8 @@ import torch
 
 from kvmesh.kernels import Fp8Weight, quantize_weight
 from kvmesh.kernels.reference import FP8
+
+log = logging.getLogger("kvmesh.engine")
 
 # The model's fused projections (engine/models/llama.py's layer dicts) and the checkpoint
 # projections each one concatenates, in order.
@@ -116,7 +119,7 @@ def quantize_model(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor
     e4m3 weights and scales where ``state_dict`` holds them, else quantized from the float weights.
     Returns how many weights were replaced. Layer by layer, so the float weights go as it goes."""
     layers = getattr(model, "layers")
-    n = 0
+    n = pre = 0
     for i, layer in enumerate(layers):
         for key, parts in FUSED.items():
             w = layer.get(key)
@@ -128,6 +131,8 @@ def quantize_model(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor
                 raise QuantizationError(f"layer {i}: {key} mixes e4m3 and float checkpoint weights")
             layer[key] = _from_checkpoint(state_dict, names, w) if kinds == {True} else quantize_weight(w)
             n += 1
+            pre += kinds == {True}
+    log.info("fp8: %d projection weights in e4m3 (%d from the checkpoint, %d quantized at load)", n, pre, n - pre)
     return n
 
 
