@@ -335,8 +335,8 @@ def replay_ms(eng: EngineCore, B: int) -> float:
 def weight_bytes_per_step(eng: EngineCore, B: int) -> int:
     m = eng.runner.model
     n = 0
-    for layer in m.layers:
-        n += sum(t.numel() * t.element_size() for t in layer.values() if t is not None)
+    for layer in m.layers:  # tensors or FP8 weights (kvmesh.kernels.Fp8Weight): each has nbytes
+        n += sum(t.nbytes for t in layer.values() if t is not None)
     n += m.norm.numel() * m.norm.element_size() + m.lm_head.numel() * m.lm_head.element_size()
     n += B * m.embed.shape[1] * m.embed.element_size()  # embedding rows actually read
     return n
@@ -373,7 +373,7 @@ def engine_decode(
     step_ms = step_ms[len(step_ms) // 2] if step_ms else float("nan")
     gpu_step_ms = replay_ms(eng, B)
     m = eng.config.model
-    kv_per_tok = m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2
+    kv_per_tok = m.num_layers * 2 * m.num_kv_heads * m.head_dim * runner.kv_cache.element_size()
     mean_ctx = P + N / 2  # context read per sequence, averaged over the decode steps
     step_bytes = weight_bytes_per_step(eng, B) + B * mean_ctx * kv_per_tok
     roof = B / (step_bytes / bw)

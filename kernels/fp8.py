@@ -114,12 +114,16 @@ def fp8_quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None)
 
 
 def fp8_gemv_config(N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
-    """The bf16 GEMV's configuration (`gemv_config`) with chunks twice as wide: the same bytes in
-    flight per program at one byte per weight."""
+    """The bf16 GEMV's configuration (`gemv_config`) with chunks twice as wide, the same bytes in
+    flight per program at one byte per weight, where the wider fp32 partial product still fits in
+    64 registers per thread; else the bf16 configuration as it is."""
     from .matmul import gemv_config
 
     bn, bk, warps, stages = gemv_config(N, K, device)
-    return bn, min(2 * bk, p2(K)), warps, stages
+    wide = min(2 * bk, p2(K))
+    if bn * wide <= 64 * 32 * warps:
+        return bn, wide, warps, stages
+    return bn, bk, warps, stages
 
 
 def gemv_w8a8() -> bool:
