@@ -84,7 +84,9 @@ def checkpoint_quantization(hf_config: Mapping[str, Any]) -> str | None:
                     "token or static per tensor"
                 )
         return "fp8"
-    raise QuantizationError(f"unsupported quantization_config quant_method {method!r} (supported: fp8, compressed-tensors)")
+    raise QuantizationError(
+        f"unsupported quantization_config quant_method {method!r} (supported: fp8, compressed-tensors)"
+    )
 
 
 def _channel_scale(sd: Mapping[str, torch.Tensor], name: str, rows: int) -> torch.Tensor:
@@ -114,11 +116,12 @@ def _from_checkpoint(sd: Mapping[str, torch.Tensor], names: list[str], fused: to
     return Fp8Weight(q.contiguous(), torch.cat(scales).to(fused.device).contiguous(), input_scale)
 
 
-def quantize_model(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> int:
+def quantize_model(model: Any, state_dict: Mapping[str, torch.Tensor]) -> int:
     """Replace the built model's projection weights with `Fp8Weight`s: from the checkpoint's
     e4m3 weights and scales where ``state_dict`` holds them, else quantized from the float weights.
+    ``model`` is any decoder whose ``layers`` are dicts of weights under the `FUSED` keys.
     Returns how many weights were replaced. Layer by layer, so the float weights go as it goes."""
-    layers = getattr(model, "layers")
+    layers: list[dict[str, Any]] = model.layers
     n = pre = 0
     for i, layer in enumerate(layers):
         for key, parts in FUSED.items():

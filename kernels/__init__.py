@@ -10,14 +10,14 @@ module per family (attention, kv_cache, elementwise, matmul, sampling), kernel b
 from ._dispatch import backend
 from .attention import attention_config, paged_attention
 from .elementwise import rms_norm, rope, silu_and_mul
-from .kv_cache import copy_blocks, gather_blocks, rope_write_kv, write_kv
 from .fp8 import Fp8Weight, fp8_quantize_rows, quantize_weight
+from .kv_cache import copy_blocks, gather_blocks, rope_write_kv, write_kv
 from .matmul import gemv_config, gemv_enabled, linear, silu_mul_linear
 from .reference import (
+    copy_blocks_reference,
     fp8_gemv_reference,
     fp8_linear_reference,
     fp8_quantize_rows_reference,
-    copy_blocks_reference,
     gather_blocks_reference,
     linear_reference,
     paged_attention_reference,

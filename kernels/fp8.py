@@ -41,7 +41,9 @@ class Fp8Weight:
         check_dim(fn, "scale", self.scale, 1)
         check_dtype(fn, "scale", self.scale, (torch.float32,))
         if self.scale.shape[0] != self.weight.shape[0]:
-            fail(fn, f"scale {tuple(self.scale.shape)} must have one entry per row of weight {tuple(self.weight.shape)}")
+            fail(
+                fn, f"scale {tuple(self.scale.shape)} must have one entry per row of weight {tuple(self.weight.shape)}"
+            )
         if self.weight.shape[1] and self.weight.stride(1) != 1:
             fail(fn, "weight rows must be contiguous")
         if self.input_scale is not None and self.input_scale.numel() != 1:
@@ -155,9 +157,7 @@ def fp8_matmul(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torc
     (``torch._scaled_mm`` where it applies, else the upcasting reference on the quantized rows)."""
     xq, xs = fp8_quantize_rows(x, w.input_scale)
     if _scaled_mm_applies(x, w):
-        y = torch._scaled_mm(
-            xq, w.weight.t(), scale_a=xs[:, None], scale_b=w.scale[None, :], out_dtype=x.dtype
-        )
+        y = torch._scaled_mm(xq, w.weight.t(), scale_a=xs[:, None], scale_b=w.scale[None, :], out_dtype=x.dtype)
         return y if bias is None else y + bias
     return _ref.fp8_scaled_mm_reference(xq, xs, w.weight, w.scale, bias, x.dtype)
 

@@ -14,7 +14,15 @@ from . import reference as _ref
 from ._checks import FLOATS, check_device, check_dim, check_dtype, fail
 from ._dispatch import backend, cdiv, num_sms, p2, pdl
 from .elementwise import silu_and_mul
-from .fp8 import Fp8Weight, check_fp8_linear, fp8_gemv_applies, fp8_gemv_config, fp8_matmul, fp8_quantize_rows, gemv_w8a8
+from .fp8 import (
+    Fp8Weight,
+    check_fp8_linear,
+    fp8_gemv_applies,
+    fp8_gemv_config,
+    fp8_matmul,
+    fp8_quantize_rows,
+    gemv_w8a8,
+)
 
 
 def gemv_enabled() -> bool:
@@ -135,7 +143,9 @@ def _fp8_linear(fn: str, x, w: Fp8Weight, bias, silu_mul: bool, config) -> torch
     ``torch._scaled_mm`` otherwise."""
     check_fp8_linear(fn, x, w, bias, 2 if silu_mul else 1)
     if backend(x) == "reference":
-        return _ref.fp8_linear_reference(_ref.silu_and_mul_reference(x) if silu_mul else x, w.weight, w.scale, bias, w.input_scale)
+        return _ref.fp8_linear_reference(
+            _ref.silu_and_mul_reference(x) if silu_mul else x, w.weight, w.scale, bias, w.input_scale
+        )
     N, K = w.shape
     cfg = config or fp8_gemv_config(N, K, x.device)
     if fp8_gemv_applies(x, bias):

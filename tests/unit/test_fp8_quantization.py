@@ -212,7 +212,10 @@ def test_fp8_method_per_tensor_static_checkpoint(tmp_path):
         ({"quant_method": "gptq", "bits": 4}, "unsupported quantization_config quant_method 'gptq'"),
         ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
         (
-            {**COMPRESSED_TENSORS, "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
+            {
+                **COMPRESSED_TENSORS,
+                "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}},
+            },
             "only 8-bit float weights",
         ),
     ],
@@ -229,7 +232,11 @@ def test_unsupported_quantization_config_is_a_clear_error(tmp_path, qc, match):
 def test_missing_weight_scale_is_a_clear_error(tmp_path):
     lm = random_model(SMALL, dtype=torch.float32, seed=0)
     write_checkpoint(
-        tmp_path / "c", lm.config, lm.state_dict, {"quant_method": "fp8"}, lambda n, w: {n + ".weight": w.to(torch.float8_e4m3fn)}
+        tmp_path / "c",
+        lm.config,
+        lm.state_dict,
+        {"quant_method": "fp8"},
+        lambda n, w: {n + ".weight": w.to(torch.float8_e4m3fn)},
     )
     pre = load_model(str(tmp_path / "c"), load_tokenizer=False)
     with pytest.raises(ValueError, match="weight_scale is missing"):
