@@ -302,6 +302,13 @@ FP8_MAX = 448.0  # the largest finite e4m3 value
 FP8_MIN_SCALE = 1e-12  # floor of a dynamic scale, so an all-zero row quantizes to zeros, not NaN
 
 
+def fp8_amax_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``max(amax / FP8_MAX, FP8_MIN_SCALE)`` in float32, as an IEEE division on every device (on CUDA,
+    torch divides by a Python number as a multiply by its rounded reciprocal, one bit off at times)."""
+    amax = amax.float()
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp_min(FP8_MIN_SCALE)
+
+
 def fp8_quantize_rows_reference(
     x: torch.Tensor, static_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,7 +318,7 @@ def fp8_quantize_rows_reference(
     beyond the range clamped; rounding to nearest even."""
     xf = x.float()
     if static_scale is None:
-        s = (xf.abs().amax(-1) / FP8_MAX).clamp_min(FP8_MIN_SCALE)
+        s = fp8_amax_scale(xf.abs().amax(-1))
     else:
         s = static_scale.float().reshape(1).expand(x.shape[0])
     return (xf / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
