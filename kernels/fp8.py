@@ -80,15 +80,20 @@ def quantize_weight(w: torch.Tensor, input_scale: torch.Tensor | None = None) ->
     return Fp8Weight(q.contiguous(), scale.contiguous(), input_scale)
 
 
-def fp8_quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_quantize_rows(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None, silu_mul: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token e4m3 quantization of ``x [M, K]``: ``(q [M, K], scale [M] float32)``; one
-    program per row (see `fp8_quantize_rows_reference` for the rule)."""
+    program per row (see `fp8_quantize_rows_reference` for the rule). With ``silu_mul`` ``x`` is a
+    gate|up ``[M, 2K]`` and ``silu_and_mul(x)`` is what gets quantized, formed in the same pass."""
     fn = "fp8_quantize_rows"
     check_dim(fn, "x", x, 2)
     check_dtype(fn, "x", x, FLOATS)
+    if silu_mul and x.shape[1] % 2:
+        fail(fn, f"a gate|up row must have an even width, got {x.shape[1]}")
     if backend(x) == "reference":
-        return _ref.fp8_quantize_rows_reference(x, static_scale)
-    M, K = x.shape
+        return _ref.fp8_quantize_rows_reference(_ref.silu_and_mul_reference(x) if silu_mul else x, static_scale)
+    M, K = x.shape[0], x.shape[1] // (2 if silu_mul else 1)
     if x.stride(1) != 1 and K > 1:
         x = x.contiguous()
     q = torch.empty((M, K), dtype=FP8, device=x.device)
@@ -108,11 +113,18 @@ def fp8_quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None)
         FP8_MAX=FP8_MAX,
         MIN_SCALE=FP8_MIN_SCALE,
         STATIC=static_scale is not None,
-        BLOCK_K=min(2048, p2(K)),
-        num_warps=4,
+        SILU_MUL=silu_mul,
+        ONE_PASS=p2(K) <= ONE_PASS_MAX,
+        BLOCK_K=p2(K) if p2(K) <= ONE_PASS_MAX else 2048,
+        num_warps=4 if p2(K) <= 4096 else (8 if p2(K) <= 8192 else 16),
         **pdl(x, M),
     )
     return q, s
+
+
+# Rows up to this width are quantized from registers in one pass (a Llama-3-70B down projection's
+# 28,672 columns are two passes).
+ONE_PASS_MAX = 16384
 
 
 def fp8_gemv_config(N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
@@ -149,10 +161,11 @@ def check_fp8_linear(fn: str, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor 
             fail(fn, f"{name} is on {t.device} but x is on {x.device}")
 
 
-def fp8_matmul(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """W8A8 for any number of rows on a device: per-token quantization, then the scaled GEMM
-    (``torch._scaled_mm`` where it applies, else the upcasting reference on the quantized rows)."""
-    xq, xs = fp8_quantize_rows(x, w.input_scale)
+def fp8_matmul(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
+    """W8A8 for any number of rows on a device: per-token quantization (of ``silu_and_mul(x)`` with
+    ``silu_mul``, fused), then the scaled GEMM (``torch._scaled_mm`` where it applies, else the
+    upcasting reference on the quantized rows)."""
+    xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul)
     if _scaled_mm_applies(x, w):
         y = torch._scaled_mm(xq, w.weight.t(), scale_a=xs[:, None], scale_b=w.scale[None, :], out_dtype=x.dtype)
         return y if bias is None else y + bias

@@ -151,7 +151,6 @@ def _fp8_linear(fn: str, x, w: Fp8Weight, bias, silu_mul: bool, config) -> torch
     if fp8_gemv_applies(x, bias):
         if not gemv_w8a8():
             return _gemv(x, w.weight, bias, silu_mul, cfg, w_scale=w.scale)
-        h = silu_and_mul(x) if silu_mul else x
-        xq, xs = fp8_quantize_rows(h, w.input_scale)
+        xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul)
         return _gemv(xq, w.weight, bias, False, cfg, w_scale=w.scale, x_scale=xs, out_dtype=x.dtype)
-    return fp8_matmul(silu_and_mul(x) if silu_mul else x, w, bias)
+    return fp8_matmul(x, w, bias, silu_mul)

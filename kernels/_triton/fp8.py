@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import triton
 import triton.language as tl
 
 from ._common import grid_dependency, jit_unspecialized
+from .elementwise import silu_mul
+
+
+@triton.jit
+def _row_chunk(row, k, K, SILU_MUL: tl.constexpr):
+    """Columns ``k`` of one input row in fp32; with SILU_MUL the row is gate|up (width 2K) and the
+    chunk is ``silu(gate) * up`` rounded as `silu_and_mul` rounds it."""
+    if SILU_MUL:
+        g = tl.load(row + k, mask=k < K, other=0.0)
+        u = tl.load(row + K + k, mask=k < K, other=0.0)
+        return silu_mul(g, u, row).to(tl.float32)
+    return tl.load(row + k, mask=k < K, other=0.0).to(tl.float32)
 
 
 @jit_unspecialized("M")
@@ -19,30 +32,42 @@ def fp8_quant_rows_kernel(
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     STATIC: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    ONE_PASS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """Row ``m`` of ``x`` to e4m3 with its own scale: ``s = max(amax(|x[m]|) / FP8_MAX, MIN_SCALE)``
-    (or the one STATIC scale), ``q = clamp(x / s)`` rounded to nearest.
+    (or the one STATIC scale), ``q = clamp(x / s)`` rounded to nearest. With SILU_MUL the row is a
+    gate|up row and what is quantized is ``silu(gate) * up`` (the down projection's input, formed
+    here instead of by a `silu_and_mul` launch).
 
-    One program per row, two passes over it (the amax, then the quantized write): a row is at most
-    a few tens of KiB, so the second pass reads it from L2. The divisions are IEEE-rounded
-    (``div_rn``), as torch's are, so the result equals `fp8_quantize_rows_reference` bit for bit."""
+    One program per row. When the row fits one BLOCK_K chunk (ONE_PASS) it is read once and kept in registers
+    (one load, the amax, the write); otherwise two passes (the amax, then the quantized write, the
+    row read again from L2). The divisions are IEEE-rounded (``div_rn``), as torch's are, so the
+    result equals `fp8_quantize_rows_reference` bit for bit."""
     m = tl.program_id(0).to(tl.int64)
     grid_dependency(PDL)
     row = x_ptr + m * stride_x
-    if STATIC:
-        s = tl.load(static_ptr).to(tl.float32)
-    else:
-        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(row + k, mask=k < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        s = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_MAX), MIN_SCALE)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(row + k, mask=k < K, other=0.0).to(tl.float32)
+    if ONE_PASS:
+        k = tl.arange(0, BLOCK_K)
+        x = _row_chunk(row, k, K, SILU_MUL)
+        if STATIC:
+            s = tl.load(static_ptr).to(tl.float32)
+        else:
+            s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), FP8_MAX), MIN_SCALE)
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + m * K + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+    else:
+        if STATIC:
+            s = tl.load(static_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                amax = tl.maximum(amax, tl.abs(_row_chunk(row, k0 + tl.arange(0, BLOCK_K), K, SILU_MUL)))
+            s = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_MAX), MIN_SCALE)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(_row_chunk(row, k, K, SILU_MUL), s), -FP8_MAX), FP8_MAX)
+            tl.store(q_ptr + m * K + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
     tl.store(s_ptr + m, s)

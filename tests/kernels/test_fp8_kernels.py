@@ -36,10 +36,11 @@ def ref64(x, w: K.Fp8Weight, bias=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,k", [(5, 96), (2, 2500)])
+@pytest.mark.parametrize("m,k", [(5, 96), (2, 2500), (2, 16500)])
 def test_quantize_rows_exact(gen, dtype, m, k):
-    """Dynamic scales (an all-zero row and a huge row included; K beyond one 2,048 chunk) and a
-    static scale (values beyond its range clamp to +-448): codes and scales equal the reference."""
+    """Dynamic scales (an all-zero row and a huge row included; rows in one pass and, beyond 16,384
+    columns, in two) and a static scale (values beyond its range clamp to +-448): codes and scales
+    equal the reference."""
     x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m)[:, None]).to(dtype)
     x[0] = 0
     for static in (None, torch.tensor(0.01)):
@@ -49,6 +50,19 @@ def test_quantize_rows_exact(gen, dtype, m, k):
         assert torch.equal(s, rs)
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
     assert (q.float().abs() == 448).any(), "the static scale should have clamped some values"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [96, 16500])
+def test_quantize_rows_fused_silu_mul(gen, dtype, k):
+    """silu_mul=True quantizes ``silu_and_mul`` of a gate|up row in the same pass: equal, codes and
+    scales, to the `silu_and_mul` kernel followed by the quantization."""
+    x = (torch.randn(3, 2 * k, generator=gen) * 3).to(dtype)
+    q, s = K.fp8_quantize_rows(x, silu_mul=True)
+    rq, rs = K.fp8_quantize_rows(K.silu_and_mul(x))
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    with pytest.raises(ValueError, match="even width"):
+        K.fp8_quantize_rows(x[:, :-1], silu_mul=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
