@@ -4,9 +4,9 @@
 
 Needs the kvmesh package installed (docs/gpu.md) and one CUDA GPU (FP8 tensor cores: Hopper).
 
-1. Checks against the references (kernels/reference.py) on the device: per-token quantization bit for
-   bit; the one-row GEMV on e4m3 weights (W8A16, plain and fused with SiLU-and-multiply) and its
-   W8A8 variant, and the ``torch._scaled_mm`` path, by relative L2 error at the Llama-3-8B shapes.
+1. Checks against the references (kernels/reference.py) on the device: ``check_fp8`` of
+   tests/kernel_checks.py (per-token quantization bit for bit, the FP8 GEMV W8A16 and W8A8, the
+   ``torch._scaled_mm`` path) at the Llama-3-8B shapes.
 2. Copy bandwidth (bench/gpu_engine.py's): the roofline's denominator.
 3. Projections of one Llama-3-8B layer (qkv, o, gate_up, down), each call timed inside a CUDA graph
    that cycles through enough weight copies to keep them out of L2: at M = 1, 32, 128 the bf16
@@ -56,40 +56,22 @@ LAYERS = 32
 log = ge.log
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 # --------------------------------------------------------------------------- 1. checks
 def checks() -> None:
-    g = torch.Generator(device=DEV).manual_seed(0)
-    res: dict = {}
-    x = torch.randn(7, 4096, generator=g, device=DEV) * torch.logspace(-2, 2, 7, device=DEV)[:, None]
-    x = x.to(torch.bfloat16)
-    for name, xs in (("rows_7x4096", x), ("row_1x14336", torch.randn(1, 14336, generator=g, device=DEV).bfloat16())):
-        q, s = K.fp8_quantize_rows(xs)
-        rq, rs = K.fp8_quantize_rows_reference(xs)
-        res[f"quant_{name}_exact"] = bool(torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs))
-    for name, N, Kd in SHAPES:
-        w = K.quantize_weight(torch.randn(N, Kd, generator=g, device=DEV) / Kd**0.5)
-        silu = name == "down"
-        xin = torch.randn(1, 2 * Kd if silu else Kd, generator=g, device=DEV).bfloat16()
-        h = K.silu_and_mul(xin) if silu else xin
-        y = K.silu_mul_linear(xin, w) if silu else K.linear(xin, w)
-        res[f"gemv_w8a16_{name}_rel"] = rel(y, K.fp8_gemv_reference(h.float(), w.weight, w.scale))
-        os.environ["KVMESH_FP8_GEMV_W8A8"] = "1"
-        y = K.silu_mul_linear(xin, w) if silu else K.linear(xin, w)
-        os.environ["KVMESH_FP8_GEMV_W8A8"] = "0"
-        res[f"gemv_w8a8_{name}_rel"] = rel(y, K.fp8_linear_reference(h.float(), w.weight, w.scale))
-        xm = torch.randn(37, Kd, generator=g, device=DEV).bfloat16()
-        res[f"scaled_mm_{name}_rel"] = rel(K.linear(xm, w), K.fp8_linear_reference(xm.float(), w.weight, w.scale))
-    bound = 8e-3  # bf16 output rounding; the GEMV and _scaled_mm sum in other orders than the reference
-    res["pass"] = all(v for k, v in res.items() if k.endswith("exact")) and all(
-        v < bound for k, v in res.items() if k.endswith("_rel")
-    )
-    R["checks"] = res
-    log("checks", res)
+    """tests/kernel_checks.py's ``check_fp8``: the definition of correct shared with tests/gpu."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import kernel_checks
+
+    kernel_checks.DEV = DEV
+    kernel_checks.CHECKS.clear()
+    kernel_checks.FAILED.clear()
+    kernel_checks.check_fp8(torch.Generator(device=DEV).manual_seed(0))
+    R["checks"] = {
+        "pass": not kernel_checks.FAILED,
+        "failed": list(kernel_checks.FAILED),
+        "checks": list(kernel_checks.CHECKS),
+    }
+    log("checks", "PASS" if not kernel_checks.FAILED else f"FAIL {kernel_checks.FAILED}")
 
 
 # --------------------------------------------------------------------------- 3. kernels

@@ -25,6 +25,7 @@ import pytest
         "check_attention",
         "check_cuda_graph",
         "check_pdl",
+        "check_fp8",
     ],
 )
 def test_kernel_family(gen, check):

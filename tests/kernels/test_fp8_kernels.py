@@ -136,3 +136,14 @@ def test_fp8_dispatch_and_errors(gen, monkeypatch):
         fp8.Fp8Weight(w.weight, w.scale[:3])
     with pytest.raises(ValueError, match="dtype"):
         fp8.Fp8Weight(w.weight.float(), w.scale)
+
+
+def test_kernel_checks_fp8(gen, monkeypatch):
+    """tests/kernel_checks.py's FP8 checks (what tests/gpu and bench/gpu_fp8.py run on a GPU) pass
+    in the interpreter."""
+    import kernel_checks
+
+    monkeypatch.setattr(kernel_checks, "DEV", "cpu")
+    kernel_checks.FAILED.clear()
+    kernel_checks.check_fp8(gen)
+    assert not kernel_checks.FAILED, kernel_checks.FAILED
