@@ -116,9 +116,11 @@ def _from_checkpoint(sd: Mapping[str, torch.Tensor], names: list[str], fused: to
     return Fp8Weight(q.contiguous(), torch.cat(scales).to(fused.device).contiguous(), input_scale)
 
 
-def quantize_model(model: Any, state_dict: Mapping[str, torch.Tensor]) -> int:
+def quantize_model(model: Any, state_dict: Mapping[str, torch.Tensor], online: bool = True) -> int:
     """Replace the built model's projection weights with `Fp8Weight`s: from the checkpoint's
-    e4m3 weights and scales where ``state_dict`` holds them, else quantized from the float weights.
+    e4m3 weights and scales where ``state_dict`` holds them, else, when ``online``, quantized from
+    the float weights. A pre-quantized checkpoint is loaded with ``online=False``: a projection
+    it keeps in float (its ``ignore`` list) stays in float, as its authors chose.
     ``model`` is any decoder whose ``layers`` are dicts of weights under the `FUSED` keys.
     Returns how many weights were replaced. Layer by layer, so the float weights go as it goes."""
     layers: list[dict[str, Any]] = model.layers
@@ -132,6 +134,8 @@ def quantize_model(model: Any, state_dict: Mapping[str, torch.Tensor]) -> int:
             kinds = {sd_w.dtype == FP8 for sd_w in (state_dict.get(nm + ".weight") for nm in names) if sd_w is not None}
             if len(kinds) > 1:
                 raise QuantizationError(f"layer {i}: {key} mixes e4m3 and float checkpoint weights")
+            if kinds != {True} and not online:
+                continue
             layer[key] = _from_checkpoint(state_dict, names, w) if kinds == {True} else quantize_weight(w)
             n += 1
             pre += kinds == {True}

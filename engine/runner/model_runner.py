@@ -56,7 +56,7 @@ class ModelRunner(DecodeRoundRunner):
             config.model, state_dict, self.dtype, self.device, max_positions=self.max_model_len
         )
         if config.quantization == "fp8":
-            quantize_model(self.model, state_dict)
+            quantize_model(self.model, state_dict, online=config.model.quantization is None)
         self.sched_cfg = config.scheduler
         n_stage = eager_layout_size(
             config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, self.max_blocks_per_seq

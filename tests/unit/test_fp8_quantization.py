@@ -229,6 +229,23 @@ def test_unsupported_quantization_config_is_a_clear_error(tmp_path, qc, match):
         load_model(str(tmp_path / "m"), load_weights=False, load_tokenizer=False)
 
 
+def test_checkpoint_projections_left_in_float_stay_float(tmp_path):
+    """A pre-quantized checkpoint that keeps some projections in float (compressed-tensors'
+    ``ignore``): loaded with ``online=False`` (what the engine does for it) they stay float."""
+    lm = random_model(SMALL, dtype=torch.float32, seed=0)
+
+    def all_but_down(name, w):
+        return {name + ".weight": w} if name.endswith("down_proj") else fp8_state_dict_entries(name, w)
+
+    write_checkpoint(tmp_path / "c", lm.config, lm.state_dict, COMPRESSED_TENSORS, all_but_down)
+    pre = load_model(str(tmp_path / "c"), load_tokenizer=False)
+    m = LlamaForCausalLM(pre.config, pre.state_dict, torch.float32, CPU)
+    assert quantize_model(m, pre.state_dict, online=False) == 3 * pre.config.num_layers
+    assert isinstance(m.layers[0]["down"], torch.Tensor)
+    assert isinstance(m.layers[0]["gate_up"], K.Fp8Weight)
+    prefill_logits(m, [5, 6, 7])  # a mixed model runs
+
+
 def test_missing_weight_scale_is_a_clear_error(tmp_path):
     lm = random_model(SMALL, dtype=torch.float32, seed=0)
     write_checkpoint(
