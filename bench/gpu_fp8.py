@@ -97,6 +97,18 @@ def graph_us(fns: list, reps: int = 5) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def triton_gemm_us(fns: list) -> float:
+    """`graph_us` with ``KVMESH_FP8_GEMM=triton``; NaN (and the error recorded) if it fails."""
+    os.environ["KVMESH_FP8_GEMM"] = "triton"
+    try:
+        return graph_us(fns)
+    except Exception as e:
+        R.setdefault("errors", {})["triton_gemm"] = repr(e)[:300]
+        return float("nan")
+    finally:
+        os.environ.pop("KVMESH_FP8_GEMM")
+
+
 def kernel_times() -> None:
     rows = []
     g = torch.Generator(device=DEV).manual_seed(1)
@@ -120,6 +132,8 @@ def kernel_times() -> None:
                 os.environ["KVMESH_FP8_GEMV_W8A8"] = "0"
                 h = K.silu_and_mul(x) if silu else x
                 r["scaled_mm_us"] = graph_us([partial(kfp8.fp8_matmul, h, w, None) for w in wf])
+            else:  # the Triton W8A8 GEMM in place of _scaled_mm (KVMESH_FP8_GEMM=triton), untuned
+                r["fp8_triton_gemm_us"] = triton_gemm_us([partial(lin, x, w) for w in wf])
             r["bf16_TBps"] = N * Kd * 2 / r["bf16_us"] / 1e6
             r["fp8_TBps"] = N * Kd / r["fp8_us"] / 1e6
             r["speedup"] = r["bf16_us"] / r["fp8_us"]
@@ -141,7 +155,8 @@ def kernel_times() -> None:
         )
         r["scaled_mm_us"] = graph_us([mm] * 10)
         r["fp8_us"] = graph_us([partial(K.linear, x, f0)] * 10)  # quantization kernel + _scaled_mm
-        for k in ("bf16", "scaled_mm", "fp8"):
+        r["fp8_triton_gemm_us"] = triton_gemm_us([partial(K.linear, x, f0)] * 10)
+        for k in ("bf16", "scaled_mm", "fp8", "fp8_triton_gemm"):
             r[f"{k}_TFLOPs"] = 2 * M * N * Kd / r[f"{k}_us"] / 1e6
         rows.append(r)
         log("kernel", r)
@@ -219,23 +234,28 @@ def table() -> str:
     if "checks" in R:
         out.append(f"checks vs references: {'PASS' if R['checks']['pass'] else 'FAIL'}")
     if "kernels" in R:
-        out.append("\nprojection     M |  bf16 us  fp8 us  x    | fp8 TB/s | fp8 2x-chunk us | W8A8 us | scaled_mm us")
+        out.append(
+            "\nprojection     M |  bf16 us  fp8 us  x    | fp8 TB/s | fp8 2x-chunk us | W8A8 us | scaled_mm us"
+            " (M > 1: Triton GEMM us)"
+        )
         for r in R["kernels"]:
             if r["M"] == 4096:
                 continue
-            extra = ""
+            extra = f" | {r.get('fp8_triton_gemm_us', float('nan')):15.1f}"
             if r["M"] == 1:
                 extra = f" | {r['fp8_wide_us']:15.1f} | {r['fp8_w8a8_us']:7.1f} | {r['scaled_mm_us']:12.1f}"
             out.append(
                 f"{r['name']:>10} {r['M']:5d} | {r['bf16_us']:8.1f} {r['fp8_us']:7.1f} {r['speedup']:4.2f} | "
                 f"{r['fp8_TBps']:8.2f}{extra}"
             )
-        out.append("\nprefill M=4096  | bf16 TFLOP/s | _scaled_mm TFLOP/s | quant + _scaled_mm TFLOP/s")
+        out.append(
+            "\nprefill M=4096  | bf16 TFLOP/s | _scaled_mm TFLOP/s | quant + _scaled_mm TFLOP/s | quant + Triton"
+        )
         for r in R["kernels"]:
             if r["M"] == 4096:
                 out.append(
                     f"{r['name']:>15} | {r['bf16_TFLOPs']:12.0f} | {r['scaled_mm_TFLOPs']:18.0f} | "
-                    f"{r['fp8_TFLOPs']:10.0f}"
+                    f"{r['fp8_TFLOPs']:26.0f} | {r['fp8_triton_gemm_TFLOPs']:14.0f}"
                 )
         for s in R.get("projections_per_step", []):
             out.append(

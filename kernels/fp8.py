@@ -161,11 +161,63 @@ def check_fp8_linear(fn: str, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor 
             fail(fn, f"{name} is on {t.device} but x is on {x.device}")
 
 
+def fp8_gemm_triton() -> bool:
+    """``KVMESH_FP8_GEMM=triton``: more rows go through `fp8_gemm` instead of ``torch._scaled_mm``
+    (read per call; for measurements until the Triton GEMM is tuned)."""
+    return os.environ.get("KVMESH_FP8_GEMM", "") == "triton"
+
+
+def fp8_gemm(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: Fp8Weight,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """The W8A8 GEMM in Triton (`fp8_gemm_kernel`) on rows already quantized (`fp8_quantize_rows`):
+    ``(xq @ w.weight.T) * x_scale[:, None] * w.scale[None, :] (+ bias)``. ``config``:
+    ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``; the default is a first guess, untuned."""
+    fn = "fp8_gemm"
+    check_dim(fn, "xq", xq, 2)
+    check_dtype(fn, "xq", xq, (FP8,))
+    M, K = xq.shape
+    N = w.shape[0]
+    if w.shape[1] != K:
+        fail(fn, f"xq {tuple(xq.shape)} does not match weight {tuple(w.shape)}")
+    if backend(xq) == "reference":
+        return _ref.fp8_scaled_mm_reference(xq, x_scale, w.weight, w.scale, bias, out_dtype)
+    y = torch.empty((M, N), dtype=out_dtype, device=xq.device)
+    if M == 0 or N == 0:
+        return y
+    bm, bn, bk, warps, stages = config or (16 if M <= 16 else 64, 128, 128, 4, 3)
+    _dispatch.kernels_for(xq).fp8_gemm_kernel[(-(-M // bm), -(-N // bn))](
+        xq.contiguous(),
+        x_scale,
+        w.weight,
+        w.scale,
+        bias if bias is not None else y,
+        y,
+        M,
+        N,
+        K,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return y
+
+
 def fp8_matmul(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
     """W8A8 for any number of rows on a device: per-token quantization (of ``silu_and_mul(x)`` with
     ``silu_mul``, fused), then the scaled GEMM (``torch._scaled_mm`` where it applies, else the
     upcasting reference on the quantized rows)."""
     xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul)
+    if fp8_gemm_triton():
+        return fp8_gemm(xq, xs, w, bias, x.dtype)
     if _scaled_mm_applies(x, w):
         y = torch._scaled_mm(xq, w.weight.t(), scale_a=xs[:, None], scale_b=w.scale[None, :], out_dtype=x.dtype)
         return y if bias is None else y + bias

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import kvmesh.kernels as K
-from kvmesh.kernels import _dispatch
+from kvmesh.kernels import _dispatch, fp8
 
 DEV = os.environ.get("KVMESH_CHECK_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -592,7 +592,7 @@ def check_fp8(gen):
     reference bit for bit (one-pass rows, two-pass rows beyond 16,384 columns, the fused
     silu_and_mul against the unfused pair); the one-row GEMV on e4m3 weights (W8A16; W8A8 with
     ``KVMESH_FP8_GEMV_W8A8=1``) against a float64 product of the same quantized operands; more rows
-    (``torch._scaled_mm`` on a GPU) against `fp8_linear_reference`. Bound 8e-3 (bf16 output
+    (``torch._scaled_mm`` on a GPU, and the Triton W8A8 GEMM) against `fp8_linear_reference`. Bound 8e-3 (bf16 output
     rounding plus summation order). Llama-3-8B shapes on a GPU, small ones in the interpreter."""
     big = DEV == "cuda"
     shapes = [(6144, 4096), (4096, 14336), (28672, 4096)] if big else [(96, 128), (40, 96)]
@@ -628,3 +628,6 @@ def check_fp8(gen):
         xm = torch.randn(37, k, device=DEV, generator=gen).to(torch.bfloat16)
         ref = K.fp8_linear_reference(xm.float(), w.weight, w.scale)
         record(f"fp8 linear 37x{k} -> {n}", rel_err(K.linear(xm, w), ref), 8e-3)
+        xq, xs = K.fp8_quantize_rows(xm)
+        y = fp8.fp8_gemm(xq, xs, w, None, torch.bfloat16)
+        record(f"fp8 Triton gemm 37x{k} -> {n}", rel_err(y, ref), 8e-3)

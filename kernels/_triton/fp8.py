@@ -71,3 +71,44 @@ def fp8_quant_rows_kernel(
             q = tl.minimum(tl.maximum(tl.math.div_rn(_row_chunk(row, k, K, SILU_MUL), s), -FP8_MAX), FP8_MAX)
             tl.store(q_ptr + m * K + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
     tl.store(s_ptr + m, s)
+
+
+@jit_unspecialized("M")
+def fp8_gemm_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``y = (xq @ wq.T) * xs[:, None] * ws[None, :] (+ b)`` for e4m3 ``xq [M, K]`` and ``wq [N, K]``
+    (both rows contiguous): the W8A8 GEMM on the tensor cores, fp32 accumulation, the per-token and
+    per-channel scales applied once in the epilogue. One [BLOCK_M, BLOCK_N] tile per program."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    n_ok = n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + n.to(tl.int64)[None, :] * K + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc)
+    xs = tl.load(xs_ptr + m, mask=m_ok, other=0.0)
+    ws = tl.load(ws_ptr + n, mask=n_ok, other=0.0)
+    y = acc * xs[:, None] * ws[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
+    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

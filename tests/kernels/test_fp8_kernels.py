@@ -147,3 +147,20 @@ def test_kernel_checks_fp8(gen, monkeypatch):
     kernel_checks.FAILED.clear()
     kernel_checks.check_fp8(gen)
     assert not kernel_checks.FAILED, kernel_checks.FAILED
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,bias", [(5, 48, 64, False), (37, 70, 96, True)])
+def test_fp8_gemm_triton(gen, dtype, m, n, k, bias, monkeypatch):
+    """The Triton W8A8 GEMM (tiles not multiples of the shapes included) against the float64
+    product of the same quantized operands; and through `linear` with KVMESH_FP8_GEMM=triton."""
+    w = weight(gen, n, k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    xq, xs = K.fp8_quantize_rows(x)
+    ref = ref64(xq, w) * xs.double()[:, None]
+    ref = ref if b is None else ref + b.double()
+    y = fp8.fp8_gemm(xq, xs, w, b, dtype, config=(16, 32, 32, 4, 1))
+    assert y.dtype == dtype and rel_err(y, ref) < GEMV_BOUND[dtype]
+    monkeypatch.setenv("KVMESH_FP8_GEMM", "triton")
+    assert rel_err(K.linear(x, w, b), ref) < GEMV_BOUND[dtype]
