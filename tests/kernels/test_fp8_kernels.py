@@ -150,7 +150,7 @@ def test_kernel_checks_fp8(gen, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k,bias", [(5, 48, 64, False), (37, 70, 96, True)])
+@pytest.mark.parametrize("m,n,k,bias", [(1, 70, 300, False), (5, 48, 64, False), (37, 70, 96, True)])
 def test_fp8_gemm_triton(gen, dtype, m, n, k, bias, monkeypatch):
     """The Triton W8A8 GEMM (tiles not multiples of the shapes included) against the float64
     product of the same quantized operands; and through `linear` with KVMESH_FP8_GEMM=triton."""
