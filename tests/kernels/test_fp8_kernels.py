@@ -162,5 +162,6 @@ def test_fp8_gemm_triton(gen, dtype, m, n, k, bias, monkeypatch):
     ref = ref if b is None else ref + b.double()
     y = fp8.fp8_gemm(xq, xs, w, b, dtype, config=(16, 32, 32, 4, 1))
     assert y.dtype == dtype and rel_err(y, ref) < GEMV_BOUND[dtype]
-    monkeypatch.setenv("KVMESH_FP8_GEMM", "triton")
-    assert rel_err(K.linear(x, w, b), ref) < GEMV_BOUND[dtype]
+    if m > 1:  # one row takes the GEMV (W8A16) whatever the GEMM
+        monkeypatch.setenv("KVMESH_FP8_GEMM", "triton")
+        assert rel_err(K.linear(x, w, b), ref) < GEMV_BOUND[dtype]
