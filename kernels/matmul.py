@@ -14,6 +14,15 @@ from . import reference as _ref
 from ._checks import FLOATS, check_device, check_dim, check_dtype, fail
 from ._dispatch import backend, cdiv, num_sms, p2, pdl
 from .elementwise import silu_and_mul
+from .fp8 import (
+    Fp8Weight,
+    check_fp8_linear,
+    fp8_gemv_applies,
+    fp8_gemv_config,
+    fp8_matmul,
+    fp8_quantize_rows,
+    gemv_w8a8,
+)
 
 
 def gemv_enabled() -> bool:
@@ -40,9 +49,11 @@ def gemv_config(N: int, K: int, device: torch.device) -> tuple[int, int, int, in
     return 4, min(512, p2(K)), 4, 1
 
 
-def _gemv(x, weight, bias, silu_mul: bool, config=None) -> torch.Tensor:
+def _gemv(x, weight, bias, silu_mul: bool, config=None, w_scale=None, x_scale=None, out_dtype=None) -> torch.Tensor:
+    """One-row GEMV; ``w_scale`` (per output channel) for an e4m3 weight, ``x_scale`` (one
+    value) for an e4m3 input row (then ``out_dtype`` is the output's)."""
     N, K = weight.shape
-    y = torch.empty((1, N), dtype=x.dtype, device=x.device)
+    y = torch.empty((1, N), dtype=out_dtype or x.dtype, device=x.device)
     if N == 0:
         return y
     if K == 0:
@@ -54,6 +65,8 @@ def _gemv(x, weight, bias, silu_mul: bool, config=None) -> torch.Tensor:
         weight,
         bias if bias is not None else y,
         y,
+        w_scale if w_scale is not None else y,
+        x_scale if x_scale is not None else y,
         N,
         K,
         weight.stride(0),
@@ -65,6 +78,8 @@ def _gemv(x, weight, bias, silu_mul: bool, config=None) -> torch.Tensor:
         BLOCK_K=bk,
         num_warps=warps,
         num_stages=stages,
+        W_SCALE=w_scale is not None,
+        X_SCALE=x_scale is not None,
         **pdl(x, 1),
     )
     return y
@@ -93,23 +108,49 @@ def _gemv_applies(x, weight, bias) -> bool:
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None, config=None
+) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x [M, K]``: the GEMV kernel when M is 1 (decode at
-    batch 1, weight-bandwidth bound), cuBLAS otherwise. ``config`` overrides `gemv_config`."""
+    batch 1, weight-bandwidth bound), cuBLAS otherwise. ``config`` overrides `gemv_config`.
+    An `Fp8Weight` takes the FP8 paths (kernels/fp8.py)."""
     fn = "linear"
+    if isinstance(weight, Fp8Weight):
+        return _fp8_linear(fn, x, weight, bias, False, config)
     _linear_checks(fn, x, weight, bias, 1)
     if backend(x) == "reference" or not _gemv_applies(x, weight, bias):
         return F.linear(x, weight, bias)
     return _gemv(x, weight, bias, False, config)
 
 
-def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, config=None) -> torch.Tensor:
     """``linear(silu_and_mul(x), weight)`` for a gate|up activation ``x [M, 2K]``; at M = 1 the
     activation is formed inside the GEMV (one launch instead of two)."""
     fn = "silu_mul_linear"
+    if isinstance(weight, Fp8Weight):
+        return _fp8_linear(fn, x, weight, None, True, config)
     _linear_checks(fn, x, weight, None, 2)
     if backend(x) == "reference":
         return _ref.silu_mul_linear_reference(x, weight)
     if not _gemv_applies(x, weight, None):
         return F.linear(silu_and_mul(x), weight)
     return _gemv(x, weight, None, True, config)
+
+
+def _fp8_linear(fn: str, x, w: Fp8Weight, bias, silu_mul: bool, config) -> torch.Tensor:
+    """An e4m3 weight: the upcasting W8A8 reference on the CPU; on a device the one-row GEMV at
+    M = 1 (W8A16, or W8A8 with ``KVMESH_FP8_GEMV_W8A8=1``), per-token quantization and
+    ``torch._scaled_mm`` otherwise."""
+    check_fp8_linear(fn, x, w, bias, 2 if silu_mul else 1)
+    if backend(x) == "reference":
+        return _ref.fp8_linear_reference(
+            _ref.silu_and_mul_reference(x) if silu_mul else x, w.weight, w.scale, bias, w.input_scale
+        )
+    N, K = w.shape
+    cfg = config or fp8_gemv_config(N, K, x.device)
+    if fp8_gemv_applies(x, bias):
+        if not gemv_w8a8():
+            return _gemv(x, w.weight, bias, silu_mul, cfg, w_scale=w.scale)
+        xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul)
+        return _gemv(xq, w.weight, bias, False, cfg, w_scale=w.scale, x_scale=xs, out_dtype=x.dtype)
+    return fp8_matmul(x, w, bias, silu_mul)

@@ -369,3 +369,71 @@ def race_noise_reference(seeds: torch.Tensor, V: int) -> torch.Tensor:
     with np.errstate(divide="ignore"):
         e = np.where(v < f(1 / 64), series, -np.log(u))
     return torch.from_numpy(e.astype(np.float32)).to(seeds.device)
+
+
+# FP8 (e4m3) projections. Weights are quantized per output channel, activations per token.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+FP8_MIN_SCALE = 1e-12  # floor of a dynamic scale, so an all-zero row quantizes to zeros, not NaN
+
+
+def fp8_amax_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``max(amax / FP8_MAX, FP8_MIN_SCALE)`` in float32, as an IEEE division on every device (on CUDA,
+    torch divides by a Python number as a multiply by its rounded reciprocal, one bit off at times)."""
+    amax = amax.float()
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp_min(FP8_MIN_SCALE)
+
+
+def fp8_quantize_rows_reference(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token e4m3 quantization of ``x [M, K]``: ``(q [M, K] e4m3, scale [M] float32)`` with
+    ``x ~= q * scale[:, None]``. The scale maps the row's largest magnitude to ``FP8_MAX``
+    (dynamic), or is the one ``static_scale`` (a checkpoint's per-tensor input scale), values
+    beyond the range clamped; rounding to nearest even."""
+    xf = x.float()
+    if static_scale is None:
+        s = fp8_amax_scale(xf.abs().amax(-1))
+    else:
+        s = static_scale.float().reshape(1).expand(x.shape[0])
+    return (xf / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+
+
+def fp8_scaled_mm_reference(
+    xq: torch.Tensor,  # [M, K] e4m3
+    x_scale: torch.Tensor,  # [M] float32
+    wq: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [N] float32
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(xq @ wq.T) * x_scale[:, None] * w_scale[None, :] (+ bias)``, upcast to float32 (what
+    ``torch._scaled_mm`` computes with per-row / per-column scales)."""
+    y = (xq.float() @ wq.float().T) * x_scale[:, None] * w_scale[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def fp8_linear_reference(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W8A8 projection: ``x`` quantized per token (`fp8_quantize_rows_reference`), then the scaled
+    product. Every row depends on that row only, so a request's result does not depend on its batch."""
+    xq, xs = fp8_quantize_rows_reference(x, input_scale)
+    return fp8_scaled_mm_reference(xq, xs, wq, w_scale, bias, x.dtype)
+
+
+def fp8_gemv_reference(
+    x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """W8A16 projection (the one-row GEMV on FP8 weights): ``x`` kept in its dtype, the weight
+    widened, ``(x @ wq.T) * w_scale (+ bias)`` in float32."""
+    y = (x.float() @ wq.float().T) * w_scale[None, :].float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import kvmesh.kernels as K
-from kvmesh.kernels import _dispatch
+from kvmesh.kernels import _dispatch, fp8
 
 DEV = os.environ.get("KVMESH_CHECK_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -635,3 +635,49 @@ def check_fused(gen):
         kv[:, 1, 1][written], expect[:, 1, 1][written]
     )
     record("rope_write_kv bf16", err if exact else float("inf"), 2.0)
+
+
+def check_fp8(gen):
+    """FP8 (e4m3) projections (kvmesh/kernels/fp8.py): per-token quantization equal to the
+    reference bit for bit (one-pass rows, two-pass rows beyond 16,384 columns, the fused
+    silu_and_mul against the unfused pair); the one-row GEMV on e4m3 weights (W8A16; W8A8 with
+    ``KVMESH_FP8_GEMV_W8A8=1``) against a float64 product of the same quantized operands; more rows
+    (``torch._scaled_mm`` on a GPU, and the Triton W8A8 GEMM) against `fp8_linear_reference`. Bound 8e-3 (bf16 output
+    rounding plus summation order). Llama-3-8B shapes on a GPU, small ones in the interpreter."""
+    big = DEV == "cuda"
+    shapes = [(6144, 4096), (4096, 14336), (28672, 4096)] if big else [(96, 128), (40, 96)]
+    x = torch.randn(7, 4096 if big else 256, device=DEV, generator=gen)
+    x = (x * torch.logspace(-2, 2, 7, device=DEV)[:, None]).to(torch.bfloat16)
+    x[0] = 0
+    wide = torch.randn(2, 20000 if big else 16500, device=DEV, generator=gen).to(torch.bfloat16)
+    for name, t in (("rows", x), ("two-pass rows", wide)):
+        q, s = K.fp8_quantize_rows(t)
+        rq, rs = K.fp8_quantize_rows_reference(t)
+        exact = torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+        record(f"fp8_quantize_rows {name} {tuple(t.shape)}", 0.0 if exact else float("inf"), 0.0)
+    gu = (torch.randn(5, 2 * shapes[1][1], device=DEV, generator=gen) * 3).to(torch.bfloat16)
+    q, s = K.fp8_quantize_rows(gu, silu_mul=True)
+    rq, rs = K.fp8_quantize_rows(K.silu_and_mul(gu))
+    exact = torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    record(f"fp8_quantize_rows silu_mul {tuple(gu.shape)}", 0.0 if exact else float("inf"), 0.0)
+    for n, k in shapes:
+        w = K.quantize_weight(torch.randn(n, k, device=DEV, generator=gen) / k**0.5)
+        wd = w.weight.double() * w.scale.double()[:, None]
+        x1 = torch.randn(1, k, device=DEV, generator=gen).to(torch.bfloat16)
+        if big:  # the GEMV (the CPU path is W8A8: `fp8_linear_reference` below covers it)
+            record(f"fp8 gemv {n}x{k}", rel_err(K.linear(x1, w), x1.double() @ wd.T), 8e-3)
+            g1 = torch.randn(1, 2 * k, device=DEV, generator=gen).to(torch.bfloat16)
+            ref = K.silu_and_mul(g1).double() @ wd.T
+            record(f"fp8 silu_mul gemv {n}x{k}", rel_err(K.silu_mul_linear(g1, w), ref), 8e-3)
+            os.environ["KVMESH_FP8_GEMV_W8A8"] = "1"
+            try:
+                y = K.linear(x1, w)
+            finally:
+                os.environ.pop("KVMESH_FP8_GEMV_W8A8")
+            record(f"fp8 gemv w8a8 {n}x{k}", rel_err(y, K.fp8_linear_reference(x1.float(), w.weight, w.scale)), 8e-3)
+        xm = torch.randn(37, k, device=DEV, generator=gen).to(torch.bfloat16)
+        ref = K.fp8_linear_reference(xm.float(), w.weight, w.scale)
+        record(f"fp8 linear 37x{k} -> {n}", rel_err(K.linear(xm, w), ref), 8e-3)
+        xq, xs = K.fp8_quantize_rows(xm)
+        y = fp8.fp8_gemm(xq, xs, w, None, torch.bfloat16)
+        record(f"fp8 Triton gemm 37x{k} -> {n}", rel_err(y, ref), 8e-3)

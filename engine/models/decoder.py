@@ -41,8 +41,9 @@ WeightFn = Callable[[str], torch.Tensor]  # a checkpoint tensor by name, on the 
 HasFn = Callable[[str], bool]  # whether the checkpoint has a tensor of that name
 
 
-def nbytes(*ts: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+def nbytes(*ts: Any) -> int:
+    """Bytes of tensors or `Fp8Weight`s (weight + scales), Nones skipped."""
+    return sum(t.nbytes for t in ts if t is not None)
 
 
 class DenseMLP:

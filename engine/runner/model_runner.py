@@ -28,6 +28,7 @@ from kvmesh import kernels
 from ..config import EngineConfig
 from ..models import model_class
 from ..models.kv_scales import kv_cache_scales, scales_fingerprint
+from ..quantization import quantize_model
 from ..sched_output import SchedulerOutput
 from .graphs import DecodeGraphs
 from .inputs import EagerStager, Staging, StepPlan, cdiv, eager_layout_size, plan_step
@@ -59,6 +60,8 @@ class ModelRunner(DecodeRoundRunner):
         self.model = model_class(config.model)(
             config.model, state_dict, self.dtype, self.device, max_positions=self.max_model_len, kv_scales=scales
         )
+        if config.quantization == "fp8":
+            quantize_model(self.model, state_dict, online=config.model.quantization is None)
         self.sched_cfg = config.scheduler
         n_stage = eager_layout_size(
             config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, self.max_blocks_per_seq

@@ -47,6 +47,8 @@ def gemv_kernel(
     w_ptr,
     b_ptr,
     y_ptr,
+    ws_ptr,
+    xs_ptr,
     N,
     K,
     stride_w,
@@ -57,6 +59,8 @@ def gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
+    W_SCALE: tl.constexpr = False,
+    X_SCALE: tl.constexpr = False,
 ):
     """``y = w @ x (+ b)`` for ONE input row: the decode step at batch 1, where every
     projection is a matrix-vector product bound by reading the weights once.
@@ -69,7 +73,13 @@ def gemv_kernel(
     and ``silu(gate) * up`` is formed on the fly, rounded like `silu_and_mul`, which
     removes that launch before the down projection. The first weight tile is loaded
     before `_grid_dependency`: weights do not depend on the kernel before this one, so
-    under programmatic dependent launch their stream starts while that kernel finishes."""
+    under programmatic dependent launch their stream starts while that kernel finishes.
+
+    FP8 weights (e4m3, half the bytes of bf16) stream through the same loop, widened to fp32 as
+    they arrive; W_SCALE multiplies each output row by its per-channel scale ``ws[n]`` once at
+    the end. X_SCALE takes an e4m3 input row with its per-token scale ``xs[0]`` (W8A8); without it
+    the input stays in its own dtype (W8A16: no quantization error on the activation side, and
+    no extra launch to quantize it)."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -85,6 +95,10 @@ def gemv_kernel(
         w = _gemv_w(rows, n_ok, k, k_ok, EVEN_N, EVEN_K)
         acc += w.to(tl.float32) * _gemv_x(x_ptr, k, k_ok, K, SILU_MUL, EVEN_K)[None, :]
     y = tl.sum(acc, 1)
+    if X_SCALE:
+        y = y * tl.load(xs_ptr)
+    if W_SCALE:
+        y = y * tl.load(ws_ptr + n, mask=n_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)

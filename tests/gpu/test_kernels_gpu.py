@@ -26,6 +26,7 @@ import pytest
         "check_attention",
         "check_cuda_graph",
         "check_pdl",
+        "check_fp8",
     ],
 )
 def test_kernel_family(gen, check):

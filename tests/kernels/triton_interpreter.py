@@ -21,7 +21,7 @@ _COPY = "kvmesh.kernels._triton_interpreted"
 
 
 def patch_interpreter() -> None:
-    """Work around three Triton 3.6 interpreter gaps (interpreter only; idempotent).
+    """Work around four Triton 3.6 interpreter gaps (interpreter only; idempotent).
 
     1. Scalars are 1-element arrays converted with ``int(array)``, which numpy >= 2.4 refuses, so
        ``range(scalar_tensor)`` fails: re-patch ``__index__``.
@@ -34,6 +34,10 @@ def patch_interpreter() -> None:
        compiler objects and an interpreted kernel that calls one fails ("Cannot call @triton.jit'd
        outside of the scope of a kernel"). While an interpreted kernel runs, those module
        attributes are swapped for interpreter functions, and put back after it.
+
+    4. Casts to ``tl.float8e4nv`` get the exponent wrong where rounding the mantissa carries
+       into it (31.6 becomes 16, not 32): round them with torch instead (nearest even, as the
+       GPU's ``cvt.rn`` does; the kernels clamp to the finite range first).
 
     Known remaining difference: the interpreter rounds fp32 -> bf16 casts toward zero where the
     GPU rounds to nearest even, so interpreted bf16 outputs may be 1 ulp off the GPU's; the
@@ -70,6 +74,23 @@ def patch_interpreter() -> None:
 
         create_dot._kvmesh_patched = True
         builder.create_dot = create_dot
+
+    orig_convert = interp._convert_float
+    if not getattr(orig_convert, "_kvmesh_patched", False):
+        import torch
+
+        def convert_float(input, input_dtype, output_dtype, rounding_mode):
+            if output_dtype == tl.float8e4nv and input_dtype in (tl.float32, tl.float16, tl.bfloat16):
+                if input_dtype == tl.float32:
+                    wide = np.asarray(input, dtype=np.float32)
+                else:
+                    wide = orig_convert(input, input_dtype, tl.float32, None).view(np.float32)
+                q = torch.from_numpy(np.ascontiguousarray(wide)).to(torch.float8_e4m3fn)
+                return q.view(torch.uint8).numpy().reshape(np.shape(input))
+            return orig_convert(input, input_dtype, output_dtype, rounding_mode)
+
+        convert_float._kvmesh_patched = True
+        interp._convert_float = convert_float
 
     orig_patch_lang = interp._patch_lang
     if not getattr(orig_patch_lang, "_kvmesh_patched", False):

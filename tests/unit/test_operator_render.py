@@ -258,6 +258,7 @@ def test_every_engine_field_reaches_the_engine(example: Path, role: str) -> None
         "gpu_memory_utilization": "gpuMemoryUtilization",
         "kv_cache_memory_gb": "kvCacheMemoryGB",
         "kv_cache_dtype": "kvCacheDtype",
+        "quantization": "quantization",
     }
     assert {camel[a] for a, _ in ENGINE_FLAGS} == crd_fields
     for attr, _ in ENGINE_FLAGS:

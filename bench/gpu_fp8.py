@@ -1,0 +1,344 @@
+"""FP8 (e4m3) weights on one GPU: kernel checks, kernel timings and the engine's decode, in one run.
+
+    PYTHONUNBUFFERED=1 timeout 300 python3 bench/gpu_fp8.py [--prompts 1000] [--budget-s 230]
+
+Needs the kvmesh package installed (docs/gpu.md) and one CUDA GPU (FP8 tensor cores: Hopper).
+
+1. Checks against the references (kernels/reference.py) on the device: ``check_fp8`` of
+   tests/kernel_checks.py (per-token quantization bit for bit, the FP8 GEMV W8A16 and W8A8, the
+   ``torch._scaled_mm`` path) at the Llama-3-8B shapes.
+2. Copy bandwidth (bench/gpu_engine.py's): the roofline's denominator.
+3. Projections of one Llama-3-8B layer (qkv, o, gate_up, down), each call timed inside a CUDA graph
+   that cycles through enough weight copies to keep them out of L2: at M = 1, 32, 128 the bf16
+   path (`kernels.linear`: our GEMV at one row, cuBLAS above), the FP8 path (our FP8 GEMV at one
+   row, per-token quantization + ``torch._scaled_mm`` above), the FP8 GEMV W8A8 and with chunks
+   twice as wide, and ``_scaled_mm`` at one row; weight TB/s. At M = 4,096 (prefill) TFLOP/s
+   of the bf16 matmul, ``_scaled_mm`` alone (input already quantized) and the FP8 path.
+4. The engine, Llama-3-8B shape, random bf16 weights: decode at batch 1, 32, 128 (prompt 512,
+   128 new, async scheduling) in bf16, then with the same weights quantized to FP8 in place
+   (graphs recaptured), then, when the engine takes ``kv_cache_dtype``, a fresh engine with FP8
+   weights and an FP8 KV cache. Each against its own roofline: (weight bytes + KV bytes read per
+   step) / copy bandwidth (bench/gpu_engine.py's ``engine_decode``).
+5. Offline throughput, 1,024 -> 128 per prompt, ``--prompts`` of them per configuration, cut by
+   the budget (``--prompts 0``: none).
+
+Prints a table last; writes ``gpu_fp8.json`` under ``$OUT`` (or the cwd).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+from functools import partial
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_engine as ge  # noqa: E402  (the bf16 bench's pieces: copy bandwidth, engine, decode timing)
+
+import kvmesh.kernels as K  # noqa: E402
+from kvmesh.engine.args import EngineArgs  # noqa: E402
+from kvmesh.engine.quantization import quantize_model  # noqa: E402
+from kvmesh.kernels import fp8 as kfp8  # noqa: E402
+from kvmesh.kernels._dispatch import p2  # noqa: E402
+from kvmesh.kernels.matmul import gemv_config  # noqa: E402
+
+DEV = "cuda"
+R: dict = {}
+# (name, N, K) of one Llama-3-8B layer; down is fed its gate|up row (silu_mul_linear)
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+LAYERS = 32
+log = ge.log
+
+
+# --------------------------------------------------------------------------- 1. checks
+def checks() -> None:
+    """tests/kernel_checks.py's ``check_fp8``: the definition of correct shared with tests/gpu."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import kernel_checks
+
+    kernel_checks.DEV = DEV
+    kernel_checks.CHECKS.clear()
+    kernel_checks.FAILED.clear()
+    kernel_checks.check_fp8(torch.Generator(device=DEV).manual_seed(0))
+    R["checks"] = {
+        "pass": not kernel_checks.FAILED,
+        "failed": list(kernel_checks.FAILED),
+        "checks": list(kernel_checks.CHECKS),
+    }
+    log("checks", "PASS" if not kernel_checks.FAILED else f"FAIL {kernel_checks.FAILED}")
+
+
+# --------------------------------------------------------------------------- 3. kernels
+def graph_us(fns: list, reps: int = 5) -> float:
+    """Microseconds per call of a CUDA graph that runs every call of ``fns`` once, in order."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+        s.record()
+        graph.replay()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3 / len(fns))
+    return sorted(ts)[len(ts) // 2]
+
+
+def w8a8_triton(x: torch.Tensor, w, silu: bool, cfg) -> torch.Tensor:
+    xq, xs = K.fp8_quantize_rows(x, silu_mul=silu)
+    return kfp8.fp8_gemm(xq, xs, w, None, x.dtype, config=cfg)
+
+
+def triton_gemm_us(fns: list) -> float:
+    """`graph_us` with ``KVMESH_FP8_GEMM=triton``; NaN (and the error recorded) if it fails."""
+    os.environ["KVMESH_FP8_GEMM"] = "triton"
+    try:
+        return graph_us(fns)
+    except Exception as e:
+        R.setdefault("errors", {})["triton_gemm"] = repr(e)[:300]
+        return float("nan")
+    finally:
+        os.environ.pop("KVMESH_FP8_GEMM")
+
+
+def kernel_times() -> None:
+    rows = []
+    g = torch.Generator(device=DEV).manual_seed(1)
+    for name, N, Kd in SHAPES:
+        silu = name == "down"
+        n_copies = max(2, -(-(256 << 20) // (N * Kd)))  # >= 256 MiB of fp8 weights per graph: out of L2
+        wb = [(torch.randn(N, Kd, generator=g, device=DEV) / Kd**0.5).bfloat16() for _ in range(n_copies)]
+        wf = [K.quantize_weight(w) for w in wb]
+        lin = K.silu_mul_linear if silu else K.linear
+        for M in (1, 32, 128):
+            x = torch.randn(M, 2 * Kd if silu else Kd, generator=g, device=DEV).bfloat16()
+            r = dict(name=name, N=N, K=Kd, M=M)
+            r["bf16_us"] = graph_us([partial(lin, x, w) for w in wb])
+            r["fp8_us"] = graph_us([partial(lin, x, w) for w in wf])
+            if M == 1:
+                bn, bk, warps, stages = gemv_config(N, Kd, x.device)
+                wide = (bn, min(2 * bk, p2(Kd)), warps, stages)  # the same bytes per chunk as bf16's
+                r["fp8_wide_us"] = graph_us([partial(lin, x, w, config=wide) for w in wf])
+                os.environ["KVMESH_FP8_GEMV_W8A8"] = "1"
+                r["fp8_w8a8_us"] = graph_us([partial(lin, x, w) for w in wf])
+                os.environ["KVMESH_FP8_GEMV_W8A8"] = "0"
+                h = K.silu_and_mul(x) if silu else x
+                r["scaled_mm_us"] = graph_us([partial(kfp8.fp8_matmul, h, w, None) for w in wf])
+                # the Triton GEMM as a one-row kernel: e4m3 tiles straight into the tensor cores (no
+                # widening), narrow N tiles for enough programs; quantization (+ SiLU) first
+                cfg = (16, 32 if N <= 8192 else 64, 256, 4, 4)
+                r["fp8_triton_gemm_us"] = triton_gemm_us([partial(w8a8_triton, x, w, silu, cfg) for w in wf])
+            else:  # the Triton W8A8 GEMM in place of _scaled_mm (KVMESH_FP8_GEMM=triton), untuned
+                r["fp8_triton_gemm_us"] = triton_gemm_us([partial(lin, x, w) for w in wf])
+            r["bf16_TBps"] = N * Kd * 2 / r["bf16_us"] / 1e6
+            r["fp8_TBps"] = N * Kd / r["fp8_us"] / 1e6
+            r["speedup"] = r["bf16_us"] / r["fp8_us"]
+            rows.append(r)
+            log("kernel", r)
+        M = 4096
+        x = torch.randn(M, Kd, generator=g, device=DEV).bfloat16()
+        xq, xs = K.fp8_quantize_rows(x)
+        w0, f0 = wb[0], wf[0]
+        r = dict(name=name, N=N, K=Kd, M=M)
+        r["bf16_us"] = graph_us([partial(torch.nn.functional.linear, x, w0)] * 10)
+        mm = partial(
+            torch._scaled_mm,
+            xq,
+            f0.weight.t(),
+            scale_a=xs[:, None],
+            scale_b=f0.scale[None, :],
+            out_dtype=torch.bfloat16,
+        )
+        r["scaled_mm_us"] = graph_us([mm] * 10)
+        r["fp8_us"] = graph_us([partial(K.linear, x, f0)] * 10)  # quantization kernel + _scaled_mm
+        r["fp8_triton_gemm_us"] = triton_gemm_us([partial(K.linear, x, f0)] * 10)
+        for k in ("bf16", "scaled_mm", "fp8", "fp8_triton_gemm"):
+            r[f"{k}_TFLOPs"] = 2 * M * N * Kd / r[f"{k}_us"] / 1e6
+        rows.append(r)
+        log("kernel", r)
+        del wb, wf
+        torch.cuda.empty_cache()
+    R["kernels"] = rows
+    steps = []
+    for M in (1, 32, 128, 4096):
+        sel = [r for r in rows if r["M"] == M]
+        b, f = sum(r["bf16_us"] for r in sel) * LAYERS, sum(r["fp8_us"] for r in sel) * LAYERS
+        steps.append(dict(M=M, bf16_ms=b / 1e3, fp8_ms=f / 1e3, speedup=b / f))
+    R["projections_per_step"] = steps
+    log("projections per step (32 layers)", steps)
+
+
+# --------------------------------------------------------------------------- 4. engine
+def decode_rows(eng, config: str, bw: float, args) -> None:
+    eng.multi_steps, eng.async_scheduling = 1, True
+    ge.run_requests(eng, torch.randint(100, 120000, (4, 512)).tolist(), 8, tag=f"warm{config}")
+    for B in (1, 32, 128):
+        r = ge.engine_decode(eng, B, 512, 128, bw, seed=B)
+        r["config"] = config
+        R["decode"].append(r)
+    if args.prompts and time.time() < ge.T_START + args.budget_s - 20:
+        ge.throughput(eng, args.prompts, min(ge.T_START + args.budget_s, time.time() + args.throughput_s))
+        R["throughput"][config] = ge.R.pop("throughput")
+
+
+def loaded_8b():
+    from kvmesh.engine.loader import LoadedModel, model_config_from_hf
+    from kvmesh.engine.models.random_init import LLAMA3_8B, random_state_dict
+
+    cfg = model_config_from_hf(LLAMA3_8B, "llama3-8b-random")
+    sd = random_state_dict(cfg, torch.bfloat16, DEV, seed=0)
+    return LoadedModel(config=cfg, state_dict=sd, tokenizer=None, source="random:llama3-8b")
+
+
+def engines(args, bw: float) -> None:
+    R["decode"], R["throughput"] = [], {}
+    kw = dict(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=2048, gpu_memory_utilization=0.9)
+    loaded = loaded_8b()
+    t0 = time.perf_counter()
+    eng = ge.build_engine(loaded, **kw)
+    del loaded
+    torch.cuda.empty_cache()
+    log(f"bf16 engine built in {time.perf_counter() - t0:.1f}s, {eng.runner.num_blocks} KV blocks")
+    decode_rows(eng, "bf16", bw, args)
+    # the same weights in FP8, in place (the KV pool keeps the bf16 engine's size); graphs recaptured
+    t0 = time.perf_counter()
+    quantize_model(eng.runner.model, {})
+    torch.cuda.empty_cache()
+    eng.runner.graphs.captured.clear()
+    eng.runner.graphs.capture()
+    log(f"quantized to FP8 and graphs recaptured in {time.perf_counter() - t0:.1f}s")
+    decode_rows(eng, "fp8_w", bw, args)
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    if "kv_cache_dtype" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        log("the engine takes no kv_cache_dtype: no FP8 W + FP8 KV rows")
+        return
+    if time.time() > ge.T_START + args.budget_s - 60:
+        log("budget: no FP8 W + FP8 KV rows")
+        return
+    loaded = loaded_8b()
+    eng = ge.build_engine(loaded, quantization="fp8", kv_cache_dtype="fp8", **kw)
+    del loaded
+    torch.cuda.empty_cache()
+    decode_rows(eng, "fp8_w_fp8_kv", bw, args)
+
+
+# --------------------------------------------------------------------------- table
+def table() -> str:
+    out = [f"GPU {R.get('env', {}).get('gpu')}, copy {R.get('copy_TBps', float('nan')):.2f} TB/s"]
+    if "checks" in R:
+        out.append(f"checks vs references: {'PASS' if R['checks']['pass'] else 'FAIL'}")
+    if "kernels" in R:
+        out.append(
+            "\nprojection     M |  bf16 us  fp8 us  x    | fp8 TB/s | fp8 2x-chunk us | W8A8 us | scaled_mm us"
+            " | Triton GEMM us (M > 1: the Triton GEMM us in the 2x-chunk column)"
+        )
+        for r in R["kernels"]:
+            if r["M"] == 4096:
+                continue
+            extra = f" | {r.get('fp8_triton_gemm_us', float('nan')):15.1f}"
+            if r["M"] == 1:
+                extra = (
+                    f" | {r['fp8_wide_us']:15.1f} | {r['fp8_w8a8_us']:7.1f} | {r['scaled_mm_us']:12.1f} | "
+                    f"{r.get('fp8_triton_gemm_us', float('nan')):9.1f}"
+                )
+            out.append(
+                f"{r['name']:>10} {r['M']:5d} | {r['bf16_us']:8.1f} {r['fp8_us']:7.1f} {r['speedup']:4.2f} | "
+                f"{r['fp8_TBps']:8.2f}{extra}"
+            )
+        out.append(
+            "\nprefill M=4096  | bf16 TFLOP/s | _scaled_mm TFLOP/s | quant + _scaled_mm TFLOP/s | quant + Triton"
+        )
+        for r in R["kernels"]:
+            if r["M"] == 4096:
+                out.append(
+                    f"{r['name']:>15} | {r['bf16_TFLOPs']:12.0f} | {r['scaled_mm_TFLOPs']:18.0f} | "
+                    f"{r['fp8_TFLOPs']:26.0f} | {r['fp8_triton_gemm_TFLOPs']:14.0f}"
+                )
+        for s in R.get("projections_per_step", []):
+            out.append(
+                f"projections per step M={s['M']}: bf16 {s['bf16_ms']:.3f} ms, fp8 {s['fp8_ms']:.3f} ms, "
+                f"x{s['speedup']:.2f}"
+            )
+    if R.get("decode"):
+        out.append("\nconfig         B | decode tok/s | roofline tok/s | frac | GPU-only tok/s | step GB")
+        for r in R["decode"]:
+            out.append(
+                f"{r['config']:>12} {r['B']:4d} | {r['decode_tok_s']:12.0f} | {r['roofline_tok_s']:14.0f} | "
+                f"{r['frac_roofline']:4.2f} | {r['gpu_only_tok_s']:14.0f} | {r['step_GB']:.2f}"
+            )
+        base = {r["B"]: r["decode_tok_s"] for r in R["decode"] if r["config"] == "bf16"}
+        for r in R["decode"]:
+            if r["config"] != "bf16" and r["B"] in base:
+                out.append(f"{r['config']} / bf16 at batch {r['B']}: x{r['decode_tok_s'] / base[r['B']]:.2f}")
+    for c, t in R.get("throughput", {}).items():
+        out.append(
+            f"offline {c}: {t['completed']}/{t['prompts']} prompts, {t['output_tok_s']:.0f} out tok/s, "
+            f"{t['total_tok_s']:.0f} total tok/s{' (cut)' if t['cut_by_deadline'] else ''}"
+        )
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=1000, help="offline prompts per configuration (0: none)")
+    ap.add_argument("--throughput-s", type=float, default=40.0, help="longest offline run per configuration")
+    ap.add_argument("--budget-s", type=float, default=230.0, help="whole-run deadline")
+    ap.add_argument("--skip", default="", help="comma list of: checks,kernels,engine")
+    ap.add_argument("--json", default="gpu_fp8.json")
+    args = ap.parse_args()
+    import triton
+
+    R["env"] = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        args=vars(args),
+    )
+    skip = set(filter(None, args.skip.split(",")))
+    status = 0
+
+    def stage(name, fn):
+        nonlocal status
+        try:
+            return fn()
+        except Exception as e:
+            import traceback
+
+            traceback.print_exc()
+            R.setdefault("errors", {})[name] = repr(e)
+            status |= 2
+            return None
+
+    if "checks" not in skip:
+        stage("checks", checks)
+        status |= 0 if R.get("checks", {}).get("pass") else 1
+    bw = stage("copy", ge.copy_bandwidth) or 4.26e12
+    R["copy_TBps"] = bw / 1e12
+    if "kernels" not in skip:
+        stage("kernels", kernel_times)
+    if "engine" not in skip:
+        stage("engine", lambda: engines(args, bw))
+    with open(os.path.join(os.environ.get("OUT", "."), args.json), "w") as f:
+        json.dump(R, f, indent=1, default=str)
+    print(table(), flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

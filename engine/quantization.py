@@ -1,0 +1,178 @@
+"""FP8 (e4m3) weights for the decoder's projections (``--quantization fp8``).
+
+Two sources, one result: every layer's ``qkv``, ``o``, ``gate_up`` and ``down`` weight becomes a
+`kvmesh.kernels.Fp8Weight` (e4m3, one float32 scale per output channel), which the kernels take
+in place of a float tensor; embeddings, ``lm_head`` and norms stay in the model's dtype.
+
+* Online: a float checkpoint quantized after the model is built (`quantize_model`), each output
+  channel's largest magnitude mapped to 448.
+* Pre-quantized: a checkpoint whose ``config.json`` has a ``quantization_config`` in one of the
+  layouts vLLM reads (`checkpoint_quantization`): ``quant_method: fp8`` (e4m3 ``weight`` with
+  ``weight_scale`` per tensor or per channel, ``input_scale`` per tensor when activations are
+  static) or ``compressed-tensors`` (float-quantized 8-bit weights, strategy ``channel`` or
+  ``tensor``, activations dynamic per token or static per tensor). The model code casts the e4m3
+  weights to its dtype, which holds every e4m3 value exactly; `quantize_model` casts them back
+  and attaches the checkpoint's scales.
+
+Fused weights: the q, k and v (gate and up) projections' scales are expanded to one per output
+channel and concatenated, which is exact; their static input scales, if any, become the largest
+of the three (two), as vLLM fuses them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kvmesh.kernels import Fp8Weight, quantize_weight
+from kvmesh.kernels.reference import FP8
+
+from .models.decoder import DenseMLP
+
+log = logging.getLogger("kvmesh.engine")
+
+# The model's fused projections (engine/models/decoder.py: layer dicts and DenseMLP) and the checkpoint
+# projections each one concatenates, in order.
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+
+
+class QuantizationError(ValueError):
+    """A ``quantization_config`` kvmesh cannot run, or a checkpoint that does not match its own."""
+
+
+def checkpoint_quantization(hf_config: Mapping[str, Any]) -> str | None:
+    """``"fp8"`` for a ``config.json`` with an FP8 ``quantization_config`` kvmesh can load,
+    None without one; `QuantizationError` for any other (block-wise scales, int8/int4, ...)."""
+    qc = hf_config.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            raise QuantizationError("fp8 checkpoints with block-wise weight scales are not supported")
+        if qc.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
+            raise QuantizationError(f"unsupported fp8 activation_scheme {qc.get('activation_scheme')!r}")
+        return "fp8"
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        if not groups:
+            raise QuantizationError("compressed-tensors quantization_config without config_groups")
+        for name, g in groups.items():
+            w = g.get("weights") or {}
+            a = g.get("input_activations")
+            if w.get("num_bits") != 8 or w.get("type") != "float":
+                raise QuantizationError(f"compressed-tensors group {name}: only 8-bit float weights are supported")
+            if w.get("strategy") not in ("channel", "tensor"):
+                raise QuantizationError(
+                    f"compressed-tensors group {name}: weight strategy {w.get('strategy')!r} "
+                    "(supported: channel, tensor)"
+                )
+            if a is not None and (
+                a.get("num_bits") != 8
+                or a.get("type") != "float"
+                or (a.get("dynamic") and a.get("strategy") != "token")
+                or (not a.get("dynamic") and a.get("strategy") != "tensor")
+            ):
+                raise QuantizationError(
+                    f"compressed-tensors group {name}: activations must be 8-bit float, dynamic per "
+                    "token or static per tensor"
+                )
+        return "fp8"
+    raise QuantizationError(
+        f"unsupported quantization_config quant_method {method!r} (supported: fp8, compressed-tensors)"
+    )
+
+
+def _channel_scale(sd: Mapping[str, torch.Tensor], name: str, rows: int) -> torch.Tensor:
+    """A checkpoint's weight scale (per tensor ``[]``/``[1]``, or per channel ``[N]``/``[N, 1]``)
+    as ``[rows]`` float32."""
+    s = sd.get(name + ".weight_scale")
+    if s is None:
+        raise QuantizationError(f"{name}.weight is e4m3 but {name}.weight_scale is missing")
+    s = s.float().reshape(-1)
+    if s.numel() == 1:
+        return s.expand(rows)
+    if s.numel() != rows:
+        raise QuantizationError(f"{name}.weight_scale has {s.numel()} values for {rows} rows")
+    return s
+
+
+def _from_checkpoint(sd: Mapping[str, torch.Tensor], names: list[str], fused: torch.Tensor) -> Fp8Weight:
+    scales = [_channel_scale(sd, n, sd[n + ".weight"].shape[0]) for n in names]
+    inputs = [sd.get(n + ".input_scale") for n in names]
+    if any(i is not None for i in inputs) and not all(i is not None for i in inputs):
+        raise QuantizationError(f"input_scale on some of {names} but not all")
+    input_scale = None
+    if inputs[0] is not None:
+        input_scale = torch.stack([i.float().reshape(()) for i in inputs if i is not None]).amax()
+        input_scale = input_scale.to(fused.device)
+    q = fused.to(FP8)  # exact: the model widened the e4m3 values to its dtype
+    return Fp8Weight(q.contiguous(), torch.cat(scales).to(fused.device).contiguous(), input_scale)
+
+
+def _projections(layer: dict[str, Any]) -> list[tuple[Any, str]]:
+    """``(holder, key)`` of each of a layer's `FUSED` projections: attention's on the layer dict,
+    a dense MLP's on its `DenseMLP`. A mixture-of-experts MLP's experts stay in float (the fused-MoE
+    kernel reads stacked float experts); its router gate is small and stays float too."""
+    out: list[tuple[Any, str]] = [(layer, "qkv"), (layer, "o")]
+    if isinstance(layer.get("mlp"), DenseMLP):
+        out += [(layer["mlp"], "gate_up"), (layer["mlp"], "down")]
+    return out
+
+
+def _get(holder: Any, key: str) -> Any:
+    return holder.get(key) if isinstance(holder, dict) else getattr(holder, key, None)
+
+
+def _set(holder: Any, key: str, value: Any) -> None:
+    if isinstance(holder, dict):
+        holder[key] = value
+    else:
+        setattr(holder, key, value)
+
+
+def quantize_model(model: Any, state_dict: Mapping[str, torch.Tensor], online: bool = True) -> int:
+    """Replace the built model's projection weights with `Fp8Weight`s: from the checkpoint's
+    e4m3 weights and scales where ``state_dict`` holds them, else, when ``online``, quantized from
+    the float weights. A pre-quantized checkpoint is loaded with ``online=False``: a projection
+    it keeps in float (its ``ignore`` list) stays in float, as its authors chose.
+    ``model`` is a decoder of engine/models/decoder.py (layer dicts, `DenseMLP` or MoE MLPs).
+    Returns how many weights were replaced. Layer by layer, so the float weights go as it goes."""
+    layers: list[dict[str, Any]] = model.layers
+    n = pre = 0
+    for i, layer in enumerate(layers):
+        for holder, key in _projections(layer):
+            w = _get(holder, key)
+            if w is None or isinstance(w, Fp8Weight):
+                continue
+            names = [f"model.layers.{i}.{p}" for p in FUSED[key]]
+            kinds = {sd_w.dtype == FP8 for sd_w in (state_dict.get(nm + ".weight") for nm in names) if sd_w is not None}
+            if len(kinds) > 1:
+                raise QuantizationError(f"layer {i}: {key} mixes e4m3 and float checkpoint weights")
+            if kinds != {True} and not online:
+                continue
+            _set(holder, key, _from_checkpoint(state_dict, names, w) if kinds == {True} else quantize_weight(w))
+            n += 1
+            pre += kinds == {True}
+    log.info("fp8: %d projection weights in e4m3 (%d from the checkpoint, %d quantized at load)", n, pre, n - pre)
+    return n
+
+
+def fp8_state_dict_entries(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{name.weight: e4m3, name.weight_scale: [N, 1] float32}`` for one float projection: the
+    tensors a compressed-tensors checkpoint (channel strategy) stores for it."""
+    q = quantize_weight(w)
+    return {name + ".weight": q.weight, name + ".weight_scale": q.scale[:, None].contiguous()}
+
+
+def quantized_projection_names(num_layers: int) -> list[str]:
+    """Every projection `quantize_model` turns into FP8, by checkpoint name (without ``.weight``)."""
+    return [f"model.layers.{i}.{p}" for i in range(num_layers) for parts in FUSED.values() for p in parts]

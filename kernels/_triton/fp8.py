@@ -1,0 +1,114 @@
+"""Per-token FP8 (e4m3) quantization of activations: the input side of the W8A8 projections."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import grid_dependency, jit_unspecialized
+from .elementwise import silu_mul
+
+
+@triton.jit
+def _row_chunk(row, k, K, SILU_MUL: tl.constexpr):
+    """Columns ``k`` of one input row in fp32; with SILU_MUL the row is gate|up (width 2K) and the
+    chunk is ``silu(gate) * up`` rounded as `silu_and_mul` rounds it."""
+    if SILU_MUL:
+        g = tl.load(row + k, mask=k < K, other=0.0)
+        u = tl.load(row + K + k, mask=k < K, other=0.0)
+        return silu_mul(g, u, row).to(tl.float32)
+    return tl.load(row + k, mask=k < K, other=0.0).to(tl.float32)
+
+
+@jit_unspecialized("M")
+def fp8_quant_rows_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    static_ptr,
+    M,
+    K,
+    stride_x,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    STATIC: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Row ``m`` of ``x`` to e4m3 with its own scale: ``s = max(amax(|x[m]|) / FP8_MAX, MIN_SCALE)``
+    (or the one STATIC scale), ``q = clamp(x / s)`` rounded to nearest. With SILU_MUL the row is a
+    gate|up row and what is quantized is ``silu(gate) * up`` (the down projection's input, formed
+    here instead of by a `silu_and_mul` launch).
+
+    One program per row. When the row fits one BLOCK_K chunk (ONE_PASS) it is read once and kept in registers
+    (one load, the amax, the write); otherwise two passes (the amax, then the quantized write, the
+    row read again from L2). The divisions are IEEE-rounded (``div_rn``), as torch's are, so the
+    result equals `fp8_quantize_rows_reference` bit for bit."""
+    m = tl.program_id(0).to(tl.int64)
+    grid_dependency(PDL)
+    row = x_ptr + m * stride_x
+    if ONE_PASS:
+        k = tl.arange(0, BLOCK_K)
+        x = _row_chunk(row, k, K, SILU_MUL)
+        if STATIC:
+            s = tl.load(static_ptr).to(tl.float32)
+        else:
+            s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), FP8_MAX), MIN_SCALE)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + m * K + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+    else:
+        if STATIC:
+            s = tl.load(static_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                amax = tl.maximum(amax, tl.abs(_row_chunk(row, k0 + tl.arange(0, BLOCK_K), K, SILU_MUL)))
+            s = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_MAX), MIN_SCALE)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(_row_chunk(row, k, K, SILU_MUL), s), -FP8_MAX), FP8_MAX)
+            tl.store(q_ptr + m * K + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+    tl.store(s_ptr + m, s)
+
+
+@jit_unspecialized("M")
+def fp8_gemm_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``y = (xq @ wq.T) * xs[:, None] * ws[None, :] (+ b)`` for e4m3 ``xq [M, K]`` and ``wq [N, K]``
+    (both rows contiguous): the W8A8 GEMM on the tensor cores, fp32 accumulation, the per-token and
+    per-channel scales applied once in the epilogue. One [BLOCK_M, BLOCK_N] tile per program."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    n_ok = n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + n.to(tl.int64)[None, :] * K + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc)
+    xs = tl.load(xs_ptr + m, mask=m_ok, other=0.0)
+    ws = tl.load(ws_ptr + n, mask=n_ok, other=0.0)
+    y = acc * xs[:, None] * ws[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
+    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

@@ -1,0 +1,235 @@
+"""FP8 (e4m3) projections: a weight quantized per output channel (`Fp8Weight`), which
+`kvmesh.kernels.linear` and `silu_mul_linear` take in place of a float tensor.
+
+W8A8 (the general path): the activation is quantized per token by `fp8_quant_rows_kernel` (its
+largest magnitude maps to 448), then ``torch._scaled_mm`` multiplies on the tensor cores with the
+per-row and per-column scales applied in its epilogue. At one row (decode at batch 1, bound by
+streaming the weights) the one-row GEMV reads the e4m3 weight instead, half the bytes of bf16,
+with the activation kept in its own dtype (W8A16): quantizing it would cost a launch and add error
+without reading a byte less. ``KVMESH_FP8_GEMV_W8A8=1`` quantizes it anyway (for measurements).
+On the CPU everything runs the upcasting W8A8 reference (`fp8_linear_reference`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import _dispatch
+from . import reference as _ref
+from ._checks import FLOATS, check_dim, check_dtype, fail
+from ._dispatch import backend, p2, pdl
+from .reference import FP8, FP8_MAX, FP8_MIN_SCALE
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A projection weight in e4m3 with one float32 scale per output channel: row ``n`` of the
+    real weight is ``weight[n] * scale[n]``. ``input_scale`` is a checkpoint's static per-tensor
+    activation scale (None: activations are scaled per token at run time)."""
+
+    weight: torch.Tensor  # [N, K] float8_e4m3fn, rows contiguous
+    scale: torch.Tensor  # [N] float32
+    input_scale: torch.Tensor | None = None  # [] or [1] float32
+
+    def __post_init__(self) -> None:
+        fn = "Fp8Weight"
+        check_dim(fn, "weight", self.weight, 2)
+        check_dtype(fn, "weight", self.weight, (FP8,))
+        check_dim(fn, "scale", self.scale, 1)
+        check_dtype(fn, "scale", self.scale, (torch.float32,))
+        if self.scale.shape[0] != self.weight.shape[0]:
+            fail(
+                fn, f"scale {tuple(self.scale.shape)} must have one entry per row of weight {tuple(self.weight.shape)}"
+            )
+        if self.weight.shape[1] and self.weight.stride(1) != 1:
+            fail(fn, "weight rows must be contiguous")
+        if self.input_scale is not None and self.input_scale.numel() != 1:
+            fail(fn, f"input_scale must be one value, got shape {tuple(self.input_scale.shape)}")
+        for name, t in (("scale", self.scale), ("input_scale", self.input_scale)):
+            if t is not None and t.device != self.weight.device:
+                fail(fn, f"{name} is on {t.device} but weight is on {self.weight.device}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scale.nbytes
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.weight.float() * self.scale[:, None]).to(dtype)
+
+
+def quantize_weight(w: torch.Tensor, input_scale: torch.Tensor | None = None) -> Fp8Weight:
+    """``w [N, K]`` (any float dtype) to e4m3 with per-output-channel scales: each row's largest
+    magnitude maps to 448, rounding to nearest even. Row by row independent, so quantizing the
+    q, k and v projections apart and concatenating equals quantizing the fused qkv weight."""
+    check_dim("quantize_weight", "w", w, 2)
+    check_dtype("quantize_weight", "w", w, FLOATS)
+    wf = w.float()
+    scale = _ref.fp8_amax_scale(wf.abs().amax(-1))
+    q = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return Fp8Weight(q.contiguous(), scale.contiguous(), input_scale)
+
+
+def fp8_quantize_rows(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None, silu_mul: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token e4m3 quantization of ``x [M, K]``: ``(q [M, K], scale [M] float32)``; one
+    program per row (see `fp8_quantize_rows_reference` for the rule). With ``silu_mul`` ``x`` is a
+    gate|up ``[M, 2K]`` and ``silu_and_mul(x)`` is what gets quantized, formed in the same pass."""
+    fn = "fp8_quantize_rows"
+    check_dim(fn, "x", x, 2)
+    check_dtype(fn, "x", x, FLOATS)
+    if silu_mul and x.shape[1] % 2:
+        fail(fn, f"a gate|up row must have an even width, got {x.shape[1]}")
+    if backend(x) == "reference":
+        return _ref.fp8_quantize_rows_reference(_ref.silu_and_mul_reference(x) if silu_mul else x, static_scale)
+    M, K = x.shape[0], x.shape[1] // (2 if silu_mul else 1)
+    if x.stride(1) != 1 and K > 1:
+        x = x.contiguous()
+    q = torch.empty((M, K), dtype=FP8, device=x.device)
+    s = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M == 0:
+        return q, s
+    if K == 0:
+        return q, s.fill_(FP8_MIN_SCALE) if static_scale is None else s.copy_(static_scale.float().expand(M))
+    _dispatch.kernels_for(x).fp8_quant_rows_kernel[(M,)](
+        x,
+        q,
+        s,
+        static_scale if static_scale is not None else s,
+        M,
+        K,
+        x.stride(0),
+        FP8_MAX=FP8_MAX,
+        MIN_SCALE=FP8_MIN_SCALE,
+        STATIC=static_scale is not None,
+        SILU_MUL=silu_mul,
+        ONE_PASS=p2(K) <= ONE_PASS_MAX,
+        BLOCK_K=p2(K) if p2(K) <= ONE_PASS_MAX else 2048,
+        num_warps=4 if p2(K) <= 4096 else (8 if p2(K) <= 8192 else 16),
+        **pdl(x, M),
+    )
+    return q, s
+
+
+# Rows up to this width are quantized from registers in one pass (a Llama-3-70B down projection's
+# 28,672 columns are two passes).
+ONE_PASS_MAX = 16384
+
+
+def fp8_gemv_config(N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
+    """The bf16 GEMV's configuration (`gemv_config`). Measured on the H200 at the Llama-3-8B shapes
+    (bench/gpu_fp8.py): chunks twice as wide (the same bytes per program as bf16's) were 8-15%
+    slower on qkv, o and gate_up and equal on down: the loop is bound by widening e4m3 to fp32, not
+    by bytes in flight."""
+    from .matmul import gemv_config
+
+    return gemv_config(N, K, device)
+
+
+def gemv_w8a8() -> bool:
+    """``KVMESH_FP8_GEMV_W8A8=1``: the one-row FP8 GEMV quantizes its input too (read per call)."""
+    return os.environ.get("KVMESH_FP8_GEMV_W8A8", "0") not in ("", "0")
+
+
+def _scaled_mm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """``torch._scaled_mm`` with row-wise scales: CUDA, bf16 output, K and N multiples of 16."""
+    N, K = w.shape
+    return x.is_cuda and x.dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0
+
+
+def check_fp8_linear(fn: str, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, k_mult: int) -> None:
+    check_dim(fn, "x", x, 2)
+    check_dtype(fn, "x", x, FLOATS)
+    N, K = w.shape
+    if x.shape[1] != K * k_mult:
+        fail(fn, f"x {tuple(x.shape)} does not match weight {tuple(w.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N):
+        fail(fn, f"bias must be [{N}], got {tuple(bias.shape)}")
+    for name, t in (("weight", w.weight), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            fail(fn, f"{name} is on {t.device} but x is on {x.device}")
+
+
+def fp8_gemm_triton() -> bool:
+    """``KVMESH_FP8_GEMM=triton``: more rows go through `fp8_gemm` instead of ``torch._scaled_mm``
+    (read per call; for measurements until the Triton GEMM is tuned)."""
+    return os.environ.get("KVMESH_FP8_GEMM", "") == "triton"
+
+
+def fp8_gemm(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: Fp8Weight,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """The W8A8 GEMM in Triton (`fp8_gemm_kernel`) on rows already quantized (`fp8_quantize_rows`):
+    ``(xq @ w.weight.T) * x_scale[:, None] * w.scale[None, :] (+ bias)``. ``config``:
+    ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``; the default is a first guess, untuned."""
+    fn = "fp8_gemm"
+    check_dim(fn, "xq", xq, 2)
+    check_dtype(fn, "xq", xq, (FP8,))
+    M, K = xq.shape
+    N = w.shape[0]
+    if w.shape[1] != K:
+        fail(fn, f"xq {tuple(xq.shape)} does not match weight {tuple(w.shape)}")
+    if backend(xq) == "reference":
+        return _ref.fp8_scaled_mm_reference(xq, x_scale, w.weight, w.scale, bias, out_dtype)
+    y = torch.empty((M, N), dtype=out_dtype, device=xq.device)
+    if M == 0 or N == 0:
+        return y
+    bm, bn, bk, warps, stages = config or (16 if M <= 16 else 64, 128, 128, 4, 3)
+    _dispatch.kernels_for(xq).fp8_gemm_kernel[(-(-M // bm), -(-N // bn))](
+        xq.contiguous(),
+        x_scale,
+        w.weight,
+        w.scale,
+        bias if bias is not None else y,
+        y,
+        M,
+        N,
+        K,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return y
+
+
+def fp8_matmul(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
+    """W8A8 for any number of rows on a device: per-token quantization (of ``silu_and_mul(x)`` with
+    ``silu_mul``, fused), then the scaled GEMM (``torch._scaled_mm`` where it applies, else the
+    upcasting reference on the quantized rows)."""
+    xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul)
+    if fp8_gemm_triton():
+        return fp8_gemm(xq, xs, w, bias, x.dtype)
+    if _scaled_mm_applies(x, w):
+        y = torch._scaled_mm(xq, w.weight.t(), scale_a=xs[:, None], scale_b=w.scale[None, :], out_dtype=x.dtype)
+        return y if bias is None else y + bias
+    return _ref.fp8_scaled_mm_reference(xq, xs, w.weight, w.scale, bias, x.dtype)
+
+
+def fp8_gemv_applies(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    from .matmul import gemv_enabled
+
+    return (
+        x.shape[0] == 1
+        and gemv_enabled()
+        and x.is_contiguous()
+        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+    )

@@ -1,0 +1,167 @@
+"""FP8 (e4m3) kernels vs their torch references, under TRITON_INTERPRET=1 on the CPU.
+
+Per-token quantization must equal `fp8_quantize_rows_reference` bit for bit (IEEE-rounded
+divisions, round-to-nearest casts). The GEMV on an e4m3 weight sums in another order than the
+float64 reference of the same quantized operands, so it gets the bf16 GEMV's bounds
+(||y - ref|| / ||ref||: 1e-5 fp32, 8e-3 bf16 output rounding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvmesh.kernels as K
+from kvmesh.kernels import fp8, matmul
+
+pytestmark = pytest.mark.unit
+
+GEMV_BOUND = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite values"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def weight(gen, n, k, dtype=torch.float32):
+    return K.quantize_weight((torch.randn(n, k, generator=gen) / k**0.5).to(dtype))
+
+
+def ref64(x, w: K.Fp8Weight, bias=None):
+    """``x @ W.T * scale (+ bias)`` in float64 on the inputs as given (x already e4m3 or not)."""
+    y = (x.double() @ w.weight.double().T) * w.scale.double()[None, :]
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k", [(5, 96), (2, 2500), (2, 16500)])
+def test_quantize_rows_exact(gen, dtype, m, k):
+    """Dynamic scales (an all-zero row and a huge row included; rows in one pass and, beyond 16,384
+    columns, in two) and a static scale (values beyond its range clamp to +-448): codes and scales
+    equal the reference."""
+    x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m)[:, None]).to(dtype)
+    x[0] = 0
+    for static in (None, torch.tensor(0.01)):
+        q, s = K.fp8_quantize_rows(x, static)
+        rq, rs = K.fp8_quantize_rows_reference(x, static)
+        assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+        assert torch.equal(s, rs)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert (q.float().abs() == 448).any(), "the static scale should have clamped some values"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [96, 16500])
+def test_quantize_rows_fused_silu_mul(gen, dtype, k):
+    """silu_mul=True quantizes ``silu_and_mul`` of a gate|up row in the same pass: equal, codes and
+    scales, to the `silu_and_mul` kernel followed by the quantization."""
+    x = (torch.randn(3, 2 * k, generator=gen) * 3).to(dtype)
+    q, s = K.fp8_quantize_rows(x, silu_mul=True)
+    rq, rs = K.fp8_quantize_rows(K.silu_and_mul(x))
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    with pytest.raises(ValueError, match="even width"):
+        K.fp8_quantize_rows(x[:, :-1], silu_mul=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,bias", [(48, 64, False), (37, 96, True), (64, 1000, False)])
+def test_fp8_gemv(gen, dtype, n, k, bias):
+    """One row on an e4m3 weight (W8A16): the GEMV kernel against the float64 product of the same
+    quantized weight; the tuned and the heuristic configuration."""
+    w = weight(gen, n, k)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    ref = ref64(x, w, b)
+    for cfg in ((8, 32, 4, 1), None):
+        y = K.linear(x, w, b, config=cfg)
+        assert y.dtype == dtype and y.shape == (1, n)
+        assert rel_err(y, ref) < GEMV_BOUND[dtype]
+    assert rel_err(K.fp8_gemv_reference(x, w.weight, w.scale, b), ref) < GEMV_BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_silu_mul_gemv(gen, dtype):
+    n, k = 40, 96
+    w = weight(gen, n, k)
+    x = torch.randn(1, 2 * k, generator=gen).to(dtype)
+    y = K.silu_mul_linear(x, w, config=(8, 64, 4, 1))
+    ref = ref64(K.silu_and_mul(x), w)  # the activation rounded as the kernel rounds it
+    assert rel_err(y, ref) < GEMV_BOUND[dtype]
+
+
+def test_fp8_gemv_w8a8(gen, monkeypatch):
+    """KVMESH_FP8_GEMV_W8A8=1: the row quantized per token first, then the GEMV on e4m3 x e4m3."""
+    monkeypatch.setenv("KVMESH_FP8_GEMV_W8A8", "1")
+    w = weight(gen, 48, 128)
+    x = torch.randn(1, 256, generator=gen)
+    for silu in (False, True):
+        h = K.silu_and_mul_reference(x) if silu else x[:, :128]
+        y = K.silu_mul_linear(x, w) if silu else K.linear(h, w)
+        xq, xs = K.fp8_quantize_rows_reference(h)
+        assert rel_err(y, ref64(xq, w) * xs.double()[:, None]) < 1e-5
+        assert rel_err(y, K.fp8_linear_reference(h, w.weight, w.scale)) < 1e-5
+
+
+def test_fp8_matmul_rows(gen):
+    """More than one row: the quantization kernel, then the scaled product (the upcasting
+    reference here; torch._scaled_mm on a GPU): equal to the W8A8 reference."""
+    w = weight(gen, 32, 64)
+    x = torch.randn(7, 64, generator=gen)
+    b = torch.randn(32, generator=gen)
+    y = K.linear(x, w, b)
+    assert torch.equal(y, K.fp8_linear_reference(x, w.weight, w.scale, b))
+    y2 = K.silu_mul_linear(torch.cat([x, x], 1), w)
+    assert torch.equal(y2, K.fp8_linear_reference(K.silu_and_mul(torch.cat([x, x], 1)), w.weight, w.scale))
+
+
+def test_fp8_dispatch_and_errors(gen, monkeypatch):
+    """Single rows take the GEMV (with the weight's scales), more rows do not; KVMESH_GEMV=0
+    turns it off; bad shapes and weights are clear errors."""
+    calls = []
+    real = matmul._gemv
+    monkeypatch.setattr(matmul, "_gemv", lambda *a, **kw: calls.append(kw["w_scale"] is not None) or real(*a, **kw))
+    w = weight(gen, 16, 32)
+    K.linear(torch.randn(1, 32, generator=gen), w)
+    K.linear(torch.randn(3, 32, generator=gen), w)
+    monkeypatch.setenv("KVMESH_GEMV", "0")
+    K.linear(torch.randn(1, 32, generator=gen), w)
+    assert calls == [True]
+    with pytest.raises(ValueError, match="does not match weight"):
+        K.linear(torch.randn(1, 31), w)
+    with pytest.raises(ValueError, match="bias must be"):
+        K.linear(torch.randn(1, 32), w, torch.randn(15))
+    with pytest.raises(ValueError, match="one entry per row"):
+        fp8.Fp8Weight(w.weight, w.scale[:3])
+    with pytest.raises(ValueError, match="dtype"):
+        fp8.Fp8Weight(w.weight.float(), w.scale)
+
+
+def test_kernel_checks_fp8(gen, monkeypatch):
+    """tests/kernel_checks.py's FP8 checks (what tests/gpu and bench/gpu_fp8.py run on a GPU) pass
+    in the interpreter."""
+    import kernel_checks
+
+    monkeypatch.setattr(kernel_checks, "DEV", "cpu")
+    kernel_checks.FAILED.clear()
+    kernel_checks.check_fp8(gen)
+    assert not kernel_checks.FAILED, kernel_checks.FAILED
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,bias", [(1, 70, 300, False), (5, 48, 64, False), (37, 70, 96, True)])
+def test_fp8_gemm_triton(gen, dtype, m, n, k, bias, monkeypatch):
+    """The Triton W8A8 GEMM (tiles not multiples of the shapes included) against the float64
+    product of the same quantized operands; and through `linear` with KVMESH_FP8_GEMM=triton."""
+    w = weight(gen, n, k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    xq, xs = K.fp8_quantize_rows(x)
+    ref = ref64(xq, w) * xs.double()[:, None]
+    ref = ref if b is None else ref + b.double()
+    y = fp8.fp8_gemm(xq, xs, w, b, dtype, config=(16, 32, 32, 4, 1))
+    assert y.dtype == dtype and rel_err(y, ref) < GEMV_BOUND[dtype]
+    if m > 1:  # one row takes the GEMV (W8A16) whatever the GEMM
+        monkeypatch.setenv("KVMESH_FP8_GEMM", "triton")
+        assert rel_err(K.linear(x, w, b), ref) < GEMV_BOUND[dtype]
