@@ -14,7 +14,7 @@ Object layout for an InferenceService NAME:
                                              discovers each role through their EndpointSlices
     NAME-config                              ConfigMap with the engine settings
     NAME-{prefill,decode,router}             PodDisruptionBudgets
-    NAME-{prefill,decode}                    HPAs, only when autoscaling is enabled
+    NAME-{prefill,decode}                    HPAs, only with autoscaling enabled and provider hpa
     NAME-router                              ServiceAccount/Role/RoleBinding (pod discovery)
     NAME-redis                               Deployment + Service, only for a managed Redis
     NAME-{default-deny,router,workers,redis} NetworkPolicies, unless spec.networkPolicy.enabled
@@ -721,7 +721,7 @@ def render(spec: InferenceServiceSpec | Mapping[str, Any], meta: ObjectMeta | Ma
     ]
     out += _services(meta)
     out += [_pdb(meta, c) for c in ("prefill", "decode", "router")]
-    if spec.autoscaling.enabled:
+    if spec.autoscaling.enabled and spec.autoscaling.provider == "hpa":
         out += _hpas(spec, meta)
     return out
 
