@@ -364,7 +364,8 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
         ],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 120},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
+        # /live: a draining worker (/health 503, see POST /drain) is alive and must not be restarted.
+        "livenessProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},
         "resources": _resources(r, default_gpus=1),
         "securityContext": _security_context(),
