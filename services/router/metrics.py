@@ -4,6 +4,7 @@ tests can run several routers in one process."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TOK = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
@@ -121,6 +122,19 @@ class RouterMetrics:
             "kvmesh:router_admitted_requests", "requests admitted upstream, by tenant", ["tenant"], registry=r
         )
         self.active = Gauge("kvmesh:router_active_requests", "admitted requests not yet finished", registry=r)
+
+    def per_pod(self) -> list[MetricWrapperBase]:
+        """Every metric with a ``pod`` label."""
+        return [
+            m
+            for m in vars(self).values()
+            if isinstance(m, MetricWrapperBase) and "pod" in m._labelnames  # noqa: SLF001 (no public accessor)
+        ]
+
+    def forget_pod(self, pod: str) -> None:
+        """Drop every series of a pod that left discovery (all label values under ``pod``)."""
+        for m in self.per_pod():
+            m.remove_by_labels({"pod": pod})
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

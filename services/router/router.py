@@ -106,9 +106,10 @@ class Router:
         secret = load_kv_auth_key(cfg.kv_auth_key_file)
         self.hub = EventHub(
             self.index,
-            on_event=lambda pod, kind: self.metrics.kv_events.labels(pod, kind).inc(),
+            # a batch that arrives after its pod left must not bring the pod's series back
+            on_event=lambda pod, kind: pod in self.pods and self.metrics.kv_events.labels(pod, kind).inc(),
             keys=CurveKeys.derive(secret) if secret else None,
-            on_batch=lambda pod: self.metrics.kv_event_batches.labels(pod).inc(),
+            on_batch=lambda pod: pod in self.pods and self.metrics.kv_event_batches.labels(pod).inc(),
         )
         if secret is None and any(p.events for p in cfg.pods):
             log.warning("no KV auth secret: reading the pods' KV events unauthenticated (set KVMESH_KV_AUTH_KEY)")
@@ -141,16 +142,9 @@ class Router:
         if pod.spec.events:
             self.hub.remove_pod(url)
         self.index.clear_pod(url)
-        # a departed pod's series must not keep reporting it (alerts count healthy pods and dead streams)
-        for gauge, labels in (
-            (self.metrics.pod_healthy, (url, pod.spec.role)),
-            (self.metrics.kv_events_connected, (url,)),
-            (self.metrics.kv_event_handshake_failures, (url,)),
-        ):
-            try:
-                gauge.remove(*labels)
-            except KeyError:
-                pass
+        # A departed pod's series must not keep reporting it: alerts count healthy pods and dead
+        # streams, and an autoscaler reading a stale gauge would hold the pool up.
+        self.metrics.forget_pod(url)
         log.info("pod removed: %s", url)
 
     def set_healthy(self, pod: Pod, ok: bool, why: str = "") -> None:
@@ -303,7 +297,8 @@ class Router:
                 held[h] = n
             else:
                 del held[h]
-        self.metrics.pod_inflight.labels(fl.pod.url).set(fl.pod.inflight_requests)
+        if self.pods.get(fl.pod.url) is fl.pod:  # a request that outlived its pod's removal adds no series
+            self.metrics.pod_inflight.labels(fl.pod.url).set(fl.pod.inflight_requests)
 
     async def send(
         self,
