@@ -16,6 +16,10 @@ class OperatorConfig:
     watch_children: bool = True  # reconcile the owner when an owned Deployment changes
     # Test hook: pause between child applies so e2e tests can kill the operator mid-reconcile.
     debug_apply_delay_seconds: float = 0.0
+    # The planner waits at most this long for a drained pod's requests to finish before removing it
+    # (what is still open then gets the pod's own graceful shutdown).
+    drain_timeout_seconds: float = 120.0
+    scrape_timeout_seconds: float = 3.0  # per pod /metrics request of the planner
 
     def __post_init__(self) -> None:
         if self.resync_seconds <= 0:
@@ -36,4 +40,6 @@ class OperatorConfig:
             max_backoff_seconds=float(e.get(p + "MAX_BACKOFF_SECONDS", 60.0)),
             watch_children=e.get(p + "WATCH_CHILDREN", "1") not in ("0", "false", "False"),
             debug_apply_delay_seconds=float(e.get(p + "DEBUG_APPLY_DELAY_SECONDS", 0.0)),
+            drain_timeout_seconds=float(e.get(p + "DRAIN_TIMEOUT_SECONDS", 120.0)),
+            scrape_timeout_seconds=float(e.get(p + "SCRAPE_TIMEOUT_SECONDS", 3.0)),
         )

@@ -81,6 +81,12 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 LABEL_OWNER = f"{API_GROUP}/inferenceservice"
 LABEL_WORKER = f"{API_GROUP}/worker"
+# On every worker pod, "true"; the per-role Services (what the router discovers) select it, the
+# Deployments do not. The planner sets it to "false" on the pod it drains before a scale-down: the
+# pod leaves its role's EndpointSlice (no new work) but stays in its ReplicaSet and keeps running.
+LABEL_ROUTABLE = f"{API_GROUP}/routable"
+# The chart's operator pod (charts/kvmesh/templates/_helpers.tpl kvmesh.selectorLabels).
+OPERATOR_POD_LABELS = {LABEL_NAME: "kvmesh", LABEL_COMPONENT: "operator"}
 ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
 
 Manifest = dict[str, Any]
@@ -386,7 +392,7 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
         },
         replicas,
         config_hash,
-        {LABEL_WORKER: "true"},
+        {LABEL_WORKER: "true", LABEL_ROUTABLE: "true"},
     )
 
 
@@ -543,7 +549,8 @@ def _services(meta: ObjectMeta) -> list[Manifest]:
     out = [front, workers]
     for role in ("prefill", "decode"):
         svc = _object("v1", "Service", role_service(meta, role), meta, role)
-        svc["spec"] = {"clusterIP": "None", "selector": selector(meta, role), "ports": _worker_ports()}
+        sel = {**selector(meta, role), LABEL_ROUTABLE: "true"}  # a draining pod leaves it
+        svc["spec"] = {"clusterIP": "None", "selector": sel, "ports": _worker_ports()}
         out.append(svc)
     return out
 
@@ -662,7 +669,9 @@ def network_policies(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manif
       to each pod's events socket), and every TCP port from this service's other workers: the NIXL
       side channel is a fixed port, but UCX, which moves the blocks, listens on ports it picks at
       run time;
-    * redis (managed only): its port from this service's workers.
+    * redis (managed only): its port from this service's workers;
+    * with the planner (autoscaling provider planner), workers also take HTTP from the operator's
+      pods (the chart's labels), which scrape their /metrics.
 
     Egress stays open (the router and the engine reach the API server, DNS and model stores).
     Traffic from the node itself (kubelet probes) is not subject to NetworkPolicy.
@@ -682,6 +691,10 @@ def network_policies(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manif
             ],
         ),
     ]
+    if spec.autoscaling.planner:
+        # The operator's planner reads each worker's /metrics (the operator pod, in any namespace).
+        operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}
+        out[-1]["spec"]["ingress"].append({"from": [operator], "ports": _tcp(HTTP_PORT)})
     if spec.connector.type == "redis" and spec.connector.redis_managed:
         out.append(
             _policy(

@@ -39,7 +39,9 @@ def problems(spec: InferenceServiceSpec) -> list[str]:
                 out.append(f"{role}.replicas is 0 but autoscaling is enabled for it")
             s = a.role(role)
             if s.min_replicas > s.max_replicas:
-                out.append(f"autoscaling.{role}.minReplicas ({s.min_replicas}) must be <= maxReplicas ({s.max_replicas})")
+                out.append(
+                    f"autoscaling.{role}.minReplicas ({s.min_replicas}) must be <= maxReplicas ({s.max_replicas})"
+                )
         # The CRD's CEL rules say the same; repeated here for specs rendered without the API server.
         if a.prefill.target_ttft_ms is None:
             out.append("autoscaling.prefill.targetTTFTMilliseconds is required when autoscaling is enabled")

@@ -22,8 +22,7 @@ DECODE = Targets(min_replicas=1, max_replicas=6, scale_down_window_s=60, itl_s=0
 
 def busy_prefill(n: int, backlog_per_pod: float, rate: float) -> tuple[PodLoad, ...]:
     return tuple(
-        PodLoad(f"p{i}", running=1, pending_prompt_tokens=backlog_per_pod, computed_tokens_per_s=rate)
-        for i in range(n)
+        PodLoad(f"p{i}", running=1, pending_prompt_tokens=backlog_per_pod, computed_tokens_per_s=rate) for i in range(n)
     )
 
 
