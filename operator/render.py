@@ -261,6 +261,14 @@ def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> lis
             args += [flag, str(value)]
     if _gpus(spec.role(role), default=1) == 0:
         args += ["--device", "cpu"]
+    sim = spec.simulate
+    if sim.enabled:  # tests and load tests only (SimulateSpec)
+        args.append("--simulate")
+        if sim.prefill_ms_per_token is not None:
+            args += ["--sim-prefill-ms-per-token", f"{sim.prefill_ms_per_token:g}"]
+        if sim.decode_base_ms is not None or sim.decode_ms_per_sequence is not None:
+            base, per = sim.decode_base_ms or 0.0, sim.decode_ms_per_sequence or 0.0
+            args += ["--sim-decode-ms", f"{base:g},{per:g}"]
     args += [
         "--kv-events-endpoint",
         f"tcp://*:{KV_EVENTS_PORT}",

@@ -184,6 +184,30 @@ class NetworkPolicySpec:
 
 
 @dataclass(frozen=True)
+class SimulateSpec:
+    """spec.simulate: workers run `kvmesh serve --simulate` (real scheduler, cache, events, API and
+    metrics; a latency model instead of the forward pass). For tests and load tests of routing and
+    autoscaling, never for serving: the tokens are not a model's."""
+
+    enabled: bool = False
+    prefill_ms_per_token: float | None = None
+    decode_base_ms: float | None = None
+    decode_ms_per_sequence: float | None = None
+
+    @staticmethod
+    def parse(d: Mapping[str, Any]) -> SimulateSpec:
+        def num(key: str) -> float | None:
+            return None if d.get(key) is None else float(d[key])
+
+        return SimulateSpec(
+            enabled=bool(d.get("enabled", False)),
+            prefill_ms_per_token=num("prefillMsPerToken"),
+            decode_base_ms=num("decodeBaseMs"),
+            decode_ms_per_sequence=num("decodeMsPerSequence"),
+        )
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     image: str
     image_pull_policy: str
@@ -196,6 +220,7 @@ class InferenceServiceSpec:
     autoscaling: AutoscalingSpec
     auth: AuthSpec = AuthSpec()
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
+    simulate: SimulateSpec = SimulateSpec()
 
     @staticmethod
     def parse(spec: Mapping[str, Any]) -> InferenceServiceSpec:
@@ -211,6 +236,7 @@ class InferenceServiceSpec:
             autoscaling=AutoscalingSpec.parse(spec.get("autoscaling") or {}),
             auth=AuthSpec.parse(spec.get("auth") or {}),
             network_policy=NetworkPolicySpec.parse(spec.get("networkPolicy") or {}),
+            simulate=SimulateSpec.parse(spec.get("simulate") or {}),
         )
 
     def role(self, name: str) -> RoleSpec:

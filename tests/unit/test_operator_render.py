@@ -398,3 +398,15 @@ def test_router_drains_within_its_grace_period_and_survives_engine_changes() -> 
     assert (
         0 < cfg.shutdown_timeout < pod["terminationGracePeriodSeconds"] - c["lifecycle"]["preStop"]["sleep"]["seconds"]
     )
+
+
+def test_simulate_runs_the_workers_on_the_latency_model() -> None:
+    sim = {"enabled": True, "prefillMsPerToken": 0.5, "decodeBaseMs": 20, "decodeMsPerSequence": 1.5}
+    objs = by_kind(render({"simulate": sim}, {**META, "name": "s"}))
+    for role in ("prefill", "decode"):
+        args = objs[("Deployment", f"s-{role}")]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert "--simulate" in args
+        assert args[args.index("--sim-prefill-ms-per-token") + 1] == "0.5"
+        assert args[args.index("--sim-decode-ms") + 1] == "20,1.5"
+    off = by_kind(render({}, {**META, "name": "s"}))
+    assert "--simulate" not in off[("Deployment", "s-decode")]["spec"]["template"]["spec"]["containers"][0]["args"]
