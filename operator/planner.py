@@ -126,10 +126,10 @@ def prefill_recommendation(obs: RoleObservation, t: Targets, st: RoleState) -> t
     # because it was given little, not because it is slow.
     busy = [p for p in pods if p.pending_prompt_tokens > 0 or p.waiting > 0]
     if busy:
-        rate = sum(p.computed_tokens_per_s for p in busy) / len(busy)
-        if rate > 0:
+        measured = sum(p.computed_tokens_per_s for p in busy) / len(busy)
+        if measured > 0:  # a rise counts at once, a fall by half per interval (one slow interval is noise)
             prev = st.prefill_rate_per_pod
-            st.prefill_rate_per_pod = rate if prev is None else max(rate, 0.5 * prev + 0.5 * rate)
+            st.prefill_rate_per_pod = measured if prev is None else max(measured, 0.5 * prev + 0.5 * measured)
     growth = 0.0 if st.last_backlog is None else (backlog - st.last_backlog) / max(obs.interval_s, 1e-3)
     st.last_backlog = backlog
     arrival = max(0.0, computed + growth)  # prompt tokens/s arriving

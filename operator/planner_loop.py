@@ -152,7 +152,9 @@ class Planner:
             self.kube.patch_status(meta.namespace, meta.name, {"autoscaling": status})
         return decisions
 
-    def _scrape(self, pod: dict[str, Any], st: _ServiceState, now: float, q_itl: float, q_ttft: float):
+    def _scrape(
+        self, pod: dict[str, Any], st: _ServiceState, now: float, q_itl: float, q_ttft: float
+    ) -> tuple[PodLoad, float] | None:
         name = pod["metadata"]["name"]
         ip = (pod.get("status") or {}).get("podIP")
         if not ip:
@@ -183,7 +185,16 @@ class Planner:
             ttft_s=ttft,
         ), sample.gauge("held")
 
-    def _role(self, meta, a, role, dep, st, now, live_pods):
+    def _role(
+        self,
+        meta: ObjectMeta,
+        a: AutoscalingSpec,
+        role: str,
+        dep: dict[str, Any],
+        st: _ServiceState,
+        now: float,
+        live_pods: set[str],
+    ) -> tuple[Decision, int, str]:
         ns = meta.namespace
         current = int((dep.get("spec") or {}).get("replicas", 1))
         sel = ",".join(f"{k}={v}" for k, v in selector(meta, role).items())
@@ -233,8 +244,8 @@ class Planner:
                     st.drains[role] = _Drain(victim.name, now)
                     d = replace(_with(d, "ScaleDownDraining", f"draining {victim.name}"), desired=current)
         elif d.desired < current and drain is not None:
-            got = drained_load
-            open_ = None if got is None else got.running + got.waiting + held.get(drain.pod, 0.0)
+            dl = drained_load
+            open_ = None if dl is None else dl.running + dl.waiting + held.get(drain.pod, 0.0)
             waited = now - drain.started
             if open_ == 0 or waited >= self.cfg.drain_timeout_seconds:
                 self.kube.patch_pod_metadata(ns, drain.pod, annotations={DELETION_COST: LOWEST_COST})
@@ -254,7 +265,16 @@ class Planner:
         if drain is not None:
             self.kube.patch_pod_metadata(ns, drain.pod, labels={LABEL_ROUTABLE: "true"})
 
-    def _status(self, d, role, st, scraped, extra, old_conditions, meta) -> dict[str, Any]:
+    def _status(
+        self,
+        d: Decision,
+        role: str,
+        st: _ServiceState,
+        scraped: int,
+        extra: str,
+        old_conditions: list[dict[str, Any]] | None,
+        meta: ObjectMeta,
+    ) -> dict[str, Any]:
         limited_reason = "DesiredWithinRange"
         if d.limited:
             limited_reason = "TooManyReplicas" if d.reason == "AtMax" else "TooFewReplicas"

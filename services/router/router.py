@@ -106,10 +106,9 @@ class Router:
         secret = load_kv_auth_key(cfg.kv_auth_key_file)
         self.hub = EventHub(
             self.index,
-            # a batch that arrives after its pod left must not bring the pod's series back
-            on_event=lambda pod, kind: pod in self.pods and self.metrics.kv_events.labels(pod, kind).inc(),
+            on_event=self._count_event,
             keys=CurveKeys.derive(secret) if secret else None,
-            on_batch=lambda pod: pod in self.pods and self.metrics.kv_event_batches.labels(pod).inc(),
+            on_batch=self._count_batch,
         )
         if secret is None and any(p.events for p in cfg.pods):
             log.warning("no KV auth secret: reading the pods' KV events unauthenticated (set KVMESH_KV_AUTH_KEY)")
@@ -124,6 +123,15 @@ class Router:
         self._discovery: K8sDiscovery | None = None
         for spec in cfg.pods:
             self.add_pod(spec)
+
+    # A batch that arrives after its pod left must not bring the pod's series back.
+    def _count_event(self, pod: str, kind: str) -> None:
+        if pod in self.pods:
+            self.metrics.kv_events.labels(pod, kind).inc()
+
+    def _count_batch(self, pod: str) -> None:
+        if pod in self.pods:
+            self.metrics.kv_event_batches.labels(pod).inc()
 
     # ---- membership ---------------------------------------------------------
     def add_pod(self, spec: PodSpec) -> None:
