@@ -135,11 +135,10 @@ def prefill_recommendation(obs: RoleObservation, t: Targets, st: RoleState) -> t
     arrival = max(0.0, computed + growth)  # prompt tokens/s arriving
     rate = st.prefill_rate_per_pod
     signal = f"uncached_prompt_tokens={backlog:.0f} arrival={arrival:.0f}/s"
+    if not pods:  # no Ready pod could be read: hold (absent data must never read as no load)
+        return None, "no ready pods scraped", "NoMetrics"
     if rate is None:
-        signal += " rate_per_pod=unmeasured"
-        if not pods:
-            return None, signal, "NoMetrics"
-        return obs.current, signal, "Stable: prefill rate not measured yet"
+        return obs.current, signal + " rate_per_pod=unmeasured", "Stable: prefill rate not measured yet"
     signal += f" rate_per_pod={rate:.0f}/s"
     needed = max(backlog / t.ttft_s, arrival / PREFILL_HEADROOM)
     n = max(1, math.ceil(needed / rate - 1e-9))

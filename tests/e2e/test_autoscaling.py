@@ -28,8 +28,9 @@ NAME = "auto"
 SPEC: dict[str, Any] = {
     "engine": {"blockSize": 16, "maxNumBatchedTokens": 512, "maxNumSeqs": 64, "dtype": "float32"},
     "kvConnector": {"type": "nixl"},
-    # 2 ms per prompt token: one pod prefills 500 tokens/s; decode step 20 ms + 2 ms per sequence.
-    "simulate": {"enabled": True, "prefillMsPerToken": 2, "decodeBaseMs": 20, "decodeMsPerSequence": 2},
+    # 2 ms per prompt token: one pod prefills 500 tokens/s; decode step 8 ms + 2 ms per sequence, so
+    # a few sequences stay well under the 50 ms ITL target and 32 on one pod (72 ms) do not.
+    "simulate": {"enabled": True, "prefillMsPerToken": 2, "decodeBaseMs": 8, "decodeMsPerSequence": 2},
     "prefill": {"gpus": 0, "resources": {"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {"memory": "3Gi"}}},
     "decode": {"gpus": 0, "resources": {"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {"memory": "3Gi"}}},
     "router": {"resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}}},
@@ -46,7 +47,7 @@ SPEC: dict[str, Any] = {
         "decode": {
             "minReplicas": 1,
             "maxReplicas": 2,
-            "targetITLMilliseconds": 40,
+            "targetITLMilliseconds": 50,
             "targetKVCacheUsage": 0.9,
             "scaleDownStabilizationSeconds": 6,
         },

@@ -98,6 +98,11 @@ def test_bounds_and_missing_metrics() -> None:
     assert (d.desired, d.reason, d.limited) == (2, "AtMin", True)  # below min: raised to it even blind
     d = decide("decode", RoleObservation(current=3, ready=3, pending=0, pods=()), t, st, now=1)
     assert (d.desired, d.reason) == (3, "NoMetrics")  # no series: hold, never scale on absent data
+    p = RoleState()
+    pt = Targets(min_replicas=1, max_replicas=4, scale_down_window_s=0, ttft_s=0.5)
+    decide("prefill", RoleObservation(2, 2, 0, busy_prefill(2, 100, 1000)), pt, p, now=0)  # rate measured
+    d = decide("prefill", RoleObservation(2, 2, 0, ()), pt, p, now=2)  # then every scrape failed
+    assert (d.desired, d.reason) == (2, "NoMetrics")
 
 
 def test_a_deleted_pods_last_numbers_do_not_hold_the_pool_up() -> None:
