@@ -220,7 +220,9 @@ def decide(role: str, obs: RoleObservation, t: Targets, st: RoleState, now: floa
     elif desired < t.min_replicas:
         desired, reason, limited = t.min_replicas, "AtMin", True
     elif raw > t.max_replicas and desired == t.max_replicas:
-        reason, limited = "AtMax", True
+        limited = True
+        if reason != "HeldByPending":  # while pods start, that is the news (condition AbleToScale)
+            reason = "AtMax"
     return Decision(
         role=role,
         desired=desired,

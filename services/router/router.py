@@ -163,7 +163,8 @@ class Router:
             log.info("pod %s is healthy again", pod.url)
         pod.healthy = ok
         pod.last_error = why
-        self.metrics.pod_healthy.labels(pod.url, pod.spec.role).set(1 if ok else 0)
+        if self.pods.get(pod.url) is pod:  # a probe that ends after its pod left adds no series back
+            self.metrics.pod_healthy.labels(pod.url, pod.spec.role).set(1 if ok else 0)
 
     # ---- lifecycle ----------------------------------------------------------
     async def start(self) -> None:

@@ -156,10 +156,13 @@ def test_planner_ramp(real_operator: Cluster, rns: str) -> None:  # noqa: F811
     assert seen & {"ScaleDownDraining", "ScaleDown"}, seen  # each lasts one 2 s tick: the poll may miss one
     # The router reports only pods that exist; the status counts only them.
     live = set(svc.pod_urls("prefill").values()) | set(svc.pod_urls("decode").values())
-    text = svc.router_metrics()
-    reported = {s["pod"] for s in series(text, "kvmesh:router_pod_healthy")}
-    assert reported == live, (reported, live)
-    assert all(metric(text, "kvmesh:router_pod_healthy", pod=u) == 1 for u in live)
+
+    def only_live() -> bool:
+        text = svc.router_metrics()
+        reported = {s["pod"] for s in series(text, "kvmesh:router_pod_healthy")}
+        return reported == live and all(metric(text, "kvmesh:router_pod_healthy", pod=u) == 1 for u in live)
+
+    wait_for("the router reports exactly the live pods", only_live, 30, 1.0)
     final = c.get("inferenceservice", NAME, rns)["status"]["autoscaling"]
     for role in ("prefill", "decode"):
         assert final[role]["currentReplicas"] == final[role]["desiredReplicas"] == 1, final
