@@ -163,8 +163,18 @@ def test_planner_ramp(real_operator: Cluster, rns: str) -> None:  # noqa: F811
         return reported == live and all(metric(text, "kvmesh:router_pod_healthy", pod=u) == 1 for u in live)
 
     wait_for("the router reports exactly the live pods", only_live, 30, 1.0)
-    final = c.get("inferenceservice", NAME, rns)["status"]["autoscaling"]
-    for role in ("prefill", "decode"):
-        assert final[role]["currentReplicas"] == final[role]["desiredReplicas"] == 1, final
-        conds = {x["type"]: x["status"] for x in final[role]["conditions"]}
-        assert conds["ScalingActive"] == "True" and conds["AbleToScale"] == "True", final
+
+    def settled() -> bool:  # the record of the tick that removed a pod says current 2, desired 1
+        final = c.get("inferenceservice", NAME, rns)["status"]["autoscaling"]
+        print("status.autoscaling:", json.dumps(final))
+        for role in ("prefill", "decode"):
+            conds = {x["type"]: x["status"] for x in final[role]["conditions"]}
+            if not (
+                final[role]["currentReplicas"] == final[role]["desiredReplicas"] == 1
+                and conds["ScalingActive"] == "True"
+                and conds["AbleToScale"] == "True"
+            ):
+                return False
+        return len(svc.pods("prefill")) == len(svc.pods("decode")) == 1
+
+    wait_for("both roles settled at their minimum", settled, 30, 2.0)
