@@ -338,6 +338,7 @@ class EngineCore:
             num_round_steps=self.num_round_steps,
             num_chained_rounds=self.num_chained_rounds,
             num_held_requests=len(self.scheduler.delayed_free),
+            num_prompt_tokens_pending=self.scheduler.num_prompt_tokens_pending(),
             kv_transfer_refused=self._kv_transfer_refused(),
         )
 

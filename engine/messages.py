@@ -59,6 +59,9 @@ class EngineStats(msgspec.Struct):
     num_round_steps: int = 0
     num_chained_rounds: int = 0  # rounds queued behind the one in flight (async scheduling)
     num_held_requests: int = 0  # finished requests whose blocks a connector holds for a remote reader
+    # prompt tokens of waiting and running requests not computed yet (prefix hits and loaded KV
+    # excluded once looked up): the prefill backlog the planner scales prefill pods on
+    num_prompt_tokens_pending: int = 0
     # KV-transfer messages and pulls a connector refused, by reason (see KV_TRANSFER_REFUSALS)
     kv_transfer_refused: dict[str, int] = msgspec.field(default_factory=dict)
 

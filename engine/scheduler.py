@@ -79,6 +79,11 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.remote_waiting)
 
+    def num_prompt_tokens_pending(self) -> int:
+        """Prompt tokens still to compute over waiting and running requests (the prefill backlog;
+        requests loading their KV from a connector are not counted: nothing is computed for them)."""
+        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for q in (self.waiting, self.running) for r in q)
+
     # ---- one step -----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

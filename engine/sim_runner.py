@@ -26,8 +26,8 @@ range of the real tokenizer's ordinary tokens, so detokenization, stop strings a
 the prefix cache of later turns behave as with a model. The logits returned are
 ``[rows, vocab_lo + vocab]`` float32 with ``PEAK`` at that token and 0 elsewhere:
 greedy argmax picks it and random sampling picks it with probability ~1 - V·e^-PEAK.
-The KV pool is a placeholder tensor with one element per block (connectors that
-move real bytes are not meaningful in this mode).
+The KV pool is a placeholder tensor in the real block layout with one layer, head and
+element (connectors move its blocks as with a model, so P/D runs; the bytes carry nothing).
 """
 
 from __future__ import annotations
@@ -84,7 +84,11 @@ class SimulatedRunner:
         self.sleep = sleep
         self.clock = clock  # with ``sleep``, injectable so a test checks the model without timing the host
         self.num_blocks = config.cache.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS
-        self.kv_cache = torch.zeros(self.num_blocks, 1, dtype=torch.float32)  # placeholder, one element per block
+        # Placeholder pool in the real layout [blocks, layers, 2, block_size, heads, dim] with one
+        # layer, head and element: connectors address and move blocks as with a model (P/D over
+        # NIXL or Redis works), at 8 bytes per token.
+        bs = config.cache.block_size
+        self.kv_cache = torch.zeros(self.num_blocks, 1, 2, bs, 1, 1, dtype=torch.float32)
         self.device = torch.device("cpu")
         self.num_steps = 0
         self.simulated_s = 0.0  # total latency slept

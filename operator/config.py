@@ -20,6 +20,10 @@ class OperatorConfig:
     debug_apply_delay_seconds: float = 0.0
     # Prometheus that KEDA's prometheus scaler queries (InferenceServices with provider keda).
     prometheus_url: str = DEFAULT_PROMETHEUS_URL
+    # The planner waits at most this long for a drained pod's requests to finish before removing it
+    # (what is still open then gets the pod's own graceful shutdown).
+    drain_timeout_seconds: float = 120.0
+    scrape_timeout_seconds: float = 3.0  # per pod /metrics request of the planner
 
     def __post_init__(self) -> None:
         if self.resync_seconds <= 0:
@@ -43,4 +47,6 @@ class OperatorConfig:
             watch_children=e.get(p + "WATCH_CHILDREN", "1") not in ("0", "false", "False"),
             debug_apply_delay_seconds=float(e.get(p + "DEBUG_APPLY_DELAY_SECONDS", 0.0)),
             prometheus_url=e.get(p + "PROMETHEUS_URL") or DEFAULT_PROMETHEUS_URL,
+            drain_timeout_seconds=float(e.get(p + "DRAIN_TIMEOUT_SECONDS", 120.0)),
+            scrape_timeout_seconds=float(e.get(p + "SCRAPE_TIMEOUT_SECONDS", 3.0)),
         )

@@ -17,6 +17,7 @@ import kopf
 
 from .config import OperatorConfig
 from .kube import Kube, TransientError, load_config
+from .planner_loop import Planner
 from .reconcile import reconcile
 from .render import API_GROUP, LABEL_MANAGED_BY, MANAGER
 
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 CONFIG = OperatorConfig.from_env()
 PLURAL = "inferenceservices"
 _kube: Kube | None = None
+PLANNER_LIST_SECONDS = 5.0  # how stale the planner's list of InferenceServices may get
 
 
 def kube() -> Kube:
@@ -68,6 +70,46 @@ def on_change(body: kopf.Body, retry: int, **_: Any) -> None:
     _run(body, retry)
 
 
+def _in_scope(item: dict[str, Any], namespaces: tuple[str, ...]) -> bool:
+    ns = item["metadata"].get("namespace", "")
+    return not namespaces or any(fnmatch.fnmatch(ns, pat) for pat in namespaces)
+
+
+async def _plan_forever(namespaces: tuple[str, ...]) -> None:
+    """The autoscaling planner (operator/planner_loop.py) for every InferenceService in scope with
+    ``autoscaling.enabled`` and ``provider: planner``, each on its own ``intervalSeconds``.
+
+    A loop of our own rather than a kopf timer, for the reason given at _resync_forever. It wakes
+    every second, lists InferenceServices at most every PLANNER_LIST_SECONDS, and runs the ticks
+    that are due in a thread (they scrape pods and call the API)."""
+    planner = Planner(kube(), CONFIG)
+    items: list[dict] = []
+    listed = -PLANNER_LIST_SECONDS
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(1.0)
+        if loop.time() - listed >= PLANNER_LIST_SECONDS:
+            try:
+                items = [i for i in await asyncio.to_thread(kube().list_inference_services) if _in_scope(i, namespaces)]
+                listed = loop.time()
+            except Exception as e:  # noqa: BLE001 (keep the loop alive whatever the API does)
+                log.warning("planner list failed: %s", e)
+                continue
+            planner.forget_missing({(i["metadata"].get("namespace", ""), i["metadata"]["name"]) for i in items})
+        for item in items:
+            if not planner.due(item):
+                continue
+            meta = item["metadata"]
+            try:
+                fresh = await asyncio.to_thread(
+                    kube().get, f"{API_GROUP}/v1alpha1", "InferenceService", meta.get("namespace", ""), meta["name"]
+                )
+                if fresh is not None and not fresh["metadata"].get("deletionTimestamp"):
+                    await asyncio.to_thread(planner.tick, fresh)
+            except Exception as e:  # noqa: BLE001
+                log.warning("planner tick of %s/%s failed: %s", meta.get("namespace"), meta["name"], e)
+
+
 async def _resync_forever(namespaces: tuple[str, ...]) -> None:
     """Every resync interval, reconcile every InferenceService in scope.
 
@@ -84,7 +126,7 @@ async def _resync_forever(namespaces: tuple[str, ...]) -> None:
             continue
         for item in items:
             ns = item["metadata"].get("namespace", "")
-            if namespaces and not any(fnmatch.fnmatch(ns, pat) for pat in namespaces):
+            if not _in_scope(item, namespaces):
                 continue
             try:
                 await asyncio.to_thread(
@@ -98,13 +140,15 @@ async def _resync_forever(namespaces: tuple[str, ...]) -> None:
 async def start_resync(memo: kopf.Memo, **_: Any) -> None:
     namespaces = tuple(n for n in os.environ.get("KVMESH_OPERATOR_NAMESPACES", "").split(",") if n)
     memo["resync"] = asyncio.create_task(_resync_forever(namespaces))
+    memo["planner"] = asyncio.create_task(_plan_forever(namespaces))
 
 
 @kopf.on.cleanup()
 async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
-    task = memo.get("resync")
-    if task is not None:
-        task.cancel()
+    for name in ("resync", "planner"):
+        task = memo.get(name)
+        if task is not None:
+            task.cancel()
 
 
 if CONFIG.watch_children:

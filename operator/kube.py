@@ -50,6 +50,10 @@ KINDS: dict[tuple[str, str], Kind] = {
 # read none; the generated one goes away with its owner (garbage collection).
 SECRETS = Kind("v1", "Secret", "secrets")
 INFERENCE_SERVICES = Kind("serving.kvmesh.io/v1alpha1", "InferenceService", "inferenceservices")
+# Also not in KINDS: the planner reads the workers' pods, labels the one it drains and sets its
+# deletion cost, and writes replica counts through the Deployments' scale subresource.
+PODS = Kind("v1", "Pod", "pods")
+DEPLOYMENTS = KINDS[("apps/v1", "Deployment")]
 
 # Status codes worth retrying: throttling, server-side trouble, and conflicts from racing writers.
 TRANSIENT_STATUS = frozenset({409, 429, 500, 502, 503, 504})
@@ -180,6 +184,40 @@ class Kube:
         except ApiException as e:
             if e.status not in (404, 409):
                 raise
+
+    def list_pods(self, namespace: str, label_selector: str) -> builtins.list[dict]:
+        out = self._call("GET", PODS.collection(namespace), query=[("labelSelector", label_selector)])
+        return list(out.get("items") or [])
+
+    def patch_pod_metadata(
+        self, namespace: str, name: str, labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None
+    ) -> None:
+        """Merge-patch a pod's labels/annotations (404: the pod is gone, nothing to do)."""
+        meta: dict[str, Any] = {}
+        if labels:
+            meta["labels"] = labels
+        if annotations:
+            meta["annotations"] = annotations
+        try:
+            self._call(
+                "PATCH",
+                f"{PODS.collection(namespace)}/{name}",
+                body={"metadata": meta},
+                content_type="application/merge-patch+json",
+            )
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    def scale(self, namespace: str, deployment: str, replicas: int) -> None:
+        """Set a Deployment's replicas through its scale subresource (the operator's manifests leave
+        the field out while an autoscaler owns it)."""
+        self._call(
+            "PATCH",
+            f"{DEPLOYMENTS.collection(namespace)}/{deployment}/scale",
+            body={"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
+        )
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         path = f"{INFERENCE_SERVICES.collection(namespace)}/{name}/status"

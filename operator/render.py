@@ -14,8 +14,8 @@ Object layout for an InferenceService NAME:
                                              discovers each role through their EndpointSlices
     NAME-config                              ConfigMap with the engine settings
     NAME-{prefill,decode,router}             PodDisruptionBudgets
-    NAME-{prefill,decode}                    HPAs, only when autoscaling is enabled
-    NAME-{prefill,decode}                    KEDA ScaledObjects instead, with provider keda
+    NAME-{prefill,decode}                    HPAs, only with autoscaling enabled and provider hpa
+    NAME-{prefill,decode}                    KEDA ScaledObjects, with provider keda
     NAME-router                              ServiceAccount/Role/RoleBinding (pod discovery)
     NAME-redis                               Deployment + Service, only for a managed Redis
     NAME-{default-deny,router,workers,redis} NetworkPolicies, unless spec.networkPolicy.enabled
@@ -82,6 +82,12 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 LABEL_OWNER = f"{API_GROUP}/inferenceservice"
 LABEL_WORKER = f"{API_GROUP}/worker"
+# On every worker pod, "true"; the per-role Services (what the router discovers) select it, the
+# Deployments do not. The planner sets it to "false" on the pod it drains before a scale-down: the
+# pod leaves its role's EndpointSlice (no new work) but stays in its ReplicaSet and keeps running.
+LABEL_ROUTABLE = f"{API_GROUP}/routable"
+# The chart's operator pod (charts/kvmesh/templates/_helpers.tpl kvmesh.selectorLabels).
+OPERATOR_POD_LABELS = {LABEL_NAME: "kvmesh", LABEL_COMPONENT: "operator"}
 ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
 
 Manifest = dict[str, Any]
@@ -256,6 +262,14 @@ def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> lis
             args += [flag, str(value)]
     if _gpus(spec.role(role), default=1) == 0:
         args += ["--device", "cpu"]
+    sim = spec.simulate
+    if sim.enabled:  # tests and load tests only (SimulateSpec)
+        args.append("--simulate")
+        if sim.prefill_ms_per_token is not None:
+            args += ["--sim-prefill-ms-per-token", f"{sim.prefill_ms_per_token:g}"]
+        if sim.decode_base_ms is not None or sim.decode_ms_per_sequence is not None:
+            base, per = sim.decode_base_ms or 0.0, sim.decode_ms_per_sequence or 0.0
+            args += ["--sim-decode-ms", f"{base:g},{per:g}"]
     args += [
         "--kv-events-endpoint",
         f"tcp://*:{KV_EVENTS_PORT}",
@@ -365,7 +379,8 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
         ],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 120},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
+        # /live: a draining worker (/health 503, see POST /drain) is alive and must not be restarted.
+        "livenessProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},
         "resources": _resources(r, default_gpus=1),
         "securityContext": _security_context(),
@@ -386,7 +401,7 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
         },
         replicas,
         config_hash,
-        {LABEL_WORKER: "true"},
+        {LABEL_WORKER: "true", LABEL_ROUTABLE: "true"},
     )
 
 
@@ -543,7 +558,8 @@ def _services(meta: ObjectMeta) -> list[Manifest]:
     out = [front, workers]
     for role in ("prefill", "decode"):
         svc = _object("v1", "Service", role_service(meta, role), meta, role)
-        svc["spec"] = {"clusterIP": "None", "selector": selector(meta, role), "ports": _worker_ports()}
+        sel = {**selector(meta, role), LABEL_ROUTABLE: "true"}  # a draining pod leaves it
+        svc["spec"] = {"clusterIP": "None", "selector": sel, "ports": _worker_ports()}
         out.append(svc)
     return out
 
@@ -627,12 +643,6 @@ def _scaled_objects(spec: InferenceServiceSpec, meta: ObjectMeta, prometheus_url
     """
     a = spec.autoscaling
 
-    def knob(obj: Any, name: str, default: Any) -> Any:
-        # Fields of the extended autoscaling contract (percentiles, scale-up windows, interval);
-        # the defaults are the CRD's.
-        value = getattr(obj, name, None)
-        return default if value is None else value
-
     def trigger(name: str, query: str) -> dict[str, Any]:
         return {
             "type": "prometheus",
@@ -650,7 +660,7 @@ def _scaled_objects(spec: InferenceServiceSpec, meta: ObjectMeta, prometheus_url
     for role, s in (("prefill", a.prefill), ("decode", a.decode)):
         sel = _role_selector(meta, role)
         if role == "prefill":
-            pct = knob(s, "ttft_percentile", 90)
+            pct = s.ttft_percentile
             triggers = [
                 trigger(
                     "ttft",
@@ -658,7 +668,7 @@ def _scaled_objects(spec: InferenceServiceSpec, meta: ObjectMeta, prometheus_url
                 )
             ]
         else:
-            pct = knob(s, "itl_percentile", 90)
+            pct = s.itl_percentile
             kv = s.target_kv_usage or 0.8
             triggers = [
                 trigger(
@@ -671,7 +681,7 @@ def _scaled_objects(spec: InferenceServiceSpec, meta: ObjectMeta, prometheus_url
         so = _object("keda.sh/v1alpha1", "ScaledObject", f"{meta.name}-{role}", meta, role)
         so["spec"] = {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{meta.name}-{role}"},
-            "pollingInterval": int(knob(a, "interval_s", 15)),
+            "pollingInterval": a.interval_s,
             "cooldownPeriod": down,
             "minReplicaCount": s.min_replicas,
             "maxReplicaCount": s.max_replicas,
@@ -679,7 +689,7 @@ def _scaled_objects(spec: InferenceServiceSpec, meta: ObjectMeta, prometheus_url
                 "horizontalPodAutoscalerConfig": {
                     "behavior": {
                         "scaleUp": {
-                            "stabilizationWindowSeconds": int(knob(s, "scale_up_stabilization_s", 0)),
+                            "stabilizationWindowSeconds": s.scale_up_stabilization_s,
                             "policies": [{"type": "Percent", "value": 100, "periodSeconds": 30}],
                         },
                         "scaleDown": {
@@ -761,7 +771,9 @@ def network_policies(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manif
       to each pod's events socket), and every TCP port from this service's other workers: the NIXL
       side channel is a fixed port, but UCX, which moves the blocks, listens on ports it picks at
       run time;
-    * redis (managed only): its port from this service's workers.
+    * redis (managed only): its port from this service's workers;
+    * with the planner (autoscaling provider planner), workers also take HTTP from the operator's
+      pods (the chart's labels), which scrape their /metrics.
 
     Egress stays open (the router and the engine reach the API server, DNS and model stores).
     Traffic from the node itself (kubelet probes) is not subject to NetworkPolicy.
@@ -781,6 +793,10 @@ def network_policies(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manif
             ],
         ),
     ]
+    if spec.autoscaling.planner:
+        # The operator's planner reads each worker's /metrics (the operator pod, in any namespace).
+        operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}
+        out[-1]["spec"]["ingress"].append({"from": [operator], "ports": _tcp(HTTP_PORT)})
     if spec.connector.type == "redis" and spec.connector.redis_managed:
         out.append(
             _policy(
@@ -826,11 +842,10 @@ def render(
     ]
     out += _services(meta)
     out += [_pdb(meta, c) for c in ("prefill", "decode", "router")]
-    if spec.autoscaling.enabled:
-        if getattr(spec.autoscaling, "provider", "hpa") == "keda":
-            out += _scaled_objects(spec, meta, prometheus_url)
-        else:
-            out += _hpas(spec, meta)
+    if spec.autoscaling.enabled and spec.autoscaling.provider == "hpa":
+        out += _hpas(spec, meta)
+    elif spec.autoscaling.enabled and spec.autoscaling.provider == "keda":
+        out += _scaled_objects(spec, meta, prometheus_url)
     return out
 
 

@@ -86,44 +86,79 @@ class RoleSpec:
         )
 
 
+PROVIDERS = ("planner", "keda", "hpa")
+PERCENTILES = (50, 90, 95, 99)
+
+
 @dataclass(frozen=True)
 class RoleScaling:
+    """spec.autoscaling.{prefill,decode}: bounds, SLO target and stabilization windows of one role.
+
+    Prefill has a TTFT target, decode an ITL target and a KV-cache usage target; the targets have
+    no default (the CRD requires them when autoscaling is enabled), hence None here.
+    """
+
     min_replicas: int = 1
     max_replicas: int = 4
+    scale_up_stabilization_s: int = 0
     scale_down_stabilization_s: int = 300
     target_ttft_ms: int | None = None
+    ttft_percentile: int = 90
     target_itl_ms: int | None = None
+    itl_percentile: int = 90
     target_kv_usage: float | None = None
 
 
 @dataclass(frozen=True)
 class AutoscalingSpec:
+    """spec.autoscaling. provider planner: the operator's own loop (operator/planner_loop.py) every
+    interval_s; hpa: HorizontalPodAutoscalers on custom pod metrics (needs a metrics adapter);
+    keda: KEDA ScaledObjects on the same signals."""
+
     enabled: bool = False
-    provider: str = "planner"  # planner | keda | hpa
-    prefill: RoleScaling = RoleScaling(target_ttft_ms=500)
-    decode: RoleScaling = RoleScaling(target_itl_ms=50, target_kv_usage=0.8)
+    provider: str = "planner"
+    interval_s: int = 15
+    prefill: RoleScaling = RoleScaling()
+    decode: RoleScaling = RoleScaling(target_kv_usage=0.8)
 
     @staticmethod
     def parse(d: Mapping[str, Any]) -> AutoscalingSpec:
         p = d.get("prefill") or {}
         dc = d.get("decode") or {}
+
+        def opt(v: Any, kind: type) -> Any:
+            return None if v is None else kind(v)
+
         return AutoscalingSpec(
             enabled=bool(d.get("enabled", False)),
             provider=str(d.get("provider", "planner")),
+            interval_s=int(d.get("intervalSeconds", 15)),
             prefill=RoleScaling(
                 min_replicas=int(p.get("minReplicas", 1)),
                 max_replicas=int(p.get("maxReplicas", 4)),
+                scale_up_stabilization_s=int(p.get("scaleUpStabilizationSeconds", 0)),
                 scale_down_stabilization_s=int(p.get("scaleDownStabilizationSeconds", 300)),
-                target_ttft_ms=int(p.get("targetTTFTMilliseconds", 500)),
+                target_ttft_ms=opt(p.get("targetTTFTMilliseconds"), int),
+                ttft_percentile=int(p.get("ttftPercentile", 90)),
             ),
             decode=RoleScaling(
                 min_replicas=int(dc.get("minReplicas", 1)),
                 max_replicas=int(dc.get("maxReplicas", 4)),
+                scale_up_stabilization_s=int(dc.get("scaleUpStabilizationSeconds", 0)),
                 scale_down_stabilization_s=int(dc.get("scaleDownStabilizationSeconds", 300)),
-                target_itl_ms=int(dc.get("targetITLMilliseconds", 50)),
+                target_itl_ms=opt(dc.get("targetITLMilliseconds"), int),
+                itl_percentile=int(dc.get("itlPercentile", 90)),
                 target_kv_usage=float(dc.get("targetKVCacheUsage", 0.8)),
             ),
         )
+
+    def role(self, name: str) -> RoleScaling:
+        return {"prefill": self.prefill, "decode": self.decode}[name]
+
+    @property
+    def planner(self) -> bool:
+        """The operator's planner owns the workers' replica counts."""
+        return self.enabled and self.provider == "planner"
 
 
 @dataclass(frozen=True)
@@ -149,6 +184,30 @@ class NetworkPolicySpec:
 
 
 @dataclass(frozen=True)
+class SimulateSpec:
+    """spec.simulate: workers run `kvmesh serve --simulate` (real scheduler, cache, events, API and
+    metrics; a latency model instead of the forward pass). For tests and load tests of routing and
+    autoscaling, never for serving: the tokens are not a model's."""
+
+    enabled: bool = False
+    prefill_ms_per_token: float | None = None
+    decode_base_ms: float | None = None
+    decode_ms_per_sequence: float | None = None
+
+    @staticmethod
+    def parse(d: Mapping[str, Any]) -> SimulateSpec:
+        def num(key: str) -> float | None:
+            return None if d.get(key) is None else float(d[key])
+
+        return SimulateSpec(
+            enabled=bool(d.get("enabled", False)),
+            prefill_ms_per_token=num("prefillMsPerToken"),
+            decode_base_ms=num("decodeBaseMs"),
+            decode_ms_per_sequence=num("decodeMsPerSequence"),
+        )
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     image: str
     image_pull_policy: str
@@ -161,6 +220,7 @@ class InferenceServiceSpec:
     autoscaling: AutoscalingSpec
     auth: AuthSpec = AuthSpec()
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
+    simulate: SimulateSpec = SimulateSpec()
 
     @staticmethod
     def parse(spec: Mapping[str, Any]) -> InferenceServiceSpec:
@@ -176,6 +236,7 @@ class InferenceServiceSpec:
             autoscaling=AutoscalingSpec.parse(spec.get("autoscaling") or {}),
             auth=AuthSpec.parse(spec.get("auth") or {}),
             network_policy=NetworkPolicySpec.parse(spec.get("networkPolicy") or {}),
+            simulate=SimulateSpec.parse(spec.get("simulate") or {}),
         )
 
     def role(self, name: str) -> RoleSpec:

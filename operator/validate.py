@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from .spec import InferenceServiceSpec
+from .spec import PROVIDERS, InferenceServiceSpec
 
 
 def problems(spec: InferenceServiceSpec) -> list[str]:
@@ -32,8 +32,29 @@ def problems(spec: InferenceServiceSpec) -> list[str]:
         parts = urlsplit(url)
         if parts.scheme not in ("redis", "rediss") or not parts.hostname:
             out.append(f"kvConnector.redis.url {url!r} is not a redis:// or rediss:// URL with a host")
-    if spec.autoscaling.enabled:
+    a = spec.autoscaling
+    if a.enabled:
         for role in ("prefill", "decode"):
             if spec.role(role).replicas == 0:
                 out.append(f"{role}.replicas is 0 but autoscaling is enabled for it")
+            s = a.role(role)
+            if s.min_replicas > s.max_replicas:
+                out.append(
+                    f"autoscaling.{role}.minReplicas ({s.min_replicas}) must be <= maxReplicas ({s.max_replicas})"
+                )
+        # The CRD's CEL rules say the same; repeated here for specs rendered without the API server.
+        if a.prefill.target_ttft_ms is None:
+            out.append("autoscaling.prefill.targetTTFTMilliseconds is required when autoscaling is enabled")
+        if a.decode.target_itl_ms is None:
+            out.append("autoscaling.decode.targetITLMilliseconds is required when autoscaling is enabled")
+        if a.provider not in PROVIDERS:
+            out.append(f"autoscaling.provider {a.provider!r} is not one of {', '.join(PROVIDERS)}")
+        if a.provider == "planner":
+            for role in ("prefill", "decode"):
+                s = a.role(role)
+                if s.scale_down_stabilization_s and s.scale_down_stabilization_s < a.interval_s:
+                    out.append(
+                        f"autoscaling.{role}.scaleDownStabilizationSeconds ({s.scale_down_stabilization_s}) is "
+                        f"shorter than intervalSeconds ({a.interval_s}): the window would hold one decision"
+                    )
     return out

@@ -162,6 +162,13 @@ class ServerMetrics:
             L,
             registry=r,
         )
+        self.prompt_tokens_pending = Gauge(
+            "kvmesh:prompt_tokens_pending",
+            "Prompt tokens of waiting and running requests not computed yet (prefix-cache hits and KV "
+            "loaded by a connector excluded once looked up): the prefill backlog the planner scales on.",
+            L,
+            registry=r,
+        )
         self.kv_transfer_refused = Counter(
             "kvmesh:kv_transfer_refused",
             "KV-transfer messages and pulls refused by the connector: reason=auth (a side-channel message or reply "
@@ -221,7 +228,7 @@ class ServerMetrics:
         self._gen, self._prompt = self.generation_tokens.labels(m), self.prompt_tokens.labels(m)
         self._success = {reason: self.request_success.labels(m, reason) for reason in FINISH_REASONS}
         self._last = EngineStats()
-        for g in (self.num_running, self.num_waiting, self.kv_usage, self.held_requests):
+        for g in (self.num_running, self.num_waiting, self.kv_usage, self.held_requests, self.prompt_tokens_pending):
             g.labels(m).set(0)
         for c in (self.prefix_queries, self.prefix_hits, self.preemptions, self.chained_rounds, self.computed_tokens):
             c.labels(m)
@@ -235,6 +242,7 @@ class ServerMetrics:
         self.num_waiting.labels(m).set(s.num_waiting)
         self.kv_usage.labels(m).set(s.kv_cache_usage)
         self.held_requests.labels(m).set(s.num_held_requests)
+        self.prompt_tokens_pending.labels(m).set(s.num_prompt_tokens_pending)
         last = self._last
         for counter, new, old in (
             (self.prefix_queries, s.prefix_cache_queries, last.prefix_cache_queries),

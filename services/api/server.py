@@ -47,6 +47,7 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
     app = FastAPI(title="kvmesh", version=__version__, docs_url=None, redoc_url=None)
     app.state.serving = serving
     app.state.client = client
+    app.state.draining = False
 
     # ---- errors -------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -77,11 +78,59 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
         responses={200: {"description": "the engine is up (empty body)", "content": {}}, **error_responses(503)},
     )
     async def health():
+        """Readiness: 503 while the engine is down or the server is draining (POST /drain), so the
+        pod's EndpointSlice entry turns not ready and routers stop sending it new work."""
+        if client.healthy and not app.state.draining:
+            return Response(status_code=200)
+        if client.healthy:
+            return JSONResponse(error_body(503, "draining: finishing open requests"), status_code=503)
+        return JSONResponse(
+            error_body(503, f"engine is not available: {client.dead_reason or 'starting'}"), status_code=503
+        )
+
+    @app.get(
+        "/live",
+        response_class=Response,
+        responses={200: {"description": "the engine is up, draining or not", "content": {}}, **error_responses(503)},
+    )
+    async def live():
+        """Liveness: like /health but a draining server is alive (a drain must not get it restarted)."""
         if client.healthy:
             return Response(status_code=200)
         return JSONResponse(
             error_body(503, f"engine is not available: {client.dead_reason or 'starting'}"), status_code=503
         )
+
+    def drain_state() -> dict:
+        st, open_ = client.stats, len(client.streams)  # streams: requests this server still answers
+        return {
+            "draining": app.state.draining,
+            "open_requests": open_,
+            "running": st.num_running,
+            "waiting": st.num_waiting,
+            "held": st.num_held_requests,
+            "idle": open_ + st.num_running + st.num_waiting + st.num_held_requests == 0,
+        }
+
+    @app.post("/drain")
+    async def drain():
+        """Stop being ready for new work (/health 503) and keep serving what is open: requests and
+        streams in flight finish, a prefill pod keeps the blocks it holds for decode pods until they
+        are pulled or their lease ends. Poll GET /drain until ``idle``; DELETE /drain undoes it.
+        Requests that still arrive are answered. Needs an API key like every other endpoint."""
+        if not app.state.draining:
+            log.info("draining: /health now answers 503")
+        app.state.draining = True
+        return drain_state()
+
+    @app.get("/drain")
+    async def drain_status():
+        return drain_state()
+
+    @app.delete("/drain")
+    async def undrain():
+        app.state.draining = False
+        return drain_state()
 
     @app.get("/version")
     async def version():

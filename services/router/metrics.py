@@ -4,6 +4,7 @@ tests can run several routers in one process."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 # The failures the router retries on another pod (upstream.UpstreamError with gone=True), the
 # `reason` label values of kvmesh:router_retries_total.
@@ -127,6 +128,19 @@ class RouterMetrics:
             "kvmesh:router_admitted_requests", "requests admitted upstream, by tenant", ["tenant"], registry=r
         )
         self.active = Gauge("kvmesh:router_active_requests", "admitted requests not yet finished", registry=r)
+
+    def per_pod(self) -> list[MetricWrapperBase]:
+        """Every metric with a ``pod`` label."""
+        return [
+            m
+            for m in vars(self).values()
+            if isinstance(m, MetricWrapperBase) and "pod" in m._labelnames  # noqa: SLF001 (no public accessor)
+        ]
+
+    def forget_pod(self, pod: str) -> None:
+        """Drop every series of a pod that left discovery (all label values under ``pod``)."""
+        for m in self.per_pod():
+            m.remove_by_labels({"pod": pod})
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

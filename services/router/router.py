@@ -106,9 +106,9 @@ class Router:
         secret = load_kv_auth_key(cfg.kv_auth_key_file)
         self.hub = EventHub(
             self.index,
-            on_event=lambda pod, kind: self.metrics.kv_events.labels(pod, kind).inc(),
+            on_event=self._count_event,
             keys=CurveKeys.derive(secret) if secret else None,
-            on_batch=lambda pod: self.metrics.kv_event_batches.labels(pod).inc(),
+            on_batch=self._count_batch,
         )
         if secret is None and any(p.events for p in cfg.pods):
             log.warning("no KV auth secret: reading the pods' KV events unauthenticated (set KVMESH_KV_AUTH_KEY)")
@@ -123,6 +123,15 @@ class Router:
         self._discovery: K8sDiscovery | None = None
         for spec in cfg.pods:
             self.add_pod(spec)
+
+    # A batch that arrives after its pod left must not bring the pod's series back.
+    def _count_event(self, pod: str, kind: str) -> None:
+        if pod in self.pods:
+            self.metrics.kv_events.labels(pod, kind).inc()
+
+    def _count_batch(self, pod: str) -> None:
+        if pod in self.pods:
+            self.metrics.kv_event_batches.labels(pod).inc()
 
     # ---- membership ---------------------------------------------------------
     def add_pod(self, spec: PodSpec) -> None:
@@ -141,16 +150,9 @@ class Router:
         if pod.spec.events:
             self.hub.remove_pod(url)
         self.index.clear_pod(url)
-        # a departed pod's series must not keep reporting it (alerts count healthy pods and dead streams)
-        for gauge, labels in (
-            (self.metrics.pod_healthy, (url, pod.spec.role)),
-            (self.metrics.kv_events_connected, (url,)),
-            (self.metrics.kv_event_handshake_failures, (url,)),
-        ):
-            try:
-                gauge.remove(*labels)
-            except KeyError:
-                pass
+        # A departed pod's series must not keep reporting it: alerts count healthy pods and dead
+        # streams, and an autoscaler reading a stale gauge would hold the pool up.
+        self.metrics.forget_pod(url)
         log.info("pod removed: %s", url)
 
     def set_healthy(self, pod: Pod, ok: bool, why: str = "") -> None:
@@ -161,7 +163,8 @@ class Router:
             log.info("pod %s is healthy again", pod.url)
         pod.healthy = ok
         pod.last_error = why
-        self.metrics.pod_healthy.labels(pod.url, pod.spec.role).set(1 if ok else 0)
+        if self.pods.get(pod.url) is pod:  # a probe that ends after its pod left adds no series back
+            self.metrics.pod_healthy.labels(pod.url, pod.spec.role).set(1 if ok else 0)
 
     # ---- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
@@ -303,7 +306,8 @@ class Router:
                 held[h] = n
             else:
                 del held[h]
-        self.metrics.pod_inflight.labels(fl.pod.url).set(fl.pod.inflight_requests)
+        if self.pods.get(fl.pod.url) is fl.pod:  # a request that outlived its pod's removal adds no series
+            self.metrics.pod_inflight.labels(fl.pod.url).set(fl.pod.inflight_requests)
 
     async def send(
         self,

@@ -14,6 +14,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -34,9 +35,11 @@ class ThreadServer:
         )
         self.on_start, self.on_stop = on_start, on_stop
         self.thread = threading.Thread(target=self._run, daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def _run(self) -> None:
         async def main():
+            self.loop = asyncio.get_running_loop()
             if self.on_start:
                 await self.on_start()
             try:
@@ -57,6 +60,15 @@ class ThreadServer:
             poll=0.02,
         )
         return self
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the server's event loop (where the app's state lives) and return its result."""
+        assert self.loop is not None, "server not started"
+
+        async def run() -> Any:
+            return fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
 
     def stop(self) -> None:
         self.server.should_exit = True

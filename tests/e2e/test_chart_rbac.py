@@ -91,4 +91,6 @@ def test_allowed_verbs_match_the_role(chart: Cluster, sa_kubeconfig: Path) -> No
     assert can("patch", "inferenceservices.serving.kvmesh.io/status", "-n", "default")
     assert not can("update", "inferenceservices.serving.kvmesh.io", "-n", "default")
     assert not can("delete", "pods", "-n", "default")
+    assert can("patch", "deployments.apps", "--subresource=scale", "-n", "default")  # the planner
+    assert can("patch", "pods", "-n", "default") and not can("create", "pods/exec", "-n", "default")
     assert not can("get", "secrets", "-n", OPERATOR_NS)

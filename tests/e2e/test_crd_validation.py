@@ -26,6 +26,18 @@ CASES = {
         {"autoscaling": {"enabled": True, "decode": {"minReplicas": 5, "maxReplicas": 2}}},
         "autoscaling.decode.minReplicas must be <= maxReplicas",
     ),
+    "enum-autoscaling-provider": (
+        {"autoscaling": {"provider": "vpa"}},
+        'spec.autoscaling.provider: Unsupported value: "vpa"',
+    ),
+    "cel-autoscaling-targets-required": (
+        {"autoscaling": {"enabled": True, "prefill": {"targetTTFTMilliseconds": 500}}},
+        "autoscaling.decode.targetITLMilliseconds is required when autoscaling is enabled",
+    ),
+    "enum-ttft-percentile": (
+        {"autoscaling": {"prefill": {"ttftPercentile": 80}}},
+        "spec.autoscaling.prefill.ttftPercentile: Unsupported value: 80",
+    ),
     "cel-redis-only-with-redis": (
         {"kvConnector": {"type": "nixl", "redis": {"url": "redis://r:6379"}}},
         "kvConnector.redis is only allowed when kvConnector.type is redis",

@@ -65,7 +65,9 @@ def test_spec_update_flows_to_children(chart: Cluster, operator: Operator, ns: s
 def test_autoscaling_toggle_adds_and_prunes_hpas(chart: Cluster, operator: Operator, ns: str) -> None:
     chart.apply(EXAMPLES["minimal"].read_text(), ns)
     wait_ready(chart, "tiny", ns)
-    patch(chart, ns, "tiny", {"spec": {"autoscaling": {"enabled": True}}})
+    on = {"enabled": True, "provider": "hpa"}
+    on |= {"prefill": {"targetTTFTMilliseconds": 500}, "decode": {"targetITLMilliseconds": 50}}
+    patch(chart, ns, "tiny", {"spec": {"autoscaling": on}})
     hpa = "horizontalpodautoscaler.autoscaling"
     wait_for("HPAs", lambda: len(chart.list(hpa, ns)) == 2)
     wait_ready(chart, "tiny", ns)

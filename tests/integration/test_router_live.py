@@ -173,3 +173,23 @@ def test_killed_pod_taken_out(cluster):
         assert r.headers["x-kvmesh-pod"] == pods[0].base_url
     assert router.pods[victim.base_url].healthy is False
     assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_pod_gone_from_discovery_leaves_no_series_and_no_index(cluster):
+    """Discovery dropping a pod removes every series labelled with it from the router's /metrics
+    (routing decisions, in-flight, health, KV-event counters ...) and its index entries, so neither
+    dashboards nor an autoscaler keep counting a pod that is gone."""
+    srv, router, pods = cluster
+    gone, kept = pods[1].base_url, pods[0].base_url
+
+    def series(url: str) -> list[str]:
+        text = httpx.get(srv.url + "/metrics", timeout=10).text
+        return [ln for ln in text.splitlines() if not ln.startswith("#") and f'pod="{url}"' in ln]
+
+    assert series(gone) and series(kept)  # earlier tests routed to both
+    srv.call(router.remove_pod, gone)  # what K8sDiscovery calls when the EndpointSlice drops the pod
+    assert series(gone) == []
+    assert series(kept)
+    assert gone not in router.pods and router.index.pod_blocks(gone) == 0
+    assert complete(srv.url, doc(200, 10)).headers["x-kvmesh-pod"] == kept
+    assert series(gone) == []  # a request afterwards does not bring them back

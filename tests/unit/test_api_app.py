@@ -234,10 +234,19 @@ def test_errors(app_client):
 
 def test_health_and_metrics_open_without_key(app_client):
     c, _, metrics = app_client
-    metrics.on_stats(EngineStats(num_running=3, kv_cache_usage=0.25, prefix_cache_queries=10, prefix_cache_hits=4))
+    metrics.on_stats(
+        EngineStats(
+            num_running=3,
+            kv_cache_usage=0.25,
+            prefix_cache_queries=10,
+            prefix_cache_hits=4,
+            num_prompt_tokens_pending=700,
+        )
+    )
     assert c.get("/health", headers={"Authorization": ""}).status_code == 200
     text = c.get("/metrics", headers={"Authorization": ""}).text
     assert 'vllm:num_requests_running{model_name="fake"} 3.0' in text
+    assert 'kvmesh:prompt_tokens_pending{model_name="fake"} 700.0' in text
     assert 'vllm:prefix_cache_hits_total{model_name="fake"} 4.0' in text
     err(c.get("/v1/models", headers={"Authorization": ""}), 401, "invalid_api_key")
 

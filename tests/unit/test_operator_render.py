@@ -147,7 +147,9 @@ def test_minimal_layout_and_ownership() -> None:
 
 
 def test_autoscaling_renders_hpas_and_leaves_replicas_to_them() -> None:
-    objs = by_kind(rendered(ROOT / "examples" / "pd-redis.yaml"))
+    obj = load(ROOT / "examples" / "pd-redis.yaml")
+    obj["spec"]["autoscaling"]["provider"] = "hpa"
+    objs = by_kind(render(obj["spec"], {**META, "name": obj["metadata"]["name"]}))
     hpa = objs[("HorizontalPodAutoscaler", "llama-pd-redis-decode")]["spec"]
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 6)
     assert "replicas" not in objs[("Deployment", "llama-pd-redis-decode")]["spec"]
@@ -158,6 +160,33 @@ def test_autoscaling_renders_hpas_and_leaves_replicas_to_them() -> None:
     }
     assert args[args.index("--model") + 1] == "/models/tinyllama-1.1b-chat.Q4_K_M.gguf"
     assert ("Deployment", "llama-pd-redis-redis") in objs
+
+
+def test_planner_provider_renders_no_hpa_and_leaves_replicas_to_the_planner() -> None:
+    objs = by_kind(rendered(ROOT / "examples" / "pd-redis.yaml"))  # provider defaults to planner
+    assert not [k for k in objs if k[0] == "HorizontalPodAutoscaler"]
+    assert "replicas" not in objs[("Deployment", "llama-pd-redis-decode")]["spec"]
+    assert "replicas" not in objs[("Deployment", "llama-pd-redis-prefill")]["spec"]
+
+
+@pytest.mark.parametrize(
+    ("autoscaling", "fragment"),
+    [
+        ({"enabled": True, "decode": {"targetITLMilliseconds": 50}}, "prefill.targetTTFTMilliseconds is required"),
+        ({"enabled": True, "provider": "vpa"}, "autoscaling.provider 'vpa' is not one of"),
+        (
+            {"enabled": True, "prefill": {"targetTTFTMilliseconds": 1, "minReplicas": 3, "maxReplicas": 2}},
+            "autoscaling.prefill.minReplicas (3) must be <= maxReplicas (2)",
+        ),
+        (
+            {"enabled": True, "intervalSeconds": 60, "decode": {"scaleDownStabilizationSeconds": 30}},
+            "decode.scaleDownStabilizationSeconds (30) is shorter than intervalSeconds (60)",
+        ),
+    ],
+)
+def test_bad_autoscaling_is_invalid_spec(autoscaling: dict[str, Any], fragment: str) -> None:
+    found = problems(InferenceServiceSpec.parse({"autoscaling": autoscaling}))
+    assert any(fragment in p for p in found), found
 
 
 def test_engine_change_rolls_pods_through_config_hash() -> None:
@@ -371,3 +400,15 @@ def test_router_drains_within_its_grace_period_and_survives_engine_changes() -> 
     assert (
         0 < cfg.shutdown_timeout < pod["terminationGracePeriodSeconds"] - c["lifecycle"]["preStop"]["sleep"]["seconds"]
     )
+
+
+def test_simulate_runs_the_workers_on_the_latency_model() -> None:
+    sim = {"enabled": True, "prefillMsPerToken": 0.5, "decodeBaseMs": 20, "decodeMsPerSequence": 1.5}
+    objs = by_kind(render({"simulate": sim}, {**META, "name": "s"}))
+    for role in ("prefill", "decode"):
+        args = objs[("Deployment", f"s-{role}")]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert "--simulate" in args
+        assert args[args.index("--sim-prefill-ms-per-token") + 1] == "0.5"
+        assert args[args.index("--sim-decode-ms") + 1] == "20,1.5"
+    off = by_kind(render({}, {**META, "name": "s"}))
+    assert "--simulate" not in off[("Deployment", "s-decode")]["spec"]["template"]["spec"]["containers"][0]["args"]

@@ -106,3 +106,16 @@ def test_integrity_sees_a_lost_request():
     s.waiting.remove(r)
     with pytest.raises(AssertionError):
         s.check_integrity()
+
+
+def test_prompt_tokens_pending_is_the_uncomputed_prefill_backlog():
+    s = make(max_num_batched_tokens=8, max_num_seqs=4)
+    add(s, "a", list(range(10, 22)))  # 12 prompt tokens
+    add(s, "b", list(range(30, 36)))  # 6
+    assert s.num_prompt_tokens_pending() == 18
+    step(s, {})  # 8 tokens of "a" (chunked prefill), "b" waits
+    assert s.num_prompt_tokens_pending() == 10
+    step(s, {"a": [5]})  # the rest of "a" (4) and 4 of "b"
+    assert s.num_prompt_tokens_pending() == 2
+    step(s, {"a": [5], "b": [5]})
+    assert s.num_prompt_tokens_pending() == 0

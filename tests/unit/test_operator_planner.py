@@ -1,0 +1,121 @@
+"""The planner's arithmetic (operator/planner.py): recommendations, pending credit, HPA-style
+stabilization windows, bounds and the reason recorded with each decision."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.operator.planner import (
+    PodLoad,
+    RoleObservation,
+    RoleState,
+    Targets,
+    decide,
+    least_loaded,
+)
+
+pytestmark = pytest.mark.unit
+
+PREFILL = Targets(min_replicas=1, max_replicas=6, scale_up_window_s=0, scale_down_window_s=60, ttft_s=0.5)
+DECODE = Targets(min_replicas=1, max_replicas=6, scale_down_window_s=60, itl_s=0.05, kv_usage=0.8)
+
+
+def busy_prefill(n: int, backlog_per_pod: float, rate: float) -> tuple[PodLoad, ...]:
+    return tuple(
+        PodLoad(f"p{i}", running=1, pending_prompt_tokens=backlog_per_pod, computed_tokens_per_s=rate) for i in range(n)
+    )
+
+
+def test_prefill_scales_to_clear_the_backlog_within_the_ttft_target() -> None:
+    st = RoleState()
+    # 1 pod computing 2000 tok/s holds a backlog of 3000 tokens: clearing it in 0.5 s takes 6000 tok/s.
+    obs = RoleObservation(current=1, ready=1, pending=0, pods=busy_prefill(1, 3000, 2000))
+    d = decide("prefill", obs, PREFILL, st, now=0)
+    assert d.desired == 3
+    assert d.reason == "ScaleUp: backlog over TTFT budget"
+    assert "uncached_prompt_tokens=3000" in d.signal and "rate_per_pod=2000/s" in d.signal
+
+
+def test_idle_prefill_pods_do_not_read_as_slow_ones() -> None:
+    st = RoleState()
+    decide("prefill", RoleObservation(1, 1, 0, busy_prefill(1, 100, 4000)), PREFILL, st, now=0)
+    # Idle interval: the pod computed almost nothing because nothing came; the rate stays measured.
+    idle = (PodLoad("p0", computed_tokens_per_s=10),)
+    decide("prefill", RoleObservation(1, 1, 0, idle), PREFILL, st, now=15)
+    assert st.prefill_rate_per_pod == 4000
+
+
+def test_no_further_scale_up_while_pods_are_pending() -> None:
+    st = RoleState()
+    obs = RoleObservation(current=3, ready=1, pending=2, pods=busy_prefill(1, 9000, 2000))
+    d = decide("prefill", obs, PREFILL, st, now=0)
+    assert (d.desired, d.reason) == (3, "HeldByPending")
+    assert d.recommendation > 3  # the load asked for more; the starting pods are credited
+    # Once they are Ready, the planner may go on.
+    d = decide("prefill", RoleObservation(3, 3, 0, busy_prefill(3, 9000, 2000)), PREFILL, st, now=15)
+    assert d.desired == 6 and d.reason == "AtMax" and d.limited
+
+
+def test_scale_down_waits_for_the_window_then_takes_its_max() -> None:
+    st = RoleState()
+    t = Targets(min_replicas=1, max_replicas=8, scale_down_window_s=30, itl_s=0.05, kv_usage=0.8)
+    loaded = tuple(PodLoad(f"d{i}", running=10, kv_usage=0.7) for i in range(4))
+    assert decide("decode", RoleObservation(4, 4, 0, loaded), t, st, now=0).desired == 4
+    idle = tuple(PodLoad(f"d{i}", kv_usage=0.0) for i in range(4))
+    d = decide("decode", RoleObservation(4, 4, 0, idle), t, st, now=15)
+    assert d.desired == 4 and d.reason.startswith("Stabilizing: ScaleDown")
+    d = decide("decode", RoleObservation(4, 4, 0, idle), t, st, now=31)  # the busy sample left the window
+    assert d.desired == 1 and d.reason == "ScaleDown: decode capacity idle"
+
+
+def test_scale_up_window_needs_a_sustained_rise() -> None:
+    st = RoleState()
+    t = Targets(min_replicas=1, max_replicas=8, scale_up_window_s=20, scale_down_window_s=0, kv_usage=0.5)
+    low = (PodLoad("d0", running=1, kv_usage=0.4),)
+    high = (PodLoad("d0", running=1, kv_usage=1.0),)
+    assert decide("decode", RoleObservation(1, 1, 0, low), t, st, now=0).desired == 1
+    assert decide("decode", RoleObservation(1, 1, 0, high), t, st, now=10).desired == 1  # min over window
+    d = decide("decode", RoleObservation(1, 1, 0, high), t, st, now=25)
+    assert (d.desired, d.reason) == (2, "ScaleUp: KV cache over target")
+
+
+def test_decode_capacity_from_the_itl_vs_batch_line() -> None:
+    st = RoleState()
+    # ITL = 10 ms + 2 ms per sequence: at a 50 ms target a pod runs 20 sequences.
+    for now, batch in ((0, 5), (15, 10)):
+        pods = (PodLoad("d0", running=batch, itl_s=0.010 + 0.002 * batch),)
+        decide("decode", RoleObservation(1, 1, 0, pods), DECODE, st, now=now)
+    pods = (PodLoad("d0", running=50, itl_s=0.110),)
+    d = decide("decode", RoleObservation(1, 1, 0, pods), DECODE, st, now=30)
+    assert d.desired == 3 and d.reason == "ScaleUp: ITL over target"
+    assert "seqs_per_pod_at_target=20.0" in d.signal
+
+
+def test_bounds_and_missing_metrics() -> None:
+    st = RoleState()
+    t = Targets(min_replicas=2, max_replicas=3, scale_down_window_s=0, itl_s=0.05, kv_usage=0.8)
+    d = decide("decode", RoleObservation(current=1, ready=1, pending=0, pods=()), t, st, now=0)
+    assert (d.desired, d.reason, d.limited) == (2, "AtMin", True)  # below min: raised to it even blind
+    d = decide("decode", RoleObservation(current=3, ready=3, pending=0, pods=()), t, st, now=1)
+    assert (d.desired, d.reason) == (3, "NoMetrics")  # no series: hold, never scale on absent data
+    p = RoleState()
+    pt = Targets(min_replicas=1, max_replicas=4, scale_down_window_s=0, ttft_s=0.5)
+    decide("prefill", RoleObservation(2, 2, 0, busy_prefill(2, 100, 1000)), pt, p, now=0)  # rate measured
+    d = decide("prefill", RoleObservation(2, 2, 0, ()), pt, p, now=2)  # then every scrape failed
+    assert (d.desired, d.reason) == (2, "NoMetrics")
+
+
+def test_a_deleted_pods_last_numbers_do_not_hold_the_pool_up() -> None:
+    """The loop passes only pods that exist and are Ready; one gone between ticks is simply absent."""
+    st = RoleState()
+    t = Targets(min_replicas=1, max_replicas=4, scale_down_window_s=0, kv_usage=0.8)
+    two = (PodLoad("d0", running=5, kv_usage=0.9), PodLoad("d1", running=5, kv_usage=0.9))
+    assert decide("decode", RoleObservation(2, 2, 0, two), t, st, now=0).desired == 3
+    one = (PodLoad("d1", kv_usage=0.1),)
+    assert decide("decode", RoleObservation(2, 1, 0, one), t, st, now=15).desired == 1
+
+
+def test_least_loaded_pod_is_drained_first() -> None:
+    pods = (PodLoad("a", running=3), PodLoad("b", running=0, waiting=1), PodLoad("c", running=1))
+    assert least_loaded(pods).name == "b"
+    assert least_loaded(()) is None
