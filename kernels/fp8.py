@@ -142,6 +142,102 @@ def gemv_w8a8() -> bool:
     return os.environ.get("KVMESH_FP8_GEMV_W8A8", "0") not in ("", "0")
 
 
+# The one-row FP8 projection (decode at batch 1), per weight shape [N, K]:
+#   "convert": `gemv_kernel` W8A16, e4m3 widened to fp32 by conversion instructions
+#   "bits":    `gemv_kernel` W8A16, e4m3 widened by integer ops (W_BITS)
+#   "swapab":  `fp8_swapab_kernel` W8A8 on the tensor cores, the row quantized in the kernel
+# ONE_ROW_PATHS holds the H200 winners at the Llama-3-8B shapes (bench/gpu_fp8.py --gemv); other
+# shapes take DEFAULT_ONE_ROW_PATH. KVMESH_FP8_GEMV=<path> forces one path everywhere.
+ONE_ROW_PATHS: dict[tuple[int, int], str] = {}
+DEFAULT_ONE_ROW_PATH = "convert"
+ONE_ROW_CHOICES = ("convert", "bits", "swapab")
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of `fp8_swapab` per [N, K] (the sweep's winners)
+SWAPAB_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+# `fp8_swapab` also takes 2..SWAPAB_MAX_ROWS rows (in place of quantization + ``torch._scaled_mm``)
+SWAPAB_MAX_ROWS = 1
+
+
+def one_row_path(N: int, K: int) -> str:
+    """Which one-row FP8 kernel an ``N x K`` weight takes (``KVMESH_FP8_GEMV`` read per call)."""
+    forced = os.environ.get("KVMESH_FP8_GEMV", "")
+    if forced:
+        if forced not in ONE_ROW_CHOICES:
+            fail("KVMESH_FP8_GEMV", f"must be one of {', '.join(ONE_ROW_CHOICES)}, got {forced!r}")
+        return forced
+    return ONE_ROW_PATHS.get((N, K), DEFAULT_ONE_ROW_PATH)
+
+
+def fp8_swapab_config(N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)``: the tuned entry, else narrow tiles for shapes
+    with few output channels (enough programs for every SM) and 64-row tiles otherwise."""
+    if (N, K) in SWAPAB_CONFIGS:
+        return SWAPAB_CONFIGS[(N, K)]
+    from ._dispatch import num_sms
+
+    bn = 64 if N >= 64 * 2 * num_sms(device) else (32 if N >= 32 * num_sms(device) else 16)
+    return bn, min(256, max(32, p2(K))), 4, 3
+
+
+def fp8_swapab(
+    x: torch.Tensor,
+    w: Fp8Weight,
+    bias: torch.Tensor | None,
+    silu_mul: bool = False,
+    config: tuple[int, int, int, int] | None = None,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """W8A8 for at most 16 rows with swapped operands (`fp8_swapab_kernel`): ``x`` float (quantized
+    per token inside the kernel, of ``silu_and_mul(x)`` with ``silu_mul``), or already e4m3 with its
+    per-token ``x_scale``; output ``out_dtype`` (default ``x``'s dtype)."""
+    fn = "fp8_swapab"
+    check_dim(fn, "x", x, 2)
+    quant = x.dtype != FP8
+    if not quant and (x_scale is None or silu_mul):
+        fail(fn, "an e4m3 x needs its x_scale (and cannot take silu_mul)")
+    M = x.shape[0]
+    N, K = w.shape
+    if M > 16:
+        fail(fn, f"takes at most 16 rows, got {M}")
+    if x.shape[1] != K * (2 if silu_mul else 1):
+        fail(fn, f"x {tuple(x.shape)} does not match weight {tuple(w.shape)}")
+    if quant and w.input_scale is not None:  # a static activation scale: the quantization kernel applies it
+        x, x_scale = fp8_quantize_rows(x, w.input_scale, silu_mul)
+        return fp8_swapab(x, w, bias, False, config, x_scale, out_dtype or x.dtype)
+    y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    bn, bk, warps, stages = config or fp8_swapab_config(N, K, x.device)
+    _dispatch.kernels_for(x).fp8_swapab_kernel[(-(-N // bn),)](
+        x,
+        x_scale if x_scale is not None else y,
+        w.weight,
+        w.scale,
+        bias if bias is not None else y,
+        y,
+        M,
+        N,
+        K,
+        x.stride(0),
+        HAS_BIAS=bias is not None,
+        QUANT_X=quant,
+        SILU_MUL=silu_mul,
+        FP8_MAX=FP8_MAX,
+        MIN_SCALE=FP8_MIN_SCALE,
+        BLOCK_M=16,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=warps,
+        num_stages=stages,
+        **pdl(x, M),
+    )
+    return y
+
+
 def _scaled_mm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
     """``torch._scaled_mm`` with row-wise scales: CUDA, bf16 output, K and N multiples of 16."""
     N, K = w.shape
