@@ -189,7 +189,7 @@ def fp8_swapab(
 ) -> torch.Tensor:
     """W8A8 for at most 16 rows with swapped operands (`fp8_swapab_kernel`): ``x`` float (quantized
     per token inside the kernel, of ``silu_and_mul(x)`` with ``silu_mul``), or already e4m3 with its
-    per-token ``x_scale``; output ``out_dtype`` (default ``x``'s dtype)."""
+    per-token ``x_scale``; output ``out_dtype`` (default: a float ``x``'s dtype, else bf16)."""
     fn = "fp8_swapab"
     check_dim(fn, "x", x, 2)
     quant = x.dtype != FP8
@@ -199,12 +199,17 @@ def fp8_swapab(
     N, K = w.shape
     if M > 16:
         fail(fn, f"takes at most 16 rows, got {M}")
+    out_dtype = out_dtype or (x.dtype if quant else torch.bfloat16)
     if x.shape[1] != K * (2 if silu_mul else 1):
         fail(fn, f"x {tuple(x.shape)} does not match weight {tuple(w.shape)}")
     if quant and w.input_scale is not None:  # a static activation scale: the quantization kernel applies it
         x, x_scale = fp8_quantize_rows(x, w.input_scale, silu_mul)
-        return fp8_swapab(x, w, bias, False, config, x_scale, out_dtype or x.dtype)
-    y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+        return fp8_swapab(x, w, bias, False, config, x_scale, out_dtype)
+    if backend(x) == "reference":
+        if quant:
+            x, x_scale = _ref.fp8_quantize_rows_reference(_ref.silu_and_mul_reference(x) if silu_mul else x)
+        return _ref.fp8_scaled_mm_reference(x, x_scale, w.weight, w.scale, bias, out_dtype)
+    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return y
     if K == 0:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _dispatch
+from . import fp8 as _fp8
 from . import reference as _ref
 from ._checks import FLOATS, check_device, check_dim, check_dtype, fail
 from ._dispatch import backend, cdiv, num_sms, p2, pdl
@@ -25,7 +26,6 @@ from .fp8 import (
     gemv_w8a8,
     one_row_path,
 )
-from . import fp8 as _fp8
 
 
 def gemv_enabled() -> bool:
@@ -164,7 +164,9 @@ def _fp8_linear(fn: str, x, w: Fp8Weight, bias, silu_mul: bool, config) -> torch
         if not gemv_w8a8():
             return _gemv(x, w.weight, bias, silu_mul, cfg, w_scale=w.scale, w_bits=path == "bits")
         xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul)
-        return _gemv(xq, w.weight, bias, False, cfg, w_scale=w.scale, x_scale=xs, out_dtype=x.dtype, w_bits=path == "bits")
+        return _gemv(
+            xq, w.weight, bias, False, cfg, w_scale=w.scale, x_scale=xs, out_dtype=x.dtype, w_bits=path == "bits"
+        )
     if 1 < x.shape[0] <= _fp8.SWAPAB_MAX_ROWS and (bias is None or bias.is_contiguous()):
         return fp8_swapab(x, w, bias, silu_mul, config)
     return fp8_matmul(x, w, bias, silu_mul)

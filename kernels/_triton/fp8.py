@@ -186,7 +186,9 @@ def fp8_swapab_kernel(
             xt = _x_tile_t(x_ptr, m, m_ok, k, k_ok, K, stride_x, SILU_MUL)
             xq = tl.minimum(tl.maximum(tl.math.div_rn(xt, s[None, :]), -FP8_MAX), FP8_MAX).to(w_ptr.dtype.element_ty)
         else:
-            xq = tl.load(x_ptr + m.to(tl.int64)[None, :] * stride_x + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+            xq = tl.load(
+                x_ptr + m.to(tl.int64)[None, :] * stride_x + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0
+            )
         acc = tl.dot(w, xq, acc)
     y = acc * s[None, :] * tl.load(ws_ptr + n, mask=n_ok, other=0.0)[:, None]
     if HAS_BIAS:
