@@ -236,6 +236,7 @@ def fp8_swapab(
         BLOCK_M=16,
         BLOCK_N=bn,
         BLOCK_K=bk,
+        ONE_ROW=quant and M == 1,
         num_warps=warps,
         num_stages=stages,
         **pdl(x, M),

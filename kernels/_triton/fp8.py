@@ -147,6 +147,7 @@ def fp8_swapab_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_ROW: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """``y = (xq @ wq.T) * xs[:, None] * ws[None, :] (+ b)`` for a few rows (M <= BLOCK_M = 16):
@@ -160,7 +161,9 @@ def fp8_swapab_kernel(
     `fp8_quant_rows_kernel` does (amax pass over the row, then IEEE-rounded divisions, clamp,
     round to nearest): the same codes, no quantization launch; the input is a few KiB read from L2
     by every program. Otherwise ``x`` is already e4m3 with its scales in ``xs``. SILU_MUL (with
-    QUANT_X): ``x`` is gate|up and ``silu(gate) * up`` is formed on the fly (the down projection)."""
+    QUANT_X): ``x`` is gate|up and ``silu(gate) * up`` is formed on the fly (the down projection).
+    ONE_ROW (M = 1, with QUANT_X): the row is quantized as a vector and placed in column 0 of the
+    padded tile, so the divisions and the SiLU run once per element, not for 15 padding rows."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -169,12 +172,20 @@ def fp8_swapab_kernel(
     rows = w_ptr + n.to(tl.int64)[:, None] * K
     grid_dependency(PDL)
     if QUANT_X:
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            xt = _x_tile_t(x_ptr, m, m_ok, k, k < K, K, stride_x, SILU_MUL)
-            amax = tl.maximum(amax, tl.max(tl.abs(xt), 0))
-        s = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
+        if ONE_ROW:  # one row: its amax, quantized as a vector, then placed in column 0 of the tile
+            amax1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                amax1 = tl.maximum(amax1, tl.abs(_row_chunk(x_ptr, k, K, SILU_MUL)))
+            s1 = tl.maximum(tl.math.div_rn(tl.max(amax1, 0), FP8_MAX), MIN_SCALE)
+            s = tl.where(m == 0, s1, 0.0)
+        else:
+            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                xt = _x_tile_t(x_ptr, m, m_ok, k, k < K, K, stride_x, SILU_MUL)
+                amax = tl.maximum(amax, tl.max(tl.abs(xt), 0))
+            s = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
     else:
         s = tl.load(xs_ptr + m, mask=m_ok, other=0.0)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -182,7 +193,10 @@ def fp8_swapab_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        if QUANT_X:
+        if QUANT_X and ONE_ROW:
+            q1 = tl.minimum(tl.maximum(tl.math.div_rn(_row_chunk(x_ptr, k, K, SILU_MUL), s1), -FP8_MAX), FP8_MAX)
+            xq = tl.where(m[None, :] == 0, q1[:, None], 0.0).to(w_ptr.dtype.element_ty)
+        elif QUANT_X:
             xt = _x_tile_t(x_ptr, m, m_ok, k, k_ok, K, stride_x, SILU_MUL)
             xq = tl.minimum(tl.maximum(tl.math.div_rn(xt, s[None, :]), -FP8_MAX), FP8_MAX).to(w_ptr.dtype.element_ty)
         else:
