@@ -264,7 +264,12 @@ def gemv_times() -> None:
         for k in ("bf16", "convert", "bits", "bits_wide", "swapab", "swapab_prequant"):
             if k in r:
                 r[f"{k}_TBps"] = N * Kd * (2 if k == "bf16" else 1) / r[f"{k}_us"] / 1e6
-        paths = {"convert": r["convert_us"], "bits": r["bits_us"], "swapab": r["swapab_us"]}
+        paths = {
+            "convert": r["convert_us"],
+            "bits": r["bits_us"],
+            "swapab": r["swapab_us"],
+            "swapab_q": r.get("swapab_prequant_us", nan),
+        }
         paths = {p: t for p, t in paths.items() if t == t}
         r["winner"] = min(paths, key=paths.get)
         r["winner_us"] = paths[r["winner"]]

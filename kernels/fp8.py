@@ -143,17 +143,26 @@ def gemv_w8a8() -> bool:
 
 
 # The one-row FP8 projection (decode at batch 1), per weight shape [N, K]:
-#   "convert": `gemv_kernel` W8A16, e4m3 widened to fp32 by conversion instructions
-#   "bits":    `gemv_kernel` W8A16, e4m3 widened by integer ops (W_BITS)
-#   "swapab":  `fp8_swapab_kernel` W8A8 on the tensor cores, the row quantized in the kernel
-# ONE_ROW_PATHS holds the H200 winners at the Llama-3-8B shapes (bench/gpu_fp8.py --gemv); other
-# shapes take DEFAULT_ONE_ROW_PATH. KVMESH_FP8_GEMV=<path> forces one path everywhere.
-ONE_ROW_PATHS: dict[tuple[int, int], str] = {}
+#   "convert":  `gemv_kernel` W8A16, e4m3 widened to fp32 by conversion instructions
+#   "bits":     `gemv_kernel` W8A16, e4m3 widened by integer ops (W_BITS)
+#   "swapab":   `fp8_swapab_kernel` W8A8 on the tensor cores, the row quantized inside the kernel
+#   "swapab_q": the row quantized by `fp8_quant_rows_kernel` first, then `fp8_swapab_kernel`
+# ONE_ROW_PATHS holds the H200 winners at the Llama-3-8B shapes (bench/gpu_fp8.py, one-row table,
+# bench/results/gpu_fp8_gemv.json): swapab_q on qkv (11.1 against 11.8 us) and gate_up (33.6
+# against 49.7 us), the conversion GEMV on o (7.6 against 9.7) and down (22.4 against 37.3); the
+# others lost everywhere. Other shapes take DEFAULT_ONE_ROW_PATH; KVMESH_FP8_GEMV=<path> forces one.
+ONE_ROW_PATHS: dict[tuple[int, int], str] = {(6144, 4096): "swapab_q", (28672, 4096): "swapab_q"}
 DEFAULT_ONE_ROW_PATH = "convert"
-ONE_ROW_CHOICES = ("convert", "bits", "swapab")
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of `fp8_swapab` per [N, K] (the sweep's winners)
-SWAPAB_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {}
-# `fp8_swapab` also takes 2..SWAPAB_MAX_ROWS rows (in place of quantization + ``torch._scaled_mm``)
+ONE_ROW_CHOICES = ("convert", "bits", "swapab", "swapab_q")
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of `fp8_swapab` per [N, K]: the sweep's winners on the H200
+SWAPAB_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (6144, 4096): (64, 512, 4, 3),
+    (4096, 4096): (64, 512, 4, 3),
+    (28672, 4096): (128, 256, 8, 3),
+    (4096, 14336): (128, 256, 8, 3),
+}
+# `fp8_swapab` also takes 2..SWAPAB_MAX_ROWS rows in place of quantization + ``torch._scaled_mm``:
+# 1, as at 16 rows it was slower at every 8B shape (bench/gpu_fp8.py)
 SWAPAB_MAX_ROWS = 1
 
 
@@ -168,14 +177,15 @@ def one_row_path(N: int, K: int) -> str:
 
 
 def fp8_swapab_config(N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
-    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)``: the tuned entry, else narrow tiles for shapes
-    with few output channels (enough programs for every SM) and 64-row tiles otherwise."""
+    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)``: the tuned entry, else what won the H200 sweep
+    (128-row tiles, 8 warps, for outputs that still give every SM a few programs; 64 x 512 else)."""
     if (N, K) in SWAPAB_CONFIGS:
         return SWAPAB_CONFIGS[(N, K)]
     from ._dispatch import num_sms
 
-    bn = 64 if N >= 64 * 2 * num_sms(device) else (32 if N >= 32 * num_sms(device) else 16)
-    return bn, min(256, max(32, p2(K))), 4, 3
+    if N >= 128 * num_sms(device):
+        return 128, min(256, max(32, p2(K))), 8, 3
+    return 64, min(512, max(32, p2(K))), 4, 3
 
 
 def fp8_swapab(

@@ -160,6 +160,9 @@ def _fp8_linear(fn: str, x, w: Fp8Weight, bias, silu_mul: bool, config) -> torch
         path = one_row_path(N, K)
         if path == "swapab":
             return fp8_swapab(x, w, bias, silu_mul, config)
+        if path == "swapab_q":
+            xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul)
+            return fp8_swapab(xq, w, bias, False, config, x_scale=xs, out_dtype=x.dtype)
         cfg = config or fp8_gemv_config(N, K, x.device)
         if not gemv_w8a8():
             return _gemv(x, w.weight, bias, silu_mul, cfg, w_scale=w.scale, w_bits=path == "bits")

@@ -192,11 +192,12 @@ def test_fp8_swapab(gen, dtype, m, n, k, bias):
         fp8.fp8_swapab(xq, w, None)
 
 
-@pytest.mark.parametrize("path", ["bits", "swapab"])
+@pytest.mark.parametrize("path", ["bits", "swapab", "swapab_q"])
 def test_fp8_one_row_paths(gen, path, monkeypatch):
     """KVMESH_FP8_GEMV picks the one-row kernel: integer widening (exact on denormal e4m3 weights:
     a row whose outlier pushes the rest below 2^-6) equals the GEMV with conversions; the swapped
-    product equals W8A8; an unknown name is a clear error."""
+    product (row quantized in the kernel or by the quantization kernel first) equals W8A8; an
+    unknown name is a clear error."""
     w = weight(gen, 40, 96)
     wt = w.weight.clone()
     wt[3] = (torch.randn(96, generator=gen) * 0.01).to(torch.float8_e4m3fn)  # denormals among them
