@@ -218,6 +218,7 @@ def fp8_swapab(
     if backend(x) == "reference":
         if quant:
             x, x_scale = _ref.fp8_quantize_rows_reference(_ref.silu_and_mul_reference(x) if silu_mul else x)
+        assert x_scale is not None
         return _ref.fp8_scaled_mm_reference(x, x_scale, w.weight, w.scale, bias, out_dtype)
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
