@@ -22,6 +22,10 @@ Needs the kvmesh package installed (docs/gpu.md) and one CUDA GPU (FP8 tensor co
 5. Offline throughput, 1,024 -> 128 per prompt, ``--prompts`` of them per configuration, cut by
    the budget (``--prompts 0``: none).
 
+3b. The one-row FP8 kernels (kernels/fp8.py ``one_row_path``) at M = 1 against the bf16 GEMV,
+   with a sweep of the swapped-operand product's tiles, weight TB/s and 32-layer sums; the fastest
+   per shape is what the engine run then uses (``--skip kernels``: only these). M = 16 too.
+
 Prints a table last; writes ``gpu_fp8.json`` under ``$OUT`` (or the cwd).
 """
 
@@ -181,6 +185,118 @@ def kernel_times() -> None:
     log("projections per step (32 layers)", steps)
 
 
+# --------------------------------------------------------------------------- 3b. one-row kernels (--gemv)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) swept for `fp8_swapab`
+SWAPAB_SWEEP = [
+    (16, 256, 4, 4),
+    (16, 512, 4, 3),
+    (32, 256, 4, 4),
+    (32, 512, 4, 3),
+    (64, 256, 4, 4),
+    (64, 512, 4, 3),
+    (64, 128, 4, 6),
+    (128, 256, 8, 3),
+]
+
+
+def _timed(fns: list) -> float:
+    """`graph_us`, NaN (and the error recorded) if the kernel fails to build or run."""
+    try:
+        return graph_us(fns)
+    except Exception as e:
+        R.setdefault("errors", {}).setdefault("gemv", []).append(repr(e)[:300])
+        return float("nan")
+
+
+def _timed_path(path: str, fns: list) -> float:
+    """`_timed` with ``KVMESH_FP8_GEMV=path`` (the one-row kernel forced)."""
+    os.environ["KVMESH_FP8_GEMV"] = path
+    try:
+        return _timed(fns)
+    finally:
+        os.environ.pop("KVMESH_FP8_GEMV")
+
+
+def gemv_times() -> None:
+    """The one-row FP8 kernels at the four Llama-3-8B projections, M = 1 (and M = 16): the bf16
+    GEMV, the FP8 GEMV with conversions, with integer widening (its configuration and chunks twice
+    as wide), the swapped-operand W8A8 product (the sweep; the best one also after a separate
+    quantization launch); CUDA-graph timed over enough weight copies to flush L2. Weight TB/s and
+    the 32-layer sums; the fastest path per shape becomes kernels.fp8's choice for the engine run."""
+    nan = float("nan")
+    rows = []
+    g = torch.Generator(device=DEV).manual_seed(2)
+    for name, N, Kd in SHAPES:
+        silu = name == "down"
+        n_copies = max(2, -(-(256 << 20) // (N * Kd)))
+        wb = [(torch.randn(N, Kd, generator=g, device=DEV) / Kd**0.5).bfloat16() for _ in range(n_copies)]
+        wf = [K.quantize_weight(w) for w in wb]
+        lin = K.silu_mul_linear if silu else K.linear
+        x = torch.randn(1, 2 * Kd if silu else Kd, generator=g, device=DEV).bfloat16()
+        r: dict = dict(name=name, N=N, K=Kd, M=1)
+        r["bf16_us"] = _timed([partial(lin, x, w) for w in wb])
+        r["convert_us"] = _timed_path("convert", [partial(lin, x, w) for w in wf])
+        bn, bk, warps, stages = gemv_config(N, Kd, x.device)
+        wide = (bn, min(2 * bk, p2(Kd)), warps, stages)
+        r["bits_us"] = _timed_path("bits", [partial(lin, x, w) for w in wf])
+        r["bits_wide_us"] = _timed_path("bits", [partial(lin, x, w, config=wide) for w in wf])
+        sweep = {}
+        for cfg in SWAPAB_SWEEP:
+            sweep[str(cfg)] = _timed([partial(kfp8.fp8_swapab, x, w, None, silu, cfg) for w in wf])
+        r["swapab_sweep_us"] = sweep
+        ok = {c: t for c, t in sweep.items() if t == t}
+        best = min(ok, key=ok.get) if ok else None
+        r["swapab_cfg"] = best
+        r["swapab_us"] = ok[best] if best else nan
+        if best:
+            cfg = tuple(int(v) for v in best.strip("()").split(","))
+
+            def prequant(w, cfg=cfg, x=x, silu=silu):
+                xq, xs = K.fp8_quantize_rows(x, silu_mul=silu)
+                return kfp8.fp8_swapab(xq, w, None, config=cfg, x_scale=xs, out_dtype=x.dtype)
+
+            r["swapab_prequant_us"] = _timed([partial(prequant, w) for w in wf])
+            # 16 rows: the swapped product against quantization + torch._scaled_mm and bf16 cuBLAS
+            x16 = torch.randn(16, x.shape[1], generator=g, device=DEV).bfloat16()
+            r["m16_bf16_us"] = _timed([partial(lin, x16, w) for w in wb])
+            r["m16_scaled_mm_us"] = _timed([partial(lin, x16, w) for w in wf])
+            r["m16_swapab_us"] = _timed([partial(kfp8.fp8_swapab, x16, w, None, silu, cfg) for w in wf])
+        for k in ("bf16", "convert", "bits", "bits_wide", "swapab", "swapab_prequant"):
+            if k in r:
+                r[f"{k}_TBps"] = N * Kd * (2 if k == "bf16" else 1) / r[f"{k}_us"] / 1e6
+        paths = {
+            "convert": r["convert_us"],
+            "bits": r["bits_us"],
+            "swapab": r["swapab_us"],
+            "swapab_q": r.get("swapab_prequant_us", nan),
+        }
+        paths = {p: t for p, t in paths.items() if t == t}
+        r["winner"] = min(paths, key=paths.get)
+        r["winner_us"] = paths[r["winner"]]
+        r["speedup_vs_bf16"] = r["bf16_us"] / r["winner_us"]
+        r["winner_frac_copy"] = N * Kd / r["winner_us"] / 1e6 / R["copy_TBps"]
+        rows.append(r)
+        log("gemv", r)
+        kfp8.ONE_ROW_PATHS[(N, Kd)] = r["winner"]
+        if best:
+            kfp8.SWAPAB_CONFIGS[(N, Kd)] = cfg
+        del wb, wf
+        torch.cuda.empty_cache()
+    R["gemv"] = rows
+    sums = {}
+    for k in ("bf16", "convert", "bits", "bits_wide", "swapab", "swapab_prequant", "winner"):
+        sums[f"{k}_ms"] = sum(r.get(f"{k}_us", nan) for r in rows) * LAYERS / 1e3
+    fp8_bytes = sum(r["N"] * r["K"] for r in rows) * LAYERS
+    sums["fp8_roofline_ms"] = fp8_bytes / (R["copy_TBps"] * 1e12) * 1e3
+    sums["bf16_roofline_ms"] = 2 * sums["fp8_roofline_ms"]
+    sums["winner_speedup_vs_bf16"] = sums["bf16_ms"] / sums["winner_ms"]
+    sums["winner_frac_fp8_roofline"] = sums["fp8_roofline_ms"] / sums["winner_ms"]
+    R["gemv_32_layers"] = sums
+    R["one_row_paths"] = {f"{n}x{k}": p for (n, k), p in kfp8.ONE_ROW_PATHS.items()}
+    R["swapab_configs"] = {f"{n}x{k}": c for (n, k), c in kfp8.SWAPAB_CONFIGS.items()}
+    log("gemv 32 layers", sums)
+
+
 # --------------------------------------------------------------------------- 4. engine
 def decode_rows(eng, config: str, bw: float, args) -> None:
     eng.multi_steps, eng.async_scheduling = 1, True
@@ -274,6 +390,27 @@ def table() -> str:
                 f"projections per step M={s['M']}: bf16 {s['bf16_ms']:.3f} ms, fp8 {s['fp8_ms']:.3f} ms, "
                 f"x{s['speedup']:.2f}"
             )
+    if R.get("gemv"):
+        out.append(
+            "\none row   | bf16 us | convert us | bits us | bits 2x us | swapab us (cfg) | swapab+quant us |"
+            " winner TB/s | x bf16 || M=16: bf16 | quant+_scaled_mm | swapab us"
+        )
+        for r in R["gemv"]:
+            out.append(
+                f"{r['name']:>9} | {r['bf16_us']:7.1f} | {r['convert_us']:10.1f} | {r['bits_us']:7.1f} | "
+                f"{r['bits_wide_us']:10.1f} | {r['swapab_us']:6.1f} {r['swapab_cfg']} | "
+                f"{r.get('swapab_prequant_us', float('nan')):15.1f} | {r['winner']} "
+                f"{r['N'] * r['K'] / r['winner_us'] / 1e6:.2f} | {r['speedup_vs_bf16']:.2f} || "
+                f"{r.get('m16_bf16_us', float('nan')):.1f} | {r.get('m16_scaled_mm_us', float('nan')):.1f} | "
+                f"{r.get('m16_swapab_us', float('nan')):.1f}"
+            )
+        s = R["gemv_32_layers"]
+        out.append(
+            "32 layers (ms): "
+            + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in s.items() if k.endswith("_ms"))
+            + f"; winner x{s['winner_speedup_vs_bf16']:.2f} of bf16, {s['winner_frac_fp8_roofline']:.2f} of the FP8"
+            " roofline"
+        )
     if R.get("decode"):
         out.append("\nconfig         B | decode tok/s | roofline tok/s | frac | GPU-only tok/s | step GB")
         for r in R["decode"]:
@@ -298,7 +435,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=1000, help="offline prompts per configuration (0: none)")
     ap.add_argument("--throughput-s", type=float, default=40.0, help="longest offline run per configuration")
     ap.add_argument("--budget-s", type=float, default=230.0, help="whole-run deadline")
-    ap.add_argument("--skip", default="", help="comma list of: checks,kernels,engine")
+    ap.add_argument("--skip", default="", help="comma list of: checks,kernels,gemv,engine")
     ap.add_argument("--json", default="gpu_fp8.json")
     args = ap.parse_args()
     import triton
@@ -332,6 +469,8 @@ def main() -> int:
     R["copy_TBps"] = bw / 1e12
     if "kernels" not in skip:
         stage("kernels", kernel_times)
+    if "gemv" not in skip:
+        stage("gemv", gemv_times)
     if "engine" not in skip:
         stage("engine", lambda: engines(args, bw))
     with open(os.path.join(os.environ.get("OUT", "."), args.json), "w") as f:

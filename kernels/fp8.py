@@ -142,6 +142,119 @@ def gemv_w8a8() -> bool:
     return os.environ.get("KVMESH_FP8_GEMV_W8A8", "0") not in ("", "0")
 
 
+# The one-row FP8 projection (decode at batch 1), per weight shape [N, K]:
+#   "convert":  `gemv_kernel` W8A16, e4m3 widened to fp32 by conversion instructions
+#   "bits":     `gemv_kernel` W8A16, e4m3 widened by integer ops (W_BITS)
+#   "swapab":   `fp8_swapab_kernel` W8A8 on the tensor cores, the row quantized inside the kernel
+#   "swapab_q": the row quantized by `fp8_quant_rows_kernel` first, then `fp8_swapab_kernel`
+# ONE_ROW_PATHS holds the H200 winners at the Llama-3-8B shapes (bench/gpu_fp8.py, one-row table,
+# bench/results/gpu_fp8_gemv.json): swapab_q on qkv (11.1 against 11.8 us) and gate_up (33.6
+# against 49.7 us), the conversion GEMV on o (7.6 against 9.7) and down (22.4 against 37.3); the
+# others lost everywhere. Other shapes take DEFAULT_ONE_ROW_PATH; KVMESH_FP8_GEMV=<path> forces one.
+ONE_ROW_PATHS: dict[tuple[int, int], str] = {(6144, 4096): "swapab_q", (28672, 4096): "swapab_q"}
+DEFAULT_ONE_ROW_PATH = "convert"
+ONE_ROW_CHOICES = ("convert", "bits", "swapab", "swapab_q")
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of `fp8_swapab` per [N, K]: the sweep's winners on the H200
+SWAPAB_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (6144, 4096): (64, 512, 4, 3),
+    (4096, 4096): (64, 512, 4, 3),
+    (28672, 4096): (128, 256, 8, 3),
+    (4096, 14336): (128, 256, 8, 3),
+}
+# `fp8_swapab` also takes 2..SWAPAB_MAX_ROWS rows in place of quantization + ``torch._scaled_mm``:
+# 1, as at 16 rows it was slower at every 8B shape (bench/gpu_fp8.py)
+SWAPAB_MAX_ROWS = 1
+
+
+def one_row_path(N: int, K: int) -> str:
+    """Which one-row FP8 kernel an ``N x K`` weight takes (``KVMESH_FP8_GEMV`` read per call)."""
+    forced = os.environ.get("KVMESH_FP8_GEMV", "")
+    if forced:
+        if forced not in ONE_ROW_CHOICES:
+            fail("KVMESH_FP8_GEMV", f"must be one of {', '.join(ONE_ROW_CHOICES)}, got {forced!r}")
+        return forced
+    return ONE_ROW_PATHS.get((N, K), DEFAULT_ONE_ROW_PATH)
+
+
+def fp8_swapab_config(N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)``: the tuned entry, else what won the H200 sweep
+    (128-row tiles, 8 warps, for outputs that still give every SM a few programs; 64 x 512 else)."""
+    if (N, K) in SWAPAB_CONFIGS:
+        return SWAPAB_CONFIGS[(N, K)]
+    from ._dispatch import num_sms
+
+    if N >= 128 * num_sms(device):
+        return 128, min(256, max(32, p2(K))), 8, 3
+    return 64, min(512, max(32, p2(K))), 4, 3
+
+
+def fp8_swapab(
+    x: torch.Tensor,
+    w: Fp8Weight,
+    bias: torch.Tensor | None,
+    silu_mul: bool = False,
+    config: tuple[int, int, int, int] | None = None,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """W8A8 for at most 16 rows with swapped operands (`fp8_swapab_kernel`): ``x`` float (quantized
+    per token inside the kernel, of ``silu_and_mul(x)`` with ``silu_mul``), or already e4m3 with its
+    per-token ``x_scale``; output ``out_dtype`` (default: a float ``x``'s dtype, else bf16)."""
+    fn = "fp8_swapab"
+    check_dim(fn, "x", x, 2)
+    quant = x.dtype != FP8
+    if not quant and (x_scale is None or silu_mul):
+        fail(fn, "an e4m3 x needs its x_scale (and cannot take silu_mul)")
+    M = x.shape[0]
+    N, K = w.shape
+    if M > 16:
+        fail(fn, f"takes at most 16 rows, got {M}")
+    out_dtype = out_dtype or (x.dtype if quant else torch.bfloat16)
+    if x.shape[1] != K * (2 if silu_mul else 1):
+        fail(fn, f"x {tuple(x.shape)} does not match weight {tuple(w.shape)}")
+    if quant and w.input_scale is not None:  # a static activation scale: the quantization kernel applies it
+        x, x_scale = fp8_quantize_rows(x, w.input_scale, silu_mul)
+        return fp8_swapab(x, w, bias, False, config, x_scale, out_dtype)
+    if backend(x) == "reference":
+        if quant:
+            x, x_scale = _ref.fp8_quantize_rows_reference(_ref.silu_and_mul_reference(x) if silu_mul else x)
+        assert x_scale is not None
+        return _ref.fp8_scaled_mm_reference(x, x_scale, w.weight, w.scale, bias, out_dtype)
+    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    bn, bk, warps, stages = config or fp8_swapab_config(N, K, x.device)
+    _dispatch.kernels_for(x).fp8_swapab_kernel[(-(-N // bn),)](
+        x,
+        x_scale if x_scale is not None else y,
+        w.weight,
+        w.scale,
+        bias if bias is not None else y,
+        y,
+        M,
+        N,
+        K,
+        x.stride(0),
+        HAS_BIAS=bias is not None,
+        QUANT_X=quant,
+        SILU_MUL=silu_mul,
+        FP8_MAX=FP8_MAX,
+        MIN_SCALE=FP8_MIN_SCALE,
+        BLOCK_M=16,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        ONE_ROW=quant and M == 1,
+        num_warps=warps,
+        num_stages=stages,
+        **pdl(x, M),
+    )
+    return y
+
+
 def _scaled_mm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
     """``torch._scaled_mm`` with row-wise scales: CUDA, bf16 output, K and N multiples of 16."""
     N, K = w.shape

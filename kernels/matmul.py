@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _dispatch
+from . import fp8 as _fp8
 from . import reference as _ref
 from ._checks import FLOATS, check_device, check_dim, check_dtype, fail
 from ._dispatch import backend, cdiv, num_sms, p2, pdl
@@ -21,7 +22,9 @@ from .fp8 import (
     fp8_gemv_config,
     fp8_matmul,
     fp8_quantize_rows,
+    fp8_swapab,
     gemv_w8a8,
+    one_row_path,
 )
 
 
@@ -49,9 +52,12 @@ def gemv_config(N: int, K: int, device: torch.device) -> tuple[int, int, int, in
     return 4, min(512, p2(K)), 4, 1
 
 
-def _gemv(x, weight, bias, silu_mul: bool, config=None, w_scale=None, x_scale=None, out_dtype=None) -> torch.Tensor:
+def _gemv(
+    x, weight, bias, silu_mul: bool, config=None, w_scale=None, x_scale=None, out_dtype=None, w_bits=False
+) -> torch.Tensor:
     """One-row GEMV; ``w_scale`` (per output channel) for an e4m3 weight, ``x_scale`` (one
-    value) for an e4m3 input row (then ``out_dtype`` is the output's)."""
+    value) for an e4m3 input row (then ``out_dtype`` is the output's); ``w_bits``: widen the e4m3
+    weight by integer ops (the kernel's W_BITS)."""
     N, K = weight.shape
     y = torch.empty((1, N), dtype=out_dtype or x.dtype, device=x.device)
     if N == 0:
@@ -62,7 +68,7 @@ def _gemv(x, weight, bias, silu_mul: bool, config=None, w_scale=None, x_scale=No
     bk = min(bk, p2(K))
     _dispatch.kernels_for(x).gemv_kernel[(cdiv(N, bn),)](
         x,
-        weight,
+        weight.view(torch.uint8) if w_bits else weight,
         bias if bias is not None else y,
         y,
         w_scale if w_scale is not None else y,
@@ -80,6 +86,7 @@ def _gemv(x, weight, bias, silu_mul: bool, config=None, w_scale=None, x_scale=No
         num_stages=stages,
         W_SCALE=w_scale is not None,
         X_SCALE=x_scale is not None,
+        W_BITS=w_bits,
         **pdl(x, 1),
     )
     return y
@@ -138,19 +145,31 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, config=No
 
 
 def _fp8_linear(fn: str, x, w: Fp8Weight, bias, silu_mul: bool, config) -> torch.Tensor:
-    """An e4m3 weight: the upcasting W8A8 reference on the CPU; on a device the one-row GEMV at
-    M = 1 (W8A16, or W8A8 with ``KVMESH_FP8_GEMV_W8A8=1``), per-token quantization and
-    ``torch._scaled_mm`` otherwise."""
+    """An e4m3 weight: the upcasting W8A8 reference on the CPU; on a device at M = 1 the shape's
+    one-row kernel (`one_row_path`: the swapped-operand W8A8 product on the tensor cores, or the
+    GEMV W8A16 with conversions or integer widening; ``KVMESH_FP8_GEMV_W8A8=1`` quantizes the
+    GEMV's row), per-token quantization and ``torch._scaled_mm`` otherwise (or the swapped
+    product up to ``SWAPAB_MAX_ROWS`` rows). ``config`` is the chosen kernel's."""
     check_fp8_linear(fn, x, w, bias, 2 if silu_mul else 1)
     if backend(x) == "reference":
         return _ref.fp8_linear_reference(
             _ref.silu_and_mul_reference(x) if silu_mul else x, w.weight, w.scale, bias, w.input_scale
         )
     N, K = w.shape
-    cfg = config or fp8_gemv_config(N, K, x.device)
     if fp8_gemv_applies(x, bias):
+        path = one_row_path(N, K)
+        if path == "swapab":
+            return fp8_swapab(x, w, bias, silu_mul, config)
+        if path == "swapab_q":
+            xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul)
+            return fp8_swapab(xq, w, bias, False, config, x_scale=xs, out_dtype=x.dtype)
+        cfg = config or fp8_gemv_config(N, K, x.device)
         if not gemv_w8a8():
-            return _gemv(x, w.weight, bias, silu_mul, cfg, w_scale=w.scale)
+            return _gemv(x, w.weight, bias, silu_mul, cfg, w_scale=w.scale, w_bits=path == "bits")
         xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul)
-        return _gemv(xq, w.weight, bias, False, cfg, w_scale=w.scale, x_scale=xs, out_dtype=x.dtype)
+        return _gemv(
+            xq, w.weight, bias, False, cfg, w_scale=w.scale, x_scale=xs, out_dtype=x.dtype, w_bits=path == "bits"
+        )
+    if 1 < x.shape[0] <= _fp8.SWAPAB_MAX_ROWS and (bias is None or bias.is_contiguous()):
+        return fp8_swapab(x, w, bias, silu_mul, config)
     return fp8_matmul(x, w, bias, silu_mul)

@@ -642,7 +642,8 @@ def check_fp8(gen):
     reference bit for bit (one-pass rows, two-pass rows beyond 16,384 columns, the fused
     silu_and_mul against the unfused pair); the one-row GEMV on e4m3 weights (W8A16; W8A8 with
     ``KVMESH_FP8_GEMV_W8A8=1``) against a float64 product of the same quantized operands; more rows
-    (``torch._scaled_mm`` on a GPU, and the Triton W8A8 GEMM) against `fp8_linear_reference`. Bound 8e-3 (bf16 output
+    (``torch._scaled_mm`` on a GPU, the Triton W8A8 GEMM and the swapped-operand product `fp8_swapab`;
+    the GEMV widening by integer ops, KVMESH_FP8_GEMV=bits) against `fp8_linear_reference`. Bound 8e-3 (bf16 output
     rounding plus summation order). Llama-3-8B shapes on a GPU, small ones in the interpreter."""
     big = DEV == "cuda"
     shapes = [(6144, 4096), (4096, 14336), (28672, 4096)] if big else [(96, 128), (40, 96)]
@@ -681,3 +682,21 @@ def check_fp8(gen):
         xq, xs = K.fp8_quantize_rows(xm)
         y = fp8.fp8_gemm(xq, xs, w, None, torch.bfloat16)
         record(f"fp8 Triton gemm 37x{k} -> {n}", rel_err(y, ref), 8e-3)
+        # the other one-row kernels (KVMESH_FP8_GEMV): integer widening, and the swapped-operand
+        # W8A8 product (one row and 16, fused silu_mul), against the W8A8 reference
+        if big:
+            os.environ["KVMESH_FP8_GEMV"] = "bits"
+            try:
+                record(f"fp8 gemv bits {n}x{k}", rel_err(K.linear(x1, w), x1.double() @ wd.T), 8e-3)
+                refg1 = K.silu_and_mul(g1).double() @ wd.T
+                record(f"fp8 silu_mul gemv bits {n}x{k}", rel_err(K.silu_mul_linear(g1, w), refg1), 8e-3)
+            finally:
+                os.environ.pop("KVMESH_FP8_GEMV")
+        x16 = xm[:16]
+        ref16 = K.fp8_linear_reference(x16.float(), w.weight, w.scale)
+        record(f"fp8 swapab 16x{k} -> {n}", rel_err(fp8.fp8_swapab(x16, w, None), ref16), 8e-3)
+        ref1 = K.fp8_linear_reference(x1.float(), w.weight, w.scale)
+        record(f"fp8 swapab 1x{k} -> {n}", rel_err(fp8.fp8_swapab(x1, w, None), ref1), 8e-3)
+        gu1 = torch.randn(1, 2 * k, device=DEV, generator=gen).to(torch.bfloat16)
+        refg = K.fp8_linear_reference(K.silu_and_mul(gu1).float(), w.weight, w.scale)
+        record(f"fp8 swapab silu_mul 1x{k} -> {n}", rel_err(fp8.fp8_swapab(gu1, w, None, silu_mul=True), refg), 8e-3)

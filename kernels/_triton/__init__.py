@@ -5,7 +5,7 @@ kernel through this package."""
 from .attention import paged_attention_kernel, paged_decode_tma_kernel, reduce_segments_kernel
 from .cache import block_copy_kernel, rope_write_kv_kernel, write_kv_kernel
 from .elementwise import rms_norm_kernel, rope_kernel, silu_and_mul_kernel
-from .fp8 import fp8_gemm_kernel, fp8_quant_rows_kernel
+from .fp8 import fp8_gemm_kernel, fp8_quant_rows_kernel, fp8_swapab_kernel
 from .gemv import gemv_kernel
 from .moe import fused_moe_kernel
 from .sampling import (
@@ -22,6 +22,7 @@ __all__ = [
     "fused_moe_kernel",
     "fp8_gemm_kernel",
     "fp8_quant_rows_kernel",
+    "fp8_swapab_kernel",
     "gemv_kernel",
     "paged_attention_kernel",
     "paged_decode_tma_kernel",

@@ -112,3 +112,100 @@ def fp8_gemm_kernel(
         y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _x_tile_t(x_ptr, m, m_ok, k, k_ok, K, stride_x, SILU_MUL: tl.constexpr):
+    """Rows ``m`` of the input at columns ``k``, transposed (``[BLOCK_K, BLOCK_M]``), in fp32; with
+    SILU_MUL the rows are gate|up and the tile is ``silu(gate) * up`` rounded like `silu_and_mul`."""
+    ptrs = x_ptr + m.to(tl.int64)[None, :] * stride_x + k[:, None]
+    ok = k_ok[:, None] & m_ok[None, :]
+    if SILU_MUL:
+        g = tl.load(ptrs, mask=ok, other=0.0)
+        u = tl.load(ptrs + K, mask=ok, other=0.0)
+        return silu_mul(g, u, x_ptr).to(tl.float32)
+    return tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+
+
+@jit_unspecialized("M")
+def fp8_swapab_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_x,
+    HAS_BIAS: tl.constexpr,
+    QUANT_X: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ONE_ROW: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+):
+    """``y = (xq @ wq.T) * xs[:, None] * ws[None, :] (+ b)`` for a few rows (M <= BLOCK_M = 16):
+    the swapped-operand W8A8 product ``y.T [N, M] = wq [N, K] @ xq.T [K, M]``. The weight is the
+    tensor cores' wide operand and the rows (padded to 16 by masked loads) the narrow one, so e4m3
+    weight bytes go from memory into the MMA with no per-element conversion on the CUDA cores:
+    what bounds the one-row FP8 GEMV (`gemv_kernel` widens every e4m3 weight to fp32). One
+    program per BLOCK_N output channels, the whole K.
+
+    QUANT_X: ``x`` is the float input and each program quantizes it per token itself, exactly as
+    `fp8_quant_rows_kernel` does (amax pass over the row, then IEEE-rounded divisions, clamp,
+    round to nearest): the same codes, no quantization launch; the input is a few KiB read from L2
+    by every program. Otherwise ``x`` is already e4m3 with its scales in ``xs``. SILU_MUL (with
+    QUANT_X): ``x`` is gate|up and ``silu(gate) * up`` is formed on the fly (the down projection).
+    ONE_ROW (M = 1, with QUANT_X): the row is quantized as a vector and placed in column 0 of the
+    padded tile, so the divisions and the SiLU run once per element, not for 15 padding rows."""
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    rows = w_ptr + n.to(tl.int64)[:, None] * K
+    grid_dependency(PDL)
+    if QUANT_X:
+        if ONE_ROW:  # one row: its amax, quantized as a vector, then placed in column 0 of the tile
+            amax1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                amax1 = tl.maximum(amax1, tl.abs(_row_chunk(x_ptr, k, K, SILU_MUL)))
+            s1 = tl.maximum(tl.math.div_rn(tl.max(amax1, 0), FP8_MAX), MIN_SCALE)
+            s = tl.where(m == 0, s1, 0.0)
+        else:
+            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                xt = _x_tile_t(x_ptr, m, m_ok, k, k < K, K, stride_x, SILU_MUL)
+                amax = tl.maximum(amax, tl.max(tl.abs(xt), 0))
+            s = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
+    else:
+        s = tl.load(xs_ptr + m, mask=m_ok, other=0.0)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        if QUANT_X and ONE_ROW:
+            q1 = tl.minimum(tl.maximum(tl.math.div_rn(_row_chunk(x_ptr, k, K, SILU_MUL), s1), -FP8_MAX), FP8_MAX)
+            xq = tl.where(m[None, :] == 0, q1[:, None], 0.0).to(w_ptr.dtype.element_ty)
+        elif QUANT_X:
+            xt = _x_tile_t(x_ptr, m, m_ok, k, k_ok, K, stride_x, SILU_MUL)
+            xq = tl.minimum(tl.maximum(tl.math.div_rn(xt, s[None, :]), -FP8_MAX), FP8_MAX).to(w_ptr.dtype.element_ty)
+        else:
+            xq = tl.load(
+                x_ptr + m.to(tl.int64)[None, :] * stride_x + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0
+            )
+        acc = tl.dot(w, xq, acc)
+    y = acc * s[None, :] * tl.load(ws_ptr + n, mask=n_ok, other=0.0)[:, None]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    out = y_ptr + m.to(tl.int64)[None, :] * N + n[:, None]
+    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])

@@ -23,6 +23,18 @@ def _gemv_w(rows, n_ok, k, k_ok, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _widen(w, W_BITS: tl.constexpr):
+    """A weight tile in fp32. W_BITS: ``w`` holds e4m3 bytes (as uint8) and becomes fp32 by integer
+    ops instead of conversions: sign to bit 31, exponent and mantissa (7 bits) to bits 20-26, which
+    is the e4m3 value times 2^-120 exactly, normals and denormals alike (the caller scales the
+    input by 2^64 and the sum by 2^56)."""
+    if W_BITS:
+        b = w.to(tl.uint32)
+        return (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
+    return w.to(tl.float32)
+
+
+@triton.jit
 def _gemv_x(x_ptr, k, k_ok, K, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
     """The input chunk at ``k`` in fp32; with SILU_MUL ``silu(gate) * up`` rounded like `silu_and_mul`."""
     if SILU_MUL:
@@ -61,6 +73,7 @@ def gemv_kernel(
     PDL: tl.constexpr = False,
     W_SCALE: tl.constexpr = False,
     X_SCALE: tl.constexpr = False,
+    W_BITS: tl.constexpr = False,
 ):
     """``y = w @ x (+ b)`` for ONE input row: the decode step at batch 1, where every
     projection is a matrix-vector product bound by reading the weights once.
@@ -79,7 +92,8 @@ def gemv_kernel(
     they arrive; W_SCALE multiplies each output row by its per-channel scale ``ws[n]`` once at
     the end. X_SCALE takes an e4m3 input row with its per-token scale ``xs[0]`` (W8A8); without it
     the input stays in its own dtype (W8A16: no quantization error on the activation side, and
-    no extra launch to quantize it)."""
+    no extra launch to quantize it). W_BITS: the e4m3 weight comes as its bytes and is widened by
+    integer ops (`_widen`), not by the conversion instructions that bound the e4m3 stream."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -88,13 +102,18 @@ def gemv_kernel(
     k_ok = k < K
     w = _gemv_w(rows, n_ok, k, k_ok, EVEN_N, EVEN_K)
     grid_dependency(PDL)
-    acc = w.to(tl.float32) * _gemv_x(x_ptr, k, k_ok, K, SILU_MUL, EVEN_K)[None, :]
+    xb = 1.0
+    if W_BITS:
+        xb = 18446744073709551616.0  # 2^64: see _widen
+    acc = _widen(w, W_BITS) * (_gemv_x(x_ptr, k, k_ok, K, SILU_MUL, EVEN_K) * xb)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         w = _gemv_w(rows, n_ok, k, k_ok, EVEN_N, EVEN_K)
-        acc += w.to(tl.float32) * _gemv_x(x_ptr, k, k_ok, K, SILU_MUL, EVEN_K)[None, :]
+        acc += _widen(w, W_BITS) * (_gemv_x(x_ptr, k, k_ok, K, SILU_MUL, EVEN_K) * xb)[None, :]
     y = tl.sum(acc, 1)
+    if W_BITS:
+        y = y * 72057594037927936.0  # 2^56: with the input's 2^64, undoes _widen's 2^-120
     if X_SCALE:
         y = y * tl.load(xs_ptr)
     if W_SCALE:

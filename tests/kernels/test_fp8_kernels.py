@@ -165,3 +165,56 @@ def test_fp8_gemm_triton(gen, dtype, m, n, k, bias, monkeypatch):
     if m > 1:  # one row takes the GEMV (W8A16) whatever the GEMM
         monkeypatch.setenv("KVMESH_FP8_GEMM", "triton")
         assert rel_err(K.linear(x, w, b), ref) < GEMV_BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,bias", [(1, 70, 300, True), (5, 48, 64, False), (16, 40, 96, False)])
+def test_fp8_swapab(gen, dtype, m, n, k, bias):
+    """The swapped-operand W8A8 product (`fp8_swapab`): the row quantized inside the kernel, plain
+    and of a gate|up row (silu_mul), and an already quantized row; against the float64 product of
+    the operands `fp8_quantize_rows` makes (the in-kernel quantization is the same rule)."""
+    w = weight(gen, n, k)
+    x = torch.randn(m, k, generator=gen).to(dtype) * torch.logspace(-2, 2, m)[:, None].to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    xq, xs = K.fp8_quantize_rows(x)
+    ref = ref64(xq, w) * xs.double()[:, None]
+    ref = ref if b is None else ref + b.double()
+    for y in (fp8.fp8_swapab(x, w, b, config=(16, 32, 4, 1)), fp8.fp8_swapab(xq, w, b, x_scale=xs, out_dtype=dtype)):
+        assert y.dtype == dtype and y.shape == (m, n)
+        assert rel_err(y, ref) < GEMV_BOUND[dtype]
+    gu = torch.randn(m, 2 * k, generator=gen).to(dtype)
+    gq, gs = K.fp8_quantize_rows(gu, silu_mul=True)
+    y = fp8.fp8_swapab(gu, w, None, silu_mul=True, config=(32, 64, 4, 1))
+    assert rel_err(y, ref64(gq, w) * gs.double()[:, None]) < GEMV_BOUND[dtype]
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        fp8.fp8_swapab(torch.randn(17, k), w, None)
+    with pytest.raises(ValueError, match="x_scale"):
+        fp8.fp8_swapab(xq, w, None)
+
+
+@pytest.mark.parametrize("path", ["bits", "swapab", "swapab_q"])
+def test_fp8_one_row_paths(gen, path, monkeypatch):
+    """KVMESH_FP8_GEMV picks the one-row kernel: integer widening (exact on denormal e4m3 weights:
+    a row whose outlier pushes the rest below 2^-6) equals the GEMV with conversions; the swapped
+    product (row quantized in the kernel or by the quantization kernel first) equals W8A8; an
+    unknown name is a clear error."""
+    w = weight(gen, 40, 96)
+    wt = w.weight.clone()
+    wt[3] = (torch.randn(96, generator=gen) * 0.01).to(torch.float8_e4m3fn)  # denormals among them
+    w = fp8.Fp8Weight(wt, w.scale)
+    assert (w.weight[3].view(torch.uint8) & 0x78 == 0).sum() > 10
+    x = torch.randn(1, 96, generator=gen)
+    g = torch.randn(1, 192, generator=gen)
+    base = (K.linear(x, w, config=(8, 32, 4, 1)), K.silu_mul_linear(g, w, config=(8, 32, 4, 1)))
+    monkeypatch.setenv("KVMESH_FP8_GEMV", path)
+    if path == "bits":
+        got = (K.linear(x, w, config=(8, 32, 4, 1)), K.silu_mul_linear(g, w, config=(8, 32, 4, 1)))
+        for y, r in zip(got, base):
+            assert rel_err(y, r) < 1e-6
+    else:
+        for y, h in ((K.linear(x, w), x), (K.silu_mul_linear(g, w), K.silu_and_mul(g))):
+            xq, xs = K.fp8_quantize_rows(h)
+            assert rel_err(y, ref64(xq, w) * xs.double()[:, None]) < 1e-5
+    monkeypatch.setenv("KVMESH_FP8_GEMV", "nope")
+    with pytest.raises(ValueError, match="KVMESH_FP8_GEMV"):
+        K.linear(x, w)
