@@ -666,10 +666,23 @@ def check_fp8(gen):
         wd = w.weight.double() * w.scale.double()[:, None]
         x1 = torch.randn(1, k, device=DEV, generator=gen).to(torch.bfloat16)
         if big:  # the GEMV (the CPU path is W8A8: `fp8_linear_reference` below covers it)
-            record(f"fp8 gemv {n}x{k}", rel_err(K.linear(x1, w), x1.double() @ wd.T), 8e-3)
             g1 = torch.randn(1, 2 * k, device=DEV, generator=gen).to(torch.bfloat16)
             ref = K.silu_and_mul(g1).double() @ wd.T
-            record(f"fp8 silu_mul gemv {n}x{k}", rel_err(K.silu_mul_linear(g1, w), ref), 8e-3)
+            os.environ["KVMESH_FP8_GEMV"] = "convert"  # W8A16: against the unquantized row
+            try:
+                record(f"fp8 gemv {n}x{k}", rel_err(K.linear(x1, w), x1.double() @ wd.T), 8e-3)
+                record(f"fp8 silu_mul gemv {n}x{k}", rel_err(K.silu_mul_linear(g1, w), ref), 8e-3)
+            finally:
+                os.environ.pop("KVMESH_FP8_GEMV")
+            # the path this shape takes by default, against its own reference (W8A8 paths quantize the row)
+            path = fp8.one_row_path(n, k)
+            if path.startswith("swapab"):
+                d1 = K.fp8_linear_reference(x1.float(), w.weight, w.scale)
+                dg = K.fp8_linear_reference(K.silu_and_mul(g1).float(), w.weight, w.scale)
+            else:
+                d1, dg = x1.double() @ wd.T, ref
+            record(f"fp8 one-row default ({path}) {n}x{k}", rel_err(K.linear(x1, w), d1), 8e-3)
+            record(f"fp8 silu_mul one-row default ({path}) {n}x{k}", rel_err(K.silu_mul_linear(g1, w), dg), 8e-3)
             os.environ["KVMESH_FP8_GEMV_W8A8"] = "1"
             try:
                 y = K.linear(x1, w)
