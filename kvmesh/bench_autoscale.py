@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 
 POLICIES = ("planner", "static", "hpa")
 # Open-loop ramp scaled to a 2-core box: (req/s, seconds).
-DEFAULT_PHASES = "1.5:50,6:60,0.5:50"
-QUICK_PHASES = "1:15,5:25,0.5:20"
+DEFAULT_PHASES = "0.6:45,3:60,0.3:45"
+QUICK_PHASES = "0.5:15,3:25,0.3:20"
 HPA_TOLERANCE = 0.1
 WORDS = (
     "time year people way day man thing woman life child world school state family student group "
@@ -58,15 +58,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help=f"a 1-minute smoke run (phases {QUICK_PHASES})")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma list of planner, static, hpa")
     p.add_argument("--min-workers", type=int, default=1)
-    p.add_argument("--max-workers", type=int, default=4, help="the static pool, and the bound of the others")
+    p.add_argument("--max-workers", type=int, default=3, help="the static pool, and the bound of the others")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between scaling decisions")
     p.add_argument("--scale-down-window", type=float, default=20.0, help="scale-down stabilization, s")
-    p.add_argument("--prompt-words", type=int, default=700, help="words per prompt (about one token each)")
-    p.add_argument("--output-tokens", type=int, default=32)
-    p.add_argument("--sim-prefill-ms-per-token", type=float, default=0.3)
-    p.add_argument("--sim-decode-ms", default="15,1.0", help="workers' BASE,PER_SEQ step cost, ms")
-    p.add_argument("--ttft-target", type=float, default=1.5, help="TTFT SLO, s (planner target, p90)")
-    p.add_argument("--itl-target", type=float, default=0.06, help="mean-ITL SLO, s (planner target, p50)")
+    p.add_argument("--prompt-words", type=int, default=200, help="words per prompt (about one token each)")
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--sim-prefill-ms-per-token", type=float, default=1.5)
+    p.add_argument("--sim-decode-ms", default="25,2.0", help="workers' BASE,PER_SEQ step cost, ms")
+    p.add_argument("--ttft-target", type=float, default=2.0, help="TTFT SLO, s (planner target, p90)")
+    p.add_argument("--itl-target", type=float, default=0.3, help="mean-ITL SLO, s (planner target, p50)")
     p.add_argument("--hpa-cpu-target", type=float, default=0.6, help="HPA target CPU utilization")
     p.add_argument("--hpa-cpu-request", type=float, default=0.5, help="a worker's CPU request, cores")
     p.add_argument("--seed", type=int, default=0)
@@ -293,7 +293,11 @@ class PlannerPolicy:
             loads.append(pod_load(w.name, sample, prev, now, 0.5, 0.9))
         alive, ready = len(pool.alive()), len(pool.of("ready")) + len(pool.of("draining"))
         obs = RoleObservation(
-            current=alive, ready=ready, pending=len(pool.of("pending")), pods=tuple(loads), interval_s=self.args.interval
+            current=alive,
+            ready=ready,
+            pending=len(pool.of("pending")),
+            pods=tuple(loads),
+            interval_s=self.args.interval,
         )
         t = time.perf_counter()
         ds = [decide(role, obs, self.targets, self.states[role], now) for role in ("prefill", "decode")]

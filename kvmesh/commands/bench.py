@@ -34,7 +34,9 @@ def register(sub) -> None:
 
     bench_router.add_args(r)
     r.set_defaults(func=_run_router)
-    a = bsub.add_parser("autoscale", help="one load ramp through simulated workers under the planner, a static pool and the HPA")
+    a = bsub.add_parser(
+        "autoscale", help="one load ramp through simulated workers under the planner, a static pool and the HPA"
+    )
     from kvmesh import bench_autoscale  # light: heavy imports happen in run()
 
     bench_autoscale.add_args(a)
