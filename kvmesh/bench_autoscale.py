@@ -527,9 +527,9 @@ def plot(results: dict, phases, path: str, window: float = 10.0) -> None:
     t = 0.0
     for rate, secs in phases:
         ax1.axvspan(t, t + secs, alpha=0.08 if rate == max(r for r, _ in phases) else 0.0, color="k")
-        ax1.text(t + 1, 0.2, f"{rate:g} req/s", fontsize=8)
+        ax1.text(t + 1, 0.03, f"{rate:g} req/s", fontsize=8, transform=ax1.get_xaxis_transform())
         t += secs
-    ax1.set_ylabel("worker replicas")
+    ax1.set_ylabel("worker replicas (started)")
     ax1.legend()
     ax2.set_ylabel(f"TTFT, s ({window:.0f} s windows)")
     ax2.set_xlabel("seconds into the ramp")
