@@ -40,6 +40,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvmesh.bench_router import Proc
 
 POLICIES = ("planner", "static", "hpa")
 # Open-loop ramp scaled to a 2-core box: (req/s, seconds).
@@ -145,7 +149,7 @@ class Worker:
     url: str
     events: str
     replay: str
-    proc: object
+    proc: Proc
     started: float
     state: str = "pending"  # pending -> ready -> draining -> stopped
     ready_at: float | None = None
