@@ -83,6 +83,32 @@ def targets(a: AutoscalingSpec, role: str) -> Targets:
     )
 
 
+def pod_load(
+    name: str, sample: Sample, prev: tuple[float, Sample] | None, now: float, q_itl: float, q_ttft: float
+) -> PodLoad:
+    """One pod's `PodLoad` from its scrape at ``now`` and the previous one (counters and histograms
+    become rates and percentiles over the interval between them; the first scrape has no interval).
+    Public so that `kvmesh bench autoscale` builds its observations exactly as the operator does."""
+    if prev is None:
+        rate, itl, ttft = 0.0, None, None
+    else:
+        t0, s0 = prev
+        dt = max(now - t0, 1e-3)
+        rate = max(0.0, sample.computed_tokens - s0.computed_tokens) / dt
+        itl = quantile(sample.itl, s0.itl, q_itl)
+        ttft = quantile(sample.ttft, s0.ttft, q_ttft)
+    return PodLoad(
+        name=name,
+        running=sample.gauge("running"),
+        waiting=sample.gauge("waiting"),
+        kv_usage=sample.gauge("kv_usage"),
+        pending_prompt_tokens=sample.gauge("pending_prompt_tokens"),
+        computed_tokens_per_s=rate,
+        itl_s=itl,
+        ttft_s=ttft,
+    )
+
+
 def _ready(pod: dict[str, Any]) -> bool:
     conds = (pod.get("status") or {}).get("conditions") or ()
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
@@ -166,24 +192,7 @@ class Planner:
             return None
         prev = st.samples.get(name)
         st.samples[name] = (now, sample)
-        if prev is None:
-            rate, itl, ttft = 0.0, None, None
-        else:
-            t0, s0 = prev
-            dt = max(now - t0, 1e-3)
-            rate = max(0.0, sample.computed_tokens - s0.computed_tokens) / dt
-            itl = quantile(sample.itl, s0.itl, q_itl)
-            ttft = quantile(sample.ttft, s0.ttft, q_ttft)
-        return PodLoad(
-            name=name,
-            running=sample.gauge("running"),
-            waiting=sample.gauge("waiting"),
-            kv_usage=sample.gauge("kv_usage"),
-            pending_prompt_tokens=sample.gauge("pending_prompt_tokens"),
-            computed_tokens_per_s=rate,
-            itl_s=itl,
-            ttft_s=ttft,
-        ), sample.gauge("held")
+        return pod_load(name, sample, prev, now, q_itl, q_ttft), sample.gauge("held")
 
     def _role(
         self,

@@ -1,5 +1,6 @@
 """`kvmesh bench serve` (load a live server), `kvmesh bench offline` (the engine in-process) and
 `kvmesh bench router` (a trace through several routers against simulated instances) and
+`kvmesh bench autoscale` (a load ramp under the planner, a static pool and the HPA on CPU) and
 `kvmesh bench fuzz` (schemathesis and malformed requests against a live server and router)."""
 
 from __future__ import annotations
@@ -33,12 +34,25 @@ def register(sub) -> None:
 
     bench_router.add_args(r)
     r.set_defaults(func=_run_router)
+    a = bsub.add_parser(
+        "autoscale", help="one load ramp through simulated workers under the planner, a static pool and the HPA"
+    )
+    from kvmesh import bench_autoscale  # light: heavy imports happen in run()
+
+    bench_autoscale.add_args(a)
+    a.set_defaults(func=_run_autoscale)
     f = bsub.add_parser("fuzz", help="schemathesis and malformed requests against a live server and router")
     from kvmesh import bench_fuzz  # light: schemathesis is imported in run()
 
     bench_fuzz.add_args(f)
     f.set_defaults(func=_run_fuzz)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def _run_autoscale(args: argparse.Namespace) -> int:
+    from kvmesh import bench_autoscale
+
+    return bench_autoscale.run(args)
 
 
 def _run_fuzz(args: argparse.Namespace) -> int:

@@ -1,0 +1,38 @@
+"""The pure parts of `kvmesh bench autoscale`: the HPA formula, SLO attainment, the ramp."""
+
+import pytest
+
+from kvmesh.bench_autoscale import arrivals, attainment, hpa_desired, parse_phases, time_weighted_mean
+
+pytestmark = pytest.mark.unit
+
+
+def test_hpa_formula_tolerance_and_attainment():
+    # ceil(current * avg / target): 2 pods at 90 % of their request, target 60 % -> 3
+    assert hpa_desired(2, [0.9, 0.9], 0.6) == 3
+    # within the 10 % tolerance (ratio 1.08): hold
+    assert hpa_desired(2, [0.65, 0.65], 0.6) == 2
+    # down: 3 pods at 10 % -> ceil(0.3 / 0.6) = 1
+    assert hpa_desired(3, [0.1, 0.1, 0.1], 0.6) == 1
+    # one Ready pod at 150 % while another starts (counted as 0 %): ceil(1.5 / 0.6) = 3
+    assert hpa_desired(2, [1.5], 0.6) == 3
+    assert hpa_desired(2, [], 0.6) == 2  # nothing measured: hold
+
+    ok = {"ok": True, "ttft": 0.5, "itl": 0.03}
+    rs = [
+        ok,
+        {**ok, "ttft": 2.0},  # TTFT miss
+        {**ok, "itl": 0.09},  # ITL miss
+        {"ok": False, "ttft": 0.1, "itl": 0.01},  # failed counts as a miss
+        {**ok, "itl": None},  # one token: no ITL, TTFT decides
+    ]
+    assert attainment(rs, 1.0, 0.06) == pytest.approx(2 / 5)
+    assert attainment([], 1.0, 0.06) == 0.0
+
+    assert time_weighted_mean([(0.0, 1), (10.0, 3), (20.0, 1)], 40.0) == pytest.approx((10 + 30 + 20) / 40)
+    phases = parse_phases("2:10,10:5")
+    times = arrivals(phases, 0)
+    assert times == arrivals(phases, 0) and times == sorted(times) and times[-1] < 15
+    assert 5 < sum(t < 10 for t in times) < 40 and sum(t >= 10 for t in times) > 20
+    with pytest.raises(ValueError, match="RATE:SECONDS"):
+        parse_phases("2-10")
