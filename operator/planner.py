@@ -138,7 +138,18 @@ def prefill_recommendation(obs: RoleObservation, t: Targets, st: RoleState) -> t
     if not pods:  # no Ready pod could be read: hold (absent data must never read as no load)
         return None, "no ready pods scraped", "NoMetrics"
     if rate is None:
-        return obs.current, signal + " rate_per_pod=unmeasured", "Stable: prefill rate not measured yet"
+        # No interval with a backlog yet, so no measured capacity: go by what the pods see. A pool
+        # that never builds a backlog must still be able to shrink, or it would hold its peak size.
+        signal += " rate_per_pod=unmeasured"
+        ttfts = [p.ttft_s for p in pods if p.ttft_s is not None]
+        idle = backlog == 0 and all(p.waiting == 0 for p in pods)
+        if ttfts and max(ttfts) > t.ttft_s:
+            return obs.current + 1, signal, "ScaleUp: TTFT over target"
+        if idle and computed == 0:
+            return 1, signal, "ScaleDown: no prompts arriving"
+        if idle and ttfts and max(ttfts) < 0.5 * t.ttft_s:
+            return max(1, obs.current - 1), signal, "ScaleDown: no backlog, TTFT under half its target"
+        return obs.current, signal, "Stable: prefill rate not measured yet"
     signal += f" rate_per_pod={rate:.0f}/s"
     needed = max(backlog / t.ttft_s, arrival / PREFILL_HEADROOM)
     n = max(1, math.ceil(needed / rate - 1e-9))

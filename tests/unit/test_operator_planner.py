@@ -45,6 +45,25 @@ def test_idle_prefill_pods_do_not_read_as_slow_ones() -> None:
     assert st.prefill_rate_per_pod == 4000
 
 
+def test_a_prefill_pool_that_never_queues_still_scales_by_its_ttft() -> None:
+    """Prompts served as they come (never a backlog, so no measured rate): the pool must not hold its
+    size forever; TTFT decides until a rate is measured."""
+    t = Targets(min_replicas=1, max_replicas=6, scale_up_window_s=0, scale_down_window_s=0, ttft_s=0.5)
+    fast = tuple(PodLoad(f"p{i}", running=1, computed_tokens_per_s=300, ttft_s=0.1) for i in range(3))
+    d = decide("prefill", RoleObservation(3, 3, 0, fast), t, RoleState(), now=0)
+    assert (d.desired, d.reason) == (2, "ScaleDown: no backlog, TTFT under half its target")
+    assert "rate_per_pod=unmeasured" in d.signal
+    slow = tuple(PodLoad(f"p{i}", running=1, computed_tokens_per_s=300, ttft_s=0.8) for i in range(2))
+    d = decide("prefill", RoleObservation(2, 2, 0, slow), t, RoleState(), now=0)
+    assert (d.desired, d.reason) == (3, "ScaleUp: TTFT over target")
+    near = tuple(PodLoad(f"p{i}", running=1, computed_tokens_per_s=300, ttft_s=0.4) for i in range(2))
+    d = decide("prefill", RoleObservation(2, 2, 0, near), t, RoleState(), now=0)
+    assert (d.desired, d.reason) == (2, "Stable: prefill rate not measured yet")
+    idle = tuple(PodLoad(f"p{i}") for i in range(4))
+    d = decide("prefill", RoleObservation(4, 4, 0, idle), t, RoleState(), now=0)
+    assert (d.desired, d.reason) == (1, "ScaleDown: no prompts arriving")
+
+
 def test_no_further_scale_up_while_pods_are_pending() -> None:
     st = RoleState()
     obs = RoleObservation(current=3, ready=1, pending=2, pods=busy_prefill(1, 9000, 2000))
