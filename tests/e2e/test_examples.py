@@ -95,6 +95,8 @@ def test_defaults_are_applied_by_the_api_server(chart: Cluster, ns: str) -> None
         "dtype": "auto",
         "gpuMemoryUtilization": 0.9,
         "kvCacheMemoryGB": 2.0,
+        "kvCacheDtype": "auto",
+        "quantization": "none",
     }
     assert spec["kvConnector"] == {"type": "nixl"}
     assert spec["model"] == {"source": "embedded"}
