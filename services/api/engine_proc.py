@@ -156,7 +156,7 @@ class EngineProcess:
                 gpu_memory_utilization=c.cache.gpu_memory_utilization,
                 kv_connector=getattr(getattr(self.engine, "connector", None), "name", "none"),
                 kv_cache_dtype=c.cache.kv_cache_dtype,
-                quantization=getattr(c, "quantization", None) or "",  # set by --quantization where present
+                quantization=c.quantization or "",
                 enable_prefix_caching=c.cache.enable_prefix_caching,
             )
         )

@@ -24,7 +24,10 @@ class FakeEngine:
         self.config = SimpleNamespace(
             model=SimpleNamespace(name="fake"),
             scheduler=SimpleNamespace(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64),
-            cache=SimpleNamespace(block_size=16, gpu_memory_utilization=0.9),
+            cache=SimpleNamespace(
+                block_size=16, gpu_memory_utilization=0.9, kv_cache_dtype="auto", enable_prefix_caching=True
+            ),
+            quantization=None,
             role="both",
             dtype="float32",
             device="cpu",
