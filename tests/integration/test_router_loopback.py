@@ -98,7 +98,7 @@ def pods():
 
 
 def test_hot_prefix_spreads(pods):
-    """64 concurrent requests share a 512-token system prompt: no pod gets more than 1.5x the mean."""
+    """64 requests in flight at once share a 512-token system prompt: no pod gets more than 1.5x the mean."""
     cfg = RouterConfig(port=free_port(), block_size=BS, pods=tuple(PodSpec(p.url) for p in pods), health_interval=0.5)
     srv, router = start_router(cfg, TOK)
     try:
@@ -112,8 +112,16 @@ def test_hot_prefix_spreads(pods):
             assert r.status_code == 200, r.text
             return r.headers["x-kvmesh-pod"]
 
+        # The pods hold every answer until all 64 requests are in flight, so each routing decision sees
+        # the ones before it still running, however slowly this machine sends them.
+        for p in pods:
+            p.paused = True
         with cf.ThreadPoolExecutor(64) as ex:
-            got = list(ex.map(one, range(64)))
+            futs = [ex.submit(one, i) for i in range(64)]
+            assert wait_for(lambda: sum(p.inflight for p in pods) == 64, timeout=60)
+            for p in pods:
+                p.paused = False
+            got = [f.result() for f in futs]
         counts = [got.count(p.url) for p in pods]
         assert max(counts) / (64 / len(pods)) <= 1.5 and min(counts) > 0, counts
         # a follow-up of request 0's conversation goes where request 0 went (history/predicted index)
