@@ -23,7 +23,8 @@ Needs the kvmesh package installed (docs/gpu.md) and one CUDA GPU (FP8 tensor co
    the budget (``--prompts 0``: none).
 
 3b. The one-row FP8 kernels (kernels/fp8.py ``one_row_path``) at M = 1 against the bf16 GEMV,
-   with a sweep of the swapped-operand product's tiles, weight TB/s and 32-layer sums; the fastest
+   with a sweep of the swapped-operand product's tiles and, on the pre-quantized row, of split-K
+   (programs per output tile: 1-8), weight TB/s and 32-layer sums; the fastest
    per shape is what the engine run then uses (``--skip kernels``: only these). M = 16 too.
 
 Prints a table last; writes ``gpu_fp8.json`` under ``$OUT`` (or the cwd).
@@ -187,6 +188,9 @@ def kernel_times() -> None:
 
 # --------------------------------------------------------------------------- 3b. one-row kernels (--gemv)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) swept for `fp8_swapab`
+# the pre-quantized swapped product with split-K: tiles x programs per tile
+PREQUANT_SWEEP = [(32, 256, 4, 4), (64, 256, 4, 4), (64, 512, 4, 3), (128, 256, 8, 3)]
+SPLITS = (1, 2, 3, 4, 6, 8)
 SWAPAB_SWEEP = [
     (16, 256, 4, 4),
     (16, 512, 4, 3),
@@ -251,11 +255,26 @@ def gemv_times() -> None:
         if best:
             cfg = tuple(int(v) for v in best.strip("()").split(","))
 
-            def prequant(w, cfg=cfg, x=x, silu=silu):
+            def prequant(w, cfg=cfg, x=x, silu=silu, split=1):
                 xq, xs = K.fp8_quantize_rows(x, silu_mul=silu)
-                return kfp8.fp8_swapab(xq, w, None, config=cfg, x_scale=xs, out_dtype=x.dtype)
+                return kfp8.fp8_swapab(xq, w, None, config=cfg, x_scale=xs, out_dtype=x.dtype, split_k=split)
 
             r["swapab_prequant_us"] = _timed([partial(prequant, w) for w in wf])
+            # the same with split-K (several programs per output tile), over tiles and splits
+            ksweep = {}
+            for c in PREQUANT_SWEEP:
+                for split in SPLITS:
+                    ksweep[f"{c} split {split}"] = _timed([partial(prequant, w, c, split=split) for w in wf])
+            r["swapab_q_split_sweep_us"] = ksweep
+            kok = {c: t for c, t in ksweep.items() if t == t}
+            if kok:
+                kbest = min(kok, key=kok.get)
+                kcfg = tuple(int(v) for v in kbest.split(" split ")[0].strip("()").split(","))
+                ksplit = int(kbest.split(" split ")[1])
+                r["swapab_q_split_cfg"], r["swapab_q_split_us"] = [*kcfg, ksplit], kok[kbest]
+                one = prequant(wf[0], kcfg, split=1)
+                many = prequant(wf[0], kcfg, split=ksplit)
+                r["swapab_q_split_rel_err_vs_1"] = ((many.float() - one.float()).norm() / one.float().norm()).item()
             # 16 rows: the swapped product against quantization + torch._scaled_mm and bf16 cuBLAS
             x16 = torch.randn(16, x.shape[1], generator=g, device=DEV).bfloat16()
             r["m16_bf16_us"] = _timed([partial(lin, x16, w) for w in wb])
@@ -268,7 +287,7 @@ def gemv_times() -> None:
             "convert": r["convert_us"],
             "bits": r["bits_us"],
             "swapab": r["swapab_us"],
-            "swapab_q": r.get("swapab_prequant_us", nan),
+            "swapab_q": min(r.get("swapab_prequant_us", nan), r.get("swapab_q_split_us", nan)),
         }
         paths = {p: t for p, t in paths.items() if t == t}
         r["winner"] = min(paths, key=paths.get)
@@ -278,8 +297,12 @@ def gemv_times() -> None:
         rows.append(r)
         log("gemv", r)
         kfp8.ONE_ROW_PATHS[(N, Kd)] = r["winner"]
-        if best:
+        if r.get("swapab_q_split_us", nan) < r.get("swapab_prequant_us", nan):
+            kfp8.SWAPAB_CONFIGS[(N, Kd)] = tuple(r["swapab_q_split_cfg"][:4])
+            kfp8.SWAPAB_SPLIT_K[(N, Kd)] = r["swapab_q_split_cfg"][4]
+        elif best:
             kfp8.SWAPAB_CONFIGS[(N, Kd)] = cfg
+            kfp8.SWAPAB_SPLIT_K[(N, Kd)] = 1
         del wb, wf
         torch.cuda.empty_cache()
     R["gemv"] = rows
@@ -294,6 +317,7 @@ def gemv_times() -> None:
     R["gemv_32_layers"] = sums
     R["one_row_paths"] = {f"{n}x{k}": p for (n, k), p in kfp8.ONE_ROW_PATHS.items()}
     R["swapab_configs"] = {f"{n}x{k}": c for (n, k), c in kfp8.SWAPAB_CONFIGS.items()}
+    R["swapab_split_k"] = {f"{n}x{k}": c for (n, k), c in kfp8.SWAPAB_SPLIT_K.items()}
     log("gemv 32 layers", sums)
 
 
@@ -393,13 +417,14 @@ def table() -> str:
     if R.get("gemv"):
         out.append(
             "\none row   | bf16 us | convert us | bits us | bits 2x us | swapab us (cfg) | swapab+quant us |"
-            " winner TB/s | x bf16 || M=16: bf16 | quant+_scaled_mm | swapab us"
+            " split-K us (cfg, split) | winner TB/s | x bf16 || M=16: bf16 | quant+_scaled_mm | swapab us"
         )
         for r in R["gemv"]:
             out.append(
                 f"{r['name']:>9} | {r['bf16_us']:7.1f} | {r['convert_us']:10.1f} | {r['bits_us']:7.1f} | "
                 f"{r['bits_wide_us']:10.1f} | {r['swapab_us']:6.1f} {r['swapab_cfg']} | "
-                f"{r.get('swapab_prequant_us', float('nan')):15.1f} | {r['winner']} "
+                f"{r.get('swapab_prequant_us', float('nan')):15.1f} | "
+                f"{r.get('swapab_q_split_us', float('nan')):6.1f} {r.get('swapab_q_split_cfg')} | {r['winner']} "
                 f"{r['N'] * r['K'] / r['winner_us'] / 1e6:.2f} | {r['speedup_vs_bf16']:.2f} || "
                 f"{r.get('m16_bf16_us', float('nan')):.1f} | {r.get('m16_scaled_mm_us', float('nan')):.1f} | "
                 f"{r.get('m16_swapab_us', float('nan')):.1f}"

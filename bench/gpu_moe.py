@@ -41,6 +41,8 @@ from kvmesh import kernels  # noqa: E402
 from kvmesh.engine.args import EngineArgs  # noqa: E402
 from kvmesh.engine.core import EngineCore  # noqa: E402
 from kvmesh.engine.models import random_init  # noqa: E402
+from kvmesh.kernels import moe as kmoe  # noqa: E402
+from kvmesh.kernels.moe import ALIGN_KERNEL_MAX_PAIRS, moe_align, moe_align_torch  # noqa: E402
 
 DEV = "cuda"
 R: dict = {}
@@ -155,6 +157,18 @@ def bench_fused_moe(quick: bool) -> None:
                 log(f"config {cfg} at T={T}: {type(e).__name__}: {e}")
         best = min(res, key=lambda c: res[c][0])
         ms, err = res[default]
+        prep = {}
+        if T * k <= ALIGN_KERNEL_MAX_PAIRS:  # routing + alignment: our two launches against the torch ops
+            logits = torch.randn(T, E, generator=g, device=DEV).bfloat16()
+            bm = default[0]
+            ours = lambda lg=logits, bm=bm: moe_align(kernels.moe_routing(lg, k, True)[1], E, bm)  # noqa: E731
+            torch_ops = lambda lg=logits, bm=bm: moe_align_torch(kernels.moe_routing_reference(lg, k, True)[1], E, bm)  # noqa: E731
+            kmoe.PREP_KERNELS_ON_GPU = True  # off by default on a GPU until measured: this run measures it
+            same = all(torch.equal(a, b) for a, b in zip(ours(), torch_ops()))
+            prep = dict(
+                route_align_ms=_time(_graph(ours)), route_align_torch_ms=_time(_graph(torch_ops)), route_align_same=same
+            )
+            kmoe.PREP_KERNELS_ON_GPU = False
         r = dict(
             T=T,
             active_experts=active,
@@ -168,6 +182,7 @@ def bench_fused_moe(quick: bool) -> None:
             TBps=active * expert_bytes / (ms / 1e3) / 1e12,
             TFLOPs=2 * T * k * 3 * H * inter / (ms / 1e3) / 1e12,
             sweep={str(c): v[0] for c, v in res.items()},
+            **prep,
         )
         rows.append(r)
         log("fused moe", r)
@@ -233,6 +248,12 @@ def table() -> str:
             f"{str(r['best_config']):>22} {r['reference_ms']:>9.3f} {r['speedup']:>7.1f}x {r['TBps']:>6.2f} "
             f"{r['TFLOPs']:>8.1f} {r['rel_err']:>8.1e}"
         )
+    for r in R.get("fused_moe", []):
+        if "route_align_ms" in r:
+            lines.append(
+                f"T={r['T']}: routing + align {r['route_align_ms'] * 1e3:.1f} us (torch ops "
+                f"{r['route_align_torch_ms'] * 1e3:.1f} us), same result: {r['route_align_same']}"
+            )
     lines.append(f"copy bandwidth: {R.get('copy_TBps', float('nan')):.3f} TB/s")
     lines.append("== Qwen3-30B-A3B shape, random bf16: decode (prompt 512) ==")
     lines.append(

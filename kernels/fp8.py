@@ -161,6 +161,9 @@ SWAPAB_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (28672, 4096): (128, 256, 8, 3),
     (4096, 14336): (128, 256, 8, 3),
 }
+# programs per `fp8_swapab` tile (split-K) per [N, K], measured winners only (bench/gpu_fp8.py
+# sweeps them; the split-K kernel equals the W8A8 product in the Triton interpreter); others: 1
+SWAPAB_SPLIT_K: dict[tuple[int, int], int] = {}
 # `fp8_swapab` also takes 2..SWAPAB_MAX_ROWS rows in place of quantization + ``torch._scaled_mm``:
 # 1, as at 16 rows it was slower at every 8B shape (bench/gpu_fp8.py)
 SWAPAB_MAX_ROWS = 1
@@ -196,10 +199,12 @@ def fp8_swapab(
     config: tuple[int, int, int, int] | None = None,
     x_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """W8A8 for at most 16 rows with swapped operands (`fp8_swapab_kernel`): ``x`` float (quantized
     per token inside the kernel, of ``silu_and_mul(x)`` with ``silu_mul``), or already e4m3 with its
-    per-token ``x_scale``; output ``out_dtype`` (default: a float ``x``'s dtype, else bf16)."""
+    per-token ``x_scale``; output ``out_dtype`` (default: a float ``x``'s dtype, else bf16).
+    ``split_k``: programs per output tile (default `swapab_split_k`)."""
     fn = "fp8_swapab"
     check_dim(fn, "x", x, 2)
     quant = x.dtype != FP8
@@ -214,7 +219,7 @@ def fp8_swapab(
         fail(fn, f"x {tuple(x.shape)} does not match weight {tuple(w.shape)}")
     if quant and w.input_scale is not None:  # a static activation scale: the quantization kernel applies it
         x, x_scale = fp8_quantize_rows(x, w.input_scale, silu_mul)
-        return fp8_swapab(x, w, bias, False, config, x_scale, out_dtype)
+        return fp8_swapab(x, w, bias, False, config, x_scale, out_dtype, split_k)
     if backend(x) == "reference":
         if quant:
             x, x_scale = _ref.fp8_quantize_rows_reference(_ref.silu_and_mul_reference(x) if silu_mul else x)
@@ -228,7 +233,11 @@ def fp8_swapab(
     if x.stride(1) != 1:
         x = x.contiguous()
     bn, bk, warps, stages = config or fp8_swapab_config(N, K, x.device)
-    _dispatch.kernels_for(x).fp8_swapab_kernel[(-(-N // bn),)](
+    split = swapab_split_k(N, K, bn, bk, x.device) if split_k is None else split_k
+    part = lock = None
+    if split > 1:
+        part, lock = _split_buffers(x.device, split * 16 * N, -(-N // bn))
+    _dispatch.kernels_for(x).fp8_swapab_kernel[(-(-N // bn) * split,)](
         x,
         x_scale if x_scale is not None else y,
         w.weight,
@@ -250,9 +259,47 @@ def fp8_swapab(
         ONE_ROW=quant and M == 1,
         num_warps=warps,
         num_stages=stages,
+        SPLIT_K=split,
+        part_ptr=part,
+        lock_ptr=lock,
         **pdl(x, M),
     )
     return y
+
+
+def swapab_split_k(N: int, K: int, block_n: int, block_k: int, device: torch.device) -> int:
+    """How many programs share one `fp8_swapab_kernel` tile: the measured entry (`SWAPAB_SPLIT_K`),
+    else 1 (``KVMESH_FP8_SPLIT_K`` forces a value, read per call, for measurements). A narrow output
+    wants enough splits for every SM to get a program, each keeping at least two K chunks:
+    `split_k_for_sms` is that rule, which bench/gpu_fp8.py sweeps around."""
+    forced = os.environ.get("KVMESH_FP8_SPLIT_K", "")
+    if forced:
+        return max(1, int(forced))
+    return SWAPAB_SPLIT_K.get((N, K), 1)
+
+
+def split_k_for_sms(N: int, K: int, block_n: int, block_k: int, sms: int) -> int:
+    """Programs per tile so that ``sms`` SMs each get one, keeping at least two K chunks per program."""
+    tiles = -(-N // block_n)
+    return max(1, min(-(-sms // tiles), K // (2 * block_k)))
+
+
+_SPLIT_BUFFERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_buffers(device: torch.device, part_elems: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K scratch of `fp8_swapab_kernel` on ``device``: fp32 partials and the per-tile locks
+    (zero, and left zero by every launch). One pair per device, grown when a launch needs more: the
+    projections run one after another on the engine's stream, so they can share it. The engine's
+    warm-up runs every shape eagerly before graph capture, so growth never happens inside a graph."""
+    part, lock = _SPLIT_BUFFERS.get(device, (None, None))
+    if part is None or lock is None or part.numel() < part_elems or lock.numel() < tiles:
+        n_part = max(part_elems, part.numel() if part is not None else 0)
+        n_lock = max(tiles, lock.numel() if lock is not None else 0)
+        part = torch.empty(n_part, dtype=torch.float32, device=device)
+        lock = torch.zeros(n_lock, dtype=torch.int32, device=device)
+        _SPLIT_BUFFERS[device] = (part, lock)
+    return part, lock
 
 
 def _scaled_mm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:

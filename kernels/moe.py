@@ -2,9 +2,9 @@
 batch's expert MLPs in two launches: gate|up with SiLU-and-multiply, then down with the routing weight.
 
 The (token, slot) pairs are sorted by expert and each expert's group padded to the tile height
-(`moe_align`), with torch ops that never read a value back to the host, so a decode step with
-experts still fits in a CUDA graph. The k weighted expert outputs of a token are summed by torch
-(``[T, k, H].sum(1)``, as the reference sums them)."""
+(`moe_align`: one Triton program for a decode batch, torch ops for larger ones), never reading
+a value back to the host, so a decode step with experts still fits in a CUDA graph. The k weighted
+expert outputs of a token are summed by torch (``[T, k, H].sum(1)``, as the reference sums them)."""
 
 from __future__ import annotations
 
@@ -13,19 +13,54 @@ import torch
 from . import _dispatch
 from . import reference as _ref
 from ._checks import FLOATS, INTS, check_device, check_dim, check_dtype, fail
-from ._dispatch import backend, cdiv, pdl
+from ._dispatch import backend, cdiv, p2, pdl
 
 
 def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights, expert_ids)`` ``[T, k]`` of the top-k experts per token (softmax in float32, the k
-    largest, renormalised when ``renormalize``; weights in the logits' dtype). Torch ops on every
-    device: a softmax and a top-k over ``E`` values per token is not worth a kernel of its own."""
+    largest, renormalised when ``renormalize``; weights in the logits' dtype). One `moe_routing_kernel`
+    launch (a program per token) on the GPU and in the interpreter, the torch reference elsewhere."""
     fn = "moe_routing"
     check_dim(fn, "router_logits", router_logits, 2)
     check_dtype(fn, "router_logits", router_logits, FLOATS)
-    if not 0 < top_k <= router_logits.shape[1]:
-        fail(fn, f"top_k must be in 1..{router_logits.shape[1]} (the number of experts), got {top_k}")
-    return _ref.moe_routing_reference(router_logits, top_k, renormalize)
+    T, E = router_logits.shape
+    if not 0 < top_k <= E:
+        fail(fn, f"top_k must be in 1..{E} (the number of experts), got {top_k}")
+    if not _prep_kernels(router_logits) or T == 0 or E > ROUTING_KERNEL_MAX_EXPERTS:
+        return _ref.moe_routing_reference(router_logits, top_k, renormalize)
+    if router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
+    weights = torch.empty((T, top_k), dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty((T, top_k), dtype=torch.int64, device=router_logits.device)
+    _dispatch.kernels_for(router_logits).moe_routing_kernel[(T,)](
+        router_logits,
+        weights,
+        ids,
+        E,
+        router_logits.stride(0),
+        TOP_K=top_k,
+        RENORM=renormalize,
+        BLOCK_E=p2(E),
+        num_warps=1 if E <= 256 else 4,
+        **pdl(router_logits, T),
+    )
+    return weights, ids
+
+
+# Whether CUDA devices take `moe_routing_kernel` and `moe_align_kernel`. Both equal the torch ops in
+# the Triton interpreter (tests/kernels/test_moe_kernels.py), which always runs them; on a GPU they stay
+# off until measured there (`bench/gpu_moe.py` turns them on for its routing + align rows and checks
+# them against the torch ops, bit for bit for the alignment).
+PREP_KERNELS_ON_GPU = False
+
+
+def _prep_kernels(t: torch.Tensor) -> bool:
+    b = backend(t)
+    return b == "interpret" or (b == "triton" and PREP_KERNELS_ON_GPU)
+
+
+# Routers over more experts than this keep the torch ops (one program holds a token's logits).
+ROUTING_KERNEL_MAX_EXPERTS = 4096
 
 
 def moe_config(num_pairs: int, num_experts: int, device: torch.device) -> tuple[int, int, int, int, int]:
@@ -40,17 +75,56 @@ def moe_config(num_pairs: int, num_experts: int, device: torch.device) -> tuple[
     return 64, 128, 64, 8, 3
 
 
+# `moe_align_kernel` (one program) serves batches up to this many (token, slot) pairs: decode at
+# batch 256 with top-8; larger batches (prefill) take the torch ops, whose launches their GEMMs dwarf.
+ALIGN_KERNEL_MAX_PAIRS = 2048
+ALIGN_KERNEL_MAX_EXPERTS = 1024
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """``(sorted_ids, expert_ids, num_padded)``: pair indices ``t * k + j`` grouped by expert (stable:
     in pair order within an expert), each group padded to a multiple of ``block_m`` with the
     sentinel ``T * k``; the expert of each ``block_m``-row tile; the padded total (a 1-element
     tensor). Sized for the worst case, ``T*k + min(T*k, E) * (block_m - 1)`` rows, so nothing is
-    read back to the host."""
+    read back to the host. Decode-sized batches take one `moe_align_kernel` launch, others the
+    torch ops of `moe_align_torch` (same result)."""
     T, k = topk_ids.shape
     n = T * k
     dev = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
     cap = cdiv(n + min(n, num_experts) * (block_m - 1), block_m) * block_m
+    if _prep_kernels(topk_ids) and 0 < n <= ALIGN_KERNEL_MAX_PAIRS and num_experts < ALIGN_KERNEL_MAX_EXPERTS:
+        sorted_ids = torch.empty((cap,), dtype=torch.int32, device=dev)
+        expert_ids = torch.empty((cap // block_m,), dtype=torch.int32, device=dev)
+        num_padded = torch.empty((1,), dtype=torch.int32, device=dev)
+        block_e = p2(num_experts + 1)
+        base = torch.empty((block_e,), dtype=torch.int32, device=dev)
+        _dispatch.kernels_for(topk_ids).moe_align_kernel[(1,)](
+            topk_ids.reshape(-1).contiguous(),
+            sorted_ids,
+            expert_ids,
+            num_padded,
+            base,
+            n,
+            cap,
+            E=num_experts,
+            BLOCK_P=p2(n),
+            BLOCK_E=block_e,
+            BLOCK_T=max(16, min(p2(cap // block_m), 8192 // block_e)),
+            BLOCK_M=block_m,
+            num_warps=4 if n <= 256 else 8,
+            **pdl(topk_ids, T),
+        )
+        return sorted_ids, expert_ids, num_padded
+    return moe_align_torch(topk_ids, num_experts, block_m)
+
+
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """`moe_align` in torch ops (any size; the CPU reference of `moe_align_kernel`)."""
+    T, k = topk_ids.shape
+    n = T * k
+    dev = topk_ids.device
+    cap = cdiv(n + min(n, num_experts) * (block_m - 1), block_m) * block_m
+    flat = topk_ids.reshape(-1).long()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)

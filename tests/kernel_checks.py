@@ -713,3 +713,9 @@ def check_fp8(gen):
         gu1 = torch.randn(1, 2 * k, device=DEV, generator=gen).to(torch.bfloat16)
         refg = K.fp8_linear_reference(K.silu_and_mul(gu1).float(), w.weight, w.scale)
         record(f"fp8 swapab silu_mul 1x{k} -> {n}", rel_err(fp8.fp8_swapab(gu1, w, None, silu_mul=True), refg), 8e-3)
+        for split in (2, 5):  # split-K: the last program of each tile sums the partials
+            xq1, xs1 = K.fp8_quantize_rows(x1)
+            y = fp8.fp8_swapab(xq1, w, None, x_scale=xs1, out_dtype=torch.bfloat16, split_k=split)
+            record(f"fp8 swapab split-K {split} 1x{k} -> {n}", rel_err(y, ref1), 8e-3)
+            y2 = fp8.fp8_swapab(xq1, w, None, x_scale=xs1, out_dtype=torch.bfloat16, split_k=split)
+            record(f"fp8 swapab split-K {split} repeat 1x{k} -> {n}", 0.0 if torch.equal(y, y2) else 1.0, 0.5)

@@ -7,7 +7,7 @@ from .cache import block_copy_kernel, rope_write_kv_kernel, write_kv_kernel
 from .elementwise import rms_norm_kernel, rope_kernel, silu_and_mul_kernel
 from .fp8 import fp8_gemm_kernel, fp8_quant_rows_kernel, fp8_swapab_kernel
 from .gemv import gemv_kernel
-from .moe import fused_moe_kernel
+from .moe import fused_moe_kernel, moe_align_kernel, moe_routing_kernel
 from .sampling import (
     race_argmax_kernel,
     race_noise_kernel,
@@ -20,6 +20,8 @@ from .sampling import (
 __all__ = [
     "block_copy_kernel",
     "fused_moe_kernel",
+    "moe_align_kernel",
+    "moe_routing_kernel",
     "fp8_gemm_kernel",
     "fp8_quant_rows_kernel",
     "fp8_swapab_kernel",

@@ -149,6 +149,9 @@ def fp8_swapab_kernel(
     BLOCK_K: tl.constexpr,
     ONE_ROW: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
+    part_ptr=None,
+    lock_ptr=None,
 ):
     """``y = (xq @ wq.T) * xs[:, None] * ws[None, :] (+ b)`` for a few rows (M <= BLOCK_M = 16):
     the swapped-operand W8A8 product ``y.T [N, M] = wq [N, K] @ xq.T [K, M]``. The weight is the
@@ -163,8 +166,17 @@ def fp8_swapab_kernel(
     by every program. Otherwise ``x`` is already e4m3 with its scales in ``xs``. SILU_MUL (with
     QUANT_X): ``x`` is gate|up and ``silu(gate) * up`` is formed on the fly (the down projection).
     ONE_ROW (M = 1, with QUANT_X): the row is quantized as a vector and placed in column 0 of the
-    padded tile, so the divisions and the SiLU run once per element, not for 15 padding rows."""
+    padded tile, so the divisions and the SiLU run once per element, not for 15 padding rows.
+
+    SPLIT_K > 1: SPLIT_K programs share each BLOCK_N tile, each over its own run of K chunks, so a
+    narrow output (o and down of an 8B layer: 4,096 channels, 32-64 tiles) still puts a program on
+    every SM. Each writes its fp32 partial product to ``part [SPLIT_K, BLOCK_M, N]`` and counts
+    itself in the tile's ``lock``; the last to arrive sums the partials, applies the epilogue and
+    resets the lock to 0 (so the locks stay zero between calls and CUDA graph replays: no memset
+    launch)."""
     pid = tl.program_id(0)
+    pid_k = pid % SPLIT_K
+    pid = pid // SPLIT_K
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     m = tl.arange(0, BLOCK_M)
@@ -189,7 +201,9 @@ def fp8_swapab_kernel(
     else:
         s = tl.load(xs_ptr + m, mask=m_ok, other=0.0)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = pid_k * k_per
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
@@ -204,6 +218,17 @@ def fp8_swapab_kernel(
                 x_ptr + m.to(tl.int64)[None, :] * stride_x + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0
             )
         acc = tl.dot(w, xq, acc)
+    if SPLIT_K > 1:
+        parts = part_ptr + m[None, :] * N + n[:, None]
+        tl.store(parts + pid_k * BLOCK_M * N, acc, mask=n_ok[:, None])
+        tl.debug_barrier()  # every thread's partial is written before the count says so (release)
+        if tl.atomic_add(lock_ptr + pid, 1) != SPLIT_K - 1:
+            return
+        tl.debug_barrier()
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for j in range(SPLIT_K):  # from L2 (.cg): the other programs ran on other SMs
+            acc += tl.load(parts + j * BLOCK_M * N, mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(lock_ptr + pid, 0)
     y = acc * s[None, :] * tl.load(ws_ptr + n, mask=n_ok, other=0.0)[:, None]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import triton
 import triton.language as tl
 
 from ._common import grid_dependency, jit_unspecialized
@@ -92,3 +93,93 @@ def fused_moe_kernel(
         out = acc.to(dt)
     c_ptrs = c_ptr + ids.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, out, mask=valid[:, None] & n_ok[None, :])
+
+
+@jit_unspecialized("num_pairs", "cap")
+def moe_align_kernel(
+    ids_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    base_ptr,
+    num_pairs,
+    cap,
+    E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """`moe_align` of a small batch in ONE program (decode: up to a few thousand pairs), the same
+    output as the torch path, which takes a dozen launches that cost more than the expert GEMMs of
+    a batch-1 step. ``BLOCK_E > E`` so bin ``E`` can hold the padding lanes' sentinel expert.
+
+    Pairs are sorted by the key ``expert * BLOCK_P + pair`` (stable by construction); a pair at
+    sorted position ``j`` goes to ``padded_start[e] + j - start[e]`` of ``sorted_ids``, the
+    per-expert offsets read back from ``base`` (a scratch of BLOCK_E ints, written first: a
+    register tensor cannot be indexed by another). Tile ``t``'s expert is the number of padded
+    group ends ``<= t * BLOCK_M`` (searchsorted, right), clamped to ``E - 1``."""
+    grid_dependency(PDL)
+    p = tl.arange(0, BLOCK_P)
+    p_ok = p < num_pairs
+    e = tl.load(ids_ptr + p, mask=p_ok, other=E).to(tl.int32)
+    eb = tl.arange(0, BLOCK_E)
+    counts = tl.where(eb < E, tl.histogram(e, BLOCK_E), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(base_ptr + eb, ends - padded - (tl.cumsum(counts, 0) - counts))
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    for t0 in range(0, cap, BLOCK_P):
+        r = t0 + p
+        tl.store(sorted_ids_ptr + r, num_pairs + 0 * r, mask=r < cap)
+    keys = tl.sort(e * BLOCK_P + p)
+    tl.debug_barrier()  # the offsets in base and the sentinel fill are written before they are read/overwritten
+    se = keys // BLOCK_P
+    dest = tl.load(base_ptr + se, mask=p_ok, other=0) + p
+    tl.store(sorted_ids_ptr + dest, keys % BLOCK_P, mask=p_ok)
+    tb = tl.arange(0, BLOCK_T)
+    for t0 in range(0, cap // BLOCK_M, BLOCK_T):
+        t = t0 + tb
+        le = (ends[None, :] <= (t * BLOCK_M)[:, None]) & (eb < E)[None, :]
+        ex = tl.minimum(tl.sum(le.to(tl.int32), 1), E - 1)
+        tl.store(expert_ids_ptr + t, ex, mask=t < cap // BLOCK_M)
+
+
+@triton.jit
+def moe_routing_kernel(
+    logits_ptr,
+    w_ptr,
+    ids_ptr,
+    E,
+    stride_l,
+    TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Top-k routing of one token (`moe_routing_reference`'s rule): softmax over the E logits in
+    fp32, the k largest in descending order (ties to the lower expert), renormalised to sum 1 when
+    RENORM, weights stored in the output's dtype. One launch instead of torch's softmax, top-k,
+    sum, division and cast: at batch 1 each of those costs as much as the work itself."""
+    t = tl.program_id(0).to(tl.int64)
+    grid_dependency(PDL)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(e < E, p, -1.0)
+    vals = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        m = tl.max(p, 0)
+        i = tl.min(tl.where(p == m, e, BLOCK_E), 0)
+        total += m
+        p = tl.where(e == i, -1.0, p)
+        vals = tl.where(e == j, m, vals)
+        ids = tl.where(e == j, i, ids)
+    if RENORM:
+        vals = vals / total
+    tl.store(ids_ptr + t * TOP_K + e, ids.to(ids_ptr.dtype.element_ty), mask=e < TOP_K)
+    tl.store(w_ptr + t * TOP_K + e, vals.to(w_ptr.dtype.element_ty), mask=e < TOP_K)

@@ -16,7 +16,7 @@ import torch
 
 import kvmesh.kernels as K
 from kvmesh.kernels import _dispatch
-from kvmesh.kernels.moe import moe_align
+from kvmesh.kernels.moe import moe_align, moe_align_torch
 
 pytestmark = pytest.mark.unit
 
@@ -71,6 +71,42 @@ def test_align_groups_pairs_by_expert_in_padded_tiles():
     assert expert_ids[:3].tolist() == [0, 1, 2]
     assert tiles.tolist() == [[1, 4, 7, n], [3, n, n, n], [0, 2, 5, 6]]
     assert (sorted_ids[12:] == n).all()
+
+
+@pytest.mark.parametrize(
+    "T,k,E,bm",
+    [(1, 8, 128, 16), (3, 2, 4, 4), (37, 3, 6, 16), (128, 8, 128, 16), (40, 2, 3, 64), (256, 8, 60, 32)],
+)
+def test_align_kernel_equals_torch_ops(gen, T, k, E, bm):
+    """The one-program align (decode batches) gives exactly the torch path's three outputs."""
+    logits = torch.randn(T, E, generator=gen)
+    logits[: T // 2, 0] += 3.0  # one expert with several tiles
+    ids = logits.topk(k, dim=-1).indices
+    assert ids.numel() <= 2048  # the kernel's range (ALIGN_KERNEL_MAX_PAIRS)
+    got, want = moe_align(ids, E, bm), moe_align_torch(ids, E, bm)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.tolist() == w.tolist()
+
+
+@pytest.mark.parametrize(
+    "T,E,k,renorm,dtype",
+    [
+        (1, 128, 8, True, torch.bfloat16),
+        (7, 6, 2, True, torch.float32),
+        (5, 60, 4, False, torch.float32),
+        (3, 8, 8, True, torch.bfloat16),
+    ],
+)
+def test_routing_kernel_matches_reference(gen, T, E, k, renorm, dtype):
+    """Same experts in the same order as softmax + top-k; weights within a few fp32 ulps before the cast."""
+    logits = (torch.randn(T, E, generator=gen) * 2).to(dtype)
+    assert _dispatch.backend(logits) == "interpret"
+    w, ids = K.moe_routing(logits, k, renormalize=renorm)
+    rw, rids = K.moe_routing_reference(logits, k, renorm)
+    assert ids.dtype == rids.dtype and ids.tolist() == rids.tolist()
+    assert w.dtype == dtype and w.shape == (T, k)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: at most one rounding step apart
+    torch.testing.assert_close(w.float(), rw.float(), rtol=tol, atol=1e-7)
 
 
 def test_routing_and_argument_errors():
