@@ -4,8 +4,8 @@ Two sources, one result: every layer's ``qkv``, ``o``, ``gate_up`` and ``down`` 
 `kvmesh.kernels.Fp8Weight` (e4m3, one float32 scale per output channel), which the kernels take
 in place of a float tensor; embeddings, ``lm_head`` and norms stay in the model's dtype.
 
-* Online: a float checkpoint quantized after the model is built (`quantize_model`), each output
-  channel's largest magnitude mapped to 448.
+* Online: a float checkpoint quantized layer by layer as the model is built (`LayerQuantizer`),
+  each output channel's largest magnitude mapped to 448.
 * Pre-quantized: a checkpoint whose ``config.json`` has a ``quantization_config`` in one of the
   layouts vLLM reads (`checkpoint_quantization`): ``quant_method: fp8`` (e4m3 ``weight`` with
   ``weight_scale`` per tensor or per channel, ``input_scale`` per tensor when activations are
@@ -139,31 +139,50 @@ def _set(holder: Any, key: str, value: Any) -> None:
         setattr(holder, key, value)
 
 
-def quantize_model(model: Any, state_dict: Mapping[str, torch.Tensor], online: bool = True) -> int:
-    """Replace the built model's projection weights with `Fp8Weight`s: from the checkpoint's
-    e4m3 weights and scales where ``state_dict`` holds them, else, when ``online``, quantized from
-    the float weights. A pre-quantized checkpoint is loaded with ``online=False``: a projection
-    it keeps in float (its ``ignore`` list) stays in float, as its authors chose.
-    ``model`` is a decoder of engine/models/decoder.py (layer dicts, `DenseMLP` or MoE MLPs).
-    Returns how many weights were replaced. Layer by layer, so the float weights go as it goes."""
-    layers: list[dict[str, Any]] = model.layers
-    n = pre = 0
-    for i, layer in enumerate(layers):
+class LayerQuantizer:
+    """Replaces one built layer's projection weights with `Fp8Weight`s: from the checkpoint's e4m3
+    weights and scales where ``state_dict`` holds them, else, when ``online``, quantized from the
+    float weights. A pre-quantized checkpoint is loaded with ``online=False``: a projection it keeps
+    in float (its ``ignore`` list) stays in float, as its authors chose.
+
+    Called per layer while the model is built (the decoder's ``on_layer``), so each layer's float
+    weights are freed before the next layer is read; `quantize_model` runs it over a built model."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], online: bool = True) -> None:
+        self.state_dict = state_dict
+        self.online = online
+        self.replaced = 0
+        self.from_checkpoint = 0
+
+    def __call__(self, i: int, layer: Any) -> None:
         for holder, key in _projections(layer):
             w = _get(holder, key)
             if w is None or isinstance(w, Fp8Weight):
                 continue
             names = [f"model.layers.{i}.{p}" for p in FUSED[key]]
-            kinds = {sd_w.dtype == FP8 for sd_w in (state_dict.get(nm + ".weight") for nm in names) if sd_w is not None}
+            sd = self.state_dict
+            kinds = {sd_w.dtype == FP8 for sd_w in (sd.get(nm + ".weight") for nm in names) if sd_w is not None}
             if len(kinds) > 1:
                 raise QuantizationError(f"layer {i}: {key} mixes e4m3 and float checkpoint weights")
-            if kinds != {True} and not online:
+            if kinds != {True} and not self.online:
                 continue
-            _set(holder, key, _from_checkpoint(state_dict, names, w) if kinds == {True} else quantize_weight(w))
-            n += 1
-            pre += kinds == {True}
-    log.info("fp8: %d projection weights in e4m3 (%d from the checkpoint, %d quantized at load)", n, pre, n - pre)
-    return n
+            _set(holder, key, _from_checkpoint(sd, names, w) if kinds == {True} else quantize_weight(w))
+            self.replaced += 1
+            self.from_checkpoint += kinds == {True}
+
+    def log(self) -> None:
+        n, pre = self.replaced, self.from_checkpoint
+        log.info("fp8: %d projection weights in e4m3 (%d from the checkpoint, %d quantized at load)", n, pre, n - pre)
+
+
+def quantize_model(model: Any, state_dict: Mapping[str, torch.Tensor], online: bool = True) -> int:
+    """`LayerQuantizer` over every layer of a built ``model`` (a decoder of engine/models/decoder.py:
+    layer dicts, `DenseMLP` or MoE MLPs). Returns how many weights were replaced."""
+    q = LayerQuantizer(state_dict, online)
+    for i, layer in enumerate(model.layers):
+        q(i, layer)
+    q.log()
+    return q.replaced
 
 
 def fp8_state_dict_entries(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -98,7 +98,12 @@ class DecoderForCausalLM(torch.nn.Module):
         device: torch.device,
         max_positions: int | None = None,
         kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        on_layer: Callable[[int, LayerWeights], None] | None = None,
     ) -> None:
+        """``on_layer(i, layer)`` runs as soon as layer ``i`` is on the device, before the next one is
+        read: FP8 quantization at load (`engine.quantization.LayerQuantizer`) replaces its float
+        projections there, so the device never holds more than one layer in the checkpoint's dtype
+        beside the quantized ones (a 70B bf16 checkpoint fits an H200 this way; whole, it does not)."""
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
@@ -140,6 +145,8 @@ class DecoderForCausalLM(torch.nn.Module):
                     "mlp": self.load_mlp(i, w, has, p + "mlp."),
                 }
             )
+            if on_layer is not None:
+                on_layer(i, self.layers[-1])
         n_pos = max_positions or cfg.max_position_embeddings
         self.cos_sin = cos_sin_cache(cfg, n_pos).to(device)  # float32 on purpose: HF rotates in float32
         self._views: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None

@@ -28,7 +28,7 @@ from kvmesh import kernels
 from ..config import EngineConfig
 from ..models import model_class
 from ..models.kv_scales import kv_cache_scales, scales_fingerprint
-from ..quantization import quantize_model
+from ..quantization import LayerQuantizer
 from ..sched_output import SchedulerOutput
 from .graphs import DecodeGraphs
 from .inputs import EagerStager, Staging, StepPlan, cdiv, eager_layout_size, plan_step
@@ -57,11 +57,20 @@ class ModelRunner(DecodeRoundRunner):
         fp8 = self.kv_dtype == torch.float8_e4m3fn
         scales = kv_cache_scales(state_dict, m, self.device) if fp8 else None
         self.kv_scales_id = scales_fingerprint(scales)  # part of the KV layout the connectors compare
-        self.model = model_class(config.model)(
-            config.model, state_dict, self.dtype, self.device, max_positions=self.max_model_len, kv_scales=scales
-        )
+        quantizer = None
         if config.quantization == "fp8":
-            quantize_model(self.model, state_dict, online=config.model.quantization is None)
+            quantizer = LayerQuantizer(state_dict, online=config.model.quantization is None)
+        self.model = model_class(config.model)(
+            config.model,
+            state_dict,
+            self.dtype,
+            self.device,
+            max_positions=self.max_model_len,
+            kv_scales=scales,
+            on_layer=quantizer,
+        )
+        if quantizer is not None:
+            quantizer.log()
         self.sched_cfg = config.scheduler
         n_stage = eager_layout_size(
             config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, self.max_blocks_per_seq

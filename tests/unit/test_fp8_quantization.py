@@ -24,7 +24,12 @@ import kvmesh.kernels as K
 from kvmesh.engine.loader import ModelLoadError, load_model
 from kvmesh.engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from kvmesh.engine.models.random_init import random_model, scaled_config
-from kvmesh.engine.quantization import fp8_state_dict_entries, quantize_model, quantized_projection_names
+from kvmesh.engine.quantization import (
+    LayerQuantizer,
+    fp8_state_dict_entries,
+    quantize_model,
+    quantized_projection_names,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -112,6 +117,42 @@ def test_random_llama_fp8_logits_within_bound(seed):
     m = compare(ref, fp8_model(lm.config, lm.state_dict), prompts)
     print(m)
     assert m["top1"] >= 0.80 and m["max_rel"] <= 0.12, m
+
+
+def test_quantized_while_loading_layer_by_layer():
+    """The engine quantizes each layer as soon as it is built (the decoder's ``on_layer``): when layer
+    i arrives in float, every earlier layer is already e4m3, so the float weights of at most one
+    layer are alive at a time; the result equals quantizing the finished model, bit for bit."""
+    cfg = scaled_config(**{**SMALL, "num_hidden_layers": 4})
+    lm = random_model(cfg, dtype=torch.float32, seed=3)
+    quantizer = LayerQuantizer(lm.state_dict)
+    seen = []
+
+    def on_layer(i, layer):
+        m = model_ref[0]
+        earlier = [isinstance(w, K.Fp8Weight) for j in range(i) for w in (m.layers[j]["qkv"], m.layers[j]["mlp"].down)]
+        seen.append((i, all(earlier), isinstance(layer["qkv"], K.Fp8Weight)))
+        quantizer(i, layer)
+
+    model_ref: list = []
+
+    class Recorder(LlamaForCausalLM):
+        def __init__(self, *a, **kw):
+            model_ref.append(self)
+            super().__init__(*a, **kw)
+
+    streamed = Recorder(lm.config, lm.state_dict, torch.float32, CPU, on_layer=on_layer)
+    assert seen == [(i, True, False) for i in range(4)]
+    assert quantizer.replaced == 16 and quantizer.from_checkpoint == 0
+    whole = fp8_model(lm.config, lm.state_dict)
+    for a, b in zip(streamed.layers, whole.layers):
+        for x, y in (
+            (a["qkv"], b["qkv"]),
+            (a["o"], b["o"]),
+            (a["mlp"].gate_up, b["mlp"].gate_up),
+            (a["mlp"].down, b["mlp"].down),
+        ):
+            assert torch.equal(x.weight.view(torch.uint8), y.weight.view(torch.uint8)) and torch.equal(x.scale, y.scale)
 
 
 def _hf_config(cfg, quantization_config: dict) -> dict:
