@@ -8,6 +8,7 @@ cd "$ROOT"
 
 need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)  # the Redis TLS test makes its CA with it
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "[install] apt packages: ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

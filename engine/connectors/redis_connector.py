@@ -10,8 +10,10 @@ each other's blocks even if hashes collided.
 
 Redis AUTH: the password comes from ``password``, else ``password_file``, else
 ``$KVMESH_REDIS_PASSWORD`` (or the URL's own ``redis://:pw@host``); ``tls`` (or a
-``rediss://`` URL) turns on TLS. A wrong or missing password fails at start
-(``register_kv_cache`` pings the server) with an error naming Redis AUTH.
+``rediss://`` URL, or ``tls_ca_file``) turns on TLS, the server's certificate checked against
+the system's CAs or the PEM bundle ``tls_ca_file`` (a private CA, mounted from a Secret) and its
+host name against the URL's. A wrong or missing password, or a certificate that does not verify,
+fails at start (``register_kv_cache`` pings the server) with an error naming Redis AUTH or TLS.
 
 Value = a fixed header + the block's raw bytes (all layers, K and V, exactly as
 ``kv_cache[b]`` holds them)::
@@ -134,17 +136,21 @@ class RedisConnector(KVConnector):
         password: str | None = None,
         password_file: str | None = None,
         tls: bool = False,
+        tls_ca_file: str | None = None,
     ) -> None:
         """``save`` defaults to every role but ``decode`` (prefill fills the store, decode reads it);
         turn it on for decode too to make Redis a shared prefix cache of generated text as well.
         ``ttl_s=None`` leaves expiry to Redis' own ``maxmemory-policy`` (e.g. allkeys-lru).
         ``max_batch_bytes`` bounds the block bytes of one ``MGET`` or ``SET`` pipeline (and so the
         replies and encoded values held at once). ``password`` / ``password_file`` /
-        ``$KVMESH_REDIS_PASSWORD`` and ``tls``: see the module docstring."""
-        if tls and url.startswith("redis://"):
+        ``$KVMESH_REDIS_PASSWORD``, ``tls`` and ``tls_ca_file``: see the module docstring."""
+        if tls_ca_file is not None and not os.path.isfile(tls_ca_file):
+            raise ValueError(f"tls_ca_file {tls_ca_file!r} is not a file")
+        if (tls or tls_ca_file) and url.startswith("redis://"):
             url = "rediss://" + url[len("redis://") :]
         self.url = url
         self.tls = url.startswith("rediss://")
+        self.tls_ca_file = tls_ca_file
         self._password = password or _read_secret(password_file) or os.environ.get(REDIS_PASSWORD_ENV) or None
         self.ttl_s = ttl_s
         self._save_opt = save
@@ -193,7 +199,9 @@ class RedisConnector(KVConnector):
             # cheaper than stalling the engine loop through a backoff schedule during an outage.
             # The Python packer sends block values without re-copying them (see the module docstring);
             # 1 MiB socket reads: hiredis parses a large reply fed in few big pieces several times faster.
-            auth = {"password": self._password} if self._password else {}
+            auth: dict[str, Any] = {"password": self._password} if self._password else {}
+            if self.tls and self.tls_ca_file:
+                auth["ssl_ca_certs"] = self.tls_ca_file
             self._client = redis.Redis.from_url(
                 self.url,
                 **auth,
@@ -224,6 +232,7 @@ class RedisConnector(KVConnector):
         """Ping Redis once at start: a refused password is a configuration error (RuntimeError) now,
         not a stream of recomputes later. An unreachable Redis only logs: the engine serves without it."""
         from redis.exceptions import AuthenticationError, ResponseError
+        from redis.exceptions import ConnectionError as RedisConnectionError  # AuthenticationError's base
 
         try:
             self.client.ping()
@@ -235,6 +244,14 @@ class RedisConnector(KVConnector):
                 f"Redis AUTH failed for {self.url} ({how}: {e}); give the connector the server's password "
                 f"with ${REDIS_PASSWORD_ENV} or --redis-password-file"
             ) from None
+        except RedisConnectionError as e:
+            if self.tls and ("SSL" in str(e) or "certificate" in str(e)):
+                ca = f"the CA bundle {self.tls_ca_file}" if self.tls_ca_file else "the system's CAs"
+                raise RuntimeError(
+                    f"Redis TLS handshake with {self.url} failed against {ca} ({e}); give the connector the CA "
+                    "that signed the server's certificate with --redis-tls-ca-file (config key tls_ca_file)"
+                ) from None
+            self._redis_error("ping at start", e)
         except Exception as e:
             self._redis_error("ping at start", e)
 

@@ -84,6 +84,11 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
     )
     g.add_argument("--redis-tls", action="store_true", help="talk TLS to Redis (same as a rediss:// URL)")
     g.add_argument(
+        "--redis-tls-ca-file",
+        default=None,
+        help="PEM bundle of the CA that signed Redis' certificate (implies --redis-tls; default: the system's CAs)",
+    )
+    g.add_argument(
         "--kv-auth-key-file",
         default=None,
         help="file holding the KV-path secret shared by the workers and the router (default: $KVMESH_KV_AUTH_KEY): "
@@ -200,6 +205,7 @@ def configs_from_args(args: argparse.Namespace):
     for flag, key, value in (
         ("--redis-password-file", "password_file", args.redis_password_file),
         ("--redis-tls", "tls", args.redis_tls or None),
+        ("--redis-tls-ca-file", "tls_ca_file", args.redis_tls_ca_file),
     ):
         if value is not None:
             if args.kv_connector != "redis":

@@ -37,16 +37,21 @@ TEXT = (
 class RedisServer:
     """A throwaway redis-server: random port, no persistence, killed at teardown."""
 
-    def __init__(self, password: str | None = None) -> None:
+    def __init__(self, password: str | None = None, tls: dict[str, str] | None = None) -> None:
+        """``tls``: ``{"cert", "key", "ca"}`` file paths: the server speaks TLS only (no plain port)."""
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.skip("redis-server is not installed (scripts/install.sh installs it)")
         self.port = _free_port()
+        self.tls = tls
+        ports = ["--port", str(self.port)]
+        if tls:
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", tls["cert"]]
+            ports += ["--tls-key-file", tls["key"], "--tls-ca-cert-file", tls["ca"], "--tls-auth-clients", "no"]
         self.proc = subprocess.Popen(
             [
                 exe,
-                "--port",
-                str(self.port),
+                *ports,
                 "--bind",
                 "127.0.0.1",
                 "--save",
@@ -62,7 +67,8 @@ class RedisServer:
         )
         import redis
 
-        self.client = redis.Redis(port=self.port, socket_timeout=2, password=password)
+        ssl = {"ssl": True, "ssl_ca_certs": tls["ca"]} if tls else {}
+        self.client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, password=password, **ssl)
         for _ in range(200):
             try:
                 if self.client.ping():
@@ -74,7 +80,7 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -413,3 +419,46 @@ def test_redis_auth_password_required(smol, one_thread, prompts, reference, monk
     finally:
         srv.stop()
     assert srv.proc.poll() is not None
+
+
+def _test_ca(d) -> dict[str, str]:
+    """A private CA and a server certificate it signs for 127.0.0.1, made by the openssl CLI."""
+    f = {k: str(d / n) for k, n in (("ca", "ca.crt"), ("ca_key", "ca.key"), ("cert", "srv.crt"), ("key", "srv.key"))}
+
+    def ossl(*a: str) -> None:
+        subprocess.run(["openssl", *a], check=True, capture_output=True)
+
+    ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvmesh test CA",
+         "-keyout", f["ca_key"], "-out", f["ca"])  # fmt: skip
+    csr, ext = str(d / "srv.csr"), d / "ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    ossl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", f["key"], "-out", csr)
+    ossl("x509", "-req", "-in", csr, "-CA", f["ca"], "-CAkey", f["ca_key"], "-CAcreateserial", "-days", "2",
+         "-extfile", str(ext), "-out", f["cert"])  # fmt: skip
+    return f
+
+
+def test_redis_tls_verified_against_a_private_ca(smol, one_thread, prompts, reference, tmp_path):
+    """A TLS-only redis-server whose certificate a private CA signed: without that CA the connector
+    fails at start naming TLS (not a silent stream of recomputes); with ``tls_ca_file`` prefill saves
+    over TLS and decode loads exactly."""
+    certs = _test_ca(tmp_path)
+    srv = RedisServer(tls=certs)
+    try:
+        assert srv.url.startswith("rediss://")
+        with pytest.raises(RuntimeError, match="Redis TLS handshake"):
+            _engine(smol, srv.url, role="prefill")
+        prefill = _engine(smol, srv.url, role="prefill", tls_ca_file=certs["ca"])
+        decode = _engine(smol, srv.url.replace("rediss://", "redis://"), role="decode", tls_ca_file=certs["ca"])
+        assert decode.connector.tls  # the CA file alone turns TLS on
+        p = prompts["long"]
+        run_request(prefill, "tls-p", p, 1, {"do_remote_decode": True})
+        out = run_request(decode, "tls-d", p, MAX_NEW)
+        assert out["tokens"] == reference["long"]
+        assert out["computed"] == len(p) - _loadable(len(p)) + MAX_NEW - 1
+        assert prefill.connector.stats["blocks_saved"] > 0 and decode.connector.stats["redis_errors"] == 0
+        _assert_no_leak(prefill, decode)
+        prefill.shutdown()
+        decode.shutdown()
+    finally:
+        srv.stop()
