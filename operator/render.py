@@ -68,6 +68,10 @@ INTERNAL_SECRET_SUFFIX = "-kvmesh-internal"
 KEY_UPSTREAM_API_KEY = "upstream-api-key"
 KEY_KV_AUTH = "kv-auth-key"
 KEY_REDIS_PASSWORD = "redis-password"
+# An external Redis (kvConnector.redis.url): the user's Secrets for its password and its CA.
+REDIS_PASSWORD_SECRET_KEY = "password"
+REDIS_TLS_CA_KEY = "ca.crt"
+REDIS_TLS_DIR = "/etc/kvmesh/redis-tls"
 INTERNAL_KEYS = (KEY_UPSTREAM_API_KEY, KEY_KV_AUTH, KEY_REDIS_PASSWORD)
 # Tenant keys: the user's Secret (spec.auth.apiKeysSecret, key keys.json) mounted in the router.
 API_KEYS_SECRET_KEY = "keys.json"
@@ -256,6 +260,8 @@ def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> lis
         args += ["--kv-connector-config", json.dumps(nixl_config(), sort_keys=True)]
     elif url:
         args += ["--kv-connector-config", json.dumps({"url": url}, sort_keys=True)]
+        if spec.connector.redis_tls_ca_secret:
+            args += ["--redis-tls-ca-file", f"{REDIS_TLS_DIR}/{REDIS_TLS_CA_KEY}"]
     for attr, flag in ENGINE_FLAGS:
         value = getattr(spec.engine, attr)
         if value is not None:  # None (dtype: auto): the engine's own choice for the device
@@ -341,14 +347,38 @@ def _model_volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
 
 def _worker_secret_env(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[dict[str, Any]]:
     """A worker accepts only the router's key on its API; the KV path is authenticated with the
-    shared key; a managed Redis's password (the only one the operator knows)."""
+    shared key; Redis AUTH with a managed Redis's generated password, or an external one's from the
+    user's Secret (``kvConnector.redis.passwordSecret``)."""
     env = [
         _secret_env("KVMESH_API_KEY", meta, KEY_UPSTREAM_API_KEY),
         _secret_env("KVMESH_KV_AUTH_KEY", meta, KEY_KV_AUTH),
     ]
-    if spec.connector.type == "redis" and spec.connector.redis_managed:
+    c = spec.connector
+    if c.type == "redis" and c.redis_managed:
         env.append(_secret_env("KVMESH_REDIS_PASSWORD", meta, KEY_REDIS_PASSWORD))
+    elif c.type == "redis" and c.redis_password_secret:
+        ref = {"name": c.redis_password_secret, "key": REDIS_PASSWORD_SECRET_KEY}
+        env.append({"name": "KVMESH_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": ref}})
     return env
+
+
+def _redis_tls_mounts(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    if spec.connector.type != "redis" or not spec.connector.redis_tls_ca_secret:
+        return []
+    return [{"name": "redis-tls", "mountPath": REDIS_TLS_DIR, "readOnly": True}]
+
+
+def _redis_tls_volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The external Redis's CA (user Secret ``kvConnector.redis.tlsCaSecret``, key ca.crt)."""
+    if spec.connector.type != "redis" or not spec.connector.redis_tls_ca_secret:
+        return []
+    items = [{"key": REDIS_TLS_CA_KEY, "path": REDIS_TLS_CA_KEY}]
+    return [
+        {
+            "name": "redis-tls",
+            "secret": {"secretName": spec.connector.redis_tls_ca_secret, "items": items, "defaultMode": 0o444},
+        }
+    ]
 
 
 def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash: str) -> Manifest:
@@ -358,8 +388,8 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
         {"name": "tmp", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
     ]
-    mounts += _model_mounts(spec)
-    volumes += _model_volumes(spec)
+    mounts += _model_mounts(spec) + _redis_tls_mounts(spec)
+    volumes += _model_volumes(spec) + _redis_tls_volumes(spec)
     container = {
         "name": "worker",
         "image": r.image or spec.image,

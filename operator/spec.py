@@ -50,6 +50,8 @@ class ConnectorSpec:
     redis_url: str | None = None
     redis_managed: bool = False
     redis_image: str = DEFAULT_REDIS_IMAGE
+    redis_password_secret: str | None = None  # an external Redis's AUTH password: Secret name, key "password"
+    redis_tls_ca_secret: str | None = None  # the CA of an external Redis's certificate: Secret name, key "ca.crt"
 
     @staticmethod
     def parse(d: Mapping[str, Any]) -> ConnectorSpec:
@@ -59,6 +61,8 @@ class ConnectorSpec:
             redis_url=r.get("url"),
             redis_managed=bool(r.get("managed", False)),
             redis_image=r.get("image", DEFAULT_REDIS_IMAGE),
+            redis_password_secret=r.get("passwordSecret") or None,
+            redis_tls_ca_secret=r.get("tlsCaSecret") or None,
         )
 
 

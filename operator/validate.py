@@ -28,6 +28,11 @@ def problems(spec: InferenceServiceSpec) -> list[str]:
             f"engine.blockSize ({e.block_size})"
         )
     url = spec.connector.redis_url
+    c = spec.connector
+    if url is None and (c.redis_password_secret or c.redis_tls_ca_secret):
+        out.append(
+            "kvConnector.redis.passwordSecret and tlsCaSecret go with url (a managed Redis has its own password)"
+        )
     if spec.connector.type == "redis" and url is not None:
         parts = urlsplit(url)
         if parts.scheme not in ("redis", "rediss") or not parts.hostname:

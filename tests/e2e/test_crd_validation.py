@@ -47,6 +47,10 @@ CASES = {
         {"kvConnector": {"type": "redis", "redis": {"url": "redis://r:6379", "managed": True}}},
         "set exactly one of kvConnector.redis.url or kvConnector.redis.managed=true",
     ),
+    "cel-redis-secrets-with-url": (
+        {"kvConnector": {"type": "redis", "redis": {"managed": True, "tlsCaSecret": "ca"}}},
+        "kvConnector.redis.passwordSecret and tlsCaSecret go with url",
+    ),
     "cel-gguf-path": (
         {"model": {"source": "gguf", "path": "w.bin", "volume": {"claimName": "models"}}},
         "model.path must name a .gguf file",

@@ -207,6 +207,10 @@ def test_engine_change_rolls_pods_through_config_hash() -> None:
         ({"engine": {"maxNumBatchedTokens": 32, "maxNumSeqs": 64}}, "must be >= engine.maxNumSeqs"),
         ({"engine": {"maxNumBatchedTokens": 1000}}, "multiple of engine.blockSize"),
         ({"kvConnector": {"type": "redis", "redis": {"url": "http://x"}}}, "not a redis://"),
+        (
+            {"kvConnector": {"type": "redis", "redis": {"managed": True, "passwordSecret": "p"}}},
+            "passwordSecret and tlsCaSecret go with url",
+        ),
     ],
 )
 def test_semantic_problems(spec: dict[str, Any], fragment: str) -> None:

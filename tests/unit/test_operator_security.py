@@ -146,6 +146,36 @@ def test_without_tenant_keys_or_redis_nothing_extra_is_mounted() -> None:
     assert "KVMESH_REDIS_PASSWORD" not in env_of(decode)
 
 
+def test_external_redis_password_and_ca_come_from_the_users_secrets(tmp_path) -> None:
+    """An external Redis (url) with ``passwordSecret`` and ``tlsCaSecret``: the workers get the password
+    from the user's Secret (key password) as $KVMESH_REDIS_PASSWORD, the CA (key ca.crt) mounted read-only,
+    and a --redis-tls-ca-file that names the mounted file and that `kvmesh serve` turns into the
+    connector's tls_ca_file; the router gets neither; the pods still meet `restricted`."""
+    from tests.unit.test_operator_render import _engine_settings_from_args
+
+    redis = {"url": "rediss://cache.example:6380/0", "passwordSecret": "cache-auth", "tlsCaSecret": "cache-ca"}
+    objs = by_kind(render({"kvConnector": {"type": "redis", "redis": redis}}, META))
+    assert ("Deployment", "svc-redis") not in objs
+    for role in ("prefill", "decode"):
+        pod = objs[("Deployment", f"svc-{role}")]["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert env_of(c)["KVMESH_REDIS_PASSWORD"] == ("cache-auth", "password")
+        vol = next(v for v in pod["volumes"] if v["name"] == "redis-tls")
+        assert vol["secret"]["secretName"] == "cache-ca" and vol["secret"]["items"] == [
+            {"key": "ca.crt", "path": "ca.crt"}
+        ]
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "redis-tls")
+        assert mount["readOnly"]
+        ca_file = c["args"][c["args"].index("--redis-tls-ca-file") + 1]
+        assert ca_file == mount["mountPath"] + "/ca.crt"
+        _, proc = _engine_settings_from_args(c["args"])
+        assert proc.kv_connector_config == {"url": redis["url"], "tls_ca_file": ca_file}
+        assert restricted_violations(pod) == []
+    router = objs[("Deployment", "svc-router")]["spec"]["template"]["spec"]
+    assert "KVMESH_REDIS_PASSWORD" not in env_of(router["containers"][0])
+    assert "redis-tls" not in [v["name"] for v in router["volumes"]]
+
+
 def test_internal_secret_is_owned_and_random() -> None:
     meta = ObjectMeta.parse(META)
     a, b = internal_secret(meta), internal_secret(meta)
