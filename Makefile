@@ -32,7 +32,7 @@ test:
 	nice -n 19 bash scripts/images.sh > $(HOME)/.cache/kvmesh/images-build.log 2>&1 & \
 	$(MAKE) --no-print-directory lint; rc0=$$?; \
 	$(PY) -m pytest -q -m "not gpu" tests/kernels; rc1=$$?; \
-	$(PY) -m pytest -q -m "not gpu" tests/unit tests/integration tests/e2e; rc2=$$?; \
+	$(PY) -m pytest -q -m "not gpu" --durations=25 tests/unit tests/integration tests/e2e; rc2=$$?; \
 	wait; [ $$rc0 -eq 0 ] && [ $$rc1 -eq 0 ] && [ $$rc2 -eq 0 ]
 
 # The unit tier: the kernel tests first, in their own process (see `test`), then tests/unit.
