@@ -10,6 +10,7 @@ from dataclasses import asdict
 
 from kvmesh.engine.args import EngineArgs
 from kvmesh.engine.kv_auth import load_kv_auth_key
+from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT
 
 
 def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> None:
@@ -49,6 +50,12 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
         type=float,
         default=30.0,
         help="seconds for a request body to arrive in full; a slower client gets 408",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT,
+        help="seconds for a request's headers to arrive; a slower client gets 408, an idle connection is closed",
     )
     g.add_argument(
         "--engine-restarts",
@@ -174,6 +181,7 @@ def configs_from_args(args: argparse.Namespace):
         api_keys_file=args.api_keys_file,
         max_body_bytes=args.max_body_bytes,
         body_timeout=args.body_timeout,
+        header_timeout=args.header_timeout,
         engine_restarts=args.engine_restarts,
         ipc_dir=args.engine_ipc_dir,
         engine_input_addr=args.engine_input_addr,

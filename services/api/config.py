@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmesh.engine.config import Role
+from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class ServerConfig:
     api_keys_file: str | None = None  # JSON list of {key, tenant, priority, rpm, tpm}, re-read on change
     max_body_bytes: int = 8 << 20  # larger bodies get 413
     body_timeout: float = 30.0  # seconds for a request body to arrive in full; slower ones get 408
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT  # seconds for a request's headers (services/http_server.py)
     ready_timeout: float = 900.0  # seconds to wait for the engine to load the model
     # A dead engine process (killed, out of memory) is started again this many times; in-flight
     # requests get 503, later ones are served once it is back. Past that, /health stays 503.
@@ -41,8 +43,8 @@ class ServerConfig:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.engine_restarts < 0:
             raise ValueError("engine_restarts must be >= 0")
-        if self.body_timeout <= 0:
-            raise ValueError("body_timeout must be > 0")
+        if self.body_timeout <= 0 or self.header_timeout <= 0:
+            raise ValueError("body_timeout and header_timeout must be > 0")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must be >= 0")
         if (self.engine_input_addr is None) != (self.engine_output_addr is None):

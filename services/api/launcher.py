@@ -18,6 +18,7 @@ import time
 import uvicorn
 
 from kvmesh import aio
+from kvmesh.services.http_server import server_config
 
 from .config import ServerConfig
 from .engine_client import EngineAddresses, EngineClient, EngineDeadError
@@ -52,14 +53,14 @@ async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
     metrics.on_stats(client.stats)
     app = build_app(cfg, client, loaded.tokenizer, metrics)
     server = uvicorn.Server(
-        uvicorn.Config(
+        server_config(
             app,
-            host=cfg.host,
-            port=cfg.port,
+            cfg.host,
+            cfg.port,
+            header_timeout=cfg.header_timeout,
             log_level=cfg.uvicorn_log_level,
             # uvicorn annotates an int but only hands it to asyncio.wait_for, which takes seconds as a float
-            timeout_graceful_shutdown=cfg.shutdown_timeout,  # type: ignore[arg-type]
-            lifespan="off",
+            timeout_graceful_shutdown=cfg.shutdown_timeout,
         )
     )
     log.info("serving %s on http://%s:%d (role %s)", ready.model_name, cfg.host, cfg.port, ready.role)

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 from kvmesh.services.api.protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.services.auth import APIKeyMiddleware, request_key
 from kvmesh.services.errors import APIError, bad_request, error_response, error_responses, validation_error_response
+from kvmesh.services.http_server import server_config
 from kvmesh.services.request_guard import RequestGuard
 
 from .admission import ClientGone
@@ -195,14 +196,14 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> int:
     await router.start()
     app = build_app(router)
     server = uvicorn.Server(
-        uvicorn.Config(
+        server_config(
             app,
-            host=cfg.host,
-            port=cfg.port,
+            cfg.host,
+            cfg.port,
+            header_timeout=cfg.header_timeout,
             log_level=cfg.log_level,
-            lifespan="off",
             # uvicorn annotates an int but only hands it to asyncio.wait_for, which takes seconds as a float
-            timeout_graceful_shutdown=cfg.shutdown_timeout,  # type: ignore[arg-type]
+            timeout_graceful_shutdown=cfg.shutdown_timeout,
         )
     )
     log.info(

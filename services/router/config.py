@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.cli_fields import cli
 from kvmesh.engine.config import ROLES, Role
+from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT
 
 POLICIES = ("kv-aware", "round-robin", "least-load")
 HOT_LIMIT_SCOPES = ("hot", "all", "off")
@@ -217,6 +218,12 @@ class RouterConfig:
     body_timeout: float = field(
         default=30.0, metadata=cli("seconds for a request body to arrive in full; a slower client gets 408")
     )
+    header_timeout: float = field(
+        default=DEFAULT_HEADER_TIMEOUT,
+        metadata=cli(
+            "seconds for a request's headers to arrive; a slower client gets 408, an idle connection is closed"
+        ),
+    )
     # uvicorn answers 500 for any request still unanswered after it.
     shutdown_timeout: float = field(
         default=30.0,
@@ -238,5 +245,5 @@ class RouterConfig:
             raise ValueError("max_concurrent_requests, queue_size and queue_timeout must be >= 0")
         if self.approx_capacity < 1:
             raise ValueError("approx_capacity must be >= 1")
-        if self.max_body_bytes < 1024 or self.body_timeout <= 0:
-            raise ValueError("max_body_bytes must be >= 1024 and body_timeout > 0")
+        if self.max_body_bytes < 1024 or self.body_timeout <= 0 or self.header_timeout <= 0:
+            raise ValueError("max_body_bytes must be >= 1024, body_timeout and header_timeout > 0")

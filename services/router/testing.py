@@ -21,17 +21,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvmesh.health import wait_until
+from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT, server_config
 from kvmesh.topology import free_port
 
 
 class ThreadServer:
     """uvicorn on a daemon thread; `stop` shuts it down."""
 
-    def __init__(self, app, port: int | None = None, on_start=None, on_stop=None) -> None:
+    def __init__(
+        self, app, port: int | None = None, on_start=None, on_stop=None, header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error", lifespan="off")
+            server_config(app, "127.0.0.1", self.port, header_timeout=header_timeout, log_level="error")
         )
         self.on_start, self.on_stop = on_start, on_stop
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -185,7 +188,13 @@ def start_router(cfg, tokenizer=None):
     from .router import Router
 
     router = Router(cfg, tokenizer=tokenizer)
-    srv = ThreadServer(build_app(router), port=cfg.port or None, on_start=router.start, on_stop=router.close)
+    srv = ThreadServer(
+        build_app(router),
+        port=cfg.port or None,
+        on_start=router.start,
+        on_stop=router.close,
+        header_timeout=cfg.header_timeout,
+    )
     return srv.start(), router
 
 

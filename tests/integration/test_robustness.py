@@ -27,6 +27,7 @@ pytestmark = pytest.mark.integration
 
 ENV = {"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING"}
 BODY_TIMEOUT = 2.0
+HEADER_TIMEOUT = 2.0
 OK = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
 
 
@@ -43,6 +44,8 @@ def server(tmp_path_factory):
             "0.1",
             "--body-timeout",
             str(BODY_TIMEOUT),
+            "--header-timeout",
+            str(HEADER_TIMEOUT),
         ],
         env=ENV,
         log_path=log,
@@ -63,6 +66,7 @@ def router(server):
         pods=(PodSpec(server.base_url),),
         health_interval=0.3,
         body_timeout=BODY_TIMEOUT,
+        header_timeout=HEADER_TIMEOUT,
     )
     srv, rt = start_router(cfg)
     yield srv.url
@@ -153,6 +157,40 @@ def test_slow_body_is_cut_off(url):
     finally:
         s.close()
     assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    still_serves(url)
+
+
+def test_slow_headers_and_idle_connections_are_cut_off(url):
+    """Slowloris: headers that trickle in one line at a time get 408 (OpenAI schema) and a closed
+    connection after --header-timeout; a connection that sends nothing is closed too. Neither holds
+    the server's connection for ever."""
+    s = _raw(url)
+    got = b""
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        s.settimeout(0.3)
+        deadline = time.monotonic() + 10 * HEADER_TIMEOUT  # trickle for longer than the limit
+        while time.monotonic() < deadline:
+            try:
+                s.sendall(b"x-slow: 1\r\n")
+                chunk = s.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not chunk:
+                break
+            got += chunk
+    finally:
+        s.close()
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == 408
+    idle = _raw(url)
+    try:
+        idle.settimeout(10 * HEADER_TIMEOUT)
+        assert idle.recv(100) == b""  # closed by the server, nothing sent
+    finally:
+        idle.close()
     still_serves(url)
 
 
