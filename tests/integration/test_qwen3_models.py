@@ -9,7 +9,8 @@ and for the MoE top-2 of 8 experts with renormalised weights and a dense layer b
 (``mlp_only_layers``). The oracle is HF loading the same folder.
 
 Checked: alone, batched, chunked prefill, prefix-cache hits, through one `kvmesh serve` process,
-and for the MoE through P/D with the NIXL and the Redis connector.
+and for the MoE through P/D with the NIXL and the Redis connector; FP8 weights (`--quantization fp8`)
+against the float model's logits on both configs, within the bounds of `FP8_BOUNDS`.
 """
 
 from __future__ import annotations
@@ -263,3 +264,65 @@ def test_qwen3_moe_pd_over_redis(loaded, prompts):
         for eng in engines:
             eng.shutdown()
         srv.stop()
+
+
+# FP8 weights against the float32 model, teacher-forced logits over `prompts` (434 positions).
+# Measured: Qwen3 top-1 agreement 80.0%, relative L2 median 0.078, max 0.108; Qwen3-MoE top-1 71.4%,
+# median 0.098, and 8.8% of positions above 0.3 (max 1.05): FP8 noise in the router's input changes
+# which experts a token goes to where the router's top-2 and top-3 are close (random routers often
+# are), and such a position's output moves by the difference of the experts. So the MoE's bound is on
+# the share of those positions, not the largest one. Quantized: attention's qkv and o, dense MLPs
+# (the MoE's `mlp_only_layers`); experts and routers stay float.
+FP8_BOUNDS = {
+    "qwen3": dict(top1=0.70, median=0.11, max=0.16, share_over_0_3=0.0),
+    "qwen3_moe": dict(top1=0.62, median=0.13, max=None, share_over_0_3=0.15),
+}
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_fp8_weights_keep_logits_close(kind, loaded, prompts):
+    from kvmesh.engine.models import model_class
+    from kvmesh.engine.models.decoder import AttentionMetadata, DenseMLP
+    from kvmesh.engine.quantization import LayerQuantizer
+    from kvmesh.kernels import Fp8Weight
+
+    lm = loaded[kind]
+    cls = model_class(lm.config)
+    cpu = torch.device("cpu")
+    ref = cls(lm.config, lm.state_dict, torch.float32, cpu)
+    quantizer = LayerQuantizer(lm.state_dict)
+    q = cls(lm.config, lm.state_dict, torch.float32, cpu, on_layer=quantizer)
+    dense = sum(1 for layer in q.layers if isinstance(layer["mlp"], DenseMLP))
+    assert quantizer.replaced == 2 * len(q.layers) + 2 * dense
+    assert isinstance(q.layers[0]["qkv"], Fp8Weight)
+
+    def logits(model, ids):
+        cfg, T = model.cfg, len(ids)
+        nb = -(-T // BS)
+        kv = torch.zeros(nb, cfg.num_layers, 2, BS, cfg.num_kv_heads, cfg.head_dim)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(T),
+            block_tables=torch.arange(nb, dtype=torch.int32)[None],
+            query_start_loc=torch.tensor([0, T], dtype=torch.int32),
+            seq_lens=torch.tensor([T], dtype=torch.int32),
+        )
+        return model.forward(torch.tensor(ids), torch.arange(T), kv, meta, None)
+
+    rel, agree = [], []
+    with torch.inference_mode():
+        for ids in prompts:
+            a, b = logits(ref, ids), logits(q, ids)
+            rel += ((a - b).norm(dim=-1) / a.norm(dim=-1)).tolist()
+            agree += (a.argmax(-1) == b.argmax(-1)).tolist()
+    r = torch.tensor(rel)
+    got = dict(
+        top1=sum(agree) / len(agree),
+        median=r.median().item(),
+        max=r.max().item(),
+        share_over_0_3=(r > 0.3).float().mean().item(),
+    )
+    print(kind, got)
+    bound = FP8_BOUNDS[kind]
+    assert got["top1"] >= bound["top1"] and got["median"] <= bound["median"], got
+    assert bound["max"] is None or got["max"] <= bound["max"], got
+    assert got["share_over_0_3"] <= bound["share_over_0_3"], got
