@@ -233,7 +233,7 @@ def fp8_swapab(
     if x.stride(1) != 1:
         x = x.contiguous()
     bn, bk, warps, stages = config or fp8_swapab_config(N, K, x.device)
-    split = swapab_split_k(N, K, bn, bk, x.device) if split_k is None else split_k
+    split = swapab_split_k(N, K) if split_k is None else split_k
     part = lock = None
     if split > 1:
         part, lock = _split_buffers(x.device, split * 16 * N, -(-N // bn))
@@ -267,21 +267,13 @@ def fp8_swapab(
     return y
 
 
-def swapab_split_k(N: int, K: int, block_n: int, block_k: int, device: torch.device) -> int:
+def swapab_split_k(N: int, K: int) -> int:
     """How many programs share one `fp8_swapab_kernel` tile: the measured entry (`SWAPAB_SPLIT_K`),
-    else 1 (``KVMESH_FP8_SPLIT_K`` forces a value, read per call, for measurements). A narrow output
-    wants enough splits for every SM to get a program, each keeping at least two K chunks:
-    `split_k_for_sms` is that rule, which bench/gpu_fp8.py sweeps around."""
+    else 1 (``KVMESH_FP8_SPLIT_K`` forces a value, read per call, for measurements)."""
     forced = os.environ.get("KVMESH_FP8_SPLIT_K", "")
     if forced:
         return max(1, int(forced))
     return SWAPAB_SPLIT_K.get((N, K), 1)
-
-
-def split_k_for_sms(N: int, K: int, block_n: int, block_k: int, sms: int) -> int:
-    """Programs per tile so that ``sms`` SMs each get one, keeping at least two K chunks per program."""
-    tiles = -(-N // block_n)
-    return max(1, min(-(-sms // tiles), K // (2 * block_k)))
 
 
 _SPLIT_BUFFERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
