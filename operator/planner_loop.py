@@ -80,6 +80,9 @@ def targets(a: AutoscalingSpec, role: str) -> Targets:
         ttft_s=s.target_ttft_ms / 1e3 if s.target_ttft_ms else None,
         itl_s=s.target_itl_ms / 1e3 if s.target_itl_ms else None,
         kv_usage=s.target_kv_usage if role == "decode" else None,
+        target_utilization=a.target_utilization,
+        forecast_window_s=a.forecast_window_s,
+        lead_s=a.scale_up_lead_s,
     )
 
 
