@@ -9,7 +9,10 @@ Prefill: the pods' backlog of uncached prompt tokens (waiting and in flight,
 ``kvmesh:prompt_tokens_pending``) must be cleared within the TTFT target, and the arrival rate of
 prompt tokens must be served with headroom, by pods that each compute ``rate_per_pod`` tokens/s
 (measured from ``kvmesh:engine_computed_tokens`` over intervals in which the pods had a backlog,
-so an idle pool does not read as a slow one).
+so an idle pool does not read as a slow one). A pool that serves prompts as they come never shows
+a backlog; until it does, a pod's rate is estimated as the tokens computed per request (per first
+token) over the TTFT percentile, i.e. as if each request's prefill took all of its TTFT, which
+errs towards more pods once requests queue.
 
 Decode: each pod can run as many sequences as keep its ITL at the target (a line ITL = a + b *
 batch fitted to (running, ITL) samples; proportional when only one batch size was seen), and the
@@ -62,6 +65,7 @@ class PodLoad:
     computed_tokens_per_s: float = 0.0  # tokens the model ran per second over the interval
     itl_s: float | None = None  # the target percentile of ITL over the interval (None: no tokens)
     ttft_s: float | None = None
+    first_tokens_per_s: float = 0.0  # requests that got their first token, per second of the interval
 
     @property
     def load(self) -> float:
@@ -173,6 +177,17 @@ def forecast_growth(samples: list[tuple[float, float]], now: float, horizon_s: f
     return min(MAX_GROWTH, max(1.0, (a + b * (now + horizon_s)) / level))
 
 
+def _rate_from_ttft(pods: tuple[PodLoad, ...]) -> float | None:
+    """Tokens/s one pod prefills, estimated from the interval's requests: tokens computed per first
+    token over the slowest pod's TTFT percentile; None without requests that got a first token."""
+    ttfts = [p.ttft_s for p in pods if p.ttft_s is not None and p.ttft_s > 0 and p.first_tokens_per_s > 0]
+    firsts = sum(p.first_tokens_per_s for p in pods)
+    if not ttfts or firsts <= 0:
+        return None
+    per_request = sum(p.computed_tokens_per_s for p in pods) / firsts
+    return per_request / max(ttfts) if per_request > 0 else None
+
+
 def prefill_recommendation(
     obs: RoleObservation, t: Targets, st: RoleState, arrival: float
 ) -> tuple[int | None, str, str, float | None]:
@@ -195,6 +210,13 @@ def prefill_recommendation(
     signal = f"uncached_prompt_tokens={backlog:.0f} arrival={arrival:.0f}/s"
     if not pods:  # no Ready pod could be read: hold (absent data must never read as no load)
         return None, "no ready pods scraped", "NoMetrics", None
+    estimated = rate is None
+    if rate is None:
+        rate = _rate_from_ttft(pods)
+        if rate is not None:
+            signal += f" rate_per_pod~{rate:.0f}/s(from TTFT)"
+    else:
+        signal += f" rate_per_pod={rate:.0f}/s"
     if rate is None:
         # No interval with a backlog yet, so no measured capacity: go by what the pods see. A pool
         # that never builds a backlog must still be able to shrink, or it would hold its peak size.
@@ -208,11 +230,18 @@ def prefill_recommendation(
         if idle and ttfts and max(ttfts) < 0.5 * t.ttft_s:
             return max(1, obs.current - 1), signal, "ScaleDown: no backlog, TTFT under half its target", None
         return obs.current, signal, "Stable: prefill rate not measured yet", None
-    signal += f" rate_per_pod={rate:.0f}/s"
     load = max(backlog / t.ttft_s, arrival / t.target_utilization) / rate
     n = max(1, math.ceil(load - 1e-9))
+    ttft_over = estimated and any(p.ttft_s is not None and p.ttft_s > t.ttft_s for p in pods)
+    if ttft_over and n <= obs.current:  # the estimate is rough; a missed target is not
+        return obs.current + 1, signal, "ScaleUp: TTFT over target", load
     if n > obs.current:
-        return n, signal, "ScaleUp: backlog over TTFT budget", load
+        why = (
+            "backlog over TTFT budget"
+            if backlog / t.ttft_s >= arrival / t.target_utilization
+            else "arrival over capacity"
+        )
+        return n, signal, f"ScaleUp: {why}", load
     if n < obs.current:
         return n, signal, "ScaleDown: prefill capacity idle", load
     return n, signal, "Stable", load

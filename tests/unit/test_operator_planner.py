@@ -257,3 +257,20 @@ def test_a_scale_up_that_was_not_applied_measures_no_lead_time() -> None:
     assert decide("prefill", RoleObservation(1, 1, 0, big, interval_s=5), t, st, now=0).desired > 1
     decide("prefill", RoleObservation(1, 1, 0, (PodLoad("p0"),), interval_s=5), t, st, now=5)  # still 1
     assert st.lead_s is None and st.scaled_up_at is None
+
+
+def test_a_pool_without_backlog_estimates_its_rate_from_ttft() -> None:
+    """Prompts served as they come: 3 requests/s of 200 computed tokens each, first token after 0.4 s
+    (p90): a pod is taken to prefill 200 / 0.4 = 500 tok/s, so 600 tok/s at 80 % needs 1.5 pods."""
+    t = Targets(min_replicas=1, max_replicas=6, scale_down_window_s=0, ttft_s=2.0)
+    pods = (PodLoad("p0", running=1, computed_tokens_per_s=600, ttft_s=0.4, first_tokens_per_s=3),)
+    st = RoleState()
+    d = decide("prefill", RoleObservation(1, 1, 0, pods), t, st, now=0)
+    assert (d.desired, d.reason) == (2, "ScaleUp: arrival over capacity")
+    assert "rate_per_pod~500/s(from TTFT)" in d.signal and st.prefill_rate_per_pod is None  # not a measurement
+    quiet = tuple(PodLoad(f"p{i}", computed_tokens_per_s=100, ttft_s=0.4, first_tokens_per_s=0.25) for i in range(2))
+    d = decide("prefill", RoleObservation(2, 2, 0, quiet), t, st, now=15)
+    assert (d.desired, d.reason) == (1, "ScaleDown: prefill capacity idle")
+    slow = (PodLoad("p0", running=1, computed_tokens_per_s=20, ttft_s=2.5, first_tokens_per_s=0.1),)
+    d = decide("prefill", RoleObservation(1, 1, 0, slow), t, st, now=30)
+    assert (d.desired, d.reason) == (2, "ScaleUp: TTFT over target")  # the estimate says 0.3 pods
