@@ -334,7 +334,9 @@ def _load_gguf(path: str, load_weights: bool, load_tokenizer: bool) -> LoadedMod
         reader = reader or _open_gguf(path)
         meta = _gguf_meta_from_reader(reader)
 
-    field = meta.fields.get
+    def field(key: str, default: Any = None) -> Any:
+        return meta.fields.get(key, default)
+
     arch = field("general.architecture")
     if arch not in ("llama", "qwen2"):
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path}")
