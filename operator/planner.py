@@ -12,7 +12,8 @@ prompt tokens must be served with headroom, by pods that each compute ``rate_per
 so an idle pool does not read as a slow one). A pool that serves prompts as they come never shows
 a backlog; until it does, a pod's rate is estimated as the tokens computed per request (per first
 token) over the TTFT percentile, i.e. as if each request's prefill took all of its TTFT, which
-errs towards more pods once requests queue.
+errs towards more pods once requests queue (a lower estimate counts at once, a higher one by
+half; an interval without a first token keeps the last).
 
 Decode: each pod can run as many sequences as keep its ITL at the target (a line ITL = a + b *
 batch fitted to (running, ITL) samples; proportional when only one batch size was seen), and the
@@ -120,6 +121,7 @@ class RoleState:
 
     history: deque[tuple[float, int]] = field(default_factory=deque)  # (time, recommendation)
     prefill_rate_per_pod: float | None = None  # tokens/s one busy prefill pod computes
+    prefill_rate_estimate: float | None = None  # the same estimated from TTFT while never measured
     last_backlog: float | None = None
     itl_samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=ITL_SAMPLES))
     arrivals: deque[tuple[float, float]] = field(default_factory=deque)  # (time, work arriving per s)
@@ -212,7 +214,10 @@ def prefill_recommendation(
         return None, "no ready pods scraped", "NoMetrics", None
     estimated = rate is None
     if rate is None:
-        rate = _rate_from_ttft(pods)
+        est, prev = _rate_from_ttft(pods), st.prefill_rate_estimate
+        if est is not None:  # a fall counts at once, a rise by half (errs towards more pods)
+            st.prefill_rate_estimate = est if prev is None else min(est, 0.5 * prev + 0.5 * est)
+        rate = st.prefill_rate_estimate  # an interval without a first token keeps the last one
         if rate is not None:
             signal += f" rate_per_pod~{rate:.0f}/s(from TTFT)"
     else:

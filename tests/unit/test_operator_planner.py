@@ -271,6 +271,14 @@ def test_a_pool_without_backlog_estimates_its_rate_from_ttft() -> None:
     quiet = tuple(PodLoad(f"p{i}", computed_tokens_per_s=100, ttft_s=0.4, first_tokens_per_s=0.25) for i in range(2))
     d = decide("prefill", RoleObservation(2, 2, 0, quiet), t, st, now=15)
     assert (d.desired, d.reason) == (1, "ScaleDown: prefill capacity idle")
+    # An interval in which no request got its first token keeps the estimate: still idle capacity.
+    d = decide(
+        "prefill", RoleObservation(2, 2, 0, (PodLoad("p0", running=1, computed_tokens_per_s=5),) * 2), t, st, now=20
+    )
+    assert (d.desired, d.reason) == (
+        1,
+        "ScaleDown: prefill capacity idle",
+    ) and "~750/s" in d.signal  # 1000 seen, rises by half
     slow = (PodLoad("p0", running=1, computed_tokens_per_s=20, ttft_s=2.5, first_tokens_per_s=0.1),)
     d = decide("prefill", RoleObservation(1, 1, 0, slow), t, st, now=30)
     assert (d.desired, d.reason) == (2, "ScaleUp: TTFT over target")  # the estimate says 0.3 pods
