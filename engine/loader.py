@@ -222,49 +222,148 @@ def _unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+# GGUF value types (gguf.GGUFValueType): struct format of each fixed-size scalar.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GgufMeta:
+    """A GGUF file's metadata: scalar fields, the length of each array field, the tensor names."""
+
+    fields: dict[str, Any]
+    array_len: dict[str, int]
+    tensor_names: frozenset[str]
+
+
+def read_gguf_meta(path: str) -> GgufMeta:
+    """The metadata of a little-endian GGUF v2/v3 file, read directly from its header.
+
+    Why not gguf's GGUFReader: it decodes every field, including the tokenizer's arrays (SmolLM2's
+    49k tokens and 49k merges) into numpy views, about 3 s of CPU, paid by both processes of every
+    worker that does not need the weights (``--simulate``, the API process). Arrays are skipped
+    here, only their lengths kept. ValueError on anything unexpected (the caller falls back)."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        pos = 0
+
+        def take(fmt: str) -> Any:
+            nonlocal pos
+            (v,) = struct.unpack_from("<" + fmt, buf, pos)
+            pos += struct.calcsize(fmt)
+            return v
+
+        def string() -> str:
+            nonlocal pos
+            n = take("Q")
+            if pos + n > len(buf):
+                raise ValueError("string runs past the end of the file")
+            pos += n
+            return bytes(buf[pos - n : pos]).decode("utf-8")
+
+        def skip(vtype: int, count: int) -> None:
+            nonlocal pos
+            if vtype in _GGUF_SCALARS:
+                pos += struct.calcsize(_GGUF_SCALARS[vtype]) * count
+            elif vtype == _GGUF_STRING:
+                for _ in range(count):
+                    pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+            else:
+                raise ValueError(f"unsupported GGUF array element type {vtype}")
+
+        try:
+            if bytes(buf[:4]) != b"GGUF" or take("4xI") not in (2, 3):
+                raise ValueError("not a little-endian GGUF v2/v3 file")
+            n_tensors, n_kv = take("Q"), take("Q")
+            fields: dict[str, Any] = {}
+            lengths: dict[str, int] = {}
+            for _ in range(n_kv):
+                key, vtype = string(), take("I")
+                if vtype == _GGUF_ARRAY:
+                    etype, count = take("I"), take("Q")
+                    lengths[key] = count
+                    skip(etype, count)
+                elif vtype == _GGUF_STRING:
+                    fields[key] = string()
+                elif vtype in _GGUF_SCALARS:
+                    fields[key] = take(_GGUF_SCALARS[vtype])
+                else:
+                    raise ValueError(f"unknown GGUF value type {vtype}")
+            names = []
+            for _ in range(n_tensors):
+                names.append(string())
+                n_dims = take("I")
+                pos += 8 * n_dims + 12  # the dims (u64 each), the type (u32) and the offset (u64)
+            if pos > len(buf):
+                raise ValueError("tensor infos run past the end of the file")
+        except (struct.error, UnicodeDecodeError, OverflowError) as e:
+            raise ValueError(f"truncated or corrupt GGUF header: {e}") from e
+    return GgufMeta(fields, lengths, frozenset(names))
+
+
+def _gguf_meta_from_reader(reader) -> GgufMeta:
+    fields: dict[str, Any] = {}
+    lengths: dict[str, int] = {}
+    for key, f in reader.fields.items():
+        if len(f.types) > 1 or (f.types and f.types[0].value == _GGUF_ARRAY):
+            lengths[key] = len(f.data)
+        else:
+            fields[key] = f.contents()
+    return GgufMeta(fields, lengths, frozenset(t.name for t in reader.tensors))
+
+
+def _open_gguf(path: str):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError/struct errors/IndexError on corrupt files
+        raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
 
 
 def _load_gguf(path: str, load_weights: bool, load_tokenizer: bool) -> LoadedModel:
     import numpy as np
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
+    reader = _open_gguf(path) if load_weights else None
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError/struct errors/IndexError on corrupt files
-        raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
-    arch = _gguf_field(reader, "general.architecture")
+        meta = read_gguf_meta(path)
+    except (ValueError, OSError):  # a layout this reader does not handle: gguf's reader says what is wrong
+        reader = reader or _open_gguf(path)
+        meta = _gguf_meta_from_reader(reader)
+
+    def field(key: str, default: Any = None) -> Any:
+        return meta.fields.get(key, default)
+
+    arch = field("general.architecture")
     if arch not in ("llama", "qwen2"):
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path}")
     try:
-        heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
-        hidden = int(_gguf_field(reader, f"{arch}.embedding_length"))
-        n_kv = int(_gguf_field(reader, f"{arch}.attention.head_count_kv", heads))
-        names = {t.name for t in reader.tensors}
-        vocab = _gguf_field(reader, f"{arch}.vocab_size")
+        heads = int(field(f"{arch}.attention.head_count"))
+        hidden = int(field(f"{arch}.embedding_length"))
+        n_kv = int(field(f"{arch}.attention.head_count_kv", heads))
+        names = meta.tensor_names
+        vocab = field(f"{arch}.vocab_size")
         if vocab is None:
-            vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-        eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+            vocab = meta.array_len["tokenizer.ggml.tokens"]
+        eos = field("tokenizer.ggml.eos_token_id")
         config = ModelConfig(
             name=os.path.basename(path)[: -len(".gguf")],
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(_gguf_field(reader, f"{arch}.feed_forward_length")),
-            num_layers=int(_gguf_field(reader, f"{arch}.block_count")),
+            intermediate_size=int(field(f"{arch}.feed_forward_length")),
+            num_layers=int(field(f"{arch}.block_count")),
             num_heads=heads,
             num_kv_heads=n_kv,
-            head_dim=int(_gguf_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
-            max_position_embeddings=int(_gguf_field(reader, f"{arch}.context_length", 2048)),
-            rms_norm_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+            head_dim=int(field(f"{arch}.rope.dimension_count", hidden // heads)),
+            max_position_embeddings=int(field(f"{arch}.context_length", 2048)),
+            rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
-            bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+            bos_token_id=field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
             architecture=arch,
         )
@@ -272,7 +371,7 @@ def _load_gguf(path: str, load_weights: bool, load_tokenizer: bool) -> LoadedMod
         raise ModelLoadError(f"GGUF metadata incomplete in {path}: {e}") from e
 
     sd: dict[str, torch.Tensor] = {}
-    if load_weights:
+    if reader is not None:
         for t in reader.tensors:
             try:
                 arr = dequantize(t.data, t.tensor_type)

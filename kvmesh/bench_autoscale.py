@@ -1,12 +1,14 @@
-"""`kvmesh bench autoscale`: one fixed open-loop ramp (low -> peak -> low req/s) through a real
-router in front of real `kvmesh serve --simulate` workers, run once per scaling policy:
+"""`kvmesh bench autoscale`: one fixed open-loop ramp (low -> a linear rise -> peak -> low req/s)
+through a real router in front of real `kvmesh serve --simulate` workers, run once per scaling policy:
 
 * planner: every interval the workers' /metrics become `RoleObservation`s exactly as the
   operator's loop builds them (`operator.planner_loop.pod_load`), and `operator.planner.decide`
-  gives the count. The workers are aggregated (prefill and decode on one process: P/D would need
-  a connector per pair, too much for a 2-core box), so both of the planner's rules read the same
-  pods, the prefill rule (uncached-prompt backlog vs measured rate, TTFT target) and the decode
-  rule (ITL vs batch), and the pool gets the larger of the two.
+  gives the count, with the operator's defaults for the headroom (target utilization 0.8) and the
+  forecast (60 s trend window; the lead time measured from the workers it started, ``--scale-up-lead``
+  until then, the CRD's scaleUpLeadSeconds). The workers are aggregated (prefill and decode on
+  one process: P/D would need a connector per pair, too much for a 2-core box), so both of the
+  planner's rules read the same pods, the prefill rule (uncached-prompt backlog vs measured rate,
+  TTFT target) and the decode rule (ITL vs batch), and the pool gets the larger of the two.
 * static: the pool sized for the peak (``--max-workers``) the whole run.
 * hpa: the Kubernetes HPA on CPU, ``desired = ceil(current * avgCPU / target)`` with its 10 %
   tolerance and scale-down stabilization, on the workers' real CPU use (/proc/<pid>/stat of the
@@ -46,9 +48,10 @@ if TYPE_CHECKING:
     from kvmesh.bench_router import Proc
 
 POLICIES = ("planner", "static", "hpa")
-# Open-loop ramp scaled to a 2-core box: (req/s, seconds).
-DEFAULT_PHASES = "0.6:45,3:60,0.3:45"
-QUICK_PHASES = "0.5:15,3:25,0.3:20"
+# Open-loop ramp scaled to a 2-core box: RATE:SECONDS, or FROM-TO:SECONDS for a linear change (the
+# shape of a real rise, e.g. issue 24's anchor 2 -> 10 -> 1 req/s, rather than an instant step).
+DEFAULT_PHASES = "0.6:45,0.6-3:30,3:60,0.3:45"
+QUICK_PHASES = "0.5:15,0.5-3:15,3:20,0.3:20"
 HPA_TOLERANCE = 0.1
 WORDS = (
     "time year people way day man thing woman life child world school state family student group "
@@ -58,7 +61,11 @@ WORDS = (
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--phases", default=DEFAULT_PHASES, help="RATE:SECONDS,... open-loop Poisson arrivals per phase")
+    p.add_argument(
+        "--phases",
+        default=DEFAULT_PHASES,
+        help="RATE:SECONDS or FROM-TO:SECONDS (linear),... open-loop Poisson arrivals per phase",
+    )
     p.add_argument("--quick", action="store_true", help=f"a 1-minute smoke run (phases {QUICK_PHASES})")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma list of planner, static, hpa")
     p.add_argument("--min-workers", type=int, default=1)
@@ -71,6 +78,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-decode-ms", default="25,2.0", help="workers' BASE,PER_SEQ step cost, ms")
     p.add_argument("--ttft-target", type=float, default=2.0, help="TTFT SLO, s (planner target, p90)")
     p.add_argument("--itl-target", type=float, default=0.3, help="mean-ITL SLO, s (planner target, p50)")
+    p.add_argument(
+        "--target-utilization", type=float, default=0.8, help="planner: share of a pod's capacity planned for"
+    )
+    p.add_argument("--forecast-window", type=float, default=60.0, help="planner: trend window, s (0: no forecast)")
+    p.add_argument(
+        "--scale-up-lead",
+        type=float,
+        default=10.0,
+        help="planner: scale-up to Ready, s, until measured (a simulated worker's start here)",
+    )
     p.add_argument("--hpa-cpu-target", type=float, default=0.6, help="HPA target CPU utilization")
     p.add_argument("--hpa-cpu-request", type=float, default=0.5, help="a worker's CPU request, cores")
     p.add_argument("--seed", type=int, default=0)
@@ -80,29 +97,41 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 # ---- pure parts (unit-tested) ------------------------------------------------------------
-def parse_phases(text: str) -> list[tuple[float, float]]:
+Phase = tuple[float, float, float]  # (req/s at the start, req/s at the end, seconds)
+
+
+def parse_phases(text: str) -> list[Phase]:
     out = []
     for part in text.split(","):
         rate, _, secs = part.partition(":")
+        r0, dash, r1 = rate.partition("-")
         try:
-            r, s = float(rate), float(secs)
+            a, s = float(r0), float(secs)
+            b = float(r1) if dash else a
         except ValueError:
-            raise ValueError(f"--phases wants RATE:SECONDS,..., got {part!r}") from None
-        if r <= 0 or s <= 0:
-            raise ValueError(f"--phases: rate and seconds must be > 0, got {part!r}")
-        out.append((r, s))
+            raise ValueError(f"--phases wants RATE:SECONDS or FROM-TO:SECONDS,..., got {part!r}") from None
+        if a <= 0 or b <= 0 or s <= 0:
+            raise ValueError(f"--phases: rates and seconds must be > 0, got {part!r}")
+        out.append((a, b, s))
     return out
 
 
-def arrivals(phases: list[tuple[float, float]], seed: int) -> list[float]:
-    """Poisson arrival times (s from the start) of the ramp; the same for every policy."""
+def format_phases(phases: list[Phase]) -> str:
+    return ",".join(f"{a:g}:{s:g}" if a == b else f"{a:g}-{b:g}:{s:g}" for a, b, s in phases)
+
+
+def arrivals(phases: list[Phase], seed: int) -> list[float]:
+    """Poisson arrival times (s from the start) of the ramp, the same for every policy; a linear
+    phase by thinning (candidates at its higher rate, each kept with probability rate(t) / that)."""
     rng = random.Random(seed)
     out, t0 = [], 0.0
-    for rate, secs in phases:
-        t = t0 + rng.expovariate(rate)
+    for a, b, secs in phases:
+        top = max(a, b)
+        t = t0 + rng.expovariate(top)
         while t < t0 + secs:
-            out.append(t)
-            t += rng.expovariate(rate)
+            if a == b or rng.random() * top < a + (b - a) * (t - t0) / secs:
+                out.append(t)
+            t += rng.expovariate(top)
         t0 += secs
     return out
 
@@ -270,12 +299,16 @@ class PlannerPolicy:
         self.args = args
         self.states = {r: RoleState() for r in ("prefill", "decode")}
         self.samples: dict = {}
+        self.lead_s: float | None = None  # scale-up to Ready as the planner measured it
         self.targets = Targets(
             min_replicas=args.min_workers,
             max_replicas=args.max_workers,
             scale_down_window_s=args.scale_down_window,
             ttft_s=args.ttft_target,
             itl_s=args.itl_target,
+            target_utilization=args.target_utilization,
+            forecast_window_s=args.forecast_window,
+            lead_s=args.scale_up_lead,
         )
 
     def decide(self, pool: Pool, run: Run) -> tuple[int, str | None]:
@@ -311,6 +344,7 @@ class PlannerPolicy:
             {"t": round(now - run.t0, 1), "desired": d.desired, "reason": d.reason, "signal": d.signal}
         )
         victim = least_loaded(tuple(loads))
+        self.lead_s = max((s.lead_s or 0.0 for s in self.states.values()), default=0.0) or None
         return d.desired, victim.name if victim else None
 
 
@@ -410,15 +444,26 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else None
 
 
-def step_to_ready(run: Run, phases: list[tuple[float, float]]) -> list[float]:
-    """For each load step up: seconds from the step to the first worker started after it being Ready."""
-    out, t = [], 0.0
-    for (r0, s0), (r1, _) in zip(phases, phases[1:]):
-        t += s0
-        if r1 > r0:
-            after = [ready for started, ready in run.ready_events if started >= t]
-            if after:
-                out.append(round(min(after) - t, 1))
+def rises(phases: list[Phase]) -> list[float]:
+    """Start times (s) of the load's rises: a step up, or a linear phase that goes up (a rise that
+    continues into the next phase counts once)."""
+    out, t, prev_end, rising = [], 0.0, None, False
+    for a, b, secs in phases:
+        step = prev_end is not None and a > prev_end
+        if (step or b > a) and not (rising and a == prev_end):
+            out.append(t)
+        rising = b > a or step
+        prev_end, t = b, t + secs
+    return out
+
+
+def step_to_ready(run: Run, phases: list[Phase]) -> list[float]:
+    """For each rise of the load: seconds from its start to the first worker started after it being Ready."""
+    out = []
+    for t in rises(phases):
+        after = [ready for started, ready in run.ready_events if started >= t]
+        if after:
+            out.append(round(min(after) - t, 1))
     return out
 
 
@@ -473,6 +518,7 @@ def run_policy(policy: str, args, tmp: str, env: dict, times: list[float], phase
         "replicas": run.replicas,
         "requests_series": [(round(r["t"], 2), r["ttft"]) for r in results],
         "decisions": run.decisions,
+        "planner_lead_s_measured": None if pol is None else getattr(pol, "lead_s", None),
     }
 
 
@@ -529,9 +575,11 @@ def plot(results: dict, phases, path: str, window: float = 10.0) -> None:
         ax2.plot(mids, p50, color=line.get_color(), label=f"{p} p50")
         ax2.plot(mids, p90, color=line.get_color(), linestyle="--", label=f"{p} p90")
     t = 0.0
-    for rate, secs in phases:
-        ax1.axvspan(t, t + secs, alpha=0.08 if rate == max(r for r, _ in phases) else 0.0, color="k")
-        ax1.text(t + 1, 0.03, f"{rate:g} req/s", fontsize=8, transform=ax1.get_xaxis_transform())
+    peak = max(max(a, b) for a, b, _ in phases)
+    for a, b, secs in phases:
+        ax1.axvspan(t, t + secs, alpha=0.08 if max(a, b) == peak else 0.0, color="k")
+        label = f"{a:g} req/s" if a == b else f"{a:g}→{b:g}"
+        ax1.text(t + 1, 0.03, label, fontsize=8, transform=ax1.get_xaxis_transform())
         t += secs
     ax1.set_ylabel("worker replicas (started)")
     ax1.legend()
@@ -568,7 +616,7 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     try:
         for p in policies:
-            print(f"[{p}] {len(times)} requests over {sum(s for _, s in phases):.0f} s ...", file=sys.stderr)
+            print(f"[{p}] {len(times)} requests over {sum(s for _, _, s in phases):.0f} s ...", file=sys.stderr)
             results[p] = r = run_policy(p, args, tmp, env, times, phases)
             print(
                 f"[{p}] attainment {r['attainment'] * 100:.1f}%, failed {r['failed']}, "
@@ -579,7 +627,7 @@ def run(args: argparse.Namespace) -> int:
         stop_strays()
         shutil.rmtree(tmp, ignore_errors=True)
     setup = {
-        "phases": ",".join(f"{r:g}:{s:g}" for r, s in phases),
+        "phases": format_phases(phases),
         "requests": len(times),
         "prompt_words": args.prompt_words,
         "output_tokens": args.output_tokens,
@@ -590,6 +638,11 @@ def run(args: argparse.Namespace) -> int:
         "max_workers": args.max_workers,
         "interval_s": args.interval,
         "scale_down_window_s": args.scale_down_window,
+        "planner": {
+            "target_utilization": args.target_utilization,
+            "forecast_window_s": args.forecast_window,
+            "scale_up_lead_s_until_measured": args.scale_up_lead,
+        },
         "sim_prefill_ms_per_token": args.sim_prefill_ms_per_token,
         "sim_decode_ms": args.sim_decode_ms,
         "hpa": {"cpu_target": args.hpa_cpu_target, "cpu_request_cores": args.hpa_cpu_request},

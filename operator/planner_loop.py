@@ -23,6 +23,7 @@ that no longer exist are forgotten on the next tick, so a deleted pod never hold
 from __future__ import annotations
 
 import logging
+import math
 import time
 import urllib.request
 from collections.abc import Callable
@@ -80,6 +81,9 @@ def targets(a: AutoscalingSpec, role: str) -> Targets:
         ttft_s=s.target_ttft_ms / 1e3 if s.target_ttft_ms else None,
         itl_s=s.target_itl_ms / 1e3 if s.target_itl_ms else None,
         kv_usage=s.target_kv_usage if role == "decode" else None,
+        target_utilization=a.target_utilization,
+        forecast_window_s=a.forecast_window_s,
+        lead_s=a.scale_up_lead_s,
     )
 
 
@@ -90,13 +94,14 @@ def pod_load(
     become rates and percentiles over the interval between them; the first scrape has no interval).
     Public so that `kvmesh bench autoscale` builds its observations exactly as the operator does."""
     if prev is None:
-        rate, itl, ttft = 0.0, None, None
+        rate, itl, ttft, firsts = 0.0, None, None, 0.0
     else:
         t0, s0 = prev
         dt = max(now - t0, 1e-3)
         rate = max(0.0, sample.computed_tokens - s0.computed_tokens) / dt
         itl = quantile(sample.itl, s0.itl, q_itl)
         ttft = quantile(sample.ttft, s0.ttft, q_ttft)
+        firsts = max(0.0, sample.ttft.get(math.inf, 0.0) - s0.ttft.get(math.inf, 0.0)) / dt
     return PodLoad(
         name=name,
         running=sample.gauge("running"),
@@ -106,6 +111,7 @@ def pod_load(
         computed_tokens_per_s=rate,
         itl_s=itl,
         ttft_s=ttft,
+        first_tokens_per_s=firsts,
     )
 
 

@@ -122,6 +122,10 @@ class AutoscalingSpec:
     enabled: bool = False
     provider: str = "planner"
     interval_s: int = 15
+    # The planner's headroom and forecast (operator/planner.py says how they are used).
+    target_utilization: float = 0.8
+    forecast_window_s: int = 60
+    scale_up_lead_s: int = 60
     prefill: RoleScaling = RoleScaling()
     decode: RoleScaling = RoleScaling(target_kv_usage=0.8)
 
@@ -137,6 +141,9 @@ class AutoscalingSpec:
             enabled=bool(d.get("enabled", False)),
             provider=str(d.get("provider", "planner")),
             interval_s=int(d.get("intervalSeconds", 15)),
+            target_utilization=float(d.get("targetUtilization", 0.8)),
+            forecast_window_s=int(d.get("forecastWindowSeconds", 60)),
+            scale_up_lead_s=int(d.get("scaleUpLeadSeconds", 60)),
             prefill=RoleScaling(
                 min_replicas=int(p.get("minReplicas", 1)),
                 max_replicas=int(p.get("maxReplicas", 4)),

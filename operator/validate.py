@@ -62,4 +62,6 @@ def problems(spec: InferenceServiceSpec) -> list[str]:
                         f"autoscaling.{role}.scaleDownStabilizationSeconds ({s.scale_down_stabilization_s}) is "
                         f"shorter than intervalSeconds ({a.interval_s}): the window would hold one decision"
                     )
+            if not 0.1 <= a.target_utilization <= 1.0:
+                out.append(f"autoscaling.targetUtilization ({a.target_utilization}) must be within [0.1, 1]")
     return out

@@ -2,7 +2,15 @@
 
 import pytest
 
-from kvmesh.bench_autoscale import arrivals, attainment, hpa_desired, parse_phases, time_weighted_mean
+from kvmesh.bench_autoscale import (
+    arrivals,
+    attainment,
+    format_phases,
+    hpa_desired,
+    parse_phases,
+    rises,
+    time_weighted_mean,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -36,3 +44,18 @@ def test_hpa_formula_tolerance_and_attainment():
     assert 5 < sum(t < 10 for t in times) < 40 and sum(t >= 10 for t in times) > 20
     with pytest.raises(ValueError, match="RATE:SECONDS"):
         parse_phases("2-10")
+    with pytest.raises(ValueError, match="must be > 0"):
+        parse_phases("2-0:10")
+
+
+def test_linear_ramp_phases():
+    phases = parse_phases("1:20,1-9:40,9:20,1:20")
+    assert phases[1] == (1.0, 9.0, 40.0) and format_phases(phases) == "1:20,1-9:40,9:20,1:20"
+    times = arrivals(phases, 3)
+    assert times == arrivals(phases, 3) and times == sorted(times)
+    ramp = [t - 20 for t in times if 20 <= t < 60]
+    # expected 5 * 40 = 200 arrivals, the second half of the ramp (rate 5..9) holds 7/10 of them
+    assert 150 < len(ramp) < 250
+    assert 0.6 < sum(t >= 20 for t in ramp) / len(ramp) < 0.8
+    assert rises(phases) == [20.0]  # the ramp is the one rise; its end into the plateau is not another
+    assert rises(parse_phases("2:10,10:5,1:5,3:5")) == [10.0, 20.0]

@@ -41,3 +41,18 @@ def test_percentile_of_the_interval_only() -> None:
     assert p95 is not None and 0.075 < p95 <= 0.1
     assert quantile(after.itl, after.itl, 0.9) is None  # nothing observed in between
     assert quantile(after.ttft, None, 0.9) is None
+
+
+def test_pod_load_counts_the_first_tokens_of_the_interval() -> None:
+    from kvmesh.operator.planner_loop import pod_load
+
+    m = ServerMetrics("m")
+    for _ in range(4):
+        m.observe_ttft(0.3)
+    before = parse(m.render().decode())
+    for _ in range(10):
+        m.observe_ttft(0.2)
+    load = pod_load("p", parse(m.render().decode()), (0.0, before), 5.0, 0.5, 0.9)
+    assert load.first_tokens_per_s == 2.0  # 10 first tokens in 5 s; the 4 before do not count
+    assert load.ttft_s is not None and 0.1 < load.ttft_s <= 0.25
+    assert pod_load("p", before, None, 5.0, 0.5, 0.9).first_tokens_per_s == 0.0  # first scrape: no interval

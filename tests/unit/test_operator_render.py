@@ -182,6 +182,7 @@ def test_planner_provider_renders_no_hpa_and_leaves_replicas_to_the_planner() ->
             {"enabled": True, "intervalSeconds": 60, "decode": {"scaleDownStabilizationSeconds": 30}},
             "decode.scaleDownStabilizationSeconds (30) is shorter than intervalSeconds (60)",
         ),
+        ({"enabled": True, "targetUtilization": 1.5}, "autoscaling.targetUtilization (1.5) must be within [0.1, 1]"),
     ],
 )
 def test_bad_autoscaling_is_invalid_spec(autoscaling: dict[str, Any], fragment: str) -> None:
