@@ -2,8 +2,9 @@
 and the one limit uvicorn lacks: a deadline for a request's headers.
 
 `RequestGuard` bounds the headers' size and the body's size and arrival time, but an app sees a
-request only once its headers are complete, so nothing there bounds the time headers take: a client that sends one header line every few seconds, or connects and
-sends nothing, holds its connection for ever. A few thousand such clients (slowloris) hold every
+request only once its headers are complete, so nothing there bounds the time headers take: a
+client that sends one header line every few seconds, or connects and sends nothing, holds its
+connection for ever. A few thousand such clients (slowloris) hold every
 file descriptor of the process. `header_deadline_protocol` gives every request ``header_timeout``
 seconds from its first byte (or from the connection's start, for the first request) to complete its
 headers; past that a request that has begun gets a 408 in the OpenAI error schema and the
