@@ -7,7 +7,8 @@ Starts a `kvmesh serve` (the embedded model on the CPU unless ``--serve-args`` s
    every operation, ``--max-examples`` each; ``max_tokens`` and ``n`` are capped in generated bodies so
    a run takes minutes (the bounds themselves are probed in step 2);
 2. raw probes: malformed and non-JSON bodies, invalid UTF-8, deep nesting, out-of-range integers,
-   wrong types, many and huge headers, a 10 MB prompt, a body that trickles in, a client that leaves.
+   wrong types, many and huge headers, a 10 MB prompt, a body and headers that trickle in, a client that
+   leaves.
 
 Invariants reported (and the exit status is 1 if one fails): no 5xx other than a documented 503,
 every error body in the OpenAI schema, no client timeout (hang), no server or engine process that
@@ -27,6 +28,8 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+
+from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT
 
 CAP_MAX_TOKENS = 8
 CAP_N = 4
@@ -277,15 +280,19 @@ def raw_probes() -> list[tuple[str, bytes, float]]:
         b"Connection: close\r\n\r\n{"
     )
     probes.append(("slow body", slow, -1.0))  # trickles for longer than the server's body timeout
+    # headers that never end (one more space of a header value every 0.2 s): the header deadline's 408
+    probes.append(("slow headers", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ", -2.0))
     return probes
 
 
 PARSER_PROBES = ("garbage request line", "bad Content-Length")  # refused by the HTTP parser, not the app
 
 
-def run_raw(url: str, tally: Tally, timeout: float, body_timeout: float) -> None:
+def run_raw(url: str, tally: Tally, timeout: float, body_timeout: float, header_timeout: float) -> None:
     for name, data, trickle in raw_probes():
-        status, body, ctype = _raw(url, data, timeout, body_timeout + 5 if trickle < 0 else trickle)
+        if trickle < 0:  # -1: past the body timeout, -2: past the header timeout
+            trickle = (body_timeout if trickle == -1 else header_timeout) + 5
+        status, body, ctype = _raw(url, data, timeout, trickle)
         if name in PARSER_PROBES and (status is None or 400 <= status < 500):
             tally.sent += 1  # uvicorn's parser answers a plain-text 400 or closes: never reaches the app
             tally.statuses[f"{status or 'closed'} (parser)"] += 1
@@ -312,7 +319,13 @@ def _start(args) -> tuple[list, str, str]:
     from kvmesh.topology import free_port
 
     server = ServerProcess(
-        [*args.serve_args.split(), "--body-timeout", str(args.body_timeout)],
+        [
+            *args.serve_args.split(),
+            "--body-timeout",
+            str(args.body_timeout),
+            "--header-timeout",
+            str(args.header_timeout),
+        ],
         env={"KVMESH_LOG_LEVEL": "WARNING"},
         log_path=os.path.join(args.output_dir, "serve.log"),
     ).start()
@@ -332,6 +345,8 @@ def _start(args) -> tuple[list, str, str]:
             server.base_url,
             "--body-timeout",
             str(args.body_timeout),
+            "--header-timeout",
+            str(args.header_timeout),
         ],
         stdout=rlog,
         stderr=subprocess.STDOUT,
@@ -350,6 +365,7 @@ def fuzz(
     timeout: float,
     body_timeout: float,
     engine_pid=None,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
 ) -> dict:
     """Run everything against a live server (and router); the summary as a dict."""
     t0 = time.monotonic()
@@ -361,7 +377,7 @@ def fuzz(
         print(f"{name} {url}: schemathesis", flush=True)
         run_schemathesis(url, t, max_examples, seed, timeout)
         print(f"{name} {url}: raw probes", flush=True)
-        run_raw(url, t, timeout, body_timeout)
+        run_raw(url, t, timeout, body_timeout, header_timeout)
     pools = wait_pools_idle(server_url)
     pid1 = engine_pid() if engine_pid else None
     return {
@@ -427,6 +443,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--request-timeout", type=float, default=60.0, help="a client timeout counts as a hang")
     p.add_argument("--body-timeout", type=float, default=5.0, help="the servers' --body-timeout (slow-body probe)")
+    p.add_argument(
+        "--header-timeout", type=float, default=5.0, help="the servers' --header-timeout (slow-headers probe)"
+    )
     p.add_argument("--output-dir", default="bench-results/fuzz")
     p.add_argument("--output", default=None, help="summary JSON (default: OUTPUT_DIR/fuzz.json)")
 
@@ -444,7 +463,14 @@ def run(args: argparse.Namespace) -> int:
             procs, server_url, router_url = _start(args)
             engine_pid = procs[0].engine_pid
         s = fuzz(
-            server_url, router_url, args.max_examples, args.seed, args.request_timeout, args.body_timeout, engine_pid
+            server_url,
+            router_url,
+            args.max_examples,
+            args.seed,
+            args.request_timeout,
+            args.body_timeout,
+            engine_pid,
+            args.header_timeout,
         )
         crashed = 0
         for p in procs:

@@ -248,7 +248,7 @@ def test_fuzz_keeps_the_invariants(server, router):
     but 503, every error in the OpenAI schema, no hang, no engine restart, and the pools empty after."""
     from kvmesh.bench_fuzz import fuzz, passed
 
-    s = fuzz(server.base_url, router, 8, 1, 60.0, BODY_TIMEOUT, server.engine_pid)
+    s = fuzz(server.base_url, router, 8, 1, 60.0, BODY_TIMEOUT, server.engine_pid, HEADER_TIMEOUT)
     bad = {k: (t["server_errors"], t["bad_error_bodies"], t["hangs"]) for k, t in s["per_target"].items()}
     assert passed(s), (bad, s["pools_after"], s["engine_restarted"])
     assert s["requests"] > 200
