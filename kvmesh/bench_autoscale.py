@@ -78,10 +78,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-decode-ms", default="25,2.0", help="workers' BASE,PER_SEQ step cost, ms")
     p.add_argument("--ttft-target", type=float, default=2.0, help="TTFT SLO, s (planner target, p90)")
     p.add_argument("--itl-target", type=float, default=0.3, help="mean-ITL SLO, s (planner target, p50)")
+    from kvmesh.operator.spec import AutoscalingSpec  # the CRD's defaults
+
     p.add_argument(
-        "--target-utilization", type=float, default=0.8, help="planner: share of a pod's capacity planned for"
+        "--target-utilization",
+        type=float,
+        default=AutoscalingSpec.target_utilization,
+        help="planner: share of a pod's capacity planned for",
     )
-    p.add_argument("--forecast-window", type=float, default=60.0, help="planner: trend window, s (0: no forecast)")
+    p.add_argument(
+        "--forecast-window",
+        type=float,
+        default=float(AutoscalingSpec.forecast_window_s),
+        help="planner: trend window, s (0: no forecast)",
+    )
     p.add_argument(
         "--scale-up-lead",
         type=float,

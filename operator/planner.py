@@ -131,7 +131,8 @@ class RoleState:
 
 
 def _fit_line(samples: list[tuple[float, float]]) -> tuple[float, float] | None:
-    """Least squares itl = a + b * batch; None when the batches do not vary or b <= 0."""
+    """Least squares y = a + b * x (ITL over batch, arriving work over time); None when x does not
+    vary or b <= 0."""
     n = len(samples)
     if n < 2:
         return None
@@ -161,17 +162,13 @@ def forecast_growth(samples: list[tuple[float, float]], now: float, horizon_s: f
     unless at least three samples rise with a slope over ``TREND_T`` standard errors (a flat or
     noisy series never forecasts growth, a falling one never forecasts a drop)."""
     n = len(samples)
-    if n < 3:
+    fit = _fit_line(samples) if n >= 3 else None  # None: x does not vary, or no rise
+    if fit is None:
         return 1.0
+    a, b = fit
     mx = sum(x for x, _ in samples) / n
     my = sum(y for _, y in samples) / n
     sxx = sum((x - mx) ** 2 for x, _ in samples)
-    if sxx <= 1e-9:
-        return 1.0
-    b = sum((x - mx) * (y - my) for x, y in samples) / sxx
-    if b <= 0:
-        return 1.0
-    a = my - b * mx
     resid = sum((y - a - b * x) ** 2 for x, y in samples) / (n - 2)
     if b < TREND_T * math.sqrt(resid / sxx):
         return 1.0

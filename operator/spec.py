@@ -141,9 +141,9 @@ class AutoscalingSpec:
             enabled=bool(d.get("enabled", False)),
             provider=str(d.get("provider", "planner")),
             interval_s=int(d.get("intervalSeconds", 15)),
-            target_utilization=float(d.get("targetUtilization", 0.8)),
-            forecast_window_s=int(d.get("forecastWindowSeconds", 60)),
-            scale_up_lead_s=int(d.get("scaleUpLeadSeconds", 60)),
+            target_utilization=float(d.get("targetUtilization", AutoscalingSpec.target_utilization)),
+            forecast_window_s=int(d.get("forecastWindowSeconds", AutoscalingSpec.forecast_window_s)),
+            scale_up_lead_s=int(d.get("scaleUpLeadSeconds", AutoscalingSpec.scale_up_lead_s)),
             prefill=RoleScaling(
                 min_replicas=int(p.get("minReplicas", 1)),
                 max_replicas=int(p.get("maxReplicas", 4)),

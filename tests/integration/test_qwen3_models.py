@@ -282,9 +282,10 @@ FP8_BOUNDS = {
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_fp8_weights_keep_logits_close(kind, loaded, prompts):
     from kvmesh.engine.models import model_class
-    from kvmesh.engine.models.decoder import AttentionMetadata, DenseMLP
+    from kvmesh.engine.models.decoder import DenseMLP
     from kvmesh.engine.quantization import LayerQuantizer
     from kvmesh.kernels import Fp8Weight
+    from tests.unit.test_fp8_quantization import prefill_logits  # teacher-forced logits over a paged cache
 
     lm = loaded[kind]
     cls = model_class(lm.config)
@@ -296,22 +297,10 @@ def test_fp8_weights_keep_logits_close(kind, loaded, prompts):
     assert quantizer.replaced == 2 * len(q.layers) + 2 * dense
     assert isinstance(q.layers[0]["qkv"], Fp8Weight)
 
-    def logits(model, ids):
-        cfg, T = model.cfg, len(ids)
-        nb = -(-T // BS)
-        kv = torch.zeros(nb, cfg.num_layers, 2, BS, cfg.num_kv_heads, cfg.head_dim)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(T),
-            block_tables=torch.arange(nb, dtype=torch.int32)[None],
-            query_start_loc=torch.tensor([0, T], dtype=torch.int32),
-            seq_lens=torch.tensor([T], dtype=torch.int32),
-        )
-        return model.forward(torch.tensor(ids), torch.arange(T), kv, meta, None)
-
     rel, agree = [], []
     with torch.inference_mode():
         for ids in prompts:
-            a, b = logits(ref, ids), logits(q, ids)
+            a, b = prefill_logits(ref, ids, BS), prefill_logits(q, ids, BS)
             rel += ((a - b).norm(dim=-1) / a.norm(dim=-1)).tolist()
             agree += (a.argmax(-1) == b.argmax(-1)).tolist()
     r = torch.tensor(rel)

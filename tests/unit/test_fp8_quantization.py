@@ -126,22 +126,15 @@ def test_quantized_while_loading_layer_by_layer():
     cfg = scaled_config(**{**SMALL, "num_hidden_layers": 4})
     lm = random_model(cfg, dtype=torch.float32, seed=3)
     quantizer = LayerQuantizer(lm.state_dict)
-    seen = []
+    seen, built = [], []
 
     def on_layer(i, layer):
-        m = model_ref[0]
-        earlier = [isinstance(w, K.Fp8Weight) for j in range(i) for w in (m.layers[j]["qkv"], m.layers[j]["mlp"].down)]
+        earlier = [isinstance(w, K.Fp8Weight) for b in built for w in (b["qkv"], b["mlp"].down)]
         seen.append((i, all(earlier), isinstance(layer["qkv"], K.Fp8Weight)))
         quantizer(i, layer)
+        built.append(layer)
 
-    model_ref: list = []
-
-    class Recorder(LlamaForCausalLM):
-        def __init__(self, *a, **kw):
-            model_ref.append(self)
-            super().__init__(*a, **kw)
-
-    streamed = Recorder(lm.config, lm.state_dict, torch.float32, CPU, on_layer=on_layer)
+    streamed = LlamaForCausalLM(lm.config, lm.state_dict, torch.float32, CPU, on_layer=on_layer)
     assert seen == [(i, True, False) for i in range(4)]
     assert quantizer.replaced == 16 and quantizer.from_checkpoint == 0
     whole = fp8_model(lm.config, lm.state_dict)
