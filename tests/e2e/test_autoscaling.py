@@ -39,6 +39,9 @@ SPEC: dict[str, Any] = {
         "enabled": True,
         "provider": "planner",
         "intervalSeconds": 2,
+        # The loads below are sized for pods planned at full capacity: at the default 0.8 the 4 long-prompt
+        # streams of step 1 sometimes read as 1.1 decode pods on a busy 2-core node, and decode rose too.
+        "targetUtilization": 1.0,
         "prefill": {
             "minReplicas": 1,
             "maxReplicas": 2,
