@@ -230,9 +230,15 @@ def moe_routing_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing as HF Qwen3-MoE / Mixtral route: softmax over all experts in float32, the k
     largest (``(weights, expert_ids)``, each ``[T, k]``), renormalised to sum to 1 if asked, the
-    weights then cast to the logits' dtype."""
+    weights then cast to the logits' dtype.
+
+    Ties go to the lower expert id (a stable descending sort), on every device: ``torch.topk`` leaves
+    the order of equal values unspecified, and equal probabilities are common with bf16 logits (8
+    bits of mantissa over 128 experts). `moe_routing_kernel` follows the same rule, so the two agree
+    exactly, ties included."""
     probs = router_logits.float().softmax(-1)
-    weights, ids = probs.topk(top_k, dim=-1)
+    weights, ids = probs.sort(dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights.to(router_logits.dtype), ids

@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT
+from kvmesh.services.python_child import kvmesh_command
 
 CAP_MAX_TOKENS = 8
 CAP_N = 4
@@ -332,10 +333,7 @@ def _start(args) -> tuple[list, str, str]:
     port = free_port()
     rlog = open(os.path.join(args.output_dir, "router.log"), "wb")
     router = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvmesh.cli",
+        kvmesh_command(
             "router",
             "--host",
             "127.0.0.1",
@@ -347,7 +345,7 @@ def _start(args) -> tuple[list, str, str]:
             str(args.body_timeout),
             "--header-timeout",
             str(args.header_timeout),
-        ],
+        ),
         stdout=rlog,
         stderr=subprocess.STDOUT,
         start_new_session=True,

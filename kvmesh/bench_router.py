@@ -65,6 +65,7 @@ import time
 from collections import defaultdict
 
 from kvmesh.health import wait_healthy
+from kvmesh.services.python_child import kvmesh_command
 from kvmesh.topology import free_port
 
 H200_PREFILL_MS_PER_TOKEN = 0.035  # engine/sim_runner.py
@@ -377,10 +378,7 @@ def start_instance(tmp: str, i: int, engine_id: str, log: str, env: dict[str, st
     sockets under ``tmp``; returns the worker as the router commands take it (url, events, replay) and its process."""
     port = free_port()
     w = {"url": f"http://127.0.0.1:{port}", "events": f"ipc://{tmp}/ev{i}", "replay": f"ipc://{tmp}/rep{i}"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvmesh.cli",
+    cmd = kvmesh_command(
         "serve",
         "--host",
         "127.0.0.1",
@@ -393,13 +391,13 @@ def start_instance(tmp: str, i: int, engine_id: str, log: str, env: dict[str, st
         w["events"],
         "--kv-events-replay-endpoint",
         w["replay"],
-    ]
+    )
     return w, Proc(cmd, log, env)
 
 
 def router_command(port: int, *flags: str) -> list[str]:
     """``kvmesh router`` on 127.0.0.1:``port`` with ``flags`` after the address."""
-    return [sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(port), *flags]
+    return kvmesh_command("router", "--host", "127.0.0.1", "--port", str(port), *flags)
 
 
 def kvmesh_router_command(port: int, workers: list[dict], block_tokens: int, policy: str) -> list[str]:

@@ -31,6 +31,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from kvmesh.services.python_child import kvmesh_command
+
 TRACE_BLOCK = 512  # tokens per hash id in the Mooncake trace
 
 
@@ -386,10 +388,7 @@ def run_in_subprocess(base_url: str, result_json: str, args, rate: str, *flags: 
     """One `kvmesh bench serve` run on the random dataset (``args`` gives num_prompts, input_len and
     output_len) at request rate ``rate``, in a process of its own as a user would start it; returns the
     summary it wrote to ``result_json``. ``flags`` are further `kvmesh bench serve` flags."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvmesh.cli",
+    cmd = kvmesh_command(
         "bench",
         "serve",
         "--base-url",
@@ -408,7 +407,7 @@ def run_in_subprocess(base_url: str, result_json: str, args, rate: str, *flags: 
         "--result-json",
         result_json,
         *flags,
-    ]
+    )
     subprocess.run(cmd, check=True, stdout=stdout)
     with open(result_json) as f:
         return json.load(f)["summary"]

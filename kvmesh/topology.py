@@ -25,9 +25,10 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
+
+from kvmesh.services.python_child import kvmesh_command
 
 from .health import exited, wait_healthy, wait_until
 
@@ -174,10 +175,7 @@ class Topology:
             conn = {"side_channel_host": host, "side_channel_port": free_port(host)} if role == "prefill" else {}
         else:
             conn = {"url": self.redis_url}
-        argv = [
-            sys.executable,
-            "-m",
-            "kvmesh.cli",
+        argv = kvmesh_command(
             role,
             "--host",
             host,
@@ -193,7 +191,7 @@ class Topology:
             f"tcp://{host}:{ev}",
             "--kv-events-replay-endpoint",
             f"tcp://{host}:{rp}",
-        ]
+        )
         if cfg.model:
             argv += ["--model", cfg.model]
         argv += list(cfg.engine_args)
@@ -208,7 +206,7 @@ class Topology:
 
     def _start_router(self, deadline: float) -> None:
         cfg = self.config
-        argv = [sys.executable, "-m", "kvmesh.cli", "router", "--host", cfg.host, "--port", str(cfg.port)]
+        argv = kvmesh_command("router", "--host", cfg.host, "--port", str(cfg.port))
         for w in self.workers:
             argv += [f"--{w.role}", f"{w.url},events={w.events},replay={w.replay}"]
         if cfg.model:

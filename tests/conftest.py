@@ -3,22 +3,31 @@
 Every test carries exactly one tier marker (pyproject's markers say what each tier may do), the one
 of the folder it sits in: a test without one would silently fall out of every `make test-*`
 selection, and one in the wrong folder would run in a process it was not meant for, so collection
-refuses both. A unit test that connects or binds a network socket fails.
+refuses both. A unit test that connects or binds a network socket fails. Every test starts with
+Python's, numpy's and torch's generators seeded from its fixed seed (tests/seeds.py), and hypothesis
+runs derandomized: a result never depends on a seed drawn at run time unless KVMESH_TEST_SEED asks.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import socket
 import warnings
 from pathlib import Path
 
+import numpy
 import pytest
+import torch
+from hypothesis import settings
+from seeds import describe, randomized, seed_for
 
 TIERS = ("unit", "integration", "e2e", "gpu")
 # The tier of each folder under tests/ (the kernel tests are unit tests with a process of their own).
 FOLDER_TIER = {"unit": "unit", "kernels": "unit", "integration": "integration", "e2e": "e2e", "gpu": "gpu"}
 TESTS = Path(__file__).parent
+settings.register_profile("kvmesh", derandomize=not randomized())
+settings.load_profile("kvmesh")
 # The e2e session fixture builds the Kubernetes binaries and images and starts the cluster inside the
 # first e2e test's setup (each step bounded by its own subprocess timeout); the others keep
 # pyproject's per-test timeout.
@@ -42,6 +51,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"each test needs exactly one tier marker of {', '.join(TIERS)}, the one of its "
             "folder (pytestmark = pytest.mark.<tier> in its module):\n  " + "\n  ".join(bad)
         )
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request: pytest.FixtureRequest) -> None:
+    """The global generators start from the test's own fixed seed (printed: a failure shows it)."""
+    seed = seed_for(request.node.nodeid)
+    print(describe(request.node.nodeid))
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,6 @@ import asyncio
 import itertools
 import logging
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from kvmesh.engine.messages import EngineCoreRequest, EngineStats
+from kvmesh.services.python_child import python_module
 
 from . import wire
 from .engine_proc import EngineProcConfig
@@ -106,7 +106,7 @@ class EngineClient:
     # ---- lifecycle ----------------------------------------------------------
     def spawn(self) -> None:
         """Start the engine process; it connects to our sockets and sends `Ready` once loaded."""
-        cmd = [sys.executable, "-m", "kvmesh.services.api.engine_proc", self.proc_cfg.to_json()]
+        cmd = python_module("kvmesh.services.api.engine_proc", self.proc_cfg.to_json())
         self.proc = subprocess.Popen(cmd)  # same process group: a group kill takes both down
         log.info("engine process started, pid %d", self.proc.pid)
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 
 from kvmesh.health import wait_healthy
+from kvmesh.services.python_child import kvmesh_command
 from kvmesh.topology import free_port
 
 
@@ -27,7 +27,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 600.0) -> ServerProcess:
         out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        cmd = kvmesh_command("serve", "--host", "127.0.0.1", "--port", str(self.port), *self.args)
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_healthy(self.base_url, timeout, self.proc, f"server (log: {self.log_path})")

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+
+from kvmesh.services.python_child import python_module
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "e2e" / "cluster"
@@ -191,7 +192,7 @@ class Operator:
         log = open(self.log_dir / f"operator-{self.starts}.log", "wb")
         self.proc = subprocess.Popen(
             # `t-*` only: the real-pod tier's operator pod (tests/e2e/realpods.py) owns `r-*`.
-            [sys.executable, "-m", "kvmesh.operator", "--namespace", f"{KWOK_NS_PREFIX}*"],
+            python_module("kvmesh.operator", "--namespace", f"{KWOK_NS_PREFIX}*"),
             env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "KVMESH_OPERATOR_RESYNC_SECONDS": "3", **env},
             stdout=log,
             stderr=subprocess.STDOUT,

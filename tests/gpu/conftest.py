@@ -1,5 +1,5 @@
 """Shared by the GPU tests (marker ``gpu``; they skip without CUDA): the marker itself, a CUDA
-generator with a fresh printed seed, and ``bench/gpu_engine.py`` imported as a module, so the
+generator with the test's fixed seed, and ``bench/gpu_engine.py`` imported as a module, so the
 engine benchmark's correctness check and the tests are one definition of correct. The kernel
 checks come from tests/kernel_checks.py."""
 
@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from seeds import seed_for
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _BENCH = os.path.join(_HERE, "..", "..", "bench")
@@ -34,9 +35,6 @@ def engine_bench():
 
 
 @pytest.fixture
-def gen():
-    g = torch.Generator(device="cuda")
-    seed = int.from_bytes(os.urandom(4), "little")
-    g.manual_seed(seed)
-    print("seed", seed)
-    return g
+def gen(request):
+    """A CUDA generator seeded with the test's fixed seed (tests/seeds.py; KVMESH_TEST_SEED=random for sweeps)."""
+    return torch.Generator(device="cuda").manual_seed(seed_for(request.node.nodeid))

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from kvmesh.services.python_child import kvmesh_command
+
 pytestmark = pytest.mark.integration
 
 
@@ -17,10 +19,7 @@ def bench_router(tmp_path, rows: list[dict], policies: str, rate: str, *flags: s
     """`kvmesh bench router` over ``rows`` (written as the trace) on two small simulated instances."""
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return [
-        sys.executable,
-        "-m",
-        "kvmesh.cli",
+    return kvmesh_command(
         "bench",
         "router",
         "--trace",
@@ -42,7 +41,7 @@ def bench_router(tmp_path, rows: list[dict], policies: str, rate: str, *flags: s
         "--log-dir",
         str(tmp_path / "logs"),
         *flags,
-    ]
+    )
 
 
 def test_bench_router_repeats_with_cold_caches(tmp_path):

@@ -281,11 +281,12 @@ FP8_BOUNDS = {
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_fp8_weights_keep_logits_close(kind, loaded, prompts):
+    from model_checks import prefill_logits  # teacher-forced logits over a paged cache
+
     from kvmesh.engine.models import model_class
     from kvmesh.engine.models.decoder import DenseMLP
     from kvmesh.engine.quantization import LayerQuantizer
     from kvmesh.kernels import Fp8Weight
-    from tests.unit.test_fp8_quantization import prefill_logits  # teacher-forced logits over a paged cache
 
     lm = loaded[kind]
     cls = model_class(lm.config)

@@ -8,10 +8,9 @@ other test directories stays on the fast reference.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from seeds import seed_for
 from triton_interpreter import interpreted_kernels
 
 from kvmesh.kernels import _dispatch
@@ -27,10 +26,6 @@ def triton_interpret(monkeypatch):
 
 
 @pytest.fixture
-def gen():
-    """A fresh seed per test (printed, so a failure can be replayed)."""
-    seed = int(os.environ.get("KVMESH_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"seed={seed}")
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return g
+def gen(request):
+    """A generator seeded with the test's fixed seed (tests/seeds.py; KVMESH_TEST_SEED=random for sweeps)."""
+    return torch.Generator().manual_seed(seed_for(request.node.nodeid))

@@ -98,7 +98,8 @@ def test_align_kernel_equals_torch_ops(gen, T, k, E, bm):
     ],
 )
 def test_routing_kernel_matches_reference(gen, T, E, k, renorm, dtype):
-    """Same experts in the same order as softmax + top-k; weights within a few fp32 ulps before the cast."""
+    """Same experts in the same order as softmax + top-k, ties to the lower expert id (the rule both
+    state); weights within a few fp32 ulps before the cast. bf16 logits over 8 experts tie often."""
     logits = (torch.randn(T, E, generator=gen) * 2).to(dtype)
     assert _dispatch.backend(logits) == "interpret"
     w, ids = K.moe_routing(logits, k, renormalize=renorm)
@@ -107,6 +108,16 @@ def test_routing_kernel_matches_reference(gen, T, E, k, renorm, dtype):
     assert w.dtype == dtype and w.shape == (T, k)
     tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: at most one rounding step apart
     torch.testing.assert_close(w.float(), rw.float(), rtol=tol, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routing_ties_go_to_the_lower_expert(dtype):
+    """Equal logits: the kernel and the reference both take the lower expert id first."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 2.0], [2.0, 2.0, 2.0, 2.0, 2.0, 2.0]], dtype=dtype)
+    for k in (2, 3, 6):
+        _, ids = K.moe_routing(logits, k, renormalize=True)
+        _, rids = K.moe_routing_reference(logits, k, True)
+        assert ids.tolist() == rids.tolist() == [[1, 2, 4, 5, 0, 3][:k], list(range(k))]
 
 
 def test_routing_and_argument_errors():

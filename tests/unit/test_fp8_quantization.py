@@ -19,10 +19,11 @@ import os
 
 import pytest
 import torch
+from model_checks import prefill_logits
 
 import kvmesh.kernels as K
 from kvmesh.engine.loader import ModelLoadError, load_model
-from kvmesh.engine.models.llama import AttentionMetadata, LlamaForCausalLM
+from kvmesh.engine.models.llama import LlamaForCausalLM
 from kvmesh.engine.models.random_init import random_model, scaled_config
 from kvmesh.engine.quantization import (
     LayerQuantizer,
@@ -59,20 +60,6 @@ SMALL = scaled_config(
     bos_token_id=1,
     eos_token_id=2,
 )
-
-
-def prefill_logits(model: LlamaForCausalLM, ids: list[int], bs: int = 16) -> torch.Tensor:
-    """Logits at every position of one sequence prefilled into a fresh paged KV cache."""
-    cfg, T = model.cfg, len(ids)
-    nb = -(-T // bs)
-    kv = torch.zeros(nb, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(T),
-        block_tables=torch.arange(nb, dtype=torch.int32)[None],
-        query_start_loc=torch.tensor([0, T], dtype=torch.int32),
-        seq_lens=torch.tensor([T], dtype=torch.int32),
-    )
-    return model.forward(torch.tensor(ids), torch.arange(T), kv, meta, None)
 
 
 def fp8_model(cfg, sd) -> LlamaForCausalLM:

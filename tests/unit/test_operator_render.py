@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+from operator_checks import engine_settings_from_args
 
 from kvmesh.operator import conditions
 from kvmesh.operator.conditions import Condition
@@ -256,19 +257,6 @@ def test_status_when_applies_fail() -> None:
     assert "403 forbidden" in st["conditions"][2]["message"]
 
 
-def _engine_settings_from_args(args: list[str]):
-    """Feed rendered container args through the real `kvmesh` CLI parser and the same code the
-    server runs (configs_from_args), returning what the engine process would be built with."""
-    from kvmesh.cli import build_parser
-    from kvmesh.commands.serve import configs_from_args
-
-    expanded = [a.replace("$(POD_NAME)", "pod-0").replace("$(POD_IP)", "10.0.0.7") for a in args]
-    ns = build_parser().parse_args(expanded)
-    with pytest.MonkeyPatch.context() as mp:  # the pod gets the KV-path secret from the internal Secret
-        mp.setenv("KVMESH_KV_AUTH_KEY", "unit-test-kv-auth-key")
-        return configs_from_args(ns)
-
-
 @pytest.mark.parametrize("example", EXAMPLES, ids=example_id)
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_every_engine_field_reaches_the_engine(example: Path, role: str) -> None:
@@ -278,7 +266,7 @@ def test_every_engine_field_reaches_the_engine(example: Path, role: str) -> None
     spec = InferenceServiceSpec.parse(obj["spec"])
     objs = by_kind(rendered(example))
     c = objs[("Deployment", f"{obj['metadata']['name']}-{role}")]["spec"]["template"]["spec"]["containers"][0]
-    server, proc = _engine_settings_from_args(c["args"])
+    server, proc = engine_settings_from_args(c["args"])
     kw = proc.engine_kwargs
     assert proc.role == role and server.role == role
     e = spec.engine

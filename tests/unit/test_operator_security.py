@@ -151,7 +151,7 @@ def test_external_redis_password_and_ca_come_from_the_users_secrets(tmp_path) ->
     from the user's Secret (key password) as $KVMESH_REDIS_PASSWORD, the CA (key ca.crt) mounted read-only,
     and a --redis-tls-ca-file that names the mounted file and that `kvmesh serve` turns into the
     connector's tls_ca_file; the router gets neither; the pods still meet `restricted`."""
-    from tests.unit.test_operator_render import _engine_settings_from_args
+    from operator_checks import engine_settings_from_args
 
     redis = {"url": "rediss://cache.example:6380/0", "passwordSecret": "cache-auth", "tlsCaSecret": "cache-ca"}
     objs = by_kind(render({"kvConnector": {"type": "redis", "redis": redis}}, META))
@@ -168,7 +168,7 @@ def test_external_redis_password_and_ca_come_from_the_users_secrets(tmp_path) ->
         assert mount["readOnly"]
         ca_file = c["args"][c["args"].index("--redis-tls-ca-file") + 1]
         assert ca_file == mount["mountPath"] + "/ca.crt"
-        _, proc = _engine_settings_from_args(c["args"])
+        _, proc = engine_settings_from_args(c["args"])
         assert proc.kv_connector_config == {"url": redis["url"], "tls_ca_file": ca_file}
         assert restricted_violations(pod) == []
     router = objs[("Deployment", "svc-router")]["spec"]["template"]["spec"]
