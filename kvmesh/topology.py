@@ -2,11 +2,20 @@
 decode servers, and the router in front, each in its own process group.
 
 Every child is a real process talking over loopback, exactly what runs in a pod;
-this module only picks ports, starts things in order, waits for health, and
-tears everything down (router first, so no request is routed to a dying worker).
+this module only starts things in order, waits for health, and tears everything
+down (router first, so no request is routed to a dying worker).
+
+Children bind what they own: a port picked here and passed down could be taken by another
+program before the child binds it (a worker binds its HTTP port only once its model is
+loaded, seconds later), and one such child ends the whole topology. So each worker binds
+HTTP port 0 and reports the port it got in a ready file (``--ready-file``, in this run's
+temporary directory), a NIXL prefill worker's side channel binds port 0 and advertises its
+port in its transfer params, and KV events on loopback go over ipc sockets in the run's
+directory, which no other program can take. Only the router listens on a fixed port, the
+user's ``--port``.
 
 KV events are wired as in a cluster: each worker binds its PUB and replay sockets
-on a loopback port and the router connects to them. Every run gets a random
+and the router connects to them. Every run gets a random
 KV-path secret (``KVMESH_KV_AUTH_KEY``, unless the caller's environment already has
 one), so the event streams are CURVE-encrypted and admit only the router, and the
 NIXL side channel is MAC'd; the router gets a random key towards the workers, which
@@ -17,6 +26,7 @@ kept on the loopback device.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import json
 import os
@@ -25,12 +35,13 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 from kvmesh.services.python_child import kvmesh_command
 
-from .health import exited, wait_healthy, wait_until
+from .health import NotReadyError, exited, wait_healthy, wait_until
 
 
 @dataclass(frozen=True)
@@ -58,18 +69,35 @@ class TopologyConfig:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now (it may be taken before whoever gets it binds it: prefer binding port 0)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something listens on ``host``:``port``: a bind as uvicorn's (SO_REUSEADDR, so a
+    closed connection's TIME_WAIT does not count) fails with EADDRINUSE on an address of ``host``."""
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
 @dataclass
 class Worker:
     role: str
-    url: str
+    url: str  # "" until its ready file names the port it bound
     events: str
     replay: str
     proc: subprocess.Popen | None = None
+    name: str = ""  # prefill-0, decode-1...: its engine id, process and log name
+    ready_file: str = ""  # where the worker reports its URL (`kvmesh serve --ready-file`)
 
 
 @dataclass
@@ -83,11 +111,15 @@ class Topology:
     upstream_key: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
     kv_auth_key: str = ""  # the run's KV-path secret (workers and router get it as $KVMESH_KV_AUTH_KEY)
     redis_password: str | None = field(default=None, repr=False)  # set when this run starts its own redis-server
+    # This run's private directory (0700): the workers' ready files and ipc sockets; removed by stop().
+    run_dir: str | None = None
 
     # ---- start --------------------------------------------------------------
     def start(self) -> Topology:
         cfg = self.config
+        self._check_router_port()  # before minutes of model loading, not after
         self.kv_auth_key = os.environ.get("KVMESH_KV_AUTH_KEY") or secrets.token_urlsafe(32)
+        self.run_dir = tempfile.mkdtemp(prefix="kvmesh-up-")
         try:
             if cfg.kv_connector == "redis":
                 self.redis_url = cfg.redis_url or self._start_redis()
@@ -98,7 +130,7 @@ class Topology:
                     self._start_worker(role, i, threads)
             deadline = time.monotonic() + cfg.startup_timeout_s
             for w in self.workers:
-                wait_healthy(w.url, deadline - time.monotonic(), w.proc, f"{w.role} worker at {w.url}")
+                self._wait_worker(w, deadline)
             self._start_router(deadline)
         except BaseException:
             self.stop()
@@ -168,29 +200,40 @@ class Topology:
 
     def _start_worker(self, role: str, i: int, threads: int) -> None:
         cfg = self.config
-        host = cfg.host
-        port, ev, rp = free_port(host), free_port(host), free_port(host)
+        host, name = cfg.host, f"{role}-{i}"
+        assert self.run_dir is not None
+        if _is_loopback(host):
+            events, replay = f"ipc://{self.run_dir}/{name}.events", f"ipc://{self.run_dir}/{name}.replay"
+        else:
+            # TCP for a router elsewhere. The engine process binds these and tells nobody which port
+            # it got, so a worker cannot bind port 0 here as it does for HTTP: the ports are picked,
+            # with the small window that leaves, for this case only.
+            events, replay = f"tcp://{host}:{free_port(host)}", f"tcp://{host}:{free_port(host)}"
         conn: dict = {}
         if cfg.kv_connector == "nixl":
-            conn = {"side_channel_host": host, "side_channel_port": free_port(host)} if role == "prefill" else {}
+            # no side_channel_port: the prefill's side channel binds port 0 and advertises the port it got
+            conn = {"side_channel_host": host} if role == "prefill" else {}
         else:
             conn = {"url": self.redis_url}
+        ready_file = os.path.join(self.run_dir, f"{name}.json")
         argv = kvmesh_command(
             role,
             "--host",
             host,
             "--port",
-            str(port),
+            "0",
+            "--ready-file",
+            ready_file,
             "--engine-id",
-            f"{role}-{i}",
+            name,
             "--kv-connector",
             cfg.kv_connector,
             "--kv-connector-config",
             json.dumps(conn),
             "--kv-events-endpoint",
-            f"tcp://{host}:{ev}",
+            events,
             "--kv-events-replay-endpoint",
-            f"tcp://{host}:{rp}",
+            replay,
         )
         if cfg.model:
             argv += ["--model", cfg.model]
@@ -200,12 +243,31 @@ class Topology:
         env["KVMESH_API_KEY"] = self.upstream_key
         if _is_loopback(host):  # NIXL's UCX listens on loopback only, like everything else here
             env.setdefault("UCX_NET_DEVICES", "lo")
-        w = Worker(role, f"http://{host}:{port}", f"tcp://{host}:{ev}", f"tcp://{host}:{rp}")
-        w.proc = self._spawn(f"{role}-{i}", argv, env)
+        w = Worker(role, "", events, replay, name=name, ready_file=ready_file)
+        w.proc = self._spawn(name, argv, env)
         self.workers.append(w)
+
+    def _wait_worker(self, w: Worker, deadline: float) -> None:
+        """Wait for ``w``'s ready file (its server listens: the file names the port it bound), then
+        for its health, while it keeps running."""
+        assert w.proc is not None
+        wait_until(
+            lambda: os.path.exists(w.ready_file), deadline - time.monotonic(), f"{w.name} worker", exited(w.proc)
+        )
+        with open(w.ready_file) as f:
+            w.url = json.load(f)["url"]
+        wait_healthy(w.url, deadline - time.monotonic(), w.proc, f"{w.role} worker at {w.url}")
+
+    def _check_router_port(self) -> None:
+        """The router is the one child on a fixed port (the user's ``--port``): fail at once, naming it,
+        when something already listens there."""
+        cfg = self.config
+        if port_in_use(cfg.host, cfg.port):
+            raise RuntimeError(_router_port_taken(cfg))
 
     def _start_router(self, deadline: float) -> None:
         cfg = self.config
+        self._check_router_port()  # again: a program may have taken it while the workers loaded
         argv = kvmesh_command("router", "--host", cfg.host, "--port", str(cfg.port))
         for w in self.workers:
             argv += [f"--{w.role}", f"{w.url},events={w.events},replay={w.replay}"]
@@ -217,7 +279,12 @@ class Topology:
         argv += list(cfg.router_args)
         p = self._spawn("router", argv, self._env(KVMESH_UPSTREAM_API_KEY=self.upstream_key))
         self.router_url = f"http://{cfg.host}:{cfg.port}"
-        wait_healthy(self.router_url, deadline - time.monotonic(), p, f"router at {self.router_url}")
+        try:
+            wait_healthy(self.router_url, deadline - time.monotonic(), p, f"router at {self.router_url}")
+        except NotReadyError:
+            if p.poll() is not None and port_in_use(cfg.host, cfg.port):  # taken since the check above
+                raise RuntimeError(_router_port_taken(cfg)) from None
+            raise
 
     def _env(self, **extra: str) -> dict[str, str]:
         """A child's environment: ours, this run's KV-path secret, and ``extra``."""
@@ -252,12 +319,22 @@ class Topology:
             except subprocess.TimeoutExpired:
                 pass
         self.procs.clear()
+        if self.run_dir is not None:  # after the workers: their ipc sockets and ready files are in it
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self.run_dir = None
 
     def __enter__(self) -> Topology:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _router_port_taken(cfg: TopologyConfig) -> str:
+    return (
+        f"port {cfg.port} on {cfg.host} is already in use: the router cannot listen there "
+        "(stop what holds it or give another --port)"
+    )
 
 
 def _is_loopback(host: str) -> bool:

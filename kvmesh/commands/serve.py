@@ -17,7 +17,14 @@ def add_server_args(p: argparse.ArgumentParser, default_role: str = "both") -> N
     """Server flags, shared with the prefill/decode entry points (they differ by role and connector)."""
     g = p.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="0: a free port the kernel picks (see --ready-file)")
+    g.add_argument(
+        "--ready-file",
+        default=None,
+        metavar="PATH",
+        help='once listening, write {"url", "port", "pid"} here (atomically; removed on exit): '
+        "how a parent learns the port of --port 0",
+    )
     EngineArgs.add_cli_args(g, section="server")  # --role, --max-waiting, --engine-id
     p.set_defaults(role=default_role)
     g.add_argument(
@@ -175,6 +182,7 @@ def configs_from_args(args: argparse.Namespace):
     cfg = ServerConfig(
         host=args.host,
         port=args.port,
+        ready_file=args.ready_file,
         role=args.role,
         served_model_names=tuple(args.served_model_name or ()),
         api_keys=tuple(args.api_key),
@@ -190,6 +198,8 @@ def configs_from_args(args: argparse.Namespace):
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
     )
+    if cfg.ready_file and not os.path.isdir(os.path.dirname(os.path.abspath(cfg.ready_file))):
+        raise ValueError(f"--ready-file {cfg.ready_file}: no such directory")  # now, not after the model loaded
     if cfg.api_keys_file:  # a missing or malformed keys file fails now, not after the model loaded
         from kvmesh.services.auth import KeyStore
 

@@ -11,7 +11,10 @@ from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "0.0.0.0"
-    port: int = 8000
+    port: int = 8000  # 0: the kernel picks one when uvicorn binds (nothing can take it first)
+    # Written once uvicorn listens ({"url", "port", "pid"}; renamed into place, removed on exit): how
+    # a parent learns the port of ``port`` 0 and that the server is up (`kvmesh up`).
+    ready_file: str | None = None
     role: Role = "both"  # what the engine runs as (checked by the CLI and the engine); the API is the same
     served_model_names: tuple[str, ...] = ()  # empty: the engine's model name
     # Accepted API keys (services/auth.py): every endpoint but /health, /live and /metrics needs one

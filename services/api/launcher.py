@@ -4,11 +4,17 @@ Order matters for start-up time: the engine process starts first (it loads
 the weights, the slow part), the tokenizer loads here meanwhile, and uvicorn
 binds only once the engine reported `Ready`, so a listening port means a
 working server.
+
+With ``--port 0`` the kernel picks the port when uvicorn binds, so nothing can take it between a
+pick and the bind (as with a port a parent picked and passed down, which another program may take
+while the model loads); ``--ready-file`` tells the parent which port that was (`kvmesh up`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import json
 import logging
 import os
 import shutil
@@ -63,7 +69,6 @@ async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
             timeout_graceful_shutdown=cfg.shutdown_timeout,
         )
     )
-    log.info("serving %s on http://%s:%d (role %s)", ready.model_name, cfg.host, cfg.port, ready.role)
     stop_requested: list[float] = []
     uvicorn_exit = server.handle_exit
 
@@ -72,9 +77,14 @@ async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
         uvicorn_exit(sig, frame)
 
     server.handle_exit = handle_exit  # type: ignore[method-assign]  # wraps uvicorn's signal handler
+    announced: list[bool] = []  # [True] once the ready file is written, [False] if it could not be
+    announce = asyncio.create_task(_announce(server, cfg, ready.model_name, ready.role, announced))
     try:
         await server.serve()  # on SIGTERM: stops accepting, waits for open requests (shutdown_timeout)
     finally:
+        announce.cancel()
+        if announced == [True] and cfg.ready_file:
+            _remove(cfg.ready_file)  # it would name a port nobody listens on any more
         # uvicorn re-raises the captured SIGTERM as KeyboardInterrupt after its graceful stop; the
         # engine gets what is left of the timeout to hand over blocks held for remote readers.
         drain = 0.0
@@ -82,7 +92,53 @@ async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
             drain = max(0.0, cfg.shutdown_timeout - (time.monotonic() - stop_requested[0]))
         await client.close(drain_s=drain)
         _remove_ipc_dir(cfg, proc_cfg)
-    return 0
+    return 1 if announced == [False] else 0
+
+
+async def _announce(server: uvicorn.Server, cfg: ServerConfig, model: str, role: str, announced: list[bool]) -> None:
+    """Once uvicorn listens: log the address it bound (the kernel's pick with ``port`` 0) and write
+    ``cfg.ready_file``. The file appears whole (written aside, then renamed), so a parent polling for
+    it never reads half of it; a file that cannot be written stops the server (its parent, waiting
+    for the file, would otherwise wait for ever)."""
+    while not server.started:
+        await asyncio.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    log.info("serving %s on http://%s:%d (role %s)", model, cfg.host, port, role)
+    if cfg.ready_file:
+        url = http_url(cfg.host, port)
+        tmp = cfg.ready_file + ".tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"url": url, "port": port, "pid": os.getpid()}, f)
+            os.replace(tmp, cfg.ready_file)
+        except OSError as e:
+            log.error("cannot write the ready file %s: %s; stopping", cfg.ready_file, e)
+            announced.append(False)
+            server.should_exit = True
+            return
+        announced.append(True)
+
+
+def http_url(host: str, port: int) -> str:
+    """The URL a client on this machine reaches a server bound to ``host``:``port`` at (a wildcard
+    address is reached through loopback; an IPv6 address goes in brackets)."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    except ValueError:  # a name
+        pass
+    return f"http://{host}:{port}"
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def _remove_ipc_dir(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> None:

@@ -404,14 +404,18 @@ def test_unauthenticated_side_channel_message_is_refused_and_counted(topo):
     nothing else, and its /metrics count the refusal (kvmesh:kv_transfer_refused_total{reason="auth"})."""
     if topo.config.kv_connector != "nixl":
         return  # Redis has no side channel (its AUTH is test_connectors_redis.py's)
-    import json
 
     import msgspec
     import zmq
 
     prefill = next(w for w in topo.workers if w.role == "prefill")
-    argv = next(p.args for name, p in topo.procs if name == "prefill-0")
-    port = json.loads(argv[argv.index("--kv-connector-config") + 1])["side_channel_port"]
+    first = _worker_post(  # a prompt under one block: the answer names the port, no block is held
+        topo,
+        prefill.url + "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        timeout=600,
+    )
+    port = first.json()["kv_transfer_params"]["remote_port"]  # the side channel advertises the port it bound
     name = "kvmesh:kv_transfer_refused_total"
     before = _metric(prefill.url, name)
     ctx = zmq.Context()
