@@ -147,8 +147,8 @@ def gemv_w8a8() -> bool:
 #   "bits":     `gemv_kernel` W8A16, e4m3 widened by integer ops (W_BITS)
 #   "swapab":   `fp8_swapab_kernel` W8A8 on the tensor cores, the row quantized inside the kernel
 #   "swapab_q": the row quantized by `fp8_quant_rows_kernel` first, then `fp8_swapab_kernel`
-# ONE_ROW_PATHS holds the H200 winners at the Llama-3-8B shapes (bench/gpu_fp8.py, one-row table,
-# bench/results/gpu_fp8_gemv.json): swapab_q on qkv (11.1 against 11.8 us) and gate_up (33.6
+# ONE_ROW_PATHS holds the H200 winners at the Llama-3-8B shapes (bench/gpu_fp8.py, its one-row
+# table): swapab_q on qkv (11.1 against 11.8 us) and gate_up (33.6
 # against 49.7 us), the conversion GEMV on o (7.6 against 9.7) and down (22.4 against 37.3); the
 # others lost everywhere. Other shapes take DEFAULT_ONE_ROW_PATH; KVMESH_FP8_GEMV=<path> forces one.
 ONE_ROW_PATHS: dict[tuple[int, int], str] = {(6144, 4096): "swapab_q", (28672, 4096): "swapab_q"}

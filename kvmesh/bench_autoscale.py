@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 POLICIES = ("planner", "static", "hpa")
 # Open-loop ramp scaled to a 2-core box: RATE:SECONDS, or FROM-TO:SECONDS for a linear change (the
-# shape of a real rise, e.g. issue 24's anchor 2 -> 10 -> 1 req/s, rather than an instant step).
+# shape of a real rise, e.g. 2 -> 10 -> 1 req/s, rather than an instant step).
 DEFAULT_PHASES = "0.6:45,0.6-3:30,3:60,0.3:45"
 QUICK_PHASES = "0.5:15,0.5-3:15,3:20,0.3:20"
 HPA_TOLERANCE = 0.1

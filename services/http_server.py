@@ -26,16 +26,10 @@ DEFAULT_HEADER_TIMEOUT = 10.0
 
 
 def _timeout_response() -> bytes:
-    body = json.dumps(
-        {
-            "error": {
-                "message": "request headers did not arrive in time",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": 408,
-            }
-        }
-    ).encode()
+    """The raw 408 written before closing (no app has seen the request): services/errors.py's body."""
+    from kvmesh.services.errors import error_body  # fastapi: only where a server runs
+
+    body = json.dumps(error_body(408, "request headers did not arrive in time")).encode()
     head = (
         b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
         b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"

@@ -85,7 +85,7 @@ def gemv_kernel(
     and activations out of L2. With SILU_MUL the input is a gate|up row of width 2K
     and ``silu(gate) * up`` is formed on the fly, rounded like `silu_and_mul`, which
     removes that launch before the down projection. The first weight tile is loaded
-    before `_grid_dependency`: weights do not depend on the kernel before this one, so
+    before `grid_dependency`: weights do not depend on the kernel before this one, so
     under programmatic dependent launch their stream starts while that kernel finishes.
 
     FP8 weights (e4m3, half the bytes of bf16) stream through the same loop, widened to fp32 as

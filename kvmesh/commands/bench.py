@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 
 
 def register(sub) -> None:
@@ -20,15 +19,10 @@ def register(sub) -> None:
     s.set_defaults(func=_run_serve)
 
     o = bsub.add_parser("offline", help="throughput of the engine in-process")
-    try:
-        bench_offline = importlib.import_module("kvmesh.bench_offline")
-    except ModuleNotFoundError as e:
-        if e.name != "kvmesh.bench_offline":
-            raise
-        o.set_defaults(func=_missing_offline)
-    else:
-        bench_offline.register_args(o)
-        o.set_defaults(func=bench_offline.run)
+    from kvmesh import bench_offline
+
+    bench_offline.register_args(o)
+    o.set_defaults(func=bench_offline.run)
     r = bsub.add_parser("router", help="replay a Mooncake trace against simulated instances through several routers")
     from kvmesh import bench_router  # light: heavy imports happen in run()
 
@@ -71,8 +65,3 @@ def _run_serve(args: argparse.Namespace) -> int:
     from kvmesh import bench_serve
 
     return bench_serve.run(args)
-
-
-def _missing_offline(args: argparse.Namespace) -> int:
-    print("kvmesh bench offline is not available yet (kvmesh/bench_offline.py)")
-    return 2

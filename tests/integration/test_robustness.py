@@ -184,7 +184,8 @@ def test_slow_headers_and_idle_connections_are_cut_off(url):
     finally:
         s.close()
     assert got.startswith(b"HTTP/1.1 408"), got[:200]
-    assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == 408
+    err = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["code"] == 408 and err["type"] == "RequestTimeoutError"  # services/errors.py's, as every error
     idle = _raw(url)
     try:
         idle.settimeout(10 * HEADER_TIMEOUT)

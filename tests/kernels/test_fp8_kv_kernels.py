@@ -4,7 +4,7 @@ Writes equal their reference bit for bit (per-tensor and per-head scales, clampi
 slots; the fused RoPE write in float32, and within one FP8 step for bf16 keys, whose rotated
 value the interpreter truncates to bf16 where the reference rounds). Attention over an FP8 cache
 equals the reference that upcasts the same FP8 values (`dequantize_kv_reference`) within the
-bounds of the bf16 cache tests. The error FP8 itself costs is tests/unit/test_fp8_kv_accuracy.py.
+bounds of the bf16 cache tests. The error FP8 itself costs is tests/unit/test_fp8_kv.py.
 """
 
 from __future__ import annotations
