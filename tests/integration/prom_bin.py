@@ -30,7 +30,9 @@ def _versions() -> dict[str, str]:
 
 VERSIONS = _versions()
 PROMETHEUS_BIN = CACHE / f"prometheus-v{VERSIONS['PROMETHEUS_VERSION']}" / "bin"
-TOOLS_BIN = CACHE / f"tools-{VERSIONS['KUBECTL_LAYER_PKG'].rsplit('/', 1)[-1]}" / "bin"
+# common.sh's TOOLS_DIR (kubectl and helm)
+_TOOLS = f"tools-{VERSIONS['KUBECTL_LAYER_PKG'].rsplit('/', 1)[-1]}-{VERSIONS['KUBECTL_LAYER_VERSION']}"
+TOOLS_BIN = CACHE / _TOOLS / "bin"
 
 
 def _ensure(stamp: Path, target: str) -> None:

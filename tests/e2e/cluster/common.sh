@@ -8,7 +8,7 @@ KVMESH_CACHE="${KVMESH_CACHE:-$HOME/.cache/kvmesh}"
 K8S_BIN="$KVMESH_CACHE/k8s-v$K8S_VERSION/bin"
 ETCD_BIN="$KVMESH_CACHE/etcd-v$ETCD_VERSION/bin"
 KWOK_BIN="$KVMESH_CACHE/kwok-v$KWOK_VERSION/bin"
-TOOLS_DIR="$KVMESH_CACHE/tools-${KUBECTL_LAYER_PKG##*/}"
+TOOLS_DIR="$KVMESH_CACHE/tools-${KUBECTL_LAYER_PKG##*/}-$KUBECTL_LAYER_VERSION"
 # Runtime state (data dirs, logs, pids, kubeconfig) lives outside the clone too.
 KVMESH_CLUSTER_DIR="${KVMESH_CLUSTER_DIR:-$KVMESH_CACHE/cluster}"
 # Loopback ports chosen away from the usual 2379/6443/10250 so a real cluster on the box
