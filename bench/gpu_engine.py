@@ -408,7 +408,8 @@ def set_switch(eng: EngineCore, flag: str, var: str = "KVMESH_GEMV") -> None:
 
 
 def bench_8b(args, bw: float) -> EngineCore:
-    from kvmesh.engine.loader import LoadedModel, model_config_from_hf
+    from kvmesh.common.model_files import model_config_from_hf
+    from kvmesh.engine.loader import LoadedModel
     from kvmesh.engine.models.random_init import LLAMA3_8B, hf_model_from_state_dict, random_state_dict
 
     cfg = model_config_from_hf(LLAMA3_8B, "llama3-8b-random")

@@ -335,7 +335,8 @@ def decode_rows(eng, config: str, bw: float, args) -> None:
 
 
 def loaded_8b():
-    from kvmesh.engine.loader import LoadedModel, model_config_from_hf
+    from kvmesh.common.model_files import model_config_from_hf
+    from kvmesh.engine.loader import LoadedModel
     from kvmesh.engine.models.random_init import LLAMA3_8B, random_state_dict
 
     cfg = model_config_from_hf(LLAMA3_8B, "llama3-8b-random")

@@ -61,7 +61,7 @@ def hf_baseline(prompts: list[list[int]], output_len: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvmesh.engine.loader import embedded_model_path
+    from kvmesh.common.model_files import embedded_model_path
 
     threads = os.environ.get("KVMESH_CPU_THREADS")
     if threads:

@@ -1,7 +1,8 @@
 # kvmesh router: `kvmesh router --discovery k8s ...`. It tokenizes with the model's own tokenizer,
-# read from the embedded GGUF through kvmesh.engine.loader, which imports torch: so it carries the
-# same torch runtime layer as the CPU worker (shared in storage), but no nixl. Runs as uid 1000
-# with a read-only root filesystem (/tmp is an emptyDir). Built by scripts/images.sh.
+# read through kvmesh.common.model_files, which imports no torch; but a GGUF's vocabulary becomes that
+# tokenizer (once, then cached) through transformers' GGUF reader, which imports torch: so the image
+# still carries the same torch runtime layer as the CPU worker (shared in storage), but no nixl.
+# Runs as uid 1000 with a read-only root filesystem (/tmp is an emptyDir). Built by scripts/images.sh.
 ARG BASE_IMAGE=localhost/kvmesh/base:bookworm
 FROM ${BASE_IMAGE}
 

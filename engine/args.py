@@ -1,6 +1,6 @@
 """`EngineArgs`: every setting an engine is built from, declared once.
 
-Each field carries its default, its command-line flag and help (kvmesh.cli_fields) and, when an
+Each field carries its default, its command-line flag and help (kvmesh.common.fields) and, when an
 InferenceService exposes it, its property under ``spec.engine`` in the CRD (`CrdProperty`). The
 CLI (`add_cli_args`, `from_cli_args`), `EngineCore.from_model`, `LLM` and the operator's rendering
 (kvmesh/operator/render.py) all read these fields; the checks on values stay in the config
@@ -17,9 +17,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.cli_fields import add_arguments, cli, scalar_type, values_from
+from kvmesh.common.fields import add_arguments, cli, scalar_type, values_from
+from kvmesh.common.model_files import ModelConfig
+from kvmesh.common.roles import ROLES, Role
 
-from .config import KV_CACHE_DTYPES, QUANTIZATIONS, ROLES, CacheConfig, EngineConfig, ModelConfig, Role, SchedulerConfig
+from .config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
 
 CRD = "crd"
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from .hashing import BlockHash, external_hash
-from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvmesh.common.hashing import BlockHash, external_hash
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 class KVCacheBlock:

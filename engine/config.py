@@ -2,77 +2,20 @@
 
 The same engine serves every role; `role` only changes what the connector hook
 does with finished requests (prefill keeps blocks for a remote reader, decode
-loads them), never the scheduler.
+loads them), never the scheduler. The model's shape (`ModelConfig`) and the roles
+are kvmesh.common's: the router reads them too, without the engine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-Role = Literal["both", "prefill", "decode"]
-ROLES: tuple[str, ...] = ("both", "prefill", "decode")
+from kvmesh.common.model_files import ModelConfig
+from kvmesh.common.roles import ROLES, Role
+
 # "auto": the KV cache holds the model's dtype; "fp8": float8_e4m3fn with static per-layer scales
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 QUANTIZATIONS: tuple[str, ...] = ("fp8",)  # weight formats (engine/quantization.py)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape of a decoder-only model, read from HF config.json or GGUF metadata.
-
-    ``architecture`` is the HF ``model_type`` (``llama``, ``qwen3``, ``qwen3_moe``, ...): it picks the
-    model class (`kvmesh.engine.models.model_class`). The MoE fields are zero for dense models."""
-
-    name: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: tuple[tuple[str, object], ...] | None = None  # frozen dict: (key, value) pairs
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    architecture: str = "llama"
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
-    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 and i is not in mlp_only_layers
-    mlp_only_layers: tuple[int, ...] = ()
-
-    def is_sparse_layer(self, i: int) -> bool:
-        """Whether layer ``i`` has a mixture-of-experts MLP (HF Qwen3-MoE's rule)."""
-        return (
-            self.num_experts > 0
-            and i not in self.mlp_only_layers
-            and self.decoder_sparse_step > 0
-            and (i + 1) % self.decoder_sparse_step == 0
-        )
-
-    quantization: str | None = None  # the checkpoint's own weight format ("fp8": pre-quantized)
-
-    @property
-    def rope_scaling_dict(self) -> dict | None:
-        return dict(self.rope_scaling) if self.rope_scaling else None
-
-    def identity(self) -> str:
-        """A string naming the weights' shape; folded into block hashes so caches never mix models."""
-        ident = (
-            f"{self.name}|{self.num_layers}x{self.hidden_size}|kv{self.num_kv_heads}x{self.head_dim}|v{self.vocab_size}"
-        )
-        if self.architecture not in ("llama", "qwen2", "mistral"):  # the older ones keep their hashes
-            ident += f"|{self.architecture}"
-        if self.num_experts:
-            ident += f"|e{self.num_experts}k{self.num_experts_per_tok}x{self.moe_intermediate_size}"
-        return ident
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvmesh.common.kv_events import KVCacheEvent
+
 from .args import EngineArgs
 from .config import EngineConfig
 from .connector import KVConnector
 from .decode_rounds import DecodeRounds, RoundOutcome
 from .grammar_masks import GrammarMasks
 from .kv_cache_manager import KVCacheManager
-from .kv_events import KVCacheEvent
 from .loader import load_model
 from .messages import KV_TRANSFER_REFUSALS, EngineCoreOutput, EngineCoreRequest, EngineStats
 from .request import Request, RequestStatus

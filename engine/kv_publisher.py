@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
-from .kv_events_auth import CurveKeys, start_zap
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from kvmesh.common.kv_events_auth import CurveKeys, start_zap
 
 log = logging.getLogger("kvmesh.engine.kv_publisher")
 

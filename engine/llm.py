@@ -6,8 +6,9 @@ import itertools
 from collections.abc import Sequence
 from typing import cast
 
+from kvmesh.common.chat import render_chat
+
 from .args import EngineArgs
-from .chat import render_chat
 from .core import EngineCore
 from .messages import EngineCoreRequest
 from .output_processor import RequestOutput, RequestState

@@ -7,12 +7,12 @@ in place of a float tensor; embeddings, ``lm_head`` and norms stay in the model'
 * Online: a float checkpoint quantized layer by layer as the model is built (`LayerQuantizer`),
   each output channel's largest magnitude mapped to 448.
 * Pre-quantized: a checkpoint whose ``config.json`` has a ``quantization_config`` in one of the
-  layouts vLLM reads (`checkpoint_quantization`): ``quant_method: fp8`` (e4m3 ``weight`` with
-  ``weight_scale`` per tensor or per channel, ``input_scale`` per tensor when activations are
-  static) or ``compressed-tensors`` (float-quantized 8-bit weights, strategy ``channel`` or
-  ``tensor``, activations dynamic per token or static per tensor). The model code casts the e4m3
-  weights to its dtype, which holds every e4m3 value exactly; `quantize_model` casts them back
-  and attaches the checkpoint's scales.
+  layouts vLLM reads (`kvmesh.common.model_files.checkpoint_quantization`, torch-free: it is read
+  with the config): ``quant_method: fp8`` (e4m3 ``weight`` with ``weight_scale`` per tensor or per
+  channel, ``input_scale`` per tensor when activations are static) or ``compressed-tensors``
+  (float-quantized 8-bit weights, strategy ``channel`` or ``tensor``, activations dynamic per token
+  or static per tensor). The model code casts the e4m3 weights to its dtype, which holds every e4m3
+  value exactly; `quantize_model` casts them back and attaches the checkpoint's scales.
 
 Fused weights: the q, k and v (gate and up) projections' scales are expanded to one per output
 channel and concatenated, which is exact; their static input scales, if any, become the largest
@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvmesh.common.model_files import QuantizationError
 from kvmesh.kernels import Fp8Weight, quantize_weight
 from kvmesh.kernels.reference import FP8
 
@@ -42,53 +43,6 @@ FUSED: dict[str, tuple[str, ...]] = {
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
     "down": ("mlp.down_proj",),
 }
-
-
-class QuantizationError(ValueError):
-    """A ``quantization_config`` kvmesh cannot run, or a checkpoint that does not match its own."""
-
-
-def checkpoint_quantization(hf_config: Mapping[str, Any]) -> str | None:
-    """``"fp8"`` for a ``config.json`` with an FP8 ``quantization_config`` kvmesh can load,
-    None without one; `QuantizationError` for any other (block-wise scales, int8/int4, ...)."""
-    qc = hf_config.get("quantization_config")
-    if not qc:
-        return None
-    method = qc.get("quant_method")
-    if method == "fp8":
-        if qc.get("weight_block_size"):
-            raise QuantizationError("fp8 checkpoints with block-wise weight scales are not supported")
-        if qc.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
-            raise QuantizationError(f"unsupported fp8 activation_scheme {qc.get('activation_scheme')!r}")
-        return "fp8"
-    if method == "compressed-tensors":
-        groups = qc.get("config_groups") or {}
-        if not groups:
-            raise QuantizationError("compressed-tensors quantization_config without config_groups")
-        for name, g in groups.items():
-            w = g.get("weights") or {}
-            a = g.get("input_activations")
-            if w.get("num_bits") != 8 or w.get("type") != "float":
-                raise QuantizationError(f"compressed-tensors group {name}: only 8-bit float weights are supported")
-            if w.get("strategy") not in ("channel", "tensor"):
-                raise QuantizationError(
-                    f"compressed-tensors group {name}: weight strategy {w.get('strategy')!r} "
-                    "(supported: channel, tensor)"
-                )
-            if a is not None and (
-                a.get("num_bits") != 8
-                or a.get("type") != "float"
-                or (a.get("dynamic") and a.get("strategy") != "token")
-                or (not a.get("dynamic") and a.get("strategy") != "tensor")
-            ):
-                raise QuantizationError(
-                    f"compressed-tensors group {name}: activations must be 8-bit float, dynamic per "
-                    "token or static per tensor"
-                )
-        return "fp8"
-    raise QuantizationError(
-        f"unsupported quantization_config quant_method {method!r} (supported: fp8, compressed-tensors)"
-    )
 
 
 def _channel_scale(sd: Mapping[str, torch.Tensor], name: str, rows: int) -> torch.Tensor:

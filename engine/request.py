@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from .hashing import BlockHash, block_hashes_for
+from kvmesh.common.hashing import BlockHash, block_hashes_for
+
 from .sampling_params import SamplingParams
 
 

@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     os.environ["KVMESH_CPU_THREADS"] = str(args.threads)
     from kvmesh import LLM
-    from kvmesh.engine.loader import load_model, resolve_model_path
+    from kvmesh.common.model_files import resolve_model_path
+    from kvmesh.engine.loader import load_model
 
     loaded = load_model(args.model)
     levels = [int(x) for x in args.concurrency.split(",")]

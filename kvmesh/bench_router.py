@@ -162,9 +162,9 @@ def word_vocab() -> list[str]:
     """Single-token words (" word" encoding to exactly one token): text prompts tokenize block-aligned.
     Prompts go out as text because sglang-router's /v1/completions rejects token-id prompts."""
     if not _WORDS:
-        from kvmesh.engine.loader import load_model
+        from kvmesh.common.model_files import load_model_files
 
-        tok = load_model(None, load_weights=False).tokenizer
+        tok = load_model_files(None).tokenizer
         for t in range(1000, min(tok.vocab_size, 40000)):
             s = tok.decode([t])
             if s.startswith(" ") and s[1:].isalpha() and s[1:].islower() and len(s) >= 4:

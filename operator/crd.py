@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvmesh.cli_fields import CLI, scalar_type
+from kvmesh.common.fields import CLI, scalar_type
 from kvmesh.engine.args import CRD, CrdProperty, EngineArgs
 
 CRD_FILE = Path(__file__).resolve().parents[1] / "crds" / "inferenceservices.yaml"

@@ -33,7 +33,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from kvmesh.cli_fields import flag_of
+from kvmesh.common.fields import flag_of
 from kvmesh.engine.args import EngineArgs
 
 from .spec import DEFAULT_ROUTER_IMAGE, InferenceServiceSpec, ObjectMeta, RoleSpec

@@ -102,7 +102,7 @@ def hf_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvmesh.engine.loader import embedded_model_path
+    from kvmesh.common.model_files import embedded_model_path
 
     warnings.filterwarnings("ignore")
     path = embedded_model_path()

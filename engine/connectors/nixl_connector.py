@@ -59,8 +59,9 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from kvmesh.common.kv_auth import load_kv_auth_key, missing_key_message
+
 from ..connector import ConnectorMetadata, KVConnector
-from ..kv_auth import load_kv_auth_key, missing_key_message
 from ..kv_transfer_params import check_kv_transfer_params
 from ..request import RequestStatus
 from .common import BlockLayout, layout_refusal

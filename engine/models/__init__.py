@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..config import ModelConfig
+from kvmesh.common.model_files import ModelConfig
+
 from .decoder import AttentionMetadata, DecoderForCausalLM
 from .llama import LlamaForCausalLM
 from .moe import MixtralForCausalLM, Qwen3MoeForCausalLM
@@ -14,9 +15,8 @@ MODEL_CLASSES: tuple[type[DecoderForCausalLM], ...] = (
     Qwen3MoeForCausalLM,
     MixtralForCausalLM,
 )
-# HF ``model_type`` -> class, and HF class name (config.json ``architectures``) -> model_type.
+# HF ``model_type`` -> class (kvmesh.common.model_files.MODEL_TYPE_OF_HF maps HF class names to model types).
 BY_MODEL_TYPE: dict[str, type[DecoderForCausalLM]] = {t: c for c in MODEL_CLASSES for t in c.MODEL_TYPES}
-MODEL_TYPE_OF_HF: dict[str, str] = {a: t for c in MODEL_CLASSES for a, t in zip(c.HF_ARCHITECTURES, c.MODEL_TYPES)}
 
 
 def model_class(cfg: ModelConfig) -> type[DecoderForCausalLM]:
@@ -33,7 +33,6 @@ __all__ = [
     "DecoderForCausalLM",
     "LlamaForCausalLM",
     "MODEL_CLASSES",
-    "MODEL_TYPE_OF_HF",
     "MixtralForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",

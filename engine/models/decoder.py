@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh import kernels
+from kvmesh.common.model_files import ModelConfig
 
-from ..config import ModelConfig
 from .rope import cos_sin_cache
 
 
@@ -85,9 +85,9 @@ class LayerWeights(TypedDict):
 class DecoderForCausalLM(torch.nn.Module):
     """Pre-norm decoder: RMSNorm, GQA attention with RoPE over the paged cache, RMSNorm, MLP."""
 
-    # HF model types this class serves (the loader's `config.json` ``model_type``), and HF class names.
+    # HF model types this class serves (config.json's ``model_type``; the HF class names that map to
+    # them, and the list of what kvmesh runs, are kvmesh.common.model_files.MODEL_TYPE_OF_HF).
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ()
-    HF_ARCHITECTURES: ClassVar[tuple[str, ...]] = ()
     QK_NORM: ClassVar[bool] = False  # per-head RMSNorm of q and k (weights of size head_dim) before RoPE
 
     def __init__(

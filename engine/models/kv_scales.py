@@ -18,7 +18,7 @@ import hashlib
 
 import torch
 
-from ..config import ModelConfig
+from kvmesh.common.model_files import ModelConfig
 
 _NAMES = (
     ("self_attn.k_scale", "self_attn.v_scale"),

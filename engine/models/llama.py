@@ -8,7 +8,6 @@ from .decoder import AttentionMetadata, DecoderForCausalLM
 
 class LlamaForCausalLM(DecoderForCausalLM):
     MODEL_TYPES = ("llama", "mistral", "qwen2")
-    HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 __all__ = ["AttentionMetadata", "LlamaForCausalLM"]

@@ -63,9 +63,7 @@ class _SparseMixin(DecoderForCausalLM):
 
 class Qwen3MoeForCausalLM(_SparseMixin, Qwen3ForCausalLM):
     MODEL_TYPES = ("qwen3_moe",)
-    HF_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
 
 class MixtralForCausalLM(_SparseMixin):
     MODEL_TYPES = ("mixtral",)
-    HF_ARCHITECTURES = ("MixtralForCausalLM",)

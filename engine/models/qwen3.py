@@ -8,5 +8,4 @@ from .decoder import DecoderForCausalLM
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
     MODEL_TYPES = ("qwen3",)
-    HF_ARCHITECTURES = ("Qwen3ForCausalLM",)
     QK_NORM = True

@@ -18,8 +18,9 @@ import copy
 
 import torch
 
-from ..config import ModelConfig
-from ..loader import LoadedModel, model_config_from_hf
+from kvmesh.common.model_files import ModelConfig, model_config_from_hf
+
+from ..loader import LoadedModel
 
 # Llama-3-8B's shape (config.json of meta-llama/Meta-Llama-3.1-8B, rope scaling included).
 LLAMA3_8B: dict = {

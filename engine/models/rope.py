@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..config import ModelConfig
+from kvmesh.common.model_files import ModelConfig
 
 
 def inv_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:

@@ -13,8 +13,9 @@ import time
 import torch
 
 from kvmesh import kernels
+from kvmesh.common.model_files import ModelConfig
 
-from ..config import ModelConfig, SchedulerConfig
+from ..config import SchedulerConfig
 from ..device_draw import draw_on_device
 from ..grammar_masks import TokenMask
 from ..models.decoder import DecoderForCausalLM

@@ -21,7 +21,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh import LLM, SamplingParams
-    from kvmesh.engine.loader import ModelLoadError
+    from kvmesh.common.model_files import ModelLoadError
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvmesh.cli_fields import add_arguments, values_from
+from kvmesh.common.fields import add_arguments, values_from
 
 
 def register(sub) -> None:
@@ -31,8 +31,8 @@ def register(sub) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The flags as a `RouterConfig`; ``--worker``/``--selector`` name pods of the engine's role "both"."""
-    from kvmesh.engine.config import Role
-    from kvmesh.engine.kv_auth import load_kv_auth_key
+    from kvmesh.common.kv_auth import load_kv_auth_key
+    from kvmesh.common.roles import Role
     from kvmesh.services.router.config import RouterConfig, ScoringWeights, parse_pod_spec
 
     urls: tuple[tuple[Role, list[str]], ...] = (

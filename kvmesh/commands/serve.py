@@ -8,8 +8,8 @@ import os
 import sys
 from dataclasses import asdict
 
+from kvmesh.common.kv_auth import load_kv_auth_key
 from kvmesh.engine.args import EngineArgs
-from kvmesh.engine.kv_auth import load_kv_auth_key
 from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT
 
 
@@ -230,7 +230,7 @@ def configs_from_args(args: argparse.Namespace):
                 raise ValueError(f"{flag} needs --kv-connector redis")
             connector_cfg.setdefault(key, value)
     if args.kv_connector == "nixl":
-        from kvmesh.engine.kv_auth import missing_key_message
+        from kvmesh.common.kv_auth import missing_key_message
 
         # Fail here, before any process starts, rather than in the engine process.
         if "auth_key" not in connector_cfg and load_kv_auth_key(args.kv_auth_key_file) is None:

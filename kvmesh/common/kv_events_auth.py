@@ -21,7 +21,7 @@ import zmq
 import zmq.auth.thread
 from zmq.utils import z85
 
-log = logging.getLogger("kvmesh.engine.kv_events_auth")
+log = logging.getLogger("kvmesh.kv_events_auth")
 
 ZAP_DOMAIN = "kvmesh-kv-events"
 _SERVER_LABEL = b"kvmesh kv-events curve server v1"
@@ -79,7 +79,7 @@ class RouterOnly:
 
 def start_zap(ctx: zmq.Context, keys: CurveKeys) -> tuple[zmq.auth.thread.ThreadAuthenticator, RouterOnly]:
     """Run the ZAP handler of ``ctx`` (one per context): only the routers' key gets the stream."""
-    auth = zmq.auth.thread.ThreadAuthenticator(ctx, log=logging.getLogger("kvmesh.engine.kv_events_zap"))
+    auth = zmq.auth.thread.ThreadAuthenticator(ctx, log=logging.getLogger("kvmesh.kv_events_zap"))
     auth.start()
     check = RouterOnly(keys)
     auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=check)

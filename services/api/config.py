@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvmesh.engine.config import Role
+from kvmesh.common.roles import Role
 from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT
 
 

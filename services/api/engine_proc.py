@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvmesh.engine.config import ROLES, Role
+from kvmesh.common.roles import ROLES, Role
 
 from . import wire
 
@@ -333,8 +333,8 @@ def _make_kv_publisher(cfg: EngineProcConfig, engine, ctx):
     """The KV-event publisher (kvmesh.engine.kv_publisher), or None without --kv-events-endpoint."""
     if not cfg.kv_events_endpoint:
         return None
-    from kvmesh.engine.kv_auth import load_kv_auth_key
-    from kvmesh.engine.kv_events_auth import CurveKeys
+    from kvmesh.common.kv_auth import load_kv_auth_key
+    from kvmesh.common.kv_events_auth import CurveKeys
     from kvmesh.engine.kv_publisher import KVEventPublisher, PublisherConfig, make_topic
 
     topic = cfg.kv_events_topic

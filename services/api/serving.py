@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.engine.chat import ChatContentError, render_chat
+from kvmesh.common.chat import ChatContentError, render_chat
 from kvmesh.engine.messages import EngineCoreRequest
 from kvmesh.engine.output_processor import RequestState
 from kvmesh.engine.sampling_params import MAX_N, SamplingParams

@@ -7,7 +7,7 @@ grammar that enforces ``required`` and named choices, and the model's output tur
 * ``none``: the template still sees the tools; the output is plain content.
 * ``auto`` (the default with tools): the model decides; its text is parsed by the tool-call parser
   (`PARSERS`): ``hermes`` (Hermes / Qwen ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``,
-  the format the fallback tool prompt of engine/chat.py asks for) or ``llama3_json`` (Llama 3.x: the
+  the format the fallback tool prompt of kvmesh/common/chat.py asks for) or ``llama3_json`` (Llama 3.x: the
   whole output is ``{"name": ..., "parameters": ...}``, optionally after ``<|python_tag|>``, calls
   separated by ``;``). Chosen by ``--tool-call-parser``, else from the chat template.
 * ``required``: a grammar makes the output a JSON array of one or more calls

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvmesh.cli_fields import cli
-from kvmesh.engine.config import ROLES, Role
+from kvmesh.common.fields import cli
+from kvmesh.common.roles import ROLES, Role
 from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT
 
 POLICIES = ("kv-aware", "round-robin", "least-load")

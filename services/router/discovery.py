@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from kvmesh.engine.config import Role
+from kvmesh.common.roles import Role
 
 from .config import PodSpec, RouterConfig
 

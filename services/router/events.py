@@ -36,8 +36,8 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvmesh.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
-from kvmesh.engine.kv_events_auth import CurveKeys
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
+from kvmesh.common.kv_events_auth import CurveKeys
 
 from .index import PrefixIndex
 

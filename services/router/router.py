@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from fastapi.responses import Response, StreamingResponse
 
-from kvmesh.engine.chat import ChatContentError
-from kvmesh.engine.kv_auth import load_kv_auth_key
-from kvmesh.engine.kv_events_auth import CurveKeys
+from kvmesh.common.chat import ChatContentError
+from kvmesh.common.kv_auth import load_kv_auth_key
+from kvmesh.common.kv_events_auth import CurveKeys
 from kvmesh.services.auth import DEFAULT_TENANT, ENV_UPSTREAM_KEY, APIKey, KeyStore, SecretFile
 from kvmesh.services.errors import APIError, bad_request
 

@@ -177,7 +177,7 @@ class IdTokenizer:
         return self.prompt_ids(path, body)
 
     def block_hashes(self, ids, block_size, cache_salt):
-        from kvmesh.engine.hashing import block_hashes_for, external_hash
+        from kvmesh.common.hashing import block_hashes_for, external_hash
 
         return [external_hash(h) for h in block_hashes_for(ids, block_size, self.identity, cache_salt)]
 
@@ -215,7 +215,7 @@ def kv_event_outsider(ctx, kind: int, endpoint: str, who: str, server_public: by
     (keys derived from another secret)."""
     import zmq
 
-    from kvmesh.engine.kv_events_auth import CurveKeys
+    from kvmesh.common.kv_events_auth import CurveKeys
 
     s = ctx.socket(kind)
     s.setsockopt(zmq.LINGER, 0)

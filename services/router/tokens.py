@@ -1,8 +1,9 @@
 """Tokenization in the router, the same way the engine's API server does it.
 
 The router must hash exactly the token ids the pod will see, so it loads the
-pod's tokenizer (`load_model(path, load_weights=False)`) and renders chats with
-the engine's own `kvmesh.engine.chat`, as the API server does.
+pod's tokenizer with the code the engine loads it with (`kvmesh.common.model_files`,
+which imports no torch: neither does the router) and renders chats with
+`kvmesh.common.chat`, as the API server does.
 A request the router cannot tokenize is still routed (by load), never refused:
 the pod is the authority on what is valid. The one exception is content the
 chat renderer rejects (`ChatContentError`, a non-text part), which every pod
@@ -16,8 +17,9 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvmesh.engine.chat import ChatContentError, chat_input, render_chat, template_args
-from kvmesh.engine.hashing import block_hashes_for, external_hash
+from kvmesh.common.chat import ChatContentError, chat_input, render_chat, template_args
+from kvmesh.common.hashing import block_hashes_for, external_hash
+from kvmesh.common.model_files import load_model_files
 
 from .token_cache import PieceCache
 
@@ -30,9 +32,7 @@ OFFLOAD_CHARS = 4096
 
 class RouterTokenizer:
     def __init__(self, model: str | None) -> None:
-        from kvmesh.engine.loader import load_model
-
-        loaded = load_model(model, load_weights=False)
+        loaded = load_model_files(model)
         self.tokenizer = loaded.tokenizer
         # The Rust tokenizer under HF's wrapper: the same ids (its post-processor adds the same special
         # tokens), without the wrapper's per-call Python (a sixth of the router's CPU per request).

@@ -24,8 +24,8 @@ import pytest
 import zmq
 from connector_procs import EngineProc
 
+from kvmesh.common.hashing import block_hashes_for
 from kvmesh.engine.connectors.nixl_side_channel import REPLY, REQUEST, Signer, request, seal_request
-from kvmesh.engine.hashing import block_hashes_for
 
 pytestmark = pytest.mark.integration
 

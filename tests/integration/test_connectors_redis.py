@@ -267,7 +267,7 @@ def test_corrupt_or_missing_value_recomputes(smol, one_thread, redis_server, pro
 
 
 def decode_block_hashes(smol, prompt):
-    from kvmesh.engine.hashing import block_hashes_for
+    from kvmesh.common.hashing import block_hashes_for
 
     return block_hashes_for(prompt, BS, smol.config.identity())
 

@@ -8,7 +8,8 @@ import struct
 import pytest
 
 from kvmesh import SamplingParams
-from kvmesh.engine.loader import ModelLoadError, load_model
+from kvmesh.common.model_files import ModelLoadError
+from kvmesh.engine.loader import load_model
 from kvmesh.engine.messages import EngineCoreRequest
 
 pytestmark = pytest.mark.integration

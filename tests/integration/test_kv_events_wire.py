@@ -8,8 +8,8 @@ import msgspec
 import pytest
 import zmq
 
-from kvmesh.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvmesh.engine.kv_events_auth import CurveKeys
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.common.kv_events_auth import CurveKeys
 from kvmesh.engine.kv_publisher import END_SEQ, KVEventPublisher, PublisherConfig, make_topic
 from kvmesh.services.router.testing import free_port, handshake_refused, kv_event_outsider, wait_for
 

@@ -291,7 +291,7 @@ def test_kv_events_feed_the_router_exact_index_and_nobody_else(topo, smol):
     get no batch and no replay."""
     import zmq
 
-    from kvmesh.engine.kv_events_auth import CurveKeys
+    from kvmesh.common.kv_events_auth import CurveKeys
     from kvmesh.services.router.testing import handshake_refused, kv_event_outsider, wait_for
 
     router, decode = topo.router_url, next(w for w in topo.workers if w.role == "decode")

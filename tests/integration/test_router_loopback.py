@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from kvmesh.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.engine.kv_publisher import KVEventPublisher, PublisherConfig
 from kvmesh.services.router.config import PodSpec, RouterConfig
 from kvmesh.services.router.events import EventHub
@@ -178,7 +178,7 @@ def test_upstream_timeout_is_an_openai_error_and_close_frees_the_client():
 def test_non_text_content_parts_are_refused_like_the_pod_refuses_them():
     """The router renders chats with the engine's `chat_messages`: a non-text part is a 400 in the
     pods' error schema, and no pod sees the request."""
-    from kvmesh.engine.chat import chat_messages
+    from kvmesh.common.chat import chat_messages
 
     class ChatTokenizer(IdTokenizer):
         def prompt_ids(self, path, body):

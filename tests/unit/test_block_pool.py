@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvmesh.common.kv_events import BlockRemoved, BlockStored
 from kvmesh.engine.kv_cache_manager import KVCacheManager
-from kvmesh.engine.kv_events import BlockRemoved, BlockStored
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampling_params import SamplingParams
 

@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 
+from kvmesh.common.model_files import ModelConfig
 from kvmesh.engine.args import EngineArgs
-from kvmesh.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvmesh.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 pytestmark = pytest.mark.unit
 

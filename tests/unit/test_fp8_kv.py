@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import kvmesh.kernels as K
+from kvmesh.common.model_files import ModelConfig
 from kvmesh.engine.args import EngineArgs
-from kvmesh.engine.config import CacheConfig, EngineConfig, ModelConfig
+from kvmesh.engine.config import CacheConfig, EngineConfig
 from kvmesh.engine.models.kv_scales import kv_cache_scales, scales_fingerprint
 from kvmesh.engine.runner.memory import kv_bytes_per_block, kv_cache_dtype, num_blocks_for
 

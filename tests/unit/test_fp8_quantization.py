@@ -22,7 +22,8 @@ import torch
 from model_checks import prefill_logits
 
 import kvmesh.kernels as K
-from kvmesh.engine.loader import ModelLoadError, load_model
+from kvmesh.common.model_files import ModelLoadError
+from kvmesh.engine.loader import load_model
 from kvmesh.engine.models.llama import LlamaForCausalLM
 from kvmesh.engine.models.random_init import random_model, scaled_config
 from kvmesh.engine.quantization import (

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from kvmesh.common.kv_auth import KV_AUTH_KEY_ENV, load_kv_auth_key
 from kvmesh.engine.connectors.nixl_leases import HeldBlocks
 from kvmesh.engine.connectors.nixl_side_channel import (
     MAX_SKEW_S,
@@ -17,7 +18,6 @@ from kvmesh.engine.connectors.nixl_side_channel import (
     Signer,
     seal_request,
 )
-from kvmesh.engine.kv_auth import KV_AUTH_KEY_ENV, load_kv_auth_key
 
 pytestmark = pytest.mark.unit
 KEY = b"unit-test-kv-auth-key"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from kvmesh.engine.kv_auth import load_kv_auth_key
-from kvmesh.engine.kv_events_auth import CurveKeys, RouterOnly
+from kvmesh.common.kv_auth import load_kv_auth_key
+from kvmesh.common.kv_events_auth import CurveKeys, RouterOnly
 
 pytestmark = pytest.mark.unit
 

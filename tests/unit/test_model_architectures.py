@@ -8,8 +8,10 @@ import json
 import pytest
 import torch
 
-from kvmesh.engine.loader import ModelLoadError, _hf_names, load_model, model_config_from_hf
+from kvmesh.common.model_files import MODEL_TYPE_OF_HF, ModelLoadError, model_config_from_hf
+from kvmesh.engine.loader import _hf_names, load_model
 from kvmesh.engine.models import (
+    BY_MODEL_TYPE,
     LlamaForCausalLM,
     MixtralForCausalLM,
     Qwen3ForCausalLM,
@@ -43,6 +45,12 @@ BASE = {
 def test_architecture_picks_the_model_class(cfg, cls, arch):
     c = model_config_from_hf(cfg, "m")
     assert c.architecture == arch and model_class(c) is cls
+
+
+def test_the_torch_free_list_of_architectures_is_what_the_model_classes_run():
+    """kvmesh.common.model_files accepts a config (for the router too, without torch) exactly when a
+    model class runs it: the HF class names' model types are the ones `BY_MODEL_TYPE` has a class for."""
+    assert set(MODEL_TYPE_OF_HF.values()) == set(BY_MODEL_TYPE)
 
 
 def test_moe_fields_follow_hf():

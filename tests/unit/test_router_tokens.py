@@ -19,7 +19,7 @@ def rt():
 def test_chat_is_rendered_by_the_engine_and_non_text_parts_are_refused(rt):
     """The router's chat ids are the engine's `render_chat` ids (what the pod computes); a non-text
     content part is refused as the API server refuses it, not dropped."""
-    from kvmesh.engine.chat import ChatContentError, render_chat
+    from kvmesh.common.chat import ChatContentError, render_chat
 
     parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
     body = {"messages": [{"role": "user", "content": parts}], "continue_final_message": False}

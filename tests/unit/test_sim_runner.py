@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.common.kv_events import BlockStored
 from kvmesh.engine import loader
 from kvmesh.engine.args import EngineArgs
 from kvmesh.engine.core import EngineCore
-from kvmesh.engine.kv_events import BlockStored
 from kvmesh.engine.messages import EngineCoreRequest
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sim_runner import SimulatedRunner, next_token
