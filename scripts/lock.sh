@@ -16,7 +16,7 @@ UV="${UV:-$ROOT/.venv/bin/uv}"
 OUT=requirements/lock.txt
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 COMMON=(--universal --python-version 3.11 --generate-hashes --no-header --quiet)
-"$UV" pip compile "${COMMON[@]}" pyproject.toml --extra serve --extra operator --extra dev \
+"$UV" pip compile "${COMMON[@]}" pyproject.toml --extra engine --extra serve --extra bench --extra operator --extra dev \
   requirements/extra.txt -c requirements/constraints.txt -o "$tmp/main.txt"
 "$UV" pip compile "${COMMON[@]}" --no-deps requirements/no-deps.txt -o "$tmp/no-deps.txt"
 {

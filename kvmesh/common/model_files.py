@@ -462,7 +462,7 @@ def tokenizer_for(path: str) -> Any:
 
 def gguf_tokenizer(path: str) -> Any:
     """HF tokenizer built from the GGUF vocabulary, cached as tokenizer files keyed by the file's
-    name, size and mtime (``$KVMESH_CACHE``, default ``~/.cache/kvmesh``).
+    name, size and contents (`gguf_tokenizer_cache`; ``$KVMESH_CACHE``, default ``~/.cache/kvmesh``).
 
     Every process loads the cached files (`saved_tokenizer`), the one that converted them too, so
     they all hold the same tokenizer. Only a conversion imports torch (transformers' GGUF reader
@@ -503,13 +503,25 @@ def gguf_tokenizer(path: str) -> Any:
         return tok
 
 
+# How much of a GGUF's start keys its converted tokenizer: the header (metadata, the vocabulary and
+# merges among it) comes first and is a few MB even for 150k-token vocabularies.
+TOKENIZER_KEY_BYTES = 32 << 20
+
+
 def gguf_tokenizer_cache(path: str) -> str:
-    """The folder `gguf_tokenizer` keeps a GGUF's converted tokenizer in."""
-    st = os.stat(path)
+    """The folder `gguf_tokenizer` keeps a GGUF's converted tokenizer in: keyed by the file's name,
+    size and a hash of its start (its contents, not its mtime, so a tokenizer converted on one
+    machine serves the same file installed on another: the router image carries the embedded
+    model's, converted at build time, and needs no torch to convert it)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(TOKENIZER_KEY_BYTES))
     return os.path.join(
         os.environ.get("KVMESH_CACHE", os.path.expanduser("~/.cache/kvmesh")),
         "tokenizers",
-        f"{os.path.basename(path)}-{st.st_size}-{int(st.st_mtime)}",
+        f"{os.path.basename(path)}-{os.path.getsize(path)}-{h.hexdigest()[:16]}",
     )
 
 

@@ -66,6 +66,15 @@ def _run_blocked(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_the_router_command_runs_without_torch():
+    """`kvmesh router` (the router image's entry point) parses its flags with torch unimportable: the
+    CLI registers every command, so no command module may import torch when it is registered."""
+    code = "from kvmesh.cli import main\ntry:\n    main(['router', '--help'])\nexcept SystemExit as e:\n"
+    code += "    print('exit', e.code)"
+    done = _run_blocked(code)
+    assert done.returncode == 0 and "exit 0" in done.stdout and "--discovery" in done.stdout, done.stderr[-4000:]
+
+
 def test_the_router_starts_and_tokenizes_without_torch():
     """The router's app and tokenizer import, load the embedded model's tokenizer and tokenize a chat
     and a prompt with torch unimportable, and load no `kvmesh.engine` module; its ids and hash identity
