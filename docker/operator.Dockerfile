@@ -1,4 +1,4 @@
-# kvmesh operator: `python -m kvmesh.operator` (kopf + kubernetes client + pyyaml, no torch: the
+# kvmesh operator: `python -m kvmesh.operator` (kopf + kubernetes client + pyyaml + prometheus-client, no torch: the
 # kvmesh wheel goes in with --no-deps). Runs as uid 65532 with a read-only root filesystem (the
 # chart mounts an emptyDir at /tmp). Built by scripts/images.sh (wheels mounted at /wheels).
 ARG BASE_IMAGE=localhost/kvmesh/base:bookworm

@@ -74,7 +74,7 @@ def pool_metrics(base_url: str) -> dict[str, float]:
     """A server's /metrics as ``{name{labels}: value}`` (``model_name`` left out of the labels)."""
     import httpx
 
-    from .health import flat_metrics
+    from kvmesh.common.prometheus import flat_metrics
 
     r = httpx.get(base_url + "/metrics", timeout=30)
     r.raise_for_status()

@@ -64,6 +64,7 @@ import tempfile
 import time
 from collections import defaultdict
 
+from kvmesh.common import metric_names as mn
 from kvmesh.health import wait_healthy
 from kvmesh.services.python_child import kvmesh_command
 from kvmesh.topology import free_port
@@ -337,13 +338,13 @@ def wait_ready(url: str, timeout: float, proc: Proc) -> None:
     wait_healthy(url, timeout, proc.p, f"{url} (log {proc.log.name})")
 
 
-SCRAPED = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total")
+SCRAPED = tuple(mn.total(n) for n in (mn.PREFIX_CACHE_HITS, mn.PREFIX_CACHE_QUERIES, mn.REQUEST_SUCCESS))
 
 
 def scrape(url: str) -> dict[str, float]:
     import httpx
 
-    from kvmesh.services.router.scrape import sum_samples
+    from kvmesh.common.prometheus import sum_samples
 
     return {**dict.fromkeys(SCRAPED, 0.0), **sum_samples(httpx.get(url + "/metrics", timeout=10).text, SCRAPED)}
 

@@ -56,17 +56,3 @@ def wait_healthy(
             return False
 
     wait_until(ok, timeout, what or url, exited(proc) if proc is not None else None)
-
-
-def flat_metrics(text: str) -> dict[str, float]:
-    """A server's Prometheus ``/metrics`` text as ``{name{labels}: value}``, labels sorted and
-    ``model_name`` left out: the one reading of pool gauges the harnesses compare (idle pools,
-    counters that moved)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return out

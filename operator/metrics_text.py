@@ -1,26 +1,23 @@
-"""The few series the planner reads from a worker's ``/metrics``, and what they mean over an interval.
-
-Why not prometheus_client's parser: the operator image carries only kopf, kubernetes and PyYAML;
-the planner needs gauges, one counter and two histograms' buckets, which a line scan reads.
-"""
+"""The few series the planner reads from a worker's ``/metrics``, and what they mean over an interval."""
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
+from kvmesh.common import metric_names as mn
+from kvmesh.common.prometheus import samples
+
 GAUGES = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv_usage",
-    "kvmesh:prompt_tokens_pending": "pending_prompt_tokens",
-    "kvmesh:kv_held_requests": "held",
+    mn.NUM_REQUESTS_RUNNING: "running",
+    mn.NUM_REQUESTS_WAITING: "waiting",
+    mn.KV_CACHE_USAGE: "kv_usage",
+    mn.PROMPT_TOKENS_PENDING: "pending_prompt_tokens",
+    mn.KV_HELD_REQUESTS: "held",
 }
-COMPUTED = "kvmesh:engine_computed_tokens_total"
-ITL = "vllm:inter_token_latency_seconds_bucket"
-TTFT = "vllm:time_to_first_token_seconds_bucket"
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+COMPUTED = mn.total(mn.ENGINE_COMPUTED_TOKENS)
+ITL = mn.bucket(mn.INTER_TOKEN_LATENCY)
+TTFT = mn.bucket(mn.TIME_TO_FIRST_TOKEN)
 
 
 @dataclass
@@ -39,29 +36,14 @@ class Sample:
 
 def parse(text: str) -> Sample:
     out = Sample()
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        brace = line.find("{")
-        space = line.find(" ")
-        if brace != -1 and (space == -1 or brace < space):
-            name, close = line[:brace], line.rfind("}")
-            labels, rest = line[brace + 1 : close], line[close + 1 :]
-        else:
-            name, labels, rest = line[:space], "", line[space:]
-        try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue
+    for name, labels, value in samples(text, (*GAUGES, COMPUTED, ITL, TTFT)):
         if name in GAUGES:
             key = GAUGES[name]
             out.gauges[key] = out.gauges.get(key, 0.0) + value
         elif name == COMPUTED:
             out.computed_tokens += value
-        elif name in (ITL, TTFT):
-            le = dict(_LABEL.findall(labels)).get("le")
-            if le is None:
-                continue
+        elif name in (ITL, TTFT) and "le" in labels:
+            le = labels["le"]
             bound = math.inf if le == "+Inf" else float(le)
             hist = out.itl if name == ITL else out.ttft
             hist[bound] = hist.get(bound, 0.0) + value

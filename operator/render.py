@@ -33,6 +33,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from kvmesh.common import metric_names as mn
 from kvmesh.common.fields import flag_of
 from kvmesh.engine.args import EngineArgs
 
@@ -660,7 +661,7 @@ def _ratio_query(metric: str, quantile: float, target_s: float, sel: str) -> str
     rule (current pods x observed / target), as one PromQL value. NaN (no traffic in the window)
     and the empty result both read 0, so an idle role falls back to minReplicaCount."""
     q = f"histogram_quantile({quantile:g}, sum by (le) (rate({metric}_bucket{{{sel}}}[{_RATE_WINDOW}])))"
-    return f"(({q} / {target_s:g}) * count(vllm:num_requests_running{{{sel}}})) > 0 or vector(0)"
+    return f"(({q} / {target_s:g}) * count({mn.NUM_REQUESTS_RUNNING}{{{sel}}})) > 0 or vector(0)"
 
 
 def _scaled_objects(spec: InferenceServiceSpec, meta: ObjectMeta, prometheus_url: str) -> list[Manifest]:
@@ -694,7 +695,7 @@ def _scaled_objects(spec: InferenceServiceSpec, meta: ObjectMeta, prometheus_url
             triggers = [
                 trigger(
                     "ttft",
-                    _ratio_query("vllm:time_to_first_token_seconds", pct / 100, (s.target_ttft_ms or 500) / 1000, sel),
+                    _ratio_query(mn.TIME_TO_FIRST_TOKEN, pct / 100, (s.target_ttft_ms or 500) / 1000, sel),
                 )
             ]
         else:
@@ -703,9 +704,9 @@ def _scaled_objects(spec: InferenceServiceSpec, meta: ObjectMeta, prometheus_url
             triggers = [
                 trigger(
                     "itl",
-                    _ratio_query("vllm:inter_token_latency_seconds", pct / 100, (s.target_itl_ms or 50) / 1000, sel),
+                    _ratio_query(mn.INTER_TOKEN_LATENCY, pct / 100, (s.target_itl_ms or 50) / 1000, sel),
                 ),
-                trigger("kv_cache", f"(sum(vllm:kv_cache_usage_perc{{{sel}}}) / {kv:g}) > 0 or vector(0)"),
+                trigger("kv_cache", f"(sum({mn.KV_CACHE_USAGE}{{{sel}}}) / {kv:g}) > 0 or vector(0)"),
             ]
         down = s.scale_down_stabilization_s
         so = _object("keda.sh/v1alpha1", "ScaledObject", f"{meta.name}-{role}", meta, role)

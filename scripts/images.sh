@@ -163,7 +163,7 @@ PY
   resolve "$STATE/serve.txt" "$WHEEL[serve]" "${IMAGE_ONLY_DEPS[@]}"
   resolve "$STATE/worker-all.txt" "$WHEEL[engine,serve]" "${IMAGE_ONLY_DEPS[@]}" nixl
   resolve "$STATE/router-all.txt" "$WHEEL[serve]" "${IMAGE_ONLY_DEPS[@]}" kubernetes
-  resolve "$CTX/locks/operator.txt" kopf kubernetes pyyaml
+  resolve "$CTX/locks/operator.txt" kopf kubernetes pyyaml prometheus-client
   { cat "$STATE/serve.txt"; echo "$SMOLLM"; } > "$CTX/locks/runtime.txt"
   comm -13 <(sort "$STATE/serve.txt") <(sort "$STATE/worker-all.txt") > "$CTX/locks/worker.txt"
   comm -13 <(sort "$STATE/serve.txt") <(sort "$STATE/router-all.txt") > "$CTX/locks/router.txt"

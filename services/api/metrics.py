@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvmesh.common import metric_names as mn
 from kvmesh.engine.messages import EngineStats
 
 # Buckets copied from vLLM so dashboards' heatmaps line up.
@@ -94,14 +95,14 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r, L = self.registry, ["model_name"]
         self.model_name = model_name
-        self.num_running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", L, registry=r)
-        self.num_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", L, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", L, registry=r)
+        self.num_running = Gauge(mn.NUM_REQUESTS_RUNNING, "Requests in model execution batches.", L, registry=r)
+        self.num_waiting = Gauge(mn.NUM_REQUESTS_WAITING, "Requests waiting to be processed.", L, registry=r)
+        self.kv_usage = Gauge(mn.KV_CACHE_USAGE, "KV-cache usage. 1 means 100 percent usage.", L, registry=r)
         self.prefix_queries = Counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", L, registry=r
+            mn.PREFIX_CACHE_QUERIES, "Prefix cache queries, in terms of number of queried tokens.", L, registry=r
         )
         self.prefix_hits = Counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", L, registry=r
+            mn.PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.", L, registry=r
         )
         self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemptions.", L, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", L, registry=r)
@@ -109,17 +110,17 @@ class ServerMetrics:
             "vllm:generation_tokens", "Number of generation tokens processed.", L, registry=r
         )
         self.request_success = Counter(
-            "vllm:request_success", "Count of successfully processed requests.", L + ["finished_reason"], registry=r
+            mn.REQUEST_SUCCESS, "Count of successfully processed requests.", L + ["finished_reason"], registry=r
         )
         self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
+            mn.TIME_TO_FIRST_TOKEN,
             "Histogram of time to first token in seconds.",
             L,
             buckets=TTFT_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
-            "vllm:inter_token_latency_seconds",
+            mn.INTER_TOKEN_LATENCY,
             "Histogram of inter-token latency in seconds.",
             L,
             buckets=ITL_BUCKETS,
@@ -150,20 +151,20 @@ class ServerMetrics:
             registry=r,
         )
         self.computed_tokens = Counter(
-            "kvmesh:engine_computed_tokens",
+            mn.ENGINE_COMPUTED_TOKENS,
             "Tokens the model ran (prefix-cache hits and KV loaded by a connector excluded).",
             L,
             registry=r,
         )
         self.held_requests = Gauge(
-            "kvmesh:kv_held_requests",
+            mn.KV_HELD_REQUESTS,
             "Finished requests whose KV blocks are held for a remote reader "
             "(prefill role, until pulled or the lease expires).",
             L,
             registry=r,
         )
         self.prompt_tokens_pending = Gauge(
-            "kvmesh:prompt_tokens_pending",
+            mn.PROMPT_TOKENS_PENDING,
             "Prompt tokens of waiting and running requests not computed yet (prefix-cache hits and KV "
             "loaded by a connector excluded once looked up): the prefill backlog the planner scales on.",
             L,

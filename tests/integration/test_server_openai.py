@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from kvmesh.health import flat_metrics
+from kvmesh.common.prometheus import flat_metrics
 
 pytestmark = pytest.mark.integration
 

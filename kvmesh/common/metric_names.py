@@ -1,0 +1,29 @@
+"""Names of the series a kvmesh worker exports that other parts read: declared here once, used where
+they are made (services/api/metrics.py) and where they are read (the router's load scrape, the
+operator's planner and its Prometheus queries, the benchmarks). vLLM's names where vLLM has the
+series, so vLLM-aware routers and dashboards read kvmesh pods too. Counters are exposed with
+``_total`` and histograms with ``_bucket``/``_sum``/``_count`` after these names."""
+
+from __future__ import annotations
+
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+REQUEST_SUCCESS = "vllm:request_success"
+TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
+ENGINE_COMPUTED_TOKENS = "kvmesh:engine_computed_tokens"
+KV_HELD_REQUESTS = "kvmesh:kv_held_requests"
+PROMPT_TOKENS_PENDING = "kvmesh:prompt_tokens_pending"
+
+
+def total(name: str) -> str:
+    """The sample name of counter ``name``."""
+    return name + "_total"
+
+
+def bucket(name: str) -> str:
+    """The sample name of histogram ``name``'s buckets."""
+    return name + "_bucket"
