@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from kvmesh.common.kv_auth import load_kv_auth_key, missing_key_message
+from kvmesh.common.roles import policy_for
 
 from ..connector import ConnectorMetadata, KVConnector
 from ..kv_transfer_params import check_kv_transfer_params
@@ -215,7 +216,7 @@ class NixlConnector(KVConnector):
         }
         self._ctx = zmq.Context()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-nixl-claim")
-        serve = self._serve if self._serve is not None else self.engine_config.role != "decode"
+        serve = self._serve if self._serve is not None else policy_for(self.engine_config.role).serves_remote_reads
         if serve:
             self._server = SideChannelServer(
                 self._ctx, self.side_channel_host, self.side_channel_port, self._handle, self._signer, self._rejected

@@ -52,6 +52,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvmesh.common.roles import policy_for
+
 from ..connector import ConnectorMetadata, KVConnector
 from .common import BlockLayout, layout_refusal, model_namespace
 
@@ -217,7 +219,7 @@ class RedisConnector(KVConnector):
     def save_enabled(self) -> bool:
         if self._save_opt is not None:
             return self._save_opt
-        return self.engine_config is None or self.engine_config.role != "decode"
+        return self.engine_config is None or policy_for(self.engine_config.role).serves_remote_reads
 
     def register_kv_cache(self, kv_cache: torch.Tensor, kv_scales_id: str = "") -> None:
         if self.engine_config is None:

@@ -1,4 +1,5 @@
-"""`kvmesh decode`: `kvmesh serve --role decode` (the same engine and API server, another role)."""
+"""`kvmesh decode`: `kvmesh serve --role decode` (the same engine and API server, another role;
+what a decode pod does is services/decode/)."""
 
 from __future__ import annotations
 

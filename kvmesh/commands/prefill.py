@@ -1,4 +1,5 @@
-"""`kvmesh prefill`: `kvmesh serve --role prefill` (the same engine and API server, another role)."""
+"""`kvmesh prefill`: `kvmesh serve --role prefill` (the same engine and API server, another role;
+what a prefill pod does is services/prefill/)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,15 @@
+"""The prefill pod: the engine behind the OpenAI API in the prefill role (`kvmesh prefill`, which is
+`kvmesh serve --role prefill`: kvmesh/commands/prefill.py).
+
+What a prefill pod does (its `RolePolicy`, ``policy_for("prefill")`` in kvmesh/common/roles.py, is what the
+connectors and the shutdown ask):
+- computes a prompt's KV and answers with the first token and ``kv_transfer_params`` naming where the
+  blocks are (the router then sends the request to a decode pod);
+- keeps those blocks for the reader, under a lease a claim extends: NIXL's side channel serves them
+  (engine/connectors/nixl_connector.py), or the Redis connector saves them to the store;
+- drains by holding on: on SIGTERM it stops taking requests, finishes its open ones, then keeps
+  stepping until every held block is pulled or its lease ends (services/api/engine_proc.py
+  `_hand_over`), so a decode pod mid-read never finds its source gone;
+- exports what the planner scales it by: ``kvmesh:prompt_tokens_pending``, ``kvmesh:kv_held_requests``
+  and the TTFT histogram (services/api/metrics.py, names in kvmesh/common/metric_names.py).
+"""
