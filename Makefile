@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvmesh-installed
-INSTALL_INPUTS := scripts/install.sh requirements/lock.txt
+INSTALL_INPUTS := scripts/install.sh requirements/lock.txt pyproject.toml
 # No Python started from here puts the working directory on sys.path: at the repository root, the
 # folders kernels/ and operator/ would shadow the installed `kernels` package and the standard
 # library's `operator` (the product is imported as kvmesh.*; its own children run `python -P`).

@@ -66,6 +66,8 @@ class TopologyConfig:
             raise ValueError("kv_connector must be nixl or redis")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("need at least one prefill and one decode worker")
+        if not 0 < self.port < 65536:  # the router's port is the one address the user is told
+            raise ValueError(f"port must be a fixed port in 1..65535 (the router listens there), got {self.port}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

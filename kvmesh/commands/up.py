@@ -7,6 +7,10 @@ import os
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvmesh.topology import TopologyConfig
 
 
 def register(sub) -> None:
@@ -32,22 +36,13 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.topology import Topology, TopologyConfig
+    from kvmesh.topology import Topology
 
-    cfg = TopologyConfig(
-        host=args.host,
-        port=args.port,
-        num_prefill=args.prefill,
-        num_decode=args.decode,
-        kv_connector=args.kv_connector,
-        model=args.model,
-        redis_url=args.redis_url,
-        engine_args=tuple(args.worker_arg),
-        router_args=tuple(args.router_arg),
-        api_keys=tuple(args.api_key),
-        api_keys_file=args.api_keys_file,
-        log_dir=args.log_dir,
-    )
+    try:
+        cfg = _config(args)
+    except ValueError as e:  # a setting no topology can start with: say which, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     topo = Topology(cfg)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -78,3 +73,23 @@ def run(args: argparse.Namespace) -> int:
         print("kvmesh up: stopping", flush=True)
         topo.stop()
     return 0
+
+
+def _config(args: argparse.Namespace) -> TopologyConfig:
+    """The topology the flags ask for (ValueError names a setting none can start with)."""
+    from kvmesh.topology import TopologyConfig
+
+    return TopologyConfig(
+        host=args.host,
+        port=args.port,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        kv_connector=args.kv_connector,
+        model=args.model,
+        redis_url=args.redis_url,
+        engine_args=tuple(args.worker_arg),
+        router_args=tuple(args.router_arg),
+        api_keys=tuple(args.api_key),
+        api_keys_file=args.api_keys_file,
+        log_dir=args.log_dir,
+    )

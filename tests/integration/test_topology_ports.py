@@ -134,3 +134,11 @@ def test_topology_fails_at_once_when_the_router_port_is_taken():
         with pytest.raises(RuntimeError, match=f"port {port} on 127.0.0.1 is already in use"):
             topo.start()
     assert topo.procs == [] and topo.workers == [] and topo.run_dir is None
+
+
+def test_topology_refuses_router_port_0():
+    """The router's port is the address the user is told: 0 (the kernel's pick) would be told to nobody."""
+    from kvmesh.topology import TopologyConfig
+
+    with pytest.raises(ValueError, match="fixed port"):
+        TopologyConfig(port=0)
