@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvmesh-installed
-INSTALL_INPUTS := scripts/install.sh requirements/lock.txt pyproject.toml
+INSTALL_INPUTS := scripts/install.sh requirements.lock pyproject.toml
 # No Python started from here puts the working directory on sys.path: at the repository root, the
 # folders kernels/ and operator/ would shadow the installed `kernels` package and the standard
 # library's `operator` (the product is imported as kvmesh.*; its own children run `python -P`).
@@ -17,7 +17,7 @@ $(STAMP): $(INSTALL_INPUTS)
 	@bash scripts/install.sh $(VENV)
 	@touch $(STAMP)
 
-# Re-resolves requirements/lock.txt (scripts/lock.sh) from pyproject.toml and requirements/*.txt;
+# Re-resolves requirements.lock (scripts/lock.sh) from pyproject.toml and requirements/*.txt;
 # run `make test` afterwards to see whether the newer versions pass.
 lock: install
 	@bash scripts/lock.sh

@@ -125,10 +125,10 @@ WHEEL=$(ls "$CTX"/dist/kvmesh-*.whl | head -1)
 record wheel "$t" $heavy
 
 # --- wheelhouse and locks (name==version lists the Dockerfiles install with --no-deps) ----------
-# Every version comes from requirements/lock.txt (the one lock; `make lock` re-resolves it): the
+# Every version comes from requirements.lock (the one lock; `make lock` re-resolves it): the
 # images' subsets are resolved here with the lock as constraints, then checked against it.
 t=$(now); heavy=0
-LOCK=requirements/lock.txt
+LOCK=requirements.lock
 PINS="$STATE/lock-pins.txt"   # the lock without hashes and comments: pip's constraints form
 sed -e 's/ *\\$//' -e '/^ *--hash/d' -e '/^ *#/d' -e '/^$/d' "$LOCK" > "$PINS"
 # pip evaluates environment markers against the host's Python, not --python-version: requirements

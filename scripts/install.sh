@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent installer: system packages, the virtualenv with exactly what requirements/lock.txt names
+# Idempotent installer: system packages, the virtualenv with exactly what requirements.lock names
 # (hashes checked), kvmesh itself (editable), and kubectl + helm in the virtualenv's bin/.
 # Downloads are cached by uv under ~/.cache/uv, outside the clone; nothing resolves here (make lock does).
 set -euo pipefail
@@ -7,7 +7,7 @@ VENV="${1:-.venv}"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 export PYTHONSAFEPATH=1  # no Python started from here sees the checkout's kernels/ or operator/ as top-level modules
-LOCK=requirements/lock.txt
+LOCK=requirements.lock
 
 need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-resolves requirements/lock.txt: every Python package kvmesh installs (host virtualenv, CI and the
+# Re-resolves requirements.lock: every Python package kvmesh installs (host virtualenv, CI and the
 # images), transitive ones included, with their hashes. `make lock` runs it; `make test` afterwards says
 # whether the newer versions pass. Nothing else resolves: scripts/install.sh and scripts/images.sh
 # install what the lock names.
@@ -13,7 +13,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 UV="${UV:-$ROOT/.venv/bin/uv}"
 [ -x "$UV" ] || UV=uv
-OUT=requirements/lock.txt
+OUT=requirements.lock
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 COMMON=(--universal --python-version 3.11 --generate-hashes --no-header --quiet)
 "$UV" pip compile "${COMMON[@]}" pyproject.toml --extra engine --extra serve --extra bench --extra operator --extra dev \

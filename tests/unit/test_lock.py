@@ -1,4 +1,4 @@
-"""requirements/lock.txt names every package pyproject.toml and requirements/*.txt ask for.
+"""requirements.lock names every package pyproject.toml and requirements/*.txt ask for.
 
 `make install` installs exactly the lock (`uv pip sync`): a dependency added to pyproject.toml without
 `make lock` would silently not be installed. This fails instead, naming it.
@@ -34,9 +34,9 @@ def test_the_lock_names_every_requirement_with_hashes():
     wanted = {_name(r) for r in project["dependencies"]}
     wanted |= {_name(r) for extra in project["optional-dependencies"].values() for r in extra}
     wanted |= {_name(r) for f in ("extra.txt", "no-deps.txt", "constraints.txt") for r in _lines(REQS / f)}
-    lock = (REQS / "lock.txt").read_text()
+    lock = (ROOT / "requirements.lock").read_text()
     pinned = {_name(m) for m in re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", lock, re.M)}
-    assert wanted - pinned == set(), "run `make lock`: these are not in requirements/lock.txt"
+    assert wanted - pinned == set(), "run `make lock`: these are not in requirements.lock"
     # hash-checked: every pinned entry is followed by at least one --hash
     blocks = re.split(r"\n(?=[A-Za-z0-9])", lock)
     unhashed = [b.split()[0] for b in blocks if re.match(r"[A-Za-z0-9].*==", b) and "--hash=sha256:" not in b]
@@ -45,7 +45,7 @@ def test_the_lock_names_every_requirement_with_hashes():
 
 def test_constraints_and_the_lock_agree():
     """A version held on purpose (constraints.txt) is the version the lock installs."""
-    lock = (REQS / "lock.txt").read_text()
+    lock = (ROOT / "requirements.lock").read_text()
     for line in _lines(REQS / "constraints.txt"):
         name, _, version = line.partition("==")
         got = re.search(rf"^{re.escape(name)}==([^ ;\\\n]+)", lock, re.M | re.I)
