@@ -84,7 +84,14 @@ class Service:
     def routed(self, timeout: float = 300) -> None:
         """The router answers through the ClusterIP and counts every worker pod healthy (its
         discovery and health checks trail the pods' readiness by a few seconds)."""
-        wait_for("router via ClusterIP", lambda: httpx.get(self.url + "/health", timeout=5).status_code == 200, timeout)
+
+        def healthy() -> bool:  # refused until kube-proxy has the new router pod's endpoint: not yet, not a failure
+            try:
+                return httpx.get(self.url + "/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for("router via ClusterIP", healthy, timeout)
 
         def all_seen() -> bool:
             m = self.router_metrics()
