@@ -8,13 +8,14 @@ keeps the standard asyncio loop (comparisons, debugging).
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Coroutine
 from typing import Any
 
+from kvmesh.common.env import env
+
 
 def run(main: Coroutine[Any, Any, Any]) -> Any:
-    if os.environ.get("KVMESH_UVLOOP", "1") != "0":
+    if env().uvloop:
         try:
             import uvloop
         except ImportError:

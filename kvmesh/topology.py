@@ -39,6 +39,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from kvmesh.common import env as ev
+from kvmesh.common.env import env
 from kvmesh.services.python_child import kvmesh_command
 
 from .health import NotReadyError, exited, wait_healthy, wait_until
@@ -120,7 +122,7 @@ class Topology:
     def start(self) -> Topology:
         cfg = self.config
         self._check_router_port()  # before minutes of model loading, not after
-        self.kv_auth_key = os.environ.get("KVMESH_KV_AUTH_KEY") or secrets.token_urlsafe(32)
+        self.kv_auth_key = env().kv_auth_key or secrets.token_urlsafe(32)
         self.run_dir = tempfile.mkdtemp(prefix="kvmesh-up-")
         try:
             if cfg.kv_connector == "redis":
@@ -240,13 +242,13 @@ class Topology:
         if cfg.model:
             argv += ["--model", cfg.model]
         argv += list(cfg.engine_args)
-        env = self._env(KVMESH_CPU_THREADS=os.environ.get("KVMESH_CPU_THREADS", str(threads)))
-        env.pop("KVMESH_API_KEYS_FILE", None)  # a worker's only key is the router's (in the env: not in ps)
-        env["KVMESH_API_KEY"] = self.upstream_key
+        child = self._env({ev.CPU_THREADS: str(env().cpu_threads or threads)})
+        child.pop(ev.API_KEYS_FILE, None)  # a worker's only key is the router's (in the env: not in ps)
+        child[ev.API_KEY] = self.upstream_key
         if _is_loopback(host):  # NIXL's UCX listens on loopback only, like everything else here
-            env.setdefault("UCX_NET_DEVICES", "lo")
+            child.setdefault("UCX_NET_DEVICES", "lo")
         w = Worker(role, "", events, replay, name=name, ready_file=ready_file)
-        w.proc = self._spawn(name, argv, env)
+        w.proc = self._spawn(name, argv, child)
         self.workers.append(w)
 
     def _wait_worker(self, w: Worker, deadline: float) -> None:
@@ -279,7 +281,7 @@ class Topology:
         if cfg.api_keys_file:
             argv += ["--api-keys-file", cfg.api_keys_file]
         argv += list(cfg.router_args)
-        p = self._spawn("router", argv, self._env(KVMESH_UPSTREAM_API_KEY=self.upstream_key))
+        p = self._spawn("router", argv, self._env({ev.UPSTREAM_API_KEY: self.upstream_key}))
         self.router_url = f"http://{cfg.host}:{cfg.port}"
         try:
             wait_healthy(self.router_url, deadline - time.monotonic(), p, f"router at {self.router_url}")
@@ -288,12 +290,12 @@ class Topology:
                 raise RuntimeError(_router_port_taken(cfg)) from None
             raise
 
-    def _env(self, **extra: str) -> dict[str, str]:
+    def _env(self, extra: dict[str, str]) -> dict[str, str]:
         """A child's environment: ours, this run's KV-path secret, and ``extra``."""
-        env = dict(os.environ, KVMESH_KV_AUTH_KEY=self.kv_auth_key, **extra)
+        child = {**os.environ, ev.KV_AUTH_KEY: self.kv_auth_key, **extra}
         if self.redis_password is not None:
-            env["KVMESH_REDIS_PASSWORD"] = self.redis_password
-        return env
+            child[ev.REDIS_PASSWORD] = self.redis_password
+        return child
 
     # ---- stop ---------------------------------------------------------------
     def stop(self, timeout: float = 15.0) -> None:

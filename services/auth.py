@@ -24,15 +24,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.common.env import Env, env
 from kvmesh.services.errors import error_response
 
 log = logging.getLogger("kvmesh.auth")
 
 OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})  # probes and scrapers never need a key
 DEFAULT_TENANT = "default"
-ENV_KEYS = "KVMESH_API_KEY"
-ENV_KEYS_FILE = "KVMESH_API_KEYS_FILE"
-ENV_UPSTREAM_KEY = "KVMESH_UPSTREAM_API_KEY"
 RECHECK_S = 1.0  # a changed key file is seen within this many seconds
 
 
@@ -84,13 +82,10 @@ def parse_keys_file(text: str) -> tuple[APIKey, ...]:
     return tuple(out)
 
 
-def plain_keys(keys: Iterable[str], env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+def plain_keys(keys: Iterable[str], environ: Env | None = None) -> tuple[str, ...]:
     """``--api-key`` values, or ``$KVMESH_API_KEY`` (comma-separated) when none was given."""
     given = tuple(k for k in keys if k)
-    if given:
-        return given
-    raw = (os.environ if env is None else env).get(ENV_KEYS, "")
-    return tuple(k.strip() for k in raw.split(",") if k.strip())
+    return given or (environ or env()).api_key
 
 
 class _WatchedFile:
@@ -141,12 +136,10 @@ class KeyStore:
         self.path = path
 
     @classmethod
-    def from_config(
-        cls, keys: Iterable[str] = (), path: str | None = None, env: Mapping[str, str] | None = None
-    ) -> KeyStore:
+    def from_config(cls, keys: Iterable[str] = (), path: str | None = None, environ: Env | None = None) -> KeyStore:
         """The store of a service's flags, falling back to ``$KVMESH_API_KEY`` / ``$KVMESH_API_KEYS_FILE``."""
-        env = os.environ if env is None else env
-        store = cls(plain_keys(keys, env), path or env.get(ENV_KEYS_FILE) or None)
+        environ = environ or env()
+        store = cls(plain_keys(keys, environ), path or environ.api_keys_file)
         if not store.configured:
             log.warning("no API key configured (--api-key / --api-keys-file): every endpoint is open to anyone")
         return store
@@ -180,12 +173,12 @@ class KeyStore:
 
 
 class SecretFile:
-    """One secret from a file (re-read on change) or, without a file, from an environment variable."""
+    """One secret from a file (re-read on change) or, without a file, ``fallback`` (an environment
+    variable's value, e.g. ``env().upstream_api_key``)."""
 
-    def __init__(self, path: str | None, env_var: str, env: Mapping[str, str] | None = None) -> None:
-        env = os.environ if env is None else env
+    def __init__(self, path: str | None, fallback: str | None) -> None:
         self._file = _WatchedFile(path, _one_secret) if path else None
-        self._env = (env.get(env_var) or "").strip() or None
+        self._env = (fallback or "").strip() or None
 
     def get(self) -> str | None:
         if self._file is not None:

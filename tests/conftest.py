@@ -14,12 +14,15 @@ import os
 import random
 import socket
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy
 import pytest
 import torch
 from seeds import describe, randomized, seed_for
+
+from kvmesh.common.env import env
 
 try:
     from hypothesis import settings
@@ -66,6 +69,16 @@ def _seeded(request: pytest.FixtureRequest) -> None:
     random.seed(seed)
     numpy.random.seed(seed)
     torch.manual_seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_env() -> Iterator[None]:
+    """The product reads its KVMESH_* variables once per process (kvmesh.common.env.env); each test
+    starts from the environment as its fixtures left it (a test that changes a variable midway
+    calls ``env.cache_clear()`` itself)."""
+    env.cache_clear()
+    yield
+    env.cache_clear()
 
 
 @pytest.fixture(autouse=True)

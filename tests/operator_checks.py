@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.common.env import env
+
 
 def engine_settings_from_args(args: list[str]):
     """Feed rendered container args through the real `kvmesh` CLI parser and the same code the
@@ -15,4 +17,8 @@ def engine_settings_from_args(args: list[str]):
     ns = build_parser().parse_args(expanded)
     with pytest.MonkeyPatch.context() as mp:  # the pod gets the KV-path secret from the internal Secret
         mp.setenv("KVMESH_KV_AUTH_KEY", "unit-test-kv-auth-key")
-        return configs_from_args(ns)
+        env.cache_clear()  # the process's variables are read once: read them with the secret, and after without
+        try:
+            return configs_from_args(ns)
+        finally:
+            env.cache_clear()

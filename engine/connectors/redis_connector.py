@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvmesh.common.env import REDIS_PASSWORD, env
 from kvmesh.common.roles import policy_for
 
 from ..connector import ConnectorMetadata, KVConnector
@@ -63,8 +64,6 @@ if TYPE_CHECKING:
     from ..request import Request
 
 log = logging.getLogger("kvmesh.connector.redis")
-
-REDIS_PASSWORD_ENV = "KVMESH_REDIS_PASSWORD"
 
 try:  # the same CRC-32 as zlib.crc32 (same values, same stored format), ~15 GB/s with PCLMUL instead of ~1-4
     from isal.isal_zlib import crc32
@@ -153,7 +152,7 @@ class RedisConnector(KVConnector):
         self.url = url
         self.tls = url.startswith("rediss://")
         self.tls_ca_file = tls_ca_file
-        self._password = password or _read_secret(password_file) or os.environ.get(REDIS_PASSWORD_ENV) or None
+        self._password = password or _read_secret(password_file) or env().redis_password or None
         self.ttl_s = ttl_s
         self._save_opt = save
         self.load_enabled = load
@@ -244,7 +243,7 @@ class RedisConnector(KVConnector):
             how = "a password is set" if self._password else "no password is set"
             raise RuntimeError(
                 f"Redis AUTH failed for {self.url} ({how}: {e}); give the connector the server's password "
-                f"with ${REDIS_PASSWORD_ENV} or --redis-password-file"
+                f"with ${REDIS_PASSWORD} or --redis-password-file"
             ) from None
         except RedisConnectionError as e:
             if self.tls and ("SSL" in str(e) or "certificate" in str(e)):

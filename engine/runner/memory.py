@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
+
+from kvmesh.common.env import env
 
 from ..config import EngineConfig
 from ..models.decoder import AttentionMetadata, DecoderForCausalLM
@@ -62,9 +63,9 @@ def num_blocks_for(config: EngineConfig, weight_bytes: int = 0, reserve_bytes: i
 
 def configure_cpu_threads() -> None:
     """Honour KVMESH_CPU_THREADS: OpenMP with more threads than idle cores slows matmuls by 10-30x."""
-    n = os.environ.get("KVMESH_CPU_THREADS")
-    if n:
-        torch.set_num_threads(max(1, int(n)))
+    n = env().cpu_threads
+    if n is not None:
+        torch.set_num_threads(n)
 
 
 def profile_reserve(

@@ -19,11 +19,10 @@ Decode rounds (several steps per host round trip) are engine/runner/rounds.py.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kvmesh import kernels
+from kvmesh.common.env import env
 
 from ..config import EngineConfig
 from ..models import model_class
@@ -89,7 +88,7 @@ class ModelRunner(DecodeRoundRunner):
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
         self.num_eager_steps = 0
-        if self.cuda and os.environ.get("KVMESH_ENFORCE_EAGER", "0") in ("", "0"):
+        if self.cuda and not env().enforce_eager:
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv_cache,

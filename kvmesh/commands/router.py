@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvmesh.common.env import env
 from kvmesh.common.fields import add_arguments, values_from
 
 
@@ -53,31 +54,26 @@ def config_from_args(args: argparse.Namespace):
         raise ValueError("--discovery k8s needs --selector (and/or --prefill-selector/--decode-selector)")
     weights = ScoringWeights(**values_from(args, ScoringWeights))
     cfg = RouterConfig(**values_from(args, RouterConfig), weights=weights, pods=pods, k8s_selectors=selectors)
-    from kvmesh.services.auth import ENV_UPSTREAM_KEY, KeyStore, SecretFile
+    from kvmesh.services.auth import KeyStore, SecretFile
 
     if cfg.api_keys_file:  # a missing or malformed file is a start-up error, not a traceback later
         KeyStore(path=cfg.api_keys_file)
     if cfg.upstream_api_key_file:
-        SecretFile(cfg.upstream_api_key_file, ENV_UPSTREAM_KEY)
+        SecretFile(cfg.upstream_api_key_file, env().upstream_api_key)
     load_kv_auth_key(cfg.kv_auth_key_file)  # a missing or empty secret file fails here, with the reason
     return cfg
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
-    import os
-
     from kvmesh import aio
+    from kvmesh.common.logs import setup_logging
 
     try:
         cfg = config_from_args(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=os.environ.get("KVMESH_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s [router] %(name)s: %(message)s",
-    )
+    setup_logging("router")
     from kvmesh.services.router.app import serve
 
     try:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
 from typing import TYPE_CHECKING
+
+from kvmesh.common.env import env
 
 if TYPE_CHECKING:
     from kvmesh.topology import TopologyConfig
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {w.role:8s} {w.url}  events {w.events}", flush=True)
     if topo.redis_url:
         print(f"  redis    {topo.redis_url}", flush=True)
-    if not (cfg.api_keys or cfg.api_keys_file or os.environ.get("KVMESH_API_KEY")):
+    if not (cfg.api_keys or cfg.api_keys_file or env().api_key):
         print("  the router takes requests without a key (give --api-key or --api-keys-file)", flush=True)
     print("  workers accept only the router's key (generated for this run)", flush=True)
     print(f"ready: OpenAI endpoint {topo.router_url}/v1  (Ctrl-C stops everything)", flush=True)

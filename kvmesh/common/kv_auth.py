@@ -7,15 +7,15 @@ operator keeps it in a generated Secret; ``kvmesh up`` makes a random one per ru
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
+from kvmesh.common.env import KV_AUTH_KEY, Env, env
 
-KV_AUTH_KEY_ENV = "KVMESH_KV_AUTH_KEY"
+KV_AUTH_KEY_ENV = KV_AUTH_KEY
 MIN_KEY_CHARS = 16  # secrets.token_urlsafe(32) gives 43; anything this short is a typo, not a secret
 
 
-def load_kv_auth_key(path: str | None = None, environ: Mapping[str, str] = os.environ) -> bytes | None:
-    """The secret from ``path`` (whitespace around it stripped) or else ``$KVMESH_KV_AUTH_KEY``; None if neither.
+def load_kv_auth_key(path: str | None = None, environ: Env | None = None) -> bytes | None:
+    """The secret from ``path`` (whitespace around it stripped) or else ``$KVMESH_KV_AUTH_KEY`` (of
+    ``environ``, default this process's `env`); None if neither.
 
     Raises ValueError for an unreadable file or a secret shorter than ``MIN_KEY_CHARS``."""
     if path:
@@ -26,7 +26,7 @@ def load_kv_auth_key(path: str | None = None, environ: Mapping[str, str] = os.en
             raise ValueError(f"--kv-auth-key-file {path}: {e}") from e
         where = f"--kv-auth-key-file {path}"
     else:
-        raw = environ.get(KV_AUTH_KEY_ENV, "").strip()
+        raw = ((environ or env()).kv_auth_key or "").strip()
         if not raw:
             return None
         key = raw.encode()

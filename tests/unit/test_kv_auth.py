@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from kvmesh.common.env import Env, env
 from kvmesh.common.kv_auth import KV_AUTH_KEY_ENV, load_kv_auth_key
 from kvmesh.engine.connectors.nixl_leases import HeldBlocks
 from kvmesh.engine.connectors.nixl_side_channel import (
@@ -26,13 +27,13 @@ KEY = b"unit-test-kv-auth-key"
 def test_key_from_file_or_env_and_too_short_refused(tmp_path):
     f = tmp_path / "key"
     f.write_text("  file-secret-0123456789\n")
-    assert load_kv_auth_key(str(f), environ={KV_AUTH_KEY_ENV: "env-secret-0123456789"}) == b"file-secret-0123456789"
-    assert load_kv_auth_key(None, environ={KV_AUTH_KEY_ENV: "env-secret-0123456789"}) == b"env-secret-0123456789"
-    assert load_kv_auth_key(None, environ={}) is None
+    assert load_kv_auth_key(str(f), environ=Env(kv_auth_key="env-secret-0123456789")) == b"file-secret-0123456789"
+    assert load_kv_auth_key(None, environ=Env(kv_auth_key="env-secret-0123456789")) == b"env-secret-0123456789"
+    assert load_kv_auth_key(None, environ=Env()) is None
     with pytest.raises(ValueError, match="at least"):
-        load_kv_auth_key(None, environ={KV_AUTH_KEY_ENV: "short"})
+        load_kv_auth_key(None, environ=Env(kv_auth_key="short"))
     with pytest.raises(ValueError, match="kv-auth-key-file"):
-        load_kv_auth_key(str(tmp_path / "missing"), environ={})
+        load_kv_auth_key(str(tmp_path / "missing"), environ=Env())
 
 
 def test_nixl_connector_refuses_to_start_without_the_secret(monkeypatch):
@@ -42,6 +43,7 @@ def test_nixl_connector_refuses_to_start_without_the_secret(monkeypatch):
     with pytest.raises(ValueError, match=KV_AUTH_KEY_ENV):
         make_connector("nixl")
     monkeypatch.setenv(KV_AUTH_KEY_ENV, KEY.decode())
+    env.cache_clear()  # the process's variables are read once
     assert make_connector("nixl").name == "nixl"
 
 

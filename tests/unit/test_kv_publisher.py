@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import zmq
 
+from kvmesh.common.env import env
 from kvmesh.common.kv_auth import load_kv_auth_key
 from kvmesh.common.kv_events_auth import CurveKeys, RouterOnly
 
@@ -39,6 +40,7 @@ def test_secret_from_file_or_env(tmp_path, monkeypatch):
     monkeypatch.delenv("KVMESH_KV_AUTH_KEY", raising=False)
     assert load_kv_auth_key() is None
     monkeypatch.setenv("KVMESH_KV_AUTH_KEY", " from-env-kv-path-secret\n")
+    env.cache_clear()  # the process's variables are read once
     assert load_kv_auth_key() == b"from-env-kv-path-secret"
     f = tmp_path / "kv-auth-key"
     f.write_text("from-file-kv-path-secret\n")
