@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
+
+from .config import OperatorConfig
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,8 +26,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--liveness",
-        default=os.environ.get("KVMESH_OPERATOR_LIVENESS"),
-        help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
+        default=OperatorConfig.from_env().liveness,
+        help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz (default: $KVMESH_OPERATOR_LIVENESS)",
     )
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -45,12 +46,12 @@ def main(argv: list[str] | None = None) -> None:
     from . import handlers  # noqa: F401  (registers the handlers)
 
     namespaces = args.namespace
-    os.environ["KVMESH_OPERATOR_NAMESPACES"] = ",".join(namespaces)
     kopf.run(
         standalone=True,
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=args.liveness,
+        memo=kopf.Memo(namespaces=tuple(namespaces)),  # the startup handlers' memo: what the timers watch
     )
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import logging
-import os
 from typing import Any
 
 import kopf
@@ -138,7 +137,7 @@ async def _resync_forever(namespaces: tuple[str, ...]) -> None:
 
 @kopf.on.startup()
 async def start_resync(memo: kopf.Memo, **_: Any) -> None:
-    namespaces = tuple(n for n in os.environ.get("KVMESH_OPERATOR_NAMESPACES", "").split(",") if n)
+    namespaces: tuple[str, ...] = memo.get("namespaces", ())  # __main__'s --namespace flags (none: all)
     memo["resync"] = asyncio.create_task(_resync_forever(namespaces))
     memo["planner"] = asyncio.create_task(_plan_forever(namespaces))
 

@@ -33,6 +33,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from kvmesh.common import env as ev
 from kvmesh.common import metric_names as mn
 from kvmesh.common.fields import flag_of
 from kvmesh.engine.args import EngineArgs
@@ -351,15 +352,15 @@ def _worker_secret_env(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[dic
     shared key; Redis AUTH with a managed Redis's generated password, or an external one's from the
     user's Secret (``kvConnector.redis.passwordSecret``)."""
     env = [
-        _secret_env("KVMESH_API_KEY", meta, KEY_UPSTREAM_API_KEY),
-        _secret_env("KVMESH_KV_AUTH_KEY", meta, KEY_KV_AUTH),
+        _secret_env(ev.API_KEY, meta, KEY_UPSTREAM_API_KEY),
+        _secret_env(ev.KV_AUTH_KEY, meta, KEY_KV_AUTH),
     ]
     c = spec.connector
     if c.type == "redis" and c.redis_managed:
-        env.append(_secret_env("KVMESH_REDIS_PASSWORD", meta, KEY_REDIS_PASSWORD))
+        env.append(_secret_env(ev.REDIS_PASSWORD, meta, KEY_REDIS_PASSWORD))
     elif c.type == "redis" and c.redis_password_secret:
         ref = {"name": c.redis_password_secret, "key": REDIS_PASSWORD_SECRET_KEY}
-        env.append({"name": "KVMESH_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": ref}})
+        env.append({"name": ev.REDIS_PASSWORD, "valueFrom": {"secretKeyRef": ref}})
     return env
 
 
@@ -490,10 +491,10 @@ def _router(spec: InferenceServiceSpec, meta: ObjectMeta) -> Manifest:
         "env": [
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             *_cache_env(),
-            _secret_env("KVMESH_UPSTREAM_API_KEY", meta, KEY_UPSTREAM_API_KEY),
-            _secret_env("KVMESH_KV_AUTH_KEY", meta, KEY_KV_AUTH),
+            _secret_env(ev.UPSTREAM_API_KEY, meta, KEY_UPSTREAM_API_KEY),
+            _secret_env(ev.KV_AUTH_KEY, meta, KEY_KV_AUTH),
             *(
-                [{"name": "KVMESH_API_KEYS_FILE", "value": f"{API_KEYS_DIR}/{API_KEYS_SECRET_KEY}"}]
+                [{"name": ev.API_KEYS_FILE, "value": f"{API_KEYS_DIR}/{API_KEYS_SECRET_KEY}"}]
                 if spec.auth.api_keys_secret
                 else []
             ),
