@@ -1,5 +1,6 @@
-"""The `kvmesh` command. Each subcommand lives in `kvmesh.commands.<name>` and exposes
-``register(subparsers)``; commands import their heavy dependencies only when run."""
+"""The `kvmesh` command. Each subcommand's module exposes ``register(subparsers)``: the serving roles'
+in their rooms (services/api/, services/prefill/, services/decode/), the rest in `kvmesh.commands`;
+commands import their heavy dependencies only when run."""
 
 from __future__ import annotations
 
@@ -7,21 +8,23 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("generate", "serve", "prefill", "decode", "router", "up", "bench")
+COMMANDS = {
+    "generate": "kvmesh.commands.generate",
+    "serve": "kvmesh.services.api.entry",
+    "prefill": "kvmesh.services.prefill.entry",
+    "decode": "kvmesh.services.decode.entry",
+    "router": "kvmesh.commands.router",
+    "up": "kvmesh.commands.up",
+    "bench": "kvmesh.commands.bench",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description="Kubernetes-native LLM serving")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
-    for name in COMMANDS:
-        try:
-            mod = importlib.import_module(f"kvmesh.commands.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"kvmesh.commands.{name}":
-                continue  # not built yet
-            raise
-        mod.register(sub)
+    for module in COMMANDS.values():
+        importlib.import_module(module).register(sub)
     return parser
 
 

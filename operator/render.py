@@ -241,7 +241,7 @@ def nixl_config() -> dict[str, Any]:
 
 
 def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> list[str]:
-    """`kvmesh serve` flags (kvmesh/commands/serve.py). The embedded model is the CLI default,
+    """`kvmesh serve` flags (services/api/entry.py). The embedded model is the CLI default,
     so --model is passed only for weights on a volume. $(POD_NAME) and $(POD_IP) are expanded by
     the kubelet. Workers with `gpus: 0` run the CPU engine."""
     args = ["serve"]

@@ -11,7 +11,7 @@ def engine_settings_from_args(args: list[str]):
     """Feed rendered container args through the real `kvmesh` CLI parser and the same code the
     server runs (configs_from_args), returning what the engine process would be built with."""
     from kvmesh.cli import build_parser
-    from kvmesh.commands.serve import configs_from_args
+    from kvmesh.services.api.entry import configs_from_args
 
     expanded = [a.replace("$(POD_NAME)", "pod-0").replace("$(POD_IP)", "10.0.0.7") for a in args]
     ns = build_parser().parse_args(expanded)

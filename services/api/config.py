@@ -2,7 +2,7 @@
 
 Each setting is declared once, as a field: its default is the field's and its flag and help travel in
 the field's metadata (kvmesh.common.fields), so `kvmesh serve|prefill|decode` generate their flags
-from these fields (kvmesh/commands/serve.py) and tests build the same object directly.
+from these fields (services/api/entry.py) and tests build the same object directly.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class ServerConfig:
     ipc_dir: str | None = _flag(None, "directory for the engine's ipc sockets (default: temp)", flag="--engine-ipc-dir")
     engine_input_addr: str | None = _flag(None, "ZMQ endpoint for requests (instead of ipc)")
     engine_output_addr: str | None = _flag(None, "ZMQ endpoint for outputs (instead of ipc)")
-    # The engine process's KV side (kvmesh/commands/serve.py turns these into its EngineProcConfig).
+    # The engine process's KV side (services/api/entry.py turns these into its EngineProcConfig).
     kv_events_endpoint: str | None = _flag(
         None, "bind a ZMQ PUB socket here for KV cache events, e.g. tcp://*:5557 (routers connect to it)"
     )

@@ -32,7 +32,7 @@ import msgspec
 import zmq
 
 from kvmesh.common.logs import setup_logging
-from kvmesh.common.roles import ROLES, Role
+from kvmesh.common.roles import ROLES, Role, policy_for
 
 from . import wire
 
@@ -304,14 +304,18 @@ class EngineProcess:
         self.close()
 
     def _hand_over(self) -> None:
-        """On shutdown, keep stepping while blocks are held for remote readers (a prefill pod's leased
-        blocks), until they are pulled, their leases expire, or the drain deadline passes: a decode pod
-        mid-read must not find its source gone. The API server has already finished its requests."""
-        while self._pending_transfers() and time.monotonic() < self._drain_deadline:
+        """On shutdown, the role's drain rule: a pod that serves remote reads (prefill, both) keeps
+        stepping until the blocks it holds are pulled, their leases end or the drain deadline passes
+        (services/prefill/drain.py); the API server has already finished its requests."""
+        if not policy_for(self.cfg.role).drain_waits_for_leases:
+            return
+        from kvmesh.services.prefill.drain import hand_over
+
+        def step() -> None:
             self.step_once()
             self.maybe_send_stats()
-            time.sleep(0.005)
-        if self._pending_transfers():
+
+        if not hand_over(step, self._pending_transfers, self._drain_deadline):
             log.warning("shutting down with blocks still held for remote readers (drain deadline passed)")
 
     def _pending_transfers(self) -> bool:

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvmesh.common import metric_names as mn
 from kvmesh.engine.messages import EngineStats
+from kvmesh.services.prefill.metrics import PrefillGauges
 
 # Buckets copied from vLLM so dashboards' heatmaps line up.
 TTFT_BUCKETS = (
@@ -156,20 +157,9 @@ class ServerMetrics:
             L,
             registry=r,
         )
-        self.held_requests = Gauge(
-            mn.KV_HELD_REQUESTS,
-            "Finished requests whose KV blocks are held for a remote reader "
-            "(prefill role, until pulled or the lease expires).",
-            L,
-            registry=r,
-        )
-        self.prompt_tokens_pending = Gauge(
-            mn.PROMPT_TOKENS_PENDING,
-            "Prompt tokens of waiting and running requests not computed yet (prefix-cache hits and KV "
-            "loaded by a connector excluded once looked up): the prefill backlog the planner scales on.",
-            L,
-            registry=r,
-        )
+        # the prefill role's series (services/prefill/metrics.py), exported by every pod
+        prefill = PrefillGauges.register(r, L)
+        self.held_requests, self.prompt_tokens_pending = prefill.held_requests, prefill.prompt_tokens_pending
         self.kv_transfer_refused = Counter(
             "kvmesh:kv_transfer_refused",
             "KV-transfer messages and pulls refused by the connector: reason=auth (a side-channel message or reply "

@@ -359,11 +359,9 @@ class Serving:
 
     def new_generation(self, prefix: str, prompts: list[_Prompt], params: SamplingParams, req: _Sampling) -> Generation:
         """The generation of already checked prompts (`check_prompt`, by the prepare_* methods)."""
-        from kvmesh.engine.kv_transfer_params import check_kv_transfer_params
+        from kvmesh.services.decode.admission import admit_kv_transfer_params
 
-        problem = check_kv_transfer_params(req.kv_transfer_params)
-        if problem is not None:
-            raise bad_request(problem, "kv_transfer_params")
+        admit_kv_transfer_params(req.kv_transfer_params)  # a pulled prompt's params: shape and types
         if not self.client.healthy:
             raise APIError(503, f"engine is not available: {self.client.dead_reason or 'starting'}")
         return Generation(

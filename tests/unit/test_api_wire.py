@@ -64,7 +64,7 @@ def test_config_validation_and_json():
 
 def test_serve_flags_reach_engine_config(monkeypatch):
     from kvmesh.cli import build_parser
-    from kvmesh.commands.serve import configs_from_args
+    from kvmesh.services.api.entry import configs_from_args
 
     monkeypatch.setenv("KVMESH_KV_AUTH_KEY", "unit-test-kv-auth-key")  # the nixl connector requires it
 
@@ -100,7 +100,7 @@ def test_kv_auth_key_file_reaches_the_engine_as_a_path(tmp_path):
     """The engine process gets the secret's path (its config travels on a command line), never the secret;
     a missing file is refused before any process starts."""
     from kvmesh.cli import build_parser
-    from kvmesh.commands.serve import configs_from_args
+    from kvmesh.services.api.entry import configs_from_args
 
     secret = tmp_path / "kv-auth-key"
     secret.write_text("s3cret-kv-path-secret")

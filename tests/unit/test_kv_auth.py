@@ -49,7 +49,7 @@ def test_nixl_connector_refuses_to_start_without_the_secret(monkeypatch):
 
 def test_serve_refuses_nixl_without_the_secret(monkeypatch, tmp_path):
     from kvmesh.cli import build_parser
-    from kvmesh.commands.serve import configs_from_args
+    from kvmesh.services.api.entry import configs_from_args
 
     monkeypatch.delenv(KV_AUTH_KEY_ENV, raising=False)
     argv = ["prefill", "--kv-connector", "nixl"]

@@ -1,4 +1,9 @@
-"""`kvmesh serve`: an OpenAI-compatible server (API process + engine-core process over ZMQ)."""
+"""The API server's entry point, in every role: flags generated from `ServerConfig` and `EngineArgs`,
+the two processes' configurations from the flags, then run (API process + engine-core process over ZMQ).
+
+`kvmesh serve` is `add_parser(sub, "serve", ...)`; a role's room (services/prefill/, services/decode/)
+adds its own command with its role as the default. The CLI (kvmesh/cli.py) only lists the commands.
+"""
 
 from __future__ import annotations
 
@@ -71,12 +76,21 @@ def simulate_kwargs(args: argparse.Namespace) -> dict | None:
     return kw
 
 
-def register(sub) -> None:
-    p = sub.add_parser("serve", help="run an OpenAI-compatible server")
-    add_server_args(p)
+def add_parser(sub, name: str, help: str, role: str = "both", simulate: bool = False) -> argparse.ArgumentParser:
+    """The command ``name`` (a subparser of ``sub``): server flags, engine flags, ``--role`` defaulting
+    to ``role``; the ``--simulate`` flags with ``simulate``."""
+    p = sub.add_parser(name, help=help)
+    add_server_args(p, default_role=role)
     EngineArgs.add_cli_args(p)
-    add_simulate_args(p)
+    if simulate:
+        add_simulate_args(p)
     p.set_defaults(func=run)
+    return p
+
+
+def register(sub) -> None:
+    """`kvmesh serve`."""
+    add_parser(sub, "serve", "run an OpenAI-compatible server", simulate=True)
 
 
 def configs_from_args(args: argparse.Namespace):
