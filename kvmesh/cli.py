@@ -13,7 +13,7 @@ COMMANDS = {
     "serve": "kvmesh.services.api.entry",
     "prefill": "kvmesh.services.prefill.entry",
     "decode": "kvmesh.services.decode.entry",
-    "router": "kvmesh.commands.router",
+    "router": "kvmesh.services.router.entry",
     "up": "kvmesh.commands.up",
     "bench": "kvmesh.commands.bench",
 }

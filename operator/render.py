@@ -443,7 +443,7 @@ def role_service(meta: ObjectMeta, role: str) -> str:
 
 
 def _router_args(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[str]:
-    """`kvmesh router` flags (kvmesh/commands/router.py): discovery of prefill and decode pods
+    """`kvmesh router` flags (services/router/entry.py): discovery of prefill and decode pods
     through the EndpointSlices of the per-role headless Services; the router must hash blocks
     like the pods, so it gets the same model and block size."""
     args = [

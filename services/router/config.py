@@ -137,7 +137,7 @@ def parse_pod_spec(text: str, role: Role, events_port: int | None = None, replay
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Fields with `cli` metadata are `kvmesh router` flags (kvmesh/commands/router.py); the pods and
+    """Fields with `cli` metadata are `kvmesh router` flags (services/router/entry.py); the pods and
     selectors come from flags of their own, the rest are fixed."""
 
     host: str = field(default="0.0.0.0", metadata=cli())

@@ -380,7 +380,7 @@ def test_router_drains_within_its_grace_period_and_survives_engine_changes() -> 
     answers 500 to what is still open after its timeout), and an engine-only change does not
     restart it."""
     from kvmesh.cli import build_parser
-    from kvmesh.commands.router import config_from_args
+    from kvmesh.services.router.entry import config_from_args
 
     a = by_kind(render({"engine": {"maxNumSeqs": 64}}, {**META, "name": "x"}))
     b = by_kind(render({"engine": {"maxNumSeqs": 32}}, {**META, "name": "x"}))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.cli import build_parser
-from kvmesh.commands.router import config_from_args
 from kvmesh.services.router.config import PodSpec, RouterConfig, ScoringWeights
+from kvmesh.services.router.entry import config_from_args
 
 pytestmark = pytest.mark.unit
 

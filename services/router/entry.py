@@ -1,4 +1,5 @@
-"""`kvmesh router`: the KV-aware OpenAI router (kvmesh.services.router)."""
+"""`kvmesh router`: the router's entry point: flags from `RouterConfig` and `ScoringWeights`, the pods
+and selectors from --worker/--prefill/--decode, then serve (services/router/app.py)."""
 
 from __future__ import annotations
 
