@@ -38,7 +38,7 @@ import time
 
 import httpx
 
-from kvmesh.bench_router import (
+from kvmesh.bench.router import (
     Proc,
     free_port,
     group_cpu_s,
@@ -55,7 +55,7 @@ from kvmesh.bench_router import (
     wait_ready,
     word_vocab,
 )
-from kvmesh.bench_router import build_requests as _build_requests
+from kvmesh.bench.router import build_requests as _build_requests
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRACE = os.path.join(REPO, "..", "shared", "traces", "mooncake", "conversation_trace.jsonl")
@@ -63,7 +63,7 @@ DEFAULT_TRACE = os.path.join(REPO, "..", "shared", "traces", "mooncake", "conver
 
 # ---- the trace slice -----------------------------------------------------------
 def build_requests(rows: list[dict], block_tokens: int, max_blocks: int, max_output: int, seed: str):
-    """`kvmesh.bench_router.build_requests` on rows cut to ``max_blocks`` hash blocks, with output lengths
+    """`kvmesh.bench.router.build_requests` on rows cut to ``max_blocks`` hash blocks, with output lengths
     scaled by 1/128 (this CPU box decodes real tokens)."""
     cut = [{**r, "hash_ids": r["hash_ids"][:max_blocks], "output_length": r["output_length"] // 128} for r in rows]
     scaling = argparse.Namespace(block_tokens=block_tokens, hash_block=512, max_output=max_output)
@@ -195,17 +195,19 @@ def tokenizer_cost(args) -> dict:
     router's piece cache cold (every piece new) and warm (every piece cached). Then an exactness check
     on `make bench-router`'s own prompts (its slice, the kvmesh and sglang seeds): the router's ids
     against the HF tokenizer's."""
-    from kvmesh.bench_router import build_requests
+    from kvmesh.bench.router import build_requests
     from kvmesh.services.router.token_cache import PieceCache
     from kvmesh.services.router.tokens import RouterTokenizer
 
     rt = RouterTokenizer(None)
     fast = rt._fast
+    assert fast is not None, "the embedded model's tokenizer is a fast (Rust) one"
     vocab = word_vocab()
     rng = random.Random(0)
     texts = ["".join(rng.choice(vocab) for _ in range(args.overhead_words)) for _ in range(args.tokenizer)]
     ntok = sum(len(fast.encode(t).ids) for t in texts) / len(texts)
     cold = PieceCache.for_tokenizer(fast, max_pieces=1 << 20)
+    assert cold is not None, "the embedded model's tokenizer is byte-level BPE (the piece cache is exact for it)"
     ways = {
         "encode": lambda t: fast.encode(t, add_special_tokens=True).ids,
         "encode_batch_fast": lambda t: fast.encode_batch_fast([t], add_special_tokens=True)[0].ids,
@@ -231,9 +233,8 @@ def tokenizer_cost(args) -> dict:
         for r in build_requests(rows, ns, seed=seed, max_len=8192):
             text = "".join(t for _, toks in r["blocks"] for t in toks)
             checked += 1
-            mismatched += rt.prompt_ids("/v1/completions", {"prompt": text}) != list(
-                rt.tokenizer(text, add_special_tokens=True).input_ids
-            )
+            hf = list(rt.tokenizer(text, add_special_tokens=True).input_ids)
+            mismatched += int(rt.prompt_ids("/v1/completions", {"prompt": text}) != hf)
     out["bench_prompts"] = {"checked": checked, "mismatched": mismatched}
     print(f"make bench-router prompts: {checked} checked, {mismatched} with ids different from the HF tokenizer's")
     return out

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvmesh import bench_router as B
+from kvmesh.bench import router as B
 
 pytestmark = pytest.mark.unit
 
