@@ -1,8 +1,8 @@
 """`kvmesh bench <name>`: the benchmarks of `kvmesh.bench` (the repository's bench/ folder).
 
 `kvmesh bench serve` (load a live server), `kvmesh bench offline` (the engine in-process),
-`kvmesh bench router` (a trace through several routers against simulated instances),
-`kvmesh bench autoscale` (a load ramp under the planner, a static pool and the HPA
+`kvmesh bench router` (a trace through several routers against simulated or real instances, or the
+routers' own cost), `kvmesh bench autoscale` (a load ramp under the planner, a static pool and the HPA
 on CPU) and `kvmesh bench fuzz` (schemathesis and malformed requests against a live server and router).
 
 Every command of the CLI is registered on each start (`kvmesh.cli`), so a benchmark's module is
@@ -19,7 +19,8 @@ import importlib
 BENCHES = {
     "serve": "load an OpenAI-compatible server and report latency percentiles",
     "offline": "throughput of the engine in-process",
-    "router": "replay a Mooncake trace against simulated instances through several routers",
+    "router": "replay a Mooncake trace against simulated (or real) instances through several routers, or measure "
+    "the routers' own cost",
     "autoscale": "one load ramp through simulated workers under the planner, a static pool and the HPA",
     "fuzz": "schemathesis and malformed requests against a live server and router",
 }
