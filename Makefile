@@ -41,21 +41,22 @@ test:
 	nice -n 19 bash scripts/images.sh > $(HOME)/.cache/kvmesh/images-build.log 2>&1 & \
 	$(MAKE) --no-print-directory lint; rc0=$$?; \
 	t1=$$(date +%s); $(PY) -m pytest -q -m "not gpu" tests/kernels; rc1=$$?; \
-	t2=$$(date +%s); $(PY) -m pytest -q -m "not gpu" --durations=25 tests/unit tests/integration tests/e2e; rc2=$$?; \
+	t2=$$(date +%s); $(PY) -m pytest -q -m "not gpu" --durations=25 tests/unit tests/bench tests/integration tests/e2e; rc2=$$?; \
 	t3=$$(date +%s); wait; t4=$$(date +%s); \
 	echo "make test: $$(( (t4 - t0) / 60 )) min $$(( (t4 - t0) % 60 )) s in all (install + lint $$((t1 - t0)) s," \
 	  "kernel tests $$((t2 - t1)) s, unit + integration + e2e $$((t3 - t2)) s, waiting for background builds $$((t4 - t3)) s;" \
 	  "the slowest tests are listed above; CI's aim is well under 45 min)"; \
 	[ $$rc0 -eq 0 ] && [ $$rc1 -eq 0 ] && [ $$rc2 -eq 0 ]
 
-# The unit tier: the kernel tests first, in their own process (see `test`), then tests/unit.
+# The unit tier: the kernel tests first, in their own process (see `test`), then tests/unit and the
+# benchmarks' unit tests (tests/bench holds both tiers).
 test-unit: install
 	@$(PY) -m pytest -q -m "unit" tests/kernels; rc1=$$?; \
-	$(PY) -m pytest -q -m "unit" tests/unit; rc2=$$?; \
+	$(PY) -m pytest -q -m "unit" tests/unit tests/bench; rc2=$$?; \
 	[ $$rc1 -eq 0 ] && [ $$rc2 -eq 0 ]
 
 test-integration: install
-	$(PY) -m pytest -q -m "integration" tests/integration
+	$(PY) -m pytest -q -m "integration" tests/integration tests/bench
 
 # mypy cannot follow the package-dir mapping (engine/ -> kvmesh.engine, ...) nor the editable install's
 # import hook, so it checks $(TYPECHECK) laid out as the installed package: links to the folders.
@@ -64,7 +65,7 @@ TYPECHECK := build/typecheck
 lint: install
 	@rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/kvmesh && \
 	for f in kvmesh/*; do [ "$${f##*/}" = __pycache__ ] || ln -s "../../../$$f" $(TYPECHECK)/kvmesh/; done && \
-	for d in engine kernels services operator; do ln -s "../../../$$d" $(TYPECHECK)/kvmesh/$$d; done
+	for d in engine kernels services operator bench; do ln -s "../../../$$d" $(TYPECHECK)/kvmesh/$$d; done
 	@rc=0; \
 	$(VENV)/bin/ruff check . || rc=1; \
 	$(VENV)/bin/ruff format --check . || rc=1; \

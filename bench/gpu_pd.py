@@ -448,7 +448,7 @@ class Driver:
         self.inboxes = [self.ctx.Queue(), self.ctx.Queue()]
         self.outbox = self.ctx.Queue()
         self.stash: list = []
-        self.procs = []
+        self.procs: list = []
 
     def start(self, a: dict) -> None:
         for i in range(2):
@@ -721,7 +721,7 @@ def serve_one(D: Driver, args, mode: str, rate: float, n: int, vocab: int) -> di
     ttft = [r["times"][0] - r["arrival"] for r in ok]
     itl = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
     e2e = [r["times"][-1] - r["arrival"] for r in ok]
-    row = {
+    row: dict = {
         "mode": mode,
         "rate": rate,
         "requests": n,
@@ -820,7 +820,7 @@ def tables(R: dict) -> str:
             cells, best = [], None
             for m in R.get("modes", []):
                 for p in ("contiguous", "scattered"):
-                    r = next(
+                    r: dict = next(
                         (x for x in raw if x.get("mode") == m and x.get("pattern") == p and x.get("blocks") == n), {}
                     )
                     g = r.get("gbps")
@@ -1035,7 +1035,7 @@ def main() -> None:
             mode = (
                 "peer"
                 if big.get("peer", 0) >= 0.8 * max(big.values() or [0]) and big.get("peer")
-                else (max(big, key=big.get) if big and max(big.values()) > 0 else "none")
+                else (max(big, key=lambda m: big[m]) if big and max(big.values()) > 0 else "none")
             )
             R["mode_choice"] = {"largest_size_gbps": big, "chosen": mode}
         R["ucx_mode"] = mode
@@ -1050,9 +1050,9 @@ def main() -> None:
         D.inboxes[0].put(("build", dict(bp, role="prefill")))
         D.inboxes[1].put(("build", dict(bp, role="decode")))
         R["engines"] = [D.wait_reply(i, "build", 400) for i in range(2)]
-        for e in R["engines"]:
-            if "error" in e:
-                raise RuntimeError(f"engine build failed: {e['error']}\n{e.get('trace')}")
+        for eng in R["engines"]:
+            if "error" in eng:
+                raise RuntimeError(f"engine build failed: {eng['error']}\n{eng.get('trace')}")
         log("engines:", R["engines"])
         save()
         if "check" not in skip:

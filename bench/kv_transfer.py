@@ -45,6 +45,7 @@ import subprocess
 import sys
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
@@ -86,7 +87,8 @@ def _paired(fn, ref, reps: int) -> tuple[float, float]:
     measuring the transfer and its memcpy floor back to back keeps their ratio meaningful."""
     fn()
     ref()
-    tf, tr = [], []
+    tf: list[float] = []
+    tr: list[float] = []
     for _ in range(reps):
         for f, acc in ((fn, tf), (ref, tr)):
             t = time.perf_counter()
@@ -267,7 +269,8 @@ def bench_redis(sizes: list[int], reps: int) -> dict[str, dict[int, float | None
     try:
         n_max = max(sizes)
         kv = torch.randn(n_max, *BLOCK_SHAPE)
-        cfg = SimpleNamespace(role="prefill", model=SimpleNamespace(identity=lambda: "bench-model"))
+        # the two fields of an EngineConfig the connector reads
+        cfg: Any = SimpleNamespace(role="prefill", model=SimpleNamespace(identity=lambda: "bench-model"))
         conn = RedisConnector(cfg, url=f"redis://127.0.0.1:{port}/0", ttl_s=600)
         conn.register_kv_cache(kv)
         for _ in range(100):
@@ -392,7 +395,7 @@ def main() -> None:
             f"{num(g('nixl_read_progthread_gbps'), 9)} "
             f"{pct(g('nixl_read_progthread_gbps'), g('nixl_read_progthread_memcpy_gbps'))} | "
             f"{num(g('cma_raw_gbps'), 7)} {pct(g('cma_raw_gbps'), g('cma_raw_memcpy_gbps'))} | "
-            f"{num(g('redis_load_gbps'))} {num(g('redis_load_s') * 1e3 if g('redis_load_s') else None, 7)} "
+            f"{num(g('redis_load_gbps'))} {num(g('redis_load_s', 0) * 1e3 if g('redis_load_s') else None, 7)} "
             f"{num(g('redis_benchmark_get_gbps'), 5)} {pct(g('redis_load_gbps'), g('redis_benchmark_get_gbps'))} | "
             f"{num(g('redis_save_gbps'))} {num(g('redis_benchmark_set_gbps'), 5)} "
             f"{pct(g('redis_save_gbps'), g('redis_benchmark_set_gbps'))}"

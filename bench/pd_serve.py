@@ -16,8 +16,8 @@ import subprocess
 import sys
 import time
 
-from kvmesh.bench_router import router_command
-from kvmesh.bench_serve import run_in_subprocess
+from kvmesh.bench.router import router_command
+from kvmesh.bench.serve import run_in_subprocess
 from kvmesh.health import wait_healthy
 from kvmesh.services.api.testing import ServerProcess
 from kvmesh.topology import Topology, TopologyConfig, free_port

@@ -24,7 +24,7 @@ import time
 
 import httpx
 
-from kvmesh.bench_serve import run_in_subprocess
+from kvmesh.bench.serve import run_in_subprocess
 
 
 def pct(xs, p):
@@ -42,7 +42,7 @@ def bench_rate(base_url: str, rate: str, args, out_dir: str, seed: int) -> dict:
 
 
 def dataset_prompts(args) -> list[list[int]]:
-    from kvmesh.bench_serve import make_dataset
+    from kvmesh.bench.serve import make_dataset
 
     ns = argparse.Namespace(
         dataset="random",
@@ -85,7 +85,7 @@ def hf_baseline(prompts: list[list[int]], output_len: int) -> dict:
 
 def fifo_latencies(service: list[float], rate: float, seed: int) -> tuple[list[float], float]:
     """E2E latencies of a one-at-a-time server under the arrivals `kvmesh bench serve` generates."""
-    rng = random.Random(seed + 1)  # same stream as bench_serve._arrivals
+    rng = random.Random(seed + 1)  # same stream as kvmesh.bench.serve._arrivals
     t, arrivals = 0.0, []
     for _ in service:
         if rate != float("inf"):

@@ -40,6 +40,7 @@ import os
 import statistics
 import time
 from dataclasses import replace
+from typing import Any
 
 from kvmesh.engine.args import EngineArgs
 from kvmesh.engine.core import EngineCore
@@ -47,7 +48,7 @@ from kvmesh.engine.messages import EngineCoreRequest
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.structured import StructuredOutput
 
-AGENT_ITEM = {
+AGENT_ITEM: dict[str, Any] = {
     "type": "object",
     "properties": {
         "tool": {"enum": ["search", "lookup", "calculator", "weather", "calendar"]},

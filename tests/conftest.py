@@ -31,6 +31,8 @@ except ImportError:  # a GPU machine's Python may lack it; no test run there use
 
 TIERS = ("unit", "integration", "e2e", "gpu")
 # The tier of each folder under tests/ (the kernel tests are unit tests with a process of their own).
+# tests/bench, the benchmarks' own tests (the one folder whose tests import kvmesh.bench), has unit and
+# integration modules side by side: each module's marker says which, and the tiers' targets run both.
 FOLDER_TIER = {"unit": "unit", "kernels": "unit", "integration": "integration", "e2e": "e2e", "gpu": "gpu"}
 TESTS = Path(__file__).parent
 if settings is not None:

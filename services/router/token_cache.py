@@ -95,7 +95,7 @@ class PieceCache:
         if missing:
             # Many new pieces: one batch, tokenized in parallel. Fewer: one at a time, since a batch wakes
             # the tokenizer's thread pool, whose overhead (~0.7 ms of CPU) outweighs a few pieces' work
-            # (`bench/router_bench.py --tokenizer`).
+            # (`kvmesh bench router --tokenizer`).
             batch = self.fast.encode_batch_fast
             enc = (
                 batch(missing, add_special_tokens=False)

@@ -4,8 +4,10 @@ The router imports the engine's shared pieces from `kvmesh.common` (chat renderi
 the KV-event codec and its keys, the model's config and tokenizer), never `kvmesh.engine`, whose
 loader and runner import torch: so a router starts without loading torch, and its image need not
 carry it. Product code (engine, services, operator, kernels, kvmesh.common) imports nothing from
-the CLI package (`kvmesh.cli`, `kvmesh.commands`, the benches, `kvmesh up`'s topology) or from a
-``testing`` module: the dependency goes from the command line to the product, never back.
+the CLI package (`kvmesh.cli`, `kvmesh.commands`, the benchmarks of `kvmesh.bench`, `kvmesh up`'s
+topology) or from a ``testing`` module: the dependency goes from the command line to the product, never
+back. Nor do the CLI's own modules that product-side harnesses use (topology, health, aio) import a
+benchmark.
 """
 
 from __future__ import annotations
@@ -163,8 +165,8 @@ def _cli_or_testing(target: str) -> str | None:
         return None
     if "testing" in parts:
         return ".".join(parts[: parts.index("testing") + 1])
-    if len(parts) > 1 and parts[1].startswith("bench_"):
-        return ".".join(parts[:2])
+    if len(parts) > 1 and parts[1] == "bench":
+        return "kvmesh.bench"
     return next((m for m in CLI_MODULES if target == m or target.startswith(m + ".")), None)
 
 
@@ -177,6 +179,19 @@ def test_product_code_imports_neither_the_cli_nor_testing_modules():
     }
     assert found - set(KNOWN) == set(), "product code imports the CLI package or a testing module"
     assert set(KNOWN) - found == set(), "an exception in KNOWN is gone: remove it from the list"
+
+
+def test_no_product_module_imports_a_benchmark():
+    """The benchmarks measure the product from outside: neither the product nor the modules of the CLI
+    package it may use (`kvmesh up`'s topology, the health wait, the asyncio helpers) import `kvmesh.bench`."""
+    files = _product_files() + [(ROOT / "kvmesh" / f"{m}.py", f"kvmesh.{m}") for m in ("topology", "health", "aio")]
+    found = {
+        (str(path.relative_to(ROOT)), target)
+        for path, module in files
+        for target in _imported(path, module)
+        if target == "kvmesh.bench" or target.startswith("kvmesh.bench.")
+    }
+    assert found == set()
 
 
 def test_kvmesh_common_imports_no_torch_and_nothing_above_it():

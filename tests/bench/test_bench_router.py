@@ -1,12 +1,14 @@
-"""`kvmesh bench router`'s pure parts: trace loading, the ideal hit ratio, and the repeat summary."""
+"""`kvmesh bench router`'s pure parts: trace loading, the request builder, the ideal hit ratio, and the
+repeat summary."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
-from kvmesh import bench_router as B
+from kvmesh.bench import router as B
 
 pytestmark = pytest.mark.unit
 
@@ -106,3 +108,52 @@ def test_usage_cached_reads_the_stream_chunk():
     assert B.usage_cached(chunk) == 32
     assert B.usage_cached(json.dumps({"usage": {"prompt_tokens": 40}})) is None
     assert B.usage_cached("not json") is None
+
+
+def _scaling(**kw) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    B.add_args(p)
+    return p.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in kw.items()])
+
+
+def test_build_requests_scales_cuts_and_seeds(monkeypatch):
+    monkeypatch.setattr(B, "_WORDS", [f" w{i}" for i in range(50)])  # no tokenizer needed
+    rows = [
+        {"timestamp": 0, "input_length": 2048, "output_length": 300, "hash_ids": [1, 2, 3, 4]},
+        {"timestamp": 500, "input_length": 700, "output_length": 1, "hash_ids": [1, 9]},
+    ]
+    # the replay's defaults: 512-token hash blocks -> 4 words each, lengths x 4/512, outputs clamped
+    reqs = B.build_requests(rows, _scaling(block_tokens=4, max_output=8), seed="kvmesh", max_len=1024)
+    assert [r["t"] for r in reqs] == [0.0, 0.5]
+    assert [[len(w) for _, w in r["blocks"]] for r in reqs] == [[4, 4, 4, 4], [4, 2]]  # ceil(700 x 4/512) = 6
+    assert [h for h, _ in reqs[0]["blocks"]] == [1, 2, 3, 4]
+    assert [r["max_tokens"] for r in reqs] == [8, 1]
+    assert reqs[0]["blocks"][0] == reqs[1]["blocks"][0]  # hash id 1 -> the same words in both prompts
+    # real workers: prompts cut to --max-blocks, outputs divided by --output-divisor before the clamp
+    cut = B.build_requests(
+        rows, _scaling(block_tokens=4, max_blocks=2, output_divisor=128, max_output=3), seed="kvmesh", max_len=1024
+    )
+    assert [[h for h, _ in r["blocks"]] for r in cut] == [[1, 2], [1, 9]]
+    assert [r["max_tokens"] for r in cut] == [2, 1]  # 300 // 128 = 2; 1 // 128 = 0 -> at least 1
+    assert cut[0]["blocks"] == reqs[0]["blocks"][:2]
+    # the prompt fits the context: max_len - max_output - 1 tokens at most
+    short = B.build_requests(rows[:1], _scaling(block_tokens=4, max_output=8), seed="kvmesh", max_len=16)
+    assert sum(len(w) for _, w in short[0]["blocks"]) == 16 - 8 - 1
+    # another policy's seed: other words for the same hash ids (no run warms the next one's cache)
+    other = B.build_requests(rows, _scaling(block_tokens=4), seed="sglang", max_len=1024)
+    assert other[0]["blocks"][0][1] != reqs[0]["blocks"][0][1]
+
+
+def test_trace_is_required_but_for_overhead(capsys):
+    assert B.run(_scaling()) == 2
+    assert B.run(_scaling(tokenizer=5)) == 2
+    assert "--trace is required" in capsys.readouterr().err
+
+
+def test_peer_policies_and_unknown_ones(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}) + "\n")
+    assert B.PEERS["sglang-rr"] == ("sglang", "round_robin") and B.PEERS["vllm"] == ("vllm", "cache_aware")
+    assert B.peer_command("sglang", _scaling(peer_venvs=str(tmp_path))) is None  # no venv-sgl there
+    assert B.run(_scaling(trace=str(trace), policies="kvmesh,nonesuch")) == 2
+    assert "unknown policies ['nonesuch']" in capsys.readouterr().err

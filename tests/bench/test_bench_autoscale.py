@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvmesh.bench_autoscale import (
+from kvmesh.bench.autoscale import (
     arrivals,
     attainment,
     format_phases,

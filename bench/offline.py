@@ -17,7 +17,7 @@ import random
 import time
 
 
-def register_args(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     p.add_argument("--num-prompts", default="8,16,32", help="prompts per level (same order as --concurrency)")
     p.add_argument("--min-input-len", type=int, default=32)

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvmesh.bench_router import Proc
+    from kvmesh.bench.router import Proc
 
 POLICIES = ("planner", "static", "hpa")
 # Open-loop ramp scaled to a 2-core box: RATE:SECONDS, or FROM-TO:SECONDS for a linear change (the
@@ -222,7 +222,7 @@ class Pool:
         return [w for w in self.workers if w.state == state]
 
     def start_one(self) -> None:
-        from kvmesh.bench_router import start_instance
+        from kvmesh.bench.router import start_instance
 
         i = self.n
         self.n += 1
@@ -364,7 +364,7 @@ class HpaPolicy:
         self.history: deque[tuple[float, int]] = deque()
 
     def decide(self, pool: Pool, run: Run) -> tuple[int, str | None]:
-        from kvmesh.bench_router import group_cpu_s
+        from kvmesh.bench.router import group_cpu_s
 
         now = time.monotonic()
         utils: dict[str, float] = {}
@@ -605,7 +605,7 @@ def run(args: argparse.Namespace) -> int:
     import shutil
     import signal
 
-    from kvmesh.bench_router import stop_strays
+    from kvmesh.bench.router import stop_strays
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvmesh import bench_serve
+from kvmesh.bench import serve as bench_serve
 
 pytestmark = pytest.mark.unit
 

@@ -140,7 +140,7 @@ def test_stray_children_are_stopped_with_their_groups(tmp_path):
     script = tmp_path / "bench_like.py"
     script.write_text(
         "import subprocess, sys, time\n"
-        "from kvmesh.bench_router import stop_strays\n"
+        "from kvmesh.bench.router import stop_strays\n"
         "child = [sys.executable, '-c', 'import subprocess, sys, time; '\n"
         '         \'g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]); \'\n'
         "         'print(g.pid, flush=True); time.sleep(120)']\n"

@@ -1,13 +1,32 @@
-"""`kvmesh bench router`: a Mooncake-format trace replayed against N simulated instances
-(`kvmesh serve --simulate`, real scheduler/prefix cache/KV events/API, modelled H200 latency)
-through several routing policies in one run.
+"""`kvmesh bench router`: routers side by side on a Mooncake-format trace, and the routers' own cost.
+
+One command, four measurements:
+
+* the replay (default): the trace against N simulated instances (`kvmesh serve --simulate`, real
+  scheduler/prefix cache/KV events/API, modelled H200 latency) through several routing policies in one
+  run; ``make bench-router`` is
 
     kvmesh bench router --trace bench/traces/mooncake/conversation_trace.jsonl \\
         --instances 8 --policies round-robin,kvmesh,sglang,vllm --json bench-results/router.json
 
+* ``--real-workers``: the same replay against real `kvmesh serve` workers (the embedded model on the
+  CPU, real prefill and decode): the hit ratio on a real engine, with few instances, small prompts
+  (``--max-blocks``) and few output tokens (``--output-divisor``, ``--max-output``), e.g.
+
+    kvmesh bench router --real-workers --trace bench/traces/mooncake/conversation_trace.jsonl \\
+        --instances 2 --num-kv-blocks 160 --max-model-len 1024 --max-blocks 24 --output-divisor 128 \\
+        --max-output 3 --select conversations --window-s 600 --requests 32 --rate 0.25 --timeout 300 \\
+        --policies vllm,sglang,round-robin,kvmesh --json bench-results/router-real.json
+
+* ``--overhead N``: instead of the trace, N requests to an instant fake backend, directly and through
+  each router (kvmesh on uvloop and on asyncio's loop, sglang-router): requests/s, added latency and
+  the router's CPU time per request;
+* ``--tokenizer N``: the router's tokenization alone on N prompts, in this process, and an exactness
+  check of its ids on ``make bench-router``'s prompts (needs ``--trace``).
+
 Policies: ``round-robin`` and ``kvmesh`` (`kvmesh router --policy round-robin|kv-aware`),
-``least-load`` (kvmesh), ``sglang`` (sglang-router ``cache_aware``, from
-``--peer-venvs``/venv-sgl) and ``vllm`` (vllm-router ``cache_aware``, from
+``least-load`` (kvmesh), ``sglang`` / ``sglang-rr`` (sglang-router ``cache_aware`` / ``round_robin``,
+from ``--peer-venvs``/venv-sgl) and ``vllm`` (vllm-router ``cache_aware``, from
 ``--peer-venvs``/venv-vllm). A peer whose venv is missing is skipped with a message.
 Peers are started outside the repository (its ``operator/`` folder shadows the stdlib
 module when the working directory is the repo root).
@@ -22,17 +41,19 @@ Scaling (printed and stored under ``_setup`` in the JSON):
 * tokens: one hash block (``--hash-block`` tokens, 512 for Mooncake) becomes
   ``--block-tokens`` synthetic single-token words (default 16 = one engine block);
   each hash id maps to fixed words (seeded by the id and the policy, so one policy's
-  run never warms the cache for the next). Lengths scale by block_tokens/hash_block.
+  run never warms the cache for the next). Lengths scale by block_tokens/hash_block;
+  ``--max-blocks`` cuts prompts to their first hash blocks.
 * simulated cost: every synthetic token stands for hash_block/block_tokens real tokens,
   so the instances' prefill cost per token is ``0.035 ms x 512/16`` and the chunk size
   ``8192 x 16/512`` tokens: prefill time is that of the real prompt on an H200
-  (engine/sim_runner.py for the calibration).
+  (engine/sim_runner.py for the calibration). Real workers pay their own prefill instead
+  (and get two warm-up requests each, so the first policy does not pay for cold workers).
 * KV capacity per instance: ``--num-kv-blocks`` (default 1680 engine blocks = 1680
   Mooncake blocks = 860k real tokens: an H200 at 0.9 utilisation with Llama-3-8B
   (16 GB weights, 128 KiB of bf16 KV per token) holds ~110 GB / 128 KiB = 860k tokens).
 * time: arrival times are compressed to ``--rate`` requests/s on average.
-* outputs: ``max_tokens = clamp(output_length, 1, --max-output)`` (streaming every token
-  through 8 Python API servers and a router is what a 2-core box cannot afford).
+* outputs: ``max_tokens = clamp(output_length // --output-divisor, 1, --max-output)`` (streaming every
+  token through 8 Python API servers and a router is what a 2-core box cannot afford).
 
 Metrics per policy: hit_ratio = Σ instances' ``vllm:prefix_cache_hits`` /
 ``vllm:prefix_cache_queries`` deltas (tokens served from cache / prompt tokens, measured
@@ -40,7 +61,7 @@ on the instances); TTFT p50/p90/p99 (s, client side, streaming, first chunk);
 throughput (completed requests/s over the makespan); imbalance = max/mean completed
 requests per instance; router_cpu_pct = CPU time (user + system) of the router's process group
 during the replay, as % of one core (at these rates mostly its steady work: health checks, /metrics
-scrapes of every pod, KV events; per-request cost: `bench/router_bench.py --overhead`).
+scrapes of every pod, KV events; per-request cost: ``--overhead``).
 ``ideal_hit_ratio``: an unlimited shared cache with the engine's rule (the last prompt token is always
 recomputed). ``lost`` / ``missed`` (`hit_losses`, from the ``cached_tokens`` each streamed response reports
 in ``usage``): the prompt tokens the ideal cache would have served that the pod recomputed, as a share of all
@@ -76,13 +97,22 @@ H200_KV_BLOCKS = 1680  # 860k tokens / 512
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--trace", required=True, help="Mooncake-format JSONL (timestamp, input_length, output_length, hash_ids)"
+        "--trace",
+        default=None,
+        help="Mooncake-format JSONL (timestamp, input_length, output_length, hash_ids); "
+        "required except with --overhead",
     )
     p.add_argument("--instances", type=int, default=8)
     p.add_argument(
+        "--real-workers",
+        action="store_true",
+        help="instances are `kvmesh serve` workers running the embedded model on the CPU instead of simulated "
+        "ones (use few instances, --max-blocks, --output-divisor and a small --max-output)",
+    )
+    p.add_argument(
         "--policies",
         default="round-robin,kvmesh,sglang,vllm",
-        help="comma list of round-robin, kvmesh, least-load, sglang, vllm",
+        help="comma list of round-robin, kvmesh, least-load, sglang, sglang-rr, vllm",
     )
     p.add_argument("--json", default=None, help="write {policy: {hit_ratio, ttft_p50, ...}} here")
     p.add_argument("--requests", type=int, default=200, help="requests to replay (0: all of the selection)")
@@ -99,6 +129,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hash-block", type=int, default=512, help="tokens per trace hash id (Mooncake: 512)")
     p.add_argument("--block-tokens", type=int, default=16, help="synthetic tokens per hash id (= engine block)")
     p.add_argument("--max-output", type=int, default=8)
+    p.add_argument("--max-blocks", type=int, default=0, help="cut every prompt to its first N hash blocks (0: no cut)")
+    p.add_argument(
+        "--output-divisor",
+        type=int,
+        default=1,
+        help="max_tokens = clamp(output_length // D, 1, --max-output) (real workers decode every token)",
+    )
     p.add_argument("--max-model-len", type=int, default=8192, help="instances' context (synthetic tokens)")
     p.add_argument("--num-kv-blocks", type=int, default=H200_KV_BLOCKS, help="per-instance KV capacity, blocks")
     p.add_argument("--sim-decode-ms", default=None, help="instances' BASE,PER_SEQ (default: H200 calibration)")
@@ -121,6 +158,33 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout, s")
     p.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "kvmesh-bench-router-logs"))
+    p.add_argument(
+        "--overhead",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of the trace: N requests to an instant fake backend, direct vs through each router",
+    )
+    p.add_argument("--overhead-conc", type=int, default=16, help="concurrent requests for --overhead")
+    p.add_argument(
+        "--overhead-distinct",
+        action="store_true",
+        help="--overhead with a different prompt per request (no repeated prefixes)",
+    )
+    p.add_argument(
+        "--overhead-words",
+        type=int,
+        default=200,
+        help="prompt length for --overhead and --tokenizer (words of the synthetic vocabulary, ~1 token each)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of the replay: the router's tokenization alone on N prompts of --overhead-words "
+        "random words, and an exactness check on make bench-router's prompts (of --trace)",
+    )
 
 
 # ---- trace ----------------------------------------------------------------------------
@@ -175,11 +239,13 @@ def word_vocab() -> list[str]:
 
 
 def build_requests(rows: list[dict], args, seed: str, max_len: int) -> list[dict]:
+    """Per trace row, its arrival time, prompt blocks ``[(hash id, words)]`` and ``max_tokens`` (module
+    docstring, "Scaling"): ``args`` gives block_tokens, hash_block, max_blocks, output_divisor and max_output."""
     vocab = word_vocab()
     bt, hb = args.block_tokens, args.hash_block
     out = []
     for r in rows:
-        ids = r["hash_ids"]
+        ids = r["hash_ids"][: args.max_blocks or None]
         scaled = max(1, math.ceil(r["input_length"] * bt / hb))
         scaled = min(scaled, len(ids) * bt, max_len - args.max_output - 1)
         blocks, left = [], scaled
@@ -194,7 +260,7 @@ def build_requests(rows: list[dict], args, seed: str, max_len: int) -> list[dict
             {
                 "t": r["timestamp"] / 1000.0,
                 "blocks": blocks,
-                "max_tokens": max(1, min(args.max_output, int(r["output_length"]))),
+                "max_tokens": max(1, min(args.max_output, int(r["output_length"]) // args.output_divisor)),
             }
         )
     return out
@@ -349,9 +415,13 @@ def scrape(url: str) -> dict[str, float]:
     return {**dict.fromkeys(SCRAPED, 0.0), **sum_samples(httpx.get(url + "/metrics", timeout=10).text, SCRAPED)}
 
 
-def peer_command(policy: str, args) -> list[str] | None:
-    """The peer router's launcher, or None when its venv is not there."""
-    if policy == "sglang":
+# Peer policies: policy -> (peer router, its policy).
+PEERS = {"sglang": ("sglang", "cache_aware"), "sglang-rr": ("sglang", "round_robin"), "vllm": ("vllm", "cache_aware")}
+
+
+def peer_command(peer: str, args) -> list[str] | None:
+    """The launcher of ``peer`` (sglang or vllm), or None when its venv is not there."""
+    if peer == "sglang":
         py = os.path.join(args.peer_venvs, "venv-sgl", "bin", "python")
         return [py, "-m", "sglang_router.launch_router"] if os.path.exists(py) else None
     exe = os.path.join(args.peer_venvs, "venv-vllm", "bin", "vllm-router")
@@ -429,6 +499,7 @@ def launch_router(cmd: list[str], log: str, env: dict[str, str], cwd: str | None
 
 
 def start_router(policy: str, workers: list[dict], args) -> tuple[Proc, str]:
+    """The router of ``policy`` over ``workers``, answering; RuntimeError if it does not start."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = os.path.join(args.log_dir, f"router-{policy}.log")
@@ -442,10 +513,11 @@ def start_router(policy: str, workers: list[dict], args) -> tuple[Proc, str]:
         # KVMESH_BENCH_ROUTER_LOG=DEBUG logs every routing decision (hits, loads) to router-<policy>.log
         env = {"KVMESH_LOG_LEVEL": os.environ.get("KVMESH_BENCH_ROUTER_LOG", "WARNING")}
         return launch_router(cmd, log, env, None, url)
-    base = peer_command(policy, args)
-    if base is None:  # main leaves out the peers whose venv is missing
+    peer, peer_policy = PEERS[policy]
+    base = peer_command(peer, args)
+    if base is None:  # run leaves out the peers whose venv is missing
         raise RuntimeError(f"{policy}: no router under {args.peer_venvs}")
-    cmd = peer_router_command(base, policy, [w["url"] for w in workers], port, "cache_aware")
+    cmd = peer_router_command(base, peer, [w["url"] for w in workers], port, peer_policy)
     return launch_router(cmd, log, {}, tempfile.gettempdir(), url)
 
 
@@ -530,13 +602,42 @@ def usage_cached(data: str) -> int | None:
 
 # ---- main -----------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
+    """``--tokenizer``, ``--overhead`` or (by default) the replay; 2 on a bad command line."""
+    if args.tokenizer or not args.overhead:
+        if not args.trace:
+            print("error: --trace is required (except with --overhead)", file=sys.stderr)
+            return 2
+    if args.tokenizer:
+        write_json(args.json, tokenizer_cost(args))
+        return 0
+    if args.overhead:
+        res = overhead(args)
+        write_json(
+            args.json,
+            {
+                "overhead": res,
+                "requests": args.overhead,
+                "concurrency": args.overhead_conc,
+                "prompt_words": args.overhead_words,
+            },
+        )
+        return 0
+    return run_replay(args)
+
+
+def write_json(path: str | None, obj: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump(obj, fh, indent=1)
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    """The trace through every policy's router, ``--repeats`` rounds, against simulated or real instances."""
     import httpx
 
-    # Instances and routers run in their own sessions, so a plain SIGTERM would leave them behind:
-    # raise instead, and the `finally` below stops them.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     policies = [p for p in args.policies.split(",") if p]
-    known = {"round-robin", "kvmesh", "least-load", "sglang", "vllm"}
+    known = {"round-robin", "kvmesh", "least-load", *PEERS}
     try:
         args.variants = parse_variants(args.variant, known)
     except ValueError as e:
@@ -555,10 +656,11 @@ def run(args: argparse.Namespace) -> int:
     runnable = []
     results: dict[str, dict] = {}
     for p in policies:
-        if p in ("sglang", "vllm") and peer_command(p, args) is None:
-            venv = os.path.join(args.peer_venvs, "venv-sgl" if p == "sglang" else "venv-vllm")
+        if p in PEERS and peer_command(PEERS[p][0], args) is None:
+            sgl = PEERS[p][0] == "sglang"
+            venv = os.path.join(args.peer_venvs, "venv-sgl" if sgl else "venv-vllm")
             msg = (
-                f"skipped: {venv} not found (pip install {'sglang-router' if p == 'sglang' else 'vllm-router'} "
+                f"skipped: {venv} not found (pip install {'sglang-router' if sgl else 'vllm-router'} "
                 f"into that venv, or pass --peer-venvs)"
             )
             print(f"[{p}] {msg}", file=sys.stderr)
@@ -569,6 +671,10 @@ def run(args: argparse.Namespace) -> int:
     ratio = args.hash_block / args.block_tokens
     prefill_ms = H200_PREFILL_MS_PER_TOKEN * ratio
     chunk = max(args.block_tokens, int(H200_CHUNK_TOKENS / ratio))
+    kind = "real" if args.real_workers else "simulated"
+    # Instances and routers run in their own sessions, so a plain SIGTERM would leave them behind:
+    # raise instead, and the `finally` below stops them.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     os.makedirs(args.log_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="kvmesh-bench-router-")
     env = {"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING"}
@@ -577,27 +683,33 @@ def run(args: argparse.Namespace) -> int:
     try:
         for i in range(args.instances):
             flags = [
-                "--simulate",
                 "--max-model-len",
                 str(args.max_model_len),
                 "--num-kv-blocks",
                 str(args.num_kv_blocks),
                 "--block-size",
                 str(args.block_tokens),
-                "--max-num-batched-tokens",
-                str(chunk),
-                "--sim-prefill-ms-per-token",
-                f"{prefill_ms:.6g}",
             ]
-            if args.sim_decode_ms:
-                flags += ["--sim-decode-ms", args.sim_decode_ms]
-            w, p = start_instance(tmp, i, f"sim{i}", os.path.join(args.log_dir, f"instance{i}.log"), env, *flags)
+            if not args.real_workers:
+                flags += [
+                    "--simulate",
+                    "--max-num-batched-tokens",
+                    str(chunk),
+                    "--sim-prefill-ms-per-token",
+                    f"{prefill_ms:.6g}",
+                ]
+                if args.sim_decode_ms:
+                    flags += ["--sim-decode-ms", args.sim_decode_ms]
+            name = f"w{i}" if args.real_workers else f"sim{i}"
+            w, p = start_instance(tmp, i, name, os.path.join(args.log_dir, f"instance{i}.log"), env, *flags)
             procs.append(p)
             workers.append(w)
-        print(f"starting {args.instances} simulated instances (logs in {args.log_dir}) ...", file=sys.stderr)
+        print(f"starting {args.instances} {kind} instances (logs in {args.log_dir}) ...", file=sys.stderr)
         for w, p in zip(workers, procs):
             wait_ready(w["url"], 900, p)
         model = httpx.get(workers[0]["url"] + "/v1/models").json()["data"][0]["id"]
+        if args.real_workers:
+            warm_up(workers, model)
         max_len = args.max_model_len
         runs: dict[str, list[dict]] = defaultdict(list)
         for rnd in range(max(1, args.repeats)):
@@ -619,30 +731,50 @@ def run(args: argparse.Namespace) -> int:
         stop_strays()  # a router (or instance) whose start a SIGTERM interrupted
         shutil.rmtree(tmp, ignore_errors=True)
 
+    simulated = not args.real_workers
     setup = {
         "trace": os.path.abspath(args.trace),
         "requests": len(rows),
         "select": args.select,
         "window_s": args.window_s if args.select == "conversations" else None,
         "instances": args.instances,
+        "instance_kind": kind,
         "rate_req_s": args.rate,
         "hash_block": args.hash_block,
         "block_tokens": args.block_tokens,
         "length_scale": f"{args.block_tokens}/{args.hash_block}",
+        "max_blocks": args.max_blocks or None,
         "max_output": args.max_output,
+        "output_divisor": args.output_divisor,
+        "max_model_len": args.max_model_len,
         "num_kv_blocks_per_instance": args.num_kv_blocks,
-        "sim_prefill_ms_per_token": prefill_ms,
-        "max_num_batched_tokens": chunk,
-        "sim_decode_ms": args.sim_decode_ms or "4.73,0.0143",
+        "sim_prefill_ms_per_token": prefill_ms if simulated else None,
+        "max_num_batched_tokens": chunk if simulated else None,
+        "sim_decode_ms": (args.sim_decode_ms or "4.73,0.0143") if simulated else None,
         "repeats": max(1, args.repeats),
         "wall_s": round(time.monotonic() - t_start, 1),
     }
     print_table(results, setup)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump({**results, "_setup": setup}, fh, indent=1)
+    write_json(args.json, {**results, "_setup": setup})
     return 0
+
+
+def warm_up(workers: list[dict], model: str) -> None:
+    """Two completions of 256 random token ids on every real worker, so that the first policy does not
+    pay for cold workers (first-call costs of the engine and the API server)."""
+    import httpx
+
+    for w in workers:
+        for k in range(2):
+            httpx.post(
+                w["url"] + "/v1/completions",
+                timeout=300,
+                json={
+                    "model": model,
+                    "prompt": [random.Random(k).randrange(1000, 40000) for _ in range(256)],
+                    "max_tokens": 2,
+                },
+            )
 
 
 def reset_caches(workers: list[dict], timeout: float = 60.0) -> None:
@@ -739,7 +871,7 @@ def summarize(runs: list[dict]) -> dict:
 
 def print_table(results: dict, setup: dict) -> None:
     print(
-        f"{setup['requests']} requests of {setup['trace']}, {setup['instances']} simulated instances, "
+        f"{setup['requests']} requests of {setup['trace']}, {setup['instances']} {setup['instance_kind']} instances, "
         f"{setup['rate_req_s']} req/s"
     )
     print(
@@ -777,6 +909,151 @@ def print_table(results: dict, setup: dict) -> None:
             if x is not None:
                 cells.append(f"{pol} {f(x['hit_ratio'])} / {f(x['ttft_p90'])} / {f(x['imbalance'], 2)}")
         print(f"  round {rnd + 1}: " + "; ".join(cells))
+
+
+# ---- router cost (--overhead, --tokenizer) --------------------------------------------
+FAKE_POD = """
+import sys, time
+from kvmesh.services.router.testing import FakePod, ThreadServer
+p = FakePod(delay=0.0)
+p.server = ThreadServer(p.app, port=int(sys.argv[1]))
+p.start()
+while True:
+    time.sleep(3600)
+"""
+
+
+async def hammer(url: str, n: int, conc: int, prompt: str | list[str]) -> dict:
+    """``n`` completions, ``conc`` at a time: request i sends ``prompt + " i"``, or ``prompt[i]`` when
+    given a list (distinct prompts)."""
+    import httpx
+
+    lat: list[float] = []
+    sem = asyncio.Semaphore(conc)
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=conc)) as client:
+
+        async def one(i):
+            async with sem:
+                t0 = time.monotonic()
+                text = prompt[i] if isinstance(prompt, list) else prompt + f" {i}"
+                r = await client.post(url + "/v1/completions", json={"model": "m", "prompt": text, "max_tokens": 1})
+                if r.status_code == 200:
+                    lat.append(time.monotonic() - t0)
+
+        t = time.monotonic()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        wall = time.monotonic() - t
+    lat.sort()
+    return {
+        "ok": len(lat),
+        "req_s": len(lat) / wall,
+        "p50_ms": 1000 * lat[len(lat) // 2],
+        "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+    }
+
+
+def overhead(args) -> dict:
+    """Router cost: the same instant backend reached directly and through each router; besides
+    requests/s and latency, the router's own CPU time per request (`group_cpu_s`)."""
+    port = free_port()
+    logs = args.log_dir
+    os.makedirs(logs, exist_ok=True)
+    pod = Proc([sys.executable, "-c", FAKE_POD, str(port)], os.path.join(logs, "fake-pod.log"))
+    out: dict[str, dict] = {}
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, 60, pod)
+        workers = [{"url": url, "events": None, "replay": None}]
+        vocab = word_vocab()
+        prompt: str | list[str] = "".join(vocab[i * 7 % 5000] for i in range(args.overhead_words))
+        if args.overhead_distinct:  # every request its own word order: nothing repeats between prompts
+            rng = random.Random(0)
+            prompt = ["".join(rng.choice(vocab) for _ in range(args.overhead_words)) for _ in range(args.overhead + 50)]
+        warm = prompt[args.overhead :] if isinstance(prompt, list) else prompt  # not among the timed prompts
+        asyncio.run(hammer(url, 50, 4, warm))  # warm-up
+        out["direct"] = asyncio.run(hammer(url, args.overhead, args.overhead_conc, prompt))
+        for pol in ("kvmesh", "kvmesh-asyncio", "sglang"):  # kvmesh on uvloop (its default), then on asyncio's loop
+            if pol.startswith("kvmesh"):
+                rport = free_port()
+                env = {"KVMESH_LOG_LEVEL": "WARNING", "KVMESH_UVLOOP": "0" if pol == "kvmesh-asyncio" else "1"}
+                rp = Proc(router_command(rport, "--worker", url), os.path.join(logs, f"overhead-{pol}.log"), env)
+                rurl = f"http://127.0.0.1:{rport}"
+                wait_ready(rurl, 120, rp)
+            else:
+                if peer_command("sglang", args) is None:
+                    continue
+                rp, rurl = start_router("sglang", workers, args)
+            try:
+                asyncio.run(hammer(rurl, 50, 4, warm))
+                cpu0 = group_cpu_s(rp.p.pid)
+                r = asyncio.run(hammer(rurl, args.overhead, args.overhead_conc, prompt))
+                r["router_cpu_ms_per_req"] = 1000 * (group_cpu_s(rp.p.pid) - cpu0) / max(r["ok"], 1)
+            finally:
+                rp.stop()
+            r["added_p50_ms"] = r["p50_ms"] - out["direct"]["p50_ms"]
+            r["added_p99_ms"] = r["p99_ms"] - out["direct"]["p99_ms"]
+            out[pol] = r
+    finally:
+        pod.stop()
+    print(f"{'path':<15} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'+p50':>6} {'+p99':>6} {'router CPU ms/req':>18}")
+    for k, r in out.items():
+        print(
+            f"{k:<15} {r['req_s']:>7.1f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} "
+            f"{r.get('added_p50_ms', 0):>6.2f} {r.get('added_p99_ms', 0):>6.2f} "
+            f"{r.get('router_cpu_ms_per_req', float('nan')):>18.2f}"
+        )
+    return out
+
+
+def tokenizer_cost(args) -> dict:
+    """The router's tokenization alone, in this process: per prompt of ``--overhead-words`` random words
+    of the synthetic vocabulary (``--tokenizer`` prompts, nothing repeated between them), wall and CPU
+    time of the Rust tokenizer's `encode`, its `encode_batch_fast` (what the router calls), the
+    router's piece cache cold (every piece new) and warm (every piece cached). Then an exactness check
+    on `make bench-router`'s own prompts (its slice, the kvmesh and sglang seeds): the router's ids
+    against the HF tokenizer's."""
+    from kvmesh.services.router.token_cache import PieceCache
+    from kvmesh.services.router.tokens import RouterTokenizer
+
+    rt = RouterTokenizer(None)
+    fast = rt._fast
+    assert fast is not None, "the embedded model's tokenizer is a fast (Rust) one"
+    vocab = word_vocab()
+    rng = random.Random(0)
+    texts = ["".join(rng.choice(vocab) for _ in range(args.overhead_words)) for _ in range(args.tokenizer)]
+    ntok = sum(len(fast.encode(t).ids) for t in texts) / len(texts)
+    cold = PieceCache.for_tokenizer(fast, max_pieces=1 << 20)
+    assert cold is not None, "the embedded model's tokenizer is byte-level BPE (the piece cache is exact for it)"
+    ways = {
+        "encode": lambda t: fast.encode(t, add_special_tokens=True).ids,
+        "encode_batch_fast": lambda t: fast.encode_batch_fast([t], add_special_tokens=True)[0].ids,
+        "pieces, cold": cold.encode,
+        "pieces, warm": cold.encode,
+    }
+    out: dict = {"prompt_words": args.overhead_words, "prompt_tokens": ntok, "prompts": len(texts)}
+    print(
+        f"{'tokenization of ~' + str(round(ntok)) + '-token prompts':<40} {'wall ms':>8} {'CPU ms':>8} "
+        f"{'CPU us/token':>13}"
+    )
+    for name, fn in ways.items():
+        w0, c0 = time.perf_counter(), time.process_time()
+        for t in texts:
+            fn(t)
+        wall, cpu = (time.perf_counter() - w0) / len(texts), (time.process_time() - c0) / len(texts)
+        out[name] = {"wall_ms": 1e3 * wall, "cpu_ms": 1e3 * cpu}
+        print(f"{name:<40} {1e3 * wall:>8.2f} {1e3 * cpu:>8.2f} {1e6 * cpu / ntok:>13.2f}")
+    ns = argparse.Namespace(block_tokens=16, hash_block=512, max_blocks=0, output_divisor=1, max_output=8)
+    rows = load_trace(args.trace, 160, "conversations", 600.0)
+    checked = mismatched = 0
+    for seed in ("kvmesh", "sglang"):
+        for r in build_requests(rows, ns, seed=seed, max_len=8192):
+            text = "".join(t for _, toks in r["blocks"] for t in toks)
+            checked += 1
+            hf = list(rt.tokenizer(text, add_special_tokens=True).input_ids)
+            mismatched += int(rt.prompt_ids("/v1/completions", {"prompt": text}) != hf)
+    out["bench_prompts"] = {"checked": checked, "mismatched": mismatched}
+    print(f"make bench-router prompts: {checked} checked, {mismatched} with ids different from the HF tokenizer's")
+    return out
 
 
 def main(argv=None) -> int:
