@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT
-from kvmesh.services.python_child import kvmesh_command
+from kvmesh.common.python_child import kvmesh_command
 
 CAP_MAX_TOKENS = 8
 CAP_N = 4

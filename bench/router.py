@@ -87,7 +87,7 @@ from collections import defaultdict
 
 from kvmesh.common import metric_names as mn
 from kvmesh.health import wait_healthy
-from kvmesh.services.python_child import kvmesh_command
+from kvmesh.common.python_child import kvmesh_command
 from kvmesh.topology import free_port
 
 H200_PREFILL_MS_PER_TOKEN = 0.035  # engine/sim_runner.py

@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from kvmesh.services.python_child import kvmesh_command
+from kvmesh.common.python_child import kvmesh_command
 
 TRACE_BLOCK = 512  # tokens per hash id in the Mooncake trace
 

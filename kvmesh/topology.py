@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.common import env as ev
 from kvmesh.common.env import env
-from kvmesh.services.python_child import kvmesh_command
+from kvmesh.common.python_child import kvmesh_command
 
 from .health import NotReadyError, exited, wait_healthy, wait_until
 

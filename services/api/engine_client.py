@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from kvmesh.engine.messages import EngineCoreRequest, EngineStats
-from kvmesh.services.python_child import python_module
+from kvmesh.common.python_child import python_module
 
 from . import wire
 from .engine_proc import EngineProcConfig

@@ -12,7 +12,7 @@ import signal
 import subprocess
 
 from kvmesh.health import wait_healthy
-from kvmesh.services.python_child import kvmesh_command
+from kvmesh.common.python_child import kvmesh_command
 from kvmesh.topology import free_port
 
 

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from kvmesh.bench.fuzz import passed
-from kvmesh.services.python_child import kvmesh_command
+from kvmesh.common.python_child import kvmesh_command
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvmesh.services.python_child import kvmesh_command
+from kvmesh.common.python_child import kvmesh_command
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvmesh.services.python_child import python_module
+from kvmesh.common.python_child import python_module
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "e2e" / "cluster"

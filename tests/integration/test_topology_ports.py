@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from kvmesh.health import exited, wait_healthy, wait_until
-from kvmesh.services.python_child import kvmesh_command
+from kvmesh.common.python_child import kvmesh_command
 
 pytestmark = pytest.mark.integration
 BS = 16

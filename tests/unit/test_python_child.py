@@ -3,7 +3,7 @@
 From the repository root, ``python -m ...`` puts the working directory first on ``sys.path``, where
 ``kernels/`` shadows the installed ``kernels`` package that transformers imports (the server's engine
 process then failed with an ImportError) and ``operator/`` shadows the standard library's. Every
-child kvmesh starts goes through services/python_child.py, which adds ``-P``.
+child kvmesh starts goes through kvmesh/common/python_child.py, which adds ``-P``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.services.python_child import kvmesh_command, python_module
+from kvmesh.common.python_child import kvmesh_command, python_module
 
 pytestmark = pytest.mark.unit
 
@@ -55,7 +55,7 @@ def test_transformers_imports_in_a_child_at_the_repository_root():
 
 
 def test_no_python_child_is_started_without_the_safe_path():
-    """Product and benchmark code start Python children only through services/python_child.py."""
+    """Product and benchmark code start Python children only through kvmesh/common/python_child.py."""
     bare = re.compile(r"sys\.executable,\s*\"-m\"")
     offenders = [
         str(p.relative_to(ROOT))

@@ -1,0 +1,67 @@
+"""One rank's handle on the tensor-parallel group: the collectives the model calls, and the channel
+that carries the step plans.
+
+Two process groups: the device group (NCCL on GPUs, gloo on CPUs) for the model's all-reduces and
+all-gathers, and a gloo group for the step messages, which are host bytes. On a CPU both are gloo.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+
+class TPGroup:
+    """``rank`` of ``world`` ranks; rendezvous at ``init_method`` (``tcp://host:port``)."""
+
+    def __init__(self, rank: int, world: int, init_method: str, device: torch.device, timeout_s: float) -> None:
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} out of range for {world} ranks")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self.rank, self.world, self.device = rank, world, device
+        self._host = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+
+    # ---- the model's collectives ----------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of ``x``, in place."""
+        dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor, size: int) -> torch.Tensor:
+        """Every rank's ``x`` side by side along the last dimension, cut to ``size`` (the vocabulary,
+        whose last shard may be padded)."""
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)[..., :size]
+
+    def min_int(self, n: int) -> int:
+        """The smallest ``n`` over ranks (each rank's KV pool must hold the same block ids)."""
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._host)
+        return int(t.item())
+
+    # ---- step messages ---------------------------------------------------------------------
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's ``data`` on every rank (others pass None)."""
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, 0, group=self._host)
+        if self.rank == 0:
+            assert data is not None
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(buf, 0, group=self._host)
+        return data if self.rank == 0 and data is not None else buf.numpy().tobytes()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,101 @@
+"""Rank 0's side: start the other ranks, send them each step, stop them.
+
+Each other rank is a child process (``python -P -m kvmesh.engine.parallel.worker SPEC RANK``) that
+loads the same checkpoint, keeps its slice, and then runs whatever step rank 0 sends. The ranks meet
+through a file in a private directory (torch.distributed's file rendezvous: no port to race for on
+one host). Closing stops them in order: a `Stop` message, then a bounded wait, then a kill, so no
+rank outlives the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+import msgspec
+import torch
+
+from kvmesh.common.python_child import python_module
+from kvmesh.engine.config import EngineConfig
+
+from . import messages
+from .group import TPGroup
+
+log = logging.getLogger("kvmesh.engine.parallel")
+
+
+class WorkerSpec(msgspec.Struct):
+    """What every other rank is started with (JSON on its command line)."""
+
+    config: dict  # the EngineConfig, as msgspec builtins
+    init_method: str
+    world: int
+    timeout_s: float
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank ``rank``'s device: the ``rank``-th GPU, or the CPU."""
+    dev = torch.device(config.device)
+    if dev.type == "cuda":
+        return torch.device("cuda", rank)
+    return dev
+
+
+class Ranks:
+    """The other ranks of a tensor-parallel engine, from rank 0."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        p = config.parallel
+        self.world = p.tensor_parallel_size
+        self._dir = tempfile.mkdtemp(prefix="kvmesh-tp-")
+        spec = WorkerSpec(
+            config=msgspec.to_builtins(config),
+            init_method=f"file://{os.path.join(self._dir, 'rendezvous')}",
+            world=self.world,
+            timeout_s=p.rank_timeout_s,
+        )
+        arg = msgspec.json.encode(spec).decode()
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(1, self.world):
+                self.procs.append(subprocess.Popen(python_module("kvmesh.engine.parallel.worker", arg, str(rank))))
+            self.group = TPGroup(0, self.world, spec.init_method, rank_device(config, 0), p.rank_timeout_s)
+        except BaseException:
+            self._kill()
+            raise
+        self._closed = False
+
+    def send_step(self, copies: list[tuple[int, int]], plan) -> None:
+        self.group.broadcast_bytes(messages.encode_step(copies, plan))
+
+    def dead(self) -> list[int]:
+        """Ranks whose process has exited."""
+        return [i + 1 for i, p in enumerate(self.procs) if p.poll() is not None]
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not self.dead():
+                self.group.broadcast_bytes(messages.encode_stop("engine shutdown"))
+            for p in self.procs:
+                try:
+                    p.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    log.warning("rank process %d did not stop; killing it", p.pid)
+        except Exception as e:  # a dead rank: the broadcast fails; kill what is left
+            log.warning("stopping the other ranks: %s", e)
+        finally:
+            self._kill()
+            self.group.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

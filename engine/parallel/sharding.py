@@ -1,0 +1,112 @@
+"""Which slice of each weight a rank holds, and the model shape a rank sees.
+
+Rank ``r`` of ``n``:
+- attention: q heads ``[r*H/n, (r+1)*H/n)``; KV heads ``[r*Hkv/n, ...)`` when ``Hkv >= n``, else the one
+  KV head its q heads belong to (KV heads are then replicated: ``n / Hkv`` ranks hold each); q/k/v
+  rows (and biases) accordingly, o's input columns of its q heads. Attention needs nothing from other
+  ranks; o's partial sums are all-reduced.
+- dense MLP: gate/up rows ``[r*I/n, (r+1)*I/n)``, down's input columns of the same range; down's
+  partial sums are all-reduced.
+- embedding and LM head: vocabulary rows ``[r*ceil(V/n), ...)`` (the last shard may be short); the
+  embedding's rows of other shards are zero here and the all-reduce fills them in, the LM head's
+  logits are all-gathered.
+Norms (and Qwen3's per-head q/k norms) are whole on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvmesh.common.model_files import ModelConfig
+
+
+def check_divisible(cfg: ModelConfig, world: int) -> None:
+    """A clear error where ``cfg`` cannot be split ``world`` ways."""
+    if world < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {world}")
+    if world == 1:
+        return
+    problems = []
+    if cfg.num_heads % world:
+        problems.append(f"{cfg.num_heads} attention heads")
+    if cfg.num_kv_heads % world and world % cfg.num_kv_heads:
+        problems.append(f"{cfg.num_kv_heads} KV heads (neither a multiple nor a divisor of it)")
+    if cfg.intermediate_size % world:
+        problems.append(f"an MLP of {cfg.intermediate_size}")
+    if cfg.num_experts:
+        problems.append("mixture-of-experts layers (not split by tensor parallelism yet)")
+    if problems:
+        raise ValueError(f"tensor_parallel_size {world} cannot split this model: " + ", ".join(problems))
+
+
+def local_config(cfg: ModelConfig, world: int) -> ModelConfig:
+    """The shape one rank computes: its share of the heads and of the MLP."""
+    if world == 1:
+        return cfg
+    return dataclasses.replace(
+        cfg,
+        num_heads=cfg.num_heads // world,
+        num_kv_heads=max(1, cfg.num_kv_heads // world),
+        intermediate_size=cfg.intermediate_size // world,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Rank ``rank`` of ``world``: slices a checkpoint's tensors by name (`__call__`)."""
+
+    rank: int
+    world: int
+    cfg: ModelConfig  # the whole model's shape
+
+    @property
+    def vocab_rows(self) -> tuple[int, int]:
+        per = -(-self.cfg.vocab_size // self.world)
+        start = min(self.rank * per, self.cfg.vocab_size)
+        return start, min(start + per, self.cfg.vocab_size)
+
+    @property
+    def vocab_shard_size(self) -> int:
+        """Rows every rank's LM head output is padded to (the all-gather wants equal parts)."""
+        return -(-self.cfg.vocab_size // self.world)
+
+    def _heads(self) -> tuple[slice, slice]:
+        c, r, n = self.cfg, self.rank, self.world
+        D = c.head_dim
+        hq = c.num_heads // n
+        q = slice(r * hq * D, (r + 1) * hq * D)
+        if c.num_kv_heads >= n:
+            hk = c.num_kv_heads // n
+            kv = slice(r * hk * D, (r + 1) * hk * D)
+        else:  # replicated: the KV head of this rank's q heads
+            head = (r * hq) // (c.num_heads // c.num_kv_heads)
+            kv = slice(head * D, (head + 1) * D)
+        return q, kv
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor ``name``."""
+        if self.world == 1:
+            return t
+        q, kv = self._heads()
+        inter = self.cfg.intermediate_size // self.world
+        mlp = slice(self.rank * inter, (self.rank + 1) * inter)
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            return t[q]
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight")) or (
+            name.endswith("self_attn.v_proj.bias")
+        ):
+            return t[kv]
+        if name.endswith("self_attn.o_proj.weight"):
+            return t[:, q]
+        if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            return t[mlp]
+        if name.endswith("mlp.down_proj.weight"):
+            return t[:, mlp]
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            a, b = self.vocab_rows
+            part = t[a:b]
+            pad = self.vocab_shard_size - (b - a)
+            return torch.nn.functional.pad(part, (0, 0, 0, pad)) if pad else part
+        return t

@@ -1,0 +1,183 @@
+"""Tensor parallelism on the CPU (gloo): the same greedy tokens as one rank and as HF transformers.
+
+Each engine here runs rank 0 in the test's process and the other ranks as child processes
+(engine/parallel/). fp32 on the CPU: an all-reduce sums the partial products in another order than
+one rank's matmul, so a near-tie may flip a token; where the token streams differ, the test checks
+that HF's logits of both candidates at the first difference are within rounding (the logprob-
+closeness rule) and that such flips stay rare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvmesh.engine.args import EngineArgs
+from kvmesh.engine.core import EngineCore
+from kvmesh.engine.loader import load_model
+from kvmesh.engine.messages import EngineCoreRequest
+from kvmesh.engine.models import random_init
+from kvmesh.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.integration
+
+MAX_NEW = 12
+TIE_TOL = 1e-3  # fp32 logits of two candidates this close are a tie an all-reduce may break either way
+
+
+def _save(tmp: str, hf_config: dict, seed: int) -> str:
+    cfg = random_init.model_config_from_hf(hf_config, "tp-test")
+    sd = random_init.random_state_dict(cfg, torch.float32, "cpu", seed)
+    os.makedirs(tmp, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(tmp, "model.safetensors"))
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    return tmp
+
+
+LLAMA = random_init.scaled_config(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=1002,  # not a multiple of 4: the last vocabulary shard is padded
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float32",
+)
+
+
+def _engine(path: str | None, tp: int, **kw) -> EngineCore:
+    args = EngineArgs(model=path, tensor_parallel_size=tp, device="cpu", dtype="float32", **kw)
+    eng, _ = EngineCore.from_model(args, loaded=load_model(path, load_tokenizer=False))
+    return eng
+
+
+def _greedy(eng: EngineCore, prompts: list[list[int]], max_new: int = MAX_NEW, n: int = 1) -> dict[str, list]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, n=n)
+    for i, p in enumerate(prompts):
+        eng.add_request(EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=p, params=params))
+    out: dict[str, list] = {}
+    while eng.has_unfinished():
+        for eo in eng.step():
+            out.setdefault(f"{eo.request_id}/{eo.index}", []).extend(eo.new_token_ids)
+    return out
+
+
+def _prompts(vocab: int, lens: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def _rank_children() -> list[psutil.Process]:
+    return [
+        c
+        for c in psutil.Process().children(recursive=True)
+        if "kvmesh.engine.parallel.worker" in " ".join(c.cmdline())
+    ]
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory) -> str:
+    return _save(str(tmp_path_factory.mktemp("llama")), LLAMA, seed=11)
+
+
+@pytest.fixture(scope="module")
+def llama_tp1(llama_path):
+    eng = _engine(llama_path, 1, max_num_batched_tokens=64, num_kv_blocks=64, block_size=16)
+    yield eng
+    eng.shutdown()
+
+
+PROMPT_LENS = [5, 17, 40, 90, 3, 64]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_llama_tp_matches_one_rank(llama_path, llama_tp1, tp):
+    """TP 2 (KV heads split) and TP 4 (more ranks than KV heads: replicated), batched, with chunked
+    prefill (64-token steps), prefix hits (a repeated prompt) and n > 1."""
+    prompts = _prompts(1002, PROMPT_LENS, seed=tp)
+    prompts.append(list(prompts[3]))  # a prefix hit on the 90-token prompt's full blocks
+    want = _greedy(llama_tp1, prompts)
+    eng = _engine(llama_path, tp, max_num_batched_tokens=64, num_kv_blocks=64, block_size=16)
+    try:
+        assert len(_rank_children()) == tp - 1
+        got = _greedy(eng, prompts)
+        assert eng.stats().prefix_cache_hits > 0
+        assert got == want
+        n2 = _greedy(eng, prompts[:2], n=2)
+        for i in range(2):
+            assert n2[f"r{i}/0"] == n2[f"r{i}/1"] == want[f"r{i}/0"]
+    finally:
+        eng.shutdown()
+    assert _rank_children() == []  # no rank outlives its engine
+
+
+def test_preemption_under_tp(llama_path, llama_tp1):
+    """A pool too small for the batch: requests are preempted and recomputed, on every rank alike."""
+    prompts = _prompts(1002, [60, 60, 60, 60], seed=7)
+    want = _greedy(llama_tp1, prompts, max_new=40)
+    eng = _engine(llama_path, 2, max_num_batched_tokens=64, num_kv_blocks=14, block_size=16)
+    try:
+        got = _greedy(eng, prompts, max_new=40)
+        assert eng.stats().num_preemptions > 0
+        assert got == want
+    finally:
+        eng.shutdown()
+
+
+def test_qwen3_tp2(tmp_path):
+    """Qwen3's per-head q/k norms stay whole on each rank."""
+    cfg = dict(LLAMA, model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=1024)
+    path = _save(str(tmp_path / "qwen3"), cfg, seed=5)
+    prompts = _prompts(1024, [9, 33, 70], seed=3)
+    one = _engine(path, 1)
+    try:
+        want = _greedy(one, prompts)
+    finally:
+        one.shutdown()
+    eng = _engine(path, 2)
+    try:
+        assert _greedy(eng, prompts) == want
+    finally:
+        eng.shutdown()
+
+
+def test_embedded_smollm2_tp3_matches_hf(smol, hf_model):
+    """SmolLM2-135M (9 heads, 3 KV heads, vocabulary 49,152) on three ranks: HF's greedy tokens."""
+    tok = smol.tokenizer
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Roses are red,"]
+    prompts = [tok(t).input_ids for t in texts]
+    eng = _engine(None, 3)
+    try:
+        got = _greedy(eng, prompts, max_new=8)
+    finally:
+        eng.shutdown()
+    flips = 0
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf_model.generate(
+                torch.tensor([p]), max_new_tokens=8, do_sample=False, attention_mask=torch.ones(1, len(p))
+            )[0, len(p) :].tolist()
+        mine = got[f"r{i}/0"]
+        if mine != ref:
+            j = next(k for k, (a, b) in enumerate(zip(mine, ref)) if a != b)
+            with torch.no_grad():
+                logits = hf_model(torch.tensor([p + ref[:j]])).logits[0, -1]
+            assert abs(float(logits[mine[j]] - logits[ref[j]])) < TIE_TOL, (i, j, mine, ref)
+            flips += 1
+    assert flips <= 1
+
+
+def test_a_model_tp_cannot_split_is_refused_by_name(llama_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 cannot split this model"):
+        _engine(llama_path, 3)
+    assert _rank_children() == []
