@@ -98,7 +98,7 @@ def start_router(policy: str, workers: list[dict], tmp: str, args) -> tuple[Proc
 
 FAKE_POD = """
 import sys, time
-from kvmesh.services.router.testing import FakePod, ThreadServer
+from kvmesh.testing.pods import FakePod, ThreadServer
 p = FakePod(delay=0.0)
 p.server = ThreadServer(p.app, port=int(sys.argv[1]))
 p.start()

@@ -282,7 +282,7 @@ def stop_strays(grace_s: float = 10.0) -> None:
     and that child, a session leader, would outlive the bench. Every child of the bench is one it
     started in a session of its own, so each is stopped with its group: SIGTERM, then SIGKILL after
     ``grace_s``."""
-    from kvmesh.services.api.testing import children
+    from kvmesh.testing.servers import children
 
     left = children(os.getpid())
     for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -184,8 +184,8 @@ class IdTokenizer:
 
 def start_router(cfg, tokenizer=None):
     """Run a `Router` + app on a thread; returns (ThreadServer, Router)."""
-    from .app import build_app
-    from .router import Router
+    from kvmesh.services.router.app import build_app
+    from kvmesh.services.router.router import Router
 
     router = Router(cfg, tokenizer=tokenizer)
     srv = ThreadServer(

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from kvmesh.bench_fuzz import pool_metrics, wait_pools_idle
-from kvmesh.services.api.testing import ServerProcess, alive, descendants
+from kvmesh.testing.servers import ServerProcess, alive, descendants
 
 pytestmark = pytest.mark.integration
 
@@ -58,7 +58,8 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def router(server):
     from kvmesh.services.router.config import PodSpec, RouterConfig
-    from kvmesh.services.router.testing import free_port, start_router
+    from kvmesh.testing.pods import start_router
+    from kvmesh.topology import free_port
 
     cfg = RouterConfig(
         host="127.0.0.1",

@@ -25,7 +25,7 @@ LONG = {"prompt": "Tell me a long story.", "max_tokens": 300, "temperature": 0, 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from kvmesh.services.api.testing import ServerProcess, alive
+    from kvmesh.testing.servers import ServerProcess, alive
 
     log = str(tmp_path_factory.mktemp("serve") / "server.log")
     srv = ServerProcess(

@@ -114,14 +114,7 @@ PRODUCT = {
 CLI_MODULES = ("kvmesh.cli", "kvmesh.cli_fields", "kvmesh.commands", "kvmesh.topology", "kvmesh.health")
 
 # (importing file, imported module): imports that exist and cannot go yet. This list may only shrink.
-KNOWN = {
-    # The in-process harnesses the tests and benches start servers with live in the product
-    # packages (beside what they start) and wait on them with `kvmesh up`'s helpers.
-    ("services/api/testing.py", "kvmesh.health"): "test harness: waits for the server as `kvmesh up` does",
-    ("services/api/testing.py", "kvmesh.topology"): "test harness: picks a free port as `kvmesh up` does",
-    ("services/router/testing.py", "kvmesh.health"): "test harness: waits for the router as `kvmesh up` does",
-    ("services/router/testing.py", "kvmesh.topology"): "test harness: picks a free port as `kvmesh up` does",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _product_files() -> list[tuple[Path, str]]:
