@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from kvmesh.bench_fuzz import pool_metrics, wait_pools_idle
+from kvmesh.health import wait_healthy
 from kvmesh.testing.servers import ServerProcess, alive, descendants
 
 pytestmark = pytest.mark.integration
@@ -277,17 +278,13 @@ def test_killed_engine_is_restarted(server, router):
     os.kill(old, signal.SIGKILL)
     t.join(120)
     assert_openai_error(result["r"], 503)
-    deadline = time.monotonic() + 300
-    while httpx.get(server.base_url + "/health").status_code != 200 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_healthy(server.base_url, 300, server.proc, "the server after its engine's restart")
     assert httpx.get(server.base_url + "/health").status_code == 200
     new = server.engine_pid()
     assert new is not None and new != old and not alive(old)
     assert descendants(server.proc.pid) == {new}
     still_serves(server.base_url)
     # the router took the pod out while its engine was down and back in after
-    deadline = time.monotonic() + 30
-    while httpx.get(router + "/health").status_code != 200 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_healthy(router, 30, what="the router with the pod back")
     still_serves(router)
     assert wait_pools_idle(server.base_url)["vllm:kv_cache_usage_perc"] == 0.0
