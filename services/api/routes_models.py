@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from kvmesh.services.errors import APIError
 
-from .app_state import State
+from .app_state import server_state
 from .protocol import DetokenizeRequest, TokenizeRequest
 
 routes = APIRouter()
 
 
 @routes.get("/v1/models")
-async def models(st: State):
+async def models(request: Request):
+    st = server_state(request)
     ready, now = st.ready, int(time.time())
     return {
         "object": "list",
@@ -38,7 +39,8 @@ async def models(st: State):
 
 
 @routes.post("/tokenize")
-async def tokenize(req: TokenizeRequest, st: State):
+async def tokenize(req: TokenizeRequest, request: Request):
+    st = server_state(request)
     serving = st.serving
     serving.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
@@ -51,7 +53,8 @@ async def tokenize(req: TokenizeRequest, st: State):
 
 
 @routes.post("/detokenize")
-async def detokenize(req: DetokenizeRequest, st: State):
+async def detokenize(req: DetokenizeRequest, request: Request):
+    st = server_state(request)
     serving = st.serving
     serving.check_model(req.model)
     bad = [t for t in req.tokens if not (0 <= t < serving.vocab_size)]

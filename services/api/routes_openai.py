@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 
 from kvmesh.services.errors import error_responses
 
-from .app_state import State
+from .app_state import server_state
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import Answer, answer
 from .serving import Event
@@ -22,7 +22,8 @@ routes = APIRouter()
 
 
 @routes.post("/v1/completions", responses=_ERRORS)
-async def completions(req: CompletionRequest, raw: Request, st: State):
+async def completions(req: CompletionRequest, raw: Request):
+    st = server_state(raw)
     serving, tokenizer = st.serving, st.tokenizer
     model, gen = serving.prepare_completion(req)
     k = req.logprobs or 0
@@ -82,7 +83,8 @@ async def completions(req: CompletionRequest, raw: Request, st: State):
 
 
 @routes.post("/v1/chat/completions", responses=_ERRORS)
-async def chat(req: ChatCompletionRequest, raw: Request, st: State):
+async def chat(req: ChatCompletionRequest, raw: Request):
+    st = server_state(raw)
     serving = st.serving
     model, gen = serving.prepare_chat(req)
     k = req.top_logprobs or 0

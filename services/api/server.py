@@ -27,6 +27,7 @@ from kvmesh.services.errors import (
     http_error_response,
     validation_error_response,
 )
+from kvmesh.services.http_server import include_routes
 from kvmesh.services.request_guard import RequestGuard
 
 from . import routes_admin, routes_models, routes_openai
@@ -57,8 +58,7 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
     app.add_middleware(APIKeyMiddleware, store=KeyStore.from_config(cfg.api_keys, cfg.api_keys_file))
     app.add_middleware(RequestGuard, max_body_bytes=cfg.max_body_bytes, body_timeout=cfg.body_timeout)
 
-    for module in (routes_admin, routes_models, routes_openai):
-        app.include_router(module.routes)
+    include_routes(app, routes_admin.routes, routes_models.routes, routes_openai.routes)
     return app
 
 

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 from kvmesh.services.auth import APIKeyMiddleware
 from kvmesh.services.errors import http_error_response, validation_error_response
-from kvmesh.services.http_server import server_config
+from kvmesh.services.http_server import include_routes, server_config
 from kvmesh.services.request_guard import RequestGuard
 
 from . import routes_debug, routes_health, routes_proxy
@@ -43,8 +43,7 @@ def build_app(router: Router) -> FastAPI:
     app.add_middleware(RequestGuard, max_body_bytes=cfg.max_body_bytes, body_timeout=cfg.body_timeout)  # outermost
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
-    for module in (routes_proxy, routes_health, routes_debug):
-        app.include_router(module.routes)
+    include_routes(app, routes_proxy.routes, routes_health.routes, routes_debug.routes)
     return app
 
 

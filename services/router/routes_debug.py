@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
-from .app_state import AppRouter
+from .app_state import current_router
 from .router import Router
 
 routes = APIRouter()
 
 
 @routes.get("/pods")
-async def pods(router: AppRouter):
+async def pods(request: Request):
     """Debug view: each pod's state as the router sees it."""
+    router = current_router(request)
     return {
         "pods": [
             {

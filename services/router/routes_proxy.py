@@ -19,8 +19,8 @@ from kvmesh.services.auth import request_key
 from kvmesh.services.errors import APIError, api_error_response, bad_request, error_responses
 
 from .admission import ClientGone
-from .app_state import AppRouter
-from .router import DECODE_ROLES, Router
+from .app_state import current_router
+from .router import DECODE_ROLES
 from .upstream import UpstreamError
 
 PROXIED = ("/v1/completions", "/v1/chat/completions")
@@ -36,7 +36,8 @@ def endpoint_label(path: str) -> str:
     return path if path in PROXIED else "other"
 
 
-async def _proxy(router: Router, path: str, request: Request) -> Response:
+async def _proxy(path: str, request: Request) -> Response:
+    router = current_router(request)
     status = 500
     try:
         try:
@@ -67,17 +68,18 @@ async def _proxy(router: Router, path: str, request: Request) -> Response:
 
 # The parsed model is only the check (and the schema); the client's own body is what goes on.
 @routes.post("/v1/completions", responses=_ERRORS)
-async def completions(checked: CompletionRequest, request: Request, router: AppRouter):
-    return await _proxy(router, "/v1/completions", request)
+async def completions(checked: CompletionRequest, request: Request):
+    return await _proxy("/v1/completions", request)
 
 
 @routes.post("/v1/chat/completions", responses=_ERRORS)
-async def chat(checked: ChatCompletionRequest, request: Request, router: AppRouter):
-    return await _proxy(router, "/v1/chat/completions", request)
+async def chat(checked: ChatCompletionRequest, request: Request):
+    return await _proxy("/v1/chat/completions", request)
 
 
 @routes.get("/v1/models")
-async def models(router: AppRouter):
+async def models(request: Request):
+    router = current_router(request)
     for pod in router.candidates(DECODE_ROLES):
         try:
             status, content = await router.upstream.get(pod.url + "/v1/models", router.cfg.connect_timeout)
