@@ -348,7 +348,7 @@ def stop_strays(grace_s: float = 10.0) -> None:
     and that child, a session leader, would outlive the bench. Every child of the bench is one it
     started in a session of its own, so each is stopped with its group: SIGTERM, then SIGKILL after
     ``grace_s``."""
-    from kvmesh.services.api.testing import children
+    from kvmesh.testing.servers import children
 
     left = children(os.getpid())
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -914,7 +914,7 @@ def print_table(results: dict, setup: dict) -> None:
 # ---- router cost (--overhead, --tokenizer) --------------------------------------------
 FAKE_POD = """
 import sys, time
-from kvmesh.services.router.testing import FakePod, ThreadServer
+from kvmesh.testing.pods import FakePod, ThreadServer
 p = FakePod(delay=0.0)
 p.server = ThreadServer(p.app, port=int(sys.argv[1]))
 p.start()

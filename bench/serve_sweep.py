@@ -147,7 +147,7 @@ def main() -> int:
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     os.environ.setdefault("KVMESH_CPU_THREADS", "1")
-    from kvmesh.services.api.testing import ServerProcess
+    from kvmesh.testing.servers import ServerProcess
 
     prompts = dataset_prompts(args)
     print(f"load average at the start: {os.getloadavg()} on {os.cpu_count()} CPUs", file=sys.stderr)

@@ -167,7 +167,7 @@ def test_matches_hf_alone_batched_chunked_and_cached(kind, loaded, prompts, expe
 def test_serve_qwen3_moe_folder_through_the_api(folders, loaded, prompts, expected):
     from openai import OpenAI
 
-    from kvmesh.services.api.testing import ServerProcess
+    from kvmesh.testing.servers import ServerProcess
 
     env = {"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING"}
     folder = folders["qwen3_moe"]
