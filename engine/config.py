@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.common.kernel_choices import KernelChoices
 from kvmesh.common.model_files import ModelConfig
 from kvmesh.common.roles import ROLES, Role
 
@@ -76,6 +77,8 @@ class EngineConfig:
     seed: int = 0
     engine_id: str = "kvmesh-0"
     quantization: str | None = None  # projection weights: None (the model's dtype) or "fp8"
+    # the kernel variants the model's layers launch, fixed for the engine's life (its CUDA graphs hold them)
+    kernels: KernelChoices = field(default_factory=KernelChoices)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -67,6 +67,7 @@ class ModelRunner(DecodeRoundRunner):
             max_positions=self.max_model_len,
             kv_scales=scales,
             on_layer=quantizer,
+            kernel_choices=config.kernels,
         )
         if quantizer is not None:
             quantizer.log()
@@ -118,7 +119,9 @@ class ModelRunner(DecodeRoundRunner):
 
     def attention_launch_configs(self) -> list[dict]:
         """Every attention launch configuration this engine's steps can ask for (engine/runner/warmup.py)."""
-        return attention_launch_configs(self.model.cfg, self.sched_cfg, self.max_model_len, self.device, self.dtype)
+        return attention_launch_configs(
+            self.model.cfg, self.sched_cfg, self.max_model_len, self.device, self.dtype, self.config.kernels
+        )
 
     # ---- execution ------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
