@@ -177,22 +177,15 @@ class EngineCore:
         """External request id -> internal ids of its sequences (n > 1 forks)."""
         return self.scheduler.groups
 
-    # Round settings, switchable on a built engine (benchmarks compare them), and their counters.
+    # Round settings as the engine runs them (fixed at build: `SchedulerConfig` and the runner decide),
+    # and their counters.
     @property
     def multi_steps(self) -> int:
         return self.rounds.max_steps
 
-    @multi_steps.setter
-    def multi_steps(self, k: int) -> None:
-        self.rounds.max_steps = k
-
     @property
     def async_scheduling(self) -> bool:
         return self.rounds.async_scheduling
-
-    @async_scheduling.setter
-    def async_scheduling(self, on: bool) -> None:
-        self.rounds.async_scheduling = on
 
     @property
     def num_multi_step_rounds(self) -> int:
