@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
+from kvmesh.common.env import env
 from kvmesh.engine.args import EngineArgs
 from kvmesh.engine.core import EngineCore
 from kvmesh.engine.messages import EngineCoreRequest
@@ -48,6 +51,19 @@ def build_engine(loaded, **kw) -> EngineCore:
     """An engine on the GPU in bfloat16 over ``loaded``; ``kw``: other `EngineArgs` fields."""
     eng, _ = EngineCore.from_model(EngineArgs(device=DEV, dtype="bfloat16", **kw), loaded=loaded)
     return eng
+
+
+@contextmanager
+def enforce_eager(on: bool) -> Iterator[None]:
+    """``KVMESH_ENFORCE_EAGER`` for the engines built inside (no CUDA graphs when ``on``), back to
+    off after. The process reads its variables once (`kvmesh.common.env.env`): cleared around."""
+    os.environ["KVMESH_ENFORCE_EAGER"] = "1" if on else "0"
+    env.cache_clear()
+    try:
+        yield
+    finally:
+        os.environ["KVMESH_ENFORCE_EAGER"] = "0"
+        env.cache_clear()
 
 
 def run_requests(
@@ -112,17 +128,17 @@ def check_correctness(quick: bool, log=print) -> dict:
     greedy = SamplingParams(max_tokens=n_new, ignore_eos=True, temperature=0.0)
     res: dict = {}
     for mode in ("graphs", "eager", "multi", "single"):
-        os.environ["KVMESH_ENFORCE_EAGER"] = "1" if mode == "eager" else "0"
         # "single": one sequence at a time, so every decode step is the batch-1 graph (one-row GEMV kernel)
-        eng = build_engine(
-            loaded,
-            num_kv_blocks=2048,
-            max_num_batched_tokens=512,
-            max_num_seqs=1 if mode == "single" else 32,
-            max_model_len=512,
-            num_scheduler_steps=8 if mode == "multi" else 1,
-            async_scheduling=mode == "multi",
-        )  # one-step modes: every step's logits captured
+        with enforce_eager(mode == "eager"):
+            eng = build_engine(
+                loaded,
+                num_kv_blocks=2048,
+                max_num_batched_tokens=512,
+                max_num_seqs=1 if mode == "single" else 32,
+                max_model_len=512,
+                num_scheduler_steps=8 if mode == "multi" else 1,
+                async_scheduling=mode == "multi",
+            )  # one-step modes: every step's logits captured
         captured: dict[tuple[str, int], torch.Tensor] = {}
         inner = eng.runner.execute
 
@@ -188,7 +204,6 @@ def check_correctness(quick: bool, log=print) -> dict:
         log(f"correctness[{mode}]", {k: v for k, v in res[mode].items() if k != "tokens_by_req"})
         del eng, captured
         torch.cuda.empty_cache()
-    os.environ["KVMESH_ENFORCE_EAGER"] = "0"
     a, b = res["graphs"].pop("tokens_by_req"), res["eager"].pop("tokens_by_req")
     m = res["multi"].pop("tokens_by_req")
     res["single"].pop("tokens_by_req")

@@ -12,11 +12,9 @@ the package installed:
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from engine_checks import build_engine, check_correctness, small_config
+from engine_checks import build_engine, check_correctness, enforce_eager, small_config
 
 
 def test_no_triton_compiles_while_serving():
@@ -240,12 +238,9 @@ def test_async_scheduling_matches_waiting_rounds_on_the_gpu():
         assert got2[rid] == want[rid]
     assert got2["s5"] == want2["s5"] and len(got2["s5"]) == 40
     # eager rounds (batches above the largest graph, KVMESH_ENFORCE_EAGER): inputs uploaded by queued copies
-    os.environ["KVMESH_ENFORCE_EAGER"] = "1"
-    try:
+    with enforce_eager(True):
         _, want3 = run(False, params)
         eng, got3 = run(True, params)
-    finally:
-        os.environ["KVMESH_ENFORCE_EAGER"] = "0"
     assert got3 == want3 and eng.num_chained_rounds > 0 and eng.runner.num_graph_steps == 0
 
 
