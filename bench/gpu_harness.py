@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from engine_checks import build_engine, run_requests  # noqa: E402
+from engine_checks import build_engine, run_requests  # type: ignore[import-not-found]  # noqa: E402  (tests/)
 
 from kvmesh.engine.core import EngineCore  # noqa: E402
+from kvmesh.engine.runner import ModelRunner  # noqa: E402
 from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = [
@@ -141,15 +142,23 @@ def sampling(max_tokens: int, sampled: bool | str = False, penalized: bool = Fal
         ignore_eos=True,
         temperature=0.8 if sampled else 0.0,
         top_p=0.95 if sampled else 1.0,
-        **(PENALTIES if penalized else {}),
+        repetition_penalty=PENALTIES["repetition_penalty"] if penalized else 1.0,
+        presence_penalty=PENALTIES["presence_penalty"] if penalized else 0.0,
     )
 
 
-def graph_inputs_consistent(r, B: int) -> bool:
+def gpu_runner(eng: EngineCore) -> ModelRunner:
+    """The engine's model runner (the GPU benchmarks never build a simulated one)."""
+    assert isinstance(eng.runner, ModelRunner)
+    return eng.runner
+
+
+def graph_inputs_consistent(r: ModelRunner, B: int) -> bool:
     """Whether the static graph buffers hold B whole decode rows (one token each, contexts within
     the model, pages in the pool). After a run whose last steps had fewer sequences, rows past them
     hold what other batch sizes left (the engine rewrites every row before each replay, so it never
     reads them); replaying those can fault. Then: no figure."""
+    assert r.graphs is not None
     o, W = r.graphs.layout, r.max_blocks_per_seq
     buf = r.graphs.buf.cpu()
     qsl, sl = buf[o.query_start_loc : o.query_start_loc + B + 1], buf[o.seq_lens : o.seq_lens + B]
@@ -169,7 +178,7 @@ def graph_inputs_consistent(r, B: int) -> bool:
 def replay_ms(eng: EngineCore, B: int) -> float:
     """Pure GPU time of one decode step: replay batch B's graph on the inputs its last step left
     in the static buffers (contexts ~P+N; it rewrites the last, unfinished and uncached, KV slot)."""
-    r = eng.runner
+    r = gpu_runner(eng)
     if r.graphs is None or B not in r.graphs.captured or not graph_inputs_consistent(r, B):
         return float("nan")
     g, _ = r.graphs.captured[B]
@@ -204,7 +213,7 @@ def engine_decode(
     decode steps, at the KV cache's own element size) / ``bw`` -> tokens/s."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(100, 120000, (B, P), generator=g).tolist()
-    runner = eng.runner
+    runner = gpu_runner(eng)
     step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
     inner = runner.execute
 
@@ -217,23 +226,23 @@ def engine_decode(
             step_events.append((s, e, len(sched.scheduled)))
         return out
 
-    runner.execute = execute
+    runner.execute = execute  # type: ignore[method-assign]  # timed for this run only
     g0 = runner.num_graph_steps
     try:
         params = sampling(N, sampled, penalized)
         outs, t = run_requests(eng, prompts, params, tag=f"d{B}_", seeded=sampled == "seeded")
     finally:
-        runner.execute = inner
+        runner.execute = inner  # type: ignore[method-assign]
     assert all(len(v) == N for v in outs.values()), "requests did not all reach max_tokens"
     dec_s = t["t1"] - t["t_all_first"]
     dec_tok = B * (N - 1)
-    step_ms = sorted(s.elapsed_time(e) for s, e, b in step_events if b == B)
-    step_ms = step_ms[len(step_ms) // 2] if step_ms else float("nan")
+    times = sorted(s.elapsed_time(e) for s, e, b in step_events if b == B)
+    step_ms = times[len(times) // 2] if times else float("nan")
     gpu_step_ms = replay_ms(eng, B)
     m = eng.config.model
-    kv_per_tok = m.num_layers * 2 * m.num_kv_heads * m.head_dim * eng.runner.kv_cache.element_size()  # fp8: 1
+    kv_per_tok = m.num_layers * 2 * m.num_kv_heads * m.head_dim * runner.kv_cache.element_size()  # fp8: 1
     mean_ctx = P + N / 2  # context read per sequence, averaged over the decode steps
-    step_bytes = eng.runner.model.weight_bytes_per_step(B) + B * mean_ctx * kv_per_tok
+    step_bytes = runner.model.weight_bytes_per_step(B) + B * mean_ctx * kv_per_tok
     roof = B / (step_bytes / bw)
     r = dict(
         B=B,
