@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_harness as h  # noqa: E402  (the GPU benchmarks' shared pieces)
 from engine_checks import TIE_TOL, check_correctness  # noqa: E402  (tests/, on the path through gpu_harness)
 
-from kvmesh.engine.core import EngineCore  # noqa: E402
+from kvmesh.engine.core.engine_core import EngineCore  # noqa: E402
 
 DEV = "cuda"
 R: dict = {}
@@ -115,7 +115,7 @@ class EngineBuilds:
 
 def bench_8b(args, bw: float) -> EngineBuilds:
     from kvmesh.common.model_files import model_config_from_hf
-    from kvmesh.engine.loader import LoadedModel
+    from kvmesh.engine.models.loader import LoadedModel
     from kvmesh.engine.models.random_init import LLAMA3_8B, hf_model_from_state_dict, random_state_dict
 
     cfg = model_config_from_hf(LLAMA3_8B, "llama3-8b-random")

@@ -47,7 +47,7 @@ import gpu_harness as h  # noqa: E402  (the GPU benchmarks' shared pieces: copy 
 
 import kvmesh.kernels as K  # noqa: E402
 from kvmesh.engine.args import EngineArgs  # noqa: E402
-from kvmesh.engine.quantization import quantize_model  # noqa: E402
+from kvmesh.engine.models.quantization import quantize_model  # noqa: E402
 from kvmesh.kernels import fp8 as kfp8  # noqa: E402
 from kvmesh.kernels._dispatch import p2  # noqa: E402
 from kvmesh.kernels.gemv import gemv_config  # noqa: E402
@@ -329,7 +329,7 @@ def decode_rows(eng, config: str, bw: float, args) -> None:
 
 def loaded_8b():
     from kvmesh.common.model_files import model_config_from_hf
-    from kvmesh.engine.loader import LoadedModel
+    from kvmesh.engine.models.loader import LoadedModel
     from kvmesh.engine.models.random_init import LLAMA3_8B, random_state_dict
 
     cfg = model_config_from_hf(LLAMA3_8B, "llama3-8b-random")

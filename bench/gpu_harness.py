@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from engine_checks import build_engine, run_requests  # type: ignore[import-not-found]  # noqa: E402  (tests/)
 
-from kvmesh.engine.core import EngineCore  # noqa: E402
+from kvmesh.engine.core.engine_core import EngineCore  # noqa: E402
+from kvmesh.engine.frontend.sampling_params import SamplingParams  # noqa: E402
 from kvmesh.engine.runner import ModelRunner  # noqa: E402
-from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = [
     "PENALTIES",

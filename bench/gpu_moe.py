@@ -38,7 +38,7 @@ import gpu_harness as h  # noqa: E402  (the GPU benchmarks' shared pieces: copy 
 
 from kvmesh import kernels  # noqa: E402
 from kvmesh.engine.args import EngineArgs  # noqa: E402
-from kvmesh.engine.core import EngineCore  # noqa: E402
+from kvmesh.engine.core.engine_core import EngineCore  # noqa: E402
 from kvmesh.engine.models import random_init  # noqa: E402
 from kvmesh.kernels import moe as kmoe  # noqa: E402
 from kvmesh.kernels.moe import ALIGN_KERNEL_MAX_PAIRS, moe_align, moe_align_torch  # noqa: E402

@@ -46,7 +46,7 @@ Scaling (printed and stored under ``_setup`` in the JSON):
 * simulated cost: every synthetic token stands for hash_block/block_tokens real tokens,
   so the instances' prefill cost per token is ``0.035 ms x 512/16`` and the chunk size
   ``8192 x 16/512`` tokens: prefill time is that of the real prompt on an H200
-  (engine/sim_runner.py for the calibration). Real workers pay their own prefill instead
+  (engine/runner/sim_runner.py for the calibration). Real workers pay their own prefill instead
   (and get two warm-up requests each, so the first policy does not pay for cold workers).
 * KV capacity per instance: ``--num-kv-blocks`` (default 1680 engine blocks = 1680
   Mooncake blocks = 860k real tokens: an H200 at 0.9 utilisation with Llama-3-8B
@@ -90,7 +90,7 @@ from kvmesh.health import wait_healthy
 from kvmesh.services.python_child import kvmesh_command
 from kvmesh.topology import free_port
 
-H200_PREFILL_MS_PER_TOKEN = 0.035  # engine/sim_runner.py
+H200_PREFILL_MS_PER_TOKEN = 0.035  # engine/runner/sim_runner.py
 H200_CHUNK_TOKENS = 8192
 H200_KV_BLOCKS = 1680  # 860k tokens / 512
 

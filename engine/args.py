@@ -21,8 +21,7 @@ from kvmesh.common.fields import add_arguments, cli, scalar_type, values_from
 from kvmesh.common.kernel_choices import FP8_GEMMS, FP8_ONE_ROW_KERNELS, KernelChoices
 from kvmesh.common.model_files import ModelConfig
 from kvmesh.common.roles import ROLES, Role
-
-from .config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
+from kvmesh.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
 
 CRD = "crd"
 KERNELS = "kernels"  # the section of the kernel variants' flags (`KernelChoices`)

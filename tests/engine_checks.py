@@ -24,10 +24,10 @@ import torch
 
 from kvmesh.common.env import env
 from kvmesh.engine.args import EngineArgs
-from kvmesh.engine.core import EngineCore
-from kvmesh.engine.messages import EngineCoreRequest
+from kvmesh.engine.core.engine_core import EngineCore
+from kvmesh.engine.core.messages import EngineCoreRequest
+from kvmesh.engine.frontend.sampling_params import SamplingParams
 from kvmesh.engine.models import random_init
-from kvmesh.engine.sampling_params import SamplingParams
 
 TIE_TOL = 0.05
 DEV = "cuda"

@@ -28,8 +28,7 @@ import torch.nn.functional as F
 from kvmesh import kernels
 from kvmesh.common.kernel_choices import DEFAULT_KERNEL_CHOICES, KernelChoices
 from kvmesh.common.model_files import ModelConfig
-
-from .rope import cos_sin_cache
+from kvmesh.engine.models.rope import cos_sin_cache
 
 
 @dataclass

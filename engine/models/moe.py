@@ -15,9 +15,8 @@ import torch
 
 from kvmesh import kernels
 from kvmesh.common.kernel_choices import DEFAULT_KERNEL_CHOICES, KernelChoices
-
-from .decoder import MLP, DecoderForCausalLM, DenseMLP, HasFn, WeightFn, nbytes
-from .qwen3 import Qwen3ForCausalLM
+from kvmesh.engine.models.decoder import MLP, DecoderForCausalLM, DenseMLP, HasFn, WeightFn, nbytes
+from kvmesh.engine.models.qwen3 import Qwen3ForCausalLM
 
 
 class SparseMoeMLP:

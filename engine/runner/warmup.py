@@ -15,12 +15,11 @@ import torch
 from kvmesh import kernels
 from kvmesh.common.kernel_choices import KernelChoices
 from kvmesh.common.model_files import ModelConfig
-
-from ..config import SchedulerConfig
-from ..device_draw import draw_on_device
-from ..grammar_masks import TokenMask
-from ..models.decoder import DecoderForCausalLM
-from ..sampling_params import SamplingParams
+from kvmesh.engine.config import SchedulerConfig
+from kvmesh.engine.frontend.sampling_params import SamplingParams
+from kvmesh.engine.models.decoder import DecoderForCausalLM
+from kvmesh.engine.runner.device_draw import draw_on_device
+from kvmesh.engine.runner.grammar_masks import TokenMask
 
 log = logging.getLogger("kvmesh.engine")
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from kvmesh.engine.messages import EngineCoreRequest, EngineStats
+from kvmesh.engine.core.messages import EngineCoreRequest, EngineStats
 from kvmesh.health import NotReadyError, exited, wait_until_async
 from kvmesh.services.python_child import python_module
 

@@ -39,7 +39,7 @@ log = logging.getLogger("kvmesh.api")
 
 
 async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
-    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.models.loader import load_model
 
     client = EngineClient(proc_cfg, max_restarts=cfg.engine_restarts, ready_timeout=cfg.ready_timeout)
     client.spawn()

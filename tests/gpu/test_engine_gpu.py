@@ -24,9 +24,9 @@ def test_no_triton_compiles_while_serving():
     a fresh pod's first requests never wait for the Triton JIT. First in this file on purpose:
     Triton keeps compiled variants per process, so a test that ran before it could have compiled
     for it whatever the engine's start misses."""
-    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
     from kvmesh.engine.models.random_init import random_model
-    from kvmesh.engine.sampling_params import SamplingParams
 
     loaded = random_model(small_config(), name="small-random", dtype=torch.bfloat16, device="cuda", seed=3)
     eng = build_engine(loaded, num_kv_blocks=1024, max_num_batched_tokens=256, max_num_seqs=32, max_model_len=1024)
@@ -88,8 +88,8 @@ def test_greedy_matches_hf_graphs_and_eager():
 
 def test_device_sampling():
     """top_k=1 and a tiny top_p reduce to greedy; seeded rows are reproducible; one batch mixes all."""
-    from kvmesh.engine.sampler import NoiseStream, Sampler
-    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
+    from kvmesh.engine.runner.sampler import NoiseStream, Sampler
 
     torch.manual_seed(0)
     logits = torch.randn(6, 32000, device="cuda") * 3
@@ -133,7 +133,7 @@ def _compiled_variants() -> dict[str, int]:
 def _float32_engine(loaded, **args):
     """An engine on the GPU in float32, so token comparisons are exact, sized for a few short requests."""
     from kvmesh.engine.args import EngineArgs
-    from kvmesh.engine.core import EngineCore
+    from kvmesh.engine.core.engine_core import EngineCore
 
     eng, _ = EngineCore.from_model(
         EngineArgs(
@@ -155,9 +155,9 @@ def test_sampled_requests_run_multi_step_on_the_gpu():
     the draw is deterministic and must give the greedy one-step tokens. In float32: bf16 logits
     tie at the top often enough that top_k=1 (which keeps every tied maximum) and argmax (the
     first one) may legitimately differ."""
-    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
     from kvmesh.engine.models.random_init import random_model
-    from kvmesh.engine.sampling_params import SamplingParams
 
     loaded = random_model(small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=4)
     g = torch.Generator().manual_seed(5)
@@ -195,9 +195,9 @@ def test_async_scheduling_matches_waiting_rounds_on_the_gpu():
     tokens on the device, block tables uploaded behind it) give exactly the tokens of rounds that
     wait for each other. float32, so equality is exact; a stop mid-round and different lengths
     end the chaining at different rounds; an abort and an arrival arrive mid-flight."""
-    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
     from kvmesh.engine.models.random_init import random_model
-    from kvmesh.engine.sampling_params import SamplingParams
 
     loaded = random_model(small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=6)
     g = torch.Generator().manual_seed(7)
@@ -253,9 +253,9 @@ def test_penalties_match_hf_on_the_gpu():
     (`logit_adjustment.LogitAdjustment.extend`)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
     from kvmesh.engine.models.random_init import hf_model_from_state_dict, random_model
-    from kvmesh.engine.sampling_params import SamplingParams
 
     cfg = small_config()
     loaded = random_model(cfg, name="small-random", dtype=torch.float32, device="cuda", seed=8)
@@ -357,9 +357,9 @@ def test_logprobs_and_seeds_in_rounds_match_one_step_on_the_gpu():
     logprobs are taken on the device from the raw logits and copied with the tokens, the seeded
     row draws from its own CUDA generator. float32: the same tokens, chosen logprobs and top
     entries as one step at a time, and the seeded row's tokens as when it runs alone."""
-    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
     from kvmesh.engine.models.random_init import random_model
-    from kvmesh.engine.sampling_params import SamplingParams
 
     loaded = random_model(small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=12)
     g = torch.Generator().manual_seed(13)

@@ -20,7 +20,7 @@ from kvmesh.common.env import env
 from kvmesh.engine.args import EngineArgs
 from kvmesh.engine.connectors import make_connector
 from kvmesh.engine.connectors.redis_connector import BlockFormatError, decode_block, encode_block
-from kvmesh.engine.core import EngineCore
+from kvmesh.engine.core.engine_core import EngineCore
 from kvmesh.health import NotReadyError, exited, wait_until
 from kvmesh.topology import free_port as _free_port
 
@@ -353,7 +353,7 @@ def test_save_and_load_store_exact_bytes_in_any_chunking(redis_server, chunk_blo
     the connection still works."""
     from types import SimpleNamespace
 
-    from kvmesh.engine.connector import ConnectorMetadata
+    from kvmesh.engine.connectors.base import ConnectorMetadata
     from kvmesh.engine.connectors.redis_connector import RedisConnector
 
     cfg = SimpleNamespace(role="prefill", model=SimpleNamespace(identity=lambda: "chunking-test"))

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvmesh.engine.kv_publisher import KVEventPublisher, PublisherConfig
+from kvmesh.engine.core.kv_publisher import KVEventPublisher, PublisherConfig
 from kvmesh.services.router.config import PodSpec, RouterConfig
 from kvmesh.services.router.events import EventHub
 from kvmesh.services.router.index import PrefixIndex

@@ -83,7 +83,7 @@ def test_the_router_starts_and_tokenizes_without_torch():
     are the engine's (computed here, with torch)."""
     from kvmesh.common.chat import render_chat
     from kvmesh.common.model_files import load_model_files
-    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.models.loader import load_model
 
     load_model_files(None)  # converts the GGUF's tokenizer into the cache if this machine has none yet
     done = _run_blocked(ROUTER)
@@ -98,7 +98,7 @@ def test_the_router_starts_and_tokenizes_without_torch():
 
 def test_the_torch_block_catches_an_import_of_torch():
     """The same child setup fails on the engine's loader, which does import torch: the check above can fail."""
-    done = _run_blocked("import kvmesh.engine.loader\n")
+    done = _run_blocked("import kvmesh.engine.models.loader\n")
     assert done.returncode != 0
     assert "torch is blocked by test_import_boundaries" in done.stderr
 
