@@ -479,7 +479,7 @@ def step_to_ready(run: Run, phases: list[Phase]) -> list[float]:
 
 def run_policy(policy: str, args, tmp: str, env: dict, times: list[float], phases) -> dict:
     from kvmesh.services.router.config import RouterConfig
-    from kvmesh.services.router.testing import start_router
+    from kvmesh.testing.pods import start_router
 
     srv, router = start_router(RouterConfig(host="127.0.0.1", port=0, health_interval=1.0))
     run = Run(policy, time.monotonic())

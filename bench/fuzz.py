@@ -29,8 +29,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT
 from kvmesh.common.python_child import kvmesh_command
+from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT
 
 CAP_MAX_TOKENS = 8
 CAP_N = 4
@@ -316,7 +316,7 @@ def run_raw(url: str, tally: Tally, timeout: float, body_timeout: float, header_
 # ---- processes -------------------------------------------------------------------------------------
 def _start(args) -> tuple[list, str, str]:
     from kvmesh.health import wait_healthy
-    from kvmesh.services.api.testing import ServerProcess
+    from kvmesh.testing.servers import ServerProcess
     from kvmesh.topology import free_port
 
     server = ServerProcess(
@@ -449,7 +449,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.services.api.testing import ServerProcess, alive
+    from kvmesh.testing.servers import ServerProcess, alive
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a SIGTERM stops what we started too
     os.makedirs(args.output_dir, exist_ok=True)

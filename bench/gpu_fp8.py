@@ -7,7 +7,7 @@ Needs the kvmesh package installed (docs/gpu.md) and one CUDA GPU (FP8 tensor co
 1. Checks against the references (kernels/reference.py) on the device: ``check_fp8`` of
    tests/kernel_checks.py (per-token quantization bit for bit, the FP8 GEMV W8A16 and W8A8, the
    ``torch._scaled_mm`` path) at the Llama-3-8B shapes.
-2. Copy bandwidth (bench/gpu_engine.py's): the roofline's denominator.
+2. Copy bandwidth (bench/gpu_harness.py's): the roofline's denominator.
 3. Projections of one Llama-3-8B layer (qkv, o, gate_up, down), each call timed inside a CUDA graph
    that cycles through enough weight copies to keep them out of L2: at M = 1, 32, 128 the bf16
    path (`kernels.linear`: our GEMV at one row, cuBLAS above), the FP8 path (our FP8 GEMV at one
@@ -18,7 +18,7 @@ Needs the kvmesh package installed (docs/gpu.md) and one CUDA GPU (FP8 tensor co
    128 new, async scheduling) in bf16, then with the same weights quantized to FP8 in place
    (graphs recaptured), then, when the engine takes ``kv_cache_dtype``, a fresh engine with FP8
    weights and an FP8 KV cache. Each against its own roofline: (weight bytes + KV bytes read per
-   step) / copy bandwidth (bench/gpu_engine.py's ``engine_decode``).
+   step) / copy bandwidth (bench/gpu_harness.py's ``engine_decode``).
 5. Offline throughput, 1,024 -> 128 per prompt, ``--prompts`` of them per configuration, cut by
    the budget (``--prompts 0``: none).
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import sys
 import time
@@ -44,28 +43,30 @@ from functools import partial
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpu_engine as ge  # noqa: E402  (the bf16 bench's pieces: copy bandwidth, engine, decode timing)
+import gpu_harness as h  # noqa: E402  (the GPU benchmarks' shared pieces: copy bandwidth, engines, decode timing)
 
 import kvmesh.kernels as K  # noqa: E402
 from kvmesh.engine.args import EngineArgs  # noqa: E402
-from kvmesh.engine.quantization import quantize_model  # noqa: E402
+from kvmesh.engine.models.quantization import quantize_model  # noqa: E402
 from kvmesh.kernels import fp8 as kfp8  # noqa: E402
 from kvmesh.kernels._dispatch import p2  # noqa: E402
-from kvmesh.kernels.matmul import gemv_config  # noqa: E402
+from kvmesh.kernels.gemv import gemv_config  # noqa: E402
 
 DEV = "cuda"
 R: dict = {}
 # (name, N, K) of one Llama-3-8B layer; down is fed its gate|up row (silu_mul_linear)
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 LAYERS = 32
-log = ge.log
+log = h.log
+# the kernel variants timed against the defaults (kvmesh.kernels.KernelChoices)
+TRITON_GEMM = K.KernelChoices(fp8_gemm="triton")
+GEMV_W8A8 = K.KernelChoices(fp8_gemv_w8a8=True)
 
 
 # --------------------------------------------------------------------------- 1. checks
 def checks() -> None:
     """tests/kernel_checks.py's ``check_fp8``: the definition of correct shared with tests/gpu."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-    import kernel_checks
+    import kernel_checks  # tests/, on the path through gpu_harness
 
     kernel_checks.DEV = DEV
     kernel_checks.CHECKS.clear()
@@ -108,15 +109,13 @@ def w8a8_triton(x: torch.Tensor, w, silu: bool, cfg) -> torch.Tensor:
 
 
 def triton_gemm_us(fns: list) -> float:
-    """`graph_us` with ``KVMESH_FP8_GEMM=triton``; NaN (and the error recorded) if it fails."""
-    os.environ["KVMESH_FP8_GEMM"] = "triton"
+    """`graph_us` of calls of the Triton GEMM (`fp8_gemm`, or `linear` with `TRITON_GEMM`); NaN (and the
+    error recorded) if it fails."""
     try:
         return graph_us(fns)
     except Exception as e:
         R.setdefault("errors", {})["triton_gemm"] = repr(e)[:300]
         return float("nan")
-    finally:
-        os.environ.pop("KVMESH_FP8_GEMM")
 
 
 def kernel_times() -> None:
@@ -137,17 +136,15 @@ def kernel_times() -> None:
                 bn, bk, warps, stages = gemv_config(N, Kd, x.device)
                 wide = (bn, min(2 * bk, p2(Kd)), warps, stages)  # the same bytes per chunk as bf16's
                 r["fp8_wide_us"] = graph_us([partial(lin, x, w, config=wide) for w in wf])
-                os.environ["KVMESH_FP8_GEMV_W8A8"] = "1"
-                r["fp8_w8a8_us"] = graph_us([partial(lin, x, w) for w in wf])
-                os.environ["KVMESH_FP8_GEMV_W8A8"] = "0"
+                r["fp8_w8a8_us"] = graph_us([partial(lin, x, w, choices=GEMV_W8A8) for w in wf])
                 h = K.silu_and_mul(x) if silu else x
                 r["scaled_mm_us"] = graph_us([partial(kfp8.fp8_matmul, h, w, None) for w in wf])
                 # the Triton GEMM as a one-row kernel: e4m3 tiles straight into the tensor cores (no
                 # widening), narrow N tiles for enough programs; quantization (+ SiLU) first
                 cfg = (16, 32 if N <= 8192 else 64, 256, 4, 4)
                 r["fp8_triton_gemm_us"] = triton_gemm_us([partial(w8a8_triton, x, w, silu, cfg) for w in wf])
-            else:  # the Triton W8A8 GEMM in place of _scaled_mm (KVMESH_FP8_GEMM=triton), untuned
-                r["fp8_triton_gemm_us"] = triton_gemm_us([partial(lin, x, w) for w in wf])
+            else:  # the Triton W8A8 GEMM in place of _scaled_mm (fp8_gemm="triton"), untuned
+                r["fp8_triton_gemm_us"] = triton_gemm_us([partial(lin, x, w, choices=TRITON_GEMM) for w in wf])
             r["bf16_TBps"] = N * Kd * 2 / r["bf16_us"] / 1e6
             r["fp8_TBps"] = N * Kd / r["fp8_us"] / 1e6
             r["speedup"] = r["bf16_us"] / r["fp8_us"]
@@ -169,7 +166,7 @@ def kernel_times() -> None:
         )
         r["scaled_mm_us"] = graph_us([mm] * 10)
         r["fp8_us"] = graph_us([partial(K.linear, x, f0)] * 10)  # quantization kernel + _scaled_mm
-        r["fp8_triton_gemm_us"] = triton_gemm_us([partial(K.linear, x, f0)] * 10)
+        r["fp8_triton_gemm_us"] = triton_gemm_us([partial(K.linear, x, f0, choices=TRITON_GEMM)] * 10)
         for k in ("bf16", "scaled_mm", "fp8", "fp8_triton_gemm"):
             r[f"{k}_TFLOPs"] = 2 * M * N * Kd / r[f"{k}_us"] / 1e6
         rows.append(r)
@@ -212,13 +209,9 @@ def _timed(fns: list) -> float:
         return float("nan")
 
 
-def _timed_path(path: str, fns: list) -> float:
-    """`_timed` with ``KVMESH_FP8_GEMV=path`` (the one-row kernel forced)."""
-    os.environ["KVMESH_FP8_GEMV"] = path
-    try:
-        return _timed(fns)
-    finally:
-        os.environ.pop("KVMESH_FP8_GEMV")
+def _forced(path: str) -> K.KernelChoices:
+    """The kernel choices that force the one-row FP8 kernel ``path``."""
+    return K.KernelChoices(fp8_one_row_kernel=path)
 
 
 def gemv_times() -> None:
@@ -239,11 +232,11 @@ def gemv_times() -> None:
         x = torch.randn(1, 2 * Kd if silu else Kd, generator=g, device=DEV).bfloat16()
         r: dict = dict(name=name, N=N, K=Kd, M=1)
         r["bf16_us"] = _timed([partial(lin, x, w) for w in wb])
-        r["convert_us"] = _timed_path("convert", [partial(lin, x, w) for w in wf])
+        r["convert_us"] = _timed([partial(lin, x, w, choices=_forced("convert")) for w in wf])
         bn, bk, warps, stages = gemv_config(N, Kd, x.device)
         wide = (bn, min(2 * bk, p2(Kd)), warps, stages)
-        r["bits_us"] = _timed_path("bits", [partial(lin, x, w) for w in wf])
-        r["bits_wide_us"] = _timed_path("bits", [partial(lin, x, w, config=wide) for w in wf])
+        r["bits_us"] = _timed([partial(lin, x, w, choices=_forced("bits")) for w in wf])
+        r["bits_wide_us"] = _timed([partial(lin, x, w, config=wide, choices=_forced("bits")) for w in wf])
         sweep = {}
         for cfg in SWAPAB_SWEEP:
             sweep[str(cfg)] = _timed([partial(kfp8.fp8_swapab, x, w, None, silu, cfg) for w in wf])
@@ -323,20 +316,20 @@ def gemv_times() -> None:
 
 # --------------------------------------------------------------------------- 4. engine
 def decode_rows(eng, config: str, bw: float, args) -> None:
-    eng.multi_steps, eng.async_scheduling = 1, True
-    ge.run_requests(eng, torch.randint(100, 120000, (4, 512)).tolist(), 8, tag=f"warm{config}")
+    h.run_requests(eng, torch.randint(100, 120000, (4, 512)).tolist(), h.sampling(8), tag=f"warm{config}")
     for B in (1, 32, 128):
-        r = ge.engine_decode(eng, B, 512, 128, bw, seed=B)
+        r = h.engine_decode(eng, B, 512, 128, bw, seed=B)
         r["config"] = config
         R["decode"].append(r)
-    if args.prompts and time.time() < ge.T_START + args.budget_s - 20:
-        ge.throughput(eng, args.prompts, min(ge.T_START + args.budget_s, time.time() + args.throughput_s))
-        R["throughput"][config] = ge.R.pop("throughput")
+    if args.prompts and time.time() < h.deadline(args.budget_s) - 20:
+        R["throughput"][config] = h.throughput(
+            eng, args.prompts, min(h.deadline(args.budget_s), time.time() + args.throughput_s)
+        )
 
 
 def loaded_8b():
     from kvmesh.common.model_files import model_config_from_hf
-    from kvmesh.engine.loader import LoadedModel
+    from kvmesh.engine.models.loader import LoadedModel
     from kvmesh.engine.models.random_init import LLAMA3_8B, random_state_dict
 
     cfg = model_config_from_hf(LLAMA3_8B, "llama3-8b-random")
@@ -346,10 +339,18 @@ def loaded_8b():
 
 def engines(args, bw: float) -> None:
     R["decode"], R["throughput"] = [], {}
-    kw = dict(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=2048, gpu_memory_utilization=0.9)
+    # one step per round, async scheduling: the rows' settings, fixed when each engine is built
+    kw = dict(
+        max_num_batched_tokens=8192,
+        max_num_seqs=256,
+        max_model_len=2048,
+        gpu_memory_utilization=0.9,
+        num_scheduler_steps=1,
+        async_scheduling=True,
+    )
     loaded = loaded_8b()
     t0 = time.perf_counter()
-    eng = ge.build_engine(loaded, **kw)
+    eng = h.build_engine(loaded, **kw)
     del loaded
     torch.cuda.empty_cache()
     log(f"bf16 engine built in {time.perf_counter() - t0:.1f}s, {eng.runner.num_blocks} KV blocks")
@@ -368,11 +369,11 @@ def engines(args, bw: float) -> None:
     if "kv_cache_dtype" not in {f.name for f in dataclasses.fields(EngineArgs)}:
         log("the engine takes no kv_cache_dtype: no FP8 W + FP8 KV rows")
         return
-    if time.time() > ge.T_START + args.budget_s - 60:
+    if time.time() > h.deadline(args.budget_s) - 60:
         log("budget: no FP8 W + FP8 KV rows")
         return
     loaded = loaded_8b()
-    eng = ge.build_engine(loaded, quantization="fp8", kv_cache_dtype="fp8", **kw)
+    eng = h.build_engine(loaded, quantization="fp8", kv_cache_dtype="fp8", **kw)
     del loaded
     torch.cuda.empty_cache()
     decode_rows(eng, "fp8_w_fp8_kv", bw, args)
@@ -464,34 +465,14 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of: checks,kernels,gemv,engine")
     ap.add_argument("--json", default="gpu_fp8.json")
     args = ap.parse_args()
-    import triton
-
-    R["env"] = dict(
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        args=vars(args),
-    )
+    R["env"] = h.env_info(args)
     skip = set(filter(None, args.skip.split(",")))
-    status = 0
-
-    def stage(name, fn):
-        nonlocal status
-        try:
-            return fn()
-        except Exception as e:
-            import traceback
-
-            traceback.print_exc()
-            R.setdefault("errors", {})[name] = repr(e)
-            status |= 2
-            return None
+    stage = h.Stages(R)
 
     if "checks" not in skip:
         stage("checks", checks)
-        status |= 0 if R.get("checks", {}).get("pass") else 1
-    bw = stage("copy", ge.copy_bandwidth) or 4.26e12
+        stage.status |= 0 if R.get("checks", {}).get("pass") else 1
+    bw = stage("copy", h.copy_bandwidth) or 4.26e12
     R["copy_TBps"] = bw / 1e12
     if "kernels" not in skip:
         stage("kernels", kernel_times)
@@ -499,10 +480,9 @@ def main() -> int:
         stage("gemv", gemv_times)
     if "engine" not in skip:
         stage("engine", lambda: engines(args, bw))
-    with open(os.path.join(os.environ.get("OUT", "."), args.json), "w") as f:
-        json.dump(R, f, indent=1, default=str)
+    h.write_results(R, args.json)
     print(table(), flush=True)
-    return status
+    return stage.status
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 import time
@@ -43,6 +42,8 @@ from triton.testing import do_bench
 import kvmesh.kernels as K
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_harness as h  # noqa: E402  (the GPU benchmarks' shared pieces: here the results file)
 import kernel_checks as C  # noqa: E402
 
 DEV = "cuda"
@@ -619,9 +620,7 @@ def main():
                 traceback.print_exc()
                 FAILED.append(fn.__name__ + " raised")
     RESULTS["failed"] = FAILED
-    out_dir = os.environ.get("OUT", ".")
-    with open(os.path.join(out_dir, "gpu_kernels.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1)
+    h.write_results(RESULTS, "gpu_kernels.json")
     print_table()
     sys.exit(1 if FAILED else 0)
 

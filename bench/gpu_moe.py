@@ -27,7 +27,6 @@ Prints a table last; writes ``gpu_moe.json`` under ``$OUT`` (or the cwd).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -35,11 +34,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpu_engine as ge  # noqa: E402  (the shared timing helpers of the engine benchmark)
+import gpu_harness as h  # noqa: E402  (the GPU benchmarks' shared pieces: copy bandwidth, engines, decode timing)
 
 from kvmesh import kernels  # noqa: E402
 from kvmesh.engine.args import EngineArgs  # noqa: E402
-from kvmesh.engine.core import EngineCore  # noqa: E402
+from kvmesh.engine.core.engine_core import EngineCore  # noqa: E402
 from kvmesh.engine.models import random_init  # noqa: E402
 from kvmesh.kernels import moe as kmoe  # noqa: E402
 from kvmesh.kernels.moe import ALIGN_KERNEL_MAX_PAIRS, moe_align, moe_align_torch  # noqa: E402
@@ -56,7 +55,7 @@ CONFIGS = [
     (64, 128, 64, 8, 3),
     (128, 128, 64, 8, 3),
 ]
-log = ge.log
+log = h.log
 
 
 def small_moe_config() -> dict:
@@ -90,7 +89,7 @@ def check_correctness() -> None:
     prompts = [
         torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in torch.randint(16, 200, (8,), generator=g)
     ]
-    outs, _ = ge.run_requests(eng, prompts, 16, tag="c")
+    outs, _ = h.run_requests(eng, prompts, h.sampling(16), tag="c")
     match = 0
     for i, p in enumerate(prompts):
         with torch.no_grad():
@@ -213,19 +212,19 @@ def bench_30b(quick: bool, bw: float) -> None:
     lm = random_init.random_model(SHAPE, name="qwen3-30b-a3b-random", dtype=torch.bfloat16, device=DEV, seed=1)
     torch.cuda.synchronize()
     log(f"random Qwen3-30B-A3B weights in {time.time() - t0:.1f}s")
-    eng = ge.build_engine(lm, max_model_len=2048, max_num_seqs=128, max_num_batched_tokens=8192)
+    eng = h.build_engine(lm, max_model_len=2048, max_num_seqs=128, max_num_batched_tokens=8192)
     R["engine"] = dict(
         num_blocks=eng.runner.num_blocks,
         graph_sizes=eng.runner.graph_sizes,
         weights_GB=sum(t.numel() * t.element_size() for t in lm.state_dict.values()) / 1e9,
     )
     log("engine", R["engine"], f"{time.time() - t0:.1f}s")
-    R["decode"] = [ge.engine_decode(eng, B, 512, 32 if quick else 128, bw, seed=B) for B in (1, 32, 128)]
+    R["decode"] = [h.engine_decode(eng, B, 512, 32 if quick else 128, bw, seed=B) for B in (1, 32, 128)]
     # prefill: 8 x 1,024 tokens, one 8,192-token step (warm the shape first)
     g = torch.Generator().manual_seed(7)
     B, P = 8, 1024
-    ge.run_requests(eng, torch.randint(100, 120000, (B, P), generator=g).tolist(), 1, tag="w")
-    _, t = ge.run_requests(eng, torch.randint(100, 120000, (B, P), generator=g).tolist(), 1, tag="p")
+    h.run_requests(eng, torch.randint(100, 120000, (B, P), generator=g).tolist(), h.sampling(1), tag="w")
+    _, t = h.run_requests(eng, torch.randint(100, 120000, (B, P), generator=g).tolist(), h.sampling(1), tag="p")
     s = t["t1"] - t["t0"]
     c = lm.config
     flops = 2 * active_params_per_token(lm) * B * P
@@ -280,44 +279,21 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="default kernel configuration only, 32 decode tokens")
     ap.add_argument("--skip", default="", help="comma list of: correctness,kernel,engine")
     args = ap.parse_args()
-    import transformers
-    import triton
-
-    R["env"] = dict(
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        transformers=transformers.__version__,
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        args=vars(args),
-    )
+    R["env"] = h.env_info(args, transformers=True)
     skip = set(filter(None, args.skip.split(",")))
-    status = 0
-
-    def stage(name, fn):
-        nonlocal status
-        try:
-            return fn()
-        except Exception as e:
-            import traceback
-
-            traceback.print_exc()
-            R.setdefault("errors", {})[name] = repr(e)
-            status |= 2
-            return None
+    stage = h.Stages(R)
 
     if "correctness" not in skip:
         stage("correctness", check_correctness)
     if "kernel" not in skip:
         stage("kernel", lambda: bench_fused_moe(args.quick))
-    bw = stage("copy", ge.copy_bandwidth) or 4.26e12
+    bw = stage("copy", h.copy_bandwidth) or 4.26e12
     R["copy_TBps"] = bw / 1e12
     if "engine" not in skip:
         stage("engine", lambda: bench_30b(args.quick, bw))
-    with open(os.path.join(os.environ.get("OUT", "."), "gpu_moe.json"), "w") as f:
-        json.dump(R, f, indent=1, default=str)
+    h.write_results(R, "gpu_moe.json")
     print(table(), flush=True)
-    return status
+    return stage.status
 
 
 if __name__ == "__main__":

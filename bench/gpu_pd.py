@@ -264,7 +264,7 @@ class Worker:
         torch = self.torch
         from kvmesh.engine.args import EngineArgs
         from kvmesh.engine.connectors.nixl_connector import NixlConnector
-        from kvmesh.engine.core import EngineCore
+        from kvmesh.engine.core.engine_core import EngineCore
         from kvmesh.engine.models import random_init
 
         t = time.perf_counter()
@@ -301,8 +301,8 @@ class Worker:
         }
 
     def op_req(self, p):
-        from kvmesh.engine.messages import EngineCoreRequest
-        from kvmesh.engine.sampling_params import SamplingParams
+        from kvmesh.engine.core.messages import EngineCoreRequest
+        from kvmesh.engine.frontend.sampling_params import SamplingParams
 
         sp = SamplingParams(max_tokens=p["max_tokens"], ignore_eos=True, temperature=0.0, logprobs=p.get("logprobs"))
         rid = p["rid"]

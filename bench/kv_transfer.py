@@ -254,7 +254,7 @@ def _redis_benchmark(port: int, test: str, size: int) -> float | None:
 def bench_redis(sizes: list[int], reps: int) -> dict[str, dict[int, float | None]]:
     """The connector's save and load paths against a local redis-server; next to each, in the same minute,
     ``redis-benchmark`` SET / GET at the same value size (the ceiling of one client on this box)."""
-    from kvmesh.engine.connector import ConnectorMetadata
+    from kvmesh.engine.connectors.base import ConnectorMetadata
     from kvmesh.engine.connectors.redis_connector import RedisConnector
 
     exe = shutil.which("redis-server")

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ["KVMESH_CPU_THREADS"] = str(args.threads)
     from kvmesh import LLM
     from kvmesh.common.model_files import resolve_model_path
-    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.models.loader import load_model
 
     loaded = load_model(args.model)
     levels = [int(x) for x in args.concurrency.split(",")]

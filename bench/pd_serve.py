@@ -19,7 +19,7 @@ import time
 from kvmesh.bench.router import router_command
 from kvmesh.bench.serve import run_in_subprocess
 from kvmesh.health import wait_healthy
-from kvmesh.services.api.testing import ServerProcess
+from kvmesh.testing.servers import ServerProcess
 from kvmesh.topology import Topology, TopologyConfig, free_port
 
 WORKER = ("--max-model-len", "2048", "--num-kv-blocks", "512")

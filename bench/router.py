@@ -46,7 +46,7 @@ Scaling (printed and stored under ``_setup`` in the JSON):
 * simulated cost: every synthetic token stands for hash_block/block_tokens real tokens,
   so the instances' prefill cost per token is ``0.035 ms x 512/16`` and the chunk size
   ``8192 x 16/512`` tokens: prefill time is that of the real prompt on an H200
-  (engine/sim_runner.py for the calibration). Real workers pay their own prefill instead
+  (engine/runner/sim_runner.py for the calibration). Real workers pay their own prefill instead
   (and get two warm-up requests each, so the first policy does not pay for cold workers).
 * KV capacity per instance: ``--num-kv-blocks`` (default 1680 engine blocks = 1680
   Mooncake blocks = 860k real tokens: an H200 at 0.9 utilisation with Llama-3-8B
@@ -86,11 +86,11 @@ import time
 from collections import defaultdict
 
 from kvmesh.common import metric_names as mn
-from kvmesh.health import wait_healthy
 from kvmesh.common.python_child import kvmesh_command
+from kvmesh.health import wait_healthy
 from kvmesh.topology import free_port
 
-H200_PREFILL_MS_PER_TOKEN = 0.035  # engine/sim_runner.py
+H200_PREFILL_MS_PER_TOKEN = 0.035  # engine/runner/sim_runner.py
 H200_CHUNK_TOKENS = 8192
 H200_KV_BLOCKS = 1680  # 860k tokens / 512
 
@@ -348,7 +348,7 @@ def stop_strays(grace_s: float = 10.0) -> None:
     and that child, a session leader, would outlive the bench. Every child of the bench is one it
     started in a session of its own, so each is stopped with its group: SIGTERM, then SIGKILL after
     ``grace_s``."""
-    from kvmesh.services.api.testing import children
+    from kvmesh.testing.servers import children
 
     left = children(os.getpid())
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -914,7 +914,7 @@ def print_table(results: dict, setup: dict) -> None:
 # ---- router cost (--overhead, --tokenizer) --------------------------------------------
 FAKE_POD = """
 import sys, time
-from kvmesh.services.router.testing import FakePod, ThreadServer
+from kvmesh.testing.pods import FakePod, ThreadServer
 p = FakePod(delay=0.0)
 p.server = ThreadServer(p.app, port=int(sys.argv[1]))
 p.start()

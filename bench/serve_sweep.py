@@ -106,9 +106,9 @@ def api_hop(base_url: str, prompt_len: int, repeat: int) -> dict:
     keep the model's share small so the hop's own cost shows. Both sides use KVMESH_CPU_THREADS.
     """
     from kvmesh.engine.args import EngineArgs
-    from kvmesh.engine.core import EngineCore
-    from kvmesh.engine.messages import EngineCoreRequest
-    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.engine.core.engine_core import EngineCore
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
 
     engine, _ = EngineCore.from_model(EngineArgs(num_kv_blocks=512, max_model_len=2048))
     params = SamplingParams(max_tokens=1, temperature=0)
@@ -147,7 +147,7 @@ def main() -> int:
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     os.environ.setdefault("KVMESH_CPU_THREADS", "1")
-    from kvmesh.services.api.testing import ServerProcess
+    from kvmesh.testing.servers import ServerProcess
 
     prompts = dataset_prompts(args)
     print(f"load average at the start: {os.getloadavg()} on {os.cpu_count()} CPUs", file=sys.stderr)

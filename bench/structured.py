@@ -10,7 +10,7 @@ produced). Per batch size and schema, three variants run side by side in one pro
 
 * ``free``: no constraint (async decode rounds on a GPU);
 * ``constrained``: every row constrained; its masks fill on the host while the device runs the
-  step's forward pass, in async rounds (engine/grammar_masks.py, engine/decode_rounds.py);
+  step's forward pass, in async rounds (engine/runner/grammar_masks.py, engine/core/decode_rounds.py);
 * ``constrained_one_step``: the same rows on the one-step path (``DecodeRounds.constrained_rounds``
   off: no async round; the fill still overlaps that step's forward pass). Greedy, so its tokens
   must equal ``constrained``'s (``tokens_equal``).
@@ -43,10 +43,10 @@ from dataclasses import replace
 from typing import Any
 
 from kvmesh.engine.args import EngineArgs
-from kvmesh.engine.core import EngineCore
-from kvmesh.engine.messages import EngineCoreRequest
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.structured import StructuredOutput
+from kvmesh.engine.core.engine_core import EngineCore
+from kvmesh.engine.core.messages import EngineCoreRequest
+from kvmesh.engine.frontend.sampling_params import SamplingParams
+from kvmesh.engine.frontend.structured import StructuredOutput
 
 AGENT_ITEM: dict[str, Any] = {
     "type": "object",

@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.common.fields import add_arguments, cli, scalar_type, values_from
+from kvmesh.common.kernel_choices import FP8_GEMMS, FP8_ONE_ROW_KERNELS, KernelChoices
 from kvmesh.common.model_files import ModelConfig
 from kvmesh.common.roles import ROLES, Role
-
-from .config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
+from kvmesh.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
 
 CRD = "crd"
+KERNELS = "kernels"  # the section of the kernel variants' flags (`KernelChoices`)
 
 
 @dataclass(frozen=True)
@@ -153,14 +154,67 @@ class EngineArgs:
     engine_id: str = _setting(
         EngineConfig.engine_id, "this engine's id in KV events and transfer params", section="server"
     )
+    # Kernel variants (`KernelChoices`, fixed when the engine is built): the defaults are the measured
+    # best; the others are for benchmarks that compare variants. The "kernels" section.
+    gemv_kernel: bool = _setting(
+        KernelChoices.gemv_kernel,
+        "single-row projections (decode at batch 1) by kvmesh's one-row GEMV kernel; --no-gemv-kernel: cuBLAS",
+        action=argparse.BooleanOptionalAction,
+        section=KERNELS,
+    )
+    tma_attention: bool = _setting(
+        KernelChoices.tma_attention,
+        "decode attention through the TMA kernel where the launch heuristic picks it (Hopper); "
+        "--no-tma-attention: the pointer kernel everywhere",
+        action=argparse.BooleanOptionalAction,
+        section=KERNELS,
+    )
+    pdl: bool = _setting(
+        KernelChoices.pdl,
+        "programmatic dependent launch of one-token kernel calls on Hopper (each launch overlaps the "
+        "previous kernel's tail)",
+        action=argparse.BooleanOptionalAction,
+        section=KERNELS,
+    )
+    fp8_one_row_kernel: str | None = _setting(
+        KernelChoices.fp8_one_row_kernel,
+        "with --quantization fp8: this one-row kernel for every projection at batch 1 (default: the "
+        "measured best per weight shape)",
+        choices=list(FP8_ONE_ROW_KERNELS),
+        section=KERNELS,
+    )
+    fp8_gemv_w8a8: bool = _setting(
+        KernelChoices.fp8_gemv_w8a8,
+        "with --quantization fp8: the one-row FP8 GEMV quantizes its input row too (W8A8, not W8A16)",
+        action=argparse.BooleanOptionalAction,
+        section=KERNELS,
+    )
+    fp8_split_k: int | None = _setting(
+        KernelChoices.fp8_split_k,
+        "with --quantization fp8: programs per output tile of the swapped-operand one-row product, for "
+        "every shape (default: the measured value per weight shape)",
+        section=KERNELS,
+    )
+    fp8_gemm: str = _setting(
+        KernelChoices.fp8_gemm,
+        "with --quantization fp8: the W8A8 product of more than one row (triton: kvmesh's untuned GEMM)",
+        choices=list(FP8_GEMMS),
+        section=KERNELS,
+    )
 
     # ---- command line -------------------------------------------------------
     @classmethod
     def add_cli_args(cls, container: argparse._ActionsContainer, section: str = "") -> None:
-        """The flags of one section: the engine's own (``""``: an "engine" group of ``container``) or
-        ``"server"`` (added to ``container`` as it is)."""
+        """The flags of one section: the engine's own (``""``: an "engine" group of ``container``, and
+        the kernel variants' group after it) or ``"server"`` (added to ``container`` as it is)."""
         if section == "":
-            container = container.add_argument_group("engine")
+            add_arguments(container.add_argument_group("engine"), cls, section)
+            kernels = container.add_argument_group(
+                "kernel variants",
+                "expert settings for benchmarks that compare variants; the defaults are the measured best",
+            )
+            add_arguments(kernels, cls, KERNELS)
+            return
         add_arguments(container, cls, section)
 
     @classmethod
@@ -212,6 +266,7 @@ class EngineArgs:
             quantization=self.quantization or model.quantization,
             cache=self._pick(CacheConfig, kv_cache_dtype=self.kv_cache_dtype or "auto"),
             scheduler=self._pick(SchedulerConfig, max_model_len=max_len),
+            kernels=self._pick(KernelChoices),
         )
 
     def _pick(self, cls: type, **given: Any) -> Any:

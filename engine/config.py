@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.common.kernel_choices import KernelChoices
 from kvmesh.common.model_files import ModelConfig
 from kvmesh.common.roles import ROLES, Role
 
 # "auto": the KV cache holds the model's dtype; "fp8": float8_e4m3fn with static per-layer scales
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
-QUANTIZATIONS: tuple[str, ...] = ("fp8",)  # weight formats (engine/quantization.py)
+QUANTIZATIONS: tuple[str, ...] = ("fp8",)  # weight formats (engine/models/quantization.py)
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,10 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: no per-request cap beyond the step budget
     max_waiting: int = 0  # 0: unbounded admission queue
     # Decode steps run back to back on the device per scheduling round when every scheduled
-    # request is a greedy decode (engine/decode_rounds.py); 1 turns this off.
+    # request is a greedy decode (engine/core/decode_rounds.py); 1 turns this off.
     num_scheduler_steps: int = 1
     # Queue the next decode round behind the one on the device before reading its tokens, so the
-    # host's output handling and scheduling overlap the device (engine/decode_rounds.py). None: on for a
+    # host's output handling and scheduling overlap the device (engine/core/decode_rounds.py). None: on for a
     # GPU, off on the CPU (whose forward runs on the host thread: nothing to overlap).
     async_scheduling: bool | None = None
 
@@ -76,6 +77,8 @@ class EngineConfig:
     seed: int = 0
     engine_id: str = "kvmesh-0"
     quantization: str | None = None  # projection weights: None (the model's dtype) or "fp8"
+    # the kernel variants the model's layers launch, fixed for the engine's life (its CUDA graphs hold them)
+    kernels: KernelChoices = field(default_factory=KernelChoices)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -4,15 +4,21 @@ Every public function checks its arguments and dispatches per call: compiled Tri
 tensors, the Triton interpreter on CPU tensors when ``TRITON_INTERPRET=1``, else the torch
 reference in `kvmesh.kernels.reference` (see `kvmesh.kernels._dispatch`). Wrappers live in one
 module per family (attention, kv_cache, elementwise, matmul, moe, sampling), kernel bodies in
-`kvmesh.kernels._triton`. See docs/kernels.md for the KV layout, tolerances and measurements.
+`kvmesh.kernels._triton`. Which variant a call launches where there are several (the GEMV kernel
+or cuBLAS, TMA attention, programmatic dependent launch, the FP8 paths) is the caller's
+`KernelChoices`, passed as ``choices=`` (default: the measured best); the engine fixes them when
+it builds its model. See docs/kernels.md for the KV layout, tolerances and measurements.
 """
+
+from kvmesh.common.kernel_choices import DEFAULT_KERNEL_CHOICES, KernelChoices
 
 from ._dispatch import backend
 from .attention import attention_config, paged_attention
 from .elementwise import rms_norm, rope, silu_and_mul
 from .fp8 import Fp8Weight, fp8_quantize_rows, quantize_weight
+from .gemv import gemv_config
 from .kv_cache import copy_blocks, gather_blocks, rope_write_kv, write_kv
-from .matmul import gemv_config, gemv_enabled, linear, silu_mul_linear
+from .matmul import linear, silu_mul_linear
 from .moe import fused_moe, moe_config, moe_routing
 from .reference import (
     copy_blocks_reference,
@@ -40,6 +46,8 @@ from .reference import (
 from .sampling import race_argmax, race_noise, softmax_temperature, top_p_threshold
 
 __all__ = [
+    "DEFAULT_KERNEL_CHOICES",
+    "KernelChoices",
     "Fp8Weight",
     "fp8_gemv_reference",
     "fp8_linear_reference",
@@ -52,7 +60,6 @@ __all__ = [
     "fused_moe",
     "gather_blocks",
     "gemv_config",
-    "gemv_enabled",
     "linear",
     "moe_config",
     "moe_routing",

@@ -2,9 +2,13 @@
 
 A call on CUDA tensors launches the compiled Triton kernel. A call on CPU tensors runs the torch
 reference (`kvmesh.kernels.reference`, the engine's CPU path), or, with ``TRITON_INTERPRET=1`` in
-the environment, the Triton kernel under Triton's interpreter. Triton reads that variable when it
-decorates the kernels, which happens on the first launch (`kernels_for`), so it must be set
-before then.
+the environment, the Triton kernel under Triton's interpreter. That variable is Triton's own:
+Triton reads it when it decorates the kernels, which happens on the first launch (`kernels_for`),
+so it must be set before then; this module reads it once, at import, for the same reason.
+
+Which variant a call launches (`KernelChoices`: the GEMV kernel, TMA attention, programmatic
+dependent launch, the FP8 paths) is the caller's, passed with each call; nothing here reads a
+switch of its own.
 """
 
 from __future__ import annotations
@@ -15,16 +19,15 @@ from types import ModuleType
 
 import torch
 
-
-def interpret_requested() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# CPU tensors run the Triton kernels under Triton's interpreter (tests/kernels sets this per test).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def backend(t: torch.Tensor) -> str:
     """``"triton"``, ``"interpret"`` or ``"reference"`` for a call on ``t``'s device."""
     if t.is_cuda:
         return "triton"
-    if interpret_requested():
+    if INTERPRET:
         return "interpret"
     return "reference"
 
@@ -81,14 +84,13 @@ def cdiv(a: int, b: int) -> int:
 _PDL_ON = dict(PDL=True, launch_pdl=True)
 
 
-def pdl(t: torch.Tensor, rows: int) -> dict:
+def pdl(t: torch.Tensor, rows: int, enabled: bool) -> dict:
     """Launch options for programmatic dependent launch (see `grid_dependency` in the kernel
-    bodies) for a call on ``rows`` tokens: on Hopper and newer for single-token calls, unless
-    ``KVMESH_PDL=0`` (read per call, so a benchmark can capture graphs both ways in one
-    process); nothing on the CPU.
+    bodies) for a call on ``rows`` tokens: on Hopper and newer for single-token calls when
+    ``enabled`` (the caller's `KernelChoices.pdl`); nothing on the CPU.
 
     Single-token calls only: a batch-1 decode step is some 300 short kernels, all of them ours,
     and overlapping each launch with the previous kernel's tail shortens it; at larger batches
     cuBLAS runs the projections and the overlap gained nothing (docs/gpu.md)."""
-    on = rows == 1 and os.environ.get("KVMESH_PDL", "1") != "0" and hopper(t.device)
+    on = enabled and rows == 1 and hopper(t.device)
     return _PDL_ON if on else {}

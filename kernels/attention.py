@@ -9,9 +9,10 @@ partial results a second kernel merges.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
+
+from kvmesh.common.kernel_choices import DEFAULT_KERNEL_CHOICES, KernelChoices
 
 from . import _dispatch
 from . import reference as _ref
@@ -58,7 +59,7 @@ def attention_config(
     * ``tma``: decode through `paged_decode_tma_kernel` (2 warps, 6 stages) on Hopper when there
       are at least 3 programs per SM, or split into the same segments as above when there are
       fewer programs than SMs; in between it keeps too few pages in flight and the pointer
-      kernel stays.
+      kernel stays. Never with ``allow_tma=False`` (the caller's `KernelChoices.tma_attention`).
 
     fp32 and head sizes over 128 use smaller tiles to stay within shared memory.
     """
@@ -112,10 +113,8 @@ def attention_config(
 
 
 def _has_tma(device: torch.device) -> bool:
-    """Hopper or newer (TMA), and not switched off with ``KVMESH_ATTENTION_TMA=0`` (read per
-    call, so a benchmark can capture both variants in one process); the interpreter takes the
-    TMA kernel only when asked (tests)."""
-    return os.environ.get("KVMESH_ATTENTION_TMA", "1") != "0" and hopper(device)
+    """Hopper or newer (TMA); the interpreter takes the TMA kernel only when asked (tests)."""
+    return hopper(device)
 
 
 def _tma_view(cache: torch.Tensor):
@@ -181,6 +180,7 @@ def paged_attention(
     tma: bool | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
 ) -> torch.Tensor:
     """Causal attention of packed variable-length queries over the paged KV cache.
 
@@ -197,7 +197,9 @@ def paged_attention(
     `paged_decode_tma_kernel`, one TMA load per page. The heuristic chooses the TMA kernel only
     when the caller passes ``max_query_len=1`` itself, which then is a promise of at most one
     query token per sequence (a sequence with more gets NaN for its earlier tokens), and only
-    where the cache layout allows a descriptor; every other hint only tunes speed.
+    where the cache layout allows a descriptor, and never with ``choices.tma_attention`` off (an
+    explicit ``tma=True`` still forces it); every other hint only tunes speed. ``choices`` also
+    says whether one-token calls launch with programmatic dependent launch (`KernelChoices`).
 
     The cache may be FP8 (``float8_e4m3fn``, written by `rope_write_kv` / `write_kv`): keys and
     values are then read as ``stored * k_scale[head]`` / ``stored * v_scale[head]`` (float32
@@ -270,7 +272,7 @@ def paged_attention(
     pointer_only = any(x is not None for x in (num_segments, block_m, tile_n, head_fastest)) or k_natural
     if tma and not (max_query_len == 1 and p2(Hq // Hkv) <= 16 and p2(D) == D):
         fail(fn, "tma=True needs decode (max_query_len 1), Hq/Hkv <= 16 and a power-of-two head size")
-    allow = bool(tma) if tma is not None else not pointer_only and promised_decode
+    allow = bool(tma) if tma is not None else not pointer_only and promised_decode and choices.tma_attention
     cfg = attention_config(T, B, Hq, Hkv, D, max_query_len, max_seq_len, query.device, query.dtype, allow_tma=allow)
     if tma and not cfg["tma"]:  # forced (tests, benchmarks): its measured launch settings
         cfg.update(tma=True, block_m=16, num_warps=2, num_stages=6, num_segments=1)
@@ -334,7 +336,7 @@ def paged_attention(
             KV_SCALED=scaled,
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
-            **pdl(query, T),
+            **pdl(query, T, choices.pdl),
         )
     else:
         qpk = Hq // Hkv
@@ -392,14 +394,14 @@ def paged_attention(
             **consts,
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
-            **pdl(query, T),
+            **pdl(query, T, choices.pdl),
         )
     if split:
-        _reduce_segments(kern, part, m, l_sum, out, query_start_loc, B)
+        _reduce_segments(kern, part, m, l_sum, out, query_start_loc, B, choices.pdl)
     return out
 
 
-def _reduce_segments(kern, part, m, l_sum, out, query_start_loc, num_seqs) -> None:
+def _reduce_segments(kern, part, m, l_sum, out, query_start_loc, num_seqs, pdl_on: bool) -> None:
     """Merge the split-KV partials ``part`` / ``m`` / ``l_sum`` ([S, T, Hq, ...]) into ``out``."""
     nseg, _, Hq, D = part.shape
     dpad = p2(max(D, 16))
@@ -420,5 +422,5 @@ def _reduce_segments(kern, part, m, l_sum, out, query_start_loc, num_seqs) -> No
         NUM_SEG=nseg,
         H_BLOCK=h_block,
         num_warps=4,
-        **pdl(out, out.shape[0]),
+        **pdl(out, out.shape[0], pdl_on),
     )

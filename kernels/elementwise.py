@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from kvmesh.common.kernel_choices import DEFAULT_KERNEL_CHOICES, KernelChoices
+
 from . import _dispatch
 from . import reference as _ref
 from ._checks import FLOATS, check_device, check_dim, check_dtype, check_last_contig, check_rope, fail
@@ -22,7 +24,14 @@ def _rows(fn, name, x):
         return x.reshape(-1, x.shape[-1])
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
+):
     """RMSNorm in fp32 over the last dim, optionally fused with the residual add.
 
     Returns ``normed`` or ``(normed, x + residual)`` like the reference (new
@@ -77,12 +86,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         W_SAME=weight.dtype == x.dtype,
         BLOCK=block,
         num_warps=min(16, max(1, block // 512)),
-        **pdl(x, rows),
+        **pdl(x, rows, choices.pdl),
     )
     return (y, ro) if residual is not None else y
 
 
-def rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor):
+def rope(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
+):
     """Rotate-half (NeoX / Llama) rotary embedding; returns new ``(query, key)``."""
     fn = "rope"
     check_rope(fn, positions, query, key, cos_sin_cache)
@@ -114,12 +130,12 @@ def rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_si
             HALF_PAD=p2(half),
             H_BLOCK=hb,
             num_warps=4,
-            **pdl(x, T),
+            **pdl(x, T, choices.pdl),
         )
     return qo, ko
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, *, choices: KernelChoices = DEFAULT_KERNEL_CHOICES) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` for a fused gate/up projection of width ``2d``."""
     fn = "silu_and_mul"
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
@@ -145,6 +161,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         d,
         BLOCK=block,
         num_warps=4,
-        **pdl(x, x2.shape[0]),
+        **pdl(x, x2.shape[0], choices.pdl),
     )
     return y

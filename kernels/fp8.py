@@ -6,21 +6,24 @@ largest magnitude maps to 448), then ``torch._scaled_mm`` multiplies on the tens
 per-row and per-column scales applied in its epilogue. At one row (decode at batch 1, bound by
 streaming the weights) the one-row GEMV reads the e4m3 weight instead, half the bytes of bf16,
 with the activation kept in its own dtype (W8A16): quantizing it would cost a launch and add error
-without reading a byte less. ``KVMESH_FP8_GEMV_W8A8=1`` quantizes it anyway (for measurements).
-On the CPU everything runs the upcasting W8A8 reference (`fp8_linear_reference`).
+without reading a byte less. `KernelChoices` ``fp8_gemv_w8a8`` quantizes it anyway (for
+measurements); its other FP8 fields force a one-row kernel, a split-K or the Triton GEMM. On the CPU
+everything runs the upcasting W8A8 reference (`fp8_linear_reference`).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from kvmesh.common.kernel_choices import DEFAULT_KERNEL_CHOICES, KernelChoices
+
 from . import _dispatch
 from . import reference as _ref
 from ._checks import FLOATS, check_dim, check_dtype, fail
-from ._dispatch import backend, p2, pdl
+from ._dispatch import backend, num_sms, p2, pdl
+from .gemv import gemv_config
 from .reference import FP8, FP8_MAX, FP8_MIN_SCALE
 
 
@@ -81,7 +84,11 @@ def quantize_weight(w: torch.Tensor, input_scale: torch.Tensor | None = None) ->
 
 
 def fp8_quantize_rows(
-    x: torch.Tensor, static_scale: torch.Tensor | None = None, silu_mul: bool = False
+    x: torch.Tensor,
+    static_scale: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    *,
+    choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token e4m3 quantization of ``x [M, K]``: ``(q [M, K], scale [M] float32)``; one
     program per row (see `fp8_quantize_rows_reference` for the rule). With ``silu_mul`` ``x`` is a
@@ -117,7 +124,7 @@ def fp8_quantize_rows(
         ONE_PASS=p2(K) <= ONE_PASS_MAX,
         BLOCK_K=p2(K) if p2(K) <= ONE_PASS_MAX else 2048,
         num_warps=4 if p2(K) <= 4096 else (8 if p2(K) <= 8192 else 16),
-        **pdl(x, M),
+        **pdl(x, M, choices.pdl),
     )
     return q, s
 
@@ -132,14 +139,7 @@ def fp8_gemv_config(N: int, K: int, device: torch.device) -> tuple[int, int, int
     (bench/gpu_fp8.py): chunks twice as wide (the same bytes per program as bf16's) were 8-15%
     slower on qkv, o and gate_up and equal on down: the loop is bound by widening e4m3 to fp32, not
     by bytes in flight."""
-    from .matmul import gemv_config
-
     return gemv_config(N, K, device)
-
-
-def gemv_w8a8() -> bool:
-    """``KVMESH_FP8_GEMV_W8A8=1``: the one-row FP8 GEMV quantizes its input too (read per call)."""
-    return os.environ.get("KVMESH_FP8_GEMV_W8A8", "0") not in ("", "0")
 
 
 # The one-row FP8 projection (decode at batch 1), per weight shape [N, K]:
@@ -150,10 +150,10 @@ def gemv_w8a8() -> bool:
 # ONE_ROW_PATHS holds the H200 winners at the Llama-3-8B shapes (bench/gpu_fp8.py, its one-row
 # table): swapab_q on qkv (11.1 against 11.8 us) and gate_up (33.6
 # against 49.7 us), the conversion GEMV on o (7.6 against 9.7) and down (22.4 against 37.3); the
-# others lost everywhere. Other shapes take DEFAULT_ONE_ROW_PATH; KVMESH_FP8_GEMV=<path> forces one.
+# others lost everywhere. Other shapes take DEFAULT_ONE_ROW_PATH; `KernelChoices.fp8_one_row_kernel`
+# forces one (the names: kvmesh.common.kernel_choices.FP8_ONE_ROW_KERNELS).
 ONE_ROW_PATHS: dict[tuple[int, int], str] = {(6144, 4096): "swapab_q", (28672, 4096): "swapab_q"}
 DEFAULT_ONE_ROW_PATH = "convert"
-ONE_ROW_CHOICES = ("convert", "bits", "swapab", "swapab_q")
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of `fp8_swapab` per [N, K]: the sweep's winners on the H200
 SWAPAB_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (6144, 4096): (64, 512, 4, 3),
@@ -169,13 +169,11 @@ SWAPAB_SPLIT_K: dict[tuple[int, int], int] = {}
 SWAPAB_MAX_ROWS = 1
 
 
-def one_row_path(N: int, K: int) -> str:
-    """Which one-row FP8 kernel an ``N x K`` weight takes (``KVMESH_FP8_GEMV`` read per call)."""
-    forced = os.environ.get("KVMESH_FP8_GEMV", "")
-    if forced:
-        if forced not in ONE_ROW_CHOICES:
-            fail("KVMESH_FP8_GEMV", f"must be one of {', '.join(ONE_ROW_CHOICES)}, got {forced!r}")
-        return forced
+def one_row_path(N: int, K: int, choices: KernelChoices = DEFAULT_KERNEL_CHOICES) -> str:
+    """Which one-row FP8 kernel an ``N x K`` weight takes: ``choices.fp8_one_row_kernel`` where
+    set, else the measured table."""
+    if choices.fp8_one_row_kernel is not None:
+        return choices.fp8_one_row_kernel
     return ONE_ROW_PATHS.get((N, K), DEFAULT_ONE_ROW_PATH)
 
 
@@ -184,8 +182,6 @@ def fp8_swapab_config(N: int, K: int, device: torch.device) -> tuple[int, int, i
     (128-row tiles, 8 warps, for outputs that still give every SM a few programs; 64 x 512 else)."""
     if (N, K) in SWAPAB_CONFIGS:
         return SWAPAB_CONFIGS[(N, K)]
-    from ._dispatch import num_sms
-
     if N >= 128 * num_sms(device):
         return 128, min(256, max(32, p2(K))), 8, 3
     return 64, min(512, max(32, p2(K))), 4, 3
@@ -200,11 +196,13 @@ def fp8_swapab(
     x_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     split_k: int | None = None,
+    *,
+    choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
 ) -> torch.Tensor:
     """W8A8 for at most 16 rows with swapped operands (`fp8_swapab_kernel`): ``x`` float (quantized
     per token inside the kernel, of ``silu_and_mul(x)`` with ``silu_mul``), or already e4m3 with its
     per-token ``x_scale``; output ``out_dtype`` (default: a float ``x``'s dtype, else bf16).
-    ``split_k``: programs per output tile (default `swapab_split_k`)."""
+    ``split_k``: programs per output tile (default `swapab_split_k` of ``choices``)."""
     fn = "fp8_swapab"
     check_dim(fn, "x", x, 2)
     quant = x.dtype != FP8
@@ -218,8 +216,8 @@ def fp8_swapab(
     if x.shape[1] != K * (2 if silu_mul else 1):
         fail(fn, f"x {tuple(x.shape)} does not match weight {tuple(w.shape)}")
     if quant and w.input_scale is not None:  # a static activation scale: the quantization kernel applies it
-        x, x_scale = fp8_quantize_rows(x, w.input_scale, silu_mul)
-        return fp8_swapab(x, w, bias, False, config, x_scale, out_dtype, split_k)
+        x, x_scale = fp8_quantize_rows(x, w.input_scale, silu_mul, choices=choices)
+        return fp8_swapab(x, w, bias, False, config, x_scale, out_dtype, split_k, choices=choices)
     if backend(x) == "reference":
         if quant:
             x, x_scale = _ref.fp8_quantize_rows_reference(_ref.silu_and_mul_reference(x) if silu_mul else x)
@@ -233,7 +231,7 @@ def fp8_swapab(
     if x.stride(1) != 1:
         x = x.contiguous()
     bn, bk, warps, stages = config or fp8_swapab_config(N, K, x.device)
-    split = swapab_split_k(N, K) if split_k is None else split_k
+    split = swapab_split_k(N, K, choices) if split_k is None else split_k
     part = lock = None
     if split > 1:
         part, lock = _split_buffers(x.device, split * 16 * N, -(-N // bn))
@@ -262,17 +260,16 @@ def fp8_swapab(
         SPLIT_K=split,
         part_ptr=part,
         lock_ptr=lock,
-        **pdl(x, M),
+        **pdl(x, M, choices.pdl),
     )
     return y
 
 
-def swapab_split_k(N: int, K: int) -> int:
-    """How many programs share one `fp8_swapab_kernel` tile: the measured entry (`SWAPAB_SPLIT_K`),
-    else 1 (``KVMESH_FP8_SPLIT_K`` forces a value, read per call, for measurements)."""
-    forced = os.environ.get("KVMESH_FP8_SPLIT_K", "")
-    if forced:
-        return max(1, int(forced))
+def swapab_split_k(N: int, K: int, choices: KernelChoices = DEFAULT_KERNEL_CHOICES) -> int:
+    """How many programs share one `fp8_swapab_kernel` tile: ``choices.fp8_split_k`` where set (for
+    measurements), else the measured entry (`SWAPAB_SPLIT_K`), else 1."""
+    if choices.fp8_split_k is not None:
+        return choices.fp8_split_k
     return SWAPAB_SPLIT_K.get((N, K), 1)
 
 
@@ -311,12 +308,6 @@ def check_fp8_linear(fn: str, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor 
     for name, t in (("weight", w.weight), ("bias", bias)):
         if t is not None and t.device != x.device:
             fail(fn, f"{name} is on {t.device} but x is on {x.device}")
-
-
-def fp8_gemm_triton() -> bool:
-    """``KVMESH_FP8_GEMM=triton``: more rows go through `fp8_gemm` instead of ``torch._scaled_mm``
-    (read per call; for measurements until the Triton GEMM is tuned)."""
-    return os.environ.get("KVMESH_FP8_GEMM", "") == "triton"
 
 
 def fp8_gemm(
@@ -363,12 +354,20 @@ def fp8_gemm(
     return y
 
 
-def fp8_matmul(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
+def fp8_matmul(
+    x: torch.Tensor,
+    w: Fp8Weight,
+    bias: torch.Tensor | None,
+    silu_mul: bool = False,
+    *,
+    choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
+) -> torch.Tensor:
     """W8A8 for any number of rows on a device: per-token quantization (of ``silu_and_mul(x)`` with
     ``silu_mul``, fused), then the scaled GEMM (``torch._scaled_mm`` where it applies, else the
-    upcasting reference on the quantized rows)."""
-    xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul)
-    if fp8_gemm_triton():
+    upcasting reference on the quantized rows; `fp8_gemm` with ``choices.fp8_gemm`` "triton", for
+    measurements until the Triton GEMM is tuned)."""
+    xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul, choices=choices)
+    if choices.fp8_gemm == "triton":
         return fp8_gemm(xq, xs, w, bias, x.dtype)
     if _scaled_mm_applies(x, w):
         y = torch._scaled_mm(xq, w.weight.t(), scale_a=xs[:, None], scale_b=w.scale[None, :], out_dtype=x.dtype)
@@ -376,12 +375,12 @@ def fp8_matmul(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, silu_mu
     return _ref.fp8_scaled_mm_reference(xq, xs, w.weight, w.scale, bias, x.dtype)
 
 
-def fp8_gemv_applies(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    from .matmul import gemv_enabled
-
+def fp8_gemv_applies(x: torch.Tensor, bias: torch.Tensor | None, choices: KernelChoices) -> bool:
+    """Whether a row takes a one-row kernel (`one_row_path`): one contiguous row, with the GEMV
+    kernel chosen (``choices.gemv_kernel``)."""
     return (
         x.shape[0] == 1
-        and gemv_enabled()
+        and choices.gemv_kernel
         and x.is_contiguous()
         and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
     )

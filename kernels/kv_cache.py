@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from kvmesh.common.kernel_choices import DEFAULT_KERNEL_CHOICES, KernelChoices
+
 from . import _dispatch
 from . import reference as _ref
 from ._checks import FP8, INTS, check_dim, check_dtype, check_kv_scales, check_kv_write, check_rope, fail
@@ -31,7 +33,17 @@ def _scale_args(key, k_cache, k_scale, v_scale) -> tuple[torch.Tensor, torch.Ten
     return ks, vs, dict(KV_SCALED=scaled, KV_FP8=k_cache.dtype == FP8)
 
 
-def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+def write_kv(
+    key,
+    value,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    k_scale=None,
+    v_scale=None,
+    *,
+    choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
+) -> None:
     """Write new keys/values ``[T, Hkv, D]`` into their cache slots; slot -1 is skipped.
 
     The caches are per-layer strided views of the engine's KV tensor, so their
@@ -66,7 +78,7 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=N
         BLOCK_SIZE=k_cache.shape[1],
         **quant,
         num_warps=4 if Hkv * D >= 1024 else 1,
-        **pdl(key, T),
+        **pdl(key, T, choices.pdl),
     )
     return None
 
@@ -145,7 +157,18 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tens
 
 
 def rope_write_kv(
-    positions, query, key, value, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale=None, v_scale=None
+    positions,
+    query,
+    key,
+    value,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    cos_sin_cache,
+    k_scale=None,
+    v_scale=None,
+    *,
+    choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
 ) -> torch.Tensor:
     """`rope` on query and key, then `write_kv` of the rotated key and the value, in one
     launch; returns the rotated query. Same checks and semantics as the two calls (an FP8
@@ -193,6 +216,6 @@ def rope_write_kv(
         BLOCK_SIZE=k_cache.shape[1],
         **quant,
         num_warps=4 if Hq * D >= 2048 else 1,
-        **pdl(query, T),
+        **pdl(query, T, choices.pdl),
     )
     return qo

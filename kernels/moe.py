@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import torch
 
+from kvmesh.common.kernel_choices import DEFAULT_KERNEL_CHOICES, KernelChoices
+
 from . import _dispatch
 from . import reference as _ref
 from ._checks import FLOATS, INTS, check_device, check_dim, check_dtype, fail
 from ._dispatch import backend, cdiv, p2, pdl
 
 
-def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_routing(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, *, choices: KernelChoices = DEFAULT_KERNEL_CHOICES
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights, expert_ids)`` ``[T, k]`` of the top-k experts per token (softmax in float32, the k
     largest, renormalised when ``renormalize``; weights in the logits' dtype). One `moe_routing_kernel`
     launch (a program per token) on the GPU and in the interpreter, the torch reference elsewhere."""
@@ -42,7 +46,7 @@ def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> t
         RENORM=renormalize,
         BLOCK_E=p2(E),
         num_warps=1 if E <= 256 else 4,
-        **pdl(router_logits, T),
+        **pdl(router_logits, T, choices.pdl),
     )
     return weights, ids
 
@@ -82,7 +86,9 @@ ALIGN_KERNEL_MAX_PAIRS = 2048
 ALIGN_KERNEL_MAX_EXPERTS = 1024
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, *, choices: KernelChoices = DEFAULT_KERNEL_CHOICES
+):
     """``(sorted_ids, expert_ids, num_padded)``: pair indices ``t * k + j`` grouped by expert (stable:
     in pair order within an expert), each group padded to a multiple of ``block_m`` with the
     sentinel ``T * k``; the expert of each ``block_m``-row tile; the padded total (a 1-element
@@ -113,7 +119,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
             BLOCK_T=max(16, min(p2(cap // block_m), 8192 // block_e)),
             BLOCK_M=block_m,
             num_warps=4 if n <= 256 else 8,
-            **pdl(topk_ids, T),
+            **pdl(topk_ids, T, choices.pdl),
         )
         return sorted_ids, expert_ids, num_padded
     return moe_align_torch(topk_ids, num_experts, block_m)
@@ -146,6 +152,8 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: tuple[int, int, int, int, int] | None = None,
+    *,
+    choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = topk_ids[t, j]``,
     for ``x [T, H]``, ``w_gate_up [E, 2I, H]`` (gate rows then up rows), ``w_down [E, H, I]``,
@@ -178,7 +186,7 @@ def fused_moe(
     if n == 0 or H == 0:
         return torch.zeros((T, H), dtype=x.dtype, device=x.device)
     bm, bn, bk, warps, stages = config or moe_config(n, E, x.device)
-    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, bm)
+    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, bm, choices=choices)
     x = x.contiguous()
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
@@ -216,6 +224,6 @@ def fused_moe(
             BLOCK_K=bk,
             num_warps=warps,
             num_stages=stages,
-            **pdl(x, T),
+            **pdl(x, T, choices.pdl),
         )
     return out.view(T, k, H).sum(1)

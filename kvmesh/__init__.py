@@ -11,11 +11,11 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 
 def __getattr__(name: str):
     if name == "LLM":
-        from kvmesh.engine.llm import LLM
+        from kvmesh.engine.frontend.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from kvmesh.engine.sampling_params import SamplingParams
+        from kvmesh.engine.frontend.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'kvmesh' has no attribute {name!r}")

@@ -9,6 +9,7 @@ router sees the same ``type`` whether the router or the pod refused it.
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 _TYPES = {
     400: "BadRequestError",
@@ -60,6 +61,16 @@ def error_response(
     code: str | int | None = None,
 ) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def api_error_response(e: APIError) -> JSONResponse:
+    """The answer to an `APIError` a handler raised."""
+    return error_response(e.status, e.message, e.param, e.headers)
+
+
+def http_error_response(e: HTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown path, wrong method, unparsable body) in this schema."""
+    return error_response(e.status_code, str(e.detail), None, dict(e.headers) if e.headers else None)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -106,7 +106,7 @@ def _unit_tests_use_no_network(request: pytest.FixtureRequest, monkeypatch: pyte
 @pytest.fixture(scope="session")
 def smol():
     """The embedded SmolLM2 GGUF, dequantized once (weights, config, tokenizer)."""
-    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.models.loader import load_model
 
     return load_model(None)
 

@@ -291,8 +291,8 @@ def check_pdl(gen):
     read its input or overwrote a buffer before the previous one had finished would not."""
     one = torch.zeros(1, 8, device=DEV)
     hopper = torch.cuda.get_device_capability() >= (9, 0)
-    record("pdl launch options, one-token call", 0.0 if bool(_dispatch.pdl(one, 1)) == hopper else 1.0, 0.0)
-    record("pdl launch options, two-token call: none", 0.0 if _dispatch.pdl(one, 2) == {} else 1.0, 0.0)
+    record("pdl launch options, one-token call", 0.0 if bool(_dispatch.pdl(one, 1, True)) == hopper else 1.0, 0.0)
+    record("pdl launch options, two-token call: none", 0.0 if _dispatch.pdl(one, 2, True) == {} else 1.0, 0.0)
     H, hq, hkv, d, inter, ctx = 4096, 32, 8, 128, 8192, 700
     p = make_paged([1], [ctx], hq, hkv, d, 16, torch.bfloat16, gen=gen)
 
@@ -311,50 +311,45 @@ def check_pdl(gen):
     pos = torch.tensor([ctx], device=DEV)
     slot = (p["bt"][0, ctx // 16].long() * 16 + ctx % 16).view(1)
 
-    def chain():
+    def chain(c: K.KernelChoices):
         h, res = x0, x0
         for _ in range(4):
-            y, res = K.rms_norm(h, n1, 1e-5, res)
-            q, k, v = K.linear(y, wq).split([hq * d, hkv * d, hkv * d], -1)
-            q = K.rope_write_kv(pos, q.view(1, hq, d), k.view(1, hkv, d), v.view(1, hkv, d), p["k"], p["v"], slot, cs)
-            a = K.paged_attention(
-                q, p["k"], p["v"], p["bt"], p["qsl"], p["sl"], d**-0.5, max_query_len=1, max_seq_len=2048
+            y, res = K.rms_norm(h, n1, 1e-5, res, choices=c)
+            q, k, v = K.linear(y, wq, choices=c).split([hq * d, hkv * d, hkv * d], -1)
+            q = K.rope_write_kv(
+                pos, q.view(1, hq, d), k.view(1, hkv, d), v.view(1, hkv, d), p["k"], p["v"], slot, cs, choices=c
             )
-            y, res = K.rms_norm(K.linear(a.view(1, hq * d), wo), n2, 1e-5, res)
-            h = K.silu_mul_linear(K.linear(y, wgu), wd)
+            a = K.paged_attention(
+                q, p["k"], p["v"], p["bt"], p["qsl"], p["sl"], d**-0.5, max_query_len=1, max_seq_len=2048, choices=c
+            )
+            y, res = K.rms_norm(K.linear(a.view(1, hq * d), wo, choices=c), n2, 1e-5, res, choices=c)
+            h = K.silu_mul_linear(K.linear(y, wgu, choices=c), wd, choices=c)
         return h
 
-    saved = os.environ.get("KVMESH_PDL")
-    try:
-        outs = {}
-        for flag in ("0", "1"):
-            os.environ["KVMESH_PDL"] = flag
-            eager = chain().clone()  # compiles this variant outside the capture
+    outs = {}
+    for on in (False, True):
+        c = K.KernelChoices(pdl=on)
+        eager = chain(c).clone()  # compiles this variant outside the capture
+        sync()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = chain(c)
+        same = True
+        for _ in range(20):
+            out.fill_(float("nan"))
+            g.replay()
             sync()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = chain()
-            same = True
-            for _ in range(20):
-                out.fill_(float("nan"))
-                g.replay()
-                sync()
-                same &= torch.equal(out, eager)
-            outs[flag] = eager
-            record(
-                f"one-token decode chain, PDL {'on' if flag == '1' else 'off'}: 20 graph replays = eager",
-                0.0 if same else 1.0,
-                0.0,
-            )
-            del g
+            same &= torch.equal(out, eager)
+        outs[on] = eager
         record(
-            "one-token decode chain: PDL on = off, bit for bit", 0.0 if torch.equal(outs["0"], outs["1"]) else 1.0, 0.0
+            f"one-token decode chain, PDL {'on' if on else 'off'}: 20 graph replays = eager",
+            0.0 if same else 1.0,
+            0.0,
         )
-    finally:
-        if saved is None:
-            os.environ.pop("KVMESH_PDL", None)
-        else:
-            os.environ["KVMESH_PDL"] = saved
+        del g
+    record(
+        "one-token decode chain: PDL on = off, bit for bit", 0.0 if torch.equal(outs[False], outs[True]) else 1.0, 0.0
+    )
 
 
 def check_write_kv(gen):
@@ -641,10 +636,11 @@ def check_fp8(gen):
     """FP8 (e4m3) projections (kvmesh/kernels/fp8.py): per-token quantization equal to the
     reference bit for bit (one-pass rows, two-pass rows beyond 16,384 columns, the fused
     silu_and_mul against the unfused pair); the one-row GEMV on e4m3 weights (W8A16; W8A8 with
-    ``KVMESH_FP8_GEMV_W8A8=1``) against a float64 product of the same quantized operands; more rows
+    `KernelChoices` ``fp8_gemv_w8a8``) against a float64 product of the same quantized operands; more rows
     (``torch._scaled_mm`` on a GPU, the Triton W8A8 GEMM and the swapped-operand product `fp8_swapab`;
-    the GEMV widening by integer ops, KVMESH_FP8_GEMV=bits) against `fp8_linear_reference`. Bound 8e-3 (bf16 output
-    rounding plus summation order). Llama-3-8B shapes on a GPU, small ones in the interpreter."""
+    the GEMV widening by integer ops, ``fp8_one_row_kernel="bits"``) against `fp8_linear_reference`.
+    Bound 8e-3 (bf16 output rounding plus summation order). Llama-3-8B shapes on a GPU, small ones in the
+    interpreter."""
     big = DEV == "cuda"
     shapes = [(6144, 4096), (4096, 14336), (28672, 4096)] if big else [(96, 128), (40, 96)]
     x = torch.randn(7, 4096 if big else 256, device=DEV, generator=gen)
@@ -668,12 +664,9 @@ def check_fp8(gen):
         if big:  # the GEMV (the CPU path is W8A8: `fp8_linear_reference` below covers it)
             g1 = torch.randn(1, 2 * k, device=DEV, generator=gen).to(torch.bfloat16)
             ref = K.silu_and_mul(g1).double() @ wd.T
-            os.environ["KVMESH_FP8_GEMV"] = "convert"  # W8A16: against the unquantized row
-            try:
-                record(f"fp8 gemv {n}x{k}", rel_err(K.linear(x1, w), x1.double() @ wd.T), 8e-3)
-                record(f"fp8 silu_mul gemv {n}x{k}", rel_err(K.silu_mul_linear(g1, w), ref), 8e-3)
-            finally:
-                os.environ.pop("KVMESH_FP8_GEMV")
+            c = K.KernelChoices(fp8_one_row_kernel="convert")  # W8A16: against the unquantized row
+            record(f"fp8 gemv {n}x{k}", rel_err(K.linear(x1, w, choices=c), x1.double() @ wd.T), 8e-3)
+            record(f"fp8 silu_mul gemv {n}x{k}", rel_err(K.silu_mul_linear(g1, w, choices=c), ref), 8e-3)
             # the path this shape takes by default, against its own reference (W8A8 paths quantize the row)
             path = fp8.one_row_path(n, k)
             if path.startswith("swapab"):
@@ -683,11 +676,7 @@ def check_fp8(gen):
                 d1, dg = x1.double() @ wd.T, ref
             record(f"fp8 one-row default ({path}) {n}x{k}", rel_err(K.linear(x1, w), d1), 8e-3)
             record(f"fp8 silu_mul one-row default ({path}) {n}x{k}", rel_err(K.silu_mul_linear(g1, w), dg), 8e-3)
-            os.environ["KVMESH_FP8_GEMV_W8A8"] = "1"
-            try:
-                y = K.linear(x1, w)
-            finally:
-                os.environ.pop("KVMESH_FP8_GEMV_W8A8")
+            y = K.linear(x1, w, choices=K.KernelChoices(fp8_gemv_w8a8=True))
             record(f"fp8 gemv w8a8 {n}x{k}", rel_err(y, K.fp8_linear_reference(x1.float(), w.weight, w.scale)), 8e-3)
         xm = torch.randn(37, k, device=DEV, generator=gen).to(torch.bfloat16)
         ref = K.fp8_linear_reference(xm.float(), w.weight, w.scale)
@@ -695,16 +684,13 @@ def check_fp8(gen):
         xq, xs = K.fp8_quantize_rows(xm)
         y = fp8.fp8_gemm(xq, xs, w, None, torch.bfloat16)
         record(f"fp8 Triton gemm 37x{k} -> {n}", rel_err(y, ref), 8e-3)
-        # the other one-row kernels (KVMESH_FP8_GEMV): integer widening, and the swapped-operand
+        # the other one-row kernels (fp8_one_row_kernel): integer widening, and the swapped-operand
         # W8A8 product (one row and 16, fused silu_mul), against the W8A8 reference
         if big:
-            os.environ["KVMESH_FP8_GEMV"] = "bits"
-            try:
-                record(f"fp8 gemv bits {n}x{k}", rel_err(K.linear(x1, w), x1.double() @ wd.T), 8e-3)
-                refg1 = K.silu_and_mul(g1).double() @ wd.T
-                record(f"fp8 silu_mul gemv bits {n}x{k}", rel_err(K.silu_mul_linear(g1, w), refg1), 8e-3)
-            finally:
-                os.environ.pop("KVMESH_FP8_GEMV")
+            c = K.KernelChoices(fp8_one_row_kernel="bits")
+            record(f"fp8 gemv bits {n}x{k}", rel_err(K.linear(x1, w, choices=c), x1.double() @ wd.T), 8e-3)
+            refg1 = K.silu_and_mul(g1).double() @ wd.T
+            record(f"fp8 silu_mul gemv bits {n}x{k}", rel_err(K.silu_mul_linear(g1, w, choices=c), refg1), 8e-3)
         x16 = xm[:16]
         ref16 = K.fp8_linear_reference(x16.float(), w.weight, w.scale)
         record(f"fp8 swapab 16x{k} -> {n}", rel_err(fp8.fp8_swapab(x16, w, None), ref16), 8e-3)

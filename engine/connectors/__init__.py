@@ -1,4 +1,4 @@
-"""KV connector implementations (NIXL, Redis) on the interface in `kvmesh.engine.connector`.
+"""KV connector implementations (NIXL, Redis) on the interface in `kvmesh.engine.connectors.base`.
 
 ``make_connector(name, engine_config, **opts)`` is the one place a name from the
 command line (``--kv-connector nixl|redis|none``) becomes an object; the heavy
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..connector import KVConnector
-from ..kv_transfer_params import check_kv_transfer_params
+from kvmesh.engine.connectors.base import KVConnector
+from kvmesh.engine.connectors.transfer_params import check_kv_transfer_params
 
 CONNECTORS = ("none", "nixl", "redis")
 
@@ -26,13 +26,13 @@ def _none(engine_config: Any = None, **opts: Any) -> KVConnector:
 
 
 def _nixl(engine_config: Any = None, **opts: Any) -> KVConnector:
-    from .nixl_connector import NixlConnector
+    from kvmesh.engine.connectors.nixl_connector import NixlConnector
 
     return NixlConnector(engine_config, **opts)
 
 
 def _redis(engine_config: Any = None, **opts: Any) -> KVConnector:
-    from .redis_connector import RedisConnector
+    from kvmesh.engine.connectors.redis_connector import RedisConnector
 
     return RedisConnector(engine_config, **opts)
 

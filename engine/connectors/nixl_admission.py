@@ -13,8 +13,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from .common import BlockLayout
-from .nixl_side_channel import PROTOCOL_VERSION
+from kvmesh.engine.connectors.common import BlockLayout
+from kvmesh.engine.connectors.nixl_side_channel import PROTOCOL_VERSION
 
 # (time fetched, meta dict or None, error text or None)
 Entry = tuple[float, dict | None, str | None]

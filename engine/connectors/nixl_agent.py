@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .common import BlockLayout
+from kvmesh.engine.connectors.common import BlockLayout
 
 if TYPE_CHECKING:
     import torch

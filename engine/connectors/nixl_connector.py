@@ -61,23 +61,22 @@ import zmq
 
 from kvmesh.common.kv_auth import load_kv_auth_key, missing_key_message
 from kvmesh.common.roles import policy_for
-
-from ..connector import ConnectorMetadata, KVConnector
-from ..kv_transfer_params import check_kv_transfer_params
-from ..request import RequestStatus
-from .common import BlockLayout, layout_refusal
-from .nixl_admission import PeerMetaCache, meta_problem
-from .nixl_agent import KVAgent
-from .nixl_leases import HeldBlocks
-from .nixl_pulls import Pull
-from .nixl_side_channel import PROTOCOL_VERSION, AuthError, SideChannelServer, Signer, request
+from kvmesh.engine.connectors.base import ConnectorMetadata, KVConnector
+from kvmesh.engine.connectors.common import BlockLayout, layout_refusal
+from kvmesh.engine.connectors.nixl_admission import PeerMetaCache, meta_problem
+from kvmesh.engine.connectors.nixl_agent import KVAgent
+from kvmesh.engine.connectors.nixl_leases import HeldBlocks
+from kvmesh.engine.connectors.nixl_pulls import Pull
+from kvmesh.engine.connectors.nixl_side_channel import PROTOCOL_VERSION, AuthError, SideChannelServer, Signer, request
+from kvmesh.engine.connectors.transfer_params import check_kv_transfer_params
+from kvmesh.engine.core.request import RequestStatus
 
 if TYPE_CHECKING:
     import torch
 
-    from ..config import EngineConfig
-    from ..connector import ConnectorStep
-    from ..request import Request
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.connectors.base import ConnectorStep
+    from kvmesh.engine.core.request import Request
 
 log = logging.getLogger("kvmesh.connector.nixl")
 

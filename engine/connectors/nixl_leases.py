@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .nixl_side_channel import DONE_PREFIX
+from kvmesh.engine.connectors.nixl_side_channel import DONE_PREFIX
 
 log = logging.getLogger("kvmesh.connector.nixl")
 

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .common import BlockLayout, layout_refusal
-from .nixl_agent import KVAgent
-from .nixl_side_channel import DONE_PREFIX, PROTOCOL_VERSION
+from kvmesh.engine.connectors.common import BlockLayout, layout_refusal
+from kvmesh.engine.connectors.nixl_agent import KVAgent
+from kvmesh.engine.connectors.nixl_side_channel import DONE_PREFIX, PROTOCOL_VERSION
 
 log = logging.getLogger("kvmesh.connector.nixl")
 

@@ -54,14 +54,13 @@ import torch
 
 from kvmesh.common.env import REDIS_PASSWORD, env
 from kvmesh.common.roles import policy_for
-
-from ..connector import ConnectorMetadata, KVConnector
-from .common import BlockLayout, layout_refusal, model_namespace
+from kvmesh.engine.connectors.base import ConnectorMetadata, KVConnector
+from kvmesh.engine.connectors.common import BlockLayout, layout_refusal, model_namespace
 
 if TYPE_CHECKING:
-    from ..config import EngineConfig
-    from ..connector import ConnectorStep
-    from ..request import Request
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.connectors.base import ConnectorStep
+    from kvmesh.engine.core.request import Request
 
 log = logging.getLogger("kvmesh.connector.redis")
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from kvmesh.common.model_files import ModelConfig
-
-from .decoder import AttentionMetadata, DecoderForCausalLM
-from .llama import LlamaForCausalLM
-from .moe import MixtralForCausalLM, Qwen3MoeForCausalLM
-from .qwen3 import Qwen3ForCausalLM
+from kvmesh.engine.models.decoder import AttentionMetadata, DecoderForCausalLM
+from kvmesh.engine.models.llama import LlamaForCausalLM
+from kvmesh.engine.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from kvmesh.engine.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES: tuple[type[DecoderForCausalLM], ...] = (
     LlamaForCausalLM,

@@ -10,6 +10,10 @@ RMSNorm before RoPE (`QK_NORM`), and which MLP a layer has (`load_mlp`: the dens
 SiLU-gated one here, the mixture of experts in `kvmesh.engine.models.moe`). Checkpoints
 of other layouts are renamed to the HF Llama/Qwen names by the loader, so the skeleton
 reads one naming scheme.
+
+The kernel variants (`KernelChoices`: the GEMV kernel, TMA attention, programmatic dependent
+launch, the FP8 paths) are given when the model is built and passed with every kernel call, so
+eager steps and captured CUDA graphs launch the same ones for the model's life.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh import kernels
+from kvmesh.common.kernel_choices import DEFAULT_KERNEL_CHOICES, KernelChoices
 from kvmesh.common.model_files import ModelConfig
-
-from .rope import cos_sin_cache
+from kvmesh.engine.models.rope import cos_sin_cache
 
 
 @dataclass
@@ -49,12 +53,14 @@ def nbytes(*ts: Any) -> int:
 class DenseMLP:
     """``down(silu(gate(x)) * up(x))`` with gate|up fused into one projection."""
 
-    def __init__(self, w: WeightFn, prefix: str) -> None:
+    def __init__(self, w: WeightFn, prefix: str, choices: KernelChoices = DEFAULT_KERNEL_CHOICES) -> None:
         self.gate_up = torch.cat([w(prefix + "gate_proj.weight"), w(prefix + "up_proj.weight")], 0).contiguous()
         self.down = w(prefix + "down_proj.weight")
+        self.choices = choices
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.silu_mul_linear(kernels.linear(x, self.gate_up), self.down)
+        c = self.choices
+        return kernels.silu_mul_linear(kernels.linear(x, self.gate_up, choices=c), self.down, choices=c)
 
     def weight_bytes(self, num_tokens: int) -> int:
         """Weight bytes one step over ``num_tokens`` tokens reads (all of them)."""
@@ -99,13 +105,17 @@ class DecoderForCausalLM(torch.nn.Module):
         max_positions: int | None = None,
         kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         on_layer: Callable[[int, LayerWeights], None] | None = None,
+        kernel_choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
     ) -> None:
         """``on_layer(i, layer)`` runs as soon as layer ``i`` is on the device, before the next one is
         read: FP8 quantization at load (`engine.quantization.LayerQuantizer`) replaces its float
         projections there, so the device never holds more than one layer in the checkpoint's dtype
-        beside the quantized ones (a 70B bf16 checkpoint fits an H200 this way; whole, it does not)."""
+        beside the quantized ones (a 70B bf16 checkpoint fits an H200 this way; whole, it does not).
+        ``kernel_choices``: the kernel variants every layer launches (the engine's
+        `EngineConfig.kernels`)."""
         super().__init__()
         self.cfg = cfg
+        self.kernel_choices = kernel_choices
         self.dtype = dtype
         self.device = device
         self.scale = cfg.head_dim**-0.5
@@ -155,7 +165,7 @@ class DecoderForCausalLM(torch.nn.Module):
 
     def load_mlp(self, layer: int, w: WeightFn, has: HasFn, prefix: str) -> MLP:
         """Layer ``layer``'s MLP from the weights under ``prefix`` (``model.layers.{i}.mlp.``)."""
-        return DenseMLP(w, prefix)
+        return DenseMLP(w, prefix, self.kernel_choices)
 
     def weight_bytes_per_step(self, num_tokens: int) -> int:
         """Weight bytes a step over ``num_tokens`` tokens reads: every dense weight, the embedding rows
@@ -188,7 +198,7 @@ class DecoderForCausalLM(torch.nn.Module):
         """Returns logits (float32) only for the rows in ``logits_indices`` (all rows if None):
         sampling needs no others. A CUDA-graph decode step passes None, so the graph has no
         data-dependent gather and its output rows are the (padded) batch rows."""
-        cfg = self.cfg
+        cfg, c = self.cfg, self.kernel_choices
         h = F.embedding(input_ids, self.embed)
         residual: torch.Tensor | None = None
         T = h.shape[0]
@@ -199,20 +209,22 @@ class DecoderForCausalLM(torch.nn.Module):
         for li, layer in enumerate(self.layers):
             if residual is None:
                 residual = h
-                x = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps)
+                x = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, choices=c)
             else:
-                x, residual = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual)
-            qkv = kernels.linear(x, layer["qkv"], layer["qkv_bias"])
+                x, residual = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual, choices=c)
+            qkv = kernels.linear(x, layer["qkv"], layer["qkv_bias"], choices=c)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(T, cfg.num_heads, cfg.head_dim)
             k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
             if layer["q_norm"] is not None and layer["k_norm"] is not None:
-                q = kernels.rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-                k = kernels.rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+                q = kernels.rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, choices=c)
+                k = kernels.rms_norm(k, layer["k_norm"], cfg.rms_norm_eps, choices=c)
             k_cache, v_cache = caches[li]
             ks, vs = self.kv_scales[li] if self.kv_scales is not None else (None, None)
-            q = kernels.rope_write_kv(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, self.cos_sin, ks, vs)
+            q = kernels.rope_write_kv(
+                positions, q, k, v, k_cache, v_cache, meta.slot_mapping, self.cos_sin, ks, vs, choices=c
+            )
             attn = kernels.paged_attention(
                 q,
                 k_cache,
@@ -223,15 +235,16 @@ class DecoderForCausalLM(torch.nn.Module):
                 self.scale,
                 k_scale=ks,
                 v_scale=vs,
+                choices=c,
                 **hints,
             )
-            h = kernels.linear(attn.reshape(T, self.q_size), layer["o"])
-            x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
+            h = kernels.linear(attn.reshape(T, self.q_size), layer["o"], choices=c)
+            x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual, choices=c)
             h = layer["mlp"](x)
         assert residual is not None  # set by the first layer
         if logits_indices is not None:  # gather first: the add then touches only the sampled rows
             h = h.index_select(0, logits_indices)
             residual = residual.index_select(0, logits_indices)
         h = h + residual
-        h = kernels.rms_norm(h, self.norm, cfg.rms_norm_eps)
-        return kernels.linear(h, self.lm_head).float()
+        h = kernels.rms_norm(h, self.norm, cfg.rms_norm_eps, choices=c)
+        return kernels.linear(h, self.lm_head, choices=c).float()

@@ -3,7 +3,7 @@ read from the checkpoint). The skeleton in `kvmesh.engine.models.decoder` is all
 
 from __future__ import annotations
 
-from .decoder import AttentionMetadata, DecoderForCausalLM
+from kvmesh.engine.models.decoder import AttentionMetadata, DecoderForCausalLM
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from kvmesh import kernels
-
-from .decoder import MLP, DecoderForCausalLM, DenseMLP, HasFn, WeightFn, nbytes
-from .qwen3 import Qwen3ForCausalLM
+from kvmesh.common.kernel_choices import DEFAULT_KERNEL_CHOICES, KernelChoices
+from kvmesh.engine.models.decoder import MLP, DecoderForCausalLM, DenseMLP, HasFn, WeightFn, nbytes
+from kvmesh.engine.models.qwen3 import Qwen3ForCausalLM
 
 
 class SparseMoeMLP:
@@ -26,7 +26,17 @@ class SparseMoeMLP:
     as they are when already stacked under HF's in-memory names (``experts.gate_up_proj``,
     ``experts.down_proj``: what `random_init` makes, so the weights are not copied)."""
 
-    def __init__(self, w: WeightFn, has: HasFn, prefix: str, num_experts: int, top_k: int, renormalize: bool) -> None:
+    def __init__(
+        self,
+        w: WeightFn,
+        has: HasFn,
+        prefix: str,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
+    ) -> None:
+        self.choices = choices
         self.gate = w(prefix + "gate.weight")
         e = prefix + "experts."
         if has(e + "gate_up_proj"):
@@ -42,8 +52,10 @@ class SparseMoeMLP:
         self.renormalize = renormalize
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = kernels.moe_routing(kernels.linear(x, self.gate), self.top_k, self.renormalize)
-        return kernels.fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
+        c = self.choices
+        logits = kernels.linear(x, self.gate, choices=c)
+        weights, ids = kernels.moe_routing(logits, self.top_k, self.renormalize, choices=c)
+        return kernels.fused_moe(x, self.w_gate_up, self.w_down, weights, ids, choices=c)
 
     def weight_bytes(self, num_tokens: int) -> int:
         """The router and the experts ``num_tokens`` tokens are expected to reach under uniform routing
@@ -57,8 +69,8 @@ class _SparseMixin(DecoderForCausalLM):
     def load_mlp(self, layer: int, w: WeightFn, has: HasFn, prefix: str) -> MLP:
         c = self.cfg
         if not c.is_sparse_layer(layer):
-            return DenseMLP(w, prefix)
-        return SparseMoeMLP(w, has, prefix, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
+            return DenseMLP(w, prefix, self.kernel_choices)
+        return SparseMoeMLP(w, has, prefix, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, self.kernel_choices)
 
 
 class Qwen3MoeForCausalLM(_SparseMixin, Qwen3ForCausalLM):

@@ -3,7 +3,7 @@ head_dim), no q/k/v bias, and head_dim from the config (it may differ from hidde
 
 from __future__ import annotations
 
-from .decoder import DecoderForCausalLM
+from kvmesh.engine.models.decoder import DecoderForCausalLM
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):

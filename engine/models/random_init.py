@@ -19,8 +19,7 @@ import copy
 import torch
 
 from kvmesh.common.model_files import ModelConfig, model_config_from_hf
-
-from ..loader import LoadedModel
+from kvmesh.engine.models.loader import LoadedModel
 
 # Llama-3-8B's shape (config.json of meta-llama/Meta-Llama-3.1-8B, rope scaling included).
 LLAMA3_8B: dict = {

@@ -20,9 +20,8 @@ import torch
 
 from kvmesh.common.python_child import python_module
 from kvmesh.engine.config import EngineConfig
-
-from . import messages
-from .group import TPGroup
+from kvmesh.engine.parallel import messages
+from kvmesh.engine.parallel.group import TPGroup
 
 log = logging.getLogger("kvmesh.engine.parallel")
 

@@ -14,10 +14,9 @@ import msgspec
 
 from kvmesh.common.logs import setup_logging
 from kvmesh.engine.config import EngineConfig
-
-from . import messages
-from .group import TPGroup
-from .ranks import WorkerSpec, rank_device
+from kvmesh.engine.parallel import messages
+from kvmesh.engine.parallel.group import TPGroup
+from kvmesh.engine.parallel.ranks import WorkerSpec, rank_device
 
 log = logging.getLogger("kvmesh.engine.parallel")
 

@@ -1,5 +1,5 @@
 """The model runner: a scheduler step's plain data in, last-token logits (or a decode round) out."""
 
-from .model_runner import ModelRunner
+from kvmesh.engine.runner.model_runner import ModelRunner
 
 __all__ = ["ModelRunner"]

@@ -16,8 +16,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..models.decoder import AttentionMetadata, DecoderForCausalLM
-from .inputs import Staging, StepPlan
+from kvmesh.engine.models.decoder import AttentionMetadata, DecoderForCausalLM
+from kvmesh.engine.runner.inputs import Staging, StepPlan
 
 log = logging.getLogger("kvmesh.engine")
 

@@ -16,8 +16,8 @@ from typing import Generic, NamedTuple, TypeVar
 import numpy as np
 import torch
 
-from ..models.decoder import AttentionMetadata
-from ..sched_output import SchedulerOutput
+from kvmesh.engine.core.sched_output import SchedulerOutput
+from kvmesh.engine.models.decoder import AttentionMetadata
 
 A = TypeVar("A")  # what EagerInputs holds: host arrays, then device tensors
 

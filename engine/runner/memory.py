@@ -7,11 +7,10 @@ from typing import Any
 import torch
 
 from kvmesh.common.env import env
-
-from ..config import EngineConfig
-from ..models.decoder import AttentionMetadata, DecoderForCausalLM
-from .graphs import GRAPH_SIZES
-from .inputs import cdiv
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.models.decoder import AttentionMetadata, DecoderForCausalLM
+from kvmesh.engine.runner.graphs import GRAPH_SIZES
+from kvmesh.engine.runner.inputs import cdiv
 
 _DTYPES = {
     "float32": torch.float32,

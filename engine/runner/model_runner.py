@@ -23,17 +23,22 @@ import torch
 
 from kvmesh import kernels
 from kvmesh.common.env import env
-
-from ..config import EngineConfig
-from ..models import model_class
-from ..models.kv_scales import kv_cache_scales, scales_fingerprint
-from ..quantization import LayerQuantizer
-from ..sched_output import SchedulerOutput
-from .graphs import DecodeGraphs
-from .inputs import EagerStager, Staging, StepPlan, cdiv, eager_layout_size, plan_step
-from .memory import configure_cpu_threads, kv_cache_dtype, num_blocks_for, profile_reserve, torch_dtype
-from .rounds import DecodeRoundRunner
-from .warmup import attention_launch_configs, warm_up_attention, warm_up_sampler
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.core.sched_output import SchedulerOutput
+from kvmesh.engine.models import model_class
+from kvmesh.engine.models.kv_scales import kv_cache_scales, scales_fingerprint
+from kvmesh.engine.models.quantization import LayerQuantizer
+from kvmesh.engine.runner.graphs import DecodeGraphs
+from kvmesh.engine.runner.inputs import EagerStager, Staging, StepPlan, cdiv, eager_layout_size, plan_step
+from kvmesh.engine.runner.memory import (
+    configure_cpu_threads,
+    kv_cache_dtype,
+    num_blocks_for,
+    profile_reserve,
+    torch_dtype,
+)
+from kvmesh.engine.runner.rounds import DecodeRoundRunner
+from kvmesh.engine.runner.warmup import attention_launch_configs, warm_up_attention, warm_up_sampler
 
 
 class ModelRunner(DecodeRoundRunner):
@@ -44,7 +49,7 @@ class ModelRunner(DecodeRoundRunner):
         self.device = torch.device(config.device)
         self.cuda = self.device.type == "cuda"
         # Random rows (seeded ones from their NoiseStreams) may be drawn inside decode rounds
-        # (engine/decode_rounds.py): on a GPU, where the one-step path draws on the device the same way.
+        # (engine/core/decode_rounds.py): on a GPU, where the one-step path draws on the device the same way.
         # The CPU keeps its per-row multinomial draws and the one-step path.
         self.sample_on_device = self.cuda
         self.dtype = torch_dtype(config.dtype)
@@ -67,6 +72,7 @@ class ModelRunner(DecodeRoundRunner):
             max_positions=self.max_model_len,
             kv_scales=scales,
             on_layer=quantizer,
+            kernel_choices=config.kernels,
         )
         if quantizer is not None:
             quantizer.log()
@@ -118,7 +124,9 @@ class ModelRunner(DecodeRoundRunner):
 
     def attention_launch_configs(self) -> list[dict]:
         """Every attention launch configuration this engine's steps can ask for (engine/runner/warmup.py)."""
-        return attention_launch_configs(self.model.cfg, self.sched_cfg, self.max_model_len, self.device, self.dtype)
+        return attention_launch_configs(
+            self.model.cfg, self.sched_cfg, self.max_model_len, self.device, self.dtype, self.config.kernels
+        )
 
     # ---- execution ------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:

@@ -1,4 +1,4 @@
-"""The runner side of decode rounds (engine/decode_rounds.py decides when they run).
+"""The runner side of decode rounds (engine/core/decode_rounds.py decides when they run).
 
 A round queues ``k`` decode steps on the device with no host wait: step ``i + 1`` reads step
 ``i``'s token from the device (argmax, or a random draw, seeded or not:
@@ -16,19 +16,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..device_draw import draw_on_device
-from ..host_copy import to_device
-from ..logit_adjustment import LogitAdjustment
-from ..logprobs import SampleResult, device_logprobs, logprob_width, results_with_logprobs
-from ..models.decoder import AttentionMetadata
-from ..sched_output import SchedulerOutput
-from .inputs import StepPlan, block_table, plan_step
+from kvmesh.engine.core.sched_output import SchedulerOutput
+from kvmesh.engine.models.decoder import AttentionMetadata
+from kvmesh.engine.runner.device_draw import draw_on_device
+from kvmesh.engine.runner.host_copy import to_device
+from kvmesh.engine.runner.inputs import StepPlan, block_table, plan_step
+from kvmesh.engine.runner.logit_adjustment import LogitAdjustment
+from kvmesh.engine.runner.logprobs import SampleResult, device_logprobs, logprob_width, results_with_logprobs
 
 if TYPE_CHECKING:
-    from ..grammar_masks import TokenMask
-    from ..models.decoder import DecoderForCausalLM
-    from .graphs import DecodeGraphs
-    from .inputs import Staging
+    from kvmesh.engine.models.decoder import DecoderForCausalLM
+    from kvmesh.engine.runner.grammar_masks import TokenMask
+    from kvmesh.engine.runner.graphs import DecodeGraphs
+    from kvmesh.engine.runner.inputs import Staging
 
 
 class Round:

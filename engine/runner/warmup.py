@@ -13,22 +13,28 @@ import time
 import torch
 
 from kvmesh import kernels
+from kvmesh.common.kernel_choices import KernelChoices
 from kvmesh.common.model_files import ModelConfig
-
-from ..config import SchedulerConfig
-from ..device_draw import draw_on_device
-from ..grammar_masks import TokenMask
-from ..models.decoder import DecoderForCausalLM
-from ..sampling_params import SamplingParams
+from kvmesh.engine.config import SchedulerConfig
+from kvmesh.engine.frontend.sampling_params import SamplingParams
+from kvmesh.engine.models.decoder import DecoderForCausalLM
+from kvmesh.engine.runner.device_draw import draw_on_device
+from kvmesh.engine.runner.grammar_masks import TokenMask
 
 log = logging.getLogger("kvmesh.engine")
 
 
 def attention_launch_configs(
-    m: ModelConfig, sc: SchedulerConfig, max_model_len: int, device: torch.device, dtype: torch.dtype
+    m: ModelConfig,
+    sc: SchedulerConfig,
+    max_model_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    choices: KernelChoices,
 ) -> list[dict]:
     """Every attention launch configuration an engine's steps can ask for: `attention_config`
-    over a grid of batch shapes covering its limits (sequences, query lengths, contexts)."""
+    over a grid of batch shapes covering its limits (sequences, query lengths, contexts), with the
+    TMA kernel only where the engine's ``choices`` allow it."""
     seqs = sorted(
         {b for b in (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 33, 48, 64, 96, 128, 192, 256, 512) if b <= sc.max_num_seqs}
         | {sc.max_num_seqs}
@@ -50,7 +56,18 @@ def attention_launch_configs(
             for c in ctxs:
                 if c < q or b * q > max(sc.max_num_batched_tokens, b):
                     continue
-                cfg = kernels.attention_config(b * q, b, m.num_heads, m.num_kv_heads, m.head_dim, q, c, device, dtype)
+                cfg = kernels.attention_config(
+                    b * q,
+                    b,
+                    m.num_heads,
+                    m.num_kv_heads,
+                    m.head_dim,
+                    q,
+                    c,
+                    device,
+                    dtype,
+                    allow_tma=choices.tma_attention,
+                )
                 seen.setdefault(tuple(sorted(cfg.items())), cfg)
     return list(seen.values())
 
@@ -64,7 +81,8 @@ def warm_up_attention(
     Integer arguments that vary per batch are not specialised on and eager inputs are 16-byte
     aligned, so the configuration alone decides which variant runs. Each configuration is
     launched for one token and for two: one-token calls run with programmatic dependent
-    launch on Hopper (`kernels._dispatch.pdl`), a variant of its own."""
+    launch on Hopper (`kernels._dispatch.pdl`), a variant of its own; both with the model's
+    kernel choices, as its steps launch them."""
     t0 = time.perf_counter()
     m = model.cfg
     dev, D = device, m.head_dim
@@ -88,6 +106,7 @@ def warm_up_attention(
                 max_seq_len=1,
                 k_scale=ks,
                 v_scale=vs,
+                choices=model.kernel_choices,
                 **cfg,
             )
     torch.cuda.synchronize(dev)

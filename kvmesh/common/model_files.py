@@ -2,7 +2,7 @@
 
 HF folders (config.json + tokenizer files) and GGUF files (metadata + tokenizer arrays). This is
 what the router needs of a model (the tokenizer, and the shape whose `ModelConfig.identity` names
-the model in every block hash) and what the engine reads before its weights (engine/loader.py,
+the model in every block hash) and what the engine reads before its weights (engine/models/loader.py,
 which adds the weights, with torch). Nothing this module imports imports torch, so the router,
 which imports it, runs without torch (tests/unit/test_import_boundaries.py checks).
 
@@ -258,7 +258,7 @@ def model_config_from_hf(cfg: Mapping[str, Any], name: str) -> ModelConfig:
 def checkpoint_quantization(hf_config: Mapping[str, Any]) -> str | None:
     """``"fp8"`` for a ``config.json`` with an FP8 ``quantization_config`` kvmesh can load,
     None without one; `QuantizationError` for any other (block-wise scales, int8/int4, ...).
-    The weights themselves are engine/quantization.py's."""
+    The weights themselves are engine/models/quantization.py's."""
     qc = hf_config.get("quantization_config")
     if not qc:
         return None

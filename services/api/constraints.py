@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvmesh.engine.structured import StructuredOutput
+from kvmesh.engine.frontend.structured import StructuredOutput
 from kvmesh.services.errors import bad_request
 
 from .tools import ChatTools

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from kvmesh.engine.messages import EngineCoreRequest, EngineStats
 from kvmesh.common.python_child import python_module
+from kvmesh.engine.core.messages import EngineCoreRequest, EngineStats
+from kvmesh.health import NotReadyError, exited, wait_until_async
 
 from . import wire
 from .engine_proc import EngineProcConfig
@@ -253,11 +254,13 @@ class EngineClient:
             self.restarts += 1
             log.warning("restarting the engine process (%d of %d)", self.restarts, self.max_restarts)
             self.spawn()  # it connects to the same sockets; its `Ready` clears dead_reason
-            deadline = time.monotonic() + self.ready_timeout
-            while self.dead_reason is not None and self.proc.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-            if self.dead_reason is not None and self.proc.poll() is None:  # hung while loading
-                self.proc.kill()
+            try:
+                await wait_until_async(
+                    lambda: self.dead_reason is None, self.ready_timeout, "restarted engine", exited(self.proc), 0.2
+                )
+            except NotReadyError:
+                if self.proc.poll() is None:  # hung while loading (one that exited is seen on the next turn)
+                    self.proc.kill()
 
     def _fail_all(self, reason: str) -> None:
         if self.dead_reason is None:

@@ -111,7 +111,7 @@ class EngineProcess:
         self.push.connect(cfg.output_addr)
         if engine is None:
             from kvmesh.engine.args import EngineArgs
-            from kvmesh.engine.core import EngineCore
+            from kvmesh.engine.core.engine_core import EngineCore
 
             connector = connector_factory(cfg)
             kw = dict(cfg.engine_kwargs)
@@ -211,7 +211,7 @@ class EngineProcess:
             return None
 
     def _add(self, req) -> None:
-        from kvmesh.engine.scheduler import QueueFullError
+        from kvmesh.engine.core.scheduler import QueueFullError
 
         try:
             self.engine.add_request(req)
@@ -335,12 +335,12 @@ class EngineProcess:
 
 
 def _make_kv_publisher(cfg: EngineProcConfig, engine, ctx):
-    """The KV-event publisher (kvmesh.engine.kv_publisher), or None without --kv-events-endpoint."""
+    """The KV-event publisher (kvmesh.engine.core.kv_publisher), or None without --kv-events-endpoint."""
     if not cfg.kv_events_endpoint:
         return None
     from kvmesh.common.kv_auth import load_kv_auth_key
     from kvmesh.common.kv_events_auth import CurveKeys
-    from kvmesh.engine.kv_publisher import KVEventPublisher, PublisherConfig, make_topic
+    from kvmesh.engine.core.kv_publisher import KVEventPublisher, PublisherConfig, make_topic
 
     topic = cfg.kv_events_topic
     if topic is None:

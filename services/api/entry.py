@@ -36,7 +36,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         "--simulate",
         action="store_true",
         help="replace the forward pass with a latency model and deterministic tokens "
-        "(tokenizer only; --num-kv-blocks defaults to 2048); see engine/sim_runner.py",
+        "(tokenizer only; --num-kv-blocks defaults to 2048); see engine/runner/sim_runner.py",
     )
     g.add_argument(
         "--sim-prefill-ms-per-token",

@@ -16,6 +16,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ import uvicorn
 
 from kvmesh import aio
 from kvmesh.common.logs import setup_logging
+from kvmesh.health import wait_until_async
 from kvmesh.services.http_server import server_config
 
 from .config import ServerConfig
@@ -37,7 +39,7 @@ log = logging.getLogger("kvmesh.api")
 
 
 async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
-    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.models.loader import load_model
 
     client = EngineClient(proc_cfg, max_restarts=cfg.engine_restarts, ready_timeout=cfg.ready_timeout)
     client.spawn()
@@ -101,8 +103,7 @@ async def _announce(server: uvicorn.Server, cfg: ServerConfig, model: str, role:
     ``cfg.ready_file``. The file appears whole (written aside, then renamed), so a parent polling for
     it never reads half of it; a file that cannot be written stops the server (its parent, waiting
     for the file, would otherwise wait for ever)."""
-    while not server.started:
-        await asyncio.sleep(0.02)
+    await wait_until_async(lambda: server.started, math.inf, "server", poll=0.02)  # cancelled if it never starts
     port = server.servers[0].sockets[0].getsockname()[1]
     log.info("serving %s on http://%s:%d (role %s)", model, cfg.host, port, role)
     if cfg.ready_file:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvmesh.common import metric_names as mn
-from kvmesh.engine.messages import EngineStats
+from kvmesh.engine.core.messages import EngineStats
 from kvmesh.services.prefill.metrics import PrefillGauges
 
 # Buckets copied from vLLM so dashboards' heatmaps line up.

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.common.chat import ChatContentError, render_chat
-from kvmesh.engine.messages import EngineCoreRequest
-from kvmesh.engine.output_processor import RequestState
-from kvmesh.engine.sampling_params import MAX_N, SamplingParams
+from kvmesh.engine.core.messages import EngineCoreRequest
+from kvmesh.engine.frontend.output_processor import RequestState
+from kvmesh.engine.frontend.sampling_params import MAX_N, SamplingParams
 from kvmesh.services.errors import APIError, bad_request
 
 from .constraints import structured_output

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.engine.structured import StructuredOutput
+from kvmesh.engine.frontend.structured import StructuredOutput
 from kvmesh.services.errors import bad_request
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

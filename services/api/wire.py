@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvmesh.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+from kvmesh.engine.core.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 
 
 # ---- API -> engine ----------------------------------------------------------

@@ -5,7 +5,7 @@ blocks are (host, port, transfer id, block ids), their chained hash and the send
 pod admits it in two steps:
 
 1. here, in the API process, before anything is queued: the params' shape and types
-   (`check_kv_transfer_params`, engine/kv_transfer_params.py, which the connectors run again); a bad
+   (`check_kv_transfer_params`, engine/connectors/transfer_params.py, which the connectors run again); a bad
    request gets a 400 naming the field instead of a silent recompute;
 2. in the engine, by the connector (the transport): is the prefill engine there and able to serve
    (engine/connectors/nixl_admission.py), then after the READ, are the blocks the prompt's (the
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmesh.engine.kv_transfer_params import check_kv_transfer_params
+from kvmesh.engine.connectors.transfer_params import check_kv_transfer_params
 from kvmesh.services.errors import bad_request
 
 

@@ -101,7 +101,7 @@ def test_sigterm_stops_the_instances(tmp_path):
     import signal
     import time
 
-    from kvmesh.services.api.testing import alive, descendants
+    from kvmesh.testing.servers import alive, descendants
 
     rows = [{"timestamp": 1000 * i, "input_length": 512, "output_length": 2, "hash_ids": [i]} for i in range(4)]
     env = dict(os.environ, KVMESH_CPU_THREADS="1")
@@ -135,7 +135,7 @@ def test_sigterm_stops_the_instances(tmp_path):
 def test_stray_children_are_stopped_with_their_groups(tmp_path):
     """`stop_strays` (the bench's last step on the way out) stops a child that no `Proc` holds, as a
     SIGTERM between a fork and its `Proc` leaves one: its whole session, grandchild included."""
-    from kvmesh.services.api.testing import alive
+    from kvmesh.testing.servers import alive
 
     script = tmp_path / "bench_like.py"
     script.write_text(

@@ -1,11 +1,9 @@
-"""Shared by the GPU tests (marker ``gpu``; they skip without CUDA): the marker itself, a CUDA
-generator with the test's fixed seed, and ``bench/gpu_engine.py`` imported as a module, so the
-engine benchmark's correctness check and the tests are one definition of correct. The kernel
-checks come from tests/kernel_checks.py."""
+"""Shared by the GPU tests (marker ``gpu``; they skip without CUDA): the marker itself and a CUDA
+generator with the test's fixed seed. The definitions of correct they share with the GPU benchmarks
+are tests/kernel_checks.py and tests/engine_checks.py (the benchmarks import them from here)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -13,7 +11,6 @@ import torch
 from seeds import seed_for
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_BENCH = os.path.join(_HERE, "..", "..", "bench")
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by marker
@@ -23,15 +20,6 @@ def pytest_collection_modifyitems(config, items):
         if str(item.path).startswith(_HERE + os.sep):
             item.add_marker(pytest.mark.gpu)
             item.add_marker(skip)
-
-
-@pytest.fixture(scope="session")
-def engine_bench():
-    """``bench/gpu_engine.py`` imported under a name of its own."""
-    spec = importlib.util.spec_from_file_location("kvmesh_bench_gpu_engine", os.path.join(_BENCH, "gpu_engine.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """GPU engine checks (marker ``gpu``): CUDA-graph decode, multi-step decode and device sampling against HF.
 
-Uses the same correctness check as ``bench/gpu_engine.py`` (small Llama-3-style model
-with random bf16 weights, greedy tokens teacher-forced through HF on the same
+Uses the correctness check ``bench/gpu_engine.py`` runs too, tests/engine_checks.py (small
+Llama-3-style model with random bf16 weights, greedy tokens teacher-forced through HF on the same
 tensors; near-tie tolerance and logit error bounds stated there). On a machine with a GPU and
 the package installed:
 
@@ -12,27 +12,24 @@ the package installed:
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from engine_checks import build_engine, check_correctness, enforce_eager, small_config
 
 
-def test_no_triton_compiles_while_serving(engine_bench):
+def test_no_triton_compiles_while_serving():
     """After engine start (graph capture, attention and sampler warm-up), a workload of every batch shape the
     scheduler makes (chunked prefill over cached context, mixed prefill/decode batches, lone short
     prompts that split KV, decode at many batch sizes, eager and in graphs) compiles nothing new:
     a fresh pod's first requests never wait for the Triton JIT. First in this file on purpose:
     Triton keeps compiled variants per process, so a test that ran before it could have compiled
     for it whatever the engine's start misses."""
-    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
     from kvmesh.engine.models.random_init import random_model
-    from kvmesh.engine.sampling_params import SamplingParams
 
-    loaded = random_model(engine_bench.small_config(), name="small-random", dtype=torch.bfloat16, device="cuda", seed=3)
-    eng = engine_bench.build_engine(
-        loaded, num_kv_blocks=1024, max_num_batched_tokens=256, max_num_seqs=32, max_model_len=1024
-    )
+    loaded = random_model(small_config(), name="small-random", dtype=torch.bfloat16, device="cuda", seed=3)
+    eng = build_engine(loaded, num_kv_blocks=1024, max_num_batched_tokens=256, max_num_seqs=32, max_model_len=1024)
     assert eng.runner.warm_up_configs > 0
     before = _compiled_variants()
     assert before.get("paged_attention_kernel", 0) > 0
@@ -76,9 +73,8 @@ def test_no_triton_compiles_while_serving(engine_bench):
     assert eng.runner.num_eager_steps > 0 and eng.runner.num_graph_steps > 0
 
 
-def test_greedy_matches_hf_graphs_and_eager(engine_bench):
-    engine_bench.check_correctness(quick=True)
-    res = engine_bench.R["correctness"]
+def test_greedy_matches_hf_graphs_and_eager():
+    res = check_correctness(quick=True)
     assert res["graphs"]["graph_steps"] > 0, "decode never used a CUDA graph"
     assert res["eager"]["graph_steps"] == 0
     # multi-step decode (8 graph replays per round, argmax fed back on the device): same tokens as one step
@@ -90,10 +86,10 @@ def test_greedy_matches_hf_graphs_and_eager(engine_bench):
     assert res["pass"], res
 
 
-def test_device_sampling(engine_bench):
+def test_device_sampling():
     """top_k=1 and a tiny top_p reduce to greedy; seeded rows are reproducible; one batch mixes all."""
-    from kvmesh.engine.sampler import NoiseStream, Sampler
-    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
+    from kvmesh.engine.runner.sampler import NoiseStream, Sampler
 
     torch.manual_seed(0)
     logits = torch.randn(6, 32000, device="cuda") * 3
@@ -137,7 +133,7 @@ def _compiled_variants() -> dict[str, int]:
 def _float32_engine(loaded, **args):
     """An engine on the GPU in float32, so token comparisons are exact, sized for a few short requests."""
     from kvmesh.engine.args import EngineArgs
-    from kvmesh.engine.core import EngineCore
+    from kvmesh.engine.core.engine_core import EngineCore
 
     eng, _ = EngineCore.from_model(
         EngineArgs(
@@ -154,16 +150,16 @@ def _float32_engine(loaded, **args):
     return eng
 
 
-def test_sampled_requests_run_multi_step_on_the_gpu(engine_bench):
+def test_sampled_requests_run_multi_step_on_the_gpu():
     """Unseeded sampled requests decode in multi-step rounds, drawn on the device; with top_k=1
     the draw is deterministic and must give the greedy one-step tokens. In float32: bf16 logits
     tie at the top often enough that top_k=1 (which keeps every tied maximum) and argmax (the
     first one) may legitimately differ."""
-    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
     from kvmesh.engine.models.random_init import random_model
-    from kvmesh.engine.sampling_params import SamplingParams
 
-    loaded = random_model(engine_bench.small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=4)
+    loaded = random_model(small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=4)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (20, 77, 150, 33)]
 
@@ -194,16 +190,16 @@ def test_sampled_requests_run_multi_step_on_the_gpu(engine_bench):
     assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
 
 
-def test_async_scheduling_matches_waiting_rounds_on_the_gpu(engine_bench):
+def test_async_scheduling_matches_waiting_rounds_on_the_gpu():
     """Rounds queued behind the one in flight (graph replays that read the previous round's last
     tokens on the device, block tables uploaded behind it) give exactly the tokens of rounds that
     wait for each other. float32, so equality is exact; a stop mid-round and different lengths
     end the chaining at different rounds; an abort and an arrival arrive mid-flight."""
-    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
     from kvmesh.engine.models.random_init import random_model
-    from kvmesh.engine.sampling_params import SamplingParams
 
-    loaded = random_model(engine_bench.small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=6)
+    loaded = random_model(small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=6)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (20, 77, 150, 33, 64, 9)]
 
@@ -242,16 +238,13 @@ def test_async_scheduling_matches_waiting_rounds_on_the_gpu(engine_bench):
         assert got2[rid] == want[rid]
     assert got2["s5"] == want2["s5"] and len(got2["s5"]) == 40
     # eager rounds (batches above the largest graph, KVMESH_ENFORCE_EAGER): inputs uploaded by queued copies
-    os.environ["KVMESH_ENFORCE_EAGER"] = "1"
-    try:
+    with enforce_eager(True):
         _, want3 = run(False, params)
         eng, got3 = run(True, params)
-    finally:
-        os.environ["KVMESH_ENFORCE_EAGER"] = "0"
     assert got3 == want3 and eng.num_chained_rounds > 0 and eng.runner.num_graph_steps == 0
 
 
-def test_penalties_match_hf_on_the_gpu(engine_bench):
+def test_penalties_match_hf_on_the_gpu():
     """Sampling penalties and a logit bias on CUDA logits, batched: greedy rows with
     ``repetition_penalty``, ``presence_penalty`` / ``frequency_penalty``, all three, or a
     ``logit_bias`` give HF ``generate()``'s tokens on the same float32 weights (bias and
@@ -260,11 +253,11 @@ def test_penalties_match_hf_on_the_gpu(engine_bench):
     (`logit_adjustment.LogitAdjustment.extend`)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
     from kvmesh.engine.models.random_init import hf_model_from_state_dict, random_model
-    from kvmesh.engine.sampling_params import SamplingParams
 
-    cfg = engine_bench.small_config()
+    cfg = small_config()
     loaded = random_model(cfg, name="small-random", dtype=torch.float32, device="cuda", seed=8)
     hf = hf_model_from_state_dict(cfg, loaded.state_dict, "cuda", torch.float32)
     g = torch.Generator().manual_seed(9)
@@ -358,17 +351,17 @@ def test_penalties_match_hf_on_the_gpu(engine_bench):
     assert eng.num_multi_step_rounds > 0
 
 
-def test_logprobs_and_seeds_in_rounds_match_one_step_on_the_gpu(engine_bench):
+def test_logprobs_and_seeds_in_rounds_match_one_step_on_the_gpu():
     """Requests with logprobs (0, 2 and 5 top entries, one with a penalty, beside a plain row) and
     a seeded sampled request in 8-step async rounds replayed from CUDA graphs: each step's
     logprobs are taken on the device from the raw logits and copied with the tokens, the seeded
     row draws from its own CUDA generator. float32: the same tokens, chosen logprobs and top
     entries as one step at a time, and the seeded row's tokens as when it runs alone."""
-    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
     from kvmesh.engine.models.random_init import random_model
-    from kvmesh.engine.sampling_params import SamplingParams
 
-    loaded = random_model(engine_bench.small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=12)
+    loaded = random_model(small_config(), name="small-random", dtype=torch.float32, device="cuda", seed=12)
     g = torch.Generator().manual_seed(13)
     prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (30, 90, 14, 61, 45)]
     base = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -73,10 +73,10 @@ def test_fused_moe_in_a_cuda_graph_follows_new_routing(gen):
 
 def test_small_qwen3_moe_engine_matches_hf():
     from kvmesh.engine.args import EngineArgs
-    from kvmesh.engine.core import EngineCore
-    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.core.engine_core import EngineCore
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
     from kvmesh.engine.models.random_init import QWEN3_30B_A3B, hf_model_from_state_dict, random_model, scaled_config
-    from kvmesh.engine.sampling_params import SamplingParams
 
     cfg = scaled_config(
         QWEN3_30B_A3B,

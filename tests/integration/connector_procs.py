@@ -20,7 +20,7 @@ IDLE_POLL_S = 0.005
 def _build(spec: dict, loaded):
     from kvmesh.engine.args import EngineArgs
     from kvmesh.engine.connectors import make_connector
-    from kvmesh.engine.core import EngineCore
+    from kvmesh.engine.core.engine_core import EngineCore
 
     connector = make_connector(spec.get("connector", "none"), None, **spec.get("connector_opts", {}))
     args = EngineArgs(
@@ -44,8 +44,8 @@ def run_request(
     max_steps: int = 20000,
 ) -> dict:
     """Run one request to completion (bounded), returning tokens, params and counters."""
-    from kvmesh.engine.messages import EngineCoreRequest
-    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
 
     before = engine.num_computed_tokens
     engine.add_request(
@@ -106,7 +106,7 @@ def drain(engine, timeout_s: float) -> dict:
 def worker(conn, spec: dict) -> None:
     os.environ.setdefault("KVMESH_CPU_THREADS", "1")
     try:
-        from kvmesh.engine.loader import load_model
+        from kvmesh.engine.models.loader import load_model
 
         loaded = load_model(spec.get("model"))  # None: the embedded SmolLM2
         engine = _build(spec, loaded)
@@ -131,7 +131,7 @@ def worker(conn, spec: dict) -> None:
                 elif cmd == "ref":  # same weights and KV dtype, no connector: what a single engine answers
                     if ref is None:
                         from kvmesh.engine.args import EngineArgs
-                        from kvmesh.engine.core import EngineCore
+                        from kvmesh.engine.core.engine_core import EngineCore
 
                         ref_args = EngineArgs(num_kv_blocks=64, kv_cache_dtype=spec.get("kv_cache_dtype"))
                         ref, _ = EngineCore.from_model(ref_args, loaded=loaded)

@@ -41,8 +41,8 @@ TEXT = (
 
 
 def test_registry_and_param_checks():
-    from kvmesh.engine.connector import KVConnector
     from kvmesh.engine.connectors import check_kv_transfer_params, make_connector
+    from kvmesh.engine.connectors.base import KVConnector
 
     assert type(make_connector("none")) is KVConnector and type(make_connector(None)) is KVConnector
     with pytest.raises(ValueError, match="unknown KV connector"):

@@ -11,7 +11,6 @@ import dataclasses
 import os
 import shutil
 import subprocess
-import time
 
 import pytest
 import torch
@@ -21,7 +20,8 @@ from kvmesh.common.env import env
 from kvmesh.engine.args import EngineArgs
 from kvmesh.engine.connectors import make_connector
 from kvmesh.engine.connectors.redis_connector import BlockFormatError, decode_block, encode_block
-from kvmesh.engine.core import EngineCore
+from kvmesh.engine.core.engine_core import EngineCore
+from kvmesh.health import NotReadyError, exited, wait_until
 from kvmesh.topology import free_port as _free_port
 
 pytestmark = pytest.mark.integration
@@ -70,14 +70,18 @@ class RedisServer:
 
         ssl = {"ssl": True, "ssl_ca_certs": tls["ca"]} if tls else {}
         self.client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, password=password, **ssl)
-        for _ in range(200):
+
+        def answers() -> bool:
             try:
-                if self.client.ping():
-                    return
+                return bool(self.client.ping())
             except Exception:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("redis-server did not start")
+                return False
+
+        try:
+            wait_until(answers, 20, "redis-server", exited(self.proc), poll=0.05)
+        except NotReadyError as e:
+            self.stop()
+            raise RuntimeError(f"redis-server did not start: {e}") from None
 
     @property
     def url(self) -> str:
@@ -349,7 +353,7 @@ def test_save_and_load_store_exact_bytes_in_any_chunking(redis_server, chunk_blo
     the connection still works."""
     from types import SimpleNamespace
 
-    from kvmesh.engine.connector import ConnectorMetadata
+    from kvmesh.engine.connectors.base import ConnectorMetadata
     from kvmesh.engine.connectors.redis_connector import RedisConnector
 
     cfg = SimpleNamespace(role="prefill", model=SimpleNamespace(identity=lambda: "chunking-test"))

@@ -9,8 +9,8 @@ import pytest
 
 from kvmesh import SamplingParams
 from kvmesh.common.model_files import ModelLoadError
-from kvmesh.engine.loader import load_model
-from kvmesh.engine.messages import EngineCoreRequest
+from kvmesh.engine.core.messages import EngineCoreRequest
+from kvmesh.engine.models.loader import load_model
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-from kvmesh.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.core.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+from kvmesh.engine.frontend.sampling_params import SamplingParams
 from kvmesh.services.api import wire
 from kvmesh.services.api.engine_proc import EngineProcConfig, EngineProcess
 
@@ -39,7 +39,7 @@ class FakeEngine:
         self.steps = 0
 
     def add_request(self, req):
-        from kvmesh.engine.scheduler import QueueFullError
+        from kvmesh.engine.core.scheduler import QueueFullError
 
         if not req.prompt_token_ids:
             raise ValueError("prompt is empty")

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.integration
 def test_serve_quantization_fp8_answers(tmp_path):
     from openai import OpenAI
 
-    from kvmesh.services.api.testing import ServerProcess
+    from kvmesh.testing.servers import ServerProcess
 
     log = str(tmp_path / "server.log")
     args = ["--quantization", "fp8", "--max-model-len", "512", "--num-kv-blocks", "64"]

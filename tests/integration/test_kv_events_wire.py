@@ -10,8 +10,9 @@ import zmq
 
 from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.common.kv_events_auth import CurveKeys
-from kvmesh.engine.kv_publisher import END_SEQ, KVEventPublisher, PublisherConfig, make_topic
-from kvmesh.services.router.testing import free_port, handshake_refused, kv_event_outsider, wait_for
+from kvmesh.engine.core.kv_publisher import END_SEQ, KVEventPublisher, PublisherConfig, make_topic
+from kvmesh.testing.pods import handshake_refused, kv_event_outsider, wait_for
+from kvmesh.topology import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -174,7 +174,7 @@ def test_arrival_and_abort_while_a_round_is_in_flight(make_llm, smol):
     """A round queued behind another is the only work a step starts while a round is in flight;
     a new arrival or an abort stops the chaining (the freed blocks are reused only after the
     device is done), the new request is admitted next, and every token equals the reference."""
-    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.core.messages import EngineCoreRequest
 
     tok = smol.tokenizer
     ids = [tok(p).input_ids for p in PROMPTS[:4]]
@@ -216,7 +216,7 @@ def test_async_scheduling_chains_while_a_full_batch_keeps_others_waiting(make_ll
     tok = smol.tokenizer
     ids = [tok(p).input_ids for p in PROMPTS[:4]]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 20, 16, 9)]
-    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.core.messages import EngineCoreRequest
 
     want = _tokens(make_llm(max_num_seqs=2, async_scheduling=False).generate(ids, params))
     llm = make_llm(max_num_seqs=2, async_scheduling=True)

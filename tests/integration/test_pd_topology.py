@@ -292,7 +292,7 @@ def test_kv_events_feed_the_router_exact_index_and_nobody_else(topo, smol):
     import zmq
 
     from kvmesh.common.kv_events_auth import CurveKeys
-    from kvmesh.services.router.testing import handshake_refused, kv_event_outsider, wait_for
+    from kvmesh.testing.pods import handshake_refused, kv_event_outsider, wait_for
 
     router, decode = topo.router_url, next(w for w in topo.workers if w.role == "decode")
     server_public = CurveKeys.derive(topo.kv_auth_key.encode()).server_public

@@ -94,7 +94,7 @@ def folders(tmp_path_factory, smol):
 
 @pytest.fixture(scope="module")
 def loaded(folders):
-    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.models.loader import load_model
 
     return {k: load_model(p) for k, p in folders.items()}
 
@@ -167,7 +167,7 @@ def test_matches_hf_alone_batched_chunked_and_cached(kind, loaded, prompts, expe
 def test_serve_qwen3_moe_folder_through_the_api(folders, loaded, prompts, expected):
     from openai import OpenAI
 
-    from kvmesh.services.api.testing import ServerProcess
+    from kvmesh.testing.servers import ServerProcess
 
     env = {"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING"}
     folder = folders["qwen3_moe"]
@@ -236,7 +236,7 @@ def test_qwen3_moe_pd_over_redis(loaded, prompts):
     """Prefill saves the MoE model's blocks to a real redis-server; a decode engine loads them."""
     from kvmesh.engine.args import EngineArgs
     from kvmesh.engine.connectors import make_connector
-    from kvmesh.engine.core import EngineCore
+    from kvmesh.engine.core.engine_core import EngineCore
 
     lm = loaded["qwen3_moe"]
     srv = RedisServer()
@@ -285,7 +285,7 @@ def test_fp8_weights_keep_logits_close(kind, loaded, prompts):
 
     from kvmesh.engine.models import model_class
     from kvmesh.engine.models.decoder import DenseMLP
-    from kvmesh.engine.quantization import LayerQuantizer
+    from kvmesh.engine.models.quantization import LayerQuantizer
     from kvmesh.kernels import Fp8Weight
 
     lm = loaded[kind]

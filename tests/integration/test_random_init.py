@@ -12,10 +12,10 @@ transformers = pytest.importorskip("transformers")
 
 def test_random_model_matches_hf_greedy():
     from kvmesh.engine.args import EngineArgs
-    from kvmesh.engine.core import EngineCore
-    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.core.engine_core import EngineCore
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
     from kvmesh.engine.models.random_init import hf_model_from_state_dict, random_model, scaled_config
-    from kvmesh.engine.sampling_params import SamplingParams
 
     cfg = scaled_config(
         hidden_size=128,

@@ -22,7 +22,8 @@ import httpx
 import pytest
 
 from kvmesh.common.prometheus import flat_metrics
-from kvmesh.services.api.testing import ServerProcess, alive, descendants
+from kvmesh.health import wait_healthy
+from kvmesh.testing.servers import ServerProcess, alive, descendants
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +60,8 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def router(server):
     from kvmesh.services.router.config import PodSpec, RouterConfig
-    from kvmesh.services.router.testing import free_port, start_router
+    from kvmesh.testing.pods import start_router
+    from kvmesh.topology import free_port
 
     cfg = RouterConfig(
         host="127.0.0.1",
@@ -287,17 +289,13 @@ def test_killed_engine_is_restarted(server, router):
     os.kill(old, signal.SIGKILL)
     t.join(120)
     assert_openai_error(result["r"], 503)
-    deadline = time.monotonic() + 300
-    while httpx.get(server.base_url + "/health").status_code != 200 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_healthy(server.base_url, 300, server.proc, "the server after its engine's restart")
     assert httpx.get(server.base_url + "/health").status_code == 200
     new = server.engine_pid()
     assert new is not None and new != old and not alive(old)
     assert descendants(server.proc.pid) == {new}
     still_serves(server.base_url)
     # the router took the pod out while its engine was down and back in after
-    deadline = time.monotonic() + 30
-    while httpx.get(router + "/health").status_code != 200 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_healthy(router, 30, what="the router with the pod back")
     still_serves(router)
     assert wait_pools_idle(server.base_url)["vllm:kv_cache_usage_perc"] == 0.0

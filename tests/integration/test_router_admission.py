@@ -19,7 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from kvmesh.services.router import testing
+from kvmesh.testing.pods import FakePod, IdTokenizer, start_router
+from kvmesh.testing.pods import wait_for as _wait_for
+from kvmesh.topology import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +32,7 @@ KEYS = [
     {"key": "limited-key", "tenant": "limited", "rpm": 2},
     {"key": "tokens-key", "tenant": "tokens", "tpm": 100},
 ]
-wait_for = functools.partial(testing.wait_for, timeout=20.0)
+wait_for = functools.partial(_wait_for, timeout=20.0)
 PROMPT = " ".join(str(i) for i in range(1, 51))  # IdTokenizer: 50 prompt tokens
 
 
@@ -40,16 +42,16 @@ def stack(tmp_path_factory):
 
     keys = tmp_path_factory.mktemp("adm") / "keys.json"
     keys.write_text(json.dumps(KEYS))
-    pod = testing.FakePod().start()
+    pod = FakePod().start()
     cfg = RouterConfig(
-        port=testing.free_port(),
+        port=free_port(),
         pods=(PodSpec(pod.url),),
         policy="round-robin",
         api_keys_file=str(keys),
         max_concurrent_requests=1,
         queue_size=3,
     )
-    srv, router = testing.start_router(cfg, tokenizer=testing.IdTokenizer())
+    srv, router = start_router(cfg, tokenizer=IdTokenizer())
     with ThreadPoolExecutor(16) as pool:
         yield srv, router, pod, pool
     srv.stop()
@@ -188,9 +190,9 @@ def test_client_gone_while_queued_leaves_the_queue(stack, settled):
 def test_no_healthy_pod_gets_503_with_retry_after():
     from kvmesh.services.router.config import PodSpec, RouterConfig
 
-    dead = f"http://127.0.0.1:{testing.free_port()}"  # nothing listens there
-    cfg = RouterConfig(port=testing.free_port(), pods=(PodSpec(dead),), api_keys=("k",))
-    srv, router = testing.start_router(cfg, tokenizer=testing.IdTokenizer())
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = RouterConfig(port=free_port(), pods=(PodSpec(dead),), api_keys=("k",))
+    srv, router = start_router(cfg, tokenizer=IdTokenizer())
     try:
         r = post(srv.url, "k")
         assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1

@@ -18,7 +18,9 @@ import httpx
 import pytest
 from openai import AuthenticationError, OpenAI
 
-from kvmesh.services.router import testing
+from kvmesh.testing.pods import start_router
+from kvmesh.testing.pods import wait_for as _wait_for
+from kvmesh.topology import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +30,7 @@ KEYS = [
     {"key": "alpha-key", "tenant": "alpha", "priority": 1},
     {"key": "beta-key", "tenant": "beta"},
 ]
-wait_for = functools.partial(testing.wait_for, timeout=20.0, poll=0.05)
+wait_for = functools.partial(_wait_for, timeout=20.0, poll=0.05)
 
 
 def write_keys(path, keys) -> None:
@@ -40,8 +42,8 @@ def write_keys(path, keys) -> None:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from kvmesh.services.api.testing import ServerProcess
     from kvmesh.services.router.config import PodSpec, RouterConfig
+    from kvmesh.testing.servers import ServerProcess
 
     d = tmp_path_factory.mktemp("auth")
     keys_file, upstream_file = d / "keys.json", d / "upstream"
@@ -55,14 +57,14 @@ def stack(tmp_path_factory):
     pod.start()
     try:
         cfg = RouterConfig(
-            port=testing.free_port(),
+            port=free_port(),
             block_size=BS,
             pods=(PodSpec(pod.base_url),),
             health_interval=0.5,
             api_keys_file=str(keys_file),
             upstream_api_key_file=str(upstream_file),
         )
-        srv, router = testing.start_router(cfg)
+        srv, router = start_router(cfg)
         yield srv, router, pod, keys_file
         srv.stop()
     finally:

@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from kvmesh.services.router.config import PodSpec, RouterConfig
-from kvmesh.services.router.testing import FakePod, IdTokenizer, free_port, start_router
+from kvmesh.testing.pods import FakePod, IdTokenizer, start_router
+from kvmesh.topology import free_port
 
 pytestmark = pytest.mark.integration
 CAPACITY = 256

@@ -13,7 +13,7 @@ import functools
 import httpx
 import pytest
 
-from kvmesh.services.router import testing
+from kvmesh.testing.pods import wait_for as _wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -22,14 +22,15 @@ BS = 16
 
 
 # Real pods publish events at their own pace: a longer wait than the loopback tests'.
-wait_for = functools.partial(testing.wait_for, timeout=20.0, poll=0.05)
+wait_for = functools.partial(_wait_for, timeout=20.0, poll=0.05)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from kvmesh.services.api.testing import ServerProcess
     from kvmesh.services.router.config import PodSpec, RouterConfig
-    from kvmesh.services.router.testing import free_port, start_router
+    from kvmesh.testing.pods import start_router
+    from kvmesh.testing.servers import ServerProcess
+    from kvmesh.topology import free_port
 
     d = tmp_path_factory.mktemp("router")
     pods, specs = [], []

@@ -14,11 +14,12 @@ import httpx
 import pytest
 
 from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvmesh.engine.kv_publisher import KVEventPublisher, PublisherConfig
+from kvmesh.engine.core.kv_publisher import KVEventPublisher, PublisherConfig
 from kvmesh.services.router.config import PodSpec, RouterConfig
 from kvmesh.services.router.events import EventHub
 from kvmesh.services.router.index import PrefixIndex
-from kvmesh.services.router.testing import FakePod, IdTokenizer, free_port, start_router, wait_for
+from kvmesh.testing.pods import FakePod, IdTokenizer, start_router, wait_for
+from kvmesh.topology import free_port
 
 pytestmark = pytest.mark.integration
 BS = 16
@@ -212,7 +213,7 @@ def test_stream_is_relayed_chunk_by_chunk():
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 
-    from kvmesh.services.router.testing import ThreadServer
+    from kvmesh.testing.pods import ThreadServer
 
     app = FastAPI()
     client_saw_first = threading.Event()

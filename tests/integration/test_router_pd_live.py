@@ -23,9 +23,10 @@ BS = 16
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     pytest.importorskip("nixl")
-    from kvmesh.services.api.testing import ServerProcess
     from kvmesh.services.router.config import PodSpec, RouterConfig
-    from kvmesh.services.router.testing import free_port, start_router
+    from kvmesh.testing.pods import start_router
+    from kvmesh.testing.servers import ServerProcess
+    from kvmesh.topology import free_port
 
     d = tmp_path_factory.mktemp("pd")
     common = ["--max-model-len", "512", "--num-kv-blocks", "128", "--block-size", str(BS), "--kv-connector", "nixl"]

@@ -20,7 +20,7 @@ ENV = {"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING", "KVMESH_API_KEY
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from kvmesh.services.api.testing import ServerProcess
+    from kvmesh.testing.servers import ServerProcess
 
     log = str(tmp_path_factory.mktemp("drain") / "server.log")
     srv = ServerProcess(

@@ -17,6 +17,8 @@ import time
 import httpx
 import pytest
 
+from kvmesh.health import exited, wait_until
+
 pytestmark = pytest.mark.integration
 
 ENV = {"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING"}
@@ -25,7 +27,7 @@ LONG = {"prompt": "Tell me a long story.", "max_tokens": 300, "temperature": 0, 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from kvmesh.services.api.testing import ServerProcess, alive
+    from kvmesh.testing.servers import ServerProcess, alive
 
     log = str(tmp_path_factory.mktemp("serve") / "server.log")
     srv = ServerProcess(
@@ -90,15 +92,14 @@ def test_queue_full_gets_503_with_retry_after(server):
             assert err["code"] == 503 and "overloaded" in err["message"]
             stop.set()
     t.join(120)
+
     # both streams were dropped: the server recovers and serves again
-    deadline = time.monotonic() + 120
-    status = None
-    while time.monotonic() < deadline:
-        status = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60).status_code
-        if status == 200:
-            break
-        time.sleep(0.5)
-    assert status == 200
+    def serves() -> bool:
+        return (
+            httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60).status_code == 200
+        )
+
+    wait_until(serves, 120, "the server serving again", exited(server.proc), poll=0.5)
 
 
 def test_engine_death_fails_requests_and_health(server):

@@ -27,7 +27,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from kvmesh.services.api.testing import ServerProcess
+    from kvmesh.testing.servers import ServerProcess
 
     log = str(tmp_path_factory.mktemp("serve") / "server.log")
     srv = ServerProcess(

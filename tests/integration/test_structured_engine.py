@@ -9,8 +9,8 @@ import re
 import pytest
 
 from kvmesh import SamplingParams
-from kvmesh.engine.messages import EngineCoreRequest
-from kvmesh.engine.structured import StructuredOutput
+from kvmesh.engine.core.messages import EngineCoreRequest
+from kvmesh.engine.frontend.structured import StructuredOutput
 
 pytestmark = pytest.mark.integration
 

@@ -54,7 +54,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from kvmesh.services.api.testing import ServerProcess
+    from kvmesh.testing.servers import ServerProcess
 
     log = str(tmp_path_factory.mktemp("serve") / "server.log")
     srv = ServerProcess(

@@ -18,11 +18,11 @@ import torch
 from safetensors.torch import save_file
 
 from kvmesh.engine.args import EngineArgs
-from kvmesh.engine.core import EngineCore
-from kvmesh.engine.loader import load_model
-from kvmesh.engine.messages import EngineCoreRequest
+from kvmesh.engine.core.engine_core import EngineCore
+from kvmesh.engine.core.messages import EngineCoreRequest
+from kvmesh.engine.frontend.sampling_params import SamplingParams
 from kvmesh.engine.models import random_init
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.models.loader import load_model
 
 pytestmark = pytest.mark.integration
 
@@ -79,9 +79,7 @@ def _prompts(vocab: int, lens: list[int], seed: int) -> list[list[int]]:
 
 def _rank_children() -> list[psutil.Process]:
     return [
-        c
-        for c in psutil.Process().children(recursive=True)
-        if "kvmesh.engine.parallel.worker" in " ".join(c.cmdline())
+        c for c in psutil.Process().children(recursive=True) if "kvmesh.engine.parallel.worker" in " ".join(c.cmdline())
     ]
 
 

@@ -19,8 +19,8 @@ import subprocess
 import httpx
 import pytest
 
-from kvmesh.health import exited, wait_healthy, wait_until
 from kvmesh.common.python_child import kvmesh_command
+from kvmesh.health import exited, wait_healthy, wait_until
 
 pytestmark = pytest.mark.integration
 BS = 16

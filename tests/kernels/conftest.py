@@ -1,9 +1,9 @@
 """Run the Triton kernels under Triton's interpreter on the CPU.
 
-`kvmesh.kernels` sends CPU tensors to the Triton kernels when ``TRITON_INTERPRET=1`` is set at
-call time. Each test sets it and points the kernel lookup at an interpreted copy of the kernel
-bodies (tests/kernels/triton_interpreter.py), both undone after the test, so the engine's CPU path in
-other test directories stays on the fast reference.
+`kvmesh.kernels` sends CPU tensors to the Triton kernels when ``TRITON_INTERPRET=1`` was set when
+it was imported (`kvmesh.kernels._dispatch.INTERPRET`). Each test sets that flag and points the kernel
+lookup at an interpreted copy of the kernel bodies (tests/kernels/triton_interpreter.py), both undone
+after the test, so the engine's CPU path in other test directories stays on the fast reference.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from kvmesh.kernels import _dispatch
 
 @pytest.fixture(autouse=True)
 def triton_interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(_dispatch, "INTERPRET", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's own checks read it at launch (its knobs)
     compiled = _dispatch.kernels_for
     interpreted = interpreted_kernels()
     monkeypatch.setattr(_dispatch, "kernels_for", lambda t: compiled(t) if t.is_cuda else interpreted)

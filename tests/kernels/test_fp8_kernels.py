@@ -91,14 +91,14 @@ def test_fp8_silu_mul_gemv(gen, dtype):
     assert rel_err(y, ref) < GEMV_BOUND[dtype]
 
 
-def test_fp8_gemv_w8a8(gen, monkeypatch):
-    """KVMESH_FP8_GEMV_W8A8=1: the row quantized per token first, then the GEMV on e4m3 x e4m3."""
-    monkeypatch.setenv("KVMESH_FP8_GEMV_W8A8", "1")
+def test_fp8_gemv_w8a8(gen):
+    """``fp8_gemv_w8a8``: the row quantized per token first, then the GEMV on e4m3 x e4m3."""
+    c = K.KernelChoices(fp8_gemv_w8a8=True)
     w = weight(gen, 48, 128)
     x = torch.randn(1, 256, generator=gen)
     for silu in (False, True):
         h = K.silu_and_mul_reference(x) if silu else x[:, :128]
-        y = K.silu_mul_linear(x, w) if silu else K.linear(h, w)
+        y = K.silu_mul_linear(x, w, choices=c) if silu else K.linear(h, w, choices=c)
         xq, xs = K.fp8_quantize_rows_reference(h)
         assert rel_err(y, ref64(xq, w) * xs.double()[:, None]) < 1e-5
         assert rel_err(y, K.fp8_linear_reference(h, w.weight, w.scale)) < 1e-5
@@ -117,7 +117,7 @@ def test_fp8_matmul_rows(gen):
 
 
 def test_fp8_dispatch_and_errors(gen, monkeypatch):
-    """Single rows take the GEMV (with the weight's scales), more rows do not; KVMESH_GEMV=0
+    """Single rows take the GEMV (with the weight's scales), more rows do not; ``gemv_kernel`` off
     turns it off; bad shapes and weights are clear errors."""
     calls = []
     real = matmul._gemv
@@ -125,8 +125,7 @@ def test_fp8_dispatch_and_errors(gen, monkeypatch):
     w = weight(gen, 16, 32)
     K.linear(torch.randn(1, 32, generator=gen), w)
     K.linear(torch.randn(3, 32, generator=gen), w)
-    monkeypatch.setenv("KVMESH_GEMV", "0")
-    K.linear(torch.randn(1, 32, generator=gen), w)
+    K.linear(torch.randn(1, 32, generator=gen), w, choices=K.KernelChoices(gemv_kernel=False))
     assert calls == [True]
     with pytest.raises(ValueError, match="does not match weight"):
         K.linear(torch.randn(1, 31), w)
@@ -151,9 +150,9 @@ def test_kernel_checks_fp8(gen, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,bias", [(1, 70, 300, False), (5, 48, 64, False), (37, 70, 96, True)])
-def test_fp8_gemm_triton(gen, dtype, m, n, k, bias, monkeypatch):
+def test_fp8_gemm_triton(gen, dtype, m, n, k, bias):
     """The Triton W8A8 GEMM (tiles not multiples of the shapes included) against the float64
-    product of the same quantized operands; and through `linear` with KVMESH_FP8_GEMM=triton."""
+    product of the same quantized operands; and through `linear` with ``fp8_gemm="triton"``."""
     w = weight(gen, n, k)
     x = torch.randn(m, k, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
@@ -163,8 +162,7 @@ def test_fp8_gemm_triton(gen, dtype, m, n, k, bias, monkeypatch):
     y = fp8.fp8_gemm(xq, xs, w, b, dtype, config=(16, 32, 32, 4, 1))
     assert y.dtype == dtype and rel_err(y, ref) < GEMV_BOUND[dtype]
     if m > 1:  # one row takes the GEMV (W8A16) whatever the GEMM
-        monkeypatch.setenv("KVMESH_FP8_GEMM", "triton")
-        assert rel_err(K.linear(x, w, b), ref) < GEMV_BOUND[dtype]
+        assert rel_err(K.linear(x, w, b, choices=K.KernelChoices(fp8_gemm="triton")), ref) < GEMV_BOUND[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -211,8 +209,8 @@ def test_fp8_swapab_split_k(gen, m, split):
 
 
 @pytest.mark.parametrize("path", ["bits", "swapab", "swapab_q"])
-def test_fp8_one_row_paths(gen, path, monkeypatch):
-    """KVMESH_FP8_GEMV picks the one-row kernel: integer widening (exact on denormal e4m3 weights:
+def test_fp8_one_row_paths(gen, path):
+    """``fp8_one_row_kernel`` picks the one-row kernel: integer widening (exact on denormal e4m3 weights:
     a row whose outlier pushes the rest below 2^-6) equals the GEMV with conversions; the swapped
     product (row quantized in the kernel or by the quantization kernel first) equals W8A8; an
     unknown name is a clear error."""
@@ -224,15 +222,17 @@ def test_fp8_one_row_paths(gen, path, monkeypatch):
     x = torch.randn(1, 96, generator=gen)
     g = torch.randn(1, 192, generator=gen)
     base = (K.linear(x, w, config=(8, 32, 4, 1)), K.silu_mul_linear(g, w, config=(8, 32, 4, 1)))
-    monkeypatch.setenv("KVMESH_FP8_GEMV", path)
+    c = K.KernelChoices(fp8_one_row_kernel=path)
     if path == "bits":
-        got = (K.linear(x, w, config=(8, 32, 4, 1)), K.silu_mul_linear(g, w, config=(8, 32, 4, 1)))
+        got = (
+            K.linear(x, w, config=(8, 32, 4, 1), choices=c),
+            K.silu_mul_linear(g, w, config=(8, 32, 4, 1), choices=c),
+        )
         for y, r in zip(got, base):
             assert rel_err(y, r) < 1e-6
     else:
-        for y, h in ((K.linear(x, w), x), (K.silu_mul_linear(g, w), K.silu_and_mul(g))):
+        for y, h in ((K.linear(x, w, choices=c), x), (K.silu_mul_linear(g, w, choices=c), K.silu_and_mul(g))):
             xq, xs = K.fp8_quantize_rows(h)
             assert rel_err(y, ref64(xq, w) * xs.double()[:, None]) < 1e-5
-    monkeypatch.setenv("KVMESH_FP8_GEMV", "nope")
-    with pytest.raises(ValueError, match="KVMESH_FP8_GEMV"):
-        K.linear(x, w)
+    with pytest.raises(ValueError, match="fp8_one_row_kernel"):
+        K.KernelChoices(fp8_one_row_kernel="nope")

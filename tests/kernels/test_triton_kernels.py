@@ -185,14 +185,14 @@ def test_tma_descriptor_kept_per_cache_view(gen):
 
 def test_pdl_only_for_one_token_calls_on_hopper(monkeypatch):
     """Programmatic dependent launch (`kvmesh.kernels._dispatch.pdl`): launch options for one-token calls on Hopper and
-    newer; none for more tokens, none with KVMESH_PDL=0, none without such a GPU (the CPU here)."""
+    newer; none for more tokens, none when the caller's choices turn it off, none without such a GPU
+    (the CPU here)."""
     t = torch.zeros(1)
-    assert _dispatch.pdl(t, 1) == {}
+    assert _dispatch.pdl(t, 1, True) == {}
     monkeypatch.setattr(_dispatch, "hopper", lambda device: True)
-    assert _dispatch.pdl(t, 1) == {"PDL": True, "launch_pdl": True}
-    assert _dispatch.pdl(t, 2) == {} and _dispatch.pdl(t, 128) == {}
-    monkeypatch.setenv("KVMESH_PDL", "0")
-    assert _dispatch.pdl(t, 1) == {}
+    assert _dispatch.pdl(t, 1, True) == {"PDL": True, "launch_pdl": True}
+    assert _dispatch.pdl(t, 2, True) == {} and _dispatch.pdl(t, 128, True) == {}
+    assert _dispatch.pdl(t, 1, False) == {}
 
 
 def test_tma_heuristic_needs_many_programs(monkeypatch):
@@ -432,15 +432,15 @@ def test_silu_mul_linear(gen, dtype):
 
 
 def test_gemv_dispatch(gen, monkeypatch):
-    """Only single rows take the GEMV kernel; KVMESH_GEMV=0 turns it off; bad shapes are errors."""
+    """Only single rows take the GEMV kernel; ``KernelChoices(gemv_kernel=False)`` turns it off; bad
+    shapes are errors."""
     calls = []
     real = matmul._gemv
     monkeypatch.setattr(matmul, "_gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     w = torch.randn(16, 32, generator=gen)
     K.linear(torch.randn(1, 32, generator=gen), w)
     K.linear(torch.randn(3, 32, generator=gen), w)
-    monkeypatch.setenv("KVMESH_GEMV", "0")
-    K.linear(torch.randn(1, 32, generator=gen), w)
+    K.linear(torch.randn(1, 32, generator=gen), w, choices=K.KernelChoices(gemv_kernel=False))
     assert calls == [(1, 32)]
     with pytest.raises(ValueError, match="does not match weight"):
         K.linear(torch.randn(1, 31), w)
@@ -450,10 +450,12 @@ def test_gemv_dispatch(gen, monkeypatch):
         K.linear(torch.randn(1, 32), w, torch.randn(15))
 
 
-def test_dispatch_follows_env(monkeypatch):
+def test_dispatch_follows_interpret(monkeypatch):
+    """CPU tensors take the interpreter when TRITON_INTERPRET was set (read once, at import), else
+    the reference."""
     x = torch.zeros(2)
     assert K.backend(x) == "interpret"
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_dispatch, "INTERPRET", False)
     assert K.backend(x) == "reference"
 
 

@@ -11,7 +11,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from kvmesh.engine.messages import EngineCoreOutput, EngineStats
+from kvmesh.engine.core.messages import EngineCoreOutput, EngineStats
 from kvmesh.services.api import wire
 from kvmesh.services.api.config import ServerConfig
 from kvmesh.services.api.engine_client import EngineDeadError, EngineRejectedError, RequestStream

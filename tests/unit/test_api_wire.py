@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvmesh.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.core.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+from kvmesh.engine.frontend.sampling_params import SamplingParams
 from kvmesh.services.api import wire
 from kvmesh.services.api.engine_proc import EngineProcConfig
 

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.common.kv_events import BlockRemoved, BlockStored
-from kvmesh.engine.kv_cache_manager import KVCacheManager
-from kvmesh.engine.request import Request
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.core.kv_cache_manager import KVCacheManager
+from kvmesh.engine.core.request import Request
+from kvmesh.engine.frontend.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 BS = 4

@@ -156,3 +156,30 @@ def test_every_flag_has_a_field() -> None:
     group = next(g for g in sub.choices["generate"]._action_groups if g.title == "engine")
     names = {f.name for f in dataclasses.fields(EngineArgs) if f.metadata["cli"]["section"] == ""}
     assert {a.dest for a in group._group_actions} == names
+
+
+def test_kernel_variants_are_flags_of_their_own_group_and_land_in_the_config() -> None:
+    """The kernel variants (`KernelChoices`) have a flag group of their own; their values reach
+    `EngineConfig.kernels`, checked there (the runner hands them to the model at build)."""
+    from kvmesh.cli import build_parser
+    from kvmesh.common.kernel_choices import KernelChoices
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    group = next(g for g in sub.choices["serve"]._action_groups if g.title == "kernel variants")
+    assert {a.dest for a in group._group_actions} == {f.name for f in dataclasses.fields(KernelChoices)}
+    assert EngineArgs(device="cpu").create_engine_config(MODEL, "/m").kernels == KernelChoices()
+    ns = parse("--no-gemv-kernel", "--no-tma-attention", "--no-pdl", "--fp8-one-row-kernel", "bits")
+    ns2 = parse("--fp8-gemv-w8a8", "--fp8-split-k", "3", "--fp8-gemm", "triton")
+    got = EngineArgs.from_cli_args(ns).create_engine_config(MODEL, "/m").kernels
+    assert got == KernelChoices(gemv_kernel=False, tma_attention=False, pdl=False, fp8_one_row_kernel="bits")
+    got2 = EngineArgs.from_cli_args(ns2).create_engine_config(MODEL, "/m").kernels
+    assert got2 == KernelChoices(fp8_gemv_w8a8=True, fp8_split_k=3, fp8_gemm="triton")
+    with pytest.raises(SystemExit):
+        parse("--fp8-gemm", "cublas")
+    for bad, match in (
+        (dict(fp8_split_k=0), "fp8_split_k"),
+        (dict(fp8_one_row_kernel="nope"), "fp8_one_row_kernel"),
+        (dict(pdl="0"), "pdl"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(device="cpu", **bad).create_engine_config(MODEL, "/m")

@@ -26,7 +26,6 @@ PRODUCT = ("engine", "kernels", "services", "operator", "kvmesh")  # bench/ is n
 EXCLUDED = (
     "kvmesh/common/env.py",  # the one reader
     "kvmesh/bench_*.py",  # benchmarks, not the product
-    "kernels/*",  # kernels/: see branch kernel-choices
 )
 
 

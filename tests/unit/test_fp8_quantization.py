@@ -23,15 +23,15 @@ from model_checks import prefill_logits
 
 import kvmesh.kernels as K
 from kvmesh.common.model_files import ModelLoadError
-from kvmesh.engine.loader import load_model
 from kvmesh.engine.models.llama import LlamaForCausalLM
-from kvmesh.engine.models.random_init import random_model, scaled_config
-from kvmesh.engine.quantization import (
+from kvmesh.engine.models.loader import load_model
+from kvmesh.engine.models.quantization import (
     LayerQuantizer,
     fp8_state_dict_entries,
     quantize_model,
     quantized_projection_names,
 )
+from kvmesh.engine.models.random_init import random_model, scaled_config
 
 pytestmark = pytest.mark.unit
 

@@ -3,11 +3,11 @@
 The router imports the engine's shared pieces from `kvmesh.common` (chat rendering, block hashing,
 the KV-event codec and its keys, the model's config and tokenizer), never `kvmesh.engine`, whose
 loader and runner import torch: so a router starts without loading torch, and its image need not
-carry it. Product code (engine, services, operator, kernels, kvmesh.common) imports nothing from
-the CLI package (`kvmesh.cli`, `kvmesh.commands`, the benchmarks of `kvmesh.bench`, `kvmesh up`'s
-topology) or from a ``testing`` module: the dependency goes from the command line to the product, never
-back. Nor do the CLI's own modules that product-side harnesses use (topology, health, aio) import a
-benchmark.
+carry it. Product code (engine, services, operator, kernels, kvmesh.common, and the process helpers
+`kvmesh.topology`, `kvmesh.health`, `kvmesh.aio`) imports nothing from the command line
+(`kvmesh.cli`, `kvmesh.commands`), the benchmarks (`kvmesh.bench*`, `bench`) or test support
+(`kvmesh.testing`, any ``testing`` module): the dependency goes from the command line, the
+benchmarks and the tests to the product, never back. A failure names each import by file and line.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_the_router_starts_and_tokenizes_without_torch():
     are the engine's (computed here, with torch)."""
     from kvmesh.common.chat import render_chat
     from kvmesh.common.model_files import load_model_files
-    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.models.loader import load_model
 
     load_model_files(None)  # converts the GGUF's tokenizer into the cache if this machine has none yet
     done = _run_blocked(ROUTER)
@@ -98,54 +98,54 @@ def test_the_router_starts_and_tokenizes_without_torch():
 
 def test_the_torch_block_catches_an_import_of_torch():
     """The same child setup fails on the engine's loader, which does import torch: the check above can fail."""
-    done = _run_blocked("import kvmesh.engine.loader\n")
+    done = _run_blocked("import kvmesh.engine.models.loader\n")
     assert done.returncode != 0
     assert "torch is blocked by test_import_boundaries" in done.stderr
 
 
 # ---- static: what product modules import ------------------------------------------------------
-# Product source folders and the packages they install as (pyproject's package-dir).
+# Product sources (folders and single files) and the modules they install as (pyproject's package-dir):
+# what runs in a pod or under `kvmesh up`, including the process helpers servers and `kvmesh up` share.
 PRODUCT = {
     "engine": "kvmesh.engine",
     "services": "kvmesh.services",
     "operator": "kvmesh.operator",
     "kernels": "kvmesh.kernels",
     "kvmesh/common": "kvmesh.common",
+    "kvmesh/topology.py": "kvmesh.topology",
+    "kvmesh/health.py": "kvmesh.health",
+    "kvmesh/aio.py": "kvmesh.aio",
 }
-# The CLI package's modules: the command line, its benches and `kvmesh up`'s process management.
-CLI_MODULES = ("kvmesh.cli", "kvmesh.cli_fields", "kvmesh.commands", "kvmesh.topology", "kvmesh.health")
-
-# (importing file, imported module): imports that exist and cannot go yet. This list may only shrink.
-KNOWN = {
-    # The in-process harnesses the tests and benches start servers with live in the product
-    # packages (beside what they start) and wait on them with `kvmesh up`'s helpers.
-    ("services/api/testing.py", "kvmesh.health"): "test harness: waits for the server as `kvmesh up` does",
-    ("services/api/testing.py", "kvmesh.topology"): "test harness: picks a free port as `kvmesh up` does",
-    ("services/router/testing.py", "kvmesh.health"): "test harness: waits for the router as `kvmesh up` does",
-    ("services/router/testing.py", "kvmesh.topology"): "test harness: picks a free port as `kvmesh up` does",
-}
+# What product code never imports: the command line, the benchmarks and test support (their
+# modules and everything below them; `kvmesh.bench*` and any module named ``testing`` by `_forbidden`).
+FORBIDDEN = ("kvmesh.cli", "kvmesh.commands", "kvmesh.testing", "bench")
 
 
 def _product_files() -> list[tuple[Path, str]]:
     """(file, its module name) of every product source file."""
     out = []
-    for folder, package in PRODUCT.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+    for source, package in PRODUCT.items():
+        if source.endswith(".py"):
+            out.append((ROOT / source, package))
+            continue
+        for path in sorted((ROOT / source).rglob("*.py")):
+            parts = path.relative_to(ROOT / source).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             out.append((path, ".".join((package, *parts))))
     return out
 
 
-def _imported(path: Path, module: str) -> set[str]:
-    """Every module ``path`` imports, anywhere in it (functions, ``TYPE_CHECKING`` blocks), relative
-    imports resolved; ``from a import b`` counts as both ``a`` and ``a.b`` (b may be a module)."""
+def _imports(path: Path, module: str, text: str | None = None) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path`` (or ``text``), anywhere in it (functions,
+    ``TYPE_CHECKING`` blocks), relative imports resolved; ``from a import b`` counts as both ``a`` and
+    ``a.b`` (b may be a module)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    out: list[tuple[int, str]] = []
+    tree = ast.parse(path.read_text() if text is None else text, str(path))
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
+            out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -153,32 +153,88 @@ def _imported(path: Path, module: str) -> set[str]:
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
-            out.add(source)
-            out.update(f"{source}.{a.name}" for a in node.names if a.name != "*")
+            out.append((node.lineno, source))
+            out += [(node.lineno, f"{source}.{a.name}") for a in node.names if a.name != "*"]
     return out
 
 
-def _cli_or_testing(target: str) -> str | None:
-    """The CLI or testing module ``target`` is or is in (``kvmesh.health.wait_until`` -> ``kvmesh.health``)."""
+def _imported(path: Path, module: str) -> set[str]:
+    return {target for _, target in _imports(path, module)}
+
+
+def _forbidden(target: str) -> str | None:
+    """The CLI, bench or testing module ``target`` is or is in (``kvmesh.cli.main`` -> ``kvmesh.cli``),
+    or None. A module named ``testing`` counts in our packages and at the top level, not in a
+    third-party package's (``numpy.testing`` is that library's own business)."""
     parts = target.split(".")
-    if parts[0] != "kvmesh":
-        return None
-    if "testing" in parts:
+    if parts[0] == "testing":
+        return "testing"
+    if parts[0] == "kvmesh" and "testing" in parts:
         return ".".join(parts[: parts.index("testing") + 1])
-    if len(parts) > 1 and parts[1] == "bench":
-        return "kvmesh.bench"
-    return next((m for m in CLI_MODULES if target == m or target.startswith(m + ".")), None)
+    if parts[0] == "kvmesh" and len(parts) > 1 and parts[1].startswith("bench"):
+        return ".".join(parts[:2])
+    return next((m for m in FORBIDDEN if target == m or target.startswith(m + ".")), None)
 
 
-def test_product_code_imports_neither_the_cli_nor_testing_modules():
-    found = {
-        (str(path.relative_to(ROOT)), hit)
-        for path, module in _product_files()
-        for target in _imported(path, module)
-        if (hit := _cli_or_testing(target)) is not None
-    }
-    assert found - set(KNOWN) == set(), "product code imports the CLI package or a testing module"
-    assert set(KNOWN) - found == set(), "an exception in KNOWN is gone: remove it from the list"
+def _violations(path: Path, module: str, text: str | None = None) -> list[str]:
+    """``file:line imports module (forbidden module)`` for each forbidden import in ``path``."""
+    return [
+        f"{path.relative_to(ROOT)}:{line} imports {target} ({hit})"
+        for line, target in sorted(set(_imports(path, module, text)))
+        if (hit := _forbidden(target)) is not None
+    ]
+
+
+def test_product_code_imports_neither_the_cli_nor_benches_nor_testing_modules():
+    found = [v for path, module in _product_files() for v in _violations(path, module)]
+    assert found == [], "product code imports the CLI, a benchmark or test support:\n" + "\n".join(found)
+
+
+def test_the_walk_covers_every_product_source():
+    """Each source in PRODUCT exists and yields files, so a renamed folder cannot empty the check."""
+    files = _product_files()
+    for source in PRODUCT:
+        assert any(p == ROOT / source or ROOT / source in p.parents for p, _ in files), source
+    assert (ROOT / "services/router/app.py", "kvmesh.services.router.app") in files
+
+
+def test_forbidden_names_what_the_product_must_not_import():
+    for target, hit in {
+        "kvmesh.cli": "kvmesh.cli",
+        "kvmesh.cli.main": "kvmesh.cli",
+        "kvmesh.commands.up": "kvmesh.commands",
+        "kvmesh.bench_router": "kvmesh.bench_router",
+        "kvmesh.bench_fuzz.pool_metrics": "kvmesh.bench_fuzz",
+        "bench": "bench",
+        "bench.pd_serve": "bench",
+        "kvmesh.testing": "kvmesh.testing",
+        "kvmesh.testing.pods.FakePod": "kvmesh.testing",
+        "kvmesh.services.api.testing": "kvmesh.services.api.testing",
+        "testing": "testing",
+    }.items():
+        assert _forbidden(target) == hit, target
+    for target in (
+        "kvmesh.health",
+        "kvmesh.topology",
+        "kvmesh.aio",
+        "kvmesh.common.chat",
+        "kvmesh.clients",
+        "benchmark_lib",
+        "numpy.testing",
+        "kvmesh.services.router.app",
+    ):
+        assert _forbidden(target) is None, target
+
+
+def test_a_violation_is_named_with_its_file_and_line():
+    """The walk resolves a relative import and reports where it is (a product file's text, made up here)."""
+    text = "import json\n\n\ndef f():\n    from .testing import FakePod\n    import kvmesh.cli\n"
+    found = _violations(ROOT / "services/router/app.py", "kvmesh.services.router.app", text)
+    assert found == [
+        "services/router/app.py:5 imports kvmesh.services.router.testing (kvmesh.services.router.testing)",
+        "services/router/app.py:5 imports kvmesh.services.router.testing.FakePod (kvmesh.services.router.testing)",
+        "services/router/app.py:6 imports kvmesh.cli (kvmesh.cli)",
+    ]
 
 
 def test_no_product_module_imports_a_benchmark():

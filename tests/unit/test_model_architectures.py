@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from kvmesh.common.model_files import MODEL_TYPE_OF_HF, ModelLoadError, model_config_from_hf
-from kvmesh.engine.loader import _hf_names, load_model
 from kvmesh.engine.models import (
     BY_MODEL_TYPE,
     LlamaForCausalLM,
@@ -18,6 +17,7 @@ from kvmesh.engine.models import (
     Qwen3MoeForCausalLM,
     model_class,
 )
+from kvmesh.engine.models.loader import _hf_names, load_model
 from kvmesh.engine.models.random_init import LLAMA3_8B, QWEN3_30B_A3B, scaled_config
 
 pytestmark = pytest.mark.unit

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.engine.messages import EngineStats
+from kvmesh.engine.core.messages import EngineStats
 from kvmesh.operator.metrics_text import parse, quantile
 from kvmesh.services.api.metrics import ServerMetrics
 

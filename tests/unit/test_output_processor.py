@@ -7,8 +7,8 @@ import random
 import pytest
 
 from kvmesh import SamplingParams
-from kvmesh.engine.messages import EngineCoreOutput
-from kvmesh.engine.output_processor import RequestState
+from kvmesh.engine.core.messages import EngineCoreOutput
+from kvmesh.engine.frontend.output_processor import RequestState
 
 pytestmark = pytest.mark.unit
 TEXTS = [
@@ -20,7 +20,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.models.loader import load_model
 
     return load_model(None, load_weights=False).tokenizer
 

@@ -120,7 +120,7 @@ def test_private_follow_up_passes_the_balance_guard():
 
 def test_router_tracks_blocks_in_flight_per_pod():
     from kvmesh.services.router.router import Router
-    from kvmesh.services.router.testing import IdTokenizer
+    from kvmesh.testing.pods import IdTokenizer
 
     r = Router(RouterConfig(block_size=BS), tokenizer=IdTokenizer())
     r.add_pod(PodSpec("http://a:1"))

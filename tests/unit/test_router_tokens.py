@@ -183,7 +183,7 @@ def test_removed_pod_leaves_no_health_series():
     """A pod that left (EndpointSlice update) must not keep reporting healthy: alerts count healthy pods."""
     from kvmesh.services.router.config import PodSpec, RouterConfig
     from kvmesh.services.router.router import Router
-    from kvmesh.services.router.testing import IdTokenizer
+    from kvmesh.testing.pods import IdTokenizer
 
     r = Router(RouterConfig(block_size=16), tokenizer=IdTokenizer())
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvmesh import SamplingParams
-from kvmesh.engine.device_draw import draw_on_device
-from kvmesh.engine.sampling_filter import filter_batched, filter_row, top_p_threshold, top_p_threshold_sorted
+from kvmesh.engine.runner.device_draw import draw_on_device
+from kvmesh.engine.runner.sampling_filter import filter_batched, filter_row, top_p_threshold, top_p_threshold_sorted
 
 pytestmark = pytest.mark.unit
 
@@ -180,7 +180,7 @@ def _penalized_reference(row: torch.Tensor, p: SamplingParams, prompt: list[int]
 
 
 def test_penalties_match_the_rules():
-    from kvmesh.engine.logit_adjustment import adjust_logits
+    from kvmesh.engine.runner.logit_adjustment import adjust_logits
 
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 50, generator=gen) * 3
@@ -203,7 +203,7 @@ def test_penalties_match_the_rules():
 
 
 def test_penalties_change_the_greedy_token_and_keep_raw_logprobs():
-    from kvmesh.engine.sampler import Sampler
+    from kvmesh.engine.runner.sampler import Sampler
 
     row = torch.full((1, 10), -5.0)
     row[0, 4], row[0, 6] = 3.0, 2.5  # 4 is the argmax
@@ -224,7 +224,7 @@ def test_penalties_change_the_greedy_token_and_keep_raw_logprobs():
 def test_request_token_arrays_follow_the_lists():
     """The penalty histories the core hands the sampler: the prompt as an array, and the output
     extended incrementally; both must always equal the request's lists."""
-    from kvmesh.engine.request import Request
+    from kvmesh.engine.core.request import Request
 
     r = Request("r", [5, 6, 7], SamplingParams(presence_penalty=1.0), block_size=4, model_identity="m")
     assert r.prompt_array.tolist() == [5, 6, 7] and r.output_array().tolist() == []
@@ -242,7 +242,7 @@ def test_request_token_arrays_follow_the_lists():
 def test_logit_adjustment_extended_by_drawn_tokens_equals_a_rebuild():
     """What a multi-step round does (build once, then `extend` with each step's tokens on the
     device) gives the logits the one-step path gets by rebuilding from the grown histories."""
-    from kvmesh.engine.logit_adjustment import LogitAdjustment, adjust_logits
+    from kvmesh.engine.runner.logit_adjustment import LogitAdjustment, adjust_logits
 
     gen = torch.Generator().manual_seed(4)
     V = 40
@@ -268,7 +268,7 @@ def test_logit_adjustment_extended_by_drawn_tokens_equals_a_rebuild():
 
 
 def test_noise_stream_counts_draws():
-    from kvmesh.engine.sampler import NoiseStream
+    from kvmesh.engine.runner.sampler import NoiseStream
 
     s = NoiseStream(5)
     assert [s.take() for _ in range(3)] == [(5, 0), (5, 1), (5, 2)]
@@ -296,7 +296,7 @@ def test_race_noise_is_exponential():
 def test_seeded_draws_do_not_depend_on_the_batch():
     """A seeded row draws from its seed and its draw count: the same token alone or beside other
     rows (also at another row index), a new token stream as the count advances."""
-    from kvmesh.engine.sampler import NoiseStream
+    from kvmesh.engine.runner.sampler import NoiseStream
 
     gen = torch.Generator().manual_seed(2)
     logits = _logits("flat", 3, gen, V=2000)

@@ -75,7 +75,7 @@ def test_logit_bias_is_stored_sorted_and_adjusts_logits():
 def test_roundtrips_through_msgpack():
     import msgspec
 
-    from kvmesh.engine.messages import EngineCoreRequest
+    from kvmesh.engine.core.messages import EngineCoreRequest
 
     req = EngineCoreRequest(
         "r1",

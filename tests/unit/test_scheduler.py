@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 
 from kvmesh.engine.config import SchedulerConfig
-from kvmesh.engine.kv_cache_manager import KVCacheManager
-from kvmesh.engine.request import Request
-from kvmesh.engine.sampler import SampleResult
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sched_output import ScheduledRequest
-from kvmesh.engine.scheduler import Scheduler
+from kvmesh.engine.core.kv_cache_manager import KVCacheManager
+from kvmesh.engine.core.request import Request
+from kvmesh.engine.core.sched_output import ScheduledRequest
+from kvmesh.engine.core.scheduler import Scheduler
+from kvmesh.engine.frontend.sampling_params import SamplingParams
+from kvmesh.engine.runner.sampler import SampleResult
 
 pytestmark = pytest.mark.unit
 BS = 4

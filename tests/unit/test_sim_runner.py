@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.common.kv_events import BlockStored
-from kvmesh.engine import loader
 from kvmesh.engine.args import EngineArgs
-from kvmesh.engine.core import EngineCore
-from kvmesh.engine.messages import EngineCoreRequest
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sim_runner import SimulatedRunner, next_token
+from kvmesh.engine.core.engine_core import EngineCore
+from kvmesh.engine.core.messages import EngineCoreRequest
+from kvmesh.engine.frontend.sampling_params import SamplingParams
+from kvmesh.engine.models import loader
+from kvmesh.engine.runner.sim_runner import SimulatedRunner, next_token
 
 pytestmark = pytest.mark.unit
 
@@ -51,7 +51,7 @@ def test_no_weights_loaded(monkeypatch, loaded):
         calls.append(load_weights)
         return real(model, load_weights=load_weights, **kw)
 
-    monkeypatch.setattr("kvmesh.engine.core.load_model", spy)
+    monkeypatch.setattr("kvmesh.engine.core.engine_core.load_model", spy)
     eng, tok = EngineCore.from_model(simulate=dict(SIM))
     assert calls == [False]
     assert isinstance(eng.runner, SimulatedRunner)
@@ -106,7 +106,7 @@ def test_latency_model(loaded):
 
 
 def test_defaults_from_gpu_doc():
-    from kvmesh.engine import sim_runner as s
+    from kvmesh.engine.runner import sim_runner as s
 
     # docs/gpu.md: 4.744 ms/step at batch 1, 6.555 at 128 (Llama-3-8B, H200)
     assert abs(s.DEFAULT_DECODE_BASE_MS + s.DEFAULT_DECODE_PER_SEQ_MS - 4.744) < 0.01

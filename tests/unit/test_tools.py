@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvmesh.common.chat import TOOL_PROMPT, chat_input
-from kvmesh.engine.structured import StructuredOutput
+from kvmesh.engine.frontend.structured import StructuredOutput
 from kvmesh.services.api.constraints import structured_output
 from kvmesh.services.api.tools import ChatTools, ToolStream, parse_hermes, parse_llama3_json
 from kvmesh.services.errors import APIError

@@ -13,7 +13,7 @@ Three pieces, each where its work belongs:
   prompt is prefilled, and a repeated schema costs nothing.
 * `RequestGrammar`: one sequence's matcher. Before each sampling step the constrained rows'
   token bitmasks are filled on the host and applied to the logits on their device
-  (engine/grammar_masks.py), while the device runs that step's forward pass; the scheduler
+  (engine/runner/grammar_masks.py), while the device runs that step's forward pass; the scheduler
   advances the matcher with each token it appends. A grammar that terminates (its stop token
   accepted) ends the request with finish reason "stop".
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
-    from .sampling_params import SamplingParams
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
 
 
 @dataclass

@@ -7,12 +7,11 @@ from collections.abc import Sequence
 from typing import cast
 
 from kvmesh.common.chat import render_chat
-
-from .args import EngineArgs
-from .core import EngineCore
-from .messages import EngineCoreRequest
-from .output_processor import RequestOutput, RequestState
-from .sampling_params import SamplingParams
+from kvmesh.engine.args import EngineArgs
+from kvmesh.engine.core.engine_core import EngineCore
+from kvmesh.engine.core.messages import EngineCoreRequest
+from kvmesh.engine.frontend.output_processor import RequestOutput, RequestState
+from kvmesh.engine.frontend.sampling_params import SamplingParams
 
 PromptType = str | Sequence[int]
 
@@ -20,7 +19,7 @@ PromptType = str | Sequence[int]
 class LLM:
     def __init__(self, model: str | None = None, *, args: EngineArgs | None = None, loaded=None, **engine_args) -> None:
         """``args``, or the `EngineArgs` fields as keywords (``LLM(max_num_seqs=4)``); ``loaded``: an
-        already loaded model (engine/loader.py), reused across engines."""
+        already loaded model (engine/models/loader.py), reused across engines."""
         if args is None:
             args = EngineArgs(model=model, **engine_args)
         elif model is not None or engine_args:

@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .messages import EngineCoreOutput
-from .sampling_params import SamplingParams
+from kvmesh.engine.core.messages import EngineCoreOutput
+from kvmesh.engine.frontend.sampling_params import SamplingParams
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .structured import KINDS, StructuredOutput
+from kvmesh.engine.frontend.structured import KINDS, StructuredOutput
 
 # Per-request bounds: what one request may ask of an engine's memory and time (a request beyond
 # them gets a clear error, never an engine that runs out of memory). n and the stop list follow
@@ -44,7 +44,7 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to those logits before the
     # penalties (a dict is accepted and stored sorted). -100 bans a token in practice, +100 forces it.
     logit_bias: tuple[tuple[int, float], ...] = ()
-    # the output must match this grammar (engine/structured.py); its mask applies before everything else
+    # the output must match this grammar (engine/frontend/structured.py); its mask applies before everything else
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:

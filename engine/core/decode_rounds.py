@@ -18,11 +18,11 @@ What keeps it exact:
   sampling is not reproducible in either path; a seeded request's noise comes from
   its seed and its draw count (`device_draw.NoiseStream`) in both paths, so its tokens
   are the same in rounds, in one step and in any batch.
-* Requests with a structured output (engine/structured.py) run in rounds of one step, and only
+* Requests with a structured output (engine/frontend/structured.py) run in rounds of one step, and only
   with async scheduling: their token mask comes from a matcher on the host before every step.
   The round's forward pass is queued first (behind the round in flight, from its last token on
   the device); the host then reads that round's tokens, advances the matchers, fills the new
-  masks (engine/grammar_masks.py) and only then queues the draw, so the fill overlaps the
+  masks (engine/runner/grammar_masks.py) and only then queues the draw, so the fill overlaps the
   forward pass. The draw is the one-step path's (argmax or `draw_on_device` of the masked
   logits), so the tokens are the same as there. Several steps per round would need the
   grammar on the device (xgrammar's matcher is a pushdown automaton on the host) or drafts
@@ -66,10 +66,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from .grammar_masks import GrammarMasks
-from .messages import EngineCoreOutput
-from .sched_output import SchedulerOutput
-from .scheduler import Scheduler
+from kvmesh.engine.core.messages import EngineCoreOutput
+from kvmesh.engine.core.sched_output import SchedulerOutput
+from kvmesh.engine.core.scheduler import Scheduler
+from kvmesh.engine.runner.grammar_masks import GrammarMasks
 
 log = logging.getLogger("kvmesh.engine")
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvmesh.health import wait_until
+from kvmesh.health import NotReadyError, wait_until
 from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT, server_config
 from kvmesh.topology import free_port
 
@@ -184,8 +183,8 @@ class IdTokenizer:
 
 def start_router(cfg, tokenizer=None):
     """Run a `Router` + app on a thread; returns (ThreadServer, Router)."""
-    from .app import build_app
-    from .router import Router
+    from kvmesh.services.router.app import build_app
+    from kvmesh.services.router.router import Router
 
     router = Router(cfg, tokenizer=tokenizer)
     srv = ThreadServer(
@@ -199,13 +198,13 @@ def start_router(cfg, tokenizer=None):
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 5.0, poll: float = 0.02) -> bool:
-    """Poll ``cond`` until it holds or ``timeout`` seconds pass; returns its last answer, for the test to assert."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(poll)
-    return cond()
+    """Poll ``cond`` until it holds or ``timeout`` seconds pass (`wait_until`); returns its last answer,
+    for the test to assert."""
+    try:
+        wait_until(cond, timeout, "condition", poll=poll)
+    except NotReadyError:
+        return cond()
+    return True
 
 
 def kv_event_outsider(ctx, kind: int, endpoint: str, who: str, server_public: bytes | None = None):

@@ -10,7 +10,7 @@ prefix cached) and it re-enters the queue at the front.
 The scheduler also owns what a step's results do to its requests (`update_from_output`:
 appended tokens, stop checks, forks of n > 1 requests, freeing), so the engine core only
 moves data between it, the connector, the runner and the sampler. The runner gets plain
-data (engine/sched_output.py), never a `Request`.
+data (engine/core/sched_output.py), never a `Request`.
 """
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from .config import SchedulerConfig
-from .connector import ConnectorStep, KVConnector, ScheduledWork
-from .kv_cache_manager import KVCacheManager
-from .messages import EngineCoreOutput
-from .request import Request, RequestStatus
-from .sched_output import ScheduledRequest, SchedulerOutput
+from kvmesh.engine.config import SchedulerConfig
+from kvmesh.engine.connectors.base import ConnectorStep, KVConnector, ScheduledWork
+from kvmesh.engine.core.kv_cache_manager import KVCacheManager
+from kvmesh.engine.core.messages import EngineCoreOutput
+from kvmesh.engine.core.request import Request, RequestStatus
+from kvmesh.engine.core.sched_output import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger("kvmesh.engine")
 
 if TYPE_CHECKING:
-    from .block_pool import KVCacheBlock
-    from .sampler import SampleResult
+    from kvmesh.engine.core.block_pool import KVCacheBlock
+    from kvmesh.engine.runner.sampler import SampleResult
 
 
 class QueueFullError(RuntimeError):
@@ -402,7 +402,7 @@ class Scheduler:
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
 
-    # ---- decode rounds (engine/decode_rounds.py) ---------------------------------------
+    # ---- decode rounds (engine/core/decode_rounds.py) ---------------------------------------
     def extends_output(self, request_id: str) -> bool:
         """The request already has output tokens (a decode step, not its prompt's last token)."""
         r = self.requests.get(request_id)

@@ -18,16 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .kv_transfer_params import check_kv_transfer_params
-from .sched_output import ConnectorMetadata
+from kvmesh.engine.connectors.transfer_params import check_kv_transfer_params
+from kvmesh.engine.core.sched_output import ConnectorMetadata
 
 if TYPE_CHECKING:
     import concurrent.futures
 
     import torch
 
-    from .config import EngineConfig
-    from .request import Request
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.core.request import Request
 
 __all__ = ["ConnectorMetadata", "ConnectorStep", "KVConnector", "ScheduledWork"]
 

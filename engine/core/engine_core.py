@@ -4,7 +4,7 @@ It runs in-process for the offline `LLM` and in its own process behind the
 API server. It never tokenizes or detokenizes: requests arrive as token ids and
 leave as token ids, so the loop's time goes to the model. What a step's tokens do to the
 requests (stops, forks, freeing) is the scheduler's; when a step runs as a decode round on the
-device is engine/decode_rounds.py's.
+device is engine/core/decode_rounds.py's.
 """
 
 from __future__ import annotations
@@ -18,24 +18,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvmesh.common.kv_events import KVCacheEvent
-
-from .args import EngineArgs
-from .config import EngineConfig
-from .connector import KVConnector
-from .decode_rounds import DecodeRounds, RoundOutcome
-from .grammar_masks import GrammarMasks
-from .kv_cache_manager import KVCacheManager
-from .loader import load_model
-from .messages import KV_TRANSFER_REFUSALS, EngineCoreOutput, EngineCoreRequest, EngineStats
-from .request import Request, RequestStatus
-from .runner import ModelRunner
-from .sampler import NoiseStream, Sampler, SampleResult
-from .sched_output import SchedulerOutput
-from .scheduler import Scheduler
-from .structured import GrammarCompiler
+from kvmesh.engine.args import EngineArgs
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.connectors.base import KVConnector
+from kvmesh.engine.core.decode_rounds import DecodeRounds, RoundOutcome
+from kvmesh.engine.core.kv_cache_manager import KVCacheManager
+from kvmesh.engine.core.messages import KV_TRANSFER_REFUSALS, EngineCoreOutput, EngineCoreRequest, EngineStats
+from kvmesh.engine.core.request import Request, RequestStatus
+from kvmesh.engine.core.sched_output import SchedulerOutput
+from kvmesh.engine.core.scheduler import Scheduler
+from kvmesh.engine.frontend.structured import GrammarCompiler
+from kvmesh.engine.models.loader import load_model
+from kvmesh.engine.runner import ModelRunner
+from kvmesh.engine.runner.grammar_masks import GrammarMasks
+from kvmesh.engine.runner.sampler import NoiseStream, Sampler, SampleResult
 
 if TYPE_CHECKING:
-    from .sim_runner import SimulatedRunner
+    from kvmesh.engine.runner.sim_runner import SimulatedRunner
 
 log = logging.getLogger("kvmesh.engine")
 
@@ -50,7 +49,7 @@ class EngineCore:
     ) -> None:
         self.config = config
         if simulate is not None:  # `serve --simulate`: latency model instead of the forward pass
-            from .sim_runner import SimulatedRunner
+            from kvmesh.engine.runner.sim_runner import SimulatedRunner
 
             self.runner: ModelRunner | SimulatedRunner = SimulatedRunner(config, **simulate)
         else:
@@ -72,7 +71,8 @@ class EngineCore:
         # structured outputs' token masks, for the one-step path and decode rounds alike
         self.masks = GrammarMasks(config.model.vocab_size, torch.device(config.device))
         self.model_identity = config.model.identity()
-        # compiles structured outputs' grammars (engine/structured.py); set by from_model, which has the tokenizer
+        # compiles structured outputs' grammars (engine/frontend/structured.py); set by from_model, which has
+        # the tokenizer
         self.grammars: GrammarCompiler | None = None
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model (prefix hits and loaded KV excluded)
@@ -100,12 +100,12 @@ class EngineCore:
     ) -> tuple[EngineCore, Any]:
         """Load ``args.model`` (or take ``loaded``) and build an engine; returns ``(engine, tokenizer)``.
 
-        ``simulate``: SimulatedRunner options (engine/sim_runner.py); no weights are loaded, the
+        ``simulate``: SimulatedRunner options (engine/runner/sim_runner.py); no weights are loaded, the
         engine runs on the CPU in float32 and the KV pool defaults to the simulator's size."""
         args = args or EngineArgs()
         loaded = loaded or load_model(args.model, load_weights=simulate is None)
         if simulate is not None:
-            from .sim_runner import DEFAULT_NUM_KV_BLOCKS
+            from kvmesh.engine.runner.sim_runner import DEFAULT_NUM_KV_BLOCKS
 
             args = replace(
                 args,
@@ -177,22 +177,15 @@ class EngineCore:
         """External request id -> internal ids of its sequences (n > 1 forks)."""
         return self.scheduler.groups
 
-    # Round settings, switchable on a built engine (benchmarks compare them), and their counters.
+    # Round settings as the engine runs them (fixed at build: `SchedulerConfig` and the runner decide),
+    # and their counters.
     @property
     def multi_steps(self) -> int:
         return self.rounds.max_steps
 
-    @multi_steps.setter
-    def multi_steps(self, k: int) -> None:
-        self.rounds.max_steps = k
-
     @property
     def async_scheduling(self) -> bool:
         return self.rounds.async_scheduling
-
-    @async_scheduling.setter
-    def async_scheduling(self, on: bool) -> None:
-        self.rounds.async_scheduling = on
 
     @property
     def num_multi_step_rounds(self) -> int:

@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvmesh.common.hashing import BlockHash, block_hashes_for
-
-from .sampling_params import SamplingParams
+from kvmesh.engine.frontend.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from .sampling_params import SamplingParams
+from kvmesh.engine.frontend.sampling_params import SamplingParams
 
 
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True):

@@ -11,8 +11,8 @@ import os
 import signal
 import subprocess
 
-from kvmesh.health import wait_healthy
 from kvmesh.common.python_child import kvmesh_command
+from kvmesh.health import wait_healthy
 from kvmesh.topology import free_port
 
 

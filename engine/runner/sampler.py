@@ -21,12 +21,12 @@ from typing import cast
 import numpy.typing as npt
 import torch
 
-from .device_draw import NoiseStream, draw_on_device
-from .grammar_masks import TokenMask
-from .logit_adjustment import adjust_logits
-from .logprobs import SampleResult, sample_results
-from .sampling_filter import filter_row
-from .sampling_params import SamplingParams
+from kvmesh.engine.frontend.sampling_params import SamplingParams
+from kvmesh.engine.runner.device_draw import NoiseStream, draw_on_device
+from kvmesh.engine.runner.grammar_masks import TokenMask
+from kvmesh.engine.runner.logit_adjustment import adjust_logits
+from kvmesh.engine.runner.logprobs import SampleResult, sample_results
+from kvmesh.engine.runner.sampling_filter import filter_row
 
 __all__ = ["NoiseStream", "SampleResult", "Sampler"]
 
@@ -51,7 +51,7 @@ class Sampler:
         penalties need ``histories[i]`` = (prompt ids, output ids so far); see `adjust_logits`.
         ``on_device``: draw as multi-step rounds do (`draw_on_device`; the default on a GPU), so
         that a seeded request draws the same way in both paths. ``mask``: the structured-output rows'
-        token masks (engine/grammar_masks.py), applied first, on a copy (logprobs stay raw)."""
+        token masks (engine/runner/grammar_masks.py), applied first, on a copy (logprobs stay raw)."""
         raw = logits.float()
         logits = adjust_logits(raw if mask is None else mask.apply(raw.clone()), params, histories)
         if logits.is_cuda if on_device is None else on_device:

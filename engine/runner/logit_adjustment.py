@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .host_copy import to_device
-from .sampling_params import SamplingParams
+from kvmesh.engine.frontend.sampling_params import SamplingParams
+from kvmesh.engine.runner.host_copy import to_device
 
 
 class LogitAdjustment:
@@ -28,7 +28,7 @@ class LogitAdjustment:
     gather), and the frequency penalty is a scatter-add, once per occurrence.
 
     Built once from the host's token histories; `extend` appends the token each row just drew,
-    on the device, so a multi-step or async round (engine/decode_rounds.py) keeps applying the
+    on the device, so a multi-step or async round (engine/core/decode_rounds.py) keeps applying the
     penalties without the host seeing its tokens. The one-step path builds one per step."""
 
     def __init__(self, V: int, device: torch.device) -> None:

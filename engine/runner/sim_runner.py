@@ -38,8 +38,8 @@ import time
 
 import torch
 
-from .config import EngineConfig
-from .sched_output import SchedulerOutput
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.core.sched_output import SchedulerOutput
 
 # Calibration (see the module docstring).
 DEFAULT_PREFILL_MS_PER_TOKEN = 0.035

@@ -41,7 +41,7 @@ import zmq
 from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from kvmesh.common.kv_events_auth import CurveKeys, start_zap
 
-log = logging.getLogger("kvmesh.engine.kv_publisher")
+log = logging.getLogger("kvmesh.engine.core.kv_publisher")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 

@@ -16,9 +16,8 @@ from collections.abc import Sequence
 import torch
 
 from kvmesh import kernels
-
-from .host_copy import to_device
-from .sampling_params import SamplingParams
+from kvmesh.engine.frontend.sampling_params import SamplingParams
+from kvmesh.engine.runner.host_copy import to_device
 
 
 def filter_row(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

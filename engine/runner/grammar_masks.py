@@ -4,7 +4,7 @@ xgrammar's matchers live on the host, so a constrained row's mask for step ``N``
 filled once the host has its token of step ``N - 1``. The engine therefore fills it while the
 device runs step ``N``'s forward pass (already queued: the one-step path fills after
 `ModelRunner.execute` returns, an async decode round after the next round's forward pass is
-queued; engine/decode_rounds.py) and only the draw waits for it. That is vLLM's order too
+queued; engine/core/decode_rounds.py) and only the draw waits for it. That is vLLM's order too
 (``execute_model`` non-blocking, then ``get_grammar_bitmask``, then ``sample_tokens``).
 
 What one step costs the host: one batched fill (xgrammar's C++ thread pool, GIL released), in
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .host_copy import to_device
+from kvmesh.engine.runner.host_copy import to_device
 
 if TYPE_CHECKING:
-    from .structured import RequestGrammar
+    from kvmesh.engine.frontend.structured import RequestGrammar
 
 
 @functools.cache

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling_params import SamplingParams
+from kvmesh.engine.frontend.sampling_params import SamplingParams
 
 
 @dataclass

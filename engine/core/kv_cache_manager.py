@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .block_pool import BlockPool, KVCacheBlock
-from .request import Request
+from kvmesh.engine.core.block_pool import BlockPool, KVCacheBlock
+from kvmesh.engine.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

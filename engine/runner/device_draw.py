@@ -12,10 +12,9 @@ from collections.abc import Sequence
 import torch
 
 from kvmesh import kernels
-
-from .host_copy import to_device
-from .sampling_filter import filter_batched
-from .sampling_params import SamplingParams
+from kvmesh.engine.frontend.sampling_params import SamplingParams
+from kvmesh.engine.runner.host_copy import to_device
+from kvmesh.engine.runner.sampling_filter import filter_batched
 
 
 class NoiseStream:

@@ -28,10 +28,9 @@ from typing import Any
 import torch
 
 from kvmesh.common.model_files import QuantizationError
+from kvmesh.engine.models.decoder import DenseMLP
 from kvmesh.kernels import Fp8Weight, quantize_weight
 from kvmesh.kernels.reference import FP8
-
-from .models.decoder import DenseMLP
 
 log = logging.getLogger("kvmesh.engine")
 

@@ -1,0 +1,79 @@
+"""The one-row GEMV kernel (`gemv_kernel`): its launch configuration and its launch, shared by the
+float projections (kernels/matmul.py) and the FP8 ones (kernels/fp8.py: e4m3 weights, W8A16 or
+W8A8). Decode at batch 1 is bound by streaming the weights, and one launch per projection (fused
+with SiLU-and-multiply for the down projection) beats cuBLAS's."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _dispatch
+from ._dispatch import cdiv, num_sms, p2, pdl
+
+
+def gemv_config(N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for an ``N x K`` one-row GEMV.
+
+    Bound by streaming the weights, so what matters is bytes in flight per SM and
+    enough programs to keep every SM busy to the end. From a graph-timed, L2-flushed
+    sweep on the H200 (docs/kernels.md): wide outputs (qkv, gate_up, lm_head: at
+    least ~40 rows per SM) do best with 2-row programs streaming 2,048-wide chunks
+    with 8 warps (many programs, 8 KiB per iteration); a narrow output over a long
+    K (down: 4096 x 14336) with 4 rows and 2,048-wide chunks; a narrow, short one
+    (o: 4096 x 4096) with 4 rows and 512-wide chunks."""
+    sms = num_sms(device)
+    if N >= 40 * sms:
+        return 2, min(2048, p2(K)), 8, 1
+    if K >= 8192:
+        return 4, 2048, 4, 3
+    return 4, min(512, p2(K)), 4, 1
+
+
+def gemv(
+    x,
+    weight,
+    bias,
+    silu_mul: bool,
+    config=None,
+    w_scale=None,
+    x_scale=None,
+    out_dtype=None,
+    w_bits=False,
+    *,
+    pdl_on: bool,
+) -> torch.Tensor:
+    """One-row GEMV; ``w_scale`` (per output channel) for an e4m3 weight, ``x_scale`` (one
+    value) for an e4m3 input row (then ``out_dtype`` is the output's); ``w_bits``: widen the e4m3
+    weight by integer ops (the kernel's W_BITS); ``pdl_on``: the caller's `KernelChoices.pdl`."""
+    N, K = weight.shape
+    y = torch.empty((1, N), dtype=out_dtype or x.dtype, device=x.device)
+    if N == 0:
+        return y
+    if K == 0:
+        return y.zero_() if bias is None else y.copy_(bias.view(1, N))
+    bn, bk, warps, stages = config or gemv_config(N, K, x.device)
+    bk = min(bk, p2(K))
+    _dispatch.kernels_for(x).gemv_kernel[(cdiv(N, bn),)](
+        x,
+        weight.view(torch.uint8) if w_bits else weight,
+        bias if bias is not None else y,
+        y,
+        w_scale if w_scale is not None else y,
+        x_scale if x_scale is not None else y,
+        N,
+        K,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul,
+        EVEN_N=N % bn == 0,
+        EVEN_K=K % bk == 0,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=warps,
+        num_stages=stages,
+        W_SCALE=w_scale is not None,
+        X_SCALE=x_scale is not None,
+        W_BITS=w_bits,
+        **pdl(x, 1, pdl_on),
+    )
+    return y
