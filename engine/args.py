@@ -21,7 +21,14 @@ from kvmesh.common.fields import add_arguments, cli, scalar_type, values_from
 from kvmesh.common.kernel_choices import FP8_GEMMS, FP8_ONE_ROW_KERNELS, KernelChoices
 from kvmesh.common.model_files import ModelConfig
 from kvmesh.common.roles import ROLES, Role
-from kvmesh.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
+from kvmesh.engine.config import (
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 CRD = "crd"
 KERNELS = "kernels"  # the section of the kernel variants' flags (`KernelChoices`)
@@ -151,6 +158,11 @@ class EngineArgs:
         "bound on the engine's waiting queue; beyond it requests get 503 + Retry-After (0: unbounded)",
         section="server",
     )
+    tensor_parallel_size: int = _setting(
+        ParallelConfig.tensor_parallel_size,
+        "devices the model is split across, one rank process each (tensor parallelism: heads, MLP and "
+        "vocabulary split; torch.distributed, NCCL on GPUs, gloo on the CPU)",
+    )
     engine_id: str = _setting(
         EngineConfig.engine_id, "this engine's id in KV events and transfer params", section="server"
     )
@@ -267,6 +279,7 @@ class EngineArgs:
             cache=self._pick(CacheConfig, kv_cache_dtype=self.kv_cache_dtype or "auto"),
             scheduler=self._pick(SchedulerConfig, max_model_len=max_len),
             kernels=self._pick(KernelChoices),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
         )
 
     def _pick(self, cls: type, **given: Any) -> Any:

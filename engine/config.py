@@ -66,11 +66,28 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many devices the model is split across (engine/parallel/)."""
+
+    tensor_parallel_size: int = 1
+    # A collective or the ranks' rendezvous waiting longer than this fails the engine instead of
+    # hanging it (a rank process that died).
+    rank_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.rank_timeout_s <= 0:
+            raise ValueError("rank_timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_path: str
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     role: Role = "both"
     dtype: str = "float32"
     device: str = "cpu"
@@ -90,3 +107,20 @@ class EngineConfig:
                 f"the checkpoint is quantized ({self.model.quantization}); quantization {self.quantization!r} "
                 "cannot run it"
             )
+        tp = self.parallel.tensor_parallel_size
+        if tp > 1:
+            from kvmesh.engine.parallel.sharding import check_divisible
+
+            check_divisible(self.model, tp)
+            if self.model.quantization is not None:
+                raise ValueError(
+                    "tensor_parallel_size > 1 cannot split a pre-quantized checkpoint yet (its scales are not "
+                    "sliced); quantize a bf16 checkpoint at load (--quantization fp8) instead"
+                )
+            # Decode rounds run several steps on the device without the host, so they would need the
+            # other ranks to run rounds of their own; under TP every step goes through the step plan.
+            if self.scheduler.num_scheduler_steps > 1 or self.scheduler.async_scheduling:
+                raise ValueError(
+                    "tensor_parallel_size > 1 runs one step per round: num_scheduler_steps must be 1 and "
+                    "async_scheduling off"
+                )

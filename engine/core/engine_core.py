@@ -29,6 +29,7 @@ from kvmesh.engine.core.sched_output import SchedulerOutput
 from kvmesh.engine.core.scheduler import Scheduler
 from kvmesh.engine.frontend.structured import GrammarCompiler
 from kvmesh.engine.models.loader import load_model
+from kvmesh.engine.parallel.ranks import RankFailure
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.runner.grammar_masks import GrammarMasks
 from kvmesh.engine.runner.sampler import NoiseStream, Sampler, SampleResult
@@ -57,6 +58,9 @@ class EngineCore:
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, emit_events=False
         )
+        if config.parallel.tensor_parallel_size > 1 and connector is not None and type(connector) is not KVConnector:
+            self.shutdown_runner()
+            raise ValueError("tensor_parallel_size > 1 does not move KV between engines yet (no KV connector)")
         self.connector = connector or KVConnector()
         self.connector.configure(config)
         self.connector.register_kv_cache(self.runner.kv_cache, getattr(self.runner, "kv_scales_id", ""))
@@ -78,7 +82,8 @@ class EngineCore:
         self.num_computed_tokens = 0  # tokens run through the model (prefix hits and loaded KV excluded)
         # Decode rounds (multi-step, async scheduling) need a runner that feeds its own tokens back
         # on the device (the simulated one cannot).
-        rounds = hasattr(self.runner, "launch_round")
+        # Under tensor parallelism every step goes to the other ranks as a plan (engine/parallel/).
+        rounds = hasattr(self.runner, "launch_round") and config.parallel.tensor_parallel_size == 1
         lazy = config.scheduler.async_scheduling
         self.rounds = DecodeRounds(
             self.scheduler,
@@ -267,6 +272,8 @@ class EngineCore:
         self.connector.start_load_kv(sched.connector_meta)
         try:
             logits, rows = self.runner.execute(sched)
+        except RankFailure:  # the tensor-parallel group is broken: no later step can run
+            raise
         except Exception as e:  # a model failure fails this step's requests, never the engine
             log.exception("forward pass failed")
             failed = (self.scheduler.fail(s.request_id, str(e)) for s in sched.scheduled)
@@ -348,5 +355,12 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.connector.close()
+        self.shutdown_runner()
+
+    def shutdown_runner(self) -> None:
+        """Stop the runner's other ranks (a tensor-parallel engine); nothing for others."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
         if self.grammars is not None:
             self.grammars.close()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,9 @@ from kvmesh import kernels
 from kvmesh.common.kernel_choices import DEFAULT_KERNEL_CHOICES, KernelChoices
 from kvmesh.common.model_files import ModelConfig
 from kvmesh.engine.models.rope import cos_sin_cache
+
+if TYPE_CHECKING:
+    from kvmesh.engine.parallel.sharding import TensorParallel
 
 
 @dataclass
@@ -106,6 +109,7 @@ class DecoderForCausalLM(torch.nn.Module):
         kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         on_layer: Callable[[int, LayerWeights], None] | None = None,
         kernel_choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
+        tp: TensorParallel | None = None,
     ) -> None:
         """``on_layer(i, layer)`` runs as soon as layer ``i`` is on the device, before the next one is
         read: FP8 quantization at load (`engine.quantization.LayerQuantizer`) replaces its float
@@ -115,6 +119,9 @@ class DecoderForCausalLM(torch.nn.Module):
         `EngineConfig.kernels`)."""
         super().__init__()
         self.cfg = cfg
+        # Under tensor parallelism ``cfg`` is this rank's share (its heads, its slice of the MLP) and
+        # ``state_dict`` its slices; ``tp`` joins the partial results (engine/parallel/).
+        self.tp = tp
         self.kernel_choices = kernel_choices
         self.dtype = dtype
         self.device = device
@@ -199,7 +206,7 @@ class DecoderForCausalLM(torch.nn.Module):
         sampling needs no others. A CUDA-graph decode step passes None, so the graph has no
         data-dependent gather and its output rows are the (padded) batch rows."""
         cfg, c = self.cfg, self.kernel_choices
-        h = F.embedding(input_ids, self.embed)
+        h = self._embed(input_ids)
         residual: torch.Tensor | None = None
         T = h.shape[0]
         caches = self.layer_caches(kv_cache)
@@ -239,12 +246,29 @@ class DecoderForCausalLM(torch.nn.Module):
                 **hints,
             )
             h = kernels.linear(attn.reshape(T, self.q_size), layer["o"], choices=c)
+            if self.tp is not None:
+                self.tp.group.all_reduce(h)
             x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual, choices=c)
             h = layer["mlp"](x)
+            if self.tp is not None:
+                self.tp.group.all_reduce(h)
         assert residual is not None  # set by the first layer
         if logits_indices is not None:  # gather first: the add then touches only the sampled rows
             h = h.index_select(0, logits_indices)
             residual = residual.index_select(0, logits_indices)
         h = h + residual
         h = kernels.rms_norm(h, self.norm, cfg.rms_norm_eps, choices=c)
-        return kernels.linear(h, self.lm_head, choices=c).float()
+        logits = kernels.linear(h, self.lm_head, choices=c).float()
+        if self.tp is not None:  # this rank's vocabulary rows -> all of them
+            logits = self.tp.group.all_gather_last(logits, self.tp.vocab_size)
+        return logits
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings; under tensor parallelism each rank looks up the ids in its own
+        vocabulary rows (zeros for the others) and the all-reduce puts the rows together."""
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed)
+        a, b = self.tp.vocab_rows
+        outside = (input_ids < a) | (input_ids >= b)
+        h = F.embedding((input_ids - a).masked_fill(outside, 0), self.embed)
+        return self.tp.group.all_reduce(h.masked_fill(outside.unsqueeze(-1), 0))

@@ -8,10 +8,13 @@ sampling parameters, generators and grammars stay in rank 0 with the scheduler a
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 import numpy as np
 
-from kvmesh.engine.runner.inputs import StepPlan
+if TYPE_CHECKING:
+    from kvmesh.engine.runner.inputs import StepPlan
 
 _ARRAYS = ("ids", "pos", "slots", "qsl", "seq_lens", "bt", "rows", "logits_idx")
 
@@ -65,6 +68,8 @@ def decode(data: bytes) -> Message:
 
 def plan_of(step: Step) -> StepPlan | None:
     """The `StepPlan` a `Step` carries (None for a copies-only step)."""
+    from kvmesh.engine.runner.inputs import StepPlan
+
     if not step.arrays:
         return None
     p = StepPlan()

@@ -26,6 +26,11 @@ from kvmesh.engine.parallel.group import TPGroup
 log = logging.getLogger("kvmesh.engine.parallel")
 
 
+class RankFailure(RuntimeError):
+    """Another rank's process is gone: the group cannot run another step, so the engine stops (its
+    server restarts it with fresh ranks) instead of failing request after request."""
+
+
 class WorkerSpec(msgspec.Struct):
     """What every other rank is started with (JSON on its command line)."""
 
@@ -69,6 +74,12 @@ class Ranks:
 
     def send_step(self, copies: list[tuple[int, int]], plan) -> None:
         self.group.broadcast_bytes(messages.encode_step(copies, plan))
+
+    def check(self, error: BaseException) -> None:
+        """Raise `RankFailure` if ``error`` (from a step) came with a rank's process gone."""
+        gone = self.dead()
+        if gone:
+            raise RankFailure(f"tensor-parallel rank(s) {gone} exited: {error}") from error
 
     def dead(self) -> list[int]:
         """Ranks whose process has exited."""

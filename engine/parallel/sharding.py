@@ -16,10 +16,14 @@ Norms (and Qwen3's per-head q/k norms) are whole on every rank.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvmesh.common.model_files import ModelConfig
+
+if TYPE_CHECKING:
+    from .group import TPGroup
 
 
 def check_divisible(cfg: ModelConfig, world: int) -> None:
@@ -85,6 +89,12 @@ class Shard:
             kv = slice(head * D, (head + 1) * D)
         return q, kv
 
+    def kv_heads(self) -> slice:
+        """This rank's KV heads (their per-head FP8 KV scales are sliced with them)."""
+        _, kv = self._heads()
+        D = self.cfg.head_dim
+        return slice(kv.start // D, kv.stop // D)
+
     def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of checkpoint tensor ``name``."""
         if self.world == 1:
@@ -110,3 +120,12 @@ class Shard:
             pad = self.vocab_shard_size - (b - a)
             return torch.nn.functional.pad(part, (0, 0, 0, pad)) if pad else part
         return t
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """What a rank's model needs at run time: the group's collectives and its vocabulary rows."""
+
+    group: TPGroup
+    vocab_rows: tuple[int, int]
+    vocab_size: int

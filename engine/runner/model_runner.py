@@ -28,6 +28,9 @@ from kvmesh.engine.core.sched_output import SchedulerOutput
 from kvmesh.engine.models import model_class
 from kvmesh.engine.models.kv_scales import kv_cache_scales, scales_fingerprint
 from kvmesh.engine.models.quantization import LayerQuantizer
+from kvmesh.engine.parallel.group import TPGroup
+from kvmesh.engine.parallel.ranks import Ranks
+from kvmesh.engine.parallel.sharding import Shard, TensorParallel, local_config
 from kvmesh.engine.runner.graphs import DecodeGraphs
 from kvmesh.engine.runner.inputs import EagerStager, Staging, StepPlan, cdiv, eager_layout_size, plan_step
 from kvmesh.engine.runner.memory import (
@@ -42,8 +45,24 @@ from kvmesh.engine.runner.warmup import attention_launch_configs, warm_up_attent
 
 
 class ModelRunner(DecodeRoundRunner):
-    def __init__(self, config: EngineConfig, state_dict: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: EngineConfig, state_dict: dict[str, torch.Tensor], tp: TPGroup | None = None) -> None:
+        """``tp``: this rank's group when the runner is another rank's (engine/parallel/worker.py); rank
+        0 of a tensor-parallel engine (``config.parallel.tensor_parallel_size > 1``, no ``tp``) starts
+        the other ranks itself and sends them every step it runs."""
         self.config = config
+        world = config.parallel.tensor_parallel_size
+        self.ranks: Ranks | None = None
+        if world > 1 and tp is None:
+            self.ranks = Ranks(config)
+            tp = self.ranks.group
+        try:
+            self._build(config, state_dict, tp)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
+
+    def _build(self, config: EngineConfig, state_dict: dict[str, torch.Tensor], tp: TPGroup | None) -> None:
         if config.device == "cpu":
             configure_cpu_threads()
         self.device = torch.device(config.device)
@@ -60,12 +79,21 @@ class ModelRunner(DecodeRoundRunner):
         self.kv_dtype = kv_cache_dtype(config)
         fp8 = self.kv_dtype == torch.float8_e4m3fn
         scales = kv_cache_scales(state_dict, m, self.device) if fp8 else None
+        parallel: TensorParallel | None = None
+        if tp is not None:  # this rank's slices of the weights, heads and MLP (engine/parallel/sharding.py)
+            shard = Shard(tp.rank, tp.world, m)
+            state_dict = {k: shard(k, v) for k, v in state_dict.items()}
+            if scales is not None:
+                heads = shard.kv_heads()
+                scales = [(k[heads], v[heads]) for k, v in scales]
+            parallel = TensorParallel(tp, shard.vocab_rows, m.vocab_size)
+            m = local_config(m, tp.world)
         self.kv_scales_id = scales_fingerprint(scales)  # part of the KV layout the connectors compare
         quantizer = None
         if config.quantization == "fp8":
             quantizer = LayerQuantizer(state_dict, online=config.model.quantization is None)
         self.model = model_class(config.model)(
-            config.model,
+            m,
             state_dict,
             self.dtype,
             self.device,
@@ -73,6 +101,7 @@ class ModelRunner(DecodeRoundRunner):
             kv_scales=scales,
             on_layer=quantizer,
             kernel_choices=config.kernels,
+            tp=parallel,
         )
         if quantizer is not None:
             quantizer.log()
@@ -86,6 +115,8 @@ class ModelRunner(DecodeRoundRunner):
         if self.cuda:
             reserve = profile_reserve(self.model, config, self.max_model_len, self.dtype, self.device)
         self.num_blocks = num_blocks_for(config, reserve_bytes=reserve)
+        if tp is not None:  # every rank's pool holds the same block ids: the smallest pool for all
+            self.num_blocks = tp.min_int(self.num_blocks)
         self.kv_cache = torch.zeros(
             (self.num_blocks, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim),
             dtype=self.kv_dtype,
@@ -94,7 +125,8 @@ class ModelRunner(DecodeRoundRunner):
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
         self.num_eager_steps = 0
-        if self.cuda and not env().enforce_eager:
+        # CUDA graphs hold one rank's launches; under tensor parallelism steps run eagerly for now.
+        if self.cuda and not env().enforce_eager and tp is None:
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv_cache,
@@ -131,10 +163,21 @@ class ModelRunner(DecodeRoundRunner):
     # ---- execution ------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Run one step. Returns ``(logits, rows)``: ``logits[j]`` belongs to ``sched.scheduled[rows[j]]``."""
-        self._apply_copies(sched)
-        if not sched.scheduled:
+        if self.ranks is None:
+            return self._execute(sched)
+        try:
+            return self._execute(sched)
+        except Exception as e:
+            self.ranks.check(e)  # a dead rank: RankFailure, which stops the engine
+            raise
+
+    def _execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        p = plan_step(sched, self.block_size) if sched.scheduled else None
+        if self.ranks is not None:  # the other ranks run the same step from its plan
+            self.ranks.send_step(sched.block_copies, p)
+        self._apply_copies(sched.block_copies)
+        if p is None:
             return torch.empty(0, self.config.model.vocab_size), []
-        p = plan_step(sched, self.block_size)
         rows = p.rows.tolist()
         if self._uses_graph(p):
             assert self.graphs is not None
@@ -146,9 +189,21 @@ class ModelRunner(DecodeRoundRunner):
         self.num_eager_steps += 1
         return self._run_eager(p), rows
 
-    def _apply_copies(self, sched: SchedulerOutput) -> None:
-        if sched.block_copies:
-            cp = torch.tensor(sched.block_copies, dtype=torch.int64).T.contiguous().to(self.device)
+    def run_step(self, copies: list[tuple[int, int]], p: StepPlan | None) -> None:
+        """Another rank's step: rank 0's block copies and plan, the same forward (its logits unused)."""
+        self._apply_copies(copies)
+        if p is not None:
+            self.num_eager_steps += 1
+            self._run_eager(p)
+
+    def close(self) -> None:
+        """Stop the other ranks (rank 0 of a tensor-parallel engine)."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+    def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            cp = torch.tensor(copies, dtype=torch.int64).T.contiguous().to(self.device)
             kernels.copy_blocks(self.kv_cache, cp[0], cp[1])
 
     def _uses_graph(self, p: StepPlan) -> bool:

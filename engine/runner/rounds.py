@@ -78,7 +78,7 @@ class DecodeRoundRunner:
     graphs: DecodeGraphs | None
     num_graph_steps: int
     num_eager_steps: int
-    _apply_copies: Callable[[SchedulerOutput], None]
+    _apply_copies: Callable[[list[tuple[int, int]]], None]
     _uses_graph: Callable[[StepPlan], bool]
 
     def launch_round(self, sched: SchedulerOutput, k: int, masked: bool = False) -> Round:
@@ -87,7 +87,7 @@ class DecodeRoundRunner:
         Every scheduled request decodes one token and its blocks already cover ``k`` more
         positions. ``masked``: a round of one step whose draw waits for the structured-output
         masks (`sample_round`); only its forward pass is queued."""
-        self._apply_copies(sched)
+        self._apply_copies(sched.block_copies)
         p = plan_step(sched, self.block_size)
         if p.T != p.B or len(p.rows) != p.B:
             raise ValueError("a decode round needs a pure decode step")

@@ -23,6 +23,7 @@ from kvmesh.engine.core.messages import EngineCoreRequest
 from kvmesh.engine.frontend.sampling_params import SamplingParams
 from kvmesh.engine.models import random_init
 from kvmesh.engine.models.loader import load_model
+from kvmesh.engine.parallel.ranks import RankFailure
 
 pytestmark = pytest.mark.integration
 
@@ -108,6 +109,9 @@ def test_llama_tp_matches_one_rank(llama_path, llama_tp1, tp):
     eng = _engine(llama_path, tp, max_num_batched_tokens=64, num_kv_blocks=64, block_size=16)
     try:
         assert len(_rank_children()) == tp - 1
+        m = eng.runner.model.cfg  # rank 0 holds its share of the heads and of the MLP
+        assert (m.num_heads, m.num_kv_heads, m.intermediate_size) == (8 // tp, max(1, 2 // tp), 256 // tp)
+        assert eng.runner.kv_cache.shape[-2] == max(1, 2 // tp)
         got = _greedy(eng, prompts)
         assert eng.stats().prefix_cache_hits > 0
         assert got == want
@@ -179,3 +183,89 @@ def test_a_model_tp_cannot_split_is_refused_by_name(llama_path):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 cannot split this model"):
         _engine(llama_path, 3)
     assert _rank_children() == []
+
+
+def test_a_killed_rank_fails_the_engine_within_seconds(llama_path):
+    """A rank process dies mid-request: the next step raises (the collective's peer is gone) instead of
+    hanging, and shutting the engine down leaves no rank process behind."""
+    import time
+
+    eng = _engine(llama_path, 2, max_num_batched_tokens=64, num_kv_blocks=64, block_size=16)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        eng.add_request(EngineCoreRequest(request_id="k", prompt_token_ids=[5, 6, 7, 8], params=params))
+        eng.step()
+        (child,) = _rank_children()
+        child.kill()
+        child.wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match=r"rank\(s\) \[1\] exited"):
+            for _ in range(200):
+                eng.step()
+        assert time.monotonic() - t0 < 30
+    finally:
+        eng.shutdown()
+    assert _rank_children() == []
+
+
+def test_api_server_with_three_ranks(tmp_path):
+    """`kvmesh serve --tensor-parallel-size 3`: the official client gets the one-rank engine's greedy
+    text; a rank killed under it fails the engine, which the server restarts with fresh ranks (the
+    requests meanwhile get an error, not a hang), and stopping the server leaves no rank behind."""
+    import time
+
+    import openai
+
+    from kvmesh import LLM
+    from kvmesh.testing.servers import ServerProcess
+
+    prompts = ["The capital of France is", "Once upon a time"]
+    llm = LLM(max_model_len=512, num_kv_blocks=64)
+    try:
+        want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))]
+    finally:
+        llm.engine.shutdown()
+    srv = ServerProcess(
+        ["--tensor-parallel-size", "3", "--max-model-len", "512", "--num-kv-blocks", "64"],
+        log_path=str(tmp_path / "server.log"),
+    )
+    srv.start()
+    try:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+
+        def complete() -> list[str]:
+            return [
+                client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0).choices[0].text
+                for p in prompts
+            ]
+
+        assert complete() == want
+        ranks = [
+            c
+            for c in psutil.Process(srv.proc.pid).children(recursive=True)
+            if "parallel.worker" in " ".join(c.cmdline())
+        ]
+        assert len(ranks) == 2
+        ranks[0].kill()
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError):
+            complete()
+        assert time.monotonic() - t0 < 30
+        deadline = time.monotonic() + 180
+        again: list[str] = []
+        while time.monotonic() < deadline and not again:  # the server restarts its engine, ranks and all
+            try:
+                again = complete()
+            except openai.APIError as e:
+                assert e.status_code == 503 if isinstance(e, openai.APIStatusError) else True
+                time.sleep(1)
+        assert again == want
+    finally:
+        pid = srv.proc.pid
+        srv.stop()
+    assert not [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "parallel.worker" in " ".join(p.info["cmdline"] or []) and pid in [a.pid for a in p.parents()]
+    ]
