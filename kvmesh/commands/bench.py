@@ -3,7 +3,8 @@
 `kvmesh bench serve` (load a live server), `kvmesh bench offline` (the engine in-process),
 `kvmesh bench router` (a trace through several routers against simulated or real instances, or the
 routers' own cost), `kvmesh bench autoscale` (a load ramp under the planner, a static pool and the HPA
-on CPU) and `kvmesh bench fuzz` (schemathesis and malformed requests against a live server and router).
+on CPU), `kvmesh bench fuzz` (schemathesis and malformed requests against a live server and router)
+and `kvmesh bench tp` (tensor-parallel sizes side by side).
 
 Every command of the CLI is registered on each start (`kvmesh.cli`), so a benchmark's module is
 imported only once its name is on the command line: `kvmesh router` and the rest never load the
@@ -23,6 +24,7 @@ BENCHES = {
     "the routers' own cost",
     "autoscale": "one load ramp through simulated workers under the planner, a static pool and the HPA",
     "fuzz": "schemathesis and malformed requests against a live server and router",
+    "tp": "one model on 1 and on N tensor-parallel ranks: step times side by side, tokens checked equal",
 }
 
 
