@@ -9,6 +9,7 @@ device is engine/core/decode_rounds.py's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable
@@ -40,6 +41,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvmesh.engine")
 
 
+def seeded_stream(on_device: bool, seed: int) -> torch.Generator | NoiseStream:
+    """A seeded request's own random stream: where draws are made on the device, a `NoiseStream` (the
+    race's noise from the seed and a draw count: the request samples on the GPU, in multi-step rounds
+    too, in the batch's one launch); else a CPU generator for the per-row multinomial. Either way its
+    tokens do not depend on its batch."""
+    if on_device:
+        return NoiseStream(seed)
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
 class EngineCore:
     def __init__(
         self,
@@ -69,7 +80,9 @@ class EngineCore:
             self.kv,
             self.connector,
             eos_token_ids=config.model.eos_token_ids,
-            make_generator=self._generator,
+            # not a bound method: the scheduler must not hold the engine (a cycle keeps a dropped
+            # engine's weights and KV pool alive until the next full garbage collection)
+            make_generator=functools.partial(seeded_stream, self._on_device()),
         )
         self.sampler = Sampler(config.seed)
         # structured outputs' token masks, for the one-step path and decode rounds alike
@@ -166,7 +179,7 @@ class EngineCore:
             arrival_time=req.arrival_time or time.monotonic(),
         )
         if req.params.seed is not None:
-            r.generator = self._generator(req.params.seed)
+            r.generator = seeded_stream(self._on_device(), req.params.seed)
         if req.params.structured is not None:
             assert self.grammars is not None  # checked by validate
             r.grammar = self.grammars.submit(req.params.structured)  # compiles while the prompt prefills
@@ -208,15 +221,6 @@ class EngineCore:
     def _on_device(self) -> bool:
         """Random rows are drawn where the logits are (`device_draw.draw_on_device`; a GPU runner)."""
         return getattr(self.runner, "sample_on_device", False)
-
-    def _generator(self, seed: int) -> torch.Generator | NoiseStream:
-        """A seeded request's own random stream: where draws are made on the device, a
-        `NoiseStream` (the race's noise from the seed and a draw count: the request samples on the
-        GPU, in multi-step rounds too, in the batch's one launch); else a CPU generator for the
-        per-row multinomial. Either way its tokens do not depend on its batch."""
-        if self._on_device():
-            return NoiseStream(seed)
-        return torch.Generator(device="cpu").manual_seed(seed)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         for ext in request_ids:

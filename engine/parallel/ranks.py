@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 
 import msgspec
 import torch
@@ -71,6 +72,8 @@ class Ranks:
             self._kill()
             raise
         self._closed = False
+        # An engine dropped (or an interpreter leaving) without close(): kill the ranks, remove the directory.
+        self._finalizer = weakref.finalize(self, _kill, self.procs, self._dir)
 
     def send_step(self, copies: list[tuple[int, int]], plan) -> None:
         self.group.broadcast_bytes(messages.encode_step(copies, plan))
@@ -105,7 +108,17 @@ class Ranks:
             shutil.rmtree(self._dir, ignore_errors=True)
 
     def _kill(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _kill(self.procs, None)
+
+
+def _kill(procs: list[subprocess.Popen], directory: str | None) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    if directory is not None:  # the finalizer: the group too, or the next engine could not start one
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(directory, ignore_errors=True)

@@ -55,7 +55,7 @@ class Sampler:
         raw = logits.float()
         logits = adjust_logits(raw if mask is None else mask.apply(raw.clone()), params, histories)
         if logits.is_cuda if on_device is None else on_device:
-            # drawn on the device, a seeded row's stream is a NoiseStream (EngineCore._generator)
+            # drawn on the device, a seeded row's stream is a NoiseStream (engine_core.seeded_stream)
             streams = cast(Sequence[NoiseStream | None], generators)
             ids = draw_on_device(logits, params, [i for i, p in enumerate(params) if not p.greedy], generators=streams)
         else:
@@ -67,7 +67,7 @@ class Sampler:
                     tokens.append(greedy_tok[i])
                 else:
                     probs = filter_row(logits[i], p).softmax(-1).cpu()
-                    # drawn on the host, a seeded row's stream is a CPU generator (EngineCore._generator)
+                    # drawn on the host, a seeded row's stream is a CPU generator (engine_core.seeded_stream)
                     gen = cast(torch.Generator | None, generators[i]) or self.default_generator
                     tokens.append(int(torch.multinomial(probs, 1, generator=gen).item()))
             ids = torch.tensor(tokens, dtype=torch.int64, device=raw.device)

@@ -169,3 +169,23 @@ def test_prefix_cache_stats_count_each_request_once_under_kv_pressure(make_llm):
     assert s.prefix_cache_queries == len(a) + len(b) + len(c)
     assert s.prefix_cache_hits == 32  # b shares a's first two blocks; c, looked up many times, counted once
     assert _all_free(llm)
+
+
+def test_a_dropped_llm_frees_its_engine_at_once(smol):
+    """No reference cycle holds an engine: dropping the last `LLM` reference frees its weights and KV
+    pool right away, not at some later full garbage collection (a process that builds engines one
+    after another would otherwise hold several at once)."""
+    import gc
+    import weakref
+
+    from kvmesh import LLM
+
+    llm = LLM(loaded=smol, num_kv_blocks=64)
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, seed=1, temperature=1.0))
+    engine, kv = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.kv_cache)
+    gc.disable()
+    try:
+        del llm
+        assert engine() is None and kv() is None
+    finally:
+        gc.enable()

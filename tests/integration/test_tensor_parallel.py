@@ -269,3 +269,22 @@ def test_api_server_with_three_ranks(tmp_path):
         for p in psutil.process_iter(["cmdline"])
         if "parallel.worker" in " ".join(p.info["cmdline"] or []) and pid in [a.pid for a in p.parents()]
     ]
+
+
+def test_a_dropped_engine_takes_its_ranks_along(llama_path):
+    """An engine dropped without shutdown (a script that ends, an exception): its rank processes go
+    with it, and the next tensor-parallel engine in the process starts normally."""
+    import time
+
+    eng = _engine(llama_path, 2)
+    assert len(_rank_children()) == 1
+    del eng
+    deadline = time.monotonic() + 10
+    while _rank_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _rank_children() == []
+    again = _engine(llama_path, 2)
+    try:
+        assert len(_greedy(again, [[5, 6, 7]], max_new=2)["r0/0"]) == 2
+    finally:
+        again.shutdown()
