@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 from kvmesh.common.python_child import kvmesh_command
 from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT
+from kvmesh.testing.servers import wait_pools_idle
 
 CAP_MAX_TOKENS = 8
 CAP_N = 4
@@ -70,30 +71,6 @@ def _openai_error(body: bytes, status: int, ctype: str) -> bool:
 
 
 # ---- pools -----------------------------------------------------------------------------------------
-def pool_metrics(base_url: str) -> dict[str, float]:
-    """A server's /metrics as ``{name{labels}: value}`` (``model_name`` left out of the labels)."""
-    import httpx
-
-    from kvmesh.common.prometheus import flat_metrics
-
-    r = httpx.get(base_url + "/metrics", timeout=30)
-    r.raise_for_status()
-    return flat_metrics(r.text)
-
-
-def wait_pools_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:
-    """Poll a server's /metrics until nothing runs or waits and no KV block is in use; the last reading."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = pool_metrics(base_url)
-        idle = (
-            m["vllm:num_requests_running"] == 0
-            and m["vllm:num_requests_waiting"] == 0
-            and m["vllm:kv_cache_usage_perc"] == 0.0
-        )
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.2)
 
 
 # ---- schemathesis ----------------------------------------------------------------------------------

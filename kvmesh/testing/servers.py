@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 from kvmesh.common.python_child import kvmesh_command
 from kvmesh.health import wait_healthy
@@ -105,3 +106,30 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def pool_metrics(base_url: str) -> dict[str, float]:
+    """A server's /metrics as ``{name{labels}: value}`` (``model_name`` left out of the labels)."""
+    import httpx
+
+    from kvmesh.common.prometheus import flat_metrics
+
+    r = httpx.get(base_url + "/metrics", timeout=30)
+    r.raise_for_status()
+    return flat_metrics(r.text)
+
+
+def wait_pools_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:
+    """Poll a server's /metrics until nothing runs or waits and no KV block is in use; the last reading
+    (the fuzz benchmark and the robustness tests check that nothing leaked after their requests)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = pool_metrics(base_url)
+        idle = (
+            m["vllm:num_requests_running"] == 0
+            and m["vllm:num_requests_waiting"] == 0
+            and m["vllm:kv_cache_usage_perc"] == 0.0
+        )
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)

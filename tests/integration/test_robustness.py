@@ -21,9 +21,8 @@ import time
 import httpx
 import pytest
 
-from kvmesh.common.prometheus import flat_metrics
 from kvmesh.health import wait_healthy
-from kvmesh.testing.servers import ServerProcess, alive, descendants
+from kvmesh.testing.servers import ServerProcess, alive, descendants, pool_metrics, wait_pools_idle
 
 pytestmark = pytest.mark.integration
 
@@ -79,28 +78,6 @@ def router(server):
 @pytest.fixture(params=["server", "router"])
 def url(request, server, router) -> str:
     return server.base_url if request.param == "server" else router
-
-
-def pool_metrics(base_url: str) -> dict[str, float]:
-    """A server's /metrics as ``{name{labels}: value}`` (``model_name`` left out of the labels)."""
-    r = httpx.get(base_url + "/metrics", timeout=30)
-    r.raise_for_status()
-    return flat_metrics(r.text)
-
-
-def wait_pools_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:
-    """Poll a server's /metrics until nothing runs or waits and no KV block is in use; the last reading."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = pool_metrics(base_url)
-        idle = (
-            m["vllm:num_requests_running"] == 0
-            and m["vllm:num_requests_waiting"] == 0
-            and m["vllm:kv_cache_usage_perc"] == 0.0
-        )
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.2)
 
 
 def assert_openai_error(r: httpx.Response, status: int) -> dict:
