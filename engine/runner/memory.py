@@ -34,21 +34,26 @@ def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
     return torch.float8_e4m3fn if config.cache.kv_cache_dtype == "fp8" else torch_dtype(config.dtype)
 
 
-def kv_bytes_per_block(config: EngineConfig) -> int:
-    """Bytes of one block (all layers, K and V): an FP8 pool fits twice the bf16 blocks in a budget."""
+def kv_bytes_per_block(config: EngineConfig, kv_heads: int | None = None) -> int:
+    """Bytes of one block (all layers, K and V): an FP8 pool fits twice the bf16 blocks in a budget.
+    ``kv_heads``: the KV heads this pool holds (a tensor-parallel rank's share; default: all)."""
     m = config.model
-    return m.num_layers * 2 * config.cache.block_size * m.num_kv_heads * m.head_dim * kv_cache_dtype(config).itemsize
+    heads = m.num_kv_heads if kv_heads is None else kv_heads
+    return m.num_layers * 2 * config.cache.block_size * heads * m.head_dim * kv_cache_dtype(config).itemsize
 
 
-def num_blocks_for(config: EngineConfig, weight_bytes: int = 0, reserve_bytes: int = 0) -> int:
-    """Pool size: explicit, else a memory budget (CPU) or a share of free device memory (GPU).
+def num_blocks_for(
+    config: EngineConfig, weight_bytes: int = 0, reserve_bytes: int = 0, kv_heads: int | None = None
+) -> int:
+    """Pool size: explicit, else a memory budget (CPU) or a share of free device memory (GPU); the
+    budget is per device, so a tensor-parallel rank (``kv_heads``: its share) fits more blocks in it.
 
     On a GPU, ``reserve_bytes`` is what the step still needs beyond what is allocated
     now (activation peak, graphs, logits); weights are already on the device, so the
     free memory reported by the driver has them subtracted."""
     if config.cache.num_kv_blocks is not None:
         return config.cache.num_kv_blocks
-    per_block = kv_bytes_per_block(config)
+    per_block = kv_bytes_per_block(config, kv_heads)
     if config.device.startswith("cuda"):
         free, total = torch.cuda.mem_get_info(torch.device(config.device))
         budget = int(total * config.cache.gpu_memory_utilization) - (total - free) - reserve_bytes - (1 << 30)

@@ -114,7 +114,7 @@ class ModelRunner(DecodeRoundRunner):
         reserve = 0
         if self.cuda:
             reserve = profile_reserve(self.model, config, self.max_model_len, self.dtype, self.device)
-        self.num_blocks = num_blocks_for(config, reserve_bytes=reserve)
+        self.num_blocks = num_blocks_for(config, reserve_bytes=reserve, kv_heads=m.num_kv_heads)
         if tp is not None:  # every rank's pool holds the same block ids: the smallest pool for all
             self.num_blocks = tp.min_int(self.num_blocks)
         self.kv_cache = torch.zeros(

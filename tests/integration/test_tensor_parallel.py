@@ -141,13 +141,16 @@ def test_qwen3_tp2(tmp_path):
     cfg = dict(LLAMA, model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=1024)
     path = _save(str(tmp_path / "qwen3"), cfg, seed=5)
     prompts = _prompts(1024, [9, 33, 70], seed=3)
-    one = _engine(path, 1)
+    one = _engine(path, 1, kv_cache_memory_gb=0.05)
     try:
         want = _greedy(one, prompts)
+        blocks_one = one.runner.num_blocks
     finally:
         one.shutdown()
-    eng = _engine(path, 2)
+    eng = _engine(path, 2, kv_cache_memory_gb=0.05)
     try:
+        # the memory budget is per rank, and a rank's block holds half the KV heads: twice the blocks
+        assert eng.runner.num_blocks >= 2 * blocks_one
         assert _greedy(eng, prompts) == want
     finally:
         eng.shutdown()
@@ -158,7 +161,7 @@ def test_embedded_smollm2_tp3_matches_hf(smol, hf_model):
     tok = smol.tokenizer
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Roses are red,"]
     prompts = [tok(t).input_ids for t in texts]
-    eng = _engine(None, 3)
+    eng = _engine(None, 3, num_kv_blocks=256)
     try:
         got = _greedy(eng, prompts, max_new=8)
     finally:
