@@ -106,7 +106,7 @@ record base "$t" $heavy
 
 # --- wheel: the project's own, from its tracked sources ----------------------------------------
 t=$(now); heavy=0
-SRC_KEY=$(git ls-files -z -- kvmesh engine kernels services operator pyproject.toml requirements README.md \
+SRC_KEY=$(git ls-files -z -- kvmesh engine kernels services operator bench pyproject.toml requirements README.md \
           | sort -z | { xargs -0 sha256sum 2>/dev/null || true; } | sha)
 CTX="$OUT/context"
 if [ ! -f "$STATE/wheel.key" ] || [ "$(cat "$STATE/wheel.key")" != "$SRC_KEY" ] || ! ls "$CTX"/dist/*.whl >/dev/null 2>&1; then
@@ -114,7 +114,7 @@ if [ ! -f "$STATE/wheel.key" ] || [ "$(cat "$STATE/wheel.key")" != "$SRC_KEY" ] 
   rm -rf "$CTX/dist" "$OUT/wheel-build"; mkdir -p "$CTX/dist"
   # A copy of the tracked files only: no .venv, build/ or egg-info of the checkout in the wheel.
   mkdir -p "$OUT/wheel-build"
-  git ls-files -z -- kvmesh engine kernels services operator pyproject.toml README.md \
+  git ls-files -z -- kvmesh engine kernels services operator bench pyproject.toml README.md \
     | xargs -0 cp --parents -t "$OUT/wheel-build"
   "$HOSTPY" -m pip wheel -q --no-deps -w "$CTX/dist" "$OUT/wheel-build" >/dev/null 2>"$STATE/wheel.log" \
     || { cat "$STATE/wheel.log" >&2; exit 1; }
