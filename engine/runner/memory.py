@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -65,9 +66,12 @@ def num_blocks_for(
     return int(n)
 
 
-def configure_cpu_threads() -> None:
-    """Honour KVMESH_CPU_THREADS: OpenMP with more threads than idle cores slows matmuls by 10-30x."""
+def configure_cpu_threads(ranks: int = 1) -> None:
+    """Honour KVMESH_CPU_THREADS: OpenMP with more threads than idle cores slows matmuls by 10-30x.
+    Unset, ``ranks`` tensor-parallel processes on one CPU share its cores (each its own part)."""
     n = env().cpu_threads
+    if n is None and ranks > 1:
+        n = max(1, (os.cpu_count() or 1) // ranks)
     if n is not None:
         torch.set_num_threads(n)
 
