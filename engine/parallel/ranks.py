@@ -68,12 +68,13 @@ class Ranks:
             for rank in range(1, self.world):
                 self.procs.append(subprocess.Popen(python_module("kvmesh.engine.parallel.worker", arg, str(rank))))
             self.group = TPGroup(0, self.world, spec.init_method, rank_device(config, 0), p.rank_timeout_s)
-        except BaseException:
-            self._kill()
+        except BaseException:  # no group of ours: another engine's must stay
+            _stop(self.procs, self._dir, destroy_group=False)
             raise
         self._closed = False
         # An engine dropped (or an interpreter leaving) without close(): kill the ranks, remove the directory.
-        self._finalizer = weakref.finalize(self, _kill, self.procs, self._dir)
+        # close() runs it too, once: a closed engine collected later must not destroy a newer engine's group.
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self._dir, True)
 
     def send_step(self, copies: list[tuple[int, int]], plan) -> None:
         self.group.broadcast_bytes(messages.encode_step(copies, plan))
@@ -103,22 +104,19 @@ class Ranks:
         except Exception as e:  # a dead rank: the broadcast fails; kill what is left
             log.warning("stopping the other ranks: %s", e)
         finally:
-            self._kill()
-            self.group.close()
-            shutil.rmtree(self._dir, ignore_errors=True)
-
-    def _kill(self) -> None:
-        _kill(self.procs, None)
+            self._finalizer()
 
 
-def _kill(procs: list[subprocess.Popen], directory: str | None) -> None:
+def _stop(procs: list[subprocess.Popen], directory: str, destroy_group: bool) -> None:
+    """Kill the ranks still running, remove the rendezvous directory and, for an engine that had its
+    group, destroy it (or the next engine in the process could not start one)."""
     for p in procs:
         if p.poll() is None:
             p.kill()
             p.wait()
-    if directory is not None:  # the finalizer: the group too, or the next engine could not start one
+    if destroy_group:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
-        shutil.rmtree(directory, ignore_errors=True)
+    shutil.rmtree(directory, ignore_errors=True)

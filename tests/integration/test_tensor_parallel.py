@@ -291,3 +291,17 @@ def test_a_dropped_engine_takes_its_ranks_along(llama_path):
         assert len(_greedy(again, [[5, 6, 7]], max_new=2)["r0/0"]) == 2
     finally:
         again.shutdown()
+
+
+def test_a_closed_engine_collected_later_leaves_the_next_ones_group_alone(llama_path):
+    """Shut down, kept referenced while a second engine starts, then dropped: the first engine's
+    cleanup ran at shutdown, once, so dropping it does not tear down the second engine's group."""
+    first = _engine(llama_path, 2)
+    first.shutdown()
+    second = _engine(llama_path, 2)
+    try:
+        del first
+        assert len(_greedy(second, [[5, 6, 7]], max_new=3)["r0/0"]) == 3
+    finally:
+        second.shutdown()
+    assert _rank_children() == []
