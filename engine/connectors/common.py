@@ -11,8 +11,10 @@ value's header and in the ``remote_kv_layout`` of a prefill's ``kv_transfer_para
 from __future__ import annotations
 
 import hashlib
+import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -58,6 +60,41 @@ class BlockLayout:
 
     def shape_signature(self) -> str:
         return "x".join(map(str, self.block_shape))
+
+
+class LocalBlocks:
+    """A one-rank engine's blocks as a connector moves them: ``kv_cache[b]``'s bytes.
+
+    Under tensor parallelism the engine hands connectors `kv_shards.ShardedBlocks` instead, the same
+    interface over every rank's heads; a connector that reads and writes through it works at any TP size.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, kv_scales_id: str = "") -> None:
+        self.kv_cache = kv_cache
+        self.layout = BlockLayout.of(kv_cache, kv_scales_id)
+
+    def want(self, block_ids: list[int]) -> None:
+        """Nothing to prepare: a local block is read where it lies."""
+
+    def read(self, block_ids: list[int]) -> list[memoryview]:
+        """Raw bytes of each block: views into a CPU cache, one gathered host copy for a GPU cache."""
+        if self.kv_cache.device.type == "cpu":
+            return [self.kv_cache[b].view(-1).view(torch.uint8).numpy().data for b in block_ids]
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
+        flat = self.kv_cache[ids].cpu().view(len(block_ids), -1).view(torch.uint8).numpy()
+        return [memoryview(flat[i]) for i in range(len(block_ids))]
+
+    def write(self, staged: list[tuple[int, memoryview]]) -> None:
+        """One contiguous copy per block straight from the given bytes (no gather/scatter temporaries)."""
+        cpu = self.kv_cache.device.type == "cpu"
+        for b, payload in staged:
+            dst = self.kv_cache[b].view(-1).view(torch.uint8)
+            if cpu:
+                np.copyto(dst.numpy(), np.frombuffer(payload, dtype=np.uint8))
+            else:
+                with warnings.catch_warnings():  # a reply buffer may be read-only; it is only read here
+                    warnings.simplefilter("ignore", UserWarning)
+                    dst.copy_(torch.frombuffer(payload, dtype=torch.uint8))
 
 
 def layout_refusal(remote: object, local: BlockLayout) -> str | None:

@@ -46,16 +46,14 @@ import logging
 import os
 import struct
 import time
-import warnings
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from kvmesh.common.env import REDIS_PASSWORD, env
 from kvmesh.common.roles import policy_for
 from kvmesh.engine.connectors.base import ConnectorMetadata, KVConnector
-from kvmesh.engine.connectors.common import BlockLayout, layout_refusal, model_namespace
+from kvmesh.engine.connectors.common import BlockLayout, LocalBlocks, layout_refusal, model_namespace
 
 if TYPE_CHECKING:
     from kvmesh.engine.config import EngineConfig
@@ -161,6 +159,7 @@ class RedisConnector(KVConnector):
         self._client = client
         self.layout: BlockLayout | None = None
         self.kv_cache: torch.Tensor | None = None
+        self.blocks: Any = None  # LocalBlocks or ShardedBlocks: how whole blocks are read and written
         self.prefix = ""
         self._sig = b""
         self._to_load: dict[str, dict[str, Any]] = {}
@@ -220,10 +219,16 @@ class RedisConnector(KVConnector):
         return self.engine_config is None or policy_for(self.engine_config.role).serves_remote_reads
 
     def register_kv_cache(self, kv_cache: torch.Tensor, kv_scales_id: str = "") -> None:
+        self.register_kv_blocks(LocalBlocks(kv_cache, kv_scales_id))
+
+    def register_kv_blocks(self, blocks: Any) -> None:
+        """The engine's blocks (`LocalBlocks`, or `ShardedBlocks` under tensor parallelism: whole
+        blocks assembled from every rank, so values are the same at any TP size)."""
         if self.engine_config is None:
             raise RuntimeError("RedisConnector needs the engine config before register_kv_cache")
-        self.kv_cache = kv_cache
-        self.layout = BlockLayout.of(kv_cache, kv_scales_id)
+        self.blocks = blocks
+        self.kv_cache = blocks.kv_cache  # this process's pool (rank 0's heads under TP)
+        self.layout = blocks.layout
         self._sig = self.layout.signature().encode()
         self.prefix = f"kvmesh:{model_namespace(self.engine_config.model.identity(), self.layout)}:"
         self.check_auth()
@@ -372,6 +377,8 @@ class RedisConnector(KVConnector):
 
     # ---- worker side ----------------------------------------------------------
     def start_load_kv(self, meta: ConnectorMetadata) -> None:
+        for spec in meta.saves.values():  # under TP: every rank's heads of them, after the forward
+            self.blocks.want(spec["block_ids"])
         for rid, spec in meta.loads.items():
             try:
                 self._load(spec["block_ids"], spec["hashes"])
@@ -408,29 +415,7 @@ class RedisConnector(KVConnector):
                 if v is None:
                     raise KeyError(h.hex()[:16])
                 staged.append((block_ids[i + j], decode_block(v, self._sig, h, bb)))
-            self._copy_in(staged)
-
-    def _copy_in(self, staged: list[tuple[int, memoryview]]) -> None:
-        """One contiguous copy per block straight from the Redis reply (no gather/scatter temporaries)."""
-        assert self.kv_cache is not None
-        cpu = self.kv_cache.device.type == "cpu"
-        for b, payload in staged:
-            dst = self.kv_cache[b].view(-1).view(torch.uint8)
-            if cpu:
-                np.copyto(dst.numpy(), np.frombuffer(payload, dtype=np.uint8))
-            else:
-                with warnings.catch_warnings():  # the reply buffer is read-only and only read here
-                    warnings.simplefilter("ignore", UserWarning)
-                    dst.copy_(torch.frombuffer(payload, dtype=torch.uint8))
-
-    def _block_bytes_view(self, ids: list[int]) -> list[memoryview]:
-        """Raw bytes of each block: views into a CPU cache, one gathered host copy for a GPU cache."""
-        assert self.kv_cache is not None
-        if self.kv_cache.device.type == "cpu":
-            return [self.kv_cache[b].view(-1).view(torch.uint8).numpy().data for b in ids]
-        packed = self.kv_cache[torch.tensor(ids, dtype=torch.long, device=self.kv_cache.device)].cpu()
-        flat = packed.view(len(ids), -1).view(torch.uint8).numpy()
-        return [memoryview(flat[i]) for i in range(len(ids))]
+            self.blocks.write(staged)
 
     def save_kv(self, meta: ConnectorMetadata) -> None:
         if not meta.saves or self.layout is None or self.kv_cache is None:
@@ -444,7 +429,7 @@ class RedisConnector(KVConnector):
             bb = self.layout.block_bytes
             per = max(1, self.max_batch_bytes // bb)
             for i in range(0, len(ids), per):
-                views = self._block_bytes_view(ids[i : i + per])
+                views = self.blocks.read(ids[i : i + per])
                 pipe = self.client.pipeline(transaction=False)
                 for h, raw in zip(hashes[i : i + per], views):
                     # encode_block copies the bytes: after this step the block may be freed and reused.

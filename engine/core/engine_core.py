@@ -69,12 +69,19 @@ class EngineCore:
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, emit_events=False
         )
-        if config.parallel.tensor_parallel_size > 1 and connector is not None and type(connector) is not KVConnector:
+        tp = config.parallel.tensor_parallel_size
+        if tp > 1 and connector is not None and not hasattr(connector, "register_kv_blocks"):
             self.shutdown_runner()
-            raise ValueError("tensor_parallel_size > 1 does not move KV between engines yet (no KV connector)")
+            raise ValueError(
+                f"the {connector.name} KV connector does not move KV blocks under tensor_parallel_size > 1 yet "
+                "(the redis connector does)"
+            )
         self.connector = connector or KVConnector()
         self.connector.configure(config)
-        self.connector.register_kv_cache(self.runner.kv_cache, getattr(self.runner, "kv_scales_id", ""))
+        if hasattr(self.connector, "register_kv_blocks"):  # whole blocks, at any TP size
+            self.connector.register_kv_blocks(self.runner.kv_blocks)
+        else:
+            self.connector.register_kv_cache(self.runner.kv_cache, getattr(self.runner, "kv_scales_id", ""))
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv,
@@ -267,6 +274,7 @@ class EngineCore:
         if sched.is_empty:
             if sched.connector_meta.loads:  # only async loads this step: start them, nothing to run
                 self.connector.start_load_kv(sched.connector_meta)
+                self.runner.flush_kv_writes()  # under TP: the other ranks get the loaded blocks now
             return []
         if self.rounds.enabled:
             k = self.rounds.round_length(sched, self._on_device())
@@ -366,5 +374,6 @@ class EngineCore:
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
-        if self.grammars is not None:
-            self.grammars.close()
+        grammars = getattr(self, "grammars", None)  # absent when the engine is refused while it is built
+        if grammars is not None:
+            grammars.close()

@@ -43,6 +43,14 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)[..., :size]
 
+    def gather_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``x`` (same shape on all ranks) on rank 0, in rank order; None on the others.
+        The KV connectors' way to assemble whole blocks from every rank's heads."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0)
+        return parts
+
     def min_int(self, n: int) -> int:
         """The smallest ``n`` over ranks (each rank's KV pool must hold the same block ids)."""
         t = torch.tensor([n], dtype=torch.int64)

@@ -1,8 +1,10 @@
 """The messages rank 0 sends the other ranks: one per step, and the stop.
 
 A step is what every rank's forward needs and nothing a rank could not use: the block copies
-(copy-on-write) to make first, and the step's plan (engine/runner/inputs.py `StepPlan`: token ids,
-positions, slots, block tables, which rows give logits), as typed arrays. The live requests, their
+(copy-on-write) to make first, the whole blocks a KV connector loaded (each rank keeps its heads of
+them, `kv_shards.py`), the step's plan (engine/runner/inputs.py `StepPlan`: token ids,
+positions, slots, block tables, which rows give logits), as typed arrays, and the blocks whose heads
+every rank sends rank 0 after the forward (for a connector that saves them). The live requests, their
 sampling parameters, generators and grammars stay in rank 0 with the scheduler and the sampler.
 """
 
@@ -40,6 +42,8 @@ class Step(msgspec.Struct, tag="step", array_like=True):
     arrays: dict[str, Array]
     max_query_len: int
     max_seq_len: int
+    kv_writes: list[tuple[int, bytes]] = []  # (block id, the whole block's bytes): before the forward
+    kv_gather: list[int] = []  # block ids: each rank's heads of them go to rank 0 after the forward
 
 
 class Stop(msgspec.Struct, tag="stop", array_like=True):
@@ -51,11 +55,17 @@ _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Message)
 
 
-def encode_step(copies: list[tuple[int, int]], p: StepPlan | None) -> bytes:
-    if p is None:  # copies only
-        return _enc.encode(Step(copies, 0, 0, {}, 0, 0))
+def encode_step(
+    copies: list[tuple[int, int]],
+    p: StepPlan | None,
+    kv_writes: list[tuple[int, bytes]] | None = None,
+    kv_gather: list[int] | None = None,
+) -> bytes:
+    w, g = kv_writes or [], kv_gather or []
+    if p is None:  # no forward: copies and KV moves only
+        return _enc.encode(Step(copies, 0, 0, {}, 0, 0, w, g))
     arrays = {k: Array.of(getattr(p, k)) for k in _ARRAYS}
-    return _enc.encode(Step(copies, p.B, p.T, arrays, p.max_query_len, p.max_seq_len))
+    return _enc.encode(Step(copies, p.B, p.T, arrays, p.max_query_len, p.max_seq_len, w, g))
 
 
 def encode_stop(reason: str = "") -> bytes:

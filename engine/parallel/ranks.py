@@ -76,8 +76,14 @@ class Ranks:
         # close() runs it too, once: a closed engine collected later must not destroy a newer engine's group.
         self._finalizer = weakref.finalize(self, _stop, self.procs, self._dir, True)
 
-    def send_step(self, copies: list[tuple[int, int]], plan) -> None:
-        self.group.broadcast_bytes(messages.encode_step(copies, plan))
+    def send_step(
+        self,
+        copies: list[tuple[int, int]],
+        plan,
+        kv_writes: list[tuple[int, bytes]] | None = None,
+        kv_gather: list[int] | None = None,
+    ) -> None:
+        self.group.broadcast_bytes(messages.encode_step(copies, plan, kv_writes, kv_gather))
 
     def check(self, error: BaseException) -> None:
         """Raise `RankFailure` if ``error`` (from a step) came with a rank's process gone."""

@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
             msg = messages.decode(group.broadcast_bytes(None))
             if isinstance(msg, messages.Stop):
                 return 0
-            runner.run_step(msg.copies, messages.plan_of(msg))
+            runner.run_step(msg)
     finally:
         group.close()
 

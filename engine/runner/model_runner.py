@@ -24,11 +24,14 @@ import torch
 from kvmesh import kernels
 from kvmesh.common.env import env
 from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.connectors.common import LocalBlocks
 from kvmesh.engine.core.sched_output import SchedulerOutput
 from kvmesh.engine.models import model_class
 from kvmesh.engine.models.kv_scales import kv_cache_scales, scales_fingerprint
 from kvmesh.engine.models.quantization import LayerQuantizer
+from kvmesh.engine.parallel import messages
 from kvmesh.engine.parallel.group import TPGroup
+from kvmesh.engine.parallel.kv_shards import RankBlocks, ShardedBlocks, whole_block_shape
 from kvmesh.engine.parallel.ranks import Ranks
 from kvmesh.engine.parallel.sharding import Shard, TensorParallel, local_config
 from kvmesh.engine.runner.graphs import DecodeGraphs
@@ -79,6 +82,10 @@ class ModelRunner(DecodeRoundRunner):
         self.kv_dtype = kv_cache_dtype(config)
         fp8 = self.kv_dtype == torch.float8_e4m3fn
         scales = kv_cache_scales(state_dict, m, self.device) if fp8 else None
+        # Part of the KV layout the connectors compare: the whole model's scales (a connector moves whole
+        # blocks at any TP size, engine/parallel/kv_shards.py), taken before a rank keeps its heads' share.
+        self.kv_scales_id = scales_fingerprint(scales)
+        whole_cfg = m
         parallel: TensorParallel | None = None
         if tp is not None:  # this rank's slices of the weights, heads and MLP (engine/parallel/sharding.py)
             shard = Shard(tp.rank, tp.world, m)
@@ -88,7 +95,6 @@ class ModelRunner(DecodeRoundRunner):
                 scales = [(k[heads], v[heads]) for k, v in scales]
             parallel = TensorParallel(tp, shard.vocab_rows, m.vocab_size)
             m = local_config(m, tp.world)
-        self.kv_scales_id = scales_fingerprint(scales)  # part of the KV layout the connectors compare
         quantizer = None
         if config.quantization == "fp8":
             quantizer = LayerQuantizer(state_dict, online=config.model.quantization is None)
@@ -122,6 +128,15 @@ class ModelRunner(DecodeRoundRunner):
             dtype=self.kv_dtype,
             device=self.device,
         )
+        # How connectors move whole blocks: this pool's, or (rank 0 of a TP engine) every rank's heads.
+        self.kv_blocks: LocalBlocks | ShardedBlocks = LocalBlocks(self.kv_cache, self.kv_scales_id)
+        self.rank_blocks: RankBlocks | None = None
+        if tp is not None:
+            if tp.rank == 0:
+                self.kv_blocks = ShardedBlocks(self.kv_cache, whole_cfg, tp.world, self.kv_scales_id)
+            shard = Shard(tp.rank, tp.world, whole_cfg)
+            self.rank_blocks = RankBlocks(self.kv_cache, shard.kv_heads(), whole_block_shape(self.kv_cache, whole_cfg))
+        self.tp_group = tp
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
         self.num_eager_steps = 0
@@ -173,12 +188,22 @@ class ModelRunner(DecodeRoundRunner):
 
     def _execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         p = plan_step(sched, self.block_size) if sched.scheduled else None
+        gather: list[int] = []
         if self.ranks is not None:  # the other ranks run the same step from its plan
-            self.ranks.send_step(sched.block_copies, p)
+            assert isinstance(self.kv_blocks, ShardedBlocks)
+            writes = self.kv_blocks.take_writes()
+            gather = self.kv_blocks.take_wanted() if p is not None else []
+            self.ranks.send_step(sched.block_copies, p, writes, gather)
         self._apply_copies(sched.block_copies)
         if p is None:
             return torch.empty(0, self.config.model.vocab_size), []
         rows = p.rows.tolist()
+        if gather:  # a connector saves blocks this step: after the forward, every rank's heads of them
+            logits = self._run_eager(p)
+            self.num_eager_steps += 1
+            assert self.ranks is not None and isinstance(self.kv_blocks, ShardedBlocks)
+            self.kv_blocks.assemble(self.ranks.group, gather)
+            return logits, rows
         if self._uses_graph(p):
             assert self.graphs is not None
             logits = self.graphs.run(p)
@@ -189,12 +214,27 @@ class ModelRunner(DecodeRoundRunner):
         self.num_eager_steps += 1
         return self._run_eager(p), rows
 
-    def run_step(self, copies: list[tuple[int, int]], p: StepPlan | None) -> None:
-        """Another rank's step: rank 0's block copies and plan, the same forward (its logits unused)."""
-        self._apply_copies(copies)
+    def flush_kv_writes(self) -> None:
+        """Send the other ranks the blocks a connector loaded when no forward follows (a step of only
+        async loads), so they hold them before any forward reads them."""
+        if self.ranks is not None and isinstance(self.kv_blocks, ShardedBlocks):
+            writes = self.kv_blocks.take_writes()
+            if writes:
+                self.ranks.send_step([], None, writes)
+
+    def run_step(self, step: messages.Step) -> None:
+        """Another rank's step: rank 0's block copies, loaded blocks and plan, the same forward (its
+        logits unused), then its heads of the blocks rank 0 saves."""
+        assert self.rank_blocks is not None and self.tp_group is not None
+        for b, data in step.kv_writes:
+            self.rank_blocks.write_whole(b, data)
+        self._apply_copies(step.copies)
+        p = messages.plan_of(step)
         if p is not None:
             self.num_eager_steps += 1
             self._run_eager(p)
+        if step.kv_gather:
+            self.rank_blocks.send(self.tp_group, step.kv_gather)
 
     def close(self) -> None:
         """Stop the other ranks (rank 0 of a tensor-parallel engine)."""

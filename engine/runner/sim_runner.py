@@ -39,6 +39,7 @@ import time
 import torch
 
 from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.connectors.common import LocalBlocks
 from kvmesh.engine.core.sched_output import SchedulerOutput
 
 # Calibration (see the module docstring).
@@ -89,6 +90,7 @@ class SimulatedRunner:
         # NIXL or Redis works), at 8 bytes per token.
         bs = config.cache.block_size
         self.kv_cache = torch.zeros(self.num_blocks, 1, 2, bs, 1, 1, dtype=torch.float32)
+        self.kv_blocks = LocalBlocks(self.kv_cache)
         self.device = torch.device("cpu")
         self.num_steps = 0
         self.simulated_s = 0.0  # total latency slept
@@ -99,6 +101,9 @@ class SimulatedRunner:
         b = len(sched.scheduled)
         prefill = sum(s.num_tokens for s in sched.scheduled if s.num_tokens > 1)
         return self.decode_base_ms + self.decode_per_seq_ms * b + self.prefill_ms_per_token * prefill
+
+    def flush_kv_writes(self) -> None:
+        """One rank: loaded blocks are in place already."""
 
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Sleep for the step's modelled latency; ``logits[j]`` belongs to ``sched.scheduled[rows[j]]``."""

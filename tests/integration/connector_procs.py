@@ -29,6 +29,9 @@ def _build(spec: dict, loaded):
         engine_id=spec.get("engine_id", "kvmesh-0"),
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
         kv_cache_dtype=spec.get("kv_cache_dtype"),
+        model=spec.get("model"),  # the other ranks of a TP engine load it too
+        tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+        block_size=spec.get("block_size", 16),
     )
     engine, _ = EngineCore.from_model(args, connector=connector, loaded=loaded)
     return engine
@@ -108,7 +111,8 @@ def worker(conn, spec: dict) -> None:
     try:
         from kvmesh.engine.models.loader import load_model
 
-        loaded = load_model(spec.get("model"))  # None: the embedded SmolLM2
+        # None: the embedded SmolLM2; a random test model has no tokenizer
+        loaded = load_model(spec.get("model"), load_tokenizer=spec.get("tokenizer", True))
         engine = _build(spec, loaded)
         ref = None
         conn.send(("ready", stats(engine)))
