@@ -162,6 +162,15 @@ class EngineArgs:
         ParallelConfig.tensor_parallel_size,
         "devices the model is split across, one rank process each (tensor parallelism: heads, MLP and "
         "vocabulary split; torch.distributed, NCCL on GPUs, gloo on the CPU)",
+        crd=CrdProperty(
+            "tensorParallelSize",
+            1,
+            minimum=1,
+            maximum=64,
+            description="Ranks the model is split across (tensor parallelism), all in one pod: a GPU worker "
+            "gets one GPU per rank (a worker role's gpus defaults to this and must equal it), a CPU worker "
+            "(gpus 0) runs this many CPU ranks. Must divide the model's attention heads.",
+        ),
     )
     engine_id: str = _setting(
         EngineConfig.engine_id, "this engine's id in KV events and transfer params", section="server"

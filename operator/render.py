@@ -198,8 +198,7 @@ def _security_context() -> dict[str, Any]:
     }
 
 
-def _resources(role: RoleSpec, default_gpus: int) -> dict[str, Any]:
-    gpus = _gpus(role, default_gpus)
+def _resources(role: RoleSpec, gpus: int) -> dict[str, Any]:
     requests = {k: v for k, v in sorted(role.requests.items())}
     limits = {k: v for k, v in sorted(role.limits.items())}
     if gpus:
@@ -229,11 +228,6 @@ def _pod_scheduling(role: RoleSpec) -> dict[str, Any]:
 ENGINE_FLAGS: tuple[tuple[str, str], ...] = tuple((f.name, flag_of(f)) for f in EngineArgs.crd_fields())
 
 
-def _gpus(role: RoleSpec, default: int) -> int:
-    """GPUs per pod: the role's own count, else 1 for workers and 0 for the router."""
-    return default if role.gpus is None else role.gpus
-
-
 def nixl_config() -> dict[str, Any]:
     """The NIXL side channel listens on every pod address at a fixed port (the one the Services
     name) and advertises the pod IP, so a decode pod can reach it."""
@@ -243,7 +237,8 @@ def nixl_config() -> dict[str, Any]:
 def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> list[str]:
     """`kvmesh serve` flags (services/api/entry.py). The embedded model is the CLI default,
     so --model is passed only for weights on a volume. $(POD_NAME) and $(POD_IP) are expanded by
-    the kubelet. Workers with `gpus: 0` run the CPU engine."""
+    the kubelet. Workers with `gpus: 0` run the CPU engine (``--tensor-parallel-size`` CPU ranks); the
+    others, one rank per GPU of the pod (validate.py checks that the two counts agree)."""
     args = ["serve"]
     if spec.model.source != "embedded":
         args += ["--model", model_path(spec)]
@@ -268,7 +263,7 @@ def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> lis
         value = getattr(spec.engine, attr)
         if value is not None:  # None (dtype: auto): the engine's own choice for the device
             args += [flag, str(value)]
-    if _gpus(spec.role(role), default=1) == 0:
+    if spec.gpus(role) == 0:
         args += ["--device", "cpu"]
     sim = spec.simulate
     if sim.enabled:  # tests and load tests only (SimulateSpec)
@@ -383,12 +378,28 @@ def _redis_tls_volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     ]
 
 
+def dev_shm_size(spec: InferenceServiceSpec, role: str) -> str:
+    """``sizeLimit`` of a worker's /dev/shm (a Memory emptyDir): 1Gi, plus 2Gi for every rank after the
+    first on a GPU worker.
+
+    Why: with one rank, /dev/shm holds only torch's and the tokenizer's scratch. NCCL keeps per-peer,
+    per-channel buffers there (its SHM transport between GPUs without P2P, its proxy's state): up to a
+    few hundred MiB per rank at the default buffer size and channel count. Every rank of the pod writes
+    into the same mount, and a full one fails NCCL at start or mid-collective ("failed to extend
+    /dev/shm/nccl-...", or SIGBUS); 2Gi a rank leaves room for a larger NCCL_BUFFSIZE. CPU ranks use
+    gloo over TCP loopback (the rendezvous is a file under /tmp), so they add nothing. A Memory
+    emptyDir takes only the pages written, counted in the pod's memory, so the limit is a ceiling,
+    not a reservation."""
+    ranks = spec.engine.tensor_parallel_size if spec.gpus(role) > 0 else 1
+    return f"{1 + 2 * (ranks - 1)}Gi"
+
+
 def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash: str) -> Manifest:
     r = spec.role(role)
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "dshm", "mountPath": "/dev/shm"}]
     volumes: list[dict[str, Any]] = [
         {"name": "tmp", "emptyDir": {}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": dev_shm_size(spec, role)}},
     ]
     mounts += _model_mounts(spec) + _redis_tls_mounts(spec)
     volumes += _model_volumes(spec) + _redis_tls_volumes(spec)
@@ -414,7 +425,7 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
         # /live: a draining worker (/health 503, see POST /drain) is alive and must not be restarted.
         "livenessProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},
-        "resources": _resources(r, default_gpus=1),
+        "resources": _resources(r, spec.gpus(role)),
         "securityContext": _security_context(),
         "volumeMounts": mounts,
     }
@@ -506,7 +517,7 @@ def _router(spec: InferenceServiceSpec, meta: ObjectMeta) -> Manifest:
         "startupProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 5, "failureThreshold": 60},
         "livenessProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},
-        "resources": _resources(r, default_gpus=0),
+        "resources": _resources(r, spec.gpus("router")),
         "securityContext": _security_context(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *_model_mounts(spec), *_api_keys_mounts(spec)],
     }

@@ -253,6 +253,15 @@ class InferenceServiceSpec:
     def role(self, name: str) -> RoleSpec:
         return {"prefill": self.prefill, "decode": self.decode, "router": self.router}[name]
 
+    def gpus(self, name: str) -> int:
+        """GPUs per pod of one role: its own ``gpus``, else one per tensor-parallel rank for a worker
+        (``engine.tensorParallelSize``) and none for the router. The CRD leaves ``gpus`` without a
+        default because of this, so the rule lives here alone (render and validate read it)."""
+        own = self.role(name).gpus
+        if own is not None:
+            return own
+        return 0 if name == "router" else self.engine.tensor_parallel_size
+
 
 @dataclass(frozen=True)
 class ObjectMeta:

@@ -27,6 +27,14 @@ def problems(spec: InferenceServiceSpec) -> list[str]:
             f"engine.maxNumBatchedTokens ({e.max_num_batched_tokens}) must be a multiple of "
             f"engine.blockSize ({e.block_size})"
         )
+    tp = e.tensor_parallel_size
+    for role in ("prefill", "decode"):
+        gpus = spec.gpus(role)
+        if gpus and gpus != tp:  # the CRD's CEL rule says the same; repeated for specs rendered without it
+            out.append(
+                f"{role}.gpus ({gpus}) must equal engine.tensorParallelSize ({tp}): one rank per GPU "
+                f"(leave {role}.gpus unset to take tensorParallelSize, or 0 for CPU ranks)"
+            )
     url = spec.connector.redis_url
     c = spec.connector
     if url is None and (c.redis_password_secret or c.redis_tls_ca_secret):

@@ -65,6 +65,18 @@ CASES = {
         "auth.apiKeysSecret must not name an operator-generated <name>-kvmesh-internal Secret",
     ),
     "network-policy-type": ({"networkPolicy": {"enabled": "no"}}, "spec.networkPolicy.enabled: Invalid value"),
+    "tp-minimum": (
+        {"engine": {"tensorParallelSize": 0}},
+        "spec.engine.tensorParallelSize in body should be greater than or equal to 1",
+    ),
+    "cel-gpus-equal-tp": (
+        {"engine": {"tensorParallelSize": 4}, "decode": {"gpus": 2}},
+        "decode.gpus must be 0 (CPU ranks) or equal engine.tensorParallelSize (one GPU per rank)",
+    ),
+    "cel-gpus-equal-default-tp": (
+        {"prefill": {"gpus": 2}},
+        "prefill.gpus must be 0 (CPU ranks) or equal engine.tensorParallelSize (one GPU per rank)",
+    ),
 }
 
 

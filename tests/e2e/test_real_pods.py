@@ -14,7 +14,9 @@ kube-proxy, CoreDNS) running the images `make images` builds:
   killed, the router pod deleted, the operator pod restarted mid-reconcile, a rolling update of
   an engine setting and a decode scale-down under a steady stream; no wrong token, no leaked
   block, zero failed requests where the pods drain;
-* an engine field changed in the CRD changes what the running engine reports on /metrics.
+* an engine field changed in the CRD changes what the running engine reports on /metrics;
+* tensor parallelism on CPU workers (`engine.tensorParallelSize`, `gpus: 0`): every rank of a worker
+  in its one pod, and the router's answers through P/D over NIXL are the offline engine's tokens.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
 from kvmesh import SamplingParams
-from kvmesh.operator.render import _role_selector, render
+from kvmesh.operator.render import GPU_RESOURCE, _role_selector, render
 from kvmesh.operator.spec import ObjectMeta
 
 from .conftest import Cluster, record, wait_for, wait_ready
@@ -40,6 +43,7 @@ from .realpods import (
     Load,
     Service,
     confinement,
+    container_pids,
     delete_namespace,
     deploy,
     install_chart,
@@ -224,6 +228,62 @@ def test_cpu_example_serves_the_offline_engines_tokens(
         if metric(m, "kvmesh:router_kv_events_total", pod=s["pod"]) > 0
     }
     assert workers <= with_events, (workers, with_events)
+    svc.idle("prefill")
+    svc.idle("decode")
+
+
+# The embedded SmolLM2-135M has 9 attention heads and 3 KV heads: 3 ranks split it, 2 would not.
+TP = 3
+RANK_MODULE = b"kvmesh.engine.parallel.worker"  # each rank after the first (engine/parallel/ranks.py)
+
+
+def test_tensor_parallel_cpu_workers_serve_the_offline_engines_tokens(
+    real_operator: Cluster, real_node: str, rns: str, prompts, reference
+) -> None:
+    """The CPU example with `engine.tensorParallelSize: 3`: each worker pod asks for no GPU and runs
+    its three ranks itself (the engine process is rank 0 and starts two rank processes in the
+    container), and the router's greedy answers, P/D over NIXL included, are the offline engine's."""
+    import yaml
+
+    obj = yaml.safe_load(CPU_EXAMPLES["minimal"].read_text())
+    name = obj["metadata"]["name"] = "tp-cpu"
+    obj["spec"]["engine"]["tensorParallelSize"] = TP
+    for role in ("prefill", "decode"):
+        assert obj["spec"][role]["gpus"] == 0
+        obj["spec"][role]["resources"]["limits"]["memory"] = "6Gi"  # each rank loads the checkpoint
+    t0 = time.monotonic()
+    real_operator.apply(json.dumps(obj), rns)
+    wait_ready(real_operator, name, rns, 900)
+    record("real.apply_to_ready_seconds.tp-cpu", round(time.monotonic() - t0, 1))
+    svc = Service(real_operator, name, rns)
+    pods = svc.pods()
+    assert not not_ready_on(real_node, pods), not_ready_on(real_node, pods)
+    for role in ("prefill", "decode"):
+        (pod,) = svc.pods(role)
+        c = pod["spec"]["containers"][0]
+        assert c["args"][c["args"].index("--tensor-parallel-size") + 1] == str(TP)
+        assert c["args"][c["args"].index("--device") + 1] == "cpu"
+        assert GPU_RESOURCE not in c["resources"].get("limits", {})
+        ranks = []
+        for pid in container_pids(pod):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if RANK_MODULE in cmd:
+                ranks.append(pid)
+        assert len(ranks) == TP - 1, (role, ranks)
+    svc.routed()
+    paths = []
+    for prompt in ("long", "short", "exact"):  # long first: nothing cached, so it goes prefill -> decode
+        for stream in (False, True):
+            before = pd_counts(svc)
+            text, pod_url, _ = complete(svc, prompts[prompt], stream)
+            paths.append(taken(before, pd_counts(svc)))
+            assert text == reference[prompt], (prompt, stream, text)
+            assert pod_url in svc.pod_urls("decode").values(), pod_url
+    assert paths[0] == "prefill_decode", paths
+    assert set(paths) <= {"prefill_decode", "decode_only"}, paths
     svc.idle("prefill")
     svc.idle("decode")
 

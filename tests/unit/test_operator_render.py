@@ -18,7 +18,7 @@ from operator_checks import engine_settings_from_args
 
 from kvmesh.operator import conditions
 from kvmesh.operator.conditions import Condition
-from kvmesh.operator.reconcile import Outcome, status_for
+from kvmesh.operator.reconcile import Outcome, reconcile, status_for
 from kvmesh.operator.render import GPU_RESOURCE, render
 from kvmesh.operator.spec import InferenceServiceSpec
 from kvmesh.operator.validate import problems
@@ -281,6 +281,7 @@ def test_every_engine_field_reaches_the_engine(example: Path, role: str) -> None
         "kv_cache_memory_gb": "kvCacheMemoryGB",
         "kv_cache_dtype": "kvCacheDtype",
         "quantization": "quantization",
+        "tensor_parallel_size": "tensorParallelSize",
     }
     assert {camel[a] for a, _ in ENGINE_FLAGS} == crd_fields
     for attr, _ in ENGINE_FLAGS:
@@ -405,3 +406,106 @@ def test_simulate_runs_the_workers_on_the_latency_model() -> None:
         assert args[args.index("--sim-decode-ms") + 1] == "20,1.5"
     off = by_kind(render({}, {**META, "name": "s"}))
     assert "--simulate" not in off[("Deployment", "s-decode")]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+# ---- tensor parallelism: ranks per pod, GPUs per pod, shared memory ---------------------------
+
+
+def worker_pod(objs: dict[tuple[str, str], dict[str, Any]], name: str, role: str) -> dict[str, Any]:
+    return objs[("Deployment", f"{name}-{role}")]["spec"]["template"]["spec"]
+
+
+def dev_shm_limit(pod: dict[str, Any]) -> str:
+    (dshm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert dshm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+    return dshm["emptyDir"]["sizeLimit"]
+
+
+def test_tensor_parallel_size_reaches_the_workers_and_gpus_default_to_it() -> None:
+    spec = {"engine": {"tensorParallelSize": 4}}
+    assert problems(InferenceServiceSpec.parse(spec)) == []
+    objs = by_kind(render(spec, {**META, "name": "tp"}))
+    for role in ("prefill", "decode"):
+        pod = worker_pod(objs, "tp", role)
+        c = pod["containers"][0]
+        _, proc = engine_settings_from_args(c["args"])
+        assert proc.engine_kwargs["tensor_parallel_size"] == 4
+        assert proc.engine_kwargs["device"] is None  # rank r on GPU r of the pod
+        assert c["resources"]["limits"][GPU_RESOURCE] == 4  # one GPU per rank
+    router = worker_pod(objs, "tp", "router")["containers"][0]
+    assert GPU_RESOURCE not in router.get("resources", {}).get("limits", {})
+    assert "--tensor-parallel-size" not in router["args"]
+    cm = json.loads(objs[("ConfigMap", "tp-config")]["data"]["engine.json"])
+    assert cm["engine"]["tensorParallelSize"] == 4  # in the config hash: a TP change rolls the pods
+
+
+def test_cpu_workers_with_tensor_parallelism_run_every_rank_in_one_pod() -> None:
+    spec = {"engine": {"tensorParallelSize": 2}, "prefill": {"gpus": 0}, "decode": {"gpus": 0}}
+    assert problems(InferenceServiceSpec.parse(spec)) == []
+    objs = by_kind(render(spec, {**META, "name": "tpcpu"}))
+    for role in ("prefill", "decode"):
+        pod = worker_pod(objs, "tpcpu", role)
+        c = pod["containers"][0]
+        _, proc = engine_settings_from_args(c["args"])
+        assert (proc.engine_kwargs["tensor_parallel_size"], proc.engine_kwargs["device"]) == (2, "cpu")
+        assert GPU_RESOURCE not in c.get("resources", {}).get("limits", {})
+        assert dev_shm_limit(pod) == "1Gi"  # gloo over loopback: no NCCL buffers
+
+
+@pytest.mark.parametrize(
+    ("tp", "gpus", "size"),
+    [(1, None, "1Gi"), (2, None, "3Gi"), (4, None, "7Gi"), (8, 8, "15Gi"), (4, 0, "1Gi"), (1, 0, "1Gi")],
+)
+def test_dev_shm_grows_with_the_gpu_ranks_of_a_pod(tp: int, gpus: int | None, size: str) -> None:
+    """NCCL's shared-memory buffers are per rank, and every rank of the pod writes the same mount."""
+    role = {} if gpus is None else {"gpus": gpus}
+    objs = by_kind(
+        render({"engine": {"tensorParallelSize": tp}, "prefill": role, "decode": role}, {**META, "name": "s"})
+    )
+    for r in ("prefill", "decode"):
+        assert dev_shm_limit(worker_pod(objs, "s", r)) == size
+
+
+def test_gpus_other_than_the_ranks_are_invalid_spec_and_nothing_is_applied() -> None:
+    spec = {"engine": {"tensorParallelSize": 4}, "prefill": {"gpus": 4}, "decode": {"gpus": 2}}
+    found = problems(InferenceServiceSpec.parse(spec))
+    assert len(found) == 1, found  # prefill agrees; the router's gpus are no rank's
+    assert "decode.gpus (2)" in found[0] and "engine.tensorParallelSize (4)" in found[0], found
+
+    class Kube:  # what reconcile reads and writes; any apply would be a render of the bad spec
+        status: dict[str, Any] = {}
+
+        def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any]:
+            return body
+
+        def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+            self.status = status
+
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"reconcile called Kube.{name} for an invalid spec")
+
+    body = {"metadata": {**META, "name": "bad", "generation": 3}, "spec": spec}
+    kube = Kube()
+    out = reconcile(kube, body)  # type: ignore[arg-type]
+    assert out is not None and out.invalid == found
+    degraded = next(c for c in kube.status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "InvalidSpec")
+    assert "decode.gpus (2)" in degraded["message"] and "engine.tensorParallelSize (4)" in degraded["message"]
+
+
+def test_crd_accepts_and_refuses_tensor_parallel_sizes() -> None:
+    """The generated schema of spec.engine (jsonschema-rs, which the test extras install for
+    schemathesis, validates against it; the CEL rule on gpus is the API server's, tests/e2e)."""
+    import jsonschema_rs
+
+    engine = crd_schema()["properties"]["spec"]["properties"]["engine"]
+    validator = jsonschema_rs.validator_for(engine)
+    for ok in (1, 2, 8, 64):
+        assert validator.is_valid({"tensorParallelSize": ok}), ok
+    for bad in (0, -1, 65, "2", 2.5):
+        assert not validator.is_valid({"tensorParallelSize": bad}), bad
+    assert apply_defaults(crd_schema()["properties"]["spec"], {})["engine"]["tensorParallelSize"] == 1
+    rules = " ".join(r["rule"] for r in crd_schema()["properties"]["spec"]["x-kubernetes-validations"])
+    for role in ("prefill", "decode"):  # the API server refuses what validate.py reports
+        assert f"self.{role}.gpus == 0" in rules and "self.engine.tensorParallelSize" in rules
