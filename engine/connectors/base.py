@@ -103,8 +103,14 @@ class KVConnector:
 
     # ---- worker side --------------------------------------------------------
     def register_kv_cache(self, kv_cache: torch.Tensor, kv_scales_id: str = "") -> None:
-        """Receive the engine's KV tensor ``[num_blocks, num_layers, 2, block_size, Hkv, D]``; an FP8
-        cache comes with its scales' fingerprint, part of the block layout peers must share."""
+        """Receive a KV tensor ``[num_blocks, num_layers, 2, block_size, Hkv, D]`` (a one-rank engine's
+        pool); an FP8 cache comes with its scales' fingerprint, part of the block layout peers must share.
+        Connectors wrap it in `common.LocalBlocks` and go on in ``register_kv_blocks``."""
+
+    def register_kv_blocks(self, blocks: Any) -> None:
+        """Receive the engine's blocks, as whole blocks of the model at any tensor-parallel size:
+        `common.LocalBlocks` (one rank) or `engine.parallel.kv_shards.ShardedBlocks` (rank 0 of a TP
+        engine: every rank's heads). What the engine calls."""
 
     def start_load_kv(self, meta: ConnectorMetadata) -> None:
         """Begin loading the blocks named in ``meta`` (before the forward pass)."""

@@ -1,8 +1,12 @@
-"""One NIXL agent per engine, with the engine's whole KV pool registered and one descriptor per block.
+"""One NIXL agent per engine (per rank under tensor parallelism), with its KV pool registered and one
+descriptor per block.
 
 The pool is block-first, so a block of all layers is one contiguous byte range: one request's transfer is
 one descriptor per block, not per layer. Remote pools are added once per remote agent and kept. NIXL
 objects are touched from the engine thread only (NIXL is not guaranteed thread-safe).
+
+Blocks of another tensor-parallel split (each remote rank holds some of the KV heads) are read into a
+`StagedRead` buffer instead, one per remote rank, and rearranged into whole blocks by the connector.
 """
 
 from __future__ import annotations
@@ -79,8 +83,32 @@ class KVAgent:
         )
         self._remotes: dict[str, Remote] = {}
 
+    @property
+    def pool(self) -> torch.Tensor:
+        """The registered KV pool."""
+        return self._kv_cache
+
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
+
+    def describe(self, layout: BlockLayout, heads: tuple[int, int]) -> dict[str, Any]:
+        """What a reader needs to pull this agent's blocks: the fields `remote` reads, and which of the
+        model's KV heads (``[start, stop)``) a block here holds."""
+        return {
+            "agent_name": self.name,
+            "agent_metadata": self.metadata(),
+            "base_addr": layout.base_addr,
+            "num_blocks": layout.num_blocks,
+            "block_bytes": layout.block_bytes,
+            "block_shape": list(layout.block_shape),
+            "mem_type": layout.mem_type,
+            "dev_id": layout.dev_id,
+            "heads": list(heads),
+        }
+
+    def staged_read(self, remote: Remote, remote_ids: list[int], block_bytes: int, like: torch.Tensor) -> StagedRead:
+        """Post a READ of ``remote_ids`` into a fresh buffer (on ``like``'s device), not into the pool."""
+        return StagedRead(self, remote, remote_ids, block_bytes, like)
 
     def remote(self, meta: dict) -> Remote:
         """The remote pool a (checked) side-channel ``meta`` describes; added on first use."""
@@ -143,3 +171,48 @@ class KVAgent:
         except Exception as e:
             log.info("NIXL cleanup failed: %s", e)
         self._local_dlist = self._reg = None
+
+
+class StagedRead:
+    """One remote rank's blocks read into a buffer registered for this read alone: the path for blocks
+    of another tensor-parallel split, whose heads the connector places into whole blocks afterwards."""
+
+    def __init__(self, agent: KVAgent, remote: Remote, remote_ids: list[int], block_bytes: int, like: torch.Tensor):
+        import torch
+
+        n = len(remote_ids)
+        self.agent = agent
+        self.buf = torch.empty(n * block_bytes, dtype=torch.uint8, device=like.device)
+        cuda = like.device.type == "cuda"
+        mem, dev = ("VRAM", like.device.index or 0) if cuda else ("DRAM", 0)
+        a = agent.agent
+        self._reg = a.register_memory([(self.buf.data_ptr(), n * block_bytes, dev, "")], mem)
+        self._dlist = a.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(self.buf.data_ptr(), n, block_bytes, dev), mem)
+        # No notification: the reader releases the transfer over the side channel once every rank's read is done.
+        self.handle: Any = a.make_prepped_xfer(
+            "READ", self._dlist, np.arange(n, dtype=np.int32), remote.dlist, np.asarray(remote_ids, dtype=np.int32)
+        )
+        if a.transfer(self.handle) == "ERR":
+            self.close()
+            raise RuntimeError("NIXL refused to post the READ")
+
+    def state(self) -> str:
+        return self.agent.state(self.handle) if self.handle is not None else "DONE"
+
+    def close(self) -> bool:
+        """Release the transfer (aborting it if it runs), then the buffer's registration; False if NIXL
+        cannot abort yet (the buffer stays registered until a later call succeeds)."""
+        if self.handle is not None:
+            if not self.agent.release(self.handle):
+                return False
+            self.handle = None
+        a = self.agent.agent
+        try:
+            if self._dlist is not None:
+                a.release_dlist_handle(self._dlist)
+            if self._reg is not None:
+                a.deregister_memory(self._reg)
+        except Exception as e:
+            log.info("NIXL cleanup of a staged read failed: %s", e)
+        self._dlist = self._reg = None
+        return True

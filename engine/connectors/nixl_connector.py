@@ -62,7 +62,7 @@ import zmq
 from kvmesh.common.kv_auth import load_kv_auth_key, missing_key_message
 from kvmesh.common.roles import policy_for
 from kvmesh.engine.connectors.base import ConnectorMetadata, KVConnector
-from kvmesh.engine.connectors.common import BlockLayout, layout_refusal
+from kvmesh.engine.connectors.common import BlockLayout, LocalBlocks, layout_refusal
 from kvmesh.engine.connectors.nixl_admission import PeerMetaCache, meta_problem
 from kvmesh.engine.connectors.nixl_agent import KVAgent
 from kvmesh.engine.connectors.nixl_leases import HeldBlocks
@@ -143,7 +143,9 @@ class NixlConnector(KVConnector):
         self.poll_sleep_s = poll_sleep_s
         self.ucx_error_handling_mode = ucx_error_handling_mode
         self.progress_thread = bool(progress_thread)
-        self.layout: BlockLayout | None = None
+        self.layout: BlockLayout | None = None  # the whole model's blocks (at any TP size)
+        self.blocks: Any = None  # LocalBlocks, or ShardedBlocks under TP
+        self._sharded = False
         self.agent: KVAgent | None = None
         self.agent_name: str | None = None
         self._meta: dict[str, Any] | None = None
@@ -193,29 +195,47 @@ class NixlConnector(KVConnector):
         return self.engine_config.cache.block_size
 
     def register_kv_cache(self, kv_cache: torch.Tensor, kv_scales_id: str = "") -> None:
+        self.register_kv_blocks(LocalBlocks(kv_cache, kv_scales_id))
+
+    def register_kv_blocks(self, blocks: Any) -> None:
+        """The engine's blocks: `LocalBlocks`, or `ShardedBlocks` under tensor parallelism.
+
+        ``self.layout`` is the whole model's block layout (what readers and writers compare, at any TP
+        size); the agent registers this process's pool. A tensor-parallel engine that serves reads
+        starts an agent on every rank, and its handshake lists them all (``ranks``: each one's agent
+        and KV heads), so a reader pulls each rank's heads from that rank."""
         if self.engine_config is None:
             raise RuntimeError("NixlConnector needs the engine config before register_kv_cache")
-        self.layout = lay = BlockLayout.of(kv_cache, kv_scales_id)
+        self.blocks = blocks
+        self._sharded = not isinstance(blocks, LocalBlocks)
+        self.layout = blocks.layout
+        local = BlockLayout.of(blocks.kv_cache, blocks.layout.scales)
         self.agent_name = f"{self.engine_config.engine_id}-{uuid.uuid4().hex[:12]}"
         self.agent = KVAgent(
-            self.agent_name, kv_cache, lay, self.backends, self.ucx_error_handling_mode, self.progress_thread
+            self.agent_name, blocks.kv_cache, local, self.backends, self.ucx_error_handling_mode, self.progress_thread
         )
         self._meta = {
             "version": PROTOCOL_VERSION,
             "engine_id": self.engine_config.engine_id,
             "agent_name": self.agent_name,
             "agent_metadata": self.agent.metadata(),
-            "base_addr": lay.base_addr,
-            "num_blocks": lay.num_blocks,
-            "block_bytes": lay.block_bytes,
-            "layout": lay.signature(),
-            "mem_type": lay.mem_type,
-            "dev_id": lay.dev_id,
+            "base_addr": local.base_addr,
+            "num_blocks": local.num_blocks,
+            "block_bytes": local.block_bytes,
+            "layout": self.layout.signature(),
+            "mem_type": local.mem_type,
+            "dev_id": local.dev_id,
             "model_identity": self.engine_config.model.identity(),
         }
         self._ctx = zmq.Context()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-nixl-claim")
         serve = self._serve if self._serve is not None else policy_for(self.engine_config.role).serves_remote_reads
+        if serve and self._sharded:
+            own = self.agent.describe(local, (blocks.heads[0].start, blocks.heads[0].stop))
+            others = blocks.start_agents(
+                self.agent_name, self.backends, self.ucx_error_handling_mode, self.progress_thread
+            )
+            self._meta["ranks"] = [own, *others]
         if serve:
             self._server = SideChannelServer(
                 self._ctx, self.side_channel_host, self.side_channel_port, self._handle, self._signer, self._rejected
@@ -392,6 +412,7 @@ class NixlConnector(KVConnector):
             remote_ids=list(p["remote_block_ids"][start : start + k]),
             claim_ids=list(p["remote_block_ids"]),
             expected_hashes=[h.hex() for h in request.block_hashes[:n]],
+            staged=self._sharded,
         )
 
     def build_connector_meta(self, sched_out: ConnectorStep | None = None) -> ConnectorMetadata:
@@ -504,6 +525,16 @@ class NixlConnector(KVConnector):
             if outcome is None:
                 continue
             del self._loads[rid]
+            if ld.staged and ld.posted is not None:  # tensor parallelism on either side: land, free buffers
+                if outcome and not ld.abandoned:
+                    try:
+                        ld.land(self.blocks)
+                    except Exception as e:
+                        log.warning("request %s: placing the pulled KV heads failed: %s; recomputing", rid, e)
+                        outcome, ld.failure = False, "read"
+                ld.release_handle(self.agent)
+                # The reads carried no notification (each rank's agent would get its own): release now.
+                self._submit_release(ld.host, ld.port, ld.transfer_id)
             end = time.monotonic()
             self.transfer_log.append(
                 {

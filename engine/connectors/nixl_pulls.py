@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.engine.connectors.common import BlockLayout, layout_refusal
-from kvmesh.engine.connectors.nixl_agent import KVAgent
+from kvmesh.engine.connectors.nixl_agent import KVAgent, StagedRead
 from kvmesh.engine.connectors.nixl_side_channel import DONE_PREFIX, PROTOCOL_VERSION
 
 log = logging.getLogger("kvmesh.connector.nixl")
@@ -42,6 +42,10 @@ class Pull:
     started: float = field(default_factory=time.monotonic)
     posted: float | None = None  # when the READ was posted (claim done, remote agent known)
     failure: str | None = None  # why: "claim", "hash_mismatch", "kv_layout", "mismatch", "read", "timeout"
+    # Read through buffers (one per remote rank) and placed into whole blocks afterwards: when either
+    # engine is tensor-parallel, the remote ranks' heads are not this pool's blocks (see `land`).
+    staged: bool = False
+    parts: list[tuple[slice, tuple[int, ...], StagedRead]] = field(default_factory=list)
 
     @property
     def notif(self) -> bytes:
@@ -70,6 +74,11 @@ class Pull:
             raise RuntimeError(refusal)
         if meta["model_identity"] != model_identity:
             raise RuntimeError(f"remote serves another model: {meta['model_identity']}")
+        ranks = meta.get("ranks")
+        if ranks or self.staged:
+            whole = {"heads": [0, layout.block_shape[3]], "block_shape": list(layout.block_shape)}
+            self._start_staged(agent, ranks or [{**meta, **whole}])
+            return
         r = agent.remote(meta)
         if any(not (0 <= b < r.num_blocks) for b in self.remote_ids):
             raise RuntimeError(f"remote block ids out of range [0, {r.num_blocks})")
@@ -79,7 +88,40 @@ class Pull:
         self.failure = None
         self.posted = time.monotonic()
 
+    def _start_staged(self, agent: KVAgent, ranks: list[dict]) -> None:
+        """One READ per remote rank of its heads of the blocks, each into its own buffer."""
+        remotes = [agent.remote(e) for e in ranks]
+        for r in remotes:
+            if any(not (0 <= b < r.num_blocks) for b in self.remote_ids):
+                raise RuntimeError(f"remote block ids out of range [0, {r.num_blocks})")
+        self.failure = "read"
+        self.staged = True
+        for e, r in zip(ranks, remotes):
+            read = agent.staged_read(r, self.remote_ids, int(e["block_bytes"]), agent.pool)
+            self.parts.append((slice(*e["heads"]), tuple(e["block_shape"]), read))
+        self.failure = None
+        self.posted = time.monotonic()
+
+    def land(self, blocks: Any) -> None:
+        """Place every remote rank's heads into whole blocks and write them into this engine's
+        (`LocalBlocks`, or every rank's under TP: `ShardedBlocks`)."""
+        import torch
+
+        kv = blocks.kv_cache
+        n = len(self.local_ids)
+        whole = torch.empty((n, *blocks.layout.block_shape), dtype=kv.dtype, device=self.parts[0][2].buf.device)
+        for heads, shape, read in self.parts:
+            whole[..., heads, :] = read.buf.view(kv.dtype).view(n, *shape)
+        flat = whole.cpu().view(n, -1).view(torch.uint8).numpy()
+        blocks.write([(b, memoryview(flat[i])) for i, b in enumerate(self.local_ids)])
+
     def release_handle(self, agent: KVAgent | None) -> bool:
+        if self.parts:
+            closed = [read.close() for _, _, read in self.parts]
+            if not all(closed):
+                return False
+            self.parts = []
+            return True
         if self.handle is None or agent is None:
             return True
         if not agent.release(self.handle):
@@ -87,11 +129,20 @@ class Pull:
         self.handle = None
         return True
 
+    def _state(self, agent: KVAgent) -> str:
+        """DONE when every read is, ERR when any failed, else PROC."""
+        if not self.parts:
+            return agent.state(self.handle)
+        states = [read.state() for _, _, read in self.parts]
+        if any(st not in ("DONE", "PROC") for st in states):
+            return "ERR"
+        return "DONE" if all(st == "DONE" for st in states) else "PROC"
+
     def poll(
         self, agent: KVAgent, now: float, layout: BlockLayout, model_identity: str, transfer_timeout_s: float
     ) -> bool | None:
         """True: loaded; False: failed; None: still going. Every path is bounded by ``deadline``."""
-        if self.handle is None:
+        if self.handle is None and not self.parts:
             assert self.future is not None
             if not self.future.done():
                 return None  # the claim itself is bounded by handshake_timeout_s
@@ -106,17 +157,17 @@ class Pull:
                     self.remote_engine_id,
                     e,
                 )
-                if self.handle is not None:
-                    self.release_handle(agent)
+                self.release_handle(agent)
                 return False
             return None
         try:
-            state = agent.state(self.handle)
+            state = self._state(agent)
         except Exception as e:
             log.warning("request %s: NIXL read failed: %s", self.request_id, e)
             state = "ERR"
         if state == "DONE":
-            self.release_handle(agent)
+            if not self.parts:  # staged: the buffers stay until the connector has landed them
+                self.release_handle(agent)
             return True
         if state == "PROC" and now < self.deadline:
             return None

@@ -69,19 +69,13 @@ class EngineCore:
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, emit_events=False
         )
-        tp = config.parallel.tensor_parallel_size
-        if tp > 1 and connector is not None and not hasattr(connector, "register_kv_blocks"):
-            self.shutdown_runner()
-            raise ValueError(
-                f"the {connector.name} KV connector does not move KV blocks under tensor_parallel_size > 1 yet "
-                "(the redis connector does)"
-            )
         self.connector = connector or KVConnector()
         self.connector.configure(config)
-        if hasattr(self.connector, "register_kv_blocks"):  # whole blocks, at any TP size
+        try:  # whole blocks of the model, at any TP size (engine/parallel/kv_shards.py)
             self.connector.register_kv_blocks(self.runner.kv_blocks)
-        else:
-            self.connector.register_kv_cache(self.runner.kv_cache, getattr(self.runner, "kv_scales_id", ""))
+        except BaseException:
+            self.shutdown_runner()  # no rank outlives an engine that failed to start
+            raise
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv,

@@ -51,6 +51,13 @@ class TPGroup:
         dist.gather(x, parts, dst=0)
         return parts
 
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """Every rank's ``data`` on rank 0, in rank order; None on the others (host bytes, e.g. what
+        each rank's NIXL agent says about itself)."""
+        parts: list | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(data, parts, dst=0, group=self._host)
+        return parts
+
     def min_int(self, n: int) -> int:
         """The smallest ``n`` over ranks (each rank's KV pool must hold the same block ids)."""
         t = torch.tensor([n], dtype=torch.int64)

@@ -16,17 +16,20 @@ every rank holds it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 import torch
 
 from kvmesh.engine.connectors.common import BlockLayout, LocalBlocks
+from kvmesh.engine.parallel import messages
 from kvmesh.engine.parallel.sharding import Shard
 
 if TYPE_CHECKING:
     from kvmesh.common.model_files import ModelConfig
     from kvmesh.engine.parallel.group import TPGroup
+    from kvmesh.engine.parallel.ranks import Ranks
 
 
 def whole_block_shape(kv_cache: torch.Tensor, cfg: ModelConfig) -> tuple[int, ...]:
@@ -59,8 +62,9 @@ class ShardedBlocks:
     """Rank 0's whole blocks, for a connector (the `LocalBlocks` interface: ``layout``, ``read``,
     ``write``, ``want``), backed by every rank's heads."""
 
-    def __init__(self, kv_cache: torch.Tensor, cfg: ModelConfig, world: int, kv_scales_id: str = "") -> None:
-        self.heads = [Shard(r, world, cfg).kv_heads() for r in range(world)]
+    def __init__(self, kv_cache: torch.Tensor, cfg: ModelConfig, ranks: Ranks, kv_scales_id: str = "") -> None:
+        self.ranks = ranks
+        self.heads = [Shard(r, ranks.world, cfg).kv_heads() for r in range(ranks.world)]
         self.whole_shape = whole_block_shape(kv_cache, cfg)
         self.own = RankBlocks(kv_cache, self.heads[0], self.whole_shape)
         self.kv_cache = kv_cache  # rank 0's heads
@@ -97,6 +101,17 @@ class ShardedBlocks:
         for b, data in staged:
             self.own.write_whole(b, data)
             self._writes.append((b, bytes(data)))
+
+    def start_agents(
+        self, name: str, backends: list[str], ucx_mode: str, progress_thread: bool
+    ) -> list[dict[str, Any]]:
+        """A NIXL agent on every other rank's heads (engine/parallel/worker.py); what each says about itself
+        (`KVAgent.describe`), in rank order, for a reader to pull every rank's heads from that rank."""
+        group = self.ranks.group
+        group.broadcast_bytes(messages.encode(messages.Agents(name, list(backends), ucx_mode, progress_thread)))
+        parts = group.gather_bytes(b"")
+        assert parts is not None
+        return [msgspec.msgpack.decode(p) for p in parts[1:]]
 
     # ---- the runner's side ---------------------------------------------------------------------
     def take_writes(self) -> list[tuple[int, bytes]]:

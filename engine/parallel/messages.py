@@ -50,7 +50,17 @@ class Stop(msgspec.Struct, tag="stop", array_like=True):
     reason: str = ""
 
 
-Message = Step | Stop
+class Agents(msgspec.Struct, tag="agents", array_like=True):
+    """Start a NIXL agent on this rank's KV heads (an engine that serves KV reads under TP: a reader
+    pulls every rank's heads from that rank's agent) and send rank 0 what a reader needs to know."""
+
+    name: str
+    backends: list[str]
+    ucx_error_handling_mode: str
+    progress_thread: bool
+
+
+Message = Step | Stop | Agents
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Message)
 
@@ -70,6 +80,10 @@ def encode_step(
 
 def encode_stop(reason: str = "") -> bytes:
     return _enc.encode(Stop(reason))
+
+
+def encode(msg: Agents) -> bytes:
+    return _enc.encode(msg)
 
 
 def decode(data: bytes) -> Message:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from dataclasses import replace
 
 import msgspec
@@ -37,6 +38,7 @@ def main(argv: list[str]) -> int:
 
     loaded = load_model(config.model_path, load_tokenizer=False)
     group = TPGroup(rank, spec.world, spec.init_method, device, spec.timeout_s)
+    agents: list = []
     try:
         runner = ModelRunner(config, loaded.state_dict, tp=group)
         del loaded
@@ -44,9 +46,61 @@ def main(argv: list[str]) -> int:
             msg = messages.decode(group.broadcast_bytes(None))
             if isinstance(msg, messages.Stop):
                 return 0
+            if isinstance(msg, messages.Agents):
+                agents.append(_start_agent(runner, group, msg))
+                continue
             runner.run_step(msg)
     finally:
+        for agent in agents:
+            agent.stop()
         group.close()
+
+
+def _start_agent(runner, group: TPGroup, msg: messages.Agents):
+    """This rank's NIXL agent on its KV heads; rank 0 gets what a reader needs to pull from it."""
+    from kvmesh.engine.connectors.common import BlockLayout
+    from kvmesh.engine.connectors.nixl_agent import KVAgent
+
+    layout = BlockLayout.of(runner.kv_cache, runner.kv_scales_id)
+    agent = KVAgent(
+        f"{msg.name}-rank{group.rank}",
+        runner.kv_cache,
+        layout,
+        msg.backends,
+        msg.ucx_error_handling_mode,
+        msg.progress_thread,
+    )
+    heads = runner.rank_blocks.heads
+    group.gather_bytes(msgspec.msgpack.encode(agent.describe(layout, (heads.start, heads.stop))))
+    return _Progressed(agent)
+
+
+class _Progressed:
+    """A rank's agent with a thread of its own that progresses it. Rank 0's agent is progressed by the
+    engine thread every step; this rank's main thread waits in the group's collectives, yet a reader's
+    connection setup needs the agent to answer (UCX wire-up). After `describe`, only this thread
+    touches the agent (NIXL is not guaranteed thread-safe)."""
+
+    PERIOD_S = 0.002
+
+    def __init__(self, agent) -> None:
+        self.agent = agent
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvmesh-nixl-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.PERIOD_S):
+            try:
+                self.agent.notifs()  # progresses the agent's workers; nothing here reads notifications
+            except Exception as e:
+                log.warning("progressing this rank's NIXL agent failed: %s", e)
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(5.0)
+        self.agent.close()
 
 
 if __name__ == "__main__":

@@ -133,7 +133,8 @@ class ModelRunner(DecodeRoundRunner):
         self.rank_blocks: RankBlocks | None = None
         if tp is not None:
             if tp.rank == 0:
-                self.kv_blocks = ShardedBlocks(self.kv_cache, whole_cfg, tp.world, self.kv_scales_id)
+                assert self.ranks is not None
+                self.kv_blocks = ShardedBlocks(self.kv_cache, whole_cfg, self.ranks, self.kv_scales_id)
             shard = Shard(tp.rank, tp.world, whole_cfg)
             self.rank_blocks = RankBlocks(self.kv_cache, shard.kv_heads(), whole_block_shape(self.kv_cache, whole_cfg))
         self.tp_group = tp

@@ -8,13 +8,14 @@ is proved by the decode engine's own count of tokens run through the model.
 
 from __future__ import annotations
 
+import secrets
+
 import pytest
 from connector_procs import EngineProc, run_request
 from test_connectors_redis import RedisServer
 from test_tensor_parallel import LLAMA, _prompts, _rank_children, _save
 
 from kvmesh.engine.args import EngineArgs
-from kvmesh.engine.connectors import make_connector
 from kvmesh.engine.core.engine_core import EngineCore
 from kvmesh.engine.models.loader import load_model
 
@@ -110,10 +111,34 @@ def test_redis_pd_across_tp_sizes(llama_path, redis_server, prompts, reference, 
     assert _rank_children() == []
 
 
-def test_nixl_under_tp_is_refused_by_name(llama_path):
-    """A connector that cannot move blocks under TP yet says so at start, and leaves no rank behind."""
-    conn = make_connector("nixl", None, auth_key="k" * 32)
-    with pytest.raises(ValueError, match="nixl KV connector does not move KV blocks under tensor_parallel_size"):
-        _engine(llama_path, 2, "prefill", conn)
-    conn.close()
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (1, 2), (2, 1), (4, 2)])
+def test_nixl_pd_across_tp_sizes(llama_path, prompts, reference, prefill_tp, decode_tp):
+    """The decode engine pulls every prefill rank's heads from that rank's own NIXL agent (the prefill's
+    handshake lists them all), places them into whole blocks and hands each of its ranks its heads."""
+    key = "tp-pd-key-" + secrets.token_hex(8)
+    prefill = _proc(llama_path, prefill_tp, "prefill", "nixl", lease_s=600.0, auth_key=key)
+    decode = _proc(llama_path, decode_tp, "decode", "nixl", transfer_timeout_s=60.0, auth_key=key)
+    try:
+        for i, p in enumerate(prompts):
+            first = prefill.call("gen", f"p{i}", p, 1, {"do_remote_decode": True})
+            assert first["tokens"] == reference[i][:1]
+            params = first["kv_transfer_params"]
+            assert params["remote_kv_layout"] == WHOLE_LAYOUT
+            assert decode.call("validate", params) is None
+            out = decode.call("gen", f"d{i}", p, MAX_NEW, params)
+            assert out["tokens"] == reference[i], i
+            assert out["computed"] == len(p) - _loadable(len(p)) + MAX_NEW - 1, i  # the pulled blocks ran nowhere
+        st = decode.call("stats")["connector"]
+        assert st["blocks_loaded"] == sum(_loadable(len(p)) // BS for p in prompts)
+        assert st["loads_failed"] == 0 and st["hash_mismatches"] == 0
+        # Every transfer is given back (released over the side channel or by its notification): no held block.
+        s = prefill.call("drain", 20.0)
+        assert s["held"] == 0 and s["free"] == s["total"], s
+        s = decode.call("drain", 10.0)
+        assert s["free"] == s["total"] and not s["unfinished"], s
+        for e in (prefill, decode):
+            e.call("exit")
+    finally:
+        prefill.kill()
+        decode.kill()
     assert _rank_children() == []
