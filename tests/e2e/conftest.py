@@ -1,4 +1,4 @@
-"""e2e fixtures: a real control plane (etcd, kube-apiserver, KCM, scheduler, kwok) started by
+"""e2e fixtures: a real control plane (etcd, kube-apiserver, KCM, scheduler, kwok, LWS) started by
 tests/e2e/cluster/up.sh, the chart's CRD/RBAC applied, and the operator running locally with the
 chart's ServiceAccount token, so every e2e test also proves that RBAC is sufficient.
 
@@ -33,6 +33,7 @@ E2E_ENV = {
     "ETCD_PEER_PORT": "23901",
     "APISERVER_PORT": "26543",
     "KWOK_PORT": "20347",
+    "LWS_WEBHOOK_PORT": "21043",
     # Namespaces of finished tests are deleted asynchronously; leave room for their pods' GPUs.
     "KWOK_NODES": "4",
     "KWOK_GPUS_PER_NODE": "16",

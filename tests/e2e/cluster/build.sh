@@ -403,17 +403,38 @@ fetch_keda_crds() {
   touch "$KEDA_CRDS/.done"
 }
 
+# LeaderWorkerSet: the controller manager (upstream's cmd/, the only binary of the module) and
+# its CRD, side by side under one stamp. `go install sigs.k8s.io/lws/cmd@vX` fails here (it reads
+# the module's version list for deprecations, which the proxy answers 403), so a throwaway module
+# requires the release and builds its cmd package (the module has no replace lines).
+build_lws() {
+  [[ -f "$LWS_BIN/.done" ]] && return 0
+  local V="$LWS_VERSION" W="$KVMESH_CACHE/src/lws-v$LWS_VERSION" dir commit
+  log "lws v$V (controller manager, CRD)"
+  rm -rf "$W"; mkdir -p "$W" "$LWS_BIN" "$LWS_CRDS" && cd "$W"
+  go mod init example.invalid/lwsbin >/dev/null 2>&1
+  go get "sigs.k8s.io/lws@v$V"
+  read -r dir commit < <(go mod download -json "sigs.k8s.io/lws@v$V" \
+    | python3 -c 'import json,sys;m=json.load(sys.stdin);print(m["Dir"], m.get("Origin", {}).get("Hash", "unknown"))')
+  go build -trimpath -o "$LWS_BIN/lws-controller" -ldflags "$LDFLAGS_BASE \
+    -X sigs.k8s.io/lws/pkg/version.GitVersion=v$V -X sigs.k8s.io/lws/pkg/version.GitCommit=$commit" \
+    sigs.k8s.io/lws/cmd
+  install -m 0644 "$dir"/config/crd/bases/*.yaml "$LWS_CRDS/"
+  touch "$LWS_BIN/.done"
+}
+
 what="${1:-all}"
 case "$what" in
   tools) install_tools ;;
   # KVMESH_REAL_NODE=0: the control plane only (what up.sh then starts).
-  all) install_tools; fetch_keda_crds; build_etcd; build_kwok; build_k8s
+  all) install_tools; fetch_keda_crds; build_etcd; build_kwok; build_k8s; build_lws
        if [[ "$KVMESH_REAL_NODE" != 0 ]]; then
          install_node_packages; build_k8s_node; build_coredns; build_node_images
        fi ;;
   prometheus) build_prometheus ;;
   keda-crds) fetch_keda_crds ;;
+  lws) build_lws ;;
   node) install_node_packages; build_k8s_node; build_coredns; build_node_images ;;
-  *) echo "usage: $0 [all|tools|node|prometheus|keda-crds]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|tools|node|prometheus|keda-crds|lws]" >&2; exit 2 ;;
 esac
 log "done in $(( $(date +%s) - t0 ))s (cache: $KVMESH_CACHE)"

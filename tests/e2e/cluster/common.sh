@@ -21,6 +21,11 @@ KUBECONFIG_PATH="$KVMESH_CLUSTER_DIR/kubeconfig"
 COREDNS_BIN="$KVMESH_CACHE/coredns-v$COREDNS_VERSION/bin"
 PROMETHEUS_BIN="$KVMESH_CACHE/prometheus-v$PROMETHEUS_VERSION/bin"
 KEDA_CRDS="$KVMESH_CACHE/keda-v$KEDA_VERSION/crds"
+LWS_BIN="$KVMESH_CACHE/lws-v$LWS_VERSION/bin"
+LWS_CRDS="$KVMESH_CACHE/lws-v$LWS_VERSION/crds"
+# The LWS controller's admission webhook (its pod webhook sets the group/worker labels and the
+# LWS_* env vars): served on loopback, where the apiserver (a host process too) calls it.
+LWS_WEBHOOK_PORT="${LWS_WEBHOOK_PORT:-20943}"
 NODE_IMAGES_DIR="$KVMESH_CACHE/node-images-r$NODE_IMAGES_REV"
 # Images of the real node: the sandbox (pause) image and a tiny static probe (HTTP server and
 # client, DNS lookup, in-cluster apiserver check) that the smoke test runs.

@@ -32,7 +32,7 @@ if (( real_node )) && [[ -f "$D/pids" ]]; then
   # 1. Pods first, while the API and kubelet are up, so the kubelet tears down each sandbox
   #    (CNI DEL: veth, IP lease) itself. Controllers and scheduler go first so nothing
   #    recreates or reschedules them meanwhile.
-  for c in kube-controller-manager kube-scheduler; do
+  for c in kube-controller-manager lws-controller kube-scheduler; do
     p="$(pid_of "$c")"; [[ -n "$p" ]] && stop "$c" "$p"
   done
   KUBECTL="$TOOLS_DIR/bin/kubectl"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Start a throwaway Kubernetes cluster: etcd, kube-apiserver, kube-controller-manager,
-# kube-scheduler and kwok (fake nodes with GPUs, tainted nvidia.com/gpu, pods reach Running),
+# kube-scheduler, the LeaderWorkerSet controller (with its CRD and admission webhooks) and kwok
+# (fake nodes with GPUs, tainted nvidia.com/gpu, pods reach Running),
 # plus one real node (containerd + kubelet + kube-proxy + CoreDNS on a bridge of its own) that
 # runs the CPU pods for real. KVMESH_REAL_NODE=0: control plane and kwok only, all on loopback.
 #
@@ -8,7 +9,7 @@
 # Idempotent: if the cluster in $KVMESH_CLUSTER_DIR is already up, just prints the path.
 # Env: KVMESH_CACHE, KVMESH_CLUSTER_DIR, ETCD_CLIENT_PORT, ETCD_PEER_PORT, APISERVER_PORT,
 #      KWOK_NODES (default 3), KWOK_GPUS_PER_NODE (default 8), KVMESH_REAL_NODE (default 1),
-#      NODE_NAME, NODE_BRIDGE, POD_CIDR, NODE_IP, KUBELET_PORT (see common.sh).
+#      NODE_NAME, NODE_BRIDGE, POD_CIDR, NODE_IP, KUBELET_PORT, LWS_WEBHOOK_PORT (see common.sh).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 . "$HERE/common.sh"
@@ -318,6 +319,81 @@ node_wait_ready() {
   wait_for "DNS answers" 30 dns_answers
 }
 
+# ---------------------------------------------------------------------------------------------
+# LeaderWorkerSet: its CRD and its controller manager, a host process like the KCM (admin
+# kubeconfig, no leader election, no metrics or probe listeners). Its webhooks cannot be left
+# off: the pod webhook is what gives LWS pods their group/worker index labels and the
+# LWS_LEADER_ADDRESS / LWS_GROUP_SIZE / LWS_WORKER_INDEX env (the pod controller refuses pods
+# without the worker-index label), and the LWS webhook defaults restartPolicy and the rollout
+# strategy. So they run, on loopback with a certificate of our own CA (the manager's internal
+# cert rotation wants an in-cluster Service and Secret), and are registered by URL with the
+# rules of upstream's config/webhook (manifests.yaml plus its objectSelector patches: only pods
+# labelled leaderworkerset.sigs.k8s.io/name go through them, so a stopped LWS controller never
+# blocks other pods).
+lws_start() {
+  local P="$D/pki/lws-webhook" url="https://127.0.0.1:$LWS_WEBHOOK_PORT"
+  mkdir -p "$P"
+  openssl req -x509 -newkey rsa:2048 -nodes -keyout "$P/ca.key" -out "$P/ca.crt" -days 30 \
+    -subj "/CN=kvmesh-e2e-lws-webhook-ca" 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -keyout "$P/tls.key" -out "$P/tls.csr" -subj "/CN=127.0.0.1" 2>/dev/null
+  openssl x509 -req -in "$P/tls.csr" -CA "$P/ca.crt" -CAkey "$P/ca.key" -CAcreateserial \
+    -out "$P/tls.crt" -days 30 -extfile <(echo "subjectAltName=IP:127.0.0.1") 2>/dev/null
+  cat > "$D/lws-config.yaml" <<YAML
+apiVersion: config.lws.x-k8s.io/v1alpha1
+kind: Configuration
+leaderElection: {leaderElect: false}
+internalCertManagement: {enable: false}
+webhook: {host: 127.0.0.1, port: $LWS_WEBHOOK_PORT, certDir: "$P"}
+metrics: {bindAddress: "0"}
+health: {healthProbeBindAddress: "0"}
+YAML
+  # server-side: the CRD (1.3 MB) is too large for client-side apply's annotation
+  "$KUBECTL" apply --server-side --force-conflicts -f "$LWS_CRDS/" >&2
+  wait_for "LWS CRD established" 60 "$KUBECTL" wait --for=condition=Established \
+    crd/leaderworkersets.leaderworkerset.x-k8s.io --timeout=5s
+  start lws-controller env ENABLE_WEBHOOKS=true "$LWS_BIN/lws-controller" \
+    --kubeconfig="$KUBECONFIG_PATH" --config="$D/lws-config.yaml" --leader-elect=false
+  wait_for "LWS webhook server" 60 curl -s --max-time 2 --cacert "$P/ca.crt" -o /dev/null "$url/"
+  local ca; ca="$(base64 -w0 < "$P/ca.crt")"
+  "$KUBECTL" apply -f - >&2 <<YAML
+apiVersion: admissionregistration.k8s.io/v1
+kind: MutatingWebhookConfiguration
+metadata: {name: lws-mutating-webhook-configuration}
+webhooks:
+- name: mleaderworkerset.kb.io
+  clientConfig: {url: "$url/mutate-leaderworkerset-x-k8s-io-v1-leaderworkerset", caBundle: $ca}
+  rules: [{apiGroups: [leaderworkerset.x-k8s.io], apiVersions: [v1], operations: [CREATE, UPDATE], resources: [leaderworkersets]}]
+  admissionReviewVersions: [v1]
+  failurePolicy: Fail
+  sideEffects: None
+- name: mpod.kb.io
+  clientConfig: {url: "$url/mutate--v1-pod", caBundle: $ca}
+  objectSelector: {matchExpressions: [{key: leaderworkerset.sigs.k8s.io/name, operator: Exists}]}
+  rules: [{apiGroups: [""], apiVersions: [v1], operations: [CREATE], resources: [pods]}]
+  admissionReviewVersions: [v1]
+  failurePolicy: Fail
+  sideEffects: None
+---
+apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingWebhookConfiguration
+metadata: {name: lws-validating-webhook-configuration}
+webhooks:
+- name: vleaderworkerset.kb.io
+  clientConfig: {url: "$url/validate-leaderworkerset-x-k8s-io-v1-leaderworkerset", caBundle: $ca}
+  rules: [{apiGroups: [leaderworkerset.x-k8s.io], apiVersions: [v1], operations: [CREATE, UPDATE], resources: [leaderworkersets]}]
+  admissionReviewVersions: [v1]
+  failurePolicy: Fail
+  sideEffects: None
+- name: vpod.kb.io
+  clientConfig: {url: "$url/validate--v1-pod", caBundle: $ca}
+  objectSelector: {matchExpressions: [{key: leaderworkerset.sigs.k8s.io/name, operator: Exists}]}
+  rules: [{apiGroups: [""], apiVersions: [v1], operations: [CREATE, UPDATE], resources: [pods]}]
+  admissionReviewVersions: [v1]
+  failurePolicy: Fail
+  sideEffects: None
+YAML
+}
+
 openssl genrsa -out "$D/pki/sa.key" 2048 2>/dev/null
 if [[ "$KVMESH_REAL_NODE" != 0 ]]; then
   node_claim          # one real node per machine; fails if another cluster holds it
@@ -389,6 +465,7 @@ start kwok "$KWOK_BIN/kwok" --kubeconfig="$KUBECONFIG_PATH" \
   --node-lease-duration-seconds=40
 
 export KUBECONFIG="$KUBECONFIG_PATH"
+lws_start             # LWS CRD, controller manager, its webhooks (registered once it serves)
 NODES="${KWOK_NODES:-3}"; GPUS="${KWOK_GPUS_PER_NODE:-8}"
 for i in $(seq 0 $((NODES - 1))); do
   cat <<NODE
