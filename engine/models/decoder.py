@@ -250,7 +250,7 @@ class DecoderForCausalLM(torch.nn.Module):
                 self.tp.group.all_reduce(h)
             x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual, choices=c)
             h = layer["mlp"](x)
-            if self.tp is not None:
+            if self.tp is not None:  # dense or experts: each rank's slice of the intermediate dimension
                 self.tp.group.all_reduce(h)
         assert residual is not None  # set by the first layer
         if logits_indices is not None:  # gather first: the add then touches only the sampled rows

@@ -7,6 +7,12 @@ all experts in float32, the k largest, optionally renormalised to sum to 1 (``no
 then `kernels.fused_moe` runs the chosen experts' SiLU-gated MLPs and sums them weighted. Which
 layers are sparse follows HF (`ModelConfig.is_sparse_layer`: ``decoder_sparse_step`` and
 ``mlp_only_layers``); the others have the dense MLP of ``intermediate_size``.
+
+Under tensor parallelism a rank's experts are its slice of each expert's intermediate dimension
+(`engine.parallel.sharding`): the stacked weights are ``[E, 2I/n, H]`` and ``[E, H, I/n]``, which
+`kernels.fused_moe` takes as it takes whole ones (it reads I from the weights), and the router is
+whole. The sum over the chosen experts is then a partial sum, which the decoder all-reduces where it
+all-reduces a dense MLP's.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class SparseMoeMLP:
         has: HasFn,
         prefix: str,
         num_experts: int,
+        intermediate_size: int,
         top_k: int,
         renormalize: bool,
         choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
@@ -40,7 +47,9 @@ class SparseMoeMLP:
         self.gate = w(prefix + "gate.weight")
         e = prefix + "experts."
         if has(e + "gate_up_proj"):
-            self.w_gate_up, self.w_down = w(e + "gate_up_proj"), w(e + "down_proj")
+            # contiguous: a no-op for whole weights (still shared), a copy of a rank's slices, made once
+            # here rather than by `kernels.fused_moe` every step
+            self.w_gate_up, self.w_down = w(e + "gate_up_proj").contiguous(), w(e + "down_proj").contiguous()
         else:
             self.w_gate_up = torch.stack(
                 [torch.cat([w(f"{e}{i}.gate_proj.weight"), w(f"{e}{i}.up_proj.weight")], 0) for i in range(num_experts)]
@@ -48,6 +57,11 @@ class SparseMoeMLP:
             self.w_down = torch.stack([w(f"{e}{i}.down_proj.weight") for i in range(num_experts)])
         if self.w_gate_up.shape[0] != num_experts or self.w_down.shape[0] != num_experts:
             raise ValueError(f"{prefix}experts: {self.w_gate_up.shape[0]} experts, the config says {num_experts}")
+        if self.w_gate_up.shape[1] != 2 * intermediate_size or self.w_down.shape[2] != intermediate_size:
+            raise ValueError(
+                f"{prefix}experts: gate|up {tuple(self.w_gate_up.shape)} and down {tuple(self.w_down.shape)}, "
+                f"expected an intermediate size of {intermediate_size}"
+            )
         self.top_k = top_k
         self.renormalize = renormalize
 
@@ -70,7 +84,16 @@ class _SparseMixin(DecoderForCausalLM):
         c = self.cfg
         if not c.is_sparse_layer(layer):
             return DenseMLP(w, prefix, self.kernel_choices)
-        return SparseMoeMLP(w, has, prefix, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, self.kernel_choices)
+        return SparseMoeMLP(
+            w,
+            has,
+            prefix,
+            c.num_experts,
+            c.moe_intermediate_size,  # this rank's share under tensor parallelism
+            c.num_experts_per_tok,
+            c.norm_topk_prob,
+            self.kernel_choices,
+        )
 
 
 class Qwen3MoeForCausalLM(_SparseMixin, Qwen3ForCausalLM):

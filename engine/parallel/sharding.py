@@ -7,6 +7,12 @@ Rank ``r`` of ``n``:
   ranks; o's partial sums are all-reduced.
 - dense MLP: gate/up rows ``[r*I/n, (r+1)*I/n)``, down's input columns of the same range; down's
   partial sums are all-reduced.
+- mixture of experts: every rank holds every expert, each by the same slice of its intermediate
+  dimension (``moe_intermediate_size``, ``Im``): gate/up rows ``[r*Im/n, (r+1)*Im/n)`` and down's
+  columns of that range, from per-expert checkpoint tensors or HF's stacked ``experts.gate_up_proj``
+  ``[E, 2Im, H]`` (gate rows, then up rows) and ``experts.down_proj`` ``[E, H, Im]``. The router is
+  whole, so every rank routes a token to the same experts and computes its slice of each; the
+  weighted sum of those slices is a partial sum like the dense MLP's, all-reduced at the same place.
 - embedding and LM head: vocabulary rows ``[r*ceil(V/n), ...)`` (the last shard may be short); the
   embedding's rows of other shards are zero here and the all-reduce fills them in, the LM head's
   logits are all-gathered.
@@ -37,16 +43,17 @@ def check_divisible(cfg: ModelConfig, world: int) -> None:
         problems.append(f"{cfg.num_heads} attention heads")
     if cfg.num_kv_heads % world and world % cfg.num_kv_heads:
         problems.append(f"{cfg.num_kv_heads} KV heads (neither a multiple nor a divisor of it)")
-    if cfg.intermediate_size % world:
+    dense = any(not cfg.is_sparse_layer(i) for i in range(cfg.num_layers))
+    if dense and cfg.intermediate_size % world:
         problems.append(f"an MLP of {cfg.intermediate_size}")
-    if cfg.num_experts:
-        problems.append("mixture-of-experts layers (not split by tensor parallelism yet)")
+    if cfg.num_experts and cfg.moe_intermediate_size % world:
+        problems.append(f"experts of {cfg.moe_intermediate_size}")
     if problems:
         raise ValueError(f"tensor_parallel_size {world} cannot split this model: " + ", ".join(problems))
 
 
 def local_config(cfg: ModelConfig, world: int) -> ModelConfig:
-    """The shape one rank computes: its share of the heads and of the MLP."""
+    """The shape one rank computes: its share of the heads, of the MLP and of every expert."""
     if world == 1:
         return cfg
     return dataclasses.replace(
@@ -54,6 +61,7 @@ def local_config(cfg: ModelConfig, world: int) -> ModelConfig:
         num_heads=cfg.num_heads // world,
         num_kv_heads=max(1, cfg.num_kv_heads // world),
         intermediate_size=cfg.intermediate_size // world,
+        moe_intermediate_size=cfg.moe_intermediate_size // world,
     )
 
 
@@ -99,6 +107,8 @@ class Shard:
         """This rank's part of checkpoint tensor ``name``."""
         if self.world == 1:
             return t
+        if ".mlp.experts." in name:
+            return self._expert(name, t)
         q, kv = self._heads()
         inter = self.cfg.intermediate_size // self.world
         mlp = slice(self.rank * inter, (self.rank + 1) * inter)
@@ -120,6 +130,24 @@ class Shard:
             pad = self.vocab_shard_size - (b - a)
             return torch.nn.functional.pad(part, (0, 0, 0, pad)) if pad else part
         return t
+
+    def _expert(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of an expert weight: per expert (``experts.{e}.gate_proj.weight`` ...) or
+        all experts stacked (``experts.gate_up_proj``, ``experts.down_proj``)."""
+        full = self.cfg.moe_intermediate_size
+        per = full // self.world
+        a, b = self.rank * per, (self.rank + 1) * per
+        if name.endswith(("gate_proj.weight", "up_proj.weight")):
+            return t[a:b]
+        if name.endswith("down_proj.weight"):
+            return t[:, a:b]
+        if name.endswith("experts.gate_up_proj"):
+            if t.shape[1] != 2 * full:
+                raise ValueError(f"{name}: {tuple(t.shape)}, expected [E, {2 * full}, H]")
+            return torch.cat([t[:, a:b], t[:, full + a : full + b]], 1)
+        if name.endswith("experts.down_proj"):
+            return t[:, :, a:b]
+        raise ValueError(f"{name}: an expert tensor tensor parallelism does not know how to split")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,9 +31,25 @@ MAX_NEW = 12
 TIE_TOL = 1e-3  # fp32 logits of two candidates this close are a tie an all-reduce may break either way
 
 
+def _per_expert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``random_init``'s stacked experts under the per-expert names checkpoints on disk use."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            e, inter = k.removesuffix("gate_up_proj"), v.shape[1] // 2
+            for i in range(v.shape[0]):
+                out[f"{e}{i}.gate_proj.weight"], out[f"{e}{i}.up_proj.weight"] = v[i, :inter], v[i, inter:]
+        elif k.endswith("mlp.experts.down_proj"):
+            e = k.removesuffix("down_proj")
+            out.update({f"{e}{i}.down_proj.weight": v[i] for i in range(v.shape[0])})
+        else:
+            out[k] = v
+    return out
+
+
 def _save(tmp: str, hf_config: dict, seed: int) -> str:
     cfg = random_init.model_config_from_hf(hf_config, "tp-test")
-    sd = random_init.random_state_dict(cfg, torch.float32, "cpu", seed)
+    sd = _per_expert(random_init.random_state_dict(cfg, torch.float32, "cpu", seed))
     os.makedirs(tmp, exist_ok=True)
     save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(tmp, "model.safetensors"))
     with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -64,8 +80,13 @@ def _engine(path: str | None, tp: int, **kw) -> EngineCore:
 
 def _greedy(eng: EngineCore, prompts: list[list[int]], max_new: int = MAX_NEW, n: int = 1) -> dict[str, list]:
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, n=n)
-    for i, p in enumerate(prompts):
-        eng.add_request(EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=p, params=params))
+    return _generate(eng, prompts, [params] * len(prompts))
+
+
+def _generate(eng: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, list]:
+    """Every sequence's tokens by ``"{request}/{index}"``, the requests (``r0``, ``r1``, ...) batched."""
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        eng.add_request(EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=p, params=sp))
     out: dict[str, list] = {}
     while eng.has_unfinished():
         for eo in eng.step():
@@ -154,6 +175,112 @@ def test_qwen3_tp2(tmp_path):
         assert _greedy(eng, prompts) == want
     finally:
         eng.shutdown()
+
+
+# Qwen3-MoE: top-2 of 8 experts of 64 (32 / 16 a rank at TP 2 / 4), a dense layer (`mlp_only_layers`)
+# between sparse ones; the folder names each expert, as checkpoints on disk do.
+QWEN3_MOE = random_init.scaled_config(
+    random_init.QWEN3_30B_A3B,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    mlp_only_layers=[1],
+    vocab_size=1002,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float32",
+)
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory) -> str:
+    return _save(str(tmp_path_factory.mktemp("qwen3_moe")), QWEN3_MOE, seed=13)
+
+
+@pytest.fixture(scope="module")
+def moe_tp1(moe_path):
+    eng = _engine(moe_path, 1, max_num_batched_tokens=64, num_kv_blocks=64, block_size=16)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_qwen3_moe_tp_matches_one_rank(moe_path, moe_tp1, tp):
+    """Every rank holds every expert's slice of the intermediate dimension and the whole router, so
+    it routes as one rank does; the experts' partial sums are all-reduced like a dense MLP's.
+    Batched, with chunked prefill and a prefix hit."""
+    prompts = _prompts(1002, [5, 17, 40, 90, 3], seed=20 + tp)
+    prompts.append(list(prompts[3]))  # a prefix hit on the 90-token prompt's full blocks
+    want = _greedy(moe_tp1, prompts)
+    eng = _engine(moe_path, tp, max_num_batched_tokens=64, num_kv_blocks=64, block_size=16)
+    try:
+        assert len(_rank_children()) == tp - 1
+        model = eng.runner.model
+        assert (model.cfg.moe_intermediate_size, model.cfg.intermediate_size) == (64 // tp, 256 // tp)
+        experts = model.layers[0]["mlp"]
+        assert tuple(experts.w_gate_up.shape) == (8, 2 * 64 // tp, 128)
+        assert tuple(experts.w_down.shape) == (8, 128, 64 // tp)
+        assert tuple(experts.gate.shape) == (8, 128)  # the router is whole
+        got = _greedy(eng, prompts)
+        assert eng.stats().prefix_cache_hits > 0
+        assert got == want
+    finally:
+        eng.shutdown()
+    assert _rank_children() == []
+
+
+def test_stacked_and_per_expert_weights_split_alike():
+    """HF's stacked in-memory experts (`random_init`'s, ``[E, 2I, H]`` gate rows then up rows) and a
+    checkpoint's per-expert tensors give each rank the same slices, and the ranks' slices make the
+    whole expert."""
+    from kvmesh.engine.parallel.sharding import Shard
+
+    cfg = random_init.model_config_from_hf(QWEN3_MOE, "tp-test")
+    sd = random_init.random_state_dict(cfg, torch.float32, "cpu", 1)
+    p = "model.layers.0.mlp.experts."
+    stacked = {k: v for k, v in sd.items() if k.startswith(p)}
+    per = _per_expert(stacked)
+    world, inter = 4, 64 // 4
+    parts = []
+    for r in range(world):
+        shard = Shard(r, world, cfg)
+        gate_up, down = (
+            shard(p + "gate_up_proj", stacked[p + "gate_up_proj"]),
+            shard(p + "down_proj", stacked[p + "down_proj"]),
+        )
+        assert tuple(gate_up.shape) == (8, 2 * inter, 128) and tuple(down.shape) == (8, 128, inter)
+        for e in range(8):
+            gate, up = (
+                shard(f"{p}{e}.gate_proj.weight", per[f"{p}{e}.gate_proj.weight"]),
+                shard(f"{p}{e}.up_proj.weight", per[f"{p}{e}.up_proj.weight"]),
+            )
+            assert torch.equal(gate_up[e], torch.cat([gate, up]))
+            assert torch.equal(down[e], shard(f"{p}{e}.down_proj.weight", per[f"{p}{e}.down_proj.weight"]))
+        parts.append((gate_up, down))
+    gates = torch.cat([g[:, :inter] for g, _ in parts], 1)
+    ups = torch.cat([g[:, inter:] for g, _ in parts], 1)
+    assert torch.equal(torch.cat([gates, ups], 1), stacked[p + "gate_up_proj"])
+    assert torch.equal(torch.cat([d for _, d in parts], 2), stacked[p + "down_proj"])
+
+
+def test_moe_split_checks_the_experts_and_dense_layers_it_has():
+    from kvmesh.engine.parallel.sharding import check_divisible
+
+    def cfg(**kw):
+        return random_init.model_config_from_hf(random_init.scaled_config(QWEN3_MOE, **kw), "tp-test")
+
+    with pytest.raises(ValueError, match=r"cannot split this model: experts of 66$"):
+        check_divisible(cfg(moe_intermediate_size=66), 4)
+    with pytest.raises(ValueError, match=r"cannot split this model: an MLP of 250$"):
+        check_divisible(cfg(intermediate_size=250), 4)  # layer 1 is dense
+    check_divisible(cfg(intermediate_size=250, mlp_only_layers=[]), 4)  # no dense layer: its size is unused
 
 
 def test_embedded_smollm2_tp3_matches_hf(smol, hf_model):
