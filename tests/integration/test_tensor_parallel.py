@@ -157,6 +157,43 @@ def test_preemption_under_tp(llama_path, llama_tp1):
         eng.shutdown()
 
 
+@pytest.fixture(scope="class")
+def llama_tp2(llama_path):
+    """One TP 2 engine for a class's tests, gone before the next test counts rank processes."""
+    eng = _engine(llama_path, 2, max_num_batched_tokens=64, num_kv_blocks=64, block_size=16)
+    yield eng
+    eng.shutdown()
+
+
+class TestSamplingUnderTP2:
+    """Rank 0 samples from the all-gathered logits with one rank's sampler, so what a request asks of
+    the sampler beyond the argmax (a seeded draw, penalties over its tokens) gives one rank's tokens."""
+
+    def test_seeded_sampling(self, llama_tp1, llama_tp2):
+        prompts = _prompts(1002, [6, 25, 50], seed=31)
+        params = [
+            SamplingParams(temperature=0.8, top_p=0.9, seed=1000 + i, max_tokens=MAX_NEW, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
+        want = _generate(llama_tp1, prompts, params)
+        assert want != _greedy(llama_tp1, prompts)  # drawn, not the argmax
+        assert _generate(llama_tp2, prompts, params) == want
+
+    def test_penalties(self, llama_tp1, llama_tp2):
+        prompts = _prompts(1002, [6, 25, 50, 12], seed=41)
+        kinds = [
+            dict(presence_penalty=1.5),
+            dict(frequency_penalty=1.0),
+            dict(repetition_penalty=1.5),
+            dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2),
+        ]
+        params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, **k) for k in kinds]
+        want = _generate(llama_tp1, prompts, params)
+        plain = _greedy(llama_tp1, prompts)
+        assert all(want[k] != plain[k] for k in want)  # every penalty changes the tokens
+        assert _generate(llama_tp2, prompts, params) == want
+
+
 def test_qwen3_tp2(tmp_path):
     """Qwen3's per-head q/k norms stay whole on each rank."""
     cfg = dict(LLAMA, model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=1024)
@@ -307,6 +344,30 @@ def test_embedded_smollm2_tp3_matches_hf(smol, hf_model):
             assert abs(float(logits[mine[j]] - logits[ref[j]])) < TIE_TOL, (i, j, mine, ref)
             flips += 1
     assert flips <= 1
+
+
+def test_structured_output_tp3_matches_one_rank(smol):
+    """JSON schema, regex and choice outputs (greedy and seeded, one with a presence penalty) on the
+    embedded SmolLM2 over three ranks: within their grammars, and one rank's tokens. Rank 0 masks the
+    all-gathered logits by the grammar, as one rank does."""
+    from test_structured_engine import _check_constrained, _constrained
+
+    from kvmesh import LLM
+
+    prompts, params = zip(*_constrained())
+    want = None
+    for tp in (1, 3):
+        llm = LLM(loaded=smol, tensor_parallel_size=tp, device="cpu", dtype="float32", num_kv_blocks=256)
+        try:
+            outs = llm.generate(list(prompts), list(params))
+        finally:
+            llm.engine.shutdown()
+        _check_constrained(outs)
+        got = [o.outputs[0].token_ids for o in outs]
+        if want is None:
+            want = got
+        assert got == want
+    assert _rank_children() == []
 
 
 def test_a_model_tp_cannot_split_is_refused_by_name(llama_path):
