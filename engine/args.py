@@ -172,6 +172,24 @@ class EngineArgs:
             "(gpus 0) runs this many CPU ranks. Must divide the model's attention heads.",
         ),
     )
+    # A tensor-parallel group over several hosts (a LeaderWorkerSet: this server is the leader, the
+    # other hosts run `kvmesh rank`, engine/parallel/node.py). Server flags: the "server" section.
+    tp_nodes: int = _setting(
+        ParallelConfig.tp_nodes,
+        "hosts the tensor-parallel group spans, each running tensor_parallel_size / tp_nodes ranks (must "
+        "divide --tensor-parallel-size): the server's host the first ones, each other host `kvmesh rank`",
+        section="server",
+    )
+    tp_leader_address: str | None = _setting(
+        ParallelConfig.tp_leader_address,
+        "with --tp-nodes > 1: the leader's (the server's) address, which every host reaches; rank 0 listens there",
+        section="server",
+    )
+    tp_port: int = _setting(
+        ParallelConfig.tp_port,
+        "with --tp-nodes > 1: the port rank 0 listens on, where every rank of the group meets",
+        section="server",
+    )
     engine_id: str = _setting(
         EngineConfig.engine_id, "this engine's id in KV events and transfer params", section="server"
     )
@@ -288,7 +306,12 @@ class EngineArgs:
             cache=self._pick(CacheConfig, kv_cache_dtype=self.kv_cache_dtype or "auto"),
             scheduler=self._pick(SchedulerConfig, max_model_len=max_len),
             kernels=self._pick(KernelChoices),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                tp_nodes=self.tp_nodes,
+                tp_leader_address=self.tp_leader_address,
+                tp_port=self.tp_port,
+            ),
         )
 
     def _pick(self, cls: type, **given: Any) -> Any:

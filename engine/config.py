@@ -71,14 +71,34 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     # A collective or the ranks' rendezvous waiting longer than this fails the engine instead of
-    # hanging it (a rank process that died).
+    # hanging it (a rank process that died, a host that never joined).
     rank_timeout_s: float = 300.0
+    # Hosts the group spans (engine/parallel/rendezvous.py): each runs tensor_parallel_size / tp_nodes
+    # ranks; this engine's host is the first, the others run `kvmesh rank`. All of them meet at
+    # tcp://tp_leader_address:tp_port, where rank 0 listens.
+    tp_nodes: int = 1
+    tp_leader_address: str | None = None
+    tp_port: int = 29500
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.rank_timeout_s <= 0:
             raise ValueError("rank_timeout_s must be > 0")
+        if self.tp_nodes < 1 or self.tensor_parallel_size % self.tp_nodes:
+            raise ValueError(
+                f"tp_nodes must be >= 1 and divide tensor_parallel_size ({self.tensor_parallel_size}), "
+                f"got {self.tp_nodes}"
+            )
+        if self.tp_nodes > 1 and not self.tp_leader_address:
+            raise ValueError("tp_nodes > 1 needs tp_leader_address: the address every host reaches rank 0 at")
+        if not 0 < self.tp_port < 65536:
+            raise ValueError(f"tp_port must be a TCP port (1-65535), got {self.tp_port}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks on each host (one process and one device each)."""
+        return self.tensor_parallel_size // self.tp_nodes
 
 
 @dataclass(frozen=True)

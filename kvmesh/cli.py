@@ -14,6 +14,7 @@ COMMANDS = {
     "prefill": "kvmesh.services.prefill.entry",
     "decode": "kvmesh.services.decode.entry",
     "router": "kvmesh.services.router.entry",
+    "rank": "kvmesh.commands.rank",
     "up": "kvmesh.commands.up",
     "bench": "kvmesh.commands.bench",
 }

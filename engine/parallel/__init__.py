@@ -12,4 +12,9 @@ down, and after the embedding) and one all-gather (the logits) keep the ranks in
 `ranks.py` starts and stops the other ranks (``python -P -m kvmesh.engine.parallel.worker``) and
 drives them; a rank that dies is noticed by rank 0 (the collectives time out, the process is gone)
 and fails the engine rather than hanging it.
+
+A group may span hosts (``tp_nodes``): the leader's host runs rank 0 and its first ranks as above, each
+other host runs `kvmesh rank` (`node.py`), and all ranks meet at rank 0's port, where they read the
+leader's config and say they are ready, and where each beats a heartbeat that tells rank 0 which host
+is gone (`rendezvous.py`).
 """

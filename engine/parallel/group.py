@@ -7,28 +7,40 @@ all-gathers, and a gloo group for the step messages, which are host bytes. On a 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 
 class TPGroup:
-    """``rank`` of ``world`` ranks; rendezvous at ``init_method`` (``tcp://host:port``)."""
+    """``rank`` of ``world`` ranks; rendezvous at ``init_method`` (a ``file://`` path on one host), or
+    over ``store``, rank 0's TCPStore that a group across hosts met at (rendezvous.py). ``interface``:
+    the network interface gloo binds (None: GLOO_SOCKET_IFNAME, else the host name's address)."""
 
-    def __init__(self, rank: int, world: int, init_method: str, device: torch.device, timeout_s: float) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        init_method: str,
+        device: torch.device,
+        timeout_s: float,
+        store: dist.Store | None = None,
+        interface: str | None = None,
+    ) -> None:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} out of range for {world} ranks")
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        meet: dict = {"store": store} if store is not None else {"init_method": init_method}
+        with _gloo_interface(interface):  # gloo reads it when each of its groups is created
+            dist.init_process_group(
+                backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **meet
+            )
+            self._host = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
         self.rank, self.world, self.device = rank, world, device
-        self._host = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
 
     # ---- the model's collectives ----------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +89,28 @@ class TPGroup:
         dist.broadcast(buf, 0, group=self._host)
         return data if self.rank == 0 and data is not None else buf.numpy().tobytes()
 
+    def barrier(self) -> None:
+        """Wait for every rank here (after `Stop`: rank 0 closes the rendezvous only once every rank
+        has stopped its heartbeat, rendezvous.py)."""
+        dist.barrier(group=self._host)
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _gloo_interface(name: str | None) -> Iterator[None]:
+    """GLOO_SOCKET_IFNAME set to ``name`` while the groups are created, as it was afterwards."""
+    if name is None:
+        yield
+        return
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["GLOO_SOCKET_IFNAME"]
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = before

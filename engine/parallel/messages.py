@@ -1,4 +1,4 @@
-"""The messages rank 0 sends the other ranks: one per step, and the stop.
+"""The messages rank 0 sends the other ranks: what they start with, one per step, and the stop.
 
 A step is what every rank's forward needs and nothing a rank could not use: the block copies
 (copy-on-write) to make first, the whole blocks a KV connector loaded (each rank keeps its heads of
@@ -19,6 +19,32 @@ if TYPE_CHECKING:
     from kvmesh.engine.runner.inputs import StepPlan
 
 _ARRAYS = ("ids", "pos", "slots", "qsl", "seq_lens", "bt", "rows", "logits_idx")
+
+
+class WorkerSpec(msgspec.Struct):
+    """What every other rank starts with: JSON on its command line (one host), or read from rank 0's
+    rendezvous store before the group forms (a group across hosts, rendezvous.py)."""
+
+    config: dict  # the EngineConfig, as msgspec builtins
+    init_method: str
+    world: int
+    timeout_s: float
+
+
+class Join(msgspec.Struct):
+    """What a rank of a group across hosts starts with instead of the spec (on its command line, from
+    `kvmesh rank` or from rank 0 for its own host): where rank 0 is, and the group its host was
+    started for, which must be the leader's (rendezvous.py checks it against the spec)."""
+
+    address: str
+    port: int
+    world: int  # tensor_parallel_size
+    nodes: int  # tp_nodes
+    device: str | None = None  # "cpu" or "cuda": the leader's must be the same; None: the leader's
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{self.address}:{self.port}"
 
 
 class Array(msgspec.Struct, array_like=True):

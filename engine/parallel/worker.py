@@ -1,7 +1,10 @@
 """A rank other than 0: load the checkpoint, keep this rank's slice, run the steps rank 0 sends.
 
-``python -P -m kvmesh.engine.parallel.worker SPEC_JSON RANK`` (started by `ranks.Ranks`). The process
-exits when rank 0 sends `Stop`, or when a collective fails (rank 0 gone): it never outlives its engine.
+``python -P -m kvmesh.engine.parallel.worker SPEC_JSON RANK`` (started by `ranks.Ranks` on one host),
+or ``... --join JOIN_JSON RANK`` in a group across hosts (started by `ranks.Ranks` for the leader's
+host, by `kvmesh rank` for another's): the spec then comes from rank 0's rendezvous store
+(rendezvous.py). The process exits when rank 0 sends `Stop`, or when a collective fails or the
+heartbeat finds rank 0 gone: it never outlives its engine.
 """
 
 from __future__ import annotations
@@ -17,27 +20,58 @@ from kvmesh.common.logs import setup_logging
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.parallel import messages
 from kvmesh.engine.parallel.group import TPGroup
-from kvmesh.engine.parallel.ranks import WorkerSpec, rank_device
+from kvmesh.engine.parallel.messages import Join, WorkerSpec
+from kvmesh.engine.parallel.ranks import rank_device
+from kvmesh.engine.parallel.rendezvous import Member, RendezvousError, gloo_interface
 
 log = logging.getLogger("kvmesh.engine.parallel")
 
 
 def main(argv: list[str]) -> int:
-    spec = msgspec.json.decode(argv[0], type=WorkerSpec)
-    rank = int(argv[1])
-    setup_logging(f"rank {rank}")
+    member: Member | None = None
+    if argv[0] == "--join":
+        rank = int(argv[2])
+        setup_logging(f"rank {rank}")
+        try:
+            member = Member(msgspec.json.decode(argv[1], type=Join), rank)
+        except RendezvousError as e:
+            log.error("%s", e)
+            return 2
+        spec = member.spec
+    else:
+        spec = msgspec.json.decode(argv[0], type=WorkerSpec)
+        rank = int(argv[1])
+        setup_logging(f"rank {rank}")
+    try:
+        return _run(spec, rank, member)
+    finally:
+        if member is not None:
+            member.stop()
+
+
+def _run(spec: WorkerSpec, rank: int, member: Member | None) -> int:
     config = msgspec.convert(spec.config, EngineConfig)
     device = rank_device(config, rank)
     config = replace(config, device=str(device))
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.set_device(device)
     from kvmesh.engine.models.loader import load_model
     from kvmesh.engine.runner.model_runner import ModelRunner
 
-    loaded = load_model(config.model_path, load_tokenizer=False)
-    group = TPGroup(rank, spec.world, spec.init_method, device, spec.timeout_s)
+    try:
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
+        loaded = load_model(config.model_path, load_tokenizer=False)
+    except Exception as e:
+        if member is not None:  # rank 0 fails now with the reason, not after its timeout
+            member.refuse(f"rank {rank} on host {member.host} cannot load {config.model_path} on {device}: {e}")
+        raise
+    if member is None:
+        group = TPGroup(rank, spec.world, spec.init_method, device, spec.timeout_s)
+    else:
+        member.ready()
+        interface = gloo_interface(member.join.address)
+        group = TPGroup(rank, spec.world, spec.init_method, device, spec.timeout_s, member.store, interface)
     agents: list = []
     try:
         runner = ModelRunner(config, loaded.state_dict, tp=group)
@@ -45,6 +79,9 @@ def main(argv: list[str]) -> int:
         while True:
             msg = messages.decode(group.broadcast_bytes(None))
             if isinstance(msg, messages.Stop):
+                if member is not None:
+                    member.stop()
+                group.barrier()  # rank 0 closes its rendezvous store after this
                 return 0
             if isinstance(msg, messages.Agents):
                 agents.append(_start_agent(runner, group, msg))

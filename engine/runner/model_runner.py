@@ -67,7 +67,7 @@ class ModelRunner(DecodeRoundRunner):
 
     def _build(self, config: EngineConfig, state_dict: dict[str, torch.Tensor], tp: TPGroup | None) -> None:
         if config.device == "cpu":
-            configure_cpu_threads(config.parallel.tensor_parallel_size)
+            configure_cpu_threads(config.parallel.ranks_per_node)  # the ranks on this host share its cores
         self.device = torch.device(config.device)
         self.cuda = self.device.type == "cuda"
         # Random rows (seeded ones from their NoiseStreams) may be drawn inside decode rounds

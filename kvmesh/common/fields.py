@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 CLI = "cli"
@@ -49,9 +49,13 @@ def cli_fields(cls: type, section: str | None = "") -> Iterator[dataclasses.Fiel
             yield f
 
 
-def add_arguments(container: argparse._ActionsContainer, cls: type, section: str = "") -> None:
-    """One flag per field of ``section``; the flag's dest is the field's name."""
-    for f in cli_fields(cls, section):
+def add_arguments(
+    container: argparse._ActionsContainer, cls: type, section: str = "", only: Collection[str] | None = None
+) -> None:
+    """One flag per field of ``section``; the flag's dest is the field's name. ``only``: the fields of
+    these names instead, whatever their section (a command that takes a few of a class's settings)."""
+    fields = cli_fields(cls, section) if only is None else (f for f in cli_fields(cls, None) if f.name in only)
+    for f in fields:
         kw = {k: v for k, v in f.metadata[CLI].items() if k not in ("flag", "section")}
         flag = flag_of(f)
         if "action" not in kw:
