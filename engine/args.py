@@ -179,6 +179,15 @@ class EngineArgs:
         "hosts the tensor-parallel group spans, each running tensor_parallel_size / tp_nodes ranks (must "
         "divide --tensor-parallel-size): the server's host the first ones, each other host `kvmesh rank`",
         section="server",
+        crd=CrdProperty(
+            "tensorParallelNodes",
+            1,
+            minimum=1,
+            maximum=64,
+            description="Pods one worker replica spans (a LeaderWorkerSet group: the leader pod serves, the "
+            "others run `kvmesh rank`), each with tensorParallelSize / tensorParallelNodes ranks; must divide "
+            "tensorParallelSize. Needs LeaderWorkerSet (sigs.k8s.io/lws) in the cluster when above 1.",
+        ),
     )
     tp_leader_address: str | None = _setting(
         ParallelConfig.tp_leader_address,

@@ -44,6 +44,8 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
         # autoscaling.provider keda; a cluster without KEDA's CRDs answers 404 to list (see list).
         Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
+        # Worker roles whose replicas span hosts (engine.tensorParallelNodes > 1); needs LWS's CRD.
+        Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"),
     )
 }
 # Not in KINDS (never applied, listed or pruned): the operator may only create Secrets, so it can
@@ -209,12 +211,14 @@ class Kube:
             if e.status != 404:
                 raise
 
-    def scale(self, namespace: str, deployment: str, replicas: int) -> None:
-        """Set a Deployment's replicas through its scale subresource (the operator's manifests leave
-        the field out while an autoscaler owns it)."""
+    def scale(
+        self, namespace: str, name: str, replicas: int, kind: tuple[str, str] = ("apps/v1", "Deployment")
+    ) -> None:
+        """Set a Deployment's (or a LeaderWorkerSet's: ``kind``) replicas through its scale subresource
+        (the operator's manifests leave the field out while an autoscaler owns it)."""
         self._call(
             "PATCH",
-            f"{DEPLOYMENTS.collection(namespace)}/{deployment}/scale",
+            f"{KINDS[kind].collection(namespace)}/{name}/scale",
             body={"spec": {"replicas": replicas}},
             content_type="application/merge-patch+json",
         )

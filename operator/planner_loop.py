@@ -36,7 +36,7 @@ from .config import OperatorConfig
 from .kube import Kube
 from .metrics_text import Sample, parse, quantile
 from .planner import Decision, PodLoad, RoleObservation, RoleState, Targets, decide, least_loaded
-from .render import HTTP_PORT, LABEL_ROUTABLE, selector
+from .render import HTTP_PORT, LABEL_ROUTABLE, LWS_GROUP_INDEX, LWS_KIND, selector, workload
 from .spec import AutoscalingSpec, InferenceServiceSpec, ObjectMeta
 from .validate import problems
 
@@ -172,7 +172,8 @@ class Planner:
         live_pods: set[str] = set()
         old = (body.get("status") or {}).get("autoscaling") or {}
         for role in WORKER_ROLES:
-            dep = self.kube.get("apps/v1", "Deployment", meta.namespace, f"{meta.name}-{role}")
+            api_version, kind, name = workload(spec, meta, role)
+            dep = self.kube.get(api_version, kind, meta.namespace, name)
             if dep is None:
                 continue
             d, scraped, extra = self._role(meta, a, role, dep, st, now, live_pods)
@@ -243,17 +244,18 @@ class Planner:
             current=current, ready=len(ready), pending=pending, pods=tuple(loads), interval_s=interval
         )
         d = decide(role, obs, targets(a, role), st.roles[role], now)
-        dep_name = f"{meta.name}-{role}"
+        dep_name = dep["metadata"]["name"]
+        kind = (dep["apiVersion"], dep["kind"])
         extra = ""
         if d.desired > current:
             self._undrain(ns, st, role)
-            self.kube.scale(ns, dep_name, d.desired)
+            self.kube.scale(ns, dep_name, d.desired, kind)
             st.last_scale[role] = cond.now()
         elif d.desired < current and drain is None:
             if pending or len(ready) < current:
                 extra = "scale-down waits for starting pods"
             else:
-                victim = least_loaded(tuple(loads))
+                victim = _last_group(loads, pods) if kind[1] == LWS_KIND else least_loaded(tuple(loads))
                 if victim is not None:
                     self.kube.patch_pod_metadata(ns, victim.name, labels={LABEL_ROUTABLE: "false"})
                     st.drains[role] = _Drain(victim.name, now)
@@ -264,7 +266,7 @@ class Planner:
             waited = now - drain.started
             if open_ == 0 or waited >= self.cfg.drain_timeout_seconds:
                 self.kube.patch_pod_metadata(ns, drain.pod, annotations={DELETION_COST: LOWEST_COST})
-                self.kube.scale(ns, dep_name, current - 1)
+                self.kube.scale(ns, dep_name, current - 1, kind)
                 st.last_scale[role] = cond.now()
                 st.drains.pop(role)
                 why = "drained" if open_ == 0 else f"drain timed out after {waited:.0f}s"
@@ -324,3 +326,10 @@ class Planner:
 
 def _with(d: Decision, reason: str, detail: str) -> Decision:
     return replace(d, reason=reason, signal=f"{d.signal} {detail}".strip())
+
+
+def _last_group(loads: list[PodLoad], pods: list[dict[str, Any]]) -> PodLoad | None:
+    """The leader of the highest-numbered group: a LeaderWorkerSet scales down from the top and has no
+    deletion cost to pick another, so that group is the one to drain."""
+    index = {p["metadata"]["name"]: int((p["metadata"].get("labels") or {}).get(LWS_GROUP_INDEX, -1)) for p in pods}
+    return max(loads, key=lambda pl: index.get(pl.name, -1), default=None)

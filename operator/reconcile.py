@@ -21,6 +21,7 @@ from .render import (
     DEFAULT_PROMETHEUS_URL,
     LABEL_MANAGED_BY,
     LABEL_OWNER,
+    LWS_KIND,
     MANAGER,
     child_key,
     internal_secret,
@@ -58,6 +59,18 @@ def controlled_by(obj: dict[str, Any], uid: str) -> bool:
     return any(
         r.get("uid") == uid and r.get("controller") for r in obj.get("metadata", {}).get("ownerReferences") or ()
     )
+
+
+def _lws_progress(lws: dict[str, Any], floor: int = 0) -> tuple[int, int, bool]:
+    """(desired, ready, rolled_out) for a LeaderWorkerSet: its groups count as replicas (a group is
+    ready when all its pods are). Its status has no observedGeneration; updatedReplicas tells."""
+    spec, st = lws.get("spec") or {}, lws.get("status") or {}
+    desired = max(int(spec.get("replicas", 1)), floor)
+    ready = int(st.get("readyReplicas") or 0)
+    settled = (
+        int(st.get("updatedReplicas") or 0) >= desired and int(st.get("replicas") or 0) == desired and ready >= desired
+    )
+    return desired, ready, settled
 
 
 def _deployment_progress(dep: dict[str, Any], floor: int = 0) -> tuple[int, int, bool]:
@@ -180,9 +193,10 @@ def _apply_all(
             out.apply_errors.append(f"{kind} {name}: {e.status} {_api_message(e)}")
             log.warning("apply %s %s/%s failed: %s", kind, meta.namespace, name, e.body)
             continue
-        if kind == "Deployment":
+        if kind in ("Deployment", LWS_KIND):
             component = name[len(meta.name) + 1 :]
-            d, r, settled = _deployment_progress(applied, floors.get(component, 0))
+            progress = _deployment_progress if kind == "Deployment" else _lws_progress
+            d, r, settled = progress(applied, floors.get(component, 0))
             if component in ROLES:
                 out.roles[component] = {"replicas": d, "readyReplicas": r}
             if not settled:

@@ -92,6 +92,12 @@ LABEL_WORKER = f"{API_GROUP}/worker"
 # Deployments do not. The planner sets it to "false" on the pod it drains before a scale-down: the
 # pod leaves its role's EndpointSlice (no new work) but stays in its ReplicaSet and keeps running.
 LABEL_ROUTABLE = f"{API_GROUP}/routable"
+# On the pods of a multi-node replica's other hosts (`kvmesh rank`, engine/parallel/): they run
+# tensor-parallel ranks only, serve nothing, and no Service selects them.
+LABEL_RANK = f"{API_GROUP}/rank"
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"  # set by LWS on every pod of a group
 # The chart's operator pod (charts/kvmesh/templates/_helpers.tpl kvmesh.selectorLabels).
 OPERATOR_POD_LABELS = {LABEL_NAME: "kvmesh", LABEL_COMPONENT: "operator"}
 ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
@@ -286,6 +292,16 @@ def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> lis
     return args
 
 
+def _pod_security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "fsGroup": 1000,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def _deployment(
     spec: InferenceServiceSpec,
     meta: ObjectMeta,
@@ -307,13 +323,7 @@ def _deployment(
                 **({"annotations": {ANNOTATION_CONFIG_HASH: config_hash}} if config_hash else {}),
             },
             "spec": {
-                "securityContext": {
-                    "runAsNonRoot": True,
-                    "runAsUser": 1000,
-                    "runAsGroup": 1000,
-                    "fsGroup": 1000,
-                    "seccompProfile": {"type": "RuntimeDefault"},
-                },
+                "securityContext": _pod_security_context(),
                 "enableServiceLinks": False,
                 "containers": [container],
                 **pod_extra,
@@ -390,8 +400,83 @@ def dev_shm_size(spec: InferenceServiceSpec, role: str) -> str:
     gloo over TCP loopback (the rendezvous is a file under /tmp), so they add nothing. A Memory
     emptyDir takes only the pages written, counted in the pod's memory, so the limit is a ceiling,
     not a reservation."""
-    ranks = spec.engine.tensor_parallel_size if spec.gpus(role) > 0 else 1
+    ranks = spec.ranks_per_pod() if spec.gpus(role) > 0 else 1
     return f"{1 + 2 * (ranks - 1)}Gi"
+
+
+def workload(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> tuple[str, str, str]:
+    """(apiVersion, kind, name) of what runs a role's replicas, and what HPAs, KEDA and the planner
+    scale: a Deployment, or for a worker role whose replicas span hosts (``engine.tensorParallelNodes``
+    > 1) a LeaderWorkerSet (one group of pods per replica)."""
+    name = f"{meta.name}-{role}"
+    if role != "router" and spec.engine.tp_nodes > 1:
+        return LWS_API_VERSION, LWS_KIND, name
+    return "apps/v1", "Deployment", name
+
+
+def _rank_pod(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, volumes: list, mounts: list) -> Manifest:
+    """The pod template of a multi-node replica's other hosts: `kvmesh rank`, which runs this host's
+    share of the ranks and takes the engine's settings from rank 0 (the leader pod) after they meet.
+    It exits as soon as one of its ranks does (a lost leader included), so the kubelet restarts it and
+    the LeaderWorkerSet recreates the whole group."""
+    e = spec.engine
+    args = ["rank", "--tensor-parallel-size", str(e.tensor_parallel_size), "--tp-nodes", str(e.tp_nodes)]
+    args += ["--tp-node-rank", "$(LWS_WORKER_INDEX)", "--tp-leader-address", "$(LWS_LEADER_ADDRESS)"]
+    args += ["--tp-port", str(e.tp_port)]
+    if spec.gpus(role) == 0:
+        args += ["--device", "cpu"]
+    container = {
+        "name": "rank",
+        "image": spec.role(role).image or spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["kvmesh"],
+        "args": args,
+        "env": [*_cache_env()],
+        "resources": _resources(spec.role(role), spec.gpus(role)),
+        "securityContext": _security_context(),
+        "volumeMounts": mounts,
+    }
+    return {
+        "metadata": {"labels": {**labels(meta, f"{role}-rank"), LABEL_RANK: "true"}},
+        "spec": {
+            "securityContext": _pod_security_context(),
+            "enableServiceLinks": False,
+            "automountServiceAccountToken": False,
+            "containers": [container],
+            "volumes": volumes,
+            "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+            **_pod_scheduling(spec.role(role)),
+        },
+    }
+
+
+def _leader_worker_set(
+    spec: InferenceServiceSpec, meta: ObjectMeta, role: str, leader: Manifest, volumes: list, mounts: list
+) -> Manifest:
+    """A worker role whose replicas span ``engine.tensorParallelNodes`` hosts: one LeaderWorkerSet
+    group per replica. The leader pod is the role's usual pod (API server, engine core, rank 0 and its
+    host's ranks), with the role's labels, so the Services, the router and the planner see one
+    endpoint per group; the other pods run `kvmesh rank`. A pod that fails restarts its whole group
+    (``RecreateGroupOnPodRestart``): a group with a lost rank cannot run a step."""
+    obj = _object(LWS_API_VERSION, LWS_KIND, f"{meta.name}-{role}", meta, role)
+    template = leader["spec"]["template"]
+    lws_spec: dict[str, Any] = {
+        "startupPolicy": "LeaderCreated",
+        "rolloutStrategy": {
+            "type": "RollingUpdate",
+            "rollingUpdateConfiguration": {"maxSurge": 1, "maxUnavailable": 0},
+        },
+        "leaderWorkerTemplate": {
+            "size": spec.engine.tp_nodes,
+            "restartPolicy": "RecreateGroupOnPodRestart",
+            "leaderTemplate": template,
+            "workerTemplate": _rank_pod(spec, meta, role, volumes, mounts),
+        },
+    }
+    if "replicas" in leader["spec"]:
+        lws_spec = {"replicas": leader["spec"]["replicas"], **lws_spec}
+    obj["spec"] = lws_spec
+    return obj
 
 
 def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash: str) -> Manifest:
@@ -403,7 +488,7 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
     ]
     mounts += _model_mounts(spec) + _redis_tls_mounts(spec)
     volumes += _model_volumes(spec) + _redis_tls_volumes(spec)
-    container = {
+    container: dict[str, Any] = {
         "name": "worker",
         "image": r.image or spec.image,
         "imagePullPolicy": spec.image_pull_policy,
@@ -429,8 +514,11 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
         "securityContext": _security_context(),
         "volumeMounts": mounts,
     }
+    if spec.engine.tp_nodes > 1:  # rank 0 listens for the other hosts' ranks at the leader's address
+        container["args"] += ["--tp-leader-address", "$(LWS_LEADER_ADDRESS)"]
+        container["ports"].append({"name": "tp", "containerPort": spec.engine.tp_port, "protocol": "TCP"})
     replicas = None if spec.autoscaling.enabled else r.replicas
-    return _deployment(
+    dep = _deployment(
         spec,
         meta,
         role,
@@ -446,6 +534,9 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
         config_hash,
         {LABEL_WORKER: "true", LABEL_ROUTABLE: "true"},
     )
+    if spec.engine.tp_nodes > 1:
+        return _leader_worker_set(spec, meta, role, dep, volumes, mounts)
+    return dep
 
 
 def role_service(meta: ObjectMeta, role: str) -> str:
@@ -630,7 +721,7 @@ def _hpas(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manifest]:
     ):
         hpa = _object("autoscaling/v2", "HorizontalPodAutoscaler", f"{meta.name}-{role}", meta, role)
         hpa["spec"] = {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{meta.name}-{role}"},
+            "scaleTargetRef": dict(zip(("apiVersion", "kind", "name"), workload(spec, meta, role))),
             "minReplicas": s.min_replicas,
             "maxReplicas": s.max_replicas,
             "metrics": [
@@ -723,7 +814,7 @@ def _scaled_objects(spec: InferenceServiceSpec, meta: ObjectMeta, prometheus_url
         down = s.scale_down_stabilization_s
         so = _object("keda.sh/v1alpha1", "ScaledObject", f"{meta.name}-{role}", meta, role)
         so["spec"] = {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{meta.name}-{role}"},
+            "scaleTargetRef": dict(zip(("apiVersion", "kind", "name"), workload(spec, meta, role))),
             "pollingInterval": a.interval_s,
             "cooldownPeriod": down,
             "minReplicaCount": s.min_replicas,
@@ -822,6 +913,7 @@ def network_policies(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manif
     Traffic from the node itself (kubelet probes) is not subject to NetworkPolicy.
     """
     workers = {LABEL_INSTANCE: meta.name, LABEL_WORKER: "true"}
+    ranks = {LABEL_INSTANCE: meta.name, LABEL_RANK: "true"}
     router = {"podSelector": {"matchLabels": selector(meta, "router")}}
     out = [
         _policy(meta, "default-deny", {LABEL_NAME: "kvmesh", LABEL_INSTANCE: meta.name}, []),
@@ -836,6 +928,12 @@ def network_policies(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[Manif
             ],
         ),
     ]
+    if spec.engine.tp_nodes > 1:
+        # A multi-node replica's ranks meet at the leader's rendezvous port, then gloo or NCCL open
+        # connections on ports they pick: every TCP port between the leader pods and the rank pods.
+        group = [{"podSelector": {"matchLabels": workers}}, {"podSelector": {"matchLabels": ranks}}]
+        out[-1]["spec"]["ingress"].append({"from": group[1:], "ports": [{"protocol": "TCP"}]})
+        out.append(_policy(meta, "ranks", ranks, [{"from": group, "ports": [{"protocol": "TCP"}]}]))
     if spec.autoscaling.planner:
         # The operator's planner reads each worker's /metrics (the operator pod, in any namespace).
         operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}

@@ -254,13 +254,19 @@ class InferenceServiceSpec:
         return {"prefill": self.prefill, "decode": self.decode, "router": self.router}[name]
 
     def gpus(self, name: str) -> int:
-        """GPUs per pod of one role: its own ``gpus``, else one per tensor-parallel rank for a worker
-        (``engine.tensorParallelSize``) and none for the router. The CRD leaves ``gpus`` without a
-        default because of this, so the rule lives here alone (render and validate read it)."""
+        """GPUs per pod of one role: its own ``gpus``, else one per tensor-parallel rank of the pod for a
+        worker (``engine.tensorParallelSize`` over ``engine.tensorParallelNodes``) and none for the router.
+        The CRD leaves ``gpus`` without a default because of this, so the rule lives here alone (render
+        and validate read it)."""
         own = self.role(name).gpus
         if own is not None:
             return own
-        return 0 if name == "router" else self.engine.tensor_parallel_size
+        return 0 if name == "router" else self.ranks_per_pod()
+
+    def ranks_per_pod(self) -> int:
+        """Tensor-parallel ranks in one worker pod: all of them, or a host's share when a replica spans
+        ``engine.tensorParallelNodes`` pods (validate.py checks that it divides)."""
+        return max(1, self.engine.tensor_parallel_size // max(1, self.engine.tp_nodes))
 
 
 @dataclass(frozen=True)

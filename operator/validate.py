@@ -27,13 +27,22 @@ def problems(spec: InferenceServiceSpec) -> list[str]:
             f"engine.maxNumBatchedTokens ({e.max_num_batched_tokens}) must be a multiple of "
             f"engine.blockSize ({e.block_size})"
         )
-    tp = e.tensor_parallel_size
+    tp, nodes = e.tensor_parallel_size, e.tp_nodes
+    if tp % nodes:
+        out.append(
+            f"engine.tensorParallelNodes ({nodes}) must divide engine.tensorParallelSize ({tp}): every pod of "
+            "a replica runs the same number of ranks"
+        )
+    per_pod = spec.ranks_per_pod()
     for role in ("prefill", "decode"):
         gpus = spec.gpus(role)
-        if gpus and gpus != tp:  # the CRD's CEL rule says the same; repeated for specs rendered without it
+        if gpus and gpus != per_pod:  # the CRD's CEL rule says the same; repeated for specs rendered without it
+            want = f"engine.tensorParallelSize ({tp})"
+            if nodes > 1:
+                want = f"{want} / engine.tensorParallelNodes ({nodes}) = {per_pod}"
             out.append(
-                f"{role}.gpus ({gpus}) must equal engine.tensorParallelSize ({tp}): one rank per GPU "
-                f"(leave {role}.gpus unset to take tensorParallelSize, or 0 for CPU ranks)"
+                f"{role}.gpus ({gpus}) must equal {want}: one rank per GPU "
+                f"(leave {role}.gpus unset to take it, or 0 for CPU ranks)"
             )
     url = spec.connector.redis_url
     c = spec.connector

@@ -71,11 +71,19 @@ CASES = {
     ),
     "cel-gpus-equal-tp": (
         {"engine": {"tensorParallelSize": 4}, "decode": {"gpus": 2}},
-        "decode.gpus must be 0 (CPU ranks) or equal engine.tensorParallelSize (one GPU per rank)",
+        "decode.gpus must be 0 (CPU ranks) or engine.tensorParallelSize / engine.tensorParallelNodes",
+    ),
+    "cel-gpus-per-pod-across-hosts": (
+        {"engine": {"tensorParallelSize": 4, "tensorParallelNodes": 2}, "decode": {"gpus": 4}},
+        "decode.gpus must be 0 (CPU ranks) or engine.tensorParallelSize / engine.tensorParallelNodes",
+    ),
+    "tp-nodes-minimum": (
+        {"engine": {"tensorParallelNodes": 0}},
+        "spec.engine.tensorParallelNodes in body should be greater than or equal to 1",
     ),
     "cel-gpus-equal-default-tp": (
         {"prefill": {"gpus": 2}},
-        "prefill.gpus must be 0 (CPU ranks) or equal engine.tensorParallelSize (one GPU per rank)",
+        "prefill.gpus must be 0 (CPU ranks) or engine.tensorParallelSize / engine.tensorParallelNodes",
     ),
 }
 

@@ -282,6 +282,7 @@ def test_every_engine_field_reaches_the_engine(example: Path, role: str) -> None
         "kv_cache_dtype": "kvCacheDtype",
         "quantization": "quantization",
         "tensor_parallel_size": "tensorParallelSize",
+        "tp_nodes": "tensorParallelNodes",
     }
     assert {camel[a] for a, _ in ENGINE_FLAGS} == crd_fields
     for attr, _ in ENGINE_FLAGS:
@@ -509,3 +510,90 @@ def test_crd_accepts_and_refuses_tensor_parallel_sizes() -> None:
     rules = " ".join(r["rule"] for r in crd_schema()["properties"]["spec"]["x-kubernetes-validations"])
     for role in ("prefill", "decode"):  # the API server refuses what validate.py reports
         assert f"self.{role}.gpus == 0" in rules and "self.engine.tensorParallelSize" in rules
+
+
+def test_replicas_that_span_hosts_render_leader_worker_sets() -> None:
+    """engine.tensorParallelNodes 2: each worker replica is one LeaderWorkerSet group of two pods. The
+    leader is the role's usual pod (its Service, the router, the planner see one endpoint per group),
+    with rank 0's rendezvous at the leader's address; the other pod runs `kvmesh rank` for its share."""
+    spec = {"engine": {"tensorParallelSize": 4, "tensorParallelNodes": 2}, "decode": {"replicas": 3}}
+    assert problems(InferenceServiceSpec.parse(spec)) == []
+    objs = by_kind(render(spec, {**META, "name": "big"}))
+    assert ("Deployment", "big-decode") not in objs and ("Deployment", "big-router") in objs
+    lws = objs[("LeaderWorkerSet", "big-decode")]
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    assert lws["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
+    s = lws["spec"]
+    assert s["replicas"] == 3
+    t = s["leaderWorkerTemplate"]
+    assert (t["size"], t["restartPolicy"]) == (2, "RecreateGroupOnPodRestart")
+    leader = t["leaderTemplate"]
+    c = leader["spec"]["containers"][0]
+    _, proc = engine_settings_from_args(c["args"])
+    assert proc.engine_kwargs["tensor_parallel_size"] == 4 and proc.engine_kwargs["tp_nodes"] == 2
+    assert c["args"][c["args"].index("--tp-leader-address") + 1] == "$(LWS_LEADER_ADDRESS)"
+    assert c["resources"]["limits"][GPU_RESOURCE] == 2  # its host's two ranks
+    assert leader["metadata"]["labels"]["app.kubernetes.io/component"] == "decode"
+    assert leader["metadata"]["labels"]["serving.kvmesh.io/worker"] == "true"
+    rank = t["workerTemplate"]
+    r = rank["spec"]["containers"][0]
+    assert r["args"][:1] == ["rank"]
+    flags = dict(zip(r["args"][1::2], r["args"][2::2]))
+    assert flags == {
+        "--tensor-parallel-size": "4",
+        "--tp-nodes": "2",
+        "--tp-node-rank": "$(LWS_WORKER_INDEX)",
+        "--tp-leader-address": "$(LWS_LEADER_ADDRESS)",
+        "--tp-port": "29500",
+    }
+    assert r["resources"]["limits"][GPU_RESOURCE] == 2
+    labels = rank["metadata"]["labels"]
+    assert labels["app.kubernetes.io/component"] == "decode-rank" and "serving.kvmesh.io/worker" not in labels
+    assert rank["spec"]["automountServiceAccountToken"] is False
+    # The role's Service and PDB select leaders only: rank pods serve nothing.
+    svc = objs[("Service", "big-decode")]["spec"]["selector"]
+    assert all(labels.get(k) != v for k, v in svc.items() if k == "app.kubernetes.io/component")
+
+
+def test_multi_node_autoscaling_targets_the_leader_worker_set() -> None:
+    spec = {
+        "engine": {"tensorParallelSize": 2, "tensorParallelNodes": 2},
+        "autoscaling": {"enabled": True, "provider": "hpa"},
+    }
+    objs = by_kind(render(spec, {**META, "name": "big"}))
+    ref = objs[("HorizontalPodAutoscaler", "big-decode")]["spec"]["scaleTargetRef"]
+    assert ref == {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "name": "big-decode"}
+    assert "replicas" not in objs[("LeaderWorkerSet", "big-decode")]["spec"]
+
+
+def test_multi_node_network_policy_lets_a_group_talk() -> None:
+    spec = {"engine": {"tensorParallelSize": 2, "tensorParallelNodes": 2}, "networkPolicy": {"enabled": True}}
+    objs = by_kind(render(spec, {**META, "name": "big"}))
+    ranks = objs[("NetworkPolicy", "big-ranks")]["spec"]
+    assert ranks["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/instance": "big",
+        "serving.kvmesh.io/rank": "true",
+    }
+    sources = [p["podSelector"]["matchLabels"] for p in ranks["ingress"][0]["from"]]
+    assert {"app.kubernetes.io/instance": "big", "serving.kvmesh.io/worker": "true"} in sources
+    workers = objs[("NetworkPolicy", "big-workers")]["spec"]["ingress"]
+    assert any(
+        p["podSelector"]["matchLabels"].get("serving.kvmesh.io/rank") == "true"
+        for rule in workers
+        for p in rule.get("from", [])
+    )
+
+
+@pytest.mark.parametrize(
+    ("engine", "gpus", "fragment"),
+    [
+        ({"tensorParallelSize": 4, "tensorParallelNodes": 3}, None, "engine.tensorParallelNodes (3) must divide"),
+        ({"tensorParallelSize": 4, "tensorParallelNodes": 2}, 4, "engine.tensorParallelNodes (2) = 2"),
+    ],
+)
+def test_multi_node_sizes_must_agree(engine: dict[str, Any], gpus: int | None, fragment: str) -> None:
+    spec: dict[str, Any] = {"engine": engine}
+    if gpus is not None:
+        spec["decode"] = {"gpus": gpus}
+    found = problems(InferenceServiceSpec.parse(spec))
+    assert any(fragment in p for p in found), found
