@@ -28,6 +28,11 @@ _TYPES = {
 }
 
 
+# On a worker's 503 while its engine is down, restarting or still loading (not an overload, which comes
+# with Retry-After): nothing was generated, so a router sends the request to another pod.
+ENGINE_UNAVAILABLE_HEADER = "x-kvmesh-engine-unavailable"
+
+
 class APIError(Exception):
     """Raised by handlers; turned into an OpenAI-schema JSON response by the app's exception handler."""
 
@@ -111,3 +116,8 @@ def error_responses(*statuses: int) -> dict:
         s: {"description": _TYPES.get(s, "error"), "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
         for s in statuses
     }
+
+
+def engine_unavailable(message: str) -> APIError:
+    """The 503 of a worker whose engine cannot take the request now (`ENGINE_UNAVAILABLE_HEADER`)."""
+    return APIError(503, message, headers={ENGINE_UNAVAILABLE_HEADER: "1"})

@@ -28,7 +28,7 @@ from kvmesh.common.chat import ChatContentError, render_chat
 from kvmesh.engine.core.messages import EngineCoreRequest
 from kvmesh.engine.frontend.output_processor import RequestState
 from kvmesh.engine.frontend.sampling_params import MAX_N, SamplingParams
-from kvmesh.services.errors import APIError, bad_request
+from kvmesh.services.errors import APIError, bad_request, engine_unavailable
 
 from .constraints import structured_output
 from .engine_client import EngineClient, EngineDeadError, EngineRejectedError, RequestStream
@@ -69,7 +69,7 @@ def engine_error(e: Exception) -> APIError:
         # block ids out of range): report it in "param" like the API's own checks do.
         return bad_request(msg, "kv_transfer_params" if msg.startswith("kv_transfer_params") else None)
     if isinstance(e, EngineDeadError):
-        return APIError(503, f"engine is not available: {e}")
+        return engine_unavailable(f"engine is not available: {e}")
     return APIError(500, f"generation failed: {e}")
 
 
@@ -363,7 +363,7 @@ class Serving:
 
         admit_kv_transfer_params(req.kv_transfer_params)  # a pulled prompt's params: shape and types
         if not self.client.healthy:
-            raise APIError(503, f"engine is not available: {self.client.dead_reason or 'starting'}")
+            raise engine_unavailable(f"engine is not available: {self.client.dead_reason or 'starting'}")
         return Generation(
             self.client,
             self.metrics,

@@ -6,9 +6,11 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
-# The failures the router retries on another pod (upstream.UpstreamError with gone=True), the
+# The failures the router retries on another pod (upstream.UpstreamError with gone=True, and a pod's
+# engine-unavailable 503), the
 # `reason` label values of kvmesh:router_retries_total.
-RETRY_REASONS = ("ConnectTimeout", "ConnectError", "RemoteProtocolError", "ReadError")
+ENGINE_UNAVAILABLE = "EngineUnavailable"  # the pod answered 503 with services/errors.py's ENGINE_UNAVAILABLE_HEADER
+RETRY_REASONS = ("ConnectTimeout", "ConnectError", "RemoteProtocolError", "ReadError", ENGINE_UNAVAILABLE)
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TOK = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)

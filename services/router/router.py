@@ -41,14 +41,14 @@ from kvmesh.common.env import env
 from kvmesh.common.kv_auth import load_kv_auth_key
 from kvmesh.common.kv_events_auth import CurveKeys
 from kvmesh.services.auth import DEFAULT_TENANT, APIKey, KeyStore, SecretFile
-from kvmesh.services.errors import APIError, bad_request
+from kvmesh.services.errors import ENGINE_UNAVAILABLE_HEADER, APIError, bad_request
 
 from . import pd
 from .admission import Admission
 from .config import PodSpec, RouterConfig
 from .events import EventHub
 from .index import PrefixIndex
-from .metrics import RouterMetrics
+from .metrics import ENGINE_UNAVAILABLE, RouterMetrics
 from .policy import Decision, Pod, least_load, predicted_cached_tokens, round_robin, score_pods, shared_hits
 from .scrape import parse_vllm_metrics
 from .upstream import Upstream, UpstreamError, UpstreamResponse
@@ -354,6 +354,16 @@ class Router:
             except BaseException:
                 self._end(fl)
                 raise
+            if resp.status == 503 and resp.headers.get(ENGINE_UNAVAILABLE_HEADER):
+                # The pod's engine is down or restarting (a lost tensor-parallel rank, a crash): it has
+                # generated nothing, so the request goes to another pod; this one stays out until healthy.
+                resp.release()
+                self._end(fl)
+                self.set_healthy(d.pod, False, "engine unavailable")
+                exclude.add(d.pod.url)
+                self.metrics.retries.labels(ENGINE_UNAVAILABLE).inc()
+                last = f"{d.pod.url}: its engine is unavailable"
+                continue
             self.metrics.upstream_latency.labels(phase).observe(time.monotonic() - t0)
             return d, resp, fl
         raise APIError(
