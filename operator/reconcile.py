@@ -19,6 +19,7 @@ from .conditions import Condition
 from .kube import KINDS, Kube, TransientError
 from .render import (
     DEFAULT_PROMETHEUS_URL,
+    LABEL_COMPONENT,
     LABEL_MANAGED_BY,
     LABEL_OWNER,
     LWS_KIND,
@@ -194,7 +195,7 @@ def _apply_all(
             log.warning("apply %s %s/%s failed: %s", kind, meta.namespace, name, e.body)
             continue
         if kind in ("Deployment", LWS_KIND):
-            component = name[len(meta.name) + 1 :]
+            component = obj["metadata"]["labels"][LABEL_COMPONENT]
             progress = _deployment_progress if kind == "Deployment" else _lws_progress
             d, r, settled = progress(applied, floors.get(component, 0))
             if component in ROLES:

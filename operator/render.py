@@ -408,10 +408,16 @@ def workload(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> tuple[s
     """(apiVersion, kind, name) of what runs a role's replicas, and what HPAs, KEDA and the planner
     scale: a Deployment, or for a worker role whose replicas span hosts (``engine.tensorParallelNodes``
     > 1) a LeaderWorkerSet (one group of pods per replica)."""
-    name = f"{meta.name}-{role}"
     if role != "router" and spec.engine.tp_nodes > 1:
-        return LWS_API_VERSION, LWS_KIND, name
-    return "apps/v1", "Deployment", name
+        return LWS_API_VERSION, LWS_KIND, lws_name(meta, role)
+    return "apps/v1", "Deployment", f"{meta.name}-{role}"
+
+
+def lws_name(meta: ObjectMeta, role: str) -> str:
+    """NAME-ROLE-group. Not NAME-ROLE: LeaderWorkerSet makes a headless Service of its own name for its
+    pods' DNS (every pod, ready or not: the leader's address must resolve before its ranks have met),
+    and NAME-ROLE is the role's Service, which selects ready leaders only."""
+    return f"{meta.name}-{role}-group"
 
 
 def _rank_pod(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, volumes: list, mounts: list) -> Manifest:
@@ -458,7 +464,7 @@ def _leader_worker_set(
     host's ranks), with the role's labels, so the Services, the router and the planner see one
     endpoint per group; the other pods run `kvmesh rank`. A pod that fails restarts its whole group
     (``RecreateGroupOnPodRestart``): a group with a lost rank cannot run a step."""
-    obj = _object(LWS_API_VERSION, LWS_KIND, f"{meta.name}-{role}", meta, role)
+    obj = _object(LWS_API_VERSION, LWS_KIND, lws_name(meta, role), meta, role)
     template = leader["spec"]["template"]
     lws_spec: dict[str, Any] = {
         "startupPolicy": "LeaderCreated",

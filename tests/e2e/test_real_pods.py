@@ -16,7 +16,9 @@ kube-proxy, CoreDNS) running the images `make images` builds:
   block, zero failed requests where the pods drain;
 * an engine field changed in the CRD changes what the running engine reports on /metrics;
 * tensor parallelism on CPU workers (`engine.tensorParallelSize`, `gpus: 0`): every rank of a worker
-  in its one pod, and the router's answers through P/D over NIXL are the offline engine's tokens.
+  in its one pod, and the router's answers through P/D over NIXL are the offline engine's tokens;
+* replicas across pods (`engine.tensorParallelNodes`): LeaderWorkerSet groups meeting over pod IPs
+  serve the same tokens, and a lost rank pod recreates its group while the other group serves.
 """
 
 from __future__ import annotations
@@ -285,6 +287,71 @@ def test_tensor_parallel_cpu_workers_serve_the_offline_engines_tokens(
     assert paths[0] == "prefill_decode", paths
     assert set(paths) <= {"prefill_decode", "decode_only"}, paths
     svc.idle("prefill")
+    svc.idle("decode")
+
+
+GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
+
+
+def test_replicas_across_pods_serve_and_a_lost_rank_pod_recreates_its_group(
+    real_operator: Cluster, real_node: str, rns: str, prompts, reference
+) -> None:
+    """`engine.tensorParallelNodes: 3` with TP 3: every decode replica is a LeaderWorkerSet group of
+    three pods, one rank each, meeting over pod IPs (gloo). The router's answers are the offline
+    engine's. Deleting a rank pod of one group recreates that whole group (its leader included) while
+    every request is answered by the other group; then both serve again. (Prefill replicas 0: each
+    group costs three engine pods on this one node.)"""
+    import yaml
+
+    obj = yaml.safe_load(CPU_EXAMPLES["minimal"].read_text())
+    name = obj["metadata"]["name"] = "tp-nodes"
+    obj["spec"]["engine"].update({"tensorParallelSize": TP, "tensorParallelNodes": TP})
+    obj["spec"]["prefill"]["replicas"] = 0
+    obj["spec"]["decode"]["replicas"] = 2
+    t0 = time.monotonic()
+    real_operator.apply(json.dumps(obj), rns)
+    wait_ready(real_operator, name, rns, 900)
+    record("real.apply_to_ready_seconds.tp-nodes", round(time.monotonic() - t0, 1))
+    svc = Service(real_operator, name, rns)
+    leaders, ranks = svc.pods("decode"), svc.pods("decode-rank")
+    assert (len(leaders), len(ranks)) == (2, 4), [p["metadata"]["name"] for p in leaders + ranks]
+    assert not not_ready_on(real_node, leaders + ranks)
+    assert len({p["status"]["podIP"] for p in leaders + ranks}) == 6  # six pods, six addresses
+    for p in ranks:
+        c = p["spec"]["containers"][0]
+        assert c["args"][0] == "rank" and GPU_RESOURCE not in c["resources"].get("limits", {})
+        assert "serving.kvmesh.io/worker" not in p["metadata"]["labels"]  # no Service selects it
+    svc.routed()
+    for prompt in ("long", "short"):
+        for stream in (False, True):
+            text, pod_url, _ = complete(svc, prompts[prompt], stream)
+            assert text == reference[prompt], (prompt, stream, text)
+            assert pod_url in svc.pod_urls("decode").values(), pod_url
+
+    def group(p: dict[str, Any]) -> str:
+        return p["metadata"]["labels"][GROUP_INDEX]
+
+    victim = next(p for p in ranks if group(p) == "0")
+    old_leader = next(p for p in leaders if group(p) == "0")["metadata"]["uid"]
+    real_operator.kubectl("delete", "pod", victim["metadata"]["name"], "-n", rns, "--wait=false")
+
+    def new_group_ready() -> bool:
+        fresh = [p for p in svc.pods("decode") if group(p) == "0" and p["metadata"]["uid"] != old_leader]
+        ok = [p for p in fresh if not not_ready_on(real_node, [p])]
+        return bool(ok) and len([p for p in svc.pods("decode-rank") if group(p) == "0"]) == TP - 1
+
+    answered, deadline = 0, time.monotonic() + 900
+    while not new_group_ready():  # group 0 goes down and comes back; every answer meanwhile is right
+        text, _, _ = complete(svc, prompts["short"], False)
+        assert text == reference["short"], text
+        answered += 1
+        assert time.monotonic() < deadline, "group 0 was not recreated"
+    record("real.tp_nodes_group_recreated_answers", answered)
+    assert answered > 0
+    svc.routed()  # both groups' leaders again
+    for stream in (False, True):
+        text, _, _ = complete(svc, prompts["long"], stream)
+        assert text == reference["long"]
     svc.idle("decode")
 
 

@@ -520,7 +520,7 @@ def test_replicas_that_span_hosts_render_leader_worker_sets() -> None:
     assert problems(InferenceServiceSpec.parse(spec)) == []
     objs = by_kind(render(spec, {**META, "name": "big"}))
     assert ("Deployment", "big-decode") not in objs and ("Deployment", "big-router") in objs
-    lws = objs[("LeaderWorkerSet", "big-decode")]
+    lws = objs[("LeaderWorkerSet", "big-decode-group")]
     assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
     assert lws["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
     s = lws["spec"]
@@ -562,8 +562,8 @@ def test_multi_node_autoscaling_targets_the_leader_worker_set() -> None:
     }
     objs = by_kind(render(spec, {**META, "name": "big"}))
     ref = objs[("HorizontalPodAutoscaler", "big-decode")]["spec"]["scaleTargetRef"]
-    assert ref == {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "name": "big-decode"}
-    assert "replicas" not in objs[("LeaderWorkerSet", "big-decode")]["spec"]
+    assert ref == {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "name": "big-decode-group"}
+    assert "replicas" not in objs[("LeaderWorkerSet", "big-decode-group")]["spec"]
 
 
 def test_multi_node_network_policy_lets_a_group_talk() -> None:
