@@ -132,11 +132,6 @@ class EngineConfig:
             from kvmesh.engine.parallel.sharding import check_divisible
 
             check_divisible(self.model, tp)
-            if self.model.quantization is not None:
-                raise ValueError(
-                    "tensor_parallel_size > 1 cannot split a pre-quantized checkpoint yet (its scales are not "
-                    "sliced); quantize a bf16 checkpoint at load (--quantization fp8) instead"
-                )
             # Decode rounds run several steps on the device without the host, so they would need the
             # other ranks to run rounds of their own; under TP every step goes through the step plan.
             if self.scheduler.num_scheduler_steps > 1 or self.scheduler.async_scheduling:

@@ -145,6 +145,18 @@ def fp8_state_dict_entries(name: str, w: torch.Tensor) -> dict[str, torch.Tensor
     return {name + ".weight": q.weight, name + ".weight_scale": q.scale[:, None].contiguous()}
 
 
+def fp8_before_split(state_dict: Mapping[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """``state_dict`` with every float projection `quantize_model` would quantize replaced by its e4m3
+    weight and per-channel scale (`fp8_state_dict_entries`), for tensor parallelism to slice like a
+    pre-quantized checkpoint: the same e4m3 values and scales as one rank's online quantization."""
+    out = dict(state_dict)
+    for name in quantized_projection_names(num_layers):
+        w = out.get(name + ".weight")
+        if w is not None and w.dtype != FP8:
+            out.update(fp8_state_dict_entries(name, w))
+    return out
+
+
 def quantized_projection_names(num_layers: int) -> list[str]:
     """Every projection `quantize_model` turns into FP8, by checkpoint name (without ``.weight``)."""
     return [f"model.layers.{i}.{p}" for i in range(num_layers) for parts in FUSED.values() for p in parts]

@@ -32,6 +32,16 @@ if TYPE_CHECKING:
     from .group import TPGroup
 
 
+# Weights split by output rows; their per-channel FP8 scales split with them.
+COLUMN_PARALLEL = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+)
+
+
 def check_divisible(cfg: ModelConfig, world: int) -> None:
     """A clear error where ``cfg`` cannot be split ``world`` ways."""
     if world < 1:
@@ -112,6 +122,8 @@ class Shard:
         q, kv = self._heads()
         inter = self.cfg.intermediate_size // self.world
         mlp = slice(self.rank * inter, (self.rank + 1) * inter)
+        if name.endswith(".weight_scale"):  # an FP8 projection's scales: per output channel, or one per tensor
+            return self._scale(name, t)
         if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             return t[q]
         if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight")) or (
@@ -130,6 +142,15 @@ class Shard:
             pad = self.vocab_shard_size - (b - a)
             return torch.nn.functional.pad(part, (0, 0, 0, pad)) if pad else part
         return t
+
+    def _scale(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's scales of an FP8 weight: the rows it keeps of a weight split by output rows (q, k,
+        v, gate, up); all of them for o and down, which split the columns of every row, and for a scale
+        per tensor. (Static ``input_scale``s are per tensor: whole on every rank.)"""
+        weight = name[: -len("_scale")]
+        if t.numel() == 1 or not weight.endswith(COLUMN_PARALLEL):
+            return t
+        return self(weight, t)  # the same rows as the weight
 
     def _expert(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of an expert weight: per expert (``experts.{e}.gate_proj.weight`` ...) or

@@ -28,7 +28,7 @@ from kvmesh.engine.connectors.common import LocalBlocks
 from kvmesh.engine.core.sched_output import SchedulerOutput
 from kvmesh.engine.models import model_class
 from kvmesh.engine.models.kv_scales import kv_cache_scales, scales_fingerprint
-from kvmesh.engine.models.quantization import LayerQuantizer
+from kvmesh.engine.models.quantization import LayerQuantizer, fp8_before_split
 from kvmesh.engine.parallel import messages
 from kvmesh.engine.parallel.group import TPGroup
 from kvmesh.engine.parallel.kv_shards import RankBlocks, ShardedBlocks, whole_block_shape
@@ -89,6 +89,11 @@ class ModelRunner(DecodeRoundRunner):
         parallel: TensorParallel | None = None
         if tp is not None:  # this rank's slices of the weights, heads and MLP (engine/parallel/sharding.py)
             shard = Shard(tp.rank, tp.world, m)
+            if config.quantization == "fp8" and config.model.quantization is None:
+                # Quantize the whole projections first, then slice weights and scales: a scale per output
+                # channel over the whole row, as one rank computes it (o and down split their rows'
+                # columns across ranks), so every rank holds exactly one rank's e4m3 values.
+                state_dict = fp8_before_split(state_dict, m.num_layers)
             state_dict = {k: shard(k, v) for k, v in state_dict.items()}
             if scales is not None:
                 heads = shard.kv_heads()

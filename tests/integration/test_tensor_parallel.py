@@ -493,3 +493,87 @@ def test_a_closed_engine_collected_later_leaves_the_next_ones_group_alone(llama_
     finally:
         second.shutdown()
     assert _rank_children() == []
+
+
+def test_fp8_weights_are_quantized_whole_then_split(llama_path):
+    """`--quantization fp8` under TP quantizes each projection whole (a scale per output channel over
+    the whole row) and then slices weights and scales, so every rank holds exactly the e4m3 values
+    and scales one rank would: q/k/v and gate/up keep their rows' scales, o and down (whose rows are
+    split by columns) keep every row's whole-row scale."""
+    from kvmesh.engine.models.quantization import fp8_before_split
+    from kvmesh.engine.parallel.sharding import Shard
+
+    loaded = load_model(llama_path, load_tokenizer=False)
+    whole = fp8_before_split(loaded.state_dict, 2)
+    names = [f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn.q_proj", "self_attn.k_proj")]
+    names += [f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")]
+    for world in (2, 4):
+        for rank in range(world):
+            shard = Shard(rank, world, loaded.config)
+            for n in names:
+                w, s = whole[n + ".weight"], whole[n + ".weight_scale"]
+                assert w.dtype == torch.float8_e4m3fn and s.shape == (w.shape[0], 1)
+                part_w, part_s = shard(n + ".weight", w), shard(n + ".weight_scale", s)
+                assert part_s.shape == (part_w.shape[0], 1), n
+                # the rank's dequantized slice is the slice of the dequantized whole
+                assert torch.equal(part_w.float() * part_s, shard(n + ".weight", w.float() * s)), (n, rank)
+
+
+def test_fp8_weights_and_kv_under_tp(llama_path):
+    """FP8 KV (per-head scales split with the heads) gives one rank's tokens exactly; FP8 weights give
+    them but for rare flips: activations are quantized per token, and o and down see only a rank's
+    slice of each token, so their activation scales (and the logits) differ by more than rounding."""
+    prompts = _prompts(1002, [5, 17, 40, 90], seed=3)
+    for kw, exact in (({"kv_cache_dtype": "fp8"}, True), ({"quantization": "fp8"}, False)):
+        got = {}
+        for tp in (1, 2):
+            eng = _engine(llama_path, tp, max_num_batched_tokens=64, num_kv_blocks=64, block_size=16, **kw)
+            try:
+                got[tp] = _greedy(eng, prompts)
+            finally:
+                eng.shutdown()
+        if exact:
+            assert got[2] == got[1], kw
+            continue
+        same = [k for k in got[1] if got[1][k] == got[2][k]]
+        assert len(same) >= len(prompts) - 1, (kw, got)  # at most one sequence flips
+        for k in got[1]:
+            assert got[1][k][:4] == got[2][k][:4], (kw, k)  # and not at once
+
+
+def test_a_pre_quantized_checkpoint_splits_like_online_fp8(llama_path, tmp_path):
+    """A compressed-tensors FP8 checkpoint (e4m3 weights, a scale per output channel) runs under TP 2,
+    each rank taking its rows' scales, and answers what TP 2 with online FP8 answers (the same e4m3
+    values and scales on every rank)."""
+    from kvmesh.engine.models.quantization import fp8_before_split
+
+    loaded = load_model(llama_path, load_tokenizer=False)
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+            }
+        },
+    }
+    pre = str(tmp_path / "llama-fp8")
+    os.makedirs(pre)
+    save_file(
+        {k: v.contiguous() for k, v in fp8_before_split(loaded.state_dict, 2).items()}, f"{pre}/model.safetensors"
+    )
+    with open(f"{pre}/config.json", "w") as f:
+        json.dump({**LLAMA, "quantization_config": qc}, f)
+    prompts = _prompts(1002, [17, 40], seed=4)
+    got = []
+    for path, kw in ((pre, {"quantization": "fp8"}), (llama_path, {"quantization": "fp8"})):
+        eng = _engine(path, 2, max_num_batched_tokens=64, num_kv_blocks=64, block_size=16, **kw)
+        try:
+            got.append(_greedy(eng, prompts))
+        finally:
+            eng.shutdown()
+    assert got[0] == got[1]
