@@ -199,6 +199,12 @@ class EngineArgs:
         "with --tp-nodes > 1: the port rank 0 listens on, where every rank of the group meets",
         section="server",
     )
+    rank_timeout_s: float = _setting(
+        ParallelConfig.rank_timeout_s,
+        "with --tensor-parallel-size > 1: how long rank 0 waits for every rank to load the model and join, "
+        "and for a collective, before it fails the engine instead of hanging (raise it for very large models "
+        "on slow storage)",
+    )
     engine_id: str = _setting(
         EngineConfig.engine_id, "this engine's id in KV events and transfer params", section="server"
     )
@@ -320,6 +326,7 @@ class EngineArgs:
                 tp_nodes=self.tp_nodes,
                 tp_leader_address=self.tp_leader_address,
                 tp_port=self.tp_port,
+                rank_timeout_s=self.rank_timeout_s,
             ),
         )
 

@@ -378,9 +378,15 @@ def test_a_model_tp_cannot_split_is_refused_by_name(llama_path):
 
 def test_a_killed_rank_fails_the_engine_within_seconds(llama_path):
     """A rank process dies mid-request: the next step raises (the collective's peer is gone) instead of
-    hanging, and shutting the engine down leaves no rank process behind."""
+    hanging, and shutting the engine down leaves no rank process, no shared memory segment and no
+    rendezvous directory behind."""
+    import glob
+    import tempfile
     import time
 
+    shm_before = set(os.listdir("/dev/shm"))
+    rendezvous = os.path.join(tempfile.gettempdir(), "kvmesh-tp-*")
+    dirs_before = set(glob.glob(rendezvous))
     eng = _engine(llama_path, 2, max_num_batched_tokens=64, num_kv_blocks=64, block_size=16)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -397,6 +403,8 @@ def test_a_killed_rank_fails_the_engine_within_seconds(llama_path):
     finally:
         eng.shutdown()
     assert _rank_children() == []
+    assert set(os.listdir("/dev/shm")) <= shm_before
+    assert set(glob.glob(rendezvous)) <= dirs_before
 
 
 def test_api_server_with_three_ranks(tmp_path):
