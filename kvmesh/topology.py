@@ -2,8 +2,9 @@
 decode servers, and the router in front, each in its own process group.
 
 Every child is a real process talking over loopback, exactly what runs in a pod;
-this module only starts things in order, waits for health, and tears everything
-down (router first, so no request is routed to a dying worker).
+this module starts things in order, waits for health, starts again a child that
+exits (`Topology.supervise`, with backoff and a limit, like a kubelet would), and
+tears everything down (router first, so no request is routed to a dying worker).
 
 Children bind what they own: a port picked here and passed down could be taken by another
 program before the child binds it (a worker binds its HTTP port only once its model is
@@ -26,6 +27,7 @@ kept on the loopback device.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import json
@@ -37,6 +39,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 from kvmesh.common import env as ev
@@ -117,6 +120,9 @@ class Topology:
     redis_password: str | None = field(default=None, repr=False)  # set when this run starts its own redis-server
     # This run's private directory (0700): the workers' ready files and ipc sockets; removed by stop().
     run_dir: str | None = None
+    # How each child was started (argv, environment, stdin), to start it again (`supervise`).
+    _specs: dict[str, tuple[list[str], dict | None, bytes | None]] = field(default_factory=dict, repr=False)
+    _restarts: dict[str, _Restarts] = field(default_factory=dict, repr=False)
 
     # ---- start --------------------------------------------------------------
     def start(self) -> Topology:
@@ -146,6 +152,12 @@ class Topology:
     ) -> subprocess.Popen:
         """Start a child in its own session; ``stdin`` (e.g. a config holding a secret, kept off the
         command line that ``ps`` shows) is written to its standard input, which is then closed."""
+        p = self._popen(name, argv, env, stdin)
+        self._specs[name] = (argv, env, stdin)
+        self.procs.append((name, p))
+        return p
+
+    def _popen(self, name: str, argv: list[str], env: dict | None, stdin: bytes | None) -> subprocess.Popen:
         out = None
         if self.config.log_dir:
             os.makedirs(self.config.log_dir, exist_ok=True)
@@ -158,7 +170,6 @@ class Topology:
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
         )
-        self.procs.append((name, p))
         if stdin is not None:
             assert p.stdin is not None
             with p.stdin:
@@ -297,14 +308,62 @@ class Topology:
             child[ev.REDIS_PASSWORD] = self.redis_password
         return child
 
+    # ---- supervise ----------------------------------------------------------
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Start again every child that exited (one pass; `kvmesh up` runs it every second), and say
+        what it did. The first restart is at once, then after 1, 3, 7, 15 s; a child that exits
+        `MAX_RESTARTS` times within `RESTART_WINDOW_S` is not started again: RuntimeError. Meanwhile
+        the router serves from the other workers (it takes a dead one out, and back once healthy).
+
+        A worker comes back on the port it had (the router knows it by its URL), its KV-event sockets
+        on the same paths; a redis-server on its port, with its password (and an empty store)."""
+        now = time.monotonic() if now is None else now
+        said: list[str] = []
+        for i, (name, p) in enumerate(self.procs):
+            if p.poll() is None:
+                continue
+            r = self._restarts.setdefault(name, _Restarts())
+            if r.due is None:
+                recent = [t for t in r.times if now - t < RESTART_WINDOW_S]
+                if len(recent) >= MAX_RESTARTS:
+                    raise RuntimeError(
+                        f"{name} exited with code {p.returncode}, {len(recent) + 1} times within "
+                        f"{RESTART_WINDOW_S:.0f} s; not starting it again"
+                    )
+                delay = float(2 ** len(recent) - 1)
+                r.due = now + delay
+                said.append(f"{name} exited with code {p.returncode}; starting it again in {delay:.0f} s")
+            if now >= r.due:
+                r.due = None
+                r.times.append(now)
+                self.procs[i] = (name, self._restart(name))
+                said.append(f"{name} started again (pid {self.procs[i][1].pid})")
+        return said
+
+    def _restart(self, name: str) -> subprocess.Popen:
+        argv, child_env, stdin = self._specs[name]
+        w = next((w for w in self.workers if w.name == name), None)
+        if w is not None:  # its old port, which the router knows; a fresh ready file
+            argv = list(argv)
+            argv[argv.index("--port") + 1] = str(urllib.parse.urlsplit(w.url).port)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(w.ready_file)
+        p = self._popen(name, argv, child_env, stdin)
+        if w is not None:
+            w.proc = p
+        return p
+
     # ---- stop ---------------------------------------------------------------
     def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM each process group (router first, redis last), then SIGKILL what is left."""
+        """SIGTERM each child (router first, redis last), then SIGKILL each process group left.
+
+        Only the child itself gets the SIGTERM, not its group: a worker's server then stops its own
+        engine process, rather than seeing it die under it and start another one on the way out."""
         order = sorted(self.procs, key=lambda np: {"router": 0, "redis": 2}.get(np[0], 1))
         for _, p in order:
             if p.poll() is None:
                 try:
-                    os.killpg(p.pid, signal.SIGTERM)
+                    os.kill(p.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + timeout
@@ -332,6 +391,16 @@ class Topology:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+MAX_RESTARTS = 5  # a child that exits this often within RESTART_WINDOW_S stays down (`supervise`)
+RESTART_WINDOW_S = 600.0
+
+
+@dataclass
+class _Restarts:
+    times: list[float] = field(default_factory=list)  # when it was started again
+    due: float | None = None  # when it is to be started again (it has exited)
 
 
 def _router_port_taken(cfg: TopologyConfig) -> str:

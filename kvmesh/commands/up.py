@@ -65,10 +65,12 @@ def run(args: argparse.Namespace) -> int:
     print("  workers accept only the router's key (generated for this run)", flush=True)
     print(f"ready: OpenAI endpoint {topo.router_url}/v1  (Ctrl-C stops everything)", flush=True)
     try:
-        while not stop.wait(1.0):
-            dead = [(n, p.returncode) for n, p in topo.procs if p.poll() is not None]
-            if dead:
-                print(f"error: {dead[0][0]} exited with code {dead[0][1]}; stopping", file=sys.stderr)
+        while not stop.wait(1.0):  # a child that exits is started again; the others keep serving
+            try:
+                for line in topo.supervise():
+                    print(f"kvmesh up: {line}", file=sys.stderr, flush=True)
+            except RuntimeError as e:
+                print(f"error: {e}; stopping", file=sys.stderr)
                 return 1
     finally:
         print("kvmesh up: stopping", flush=True)
