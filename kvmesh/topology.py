@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.common import env as ev
 from kvmesh.common.env import env
-from kvmesh.common.python_child import kvmesh_command
+from kvmesh.common.python_child import die_with_parent, kvmesh_command
 
 from .health import NotReadyError, exited, wait_healthy, wait_until
 
@@ -166,6 +166,8 @@ class Topology:
             argv,
             env=env,
             start_new_session=True,
+            # redis-server cannot watch for us the way our servers do ($KVMESH_PARENT_PID): the kernel ends it
+            preexec_fn=die_with_parent(signal.SIGTERM) if name == "redis" else None,
             stdin=subprocess.PIPE if stdin is not None else None,
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
@@ -303,7 +305,8 @@ class Topology:
 
     def _env(self, extra: dict[str, str]) -> dict[str, str]:
         """A child's environment: ours, this run's KV-path secret, and ``extra``."""
-        child = {**os.environ, ev.KV_AUTH_KEY: self.kv_auth_key, **extra}
+        # PARENT_PID: the servers shut down if this process goes without stopping them (killed, OOM).
+        child = {**os.environ, ev.KV_AUTH_KEY: self.kv_auth_key, ev.PARENT_PID: str(os.getpid()), **extra}
         if self.redis_password is not None:
             child[ev.REDIS_PASSWORD] = self.redis_password
         return child

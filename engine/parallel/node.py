@@ -16,25 +16,20 @@ stop. This process imports no torch (and starts no threads, which `preexec_fn` n
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable
 
 import msgspec
 
-from kvmesh.common.python_child import python_module
+from kvmesh.common.python_child import die_with_parent, python_module
 from kvmesh.engine.parallel.messages import Join
 
 log = logging.getLogger("kvmesh.engine.parallel")
 
 WORKER = "kvmesh.engine.parallel.worker"
 POLL_S = 0.2
-PR_SET_PDEATHSIG = 1
 
 
 def host_ranks(world: int, nodes: int, node_rank: int) -> range:
@@ -59,7 +54,7 @@ def run_host(join: Join, node_rank: int) -> int:
     try:
         for rank in ranks:
             cmd = python_module(WORKER, "--join", arg, str(rank))
-            procs[rank] = subprocess.Popen(cmd, preexec_fn=_die_with(os.getpid()))
+            procs[rank] = subprocess.Popen(cmd, preexec_fn=die_with_parent())
         while True:
             for rank, p in procs.items():
                 code = p.poll()
@@ -80,15 +75,3 @@ def run_host(join: Join, node_rank: int) -> int:
 
 def _exit_on_signal(signum: int, frame) -> None:
     raise SystemExit(128 + signum)
-
-
-def _die_with(parent: int) -> Callable[[], None]:
-    """A child's ``preexec_fn``: the kernel kills it when this process exits, however it exits."""
-
-    def arm() -> None:
-        if sys.platform.startswith("linux"):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-            if os.getppid() != parent:  # the parent died before the signal was armed
-                os._exit(1)
-
-    return arm

@@ -100,6 +100,9 @@ class Env:
     uvloop: bool = var(True, "0: asyncio's own event loop instead of uvloop for the router and API server")
     log_level: str = var("INFO", "log level of the router, API server and engine processes (DEBUG, INFO, ...)")
     cache: str = var("~/.cache/kvmesh", "where converted GGUF tokenizers are kept")
+    parent_pid: int | None = var(
+        None, "the API server and the router shut down when this process stops being their parent (`kvmesh up`)"
+    )
 
     def __post_init__(self) -> None:
         if self.log_level.upper() not in logging.getLevelNamesMapping():
@@ -119,6 +122,7 @@ KV_AUTH_KEY = name_of(Env, "kv_auth_key")
 REDIS_PASSWORD = name_of(Env, "redis_password")
 CPU_THREADS = name_of(Env, "cpu_threads")
 LOG_LEVEL = name_of(Env, "log_level")
+PARENT_PID = name_of(Env, "parent_pid")
 
 
 @functools.cache

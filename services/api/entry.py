@@ -156,6 +156,8 @@ def configs_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvmesh.common.env import env
+    from kvmesh.common.python_child import exit_with_parent
     from kvmesh.services.api.launcher import run as run_server
 
     try:
@@ -163,4 +165,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    exit_with_parent(env().parent_pid)
     return run_server(cfg, proc_cfg)

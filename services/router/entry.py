@@ -75,7 +75,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging("router")
+    from kvmesh.common.env import env
+    from kvmesh.common.python_child import exit_with_parent
     from kvmesh.services.router.app import serve
+
+    exit_with_parent(env().parent_pid)
 
     try:
         return aio.run(serve(cfg))

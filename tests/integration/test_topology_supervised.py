@@ -112,3 +112,38 @@ def test_a_killed_redis_server_comes_back_and_requests_stay_right(topo, referenc
             break
         assert time.monotonic() < deadline, "redis-server did not come back"
         time.sleep(0.5)
+
+
+def test_kvmesh_up_killed_leaves_no_process_behind(tmp_path):
+    """`kvmesh up` SIGKILLed (the OOM killer, a kill -9): its servers see their parent gone and shut
+    down in order, taking their engines along, and the kernel ends its redis-server; nothing is left."""
+    import subprocess
+
+    from kvmesh.common.python_child import kvmesh_command
+    from kvmesh.testing.servers import alive, descendants
+    from kvmesh.topology import free_port
+
+    argv = kvmesh_command("up", "--port", str(free_port()), "--kv-connector", "redis", "--log-dir", str(tmp_path))
+    for a in WORKER_ARGS:
+        argv.append(f"--worker-arg={a}")
+    up = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env={**os.environ, "KVMESH_CPU_THREADS": "1"})
+    try:
+        assert up.stdout is not None
+        for line in up.stdout:  # kvmesh up prints "ready: ..." once the router answers
+            if line.startswith("ready:"):
+                break
+        else:
+            pytest.fail(f"kvmesh up exited with {up.wait()} before it was ready")
+        kids = descendants(up.pid)
+        assert len(kids) >= 6, kids  # redis, 2 servers + 2 engines, the router
+        up.kill()
+        up.wait(10)
+        end = time.monotonic() + 60
+        while any(alive(k) for k in kids) and time.monotonic() < end:
+            time.sleep(0.5)
+        assert not [k for k in kids if alive(k)], "processes outlived kvmesh up"
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for k in descendants(up.pid):
+            os.kill(k, signal.SIGKILL)
