@@ -148,13 +148,14 @@ class Admission:
         if t.rpm is not None and (w := t.rpm.wait_s(1)) > 0:
             raise self._reject("rpm", tenant, f"tenant {tenant!r} is over its limit of {rpm} requests per minute", w)
         if t.tpm is not None:
-            if tokens > t.tpm.capacity:
-                raise self._reject(
-                    "tpm",
-                    tenant,
+            if tokens > t.tpm.capacity:  # no wait would ever admit it: the client's error, not a rate limit
+                self.metrics.rejected.labels("tpm", tenant).inc()
+                raise APIError(
+                    400,
                     f"the request needs {tokens} tokens (prompt + max_tokens), more than tenant {tenant!r}'s "
-                    f"limit of {tpm} tokens per minute",
-                    60,
+                    f"whole limit of {tpm} tokens per minute, so it can never be admitted; lower max_tokens "
+                    "or shorten the prompt",
+                    param="max_tokens",
                 )
             if (w := t.tpm.wait_s(tokens)) > 0:
                 raise self._reject("tpm", tenant, f"tenant {tenant!r} is over its limit of {tpm} tokens per minute", w)

@@ -131,7 +131,10 @@ def test_tpm_counts_prompt_and_max_tokens_then_usage(stack, settled):
     # the pod reported 2 tokens used: the rest of the estimate came back, so 90 fit now
     assert post(srv.url, "tokens-key", max_tokens=40).status_code == 200
     big = post(srv.url, "tokens-key", max_tokens=60)  # 110 > the whole minute's 100: never admissible
-    assert big.status_code == 429 and "more than" in big.json()["error"]["message"]
+    # a client error, not a rate limit: no Retry-After (waiting would never help), and it says why
+    assert big.status_code == 400 and "retry-after" not in big.headers
+    err = big.json()["error"]
+    assert err["type"] == "BadRequestError" and err["param"] == "max_tokens" and "never be admitted" in err["message"]
     assert rejected(router, "tpm", "tokens") == 2 and rejected(router, "tpm", "beta") == 0
 
 
