@@ -81,8 +81,8 @@ def test_example_reaches_ready(name: str, chart: Cluster, operator, ns: str) -> 
     p, d = EXPECTED[name]["prefill"], EXPECTED[name]["decode"]
     assert row[:4] == [is_name, "True", f"{p}/{p}", f"{d}/{d}"], table
     wide = chart.kubectl("get", "kvis", "-n", ns, "-o", "wide").splitlines()
-    assert wide[0].split()[4:6] == ["CONNECTOR", "REASON"], wide
-    assert wide[1].split()[4:6] == [obj["spec"]["kvConnector"]["type"], "AllReplicasReady"]
+    assert wide[0].split()[4:7] == ["CONNECTOR", "TP", "REASON"], wide
+    assert wide[1].split()[4:7] == [obj["spec"]["kvConnector"]["type"], "1", "AllReplicasReady"]
 
 
 def test_defaults_are_applied_by_the_api_server(chart: Cluster, ns: str) -> None:
@@ -97,6 +97,8 @@ def test_defaults_are_applied_by_the_api_server(chart: Cluster, ns: str) -> None
         "kvCacheMemoryGB": 2.0,
         "kvCacheDtype": "auto",
         "quantization": "none",
+        "tensorParallelSize": 1,
+        "tensorParallelNodes": 1,
     }
     assert spec["kvConnector"] == {"type": "nixl"}
     assert spec["model"] == {"source": "embedded"}
