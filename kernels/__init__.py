@@ -18,6 +18,7 @@ from .elementwise import rms_norm, rope, silu_and_mul
 from .fp8 import Fp8Weight, fp8_quantize_rows, quantize_weight
 from .gemv import gemv_config
 from .kv_cache import copy_blocks, gather_blocks, rope_write_kv, write_kv
+from .lora import lora_expand, lora_shrink
 from .matmul import linear, silu_mul_linear
 from .moe import fused_moe, moe_config, moe_routing
 from .reference import (
@@ -29,6 +30,8 @@ from .reference import (
     fused_moe_reference,
     gather_blocks_reference,
     linear_reference,
+    lora_expand_reference,
+    lora_shrink_reference,
     moe_routing_reference,
     paged_attention_reference,
     quantize_kv_reference,
@@ -61,6 +64,8 @@ __all__ = [
     "gather_blocks",
     "gemv_config",
     "linear",
+    "lora_expand",
+    "lora_shrink",
     "moe_config",
     "moe_routing",
     "paged_attention",
@@ -79,6 +84,8 @@ __all__ = [
     "fused_moe_reference",
     "gather_blocks_reference",
     "linear_reference",
+    "lora_expand_reference",
+    "lora_shrink_reference",
     "moe_routing_reference",
     "paged_attention_reference",
     "quantize_kv_reference",

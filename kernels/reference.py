@@ -443,3 +443,34 @@ def fp8_gemv_reference(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def lora_shrink_reference(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``[n, T, R]`` float32: each row times its slot's A of every slice (zeros for slot -1).
+    Grouped by slot (one matmul per adapter present), as a CPU engine wants it."""
+    n, R = a.shape[1], a.shape[2]
+    h = torch.zeros(n, x.shape[0], R, dtype=torch.float32, device=x.device)
+    for s in torch.unique(slots).tolist():
+        if s < 0:
+            continue
+        rows = (slots == s).nonzero().squeeze(1)
+        xs = x[rows].float()
+        for i in range(n):
+            h[i, rows] = xs @ a[s, i].float().T
+    return h
+
+
+def lora_expand_reference(
+    y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, offsets: tuple[int, ...]
+) -> torch.Tensor:
+    """``y[t, slice i] += h[i, t] @ b[slots[t], i, :width].T`` (float32 accumulate, rounded once to
+    ``y``'s dtype), grouped by slot; rows with slot -1 untouched."""
+    for s in torch.unique(slots).tolist():
+        if s < 0:
+            continue
+        rows = (slots == s).nonzero().squeeze(1)
+        for i in range(b.shape[1]):
+            lo, hi = offsets[i], offsets[i + 1]
+            delta = h[i, rows] @ b[s, i, : hi - lo].float().T
+            y[rows, lo:hi] = (y[rows, lo:hi].float() + delta).to(y.dtype)
+    return y
