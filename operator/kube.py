@@ -53,9 +53,8 @@ KINDS: dict[tuple[str, str], Kind] = {
 SECRETS = Kind("v1", "Secret", "secrets")
 INFERENCE_SERVICES = Kind("serving.kvmesh.io/v1alpha1", "InferenceService", "inferenceservices")
 # Also not in KINDS: the planner reads the workers' pods, labels the one it drains and sets its
-# deletion cost, and writes replica counts through the Deployments' scale subresource.
+# deletion cost, and writes replica counts through the scale subresource of its workload (KINDS).
 PODS = Kind("v1", "Pod", "pods")
-DEPLOYMENTS = KINDS[("apps/v1", "Deployment")]
 
 # Status codes worth retrying: throttling, server-side trouble, and conflicts from racing writers.
 TRANSIENT_STATUS = frozenset({409, 429, 500, 502, 503, 504})

@@ -46,9 +46,10 @@ class RankBlocks:
         self.heads = heads
         self.whole_shape = whole_shape
 
-    def write_whole(self, block_id: int, data: bytes | memoryview) -> None:
-        """This rank's heads of a whole block's bytes into block ``block_id``."""
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    def write_whole(self, block_id: int, data: bytes | bytearray | memoryview) -> None:
+        """This rank's heads of a whole block's bytes into block ``block_id`` (a ``bytearray`` is read in
+        place; anything else is copied once, since `torch.frombuffer` wants a writable buffer)."""
+        raw = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
         whole = raw.view(self.kv_cache.dtype).view(self.whole_shape)
         self.kv_cache[block_id].copy_(whole[..., self.heads, :])
 
@@ -80,7 +81,7 @@ class ShardedBlocks:
             dev_id=local.dev_id,
             scales=kv_scales_id,
         )
-        self._writes: list[tuple[int, bytes]] = []
+        self._writes: list[tuple[int, bytes | bytearray]] = []
         self._wanted: list[int] = []
         self._gathered: dict[int, memoryview] = {}
 
@@ -99,8 +100,9 @@ class ShardedBlocks:
     def write(self, staged: list[tuple[int, memoryview]]) -> None:
         """Whole blocks into every rank: rank 0's heads now, the others' with the next step."""
         for b, data in staged:
-            self.own.write_whole(b, data)
-            self._writes.append((b, bytes(data)))
+            whole = bytearray(data)  # the one copy: rank 0's heads read it now, the step message later
+            self.own.write_whole(b, whole)
+            self._writes.append((b, whole))
 
     def start_agents(
         self, name: str, backends: list[str], ucx_mode: str, progress_thread: bool
@@ -114,7 +116,7 @@ class ShardedBlocks:
         return [msgspec.msgpack.decode(p) for p in parts[1:]]
 
     # ---- the runner's side ---------------------------------------------------------------------
-    def take_writes(self) -> list[tuple[int, bytes]]:
+    def take_writes(self) -> list[tuple[int, bytes | bytearray]]:
         """The loaded blocks the next step message carries to the other ranks (each once)."""
         writes, self._writes = self._writes, []
         return writes

@@ -10,7 +10,7 @@ sampling parameters, generators and grammars stay in rank 0 with the scheduler a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 import numpy as np
@@ -94,10 +94,11 @@ _dec = msgspec.msgpack.Decoder(Message)
 def encode_step(
     copies: list[tuple[int, int]],
     p: StepPlan | None,
-    kv_writes: list[tuple[int, bytes]] | None = None,
+    kv_writes: list[tuple[int, bytes | bytearray]] | None = None,
     kv_gather: list[int] | None = None,
 ) -> bytes:
-    w, g = kv_writes or [], kv_gather or []
+    # msgpack encodes a bytearray as bin like bytes; the ranks decode bytes.
+    w, g = cast(list[tuple[int, bytes]], kv_writes or []), kv_gather or []
     if p is None:  # no forward: copies and KV moves only
         return _enc.encode(Step(copies, 0, 0, {}, 0, 0, w, g))
     arrays = {k: Array.of(getattr(p, k)) for k in _ARRAYS}

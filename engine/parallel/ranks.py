@@ -101,7 +101,7 @@ class Ranks:
         self,
         copies: list[tuple[int, int]],
         plan,
-        kv_writes: list[tuple[int, bytes]] | None = None,
+        kv_writes: list[tuple[int, bytes | bytearray]] | None = None,
         kv_gather: list[int] | None = None,
     ) -> None:
         self.group.broadcast_bytes(messages.encode_step(copies, plan, kv_writes, kv_gather))
