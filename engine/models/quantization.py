@@ -138,9 +138,26 @@ def quantize_model(model: Any, state_dict: Mapping[str, torch.Tensor], online: b
     return q.replaced
 
 
+# The ``quantization_config`` of a checkpoint whose projections `fp8_state_dict_entries` wrote:
+# compressed-tensors, e4m3 weights with a scale per output channel, dynamic per-token activations.
+COMPRESSED_TENSORS_FP8 = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "quantization_status": "compressed",
+    "ignore": ["lm_head"],
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False, "symmetric": True},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+        }
+    },
+}
+
+
 def fp8_state_dict_entries(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
     """``{name.weight: e4m3, name.weight_scale: [N, 1] float32}`` for one float projection: the
-    tensors a compressed-tensors checkpoint (channel strategy) stores for it."""
+    tensors a compressed-tensors checkpoint (channel strategy, `COMPRESSED_TENSORS_FP8`) stores for it."""
     q = quantize_weight(w)
     return {name + ".weight": q.weight, name + ".weight_scale": q.scale[:, None].contiguous()}
 

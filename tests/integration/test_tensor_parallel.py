@@ -553,29 +553,16 @@ def test_a_pre_quantized_checkpoint_splits_like_online_fp8(llama_path, tmp_path)
     """A compressed-tensors FP8 checkpoint (e4m3 weights, a scale per output channel) runs under TP 2,
     each rank taking its rows' scales, and answers what TP 2 with online FP8 answers (the same e4m3
     values and scales on every rank)."""
-    from kvmesh.engine.models.quantization import fp8_before_split
+    from kvmesh.engine.models.quantization import COMPRESSED_TENSORS_FP8, fp8_before_split
 
     loaded = load_model(llama_path, load_tokenizer=False)
-    qc = {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "quantization_status": "compressed",
-        "ignore": ["lm_head"],
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False},
-                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
-            }
-        },
-    }
     pre = str(tmp_path / "llama-fp8")
     os.makedirs(pre)
     save_file(
         {k: v.contiguous() for k, v in fp8_before_split(loaded.state_dict, 2).items()}, f"{pre}/model.safetensors"
     )
     with open(f"{pre}/config.json", "w") as f:
-        json.dump({**LLAMA, "quantization_config": qc}, f)
+        json.dump({**LLAMA, "quantization_config": COMPRESSED_TENSORS_FP8}, f)
     prompts = _prompts(1002, [17, 40], seed=4)
     got = []
     for path, kw in ((pre, {"quantization": "fp8"}), (llama_path, {"quantization": "fp8"})):

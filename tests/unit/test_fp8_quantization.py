@@ -26,6 +26,7 @@ from kvmesh.common.model_files import ModelLoadError
 from kvmesh.engine.models.llama import LlamaForCausalLM
 from kvmesh.engine.models.loader import load_model
 from kvmesh.engine.models.quantization import (
+    COMPRESSED_TENSORS_FP8,
     LayerQuantizer,
     fp8_state_dict_entries,
     quantize_model,
@@ -154,21 +155,6 @@ def _hf_config(cfg, quantization_config: dict) -> dict:
     )
 
 
-COMPRESSED_TENSORS = {
-    "quant_method": "compressed-tensors",
-    "format": "float-quantized",
-    "quantization_status": "compressed",
-    "ignore": ["lm_head"],
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False, "symmetric": True},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
-        }
-    },
-}
-
-
 def write_checkpoint(path, cfg, sd: dict[str, torch.Tensor], qc: dict, quantize) -> None:
     """An HF folder (config.json + model.safetensors) whose projections ``quantize(name, w)`` writes."""
     from safetensors.torch import save_file
@@ -187,7 +173,7 @@ def test_compressed_tensors_checkpoint_matches_online(smol, smol_models, tmp_pat
     ``weight``, ``weight_scale [N, 1]``, dynamic per-token activations), loads as FP8 and gives the
     same logits as online quantization, bit for bit."""
     path = tmp_path / "smol-fp8"
-    write_checkpoint(path, smol.config, smol.state_dict, COMPRESSED_TENSORS, fp8_state_dict_entries)
+    write_checkpoint(path, smol.config, smol.state_dict, COMPRESSED_TENSORS_FP8, fp8_state_dict_entries)
     lm = load_model(str(path), load_tokenizer=False)
     assert lm.config.quantization == "fp8"
     assert lm.state_dict["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
@@ -236,7 +222,7 @@ def test_fp8_method_per_tensor_static_checkpoint(tmp_path):
         ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
         (
             {
-                **COMPRESSED_TENSORS,
+                **COMPRESSED_TENSORS_FP8,
                 "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}},
             },
             "only 8-bit float weights",
@@ -260,7 +246,7 @@ def test_checkpoint_projections_left_in_float_stay_float(tmp_path):
     def all_but_down(name, w):
         return {name + ".weight": w} if name.endswith("down_proj") else fp8_state_dict_entries(name, w)
 
-    write_checkpoint(tmp_path / "c", lm.config, lm.state_dict, COMPRESSED_TENSORS, all_but_down)
+    write_checkpoint(tmp_path / "c", lm.config, lm.state_dict, COMPRESSED_TENSORS_FP8, all_but_down)
     pre = load_model(str(tmp_path / "c"), load_tokenizer=False)
     m = LlamaForCausalLM(pre.config, pre.state_dict, torch.float32, CPU)
     assert quantize_model(m, pre.state_dict, online=False) == 3 * pre.config.num_layers
