@@ -186,8 +186,9 @@ def internal_secret_name(meta: ObjectMeta) -> str:
 def internal_secret(meta: ObjectMeta) -> Manifest:
     """The generated keys of one InferenceService: the router's credential towards its workers,
     the KV path's shared secret (NIXL side channel HMAC, KV-event stream), the managed Redis's
-    password and the admin key (the router's /pods, the workers' /drain and /reset_prefix_cache). Fresh random values on every call, so reconcile creates it once and never applies it
-    again (keys stay stable across passes); the owner reference deletes it with the service."""
+    password and the admin key (the router's /pods, the workers' /drain and /reset_prefix_cache).
+    Fresh random values on every call, so reconcile creates it once and never applies it again (keys
+    stay stable across passes); the owner reference deletes it with the service."""
     obj = _object("v1", "Secret", internal_secret_name(meta), meta, "secret")
     obj["type"] = "Opaque"
     obj["stringData"] = {k: secrets.token_urlsafe(32) for k in INTERNAL_KEYS}
