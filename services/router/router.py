@@ -63,6 +63,7 @@ WHOLE = "worker"  # the ``phase`` label of a request one pod answers alone (no P
 PROMPT_WINDOW = 256  # requests the typical prompt length is averaged over
 NO_DECODE_POD = "no healthy pod that can decode (role both or decode)"
 CLIENT_KV_PARAMS = "kv_transfer_params are set by the router (prefill/decode disaggregation), not by clients"
+POD_HEADER = "x-kvmesh-pod"  # the pod that answered; routes_proxy.py passes it on to the admin key alone
 
 _json = msgspec.json.Decoder()
 
@@ -519,7 +520,7 @@ class Router:
         """Pass the pod's answer on; ``done`` gets the reported total tokens (None if none) once the
         answer is over, whatever way it ends (admission's slot and token correction)."""
         t0 = time.monotonic()
-        headers = {"x-kvmesh-pod": d.pod.url}
+        headers = {POD_HEADER: d.pod.url}
         retry_after = resp.headers.get("retry-after")
         if retry_after is not None:
             headers["retry-after"] = retry_after
