@@ -31,12 +31,11 @@ from typing import Any, Literal
 
 import msgspec
 
-MAP = "map"
-ARRAY = "array"
+EventFormat = Literal["map", "array"]
+MAP: EventFormat = "map"
+ARRAY: EventFormat = "array"
 EVENT_FORMATS = (MAP, ARRAY)
 MEDIUM_GPU = "GPU"
-
-EventFormat = Literal["map", "array"]
 ExtraKeys = list[tuple[Any, ...] | None] | None
 
 
