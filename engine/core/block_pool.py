@@ -161,41 +161,52 @@ class BlockPool:
         extra_keys: Callable[[int], tuple | None] | None = None,
         lora_name: str | None = None,
     ) -> None:
-        """Register blocks ``[start, end)`` of a request under their hashes and emit one BlockStored.
+        """Register blocks ``[start, end)`` of a request under their hashes and emit BlockStored events.
 
-        ``extra_keys(i)`` gives what entered block ``i``'s hash besides its tokens and parent
-        (`hashing.event_extra_keys`), published per stored block; ``lora_name`` is the request's
-        adapter, published as the event's ``lora_name`` (None: the base model)."""
+        One event per run of consecutive newly stored blocks (usually one), its ``parent_block_hash``
+        the hash of the block before the run: an indexer that chains blocks (a radix tree keyed by
+        parent) attaches the run where it belongs. ``extra_keys(i)`` gives what entered block ``i``'s
+        hash besides its tokens and parent (`hashing.event_extra_keys`), published per block as vLLM
+        does; ``lora_name`` is the request's adapter, published as the event's ``lora_name`` (None:
+        the base model)."""
         if not self.enable_caching or end <= start:
             return
-        stored_hashes: list[int] = []
-        stored_tokens: list[int] = []
-        stored_keys: list[tuple | None] = []
+        run: list[int] = []  # block indices of the current run of newly stored blocks
         for i in range(start, end):
             b, h = blocks[i], block_hashes[i]
-            if b.block_hash is not None:
-                continue  # already cached (a prefix hit or an earlier step)
-            if h in self.cached:
-                continue  # same content held by another block: keep this one private
+            if b.block_hash is not None or h in self.cached:
+                # already cached (a prefix hit or an earlier step), or the same content held by another
+                # block (this one stays private): either way not stored now, so a run ends here
+                self._emit_stored(run, block_hashes, token_ids, extra_keys, lora_name)
+                run = []
+                continue
             b.block_hash = h
             self.cached[h] = b
-            stored_hashes.append(external_hash(h))
-            stored_tokens.extend(token_ids[i * self.block_size : (i + 1) * self.block_size])
-            if extra_keys is not None:
-                stored_keys.append(extra_keys(i))
-        if self.emit_events and stored_hashes:
-            parent = external_hash(block_hashes[start - 1]) if start > 0 else None
-            self._events.append(
-                self._ev.stored(
-                    block_hashes=stored_hashes,
-                    parent_block_hash=parent,
-                    token_ids=stored_tokens,
-                    block_size=self.block_size,
-                    lora_name=lora_name,
-                    extra_keys=stored_keys if any(k is not None for k in stored_keys) else None,
-                    group_idx=GROUP_IDX,
-                )
+            run.append(i)
+        self._emit_stored(run, block_hashes, token_ids, extra_keys, lora_name)
+
+    def _emit_stored(
+        self,
+        run: list[int],
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        extra_keys: Callable[[int], tuple | None] | None,
+        lora_name: str | None,
+    ) -> None:
+        if not self.emit_events or not run:
+            return
+        bs = self.block_size
+        self._events.append(
+            self._ev.stored(
+                block_hashes=[external_hash(block_hashes[i]) for i in run],
+                parent_block_hash=external_hash(block_hashes[run[0] - 1]) if run[0] > 0 else None,
+                token_ids=[t for i in run for t in token_ids[i * bs : (i + 1) * bs]],
+                block_size=bs,
+                lora_name=lora_name,
+                extra_keys=[extra_keys(i) for i in run] if extra_keys is not None else None,
+                group_idx=GROUP_IDX,
             )
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""

@@ -193,3 +193,22 @@ def test_pool_publishes_the_lora_name_it_is_given():
     kv.pool.cache_blocks(blocks, [b"\x01" * 32], list(range(BS)), 0, 1, lora_name="ad")
     (ev,) = kv.pool.take_events()
     assert ev.lora_name == "ad" and ev.extra_keys is None
+
+
+def test_stored_runs_carry_the_parent_before_them():
+    """Blocks already cached end a run: each BlockStored's parent is the hash of the block before its first
+    block, so a chaining indexer attaches it in the right place (the first event of a prefix hit is not a
+    root)."""
+    kv = KVCacheManager(16, BS)
+    toks = list(range(64))
+    hs = block_hashes_for(toks, BS, MODEL)
+    other = kv.pool.get_new_blocks(1)
+    kv.pool.cache_blocks(other + other, hs, toks, 1, 2)  # block 1's content is already held elsewhere
+    kv.pool.take_events()
+    mine = kv.pool.get_new_blocks(4)
+    kv.pool.cache_blocks(mine, hs, toks, 0, 4, extra_keys=lambda i: (i,))
+    first, second = kv.pool.take_events()
+    assert first.block_hashes == [external_hash(hs[0])] and first.parent_block_hash is None
+    assert second.block_hashes == [external_hash(h) for h in hs[2:4]]
+    assert second.parent_block_hash == external_hash(hs[1]) and second.token_ids == toks[32:64]
+    assert first.extra_keys == [(0,)] and second.extra_keys == [(2,), (3,)]
