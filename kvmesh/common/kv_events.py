@@ -115,8 +115,8 @@ class _ArrayEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 class _MapOuterBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    """A batch that is itself a map (``{"ts", "events", "data_parallel_rank"}``): vLLM's main branch
-    declares its outer batch without ``array_like`` after 0.33, so a reader accepts it too."""
+    """A batch that is itself a map (``{"ts", "events", "data_parallel_rank"}``): some vLLM source
+    revisions declare the outer batch without ``array_like`` (0.33.0's has it), so a reader accepts it."""
 
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
