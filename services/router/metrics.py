@@ -140,6 +140,18 @@ class RouterMetrics:
         self.kv_event_batches = Counter(
             "kvmesh:router_kv_event_batches", "KV-event batches received (live or replayed)", ["pod"], registry=r
         )
+        self.kv_event_forms = Counter(
+            "kvmesh:router_kv_event_batches_by_form",
+            "KV-event batches decoded, by wire form: map (vLLM's named fields) or array (vLLM v0.10's positions)",
+            ["pod", "form"],
+            registry=r,
+        )
+        self.prefix_hash_mixed = Gauge(
+            "kvmesh:router_prefix_hash_mixed",
+            "1 while the pods' KV events show more than one block-hash scheme (kvmesh and vllm): prompts are "
+            "hashed the kvmesh way and the other pods get no prefix hits until they agree",
+            registry=r,
+        )
         self.kv_events_connected = Gauge(
             "kvmesh:router_kv_events_connected",
             "1 while the pod's KV-event stream is connected (handshake done); 0: the pod is routed on predictions",

@@ -3,7 +3,8 @@
 Request path (``/v1/completions``, ``/v1/chat/completions``):
 
 1. tokenize with the pods' tokenizer and hash the full blocks with the engine's
-   own `block_hashes_for` (model identity + ``cache_salt``);
+   own `block_hashes_for` (model identity + ``cache_salt``), in the scheme the pods'
+   KV events show (kvmesh's or vLLM's, `prefix_hash`);
 2. choose a decode-capable pod (role ``both`` or ``decode``) by policy;
 3. P/D (`pd`): when prefill pods exist and the chosen decode pod would still have to
    compute at least ``pd_min_uncached`` tokens, prefill on a prefill pod first, then
@@ -38,6 +39,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvmesh.common.chat import ChatContentError
 from kvmesh.common.env import env
+from kvmesh.common.hashing import KVMESH
 from kvmesh.common.kv_auth import load_kv_auth_key
 from kvmesh.common.kv_events_auth import CurveKeys
 from kvmesh.services.auth import DEFAULT_TENANT, APIKey, KeyStore, SecretFile
@@ -111,7 +113,12 @@ class Router:
             on_event=self._count_event,
             keys=CurveKeys.derive(secret) if secret else None,
             on_batch=self._count_batch,
+            on_form=self._count_form,
+            on_scheme=self._pod_scheme,
         )
+        self._schemes: dict[str, str] = {}  # pod -> the block-hash scheme its KV events showed
+        self.prefix_hash = KVMESH  # how prompts are hashed: the scheme all those pods agree on
+        self._mixed = False
         if secret is None and any(p.events for p in cfg.pods):
             log.warning("no KV auth secret: reading the pods' KV events unauthenticated (set KVMESH_KV_AUTH_KEY)")
         self.pods: dict[str, Pod] = {}
@@ -135,6 +142,37 @@ class Router:
         if pod in self.pods:
             self.metrics.kv_event_batches.labels(pod).inc()
 
+    def _count_form(self, pod: str, form: str) -> None:
+        if pod in self.pods:
+            self.metrics.kv_event_forms.labels(pod, form).inc()
+
+    def _pod_scheme(self, pod: str, scheme: str | None) -> None:
+        """A pod's events showed its block-hash scheme (None: forget it): prompts are hashed the way every
+        such pod hashes. Pods that disagree (a mixed set) leave the router on kvmesh's scheme, loudly:
+        the pods of the other scheme then get no prefix hits, only load-based routing."""
+        if scheme is None:
+            self._schemes.pop(pod, None)
+        else:
+            self._schemes[pod] = scheme
+        self._settle_scheme()
+
+    def _settle_scheme(self) -> None:
+        seen = set(self._schemes.values())
+        mixed = len(seen) > 1
+        scheme = seen.pop() if len(seen) == 1 else KVMESH
+        if mixed and not self._mixed:  # once per episode
+            by = {s: sorted(p for p, v in self._schemes.items() if v == s) for s in set(self._schemes.values())}
+            log.error(
+                "pods hash blocks in different schemes %s: give them one --prefix-hash; until then prompts are "
+                "hashed the kvmesh way and the others get no prefix hits",
+                by,
+            )
+        self._mixed = mixed
+        self.metrics.prefix_hash_mixed.set(1 if mixed else 0)
+        if scheme != self.prefix_hash:
+            log.info("hashing prompts the %s way, as the pods do", scheme)
+            self.prefix_hash = scheme
+
     # ---- membership ---------------------------------------------------------
     def add_pod(self, spec: PodSpec) -> None:
         if spec.url in self.pods:
@@ -151,6 +189,8 @@ class Router:
             return
         if pod.spec.events:
             self.hub.remove_pod(url)
+        if self._schemes.pop(url, None) is not None:
+            self._settle_scheme()
         self.index.clear_pod(url)
         # A departed pod's series must not keep reporting it: alerts count healthy pods and dead
         # streams, and an autoscaler reading a stale gauge would hold the pool up.
@@ -448,7 +488,8 @@ class Router:
         self, path: str, body: dict, ids: list[int] | None, plen: int, tenant: str, done: Callable[[int | None], None]
     ) -> Response:
         try:
-            hashes = self.tok.block_hashes(ids, self.cfg.block_size, body.get("cache_salt")) if ids else []
+            salt = body.get("cache_salt")
+            hashes = self.tok.block_hashes(ids, self.cfg.block_size, salt, self.prefix_hash) if ids else []
         except OverflowError:  # token ids beyond 64 bits cannot be hashed (nor exist in any vocabulary)
             raise bad_request("token ids out of range", "prompt") from None
         self.metrics.prompt_tokens.inc(plen)
