@@ -13,7 +13,10 @@ stay in L2 from one layer to the next; times are per layer):
 
 * base: the projection alone (`kvmesh.kernels.linear`, the engine's: the GEMV kernel at T = 1);
 * one adapter: base + `lora_shrink` + `lora_expand` with every row on slot 0;
-* 8 adapters: the same with the rows spread over the 8 slots (row ``t`` on slot ``t % 8``).
+* 8 adapters: the same with the rows spread over the 8 slots (row ``t`` on slot ``t % 8``);
+* 8 adapters, walking: the same with the kernels' other slot assignment forced (each row block's
+  program walks its slots in a loop, the prefill choice) where the default is a program per
+  (row block, slot), so the two can be compared at decode sizes.
 
 Overhead: LoRA time over base time, minus 1, per projection and for the whole layer (the sum of
 the four). Error: the LoRA output against the torch references in fp32 (relative L2), once per
@@ -38,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_harness as h  # type: ignore[import-not-found]  # noqa: E402  (the GPU benchmarks' shared pieces: log, stages, results file)
 
 from kvmesh import kernels  # noqa: E402
+from kvmesh.kernels import lora as klora  # noqa: E402
 
 R: dict = {}
 log = h.log
@@ -104,21 +108,27 @@ def bench_projection(name: str, Kin: int, widths: tuple[int, ...], T: int, dev: 
         for w, y in zip(ws, ys):
             y.copy_(kernels.linear(x, w))
 
-    def lora(slots: torch.Tensor) -> Callable[[], None]:
+    def lora(slots: torch.Tensor, walk: bool = False) -> Callable[[], None]:
+        sc = ec = None
+        if walk:
+            sc = (*klora.shrink_config(T, n, Kin, RANK, SLOTS, x.device)[:4], False)
+            ec = (*klora.expand_config(T, N, SLOTS, x.device)[:3], False)
+
         def run() -> None:
             for w, a, b, y in zip(ws, as_, bs, ys):
                 y.copy_(kernels.linear(x, w))
-                kernels.lora_expand(y, kernels.lora_shrink(x, a, slots), b, slots, offsets)
+                h = kernels.lora_shrink(x, a, slots, config=sc)
+                kernels.lora_expand(y, h, b, slots, offsets, config=ec)
 
         return run
 
     timer = _time_gpu if dev == "cuda" else _time_cpu
     r: dict = dict(proj=name, T=T, K=Kin, widths=list(widths))
     r["base_us"] = timer(base) * 1e3 / layers
-    for key, slots in (("one", one), ("eight", eight)):
-        r[f"{key}_us"] = timer(lora(slots)) * 1e3 / layers
+    for key, slots, walk in (("one", one, False), ("eight", eight, False), ("eight_walk", eight, True)):
+        r[f"{key}_us"] = timer(lora(slots, walk)) * 1e3 / layers
         r[f"{key}_overhead"] = r[f"{key}_us"] / r["base_us"] - 1
-        lora(slots)()  # the last layer's output, checked against the references in fp32
+        lora(slots, walk)()  # the last layer's output, checked against the references in fp32
         ref = x.float() @ ws[-1].float().T
         hr = kernels.lora_shrink_reference(x.float(), as_[-1].float(), slots)
         kernels.lora_expand_reference(ref, hr, bs[-1].float(), slots, offsets)
@@ -135,7 +145,7 @@ def bench_all(smoke: bool) -> None:
         for name, (Kin, widths) in shapes.items():
             rows.append(bench_projection(name, Kin, widths, T, dev, 1 if smoke else LAYERS))
         layer = dict(proj="layer", T=T, base_us=sum(r["base_us"] for r in rows if r["T"] == T))
-        for key in ("one", "eight"):
+        for key in ("one", "eight", "eight_walk"):
             layer[f"{key}_us"] = sum(r[f"{key}_us"] for r in rows if r["T"] == T)
             layer[f"{key}_overhead"] = layer[f"{key}_us"] / layer["base_us"] - 1
             layer[f"{key}_rel_err"] = max(r[f"{key}_rel_err"] for r in rows if r["T"] == T)
@@ -149,13 +159,14 @@ def table() -> str:
     lines = ["", f"== LoRA rank {RANK}, {SLOTS} slots, Llama-3-8B projections (per layer, us) =="]
     lines.append(
         f"{'proj':>8} {'T':>4} {'base':>9} {'1 adapter':>10} {'overhead':>9} {'8 adapters':>11} {'overhead':>9} "
-        f"{'rel err':>8}"
+        f"{'8 walking':>10} {'overhead':>9} {'rel err':>8}"
     )
     for r in R.get("lora", []):
-        err = max(r["one_rel_err"], r["eight_rel_err"])
+        err = max(r["one_rel_err"], r["eight_rel_err"], r["eight_walk_rel_err"])
         lines.append(
             f"{r['proj']:>8} {r['T']:>4} {r['base_us']:>9.1f} {r['one_us']:>10.1f} {100 * r['one_overhead']:>8.1f}% "
-            f"{r['eight_us']:>11.1f} {100 * r['eight_overhead']:>8.1f}% {err:>8.1e}"
+            f"{r['eight_us']:>11.1f} {100 * r['eight_overhead']:>8.1f}% "
+            f"{r['eight_walk_us']:>10.1f} {100 * r['eight_walk_overhead']:>8.1f}% {err:>8.1e}"
         )
     if "errors" in R:
         lines.append(f"errors: {R['errors']}")

@@ -34,25 +34,38 @@ from ._dispatch import backend, cdiv, num_sms, p2
 EXPAND_MAX_SLICES = 4
 
 
-def shrink_config(T: int, n: int, K: int, R: int, device: torch.device) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_K, split_k, num_warps)`` for a shrink of ``T`` rows, ``n`` slices, ``K`` inputs.
+# A program per (row block, pool slot) (the kernels' SLOT_GRID) while the batch has at most this many
+# (row block, slot) pairs: decode batches, whose mixed adapters are then read in parallel; larger
+# ones walk each block's slots in a loop (prefill, whose blocks are mostly one sequence).
+SLOT_GRID_MAX = 64
 
-    The whole batch in one row block up to 64 rows (a decode batch's adapters then read once per
-    K chunk, not once per 16 rows). A row block and a slice give too few programs to stream the
-    adapters' A at decode sizes (3 for q|k|v at batch 1), so K is split until there are about
-    as many programs as SMs; the splits are summed after the launch."""
+
+def slot_grid(T: int, bm: int, S: int) -> bool:
+    """Whether a call of ``T`` rows in ``bm``-row blocks over a pool of ``S`` slots takes SLOT_GRID."""
+    return cdiv(T, bm) * S <= SLOT_GRID_MAX
+
+
+def shrink_config(T: int, n: int, K: int, R: int, S: int, device: torch.device) -> tuple[int, int, int, int, bool]:
+    """``(BLOCK_M, BLOCK_K, split_k, num_warps, SLOT_GRID)`` for a shrink of ``T`` rows, ``n`` slices,
+    ``K`` inputs, rank ``R``, over a pool of ``S`` slots.
+
+    The whole batch in one row block up to 64 rows. A row block and a slice give too few programs
+    to stream the adapters' A at decode sizes (3 for q|k|v at batch 1), so K is split until the
+    programs expected to have rows (at most ``min(S, T)`` slots a block) about fill the SMs; the
+    splits are summed after the launch."""
     bm = min(64, max(16, p2(T)))
     bk = 64 if bm == 64 and R > 32 else 128
-    programs = cdiv(T, bm) * n
+    grid = slot_grid(T, bm, S)
+    programs = cdiv(T, bm) * n * (min(S, T) if grid else 1)
     split = max(1, min(cdiv(K, bk), cdiv(num_sms(device), programs)))
-    return bm, bk, split, 4
+    return bm, bk, split, 4, grid
 
 
-def expand_config(T: int, N: int, device: torch.device) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps)`` for an expand of ``T`` rows into slices up to ``N`` wide:
-    narrower column tiles at decode sizes, for more programs over the adapters' B."""
+def expand_config(T: int, N: int, S: int, device: torch.device) -> tuple[int, int, int, bool]:
+    """``(BLOCK_M, BLOCK_N, num_warps, SLOT_GRID)`` for an expand of ``T`` rows into slices up to ``N``
+    wide over a pool of ``S`` slots: narrower column tiles at decode sizes, for more programs."""
     bm = min(64, max(16, p2(T)))
-    return bm, 64 if T <= 16 else 128, 4
+    return bm, 64 if T <= 16 else 128, 4, slot_grid(T, bm, S)
 
 
 def _check(fn: str, x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor) -> None:
@@ -68,7 +81,7 @@ def _check(fn: str, x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor) -> No
 
 
 def lora_shrink(
-    x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, *, config: tuple[int, int, int, int] | None = None
+    x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, *, config: tuple[int, int, int, int, bool] | None = None
 ) -> torch.Tensor:
     """``h[i, t] = x[t] @ a[slots[t], i].T`` as float32 ``[n, T, R]``; rows with slot -1 get zeros.
     ``config`` overrides `shrink_config` (tests and benchmarks)."""
@@ -78,13 +91,13 @@ def lora_shrink(
         fail(fn, f"a has {a.shape[-1]} input features but x has {x.shape[1]}")
     T, K = x.shape
     S, n, R = a.shape[0], a.shape[1], a.shape[2]
-    if backend(x) == "reference" or T == 0 or n == 0 or R == 0:
+    if backend(x) == "reference" or 0 in (T, S, n, R):
         return _ref.lora_shrink_reference(x, a, slots)
-    bm, bk, split, warps = config or shrink_config(T, n, K, R, x.device)
+    bm, bk, split, warps, grid = config or shrink_config(T, n, K, R, S, x.device)
     k_per_split = cdiv(cdiv(max(K, 1), split), bk) * bk
     split = max(1, cdiv(K, k_per_split))
     out = torch.empty((split, n, T, R), dtype=torch.float32, device=x.device)
-    _dispatch.kernels_for(x).lora_shrink_kernel[(cdiv(T, bm), n, split)](
+    _dispatch.kernels_for(x).lora_shrink_kernel[(cdiv(T, bm) * (S if grid else 1), n, split)](
         x,
         a,
         slots,
@@ -105,6 +118,7 @@ def lora_shrink(
         out.stride(1),
         out.stride(2),
         F32=x.dtype == torch.float32 or x.dtype != a.dtype,
+        SLOT_GRID=grid,
         BLOCK_M=bm,
         BLOCK_K=bk,
         BLOCK_R=max(16, p2(R)),
@@ -120,7 +134,7 @@ def lora_expand(
     slots: torch.Tensor,
     offsets: tuple[int, ...],
     *,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int, int, bool] | None = None,
 ) -> torch.Tensor:
     """Adds ``h[i, t] @ b[slots[t], i, :w_i].T`` to ``y[t, offsets[i]:offsets[i+1]]`` in place
     (``w_i`` the slice's width) and returns ``y``; rows with slot -1 are left as they are.
@@ -137,25 +151,25 @@ def lora_expand(
         fail(fn, f"h must be [{n}, {y.shape[0]}, {b.shape[3]}] (slices, rows, rank), got {tuple(h.shape)}")
     check_dtype(fn, "h", h, FLOATS)
     check_device(fn, "y", y, h=h)
-    T, R = y.shape[0], b.shape[3]
-    if backend(y) == "reference" or T == 0 or n == 0 or R == 0:
+    T, R, S = y.shape[0], b.shape[3], b.shape[0]
+    if backend(y) == "reference" or 0 in (T, S, n, R):
         return _ref.lora_expand_reference(y, h, b, slots, offsets)
     widest = max(offsets[i + 1] - offsets[i] for i in range(n))
     if widest == 0:
         return y
-    bm, bn, warps = config or expand_config(T, widest, y.device)
+    bm, bn, warps, grid = config or expand_config(T, widest, S, y.device)
     for g in range(0, n, EXPAND_MAX_SLICES):
         m = min(EXPAND_MAX_SLICES, n - g)
         offs = list(offsets[g : g + m + 1]) + [offsets[g + m]] * (EXPAND_MAX_SLICES - m)
         hg, bg = h[g : g + m], b[:, g : g + m]
-        _dispatch.kernels_for(y).lora_expand_kernel[(cdiv(T, bm), m, cdiv(widest, bn))](
+        _dispatch.kernels_for(y).lora_expand_kernel[(cdiv(T, bm) * (S if grid else 1), m, cdiv(widest, bn))](
             y,
             hg,
             bg,
             slots,
             T,
             R,
-            b.shape[0],
+            S,
             *offs,
             y.stride(0),
             y.stride(1),
@@ -168,6 +182,7 @@ def lora_expand(
             bg.stride(3),
             slots.stride(0),
             IEEE=y.dtype == torch.float32,
+            SLOT_GRID=grid,
             BLOCK_M=bm,
             BLOCK_N=bn,
             BLOCK_R=max(16, p2(R)),

@@ -1,14 +1,21 @@
 """Batched LoRA: the shrink (``x`` to rank R) and the expand (rank R back to the output, added in place)
 over per-row adapter slots, the two launches of a LoRA projection (kernels/lora.py).
 
-Both kernels tile the batch in BLOCK_M-row blocks whose rows may belong to different adapters. A
-program walks the distinct slots of its block in ascending order (a data-dependent loop on the
-device: nothing is read back to the host, so a CUDA graph can hold the launch) and, for each one,
-multiplies the block's rows of that slot (the others masked to zero) by that slot's weights with
-``tl.dot``. A prefill block is mostly one slot (one iteration, one tensor-core GEMM tile, as
-Punica's SGMV); a decode block of mixed adapters reads each adapter's weights once per block,
-not once per row (the BGMV alternative). Rows whose slot is outside ``[0, S)`` (-1: the base
-model) take no iteration: the shrink writes zeros for them, the expand leaves them untouched.
+Both kernels tile the batch in BLOCK_M-row blocks whose rows may belong to different adapters, and
+multiply the block's rows of one slot (the others masked to zero) by that slot's weights with
+``tl.dot``; nothing is read back to the host, so a CUDA graph can hold either launch. Which
+slots a program takes:
+
+* walking (prefill): a program per row block walks the distinct slots of its block in ascending
+  order, a data-dependent loop. A prefill block is mostly one sequence, so one slot: one
+  iteration, a tensor-core tile, as Punica's SGMV without sorting the rows.
+* SLOT_GRID (decode): a program per (row block, pool slot): at most one slot each, so a block of
+  mixed adapters reads them in parallel programs rather than one after another in a loop whose
+  every iteration waits on its loads; a program whose slot has no row in its block stores nothing.
+
+Each adapter's weights are read once per row block either way, not once per row (Punica's
+BGMV). Rows whose slot is outside ``[0, S)`` (-1: the base model) take no slot: the shrink writes
+zeros for them, the expand leaves them untouched.
 """
 
 from __future__ import annotations
@@ -20,11 +27,23 @@ from ._common import jit_unspecialized
 
 
 @triton.jit
-def _block_slots(slots_ptr, stride_s, rows, T, S):
-    """The block's rows' slots (int32) and which rows have an adapter (slot in ``[0, S)``)."""
+def _block_slots(slots_ptr, stride_s, S, T, BLOCK_M: tl.constexpr, SLOT_GRID: tl.constexpr):
+    """The program's rows, their slots (int32), which of them have an adapter (slot in ``[0, S)``),
+    which of those this program computes (``mine``: all of them, or with SLOT_GRID those of the
+    program's slot) and that slot (0 when walking)."""
+    pid = tl.program_id(0)
+    own = 0
+    if SLOT_GRID:
+        own = pid % S
+        pid = pid // S
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T
     slot = tl.load(slots_ptr + rows.to(tl.int64) * stride_s, mask=row_ok, other=-1).to(tl.int32)
-    return slot, row_ok & (slot >= 0) & (slot < S)
+    valid = row_ok & (slot >= 0) & (slot < S)
+    mine = valid
+    if SLOT_GRID:
+        mine = valid & (slot == own)
+    return rows, slot, valid, mine, own
 
 
 @jit_unspecialized("T")  # the batch's row count changes with every step
@@ -49,29 +68,29 @@ def lora_shrink_kernel(
     stride_hi,
     stride_hm,
     F32: tl.constexpr,
+    SLOT_GRID: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     """``h[split, i, t] = x[t, ks] @ a[slots[t], i, :, ks].T`` over the split's K range ``ks``.
 
-    Grid ``(row blocks, slices, K splits)``: at decode sizes a row block and a slice are far too
-    few programs to stream the adapters' A, so K is split too and the caller sums the splits
+    Grid ``(row blocks (times S with SLOT_GRID), slices, K splits)``: at decode sizes a row block
+    and a slice are far too few programs to stream the adapters' A, so K is split too and the caller sums the splits
     (a fixed order: deterministic, unlike atomics). F32: both operands as fp32 with an exact
     (IEEE) dot, for fp32 inputs or mixed dtypes; otherwise the inputs' own dtype on the tensor
-    cores (bf16/fp16 products are exact in the fp32 accumulator)."""
-    pid_m = tl.program_id(0)
+    cores (bf16/fp16 products are exact in the fp32 accumulator). Rows without an adapter get
+    zeros from the program of slot 0 (with SLOT_GRID) or of their block."""
     i = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot, valid = _block_slots(slots_ptr, stride_s, rows, T, S)
+    rows, slot, valid, mine, own = _block_slots(slots_ptr, stride_s, S, T, BLOCK_M, SLOT_GRID)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < R
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    rem = valid
+    rem = mine
     s = tl.min(tl.where(rem, slot, S), 0)
     while s < S:
         sel = rem & (slot == s)
@@ -87,8 +106,12 @@ def lora_shrink_kernel(
                 acc = tl.dot(xt, at, acc)
         rem = rem & (slot != s)
         s = tl.min(tl.where(rem, slot, S), 0)
+    if SLOT_GRID:
+        out = mine | ((rows < T) & ~valid & (own == 0))
+    else:
+        out = rows < T
     h = h_ptr + pid_k * stride_hs + i * stride_hi + rows.to(tl.int64)[:, None] * stride_hm + r[None, :]
-    tl.store(h, acc, mask=(rows < T)[:, None] & r_ok[None, :])
+    tl.store(h, acc, mask=out[:, None] & r_ok[None, :])
 
 
 @jit_unspecialized("T")
@@ -116,19 +139,19 @@ def lora_expand_kernel(
     stride_br,
     stride_s,
     IEEE: tl.constexpr,
+    SLOT_GRID: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     """``y[t, off_i + j] += h[i, t] @ b[slots[t], i, j].T`` for the columns ``j`` of slice ``i``.
 
-    Grid ``(row blocks, slices, column tiles of the widest slice)``; slice ``i`` spans columns
+    Grid ``(row blocks (times S with SLOT_GRID), slices, column tiles of the widest slice)``; slice ``i`` spans columns
     ``off_i .. off_{i+1}`` of ``y`` (up to four slices a launch; the wrapper launches again for
     more), and a tile past its slice's width exits at once. The sum is formed in fp32 (``h`` is
     fp32, ``b`` widened) and added to ``y`` in fp32, rounded once to ``y``'s dtype, as the
     reference does. IEEE: an exact fp32 dot (fp32 ``y``); otherwise TF32, whose rounding of ``h``
     and ``b`` is far below a bf16/fp16 output's."""
-    pid_m = tl.program_id(0)
     i = tl.program_id(1)
     pid_n = tl.program_id(2)
     lo = tl.where(i == 0, off0, tl.where(i == 1, off1, tl.where(i == 2, off2, off3)))
@@ -138,14 +161,13 @@ def lora_expand_kernel(
         return
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ok = cols < width
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot, valid = _block_slots(slots_ptr, stride_s, rows, T, S)
+    rows, slot, valid, mine, own = _block_slots(slots_ptr, stride_s, S, T, BLOCK_M, SLOT_GRID)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < R
     h_rows = h_ptr + i.to(tl.int64) * stride_hi + rows.to(tl.int64)[:, None] * stride_hm + r[None, :] * stride_hr
     b_cols = cols.to(tl.int64)[None, :] * stride_bn + r[:, None] * stride_br
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    rem = valid
+    rem = mine
     s = tl.min(tl.where(rem, slot, S), 0)
     while s < S:
         sel = rem & (slot == s)
@@ -158,7 +180,7 @@ def lora_expand_kernel(
             acc = tl.dot(ht, bt, acc)
         rem = rem & (slot != s)
         s = tl.min(tl.where(rem, slot, S), 0)
-    mask = valid[:, None] & c_ok[None, :]
+    mask = mine[:, None] & c_ok[None, :]
     y = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + (lo + cols).to(tl.int64)[None, :] * stride_yn
     old = tl.load(y, mask=mask, other=0.0)
     tl.store(y, (old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)

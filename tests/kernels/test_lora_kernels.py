@@ -1,14 +1,16 @@
 """The batched-LoRA Triton kernels against their torch references, under TRITON_INTERPRET=1 on the CPU.
 
 Small shapes with ragged edges (K and slice widths not multiples of the tiles), fused projections
-whose slices differ in width (q|k|v-like offsets), one and two slices, ranks below the 16-wide
-dot tile and a padded rank, batches of 1, 7 and 64 rows with mixed slots including -1 (and a slot
-past the pool, which the kernels treat as the base model), int32 and int64 slots, split K. Outputs
-poisoned (shrink) or random (expand: rows without an adapter must keep their bits) before the
-call. Bound: ``||out - ref|| / ||ref||`` against the reference in fp32 on the same rounded
-inputs, 1e-5 (fp32; the expand's bound is on the added ``delta``), 2e-2 (bf16: the expand rounds
-``y + delta`` to bf16 once, as the bf16 reference does, an error up to 2^-8 of ``|y|`` on a delta
-about as large as ``y``, and the interpreter truncates where the GPU rounds: 0.5% measured).
+whose slices differ in width (q|k|v-like offsets), one and two slices, ranks below the 16-wide dot
+tile and a padded rank, batches of 1, 7 and 64 rows with mixed slots including -1 (and a slot past
+the pool, which the kernels treat as the base model), int32 and int64 slots, split K, both ways of
+assigning slots to programs (a program per row block and slot; blocks walking their slots). The
+shrink's output is allocated uninitialised (rows without an adapter must come back zero); the
+expand's starts random (those rows must keep their bits). Bound: ``||out - ref|| / ||ref||`` against
+the reference in fp32 on the same rounded inputs, 1e-5 (fp32; the expand's bound is on the added
+``delta``), 2e-2 (bf16: the expand rounds ``y + delta`` to bf16 once, as the bf16 reference does, an
+error up to 2^-8 of ``|y|`` on a delta about as large as ``y``, and the interpreter truncates where
+the GPU rounds: 0.5% measured).
 """
 
 from __future__ import annotations
@@ -56,12 +58,13 @@ def _base(slots, S):
 
 
 CASES = [
-    # T, K, widths, R, S, dtype, slots, rank used, shrink config, expand config
+    # T, K, widths, R, S, dtype, slots, rank used, shrink config, expand config (None: the default,
+    # a program per (row block, slot) at these sizes; the last config entry False: blocks walk their slots)
     (1, 40, (24,), 8, 3, torch.float32, torch.int64, None, None, None),
-    (7, 72, (40, 24, 24), 16, 4, torch.float32, torch.int32, None, (16, 32, 2, 4), (16, 16, 4)),
+    (7, 72, (40, 24, 24), 16, 4, torch.float32, torch.int32, None, (16, 32, 2, 4, False), (16, 16, 4, False)),
     (7, 50, (33, 17), 16, 3, torch.bfloat16, torch.int64, 8, None, None),
-    (64, 40, (48, 16, 16), 32, 5, torch.bfloat16, torch.int32, None, (16, 16, 3, 4), (32, 32, 4)),
-    (64, 24, (20,), 64, 2, torch.float32, torch.int64, 48, None, None),
+    (64, 40, (48, 16, 16), 32, 5, torch.bfloat16, torch.int32, None, (16, 16, 3, 4, True), (32, 32, 4, True)),
+    (64, 24, (20,), 64, 2, torch.float32, torch.int64, 48, (64, 16, 2, 4, False), (64, 16, 4, False)),
 ]
 
 

@@ -100,4 +100,4 @@ def test_lora_benchmark_runs_end_to_end_on_the_cpu(tmp_path):
     rows = json.loads((tmp_path / "gpu_lora.json").read_text())["lora"]
     assert {r["proj"] for r in rows} == {"q|k|v", "o", "gate|up", "down", "layer"}
     assert {r["T"] for r in rows} == {1, 4}
-    assert all(r["one_rel_err"] < 1e-5 and r["eight_rel_err"] < 1e-5 for r in rows)
+    assert all(max(r["one_rel_err"], r["eight_rel_err"], r["eight_walk_rel_err"]) < 1e-5 for r in rows)
