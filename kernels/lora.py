@@ -15,8 +15,9 @@ Layout of the pool, fixed at start so a decode step fits in a CUDA graph:
 Zero padding makes a smaller rank or a narrower slice exact: padded rank columns add zeros.
 
 CUDA tensors take the Triton kernels (kernels/_triton/lora.py; CPU tensors with ``TRITON_INTERPRET=1``
-their interpreted copy, other CPU tensors the torch references): one launch each, the slots read on
-the device, so a decode step with adapters fits in a CUDA graph. Any strides are taken as they come.
+their interpreted copy, other CPU tensors the torch references): one launch each (and a torch sum of
+the shrink's K splits at decode sizes), the slots read on the device, so a decode step with adapters
+fits in a CUDA graph. Any strides are taken as they come.
 A slot outside ``[0, S)`` is the base model in the kernels (no adapter read, nothing added); the
 references skip negative slots and fail on slots ``>= S``: the engine passes ``-1`` or a pool slot.
 """
