@@ -5,7 +5,7 @@ whose slices differ in width (q|k|v-like offsets), one and two slices, ranks bel
 tile and a padded rank, batches of 1, 7 and 64 rows with mixed slots including -1 (and a slot past
 the pool, which the kernels treat as the base model), int32 and int64 slots, split K, both ways of
 assigning slots to programs (a program per row block and slot; blocks walking their slots). The
-shrink's output is allocated uninitialised (rows without an adapter must come back zero); the
+shrink's output is allocated filled with NaN (rows without an adapter must come back zero); the
 expand's starts random (those rows must keep their bits). Bound: ``||out - ref|| / ||ref||`` against
 the reference in fp32 on the same rounded inputs, 1e-5 (fp32; the expand's bound is on the added
 ``delta``), 2e-2 (bf16: the expand rounds ``y + delta`` to bf16 once, as the bf16 reference does, an
@@ -52,6 +52,15 @@ def make(gen, T, Kin, widths, R, S, dtype, slot_dtype, rank_used=None):
     return x, a, b, slots.to(slot_dtype), offsets
 
 
+_EMPTY = torch.empty
+
+
+def _poisoned_empty(*args, **kwargs):
+    """``torch.empty`` filled with NaN (floats): the shrink must write every entry of its output."""
+    t = _EMPTY(*args, **kwargs)
+    return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
 def _base(slots, S):
     """The slots as the references take them: the kernels' base model (-1) for a slot past the pool."""
     return torch.where(slots >= S, -1, slots)
@@ -69,12 +78,16 @@ CASES = [
 
 
 @pytest.mark.parametrize("T,Kin,widths,R,S,dtype,slot_dtype,rank_used,sconf,econf", CASES)
-def test_lora_kernels_match_reference(gen, T, Kin, widths, R, S, dtype, slot_dtype, rank_used, sconf, econf):
+def test_lora_kernels_match_reference(
+    gen, monkeypatch, T, Kin, widths, R, S, dtype, slot_dtype, rank_used, sconf, econf
+):
     x, a, b, slots, offsets = make(gen, T, Kin, widths, R, S, dtype, slot_dtype, rank_used)
     assert _dispatch.backend(x) == "interpret"
     ref_slots = _base(slots, S)
 
-    h = K.lora_shrink(x, a, slots, config=sconf)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", _poisoned_empty)
+        h = K.lora_shrink(x, a, slots, config=sconf)
     h_ref = K.lora_shrink_reference(x.float(), a.float(), ref_slots)
     assert h.shape == (len(widths), T, R) and h.dtype == torch.float32
     assert rel_err(h, h_ref) < 1e-5
