@@ -13,14 +13,60 @@ Layout of the pool, fixed at start so a decode step fits in a CUDA graph:
   adapter's ``alpha / r`` is folded into ``b`` when it is loaded.
 
 Zero padding makes a smaller rank or a narrower slice exact: padded rank columns add zeros.
+
+CUDA tensors take the Triton kernels (kernels/_triton/lora.py; CPU tensors with ``TRITON_INTERPRET=1``
+their interpreted copy, other CPU tensors the torch references): one launch each (and a torch sum of
+the shrink's K splits at decode sizes), the slots read on the device, so a decode step with adapters
+fits in a CUDA graph. Any strides are taken as they come.
+A slot outside ``[0, S)`` is the base model in the kernels (no adapter read, nothing added); the
+references skip negative slots and fail on slots ``>= S``: the engine passes ``-1`` or a pool slot.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import _dispatch
 from . import reference as _ref
 from ._checks import FLOATS, INTS, check_device, check_dim, check_dtype, fail
+from ._dispatch import backend, cdiv, num_sms, p2
+
+# Slices one expand launch covers (q|k|v is three); a projection of more slices takes more launches.
+EXPAND_MAX_SLICES = 4
+
+
+# A program per (row block, pool slot) (the kernels' SLOT_GRID) while the batch has at most this many
+# (row block, slot) pairs: decode batches, whose mixed adapters are then read in parallel; larger
+# ones walk each block's slots in a loop (prefill, whose blocks are mostly one sequence).
+SLOT_GRID_MAX = 64
+
+
+def slot_grid(T: int, bm: int, S: int) -> bool:
+    """Whether a call of ``T`` rows in ``bm``-row blocks over a pool of ``S`` slots takes SLOT_GRID."""
+    return cdiv(T, bm) * S <= SLOT_GRID_MAX
+
+
+def shrink_config(T: int, n: int, K: int, R: int, S: int, device: torch.device) -> tuple[int, int, int, int, bool]:
+    """``(BLOCK_M, BLOCK_K, split_k, num_warps, SLOT_GRID)`` for a shrink of ``T`` rows, ``n`` slices,
+    ``K`` inputs, rank ``R``, over a pool of ``S`` slots.
+
+    The whole batch in one row block up to 64 rows. A row block and a slice give too few programs
+    to stream the adapters' A at decode sizes (3 for q|k|v at batch 1), so K is split until the
+    programs expected to have rows (at most ``min(S, T)`` slots a block) about fill the SMs; the
+    splits are summed after the launch."""
+    bm = min(64, max(16, p2(T)))
+    bk = 64 if bm == 64 and R > 32 else 128
+    grid = slot_grid(T, bm, S)
+    programs = cdiv(T, bm) * n * (min(S, T) if grid else 1)
+    split = max(1, min(cdiv(K, bk), cdiv(num_sms(device), programs)))
+    return bm, bk, split, 4, grid
+
+
+def expand_config(T: int, N: int, S: int, device: torch.device) -> tuple[int, int, int, bool]:
+    """``(BLOCK_M, BLOCK_N, num_warps, SLOT_GRID)`` for an expand of ``T`` rows into slices up to ``N``
+    wide over a pool of ``S`` slots: narrower column tiles at decode sizes, for more programs."""
+    bm = min(64, max(16, p2(T)))
+    return bm, 64 if T <= 16 else 128, 4, slot_grid(T, bm, S)
 
 
 def _check(fn: str, x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor) -> None:
@@ -35,20 +81,65 @@ def _check(fn: str, x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor) -> No
         fail(fn, f"slots has {slots.shape[0]} rows but x has {x.shape[0]}")
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``h[i, t] = x[t] @ a[slots[t], i].T`` as float32 ``[n, T, R]``; rows with slot -1 get zeros."""
+def lora_shrink(
+    x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, *, config: tuple[int, int, int, int, bool] | None = None
+) -> torch.Tensor:
+    """``h[i, t] = x[t] @ a[slots[t], i].T`` as float32 ``[n, T, R]``; rows with slot -1 get zeros.
+    ``config`` overrides `shrink_config` (tests and benchmarks)."""
     fn = "lora_shrink"
     _check(fn, x, a, slots)
     if a.shape[-1] != x.shape[1]:
         fail(fn, f"a has {a.shape[-1]} input features but x has {x.shape[1]}")
-    return _ref.lora_shrink_reference(x, a, slots)
+    T, K = x.shape
+    S, n, R = a.shape[0], a.shape[1], a.shape[2]
+    if backend(x) == "reference" or 0 in (T, S, n, R):
+        return _ref.lora_shrink_reference(x, a, slots)
+    bm, bk, split, warps, grid = config or shrink_config(T, n, K, R, S, x.device)
+    k_per_split = cdiv(cdiv(max(K, 1), split), bk) * bk
+    split = max(1, cdiv(K, k_per_split))
+    out = torch.empty((split, n, T, R), dtype=torch.float32, device=x.device)
+    _dispatch.kernels_for(x).lora_shrink_kernel[(cdiv(T, bm) * (S if grid else 1), n, split)](
+        x,
+        a,
+        slots,
+        out,
+        T,
+        K,
+        R,
+        S,
+        k_per_split,
+        x.stride(0),
+        x.stride(1),
+        a.stride(0),
+        a.stride(1),
+        a.stride(2),
+        a.stride(3),
+        slots.stride(0),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        F32=x.dtype == torch.float32 or x.dtype != a.dtype,
+        SLOT_GRID=grid,
+        BLOCK_M=bm,
+        BLOCK_K=bk,
+        BLOCK_R=max(16, p2(R)),
+        num_warps=warps,
+    )
+    return out[0] if split == 1 else out.sum(0)
 
 
 def lora_expand(
-    y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, offsets: tuple[int, ...]
+    y: torch.Tensor,
+    h: torch.Tensor,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    offsets: tuple[int, ...],
+    *,
+    config: tuple[int, int, int, bool] | None = None,
 ) -> torch.Tensor:
     """Adds ``h[i, t] @ b[slots[t], i, :w_i].T`` to ``y[t, offsets[i]:offsets[i+1]]`` in place
-    (``w_i`` the slice's width) and returns ``y``; rows with slot -1 are left as they are."""
+    (``w_i`` the slice's width) and returns ``y``; rows with slot -1 are left as they are.
+    ``config`` overrides `expand_config` (tests and benchmarks)."""
     fn = "lora_expand"
     _check(fn, y, b, slots)
     check_dim(fn, "h", h, 3)
@@ -59,4 +150,43 @@ def lora_expand(
         fail(fn, f"a slice of offsets {offsets} is wider than b's {b.shape[2]} output rows")
     if tuple(h.shape) != (n, y.shape[0], b.shape[3]):
         fail(fn, f"h must be [{n}, {y.shape[0]}, {b.shape[3]}] (slices, rows, rank), got {tuple(h.shape)}")
-    return _ref.lora_expand_reference(y, h, b, slots, offsets)
+    check_dtype(fn, "h", h, FLOATS)
+    check_device(fn, "y", y, h=h)
+    T, R, S = y.shape[0], b.shape[3], b.shape[0]
+    if backend(y) == "reference" or 0 in (T, S, n, R):
+        return _ref.lora_expand_reference(y, h, b, slots, offsets)
+    widest = max(offsets[i + 1] - offsets[i] for i in range(n))
+    if widest == 0:
+        return y
+    bm, bn, warps, grid = config or expand_config(T, widest, S, y.device)
+    for g in range(0, n, EXPAND_MAX_SLICES):
+        m = min(EXPAND_MAX_SLICES, n - g)
+        offs = list(offsets[g : g + m + 1]) + [offsets[g + m]] * (EXPAND_MAX_SLICES - m)
+        hg, bg = h[g : g + m], b[:, g : g + m]
+        _dispatch.kernels_for(y).lora_expand_kernel[(cdiv(T, bm) * (S if grid else 1), m, cdiv(widest, bn))](
+            y,
+            hg,
+            bg,
+            slots,
+            T,
+            R,
+            S,
+            *offs,
+            y.stride(0),
+            y.stride(1),
+            hg.stride(0),
+            hg.stride(1),
+            hg.stride(2),
+            bg.stride(0),
+            bg.stride(1),
+            bg.stride(2),
+            bg.stride(3),
+            slots.stride(0),
+            IEEE=y.dtype == torch.float32,
+            SLOT_GRID=grid,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_R=max(16, p2(R)),
+            num_warps=warps,
+        )
+    return y
