@@ -147,8 +147,11 @@ class BlockPool:
         token_ids: Sequence[int],
         start: int,
         end: int,
+        lora_name: str | None = None,
     ) -> None:
-        """Register blocks ``[start, end)`` of a request under their hashes and emit one BlockStored."""
+        """Register blocks ``[start, end)`` of a request under their hashes and emit one BlockStored.
+        ``lora_name``: the request's LoRA adapter (None: the base model); its identity is already in
+        the hashes, its name belongs in the event (`BlockStored.lora_name`, once the wire has it)."""
         if not self.enable_caching or end <= start:
             return
         stored_hashes: list[int] = []
@@ -171,6 +174,7 @@ class BlockPool:
                     parent_block_hash=parent,
                     token_ids=stored_tokens,
                     block_size=self.block_size,
+                    # lora_name=lora_name: when kvmesh.common.kv_events.BlockStored has the field
                 )
             )
 

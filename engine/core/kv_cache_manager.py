@@ -123,7 +123,9 @@ class KVCacheManager:
         n_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
         start = self.num_cached_blocks.get(request.request_id, 0)
         if n_full > start:
-            self.pool.cache_blocks(blocks, request.block_hashes, request.all_token_ids, start, n_full)
+            self.pool.cache_blocks(
+                blocks, request.block_hashes, request.all_token_ids, start, n_full, lora_name=request.lora_name
+            )
             self.num_cached_blocks[request.request_id] = n_full
 
     def fork(self, parent: Request, child: Request) -> None:

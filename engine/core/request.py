@@ -58,6 +58,8 @@ class Request:
     parent_id: str | None = None  # set on forks of an n > 1 request
     index: int = 0  # which of the n completions this sequence is
     max_model_len: int = 1 << 30
+    lora_name: str | None = None  # the LoRA adapter it runs under (None: the base model)
+    lora_key: str | None = None  # that adapter's identity (engine/lora/adapter.py LoraAdapter.key)
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Any] = field(default_factory=list)
@@ -79,7 +81,9 @@ class Request:
 
     def __post_init__(self) -> None:
         self._all: list[int] = list(self.prompt_token_ids)
-        self.block_hashes = block_hashes_for(self._all, self.block_size, self.model_identity, self.cache_salt)
+        self.block_hashes = block_hashes_for(
+            self._all, self.block_size, self.model_identity, self.cache_salt, lora=self.lora_key
+        )
 
     # ---- tokens -------------------------------------------------------------
     @property
@@ -141,6 +145,7 @@ class Request:
                     self.cache_salt,
                     start=len(self.block_hashes),
                     parent=parent,
+                    lora=self.lora_key,
                 )
             )
 

@@ -3,8 +3,9 @@
 ``hash(parent, tokens, extra)`` is SHA-256 over a canonical msgpack encoding, so the
 same tokens give the same hash in every process and on every machine (no
 ``PYTHONHASHSEED`` dependence). The first block's extra keys carry the model
-identity and an optional per-tenant ``cache_salt`` so caches never mix models or
-tenants; every later block inherits them through the parent hash.
+identity, an optional per-tenant ``cache_salt`` and, for a request under a LoRA adapter, the
+adapter's identity (its name and a digest of its weights), so caches never mix models, tenants or
+adapters; every later block inherits them through the parent hash.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_
     return hashlib.sha256(payload).digest()
 
 
-def first_block_extra_keys(model_identity: str, cache_salt: str | None) -> tuple:
-    return (model_identity, cache_salt) if cache_salt else (model_identity,)
+def first_block_extra_keys(model_identity: str, cache_salt: str | None, lora: str | None = None) -> tuple:
+    """``lora``: the adapter's identity, tagged so it never equals a salt; without it the keys (and so
+    every hash of the base model) are what they were before adapters existed."""
+    keys = (model_identity, cache_salt) if cache_salt else (model_identity,)
+    return keys + (("lora", lora),) if lora else keys
 
 
 def block_hashes_for(
@@ -37,13 +41,14 @@ def block_hashes_for(
     cache_salt: str | None = None,
     start: int = 0,
     parent: BlockHash | None = None,
+    lora: str | None = None,
 ) -> list[BlockHash]:
     """Hashes of the full blocks of ``token_ids`` from block index ``start``
-    (``parent`` = hash of block ``start-1``)."""
+    (``parent`` = hash of block ``start-1``); ``lora``: the identity of the request's LoRA adapter."""
     out: list[BlockHash] = []
     n_full = len(token_ids) // block_size
     for i in range(start, n_full):
-        extra = first_block_extra_keys(model_identity, cache_salt) if i == 0 else None
+        extra = first_block_extra_keys(model_identity, cache_salt, lora) if i == 0 else None
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         out.append(parent)
     return out
