@@ -3,10 +3,10 @@
 There are no prefill or decode phases: every step first gives running requests
 the tokens they still lack (one for decoding ones, a chunk for prefilling
 ones), then admits waiting requests while budget and ``max_num_seqs`` allow.
-With LoRA, the running requests use at most ``max_loras`` distinct adapters (the device's
-slots): a waiting request whose adapter would be one too many waits, and the requests behind it
-are admitted if they need no new adapter (the base model's never do), so neither it nor the base
-model starves.
+With LoRA, the running requests (and those loading their KV, which run next) use at most
+``max_loras`` distinct adapters (the device's slots): a waiting request whose adapter would be one
+too many waits, and the requests behind it are admitted if they need no new adapter (the base
+model's never do), so neither it nor the base model starves.
 When the pool cannot fit a running request, the newest running request is
 preempted by recompute: its blocks go back (their hashes usually keep its
 prefix cached) and it re-enters the queue at the front.
@@ -122,14 +122,16 @@ class Scheduler:
             i += 1
 
         if not out.preempted:
-            adapters = {r.lora_key for r in self.running if r.lora_key} if self.max_loras else set()
+            adapters = self._adapters_in_use() if self.max_loras else set()
             passed: list[Request] = []  # waiting for a LoRA slot; back at the front, in order, after
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
                 key = req.lora_key
-                if key is not None and key not in adapters and (passed or len(adapters) >= self.max_loras):
+                new_adapter = key is not None and key not in adapters and req.num_computed_tokens == 0
+                if new_adapter and (passed or len(adapters) >= self.max_loras):
                     # A new adapter: only with a slot to spare, and never ahead of an earlier request
-                    # that is waiting for one (it gets the next slot that frees).
+                    # that is waiting for one (it gets the next slot that frees). A request back from
+                    # loading its KV holds blocks: its adapter was counted while it loaded.
                     passed.append(self.waiting.popleft())
                     continue
                 hits: list[KVCacheBlock] = []
@@ -166,6 +168,8 @@ class Scheduler:
                     req.first_scheduled_time = time.monotonic()
                 req.num_computed_tokens += n_hit
                 self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), ext)
+                if key is not None:
+                    adapters.add(key)
                 if load_async:
                     req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                     self.remote_waiting[req.request_id] = req
@@ -173,8 +177,6 @@ class Scheduler:
                 req.num_computed_tokens += ext
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                if key is not None:
-                    adapters.add(key)
                 work.append(ScheduledWork(req, n, []))
                 budget -= n
             self.waiting.extendleft(reversed(passed))
@@ -185,6 +187,11 @@ class Scheduler:
         out.block_copies = self.kv.take_copies()
         out.connector_meta = self.connector.build_connector_meta(ConnectorStep(work))
         return out
+
+    def _adapters_in_use(self) -> set[str]:
+        """LoRA adapters of the running requests and of those loading their KV (they run next)."""
+        running = {r.lora_key for r in self.running if r.lora_key is not None}
+        return running | {r.lora_key for r in self.remote_waiting.values() if r.lora_key is not None}
 
     @staticmethod
     def _entry(w: ScheduledWork) -> ScheduledRequest:

@@ -141,7 +141,11 @@ def test_each_adapter_alone_gives_hf_peft_tokens(llm, adapters, base_tokens, pro
 
 def test_a_batch_mixing_adapters_and_base_rows_gives_each_its_solo_tokens(llm, adapters, base_tokens, prompts):
     ps, names, want = _mixed(prompts, adapters, base_tokens)
-    assert _tokens(llm.generate(ps, GREEDY, lora_name=names)) == want
+    # and a request of two completions: its fork runs under its adapter too
+    two = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, n=2)
+    outs = llm.generate([*ps, prompts[0]], [GREEDY] * len(ps) + [two], lora_name=[*names, "kod8"])
+    assert _tokens(outs[:-1]) == want
+    assert [c.token_ids for c in outs[-1].outputs] == [adapters["kod8"][1][0]] * 2
     _idle(llm.engine)
 
 
@@ -196,6 +200,7 @@ def test_adapters_added_and_removed_at_run_time(make_llm, adapters, prompts, bas
     eng.add_request(EngineCoreRequest("running", prompts[0], GREEDY, lora_name="mine"))
     toks = [t for o in eng.step() for t in o.new_token_ids]
     assert toks and eng.has_unfinished()
+    assert eng.stats().running_lora_adapters == ["mine"]
     assert eng.remove_lora("mine") is True
     assert eng.remove_lora("mine") is False
     assert eng.list_loras() == []
