@@ -3,6 +3,9 @@ while requests use an adapter, the scheduler's bound on distinct adapters, and t
 
 from __future__ import annotations
 
+import argparse
+
+import numpy as np
 import pytest
 import torch
 from test_lora_adapters import CFG, _weights, write
@@ -11,9 +14,12 @@ from kvmesh.engine.args import EngineArgs
 from kvmesh.engine.config import LoraConfig, SchedulerConfig
 from kvmesh.engine.core.kv_cache_manager import KVCacheManager
 from kvmesh.engine.core.request import Request
+from kvmesh.engine.core.sched_output import ScheduledRequest, SchedulerOutput
 from kvmesh.engine.core.scheduler import Scheduler
 from kvmesh.engine.frontend.sampling_params import SamplingParams
 from kvmesh.engine.lora import LoraError, LoraManager
+from kvmesh.engine.runner.graphs import GraphLayout
+from kvmesh.engine.runner.inputs import EagerStager, Staging, plan_step
 
 pytestmark = pytest.mark.unit
 
@@ -105,11 +111,31 @@ def test_lora_flags():
         EngineArgs(lora_modules=("x=/a", "x=/b")).create_engine_config(CFG, "m")
     with pytest.raises(ValueError, match="max_loras"):
         LoraConfig(enabled=True, max_loras=0)
-    import argparse
-
     p = argparse.ArgumentParser()
     EngineArgs.add_cli_args(p)
     ns = p.parse_args(["--lora-modules", "a=/p", "--lora-modules", "b=/q", "--max-lora-rank", "64"])
     got = EngineArgs.from_cli_args(ns)
     assert (got.lora_modules, got.max_lora_rank, got.enable_lora) == (("a=/p", "b=/q"), 64, False)
     assert got.create_engine_config(CFG, "m").lora.enabled
+
+
+def test_without_lora_a_step_stages_what_it_did_before():
+    """LoRA off: no slots in the plan, in the eager inputs or in the graphs' buffer layout. LoRA on: each
+    token its row's slot, and a step without adapter rows skips the LoRA work (no slots staged)."""
+    rows = [
+        ScheduledRequest("a", [1, 2, 3], 0, 3, SamplingParams(), block_ids=[0], lora_key="A@k", lora_slot=1),
+        ScheduledRequest("b", [4, 5], 0, 2, SamplingParams(), block_ids=[1]),
+    ]
+    sched = SchedulerOutput(scheduled=rows)
+    stager = EagerStager(Staging(256, torch.device("cpu")))
+    off = plan_step(sched, 4)
+    assert off.lora is None and stager.stage(off)[1].lora_slots is None
+    on = plan_step(sched, 4, lora=True)
+    assert on.lora.tolist() == [1, 1, 1, -1, -1]
+    assert stager.stage(on)[1].lora_slots.tolist() == [1, 1, 1, -1, -1]
+    rows[0].lora_slot = -1
+    assert stager.stage(plan_step(sched, 4, lora=True))[1].lora_slots is None
+    old = np.cumsum([0, 8, 8, 8, 9, 8, 8 * 5]).tolist()  # the layout before LoRA existed
+    assert list(GraphLayout.for_rows(8, 5)) == old[:5] + [old[5]] + old[5:]
+    with_lora = GraphLayout.for_rows(8, 5, lora=True)
+    assert with_lora.block_tables - with_lora.lora == 8 and with_lora.end == old[-1] + 8
