@@ -239,6 +239,11 @@ class EngineCore:
         """Names of the adapters requests may name, sorted."""
         return self.lora.names() if self.lora is not None else []
 
+    def lora_identities(self) -> dict[str, str]:
+        """Adapter name -> its identity (name and weights digest): what `kvmesh.common.hashing`'s
+        ``lora`` takes, so a router hashes an adapter's prompts as this engine does."""
+        return {n: a.key for n, a in self.lora.adapters.items()} if self.lora is not None else {}
+
     def _lora_keys_in_use(self) -> set[str]:
         return {r.lora_key for r in self.requests.values() if r.lora_key is not None}
 

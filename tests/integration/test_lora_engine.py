@@ -136,6 +136,8 @@ def test_each_adapter_alone_gives_hf_peft_tokens(llm, adapters, base_tokens, pro
         assert sum(g != b for g, b in zip(got, base_tokens)) >= 2, f"{name} hardly changes the output"
     assert _tokens(llm.generate(prompts, GREEDY)) == base_tokens
     assert llm.engine.list_loras() == sorted(ADAPTERS)
+    ids = llm.engine.lora_identities()
+    assert sorted(ids) == sorted(ADAPTERS) and all(k.startswith(n + "@") for n, k in ids.items())
     _idle(llm.engine)
 
 
