@@ -28,6 +28,7 @@ from kvmesh.engine.config import (
     QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
+    LoraConfig,
     ParallelConfig,
     SchedulerConfig,
 )
@@ -178,6 +179,27 @@ class EngineArgs:
         ),
     )
     seed: int = _setting(EngineConfig.seed)
+    enable_lora: bool = _setting(
+        LoraConfig.enabled,
+        "serve LoRA adapters of the base model (PEFT folders; --lora-modules, or loaded at run time): a batch "
+        "mixes rows of several adapters and of the base model",
+        action="store_true",
+    )
+    lora_modules: tuple[str, ...] = _setting(
+        (),
+        "a LoRA adapter to serve from the start, as NAME=PATH (a PEFT folder: adapter_config.json + "
+        "adapter_model.safetensors); repeatable; implies --enable-lora",
+        action="append",
+        metavar="NAME=PATH",
+    )
+    max_loras: int = _setting(
+        LoraConfig.max_loras,
+        "LoRA adapters resident on the device at once (slots); one step runs rows of at most this many, others "
+        "wait, and an idle adapter is evicted (least recently used) for one that is needed",
+    )
+    max_lora_rank: int = _setting(
+        LoraConfig.max_lora_rank, "the largest LoRA rank served (the slots' size); adapters above it are refused"
+    )
     # Flags of the server commands (kvmesh serve/prefill/decode): the "server" section.
     role: Role = _setting(EngineConfig.role, choices=list(ROLES), section="server")
     max_waiting: int = _setting(
@@ -348,6 +370,12 @@ class EngineArgs:
             cache=self._pick(CacheConfig, kv_cache_dtype=self.kv_cache_dtype or "auto"),
             scheduler=self._pick(SchedulerConfig, max_model_len=max_len),
             kernels=self._pick(KernelChoices),
+            lora=LoraConfig(
+                enabled=self.enable_lora or bool(self.lora_modules),
+                max_loras=self.max_loras,
+                max_lora_rank=self.max_lora_rank,
+                modules=tuple(LoraConfig.parse_module(m) for m in self.lora_modules),
+            ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 tp_nodes=self.tp_nodes,

@@ -112,12 +112,45 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA serving (engine/lora/): adapters resident on the device at once, their largest
+    rank, and the adapters registered at start (name, PEFT folder)."""
+
+    enabled: bool = False
+    max_loras: int = 4  # device slots: distinct adapters a step may run (each with its A/B pool)
+    max_lora_rank: int = 16  # the pool's rank; adapters of a larger rank are refused
+    modules: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.modules and not self.enabled:
+            raise ValueError("LoRA modules given with LoRA disabled (enable_lora)")
+        names = [n for n, _ in self.modules]
+        if any(not n or "@" in n for n in names):
+            raise ValueError(f"LoRA adapter names must be non-empty and without '@': {names}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA adapter names must be unique: {names}")
+
+    @staticmethod
+    def parse_module(spec: str) -> tuple[str, str]:
+        """``NAME=PATH`` (the ``--lora-modules`` form) as ``(name, path)``."""
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"a LoRA module is NAME=PATH (a PEFT adapter folder), got {spec!r}")
+        return name.strip(), path.strip()
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_path: str
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     role: Role = "both"
     dtype: str = "float32"
     device: str = "cpu"

@@ -5,6 +5,10 @@ API server. It never tokenizes or detokenizes: requests arrive as token ids and
 leave as token ids, so the loop's time goes to the model. What a step's tokens do to the
 requests (stops, forks, freeing) is the scheduler's; when a step runs as a decode round on the
 device is engine/core/decode_rounds.py's.
+
+LoRA adapters (engine/lora/): `add_lora`, `remove_lora` and `list_loras` manage them at run time; a
+request names one in ``EngineCoreRequest.lora_name``. Each step, the adapters of its rows get device
+slots before the runner runs (`_assign_lora_slots`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from kvmesh.engine.core.request import Request, RequestStatus
 from kvmesh.engine.core.sched_output import SchedulerOutput
 from kvmesh.engine.core.scheduler import Scheduler
 from kvmesh.engine.frontend.structured import GrammarCompiler
+from kvmesh.engine.lora.adapter import LoraError
+from kvmesh.engine.lora.manager import LoraManager
 from kvmesh.engine.models.loader import load_model
 from kvmesh.engine.parallel.ranks import RankFailure
 from kvmesh.engine.runner import ModelRunner
@@ -88,11 +94,30 @@ class EngineCore:
             # not a bound method: the scheduler must not hold the engine (a cycle keeps a dropped
             # engine's weights and KV pool alive until the next full garbage collection)
             make_generator=functools.partial(seeded_stream, self._on_device()),
+            max_loras=config.lora.max_loras if config.lora.enabled else 0,
         )
         self.sampler = Sampler(config.seed)
         # structured outputs' token masks, for the one-step path and decode rounds alike
         self.masks = GrammarMasks(config.model.vocab_size, torch.device(config.device))
         self.model_identity = config.model.identity()
+        self.lora: LoraManager | None = None
+        if config.lora.enabled:
+            from kvmesh.engine.runner.memory import torch_dtype
+
+            self.lora = LoraManager(
+                config.lora,
+                config.model,
+                torch_dtype(config.dtype),
+                self.runner.add_lora,
+                self.runner.load_lora_slot,
+                self.runner.drop_lora,
+            )
+            try:
+                for name, path in config.lora.modules:
+                    self.lora.add(name, path)
+            except BaseException:
+                self.shutdown_runner()
+                raise
         # compiles structured outputs' grammars (engine/frontend/structured.py); set by from_model, which has
         # the tokenizer
         self.grammars: GrammarCompiler | None = None
@@ -163,6 +188,10 @@ class EngineCore:
         need = -(-min(n + 1, max_len) // self.config.cache.block_size)
         if need > self.kv.pool.num_blocks:
             raise ValueError(f"prompt needs {need} KV blocks but the pool has {self.kv.pool.num_blocks}")
+        if req.lora_name is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {req.lora_name!r} requested but LoRA is not enabled (--enable-lora)")
+            self.lora.key_of(req.lora_name)  # LoraError (a ValueError) naming the adapters loaded
         if req.params.structured is not None and self.grammars is None:
             raise ValueError("structured outputs need the model's tokenizer (this engine was built without one)")
         if req.kv_transfer_params is not None:  # last: it may ask the remote engine (bounded, cached)
@@ -183,6 +212,7 @@ class EngineCore:
             kv_transfer_params=req.kv_transfer_params,
             max_model_len=self.config.scheduler.max_model_len,
             arrival_time=req.arrival_time or time.monotonic(),
+            lora=self.lora.id_of(req.lora_name) if self.lora is not None and req.lora_name else None,
         )
         if req.params.seed is not None:
             r.generator = seeded_stream(self._on_device(), req.params.seed)
@@ -190,6 +220,48 @@ class EngineCore:
             assert self.grammars is not None  # checked by validate
             r.grammar = self.grammars.submit(req.params.structured)  # compiles while the prompt prefills
         self.scheduler.add_request(r)  # may raise QueueFullError, before any state changes
+
+    # ---- LoRA adapters ------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter in folder ``path`` as ``name`` from the next request on (under TP on
+        every rank). `LoraError` (a ValueError) naming the problem: LoRA off, a name in use, a folder
+        that is not a PEFT LoRA adapter, a rank above --max-lora-rank, unsupported modules, shapes
+        that do not fit the model."""
+        if self.lora is None:
+            raise LoraError("LoRA is not enabled (start the engine with --enable-lora)")
+        self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving adapter ``name``: new requests naming it are rejected from now on; requests
+        already accepted under it (waiting or running) finish with it, and its weights are freed
+        after the last of them. False if no adapter has that name."""
+        if self.lora is None:
+            return False
+        return self.lora.remove(name, self._lora_keys_in_use())
+
+    def list_loras(self) -> list[str]:
+        """Names of the adapters requests may name, sorted."""
+        return self.lora.names() if self.lora is not None else []
+
+    def lora_identities(self) -> dict[str, str]:
+        """Adapter name -> its identity (name and weights digest): what `kvmesh.common.hashing`'s
+        ``lora`` takes, so a router hashes an adapter's prompts as this engine does."""
+        return {n: a.key for n, a in self.lora.adapters.items()} if self.lora is not None else {}
+
+    def _lora_keys_in_use(self) -> set[str]:
+        return {r.lora_key for r in self.requests.values() if r.lora_key is not None}
+
+    def _assign_lora_slots(self, sched: SchedulerOutput) -> None:
+        """Every scheduled row of an adapter gets its slot (loading adapters not resident yet)."""
+        assert self.lora is not None
+        keys = [s.lora_key for s in sched.scheduled if s.lora_key is not None]
+        if not keys:
+            return
+        pinned = {r.lora_key for r in self.scheduler.running if r.lora_key is not None}
+        slots = self.lora.slots_for(keys, pinned)
+        for s in sched.scheduled:
+            if s.lora_key is not None:
+                s.lora_slot = slots[s.lora_key]
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -269,7 +341,18 @@ class EngineCore:
         self.scheduler.on_connector_finished(*self.connector.get_finished())
         if self.rounds.in_flight:  # a round is on the device: its tokens first, nothing scheduled
             return self._counted(self.rounds.collect())
+        if self.lora is not None and self.lora.retiring:
+            self.lora.retire(self._lora_keys_in_use())
         sched = self.scheduler.schedule()
+        if self.lora is not None and sched.scheduled:
+            try:
+                self._assign_lora_slots(sched)
+            except RankFailure:
+                raise
+            except Exception as e:  # an adapter that cannot be loaded fails this step's requests
+                log.exception("loading LoRA adapters failed")
+                failed = (self.scheduler.fail(s.request_id, str(e)) for s in sched.scheduled)
+                return [o for o in failed if o is not None]
         if sched.is_empty:
             if sched.connector_meta.loads:  # only async loads this step: start them, nothing to run
                 self.connector.start_load_kv(sched.connector_meta)
@@ -352,6 +435,20 @@ class EngineCore:
             num_held_requests=len(self.scheduler.delayed_free),
             num_prompt_tokens_pending=self.scheduler.num_prompt_tokens_pending(),
             kv_transfer_refused=self._kv_transfer_refused(),
+            **self._lora_stats(),
+        )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        if self.lora is None:
+            return {}
+        sch = self.scheduler
+        waiting = list(sch.waiting) + list(sch.remote_waiting.values())
+        return dict(
+            running_lora_adapters=sorted({r.lora_name for r in sch.running if r.lora_name}),
+            waiting_lora_adapters=sorted({r.lora_name for r in waiting if r.lora_name}),
+            max_loras=self.config.lora.max_loras,
+            num_lora_loads=self.lora.num_loads,
+            num_lora_evictions=self.lora.num_evictions,
         )
 
     def _kv_transfer_refused(self) -> dict[str, int]:

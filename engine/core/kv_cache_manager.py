@@ -139,8 +139,9 @@ class KVCacheManager:
                 start,
                 n_full,
                 extra_keys=lambda i: event_extra_keys(
-                    request.prefix_hash, i, request.model_identity, request.cache_salt
+                    request.prefix_hash, i, request.model_identity, request.cache_salt, request.lora
                 ),
+                lora_name=request.lora_name,
             )
             self.num_cached_blocks[request.request_id] = n_full
 

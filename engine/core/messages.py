@@ -20,6 +20,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     arrival_time: float = 0.0
+    lora_name: str | None = None  # a LoRA adapter the engine holds (EngineCore.list_loras); None: the base model
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
@@ -64,6 +65,13 @@ class EngineStats(msgspec.Struct):
     num_prompt_tokens_pending: int = 0
     # KV-transfer messages and pulls a connector refused, by reason (see KV_TRANSFER_REFUSALS)
     kv_transfer_refused: dict[str, int] = msgspec.field(default_factory=dict)
+    # LoRA (engine/lora/): adapter names of running and of waiting requests (vLLM's lora_requests_info),
+    # the device slots, and the copies of an adapter into a slot (evictions: those that replaced another)
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    max_loras: int = 0  # 0: LoRA disabled
+    num_lora_loads: int = 0
+    num_lora_evictions: int = 0
 
 
 # connector stats key -> the ``reason`` of kvmesh:kv_transfer_refused_total

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh.common.hashing import KVMESH, BlockHash, block_hashes_for
+from kvmesh.common.hashing import KVMESH, BlockHash, LoraId, block_hashes_for
 from kvmesh.engine.frontend.sampling_params import SamplingParams
 
 
@@ -59,6 +59,7 @@ class Request:
     index: int = 0  # which of the n completions this sequence is
     max_model_len: int = 1 << 30
     prefix_hash: str = KVMESH  # the block-hash scheme (kvmesh.common.hashing), the engine's --prefix-hash
+    lora: LoraId | None = None  # the LoRA adapter it runs under (None: the base model)
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Any] = field(default_factory=list)
@@ -81,8 +82,17 @@ class Request:
     def __post_init__(self) -> None:
         self._all: list[int] = list(self.prompt_token_ids)
         self.block_hashes = block_hashes_for(
-            self._all, self.block_size, self.model_identity, self.cache_salt, scheme=self.prefix_hash
+            self._all, self.block_size, self.model_identity, self.cache_salt, scheme=self.prefix_hash, lora=self.lora
         )
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora.name if self.lora is not None else None
+
+    @property
+    def lora_key(self) -> str | None:
+        """The adapter's identity (engine/lora/adapter.py `LoraAdapter.key`): what slots and pins go by."""
+        return self.lora.key if self.lora is not None else None
 
     # ---- tokens -------------------------------------------------------------
     @property
@@ -145,6 +155,7 @@ class Request:
                     start=len(self.block_hashes),
                     parent=parent,
                     scheme=self.prefix_hash,
+                    lora=self.lora,
                 )
             )
 

@@ -46,6 +46,8 @@ class ScheduledRequest:
     # (prompt, output so far) int64 arrays for the penalties, when a penalized sequence samples this step
     penalty_history: tuple[np.ndarray, np.ndarray] | None = None
     grammar: Any = None  # a structured output's structured.RequestGrammar: its mask applies when it samples
+    lora_key: str | None = None  # its LoRA adapter's identity (engine/lora/); None: the base model
+    lora_slot: int = -1  # that adapter's device slot this step (set by the engine before the runner runs)
 
     @property
     def completes_prompt(self) -> bool:

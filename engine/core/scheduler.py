@@ -3,6 +3,10 @@
 There are no prefill or decode phases: every step first gives running requests
 the tokens they still lack (one for decoding ones, a chunk for prefilling
 ones), then admits waiting requests while budget and ``max_num_seqs`` allow.
+With LoRA, the running requests (and those loading their KV, which run next) use at most
+``max_loras`` distinct adapters (the device's slots): a waiting request whose adapter would be one
+too many waits, and the requests behind it are admitted if they need no new adapter (the base
+model's never do), so neither it nor the base model starves.
 When the pool cannot fit a running request, the newest running request is
 preempted by recompute: its blocks go back (their hashes usually keep its
 prefix cached) and it re-enters the queue at the front.
@@ -53,12 +57,15 @@ class Scheduler:
         connector: KVConnector | None = None,
         eos_token_ids: Iterable[int] = (),
         make_generator: Callable[[int], Any] | None = None,
+        max_loras: int = 0,
     ) -> None:
+        """``max_loras``: distinct LoRA adapters the running requests may use (0: LoRA is off)."""
         self.config = config
         self.kv = kv
         self.connector = connector or KVConnector()
         self.eos_ids = frozenset(eos_token_ids)
         self.make_generator = make_generator
+        self.max_loras = max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.remote_waiting: dict[str, Request] = {}  # loading KV from outside
@@ -115,8 +122,18 @@ class Scheduler:
             i += 1
 
         if not out.preempted:
+            adapters = self._adapters_in_use() if self.max_loras else set()
+            passed: list[Request] = []  # waiting for a LoRA slot; back at the front, in order, after
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
+                key = req.lora_key
+                new_adapter = key is not None and key not in adapters and req.num_computed_tokens == 0
+                if new_adapter and (passed or len(adapters) >= self.max_loras):
+                    # A new adapter: only with a slot to spare, and never ahead of an earlier request
+                    # that is waiting for one (it gets the next slot that frees). A request back from
+                    # loading its KV holds blocks: its adapter was counted while it loaded.
+                    passed.append(self.waiting.popleft())
+                    continue
                 hits: list[KVCacheBlock] = []
                 n_hit = 0
                 ext, load_async = 0, False
@@ -151,6 +168,8 @@ class Scheduler:
                     req.first_scheduled_time = time.monotonic()
                 req.num_computed_tokens += n_hit
                 self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), ext)
+                if key is not None:
+                    adapters.add(key)
                 if load_async:
                     req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                     self.remote_waiting[req.request_id] = req
@@ -160,6 +179,7 @@ class Scheduler:
                 self.running.append(req)
                 work.append(ScheduledWork(req, n, []))
                 budget -= n
+            self.waiting.extendleft(reversed(passed))
 
         for w in work:
             w.block_ids = self.kv.get_block_ids(w.request.request_id)
@@ -167,6 +187,11 @@ class Scheduler:
         out.block_copies = self.kv.take_copies()
         out.connector_meta = self.connector.build_connector_meta(ConnectorStep(work))
         return out
+
+    def _adapters_in_use(self) -> set[str]:
+        """LoRA adapters of the running requests and of those loading their KV (they run next)."""
+        running = {r.lora_key for r in self.running if r.lora_key is not None}
+        return running | {r.lora_key for r in self.remote_waiting.values() if r.lora_key is not None}
 
     @staticmethod
     def _entry(w: ScheduledWork) -> ScheduledRequest:
@@ -189,6 +214,7 @@ class Scheduler:
             w.block_ids,
             history,
             r.grammar,
+            r.lora_key,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -272,6 +298,7 @@ class Scheduler:
                 index=i,
                 max_model_len=parent.max_model_len,
                 arrival_time=parent.arrival_time,
+                lora=parent.lora,
             )
             child.forked = True
             child.num_computed_tokens = prompt_len

@@ -48,13 +48,16 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
+        """``lora_name``: the LoRA adapter (an engine's `list_loras` name) of every prompt, or one per
+        prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             batch = [cast(PromptType, prompts)]  # one prompt
         else:
             batch = list(cast(Sequence[PromptType], prompts))
         encoded = [self.encode(p) for p in batch]
-        return self._run(encoded, params, cache_salt)
+        return self._run(encoded, params, cache_salt, lora_name)
 
     def chat(
         self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None
@@ -62,17 +65,24 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self._run([(None, self.apply_chat_template(c)) for c in convs], params, None)  # type: ignore[arg-type]
 
-    def _run(self, encoded, params, cache_salt) -> list[RequestOutput]:
+    def _run(self, encoded, params, cache_salt, lora_name=None) -> list[RequestOutput]:
         if params is None:
             params = SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
         if len(plist) != len(encoded):
             raise ValueError("need one SamplingParams per prompt")
+        loras = [lora_name] * len(encoded) if lora_name is None or isinstance(lora_name, str) else list(lora_name)
+        if len(loras) != len(encoded):
+            raise ValueError("need one lora_name per prompt (or one for all)")
         # Validate everything first so a bad prompt in a batch leaves no request behind.
         reqs = []
-        for (text, ids), p in zip(encoded, plist):
+        for (text, ids), p, lora in zip(encoded, plist, loras):
             req = EngineCoreRequest(
-                request_id=f"offline-{next(self._ids)}", prompt_token_ids=ids, params=p, cache_salt=cache_salt
+                request_id=f"offline-{next(self._ids)}",
+                prompt_token_ids=ids,
+                params=p,
+                cache_salt=cache_salt,
+                lora_name=lora,
             )
             self.engine.validate(req)
             reqs.append((req, text))

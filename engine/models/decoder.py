@@ -31,6 +31,7 @@ from kvmesh.common.model_files import ModelConfig
 from kvmesh.engine.models.rope import cos_sin_cache
 
 if TYPE_CHECKING:
+    from kvmesh.engine.lora.pool import LoraPool
     from kvmesh.engine.parallel.sharding import TensorParallel
 
 
@@ -42,6 +43,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32
     max_query_len: int = 0  # host-side launch hints for the attention kernel (0: let it guess)
     max_seq_len: int = 0
+    # [T] int32: each token's LoRA slot (-1: the base model); None: no LoRA this step (engine/lora/)
+    lora_slots: torch.Tensor | None = None
 
 
 WeightFn = Callable[[str], torch.Tensor]  # a checkpoint tensor by name, on the model's device and dtype
@@ -64,6 +67,15 @@ class DenseMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         c = self.choices
         return kernels.silu_mul_linear(kernels.linear(x, self.gate_up, choices=c), self.down, choices=c)
+
+    def with_lora(self, x: torch.Tensor, lora: LoraPool, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The same with each row's LoRA on gate, up and down. down's product stays fused with the
+        activation; the activation is made once more for the adapters' shrink, so a base row's result
+        is the one without LoRA, bit for bit."""
+        c = self.choices
+        gate_up = lora.add(layer, "gate_up", x, kernels.linear(x, self.gate_up, choices=c), slots)
+        y = kernels.silu_mul_linear(gate_up, self.down, choices=c)
+        return lora.add(layer, "down", kernels.silu_and_mul(gate_up, choices=c), y, slots)
 
     def weight_bytes(self, num_tokens: int) -> int:
         """Weight bytes one step over ``num_tokens`` tokens reads (all of them)."""
@@ -169,6 +181,9 @@ class DecoderForCausalLM(torch.nn.Module):
         self._views: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         # per layer (k_scale, v_scale), float32 [Hkv], for an FP8 KV cache (engine/models/kv_scales.py)
         self.kv_scales = kv_scales
+        # LoRA adapters' device slots (engine/lora/pool.py), set by the runner when LoRA is enabled; a
+        # step's rows use them when its metadata carries their slots
+        self.lora: LoraPool | None = None
 
     def load_mlp(self, layer: int, w: WeightFn, has: HasFn, prefix: str) -> MLP:
         """Layer ``layer``'s MLP from the weights under ``prefix`` (``model.layers.{i}.mlp.``)."""
@@ -213,6 +228,8 @@ class DecoderForCausalLM(torch.nn.Module):
         hints: dict[str, Any] = {}
         if meta.max_query_len > 0:
             hints = dict(max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
+        ls = meta.lora_slots
+        lora = self.lora if ls is not None else None
         for li, layer in enumerate(self.layers):
             if residual is None:
                 residual = h
@@ -220,6 +237,9 @@ class DecoderForCausalLM(torch.nn.Module):
             else:
                 x, residual = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual, choices=c)
             qkv = kernels.linear(x, layer["qkv"], layer["qkv_bias"], choices=c)
+            if lora is not None:
+                assert ls is not None
+                lora.add(li, "qkv", x, qkv, ls)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(T, cfg.num_heads, cfg.head_dim)
             k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
@@ -245,11 +265,20 @@ class DecoderForCausalLM(torch.nn.Module):
                 choices=c,
                 **hints,
             )
-            h = kernels.linear(attn.reshape(T, self.q_size), layer["o"], choices=c)
+            attn = attn.reshape(T, self.q_size)
+            h = kernels.linear(attn, layer["o"], choices=c)
+            if lora is not None:  # under TP, this rank's partial sum (its columns of A), reduced with o's
+                assert ls is not None
+                lora.add(li, "o", attn, h, ls)
             if self.tp is not None:
                 self.tp.group.all_reduce(h)
             x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual, choices=c)
-            h = layer["mlp"](x)
+            mlp = layer["mlp"]
+            if lora is not None and isinstance(mlp, DenseMLP) and lora.has(li, "down"):
+                assert ls is not None
+                h = mlp.with_lora(x, lora, li, ls)
+            else:
+                h = mlp(x)
             if self.tp is not None:  # dense or experts: each rank's slice of the intermediate dimension
                 self.tp.group.all_reduce(h)
         assert residual is not None  # set by the first layer

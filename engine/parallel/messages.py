@@ -6,6 +6,11 @@ them, `kv_shards.py`), the step's plan (engine/runner/inputs.py `StepPlan`: toke
 positions, slots, block tables, which rows give logits), as typed arrays, and the blocks whose heads
 every rank sends rank 0 after the forward (for a connector that saves them). The live requests, their
 sampling parameters, generators and grammars stay in rank 0 with the scheduler and the sampler.
+
+LoRA adapters reach every rank the same way: a registered adapter's whole weights once
+(`LoraAdd`; each rank keeps its share on the host), which adapter a device slot holds (`LoraSlot`,
+before the step that first uses it; the step's plan carries each token's slot) and the end of an
+adapter (`LoraDrop`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ if TYPE_CHECKING:
     from kvmesh.engine.runner.inputs import StepPlan
 
 _ARRAYS = ("ids", "pos", "slots", "qsl", "seq_lens", "bt", "rows", "logits_idx")
+_OPTIONAL_ARRAYS = ("lora",)  # absent when None (LoRA off)
 
 
 class WorkerSpec(msgspec.Struct):
@@ -86,7 +92,26 @@ class Agents(msgspec.Struct, tag="agents", array_like=True):
     progress_thread: bool
 
 
-Message = Step | Stop | Agents
+class LoraAdd(msgspec.Struct, tag="lora_add", array_like=True):
+    """A registered adapter's whole weights (float32; each rank casts and keeps its share):
+    ``"{layer}.{module}.A"`` / ``".B"`` (B with the scaling folded in)."""
+
+    key: str
+    arrays: dict[str, Array]
+
+
+class LoraSlot(msgspec.Struct, tag="lora_slot", array_like=True):
+    """Device slot ``slot`` holds the adapter ``key`` from the next step on."""
+
+    slot: int
+    key: str
+
+
+class LoraDrop(msgspec.Struct, tag="lora_drop", array_like=True):
+    key: str
+
+
+Message = Step | Stop | Agents | LoraAdd | LoraSlot | LoraDrop
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Message)
 
@@ -102,6 +127,7 @@ def encode_step(
     if p is None:  # no forward: copies and KV moves only
         return _enc.encode(Step(copies, 0, 0, {}, 0, 0, w, g))
     arrays = {k: Array.of(getattr(p, k)) for k in _ARRAYS}
+    arrays.update({k: Array.of(getattr(p, k)) for k in _OPTIONAL_ARRAYS if getattr(p, k) is not None})
     return _enc.encode(Step(copies, p.B, p.T, arrays, p.max_query_len, p.max_seq_len, w, g))
 
 
@@ -109,7 +135,7 @@ def encode_stop(reason: str = "") -> bytes:
     return _enc.encode(Stop(reason))
 
 
-def encode(msg: Agents) -> bytes:
+def encode(msg: Agents | LoraAdd | LoraSlot | LoraDrop) -> bytes:
     return _enc.encode(msg)
 
 
@@ -127,4 +153,6 @@ def plan_of(step: Step) -> StepPlan | None:
     p.B, p.T, p.max_query_len, p.max_seq_len = step.B, step.T, step.max_query_len, step.max_seq_len
     for k in _ARRAYS:
         setattr(p, k, step.arrays[k].array())
+    for k in _OPTIONAL_ARRAYS:
+        setattr(p, k, step.arrays[k].array() if k in step.arrays else None)
     return p

@@ -106,6 +106,10 @@ class Ranks:
     ) -> None:
         self.group.broadcast_bytes(messages.encode_step(copies, plan, kv_writes, kv_gather))
 
+    def send(self, message: bytes) -> None:
+        """Any other message (engine/parallel/messages.py) to every rank, in step order."""
+        self.group.broadcast_bytes(message)
+
     def check(self, error: BaseException) -> None:
         """Raise `RankFailure` if ``error`` (from a step) came with a rank's process gone: one of this
         host's (polled), or one of another host's (its heartbeat stopped, rendezvous.py)."""

@@ -17,6 +17,10 @@ Rank ``r`` of ``n``:
   embedding's rows of other shards are zero here and the all-reduce fills them in, the LM head's
   logits are all-gathered.
 Norms (and Qwen3's per-head q/k norms) are whole on every rank.
+- LoRA adapters (engine/lora/) split like their base projection: for q/k/v/gate/up (split by output
+  rows) A is whole and B keeps the base's rows; for o/down (split by input columns) A keeps the base's
+  columns and B is whole, so each rank's ``(x_r A_r^T) B^T`` is a partial sum that the projection's
+  all-reduce adds up with the base's (`Shard.lora`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvmesh.common.model_files import ModelConfig
+from kvmesh.engine.lora.adapter import MLP_MODULES, LoraWeights
 
 if TYPE_CHECKING:
     from .group import TPGroup
@@ -142,6 +147,20 @@ class Shard:
             pad = self.vocab_shard_size - (b - a)
             return torch.nn.functional.pad(part, (0, 0, 0, pad)) if pad else part
         return t
+
+    def lora(self, weights: LoraWeights) -> LoraWeights:
+        """This rank's share of a LoRA adapter's ``(A, B)`` per (layer, module)."""
+        if self.world == 1:
+            return weights
+        out: LoraWeights = {}
+        for (li, module), (a, b) in weights.items():
+            base = f"model.layers.{li}.{'mlp' if module in MLP_MODULES else 'self_attn'}.{module}.weight"
+            if module in ("o_proj", "down_proj"):
+                a = self(base, a)  # the input columns this rank's o / down reads
+            else:
+                b = self(base, b)  # the output rows this rank's q/k/v/gate/up computes
+            out[(li, module)] = (a.contiguous(), b.contiguous())
+        return out
 
     def _scale(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's scales of an FP8 weight: the rows it keeps of a weight split by output rows (q, k,

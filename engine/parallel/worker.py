@@ -86,7 +86,10 @@ def _run(spec: WorkerSpec, rank: int, member: Member | None) -> int:
             if isinstance(msg, messages.Agents):
                 agents.append(_start_agent(runner, group, msg))
                 continue
-            runner.run_step(msg)
+            if isinstance(msg, messages.Step):
+                runner.run_step(msg)
+            else:
+                runner.lora_message(msg)
     finally:
         for agent in agents:
             agent.stop()

@@ -4,7 +4,9 @@ Each step replays the graph captured for the next padded batch size in ``GRAPH_S
 graphs read one static int32 buffer at fixed offsets (`GraphLayout`): padding tokens have slot
 -1, padding sequences have no query tokens and length 0, so every kernel skips them; the
 attention launch is fixed at capture for ``max_model_len`` (split-KV only where the batch is
-too small to fill the SMs). Prefill and mixed steps run eagerly.
+too small to fill the SMs). Prefill and mixed steps run eagerly. With LoRA the buffer also holds
+each row's adapter slot (padding and base rows -1), which every graph reads: one graph per size
+serves any mix of adapters.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ class GraphLayout(NamedTuple):
     slots: int
     query_start_loc: int  # bmax + 1 entries
     seq_lens: int
+    lora: int  # bmax entries with LoRA, none without
     block_tables: int  # [bmax, max blocks per sequence]
     end: int
 
     @classmethod
-    def for_rows(cls, bmax: int, max_blocks_per_seq: int) -> GraphLayout:
-        return cls(*np.cumsum([0, bmax, bmax, bmax, bmax + 1, bmax, bmax * max_blocks_per_seq]).tolist())
+    def for_rows(cls, bmax: int, max_blocks_per_seq: int, lora: bool = False) -> GraphLayout:
+        sizes = [0, bmax, bmax, bmax, bmax + 1, bmax, bmax if lora else 0, bmax * max_blocks_per_seq]
+        return cls(*np.cumsum(sizes).tolist())
 
 
 class DecodeGraphs:
@@ -60,6 +64,7 @@ class DecodeGraphs:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_model_len = max_model_len
         self.device = device
+        self.lora = model.lora is not None  # the graphs read each row's LoRA slot
         self.captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # padded size -> graph, logits
         self.sizes: list[int] = []
         self.capture_s = 0.0
@@ -77,6 +82,7 @@ class DecodeGraphs:
             seq_lens=g[o.seq_lens : o.seq_lens + b],
             max_query_len=1,
             max_seq_len=self.max_model_len,
+            lora_slots=g[o.lora : o.lora + b] if self.lora else None,
         )
         return g[o.ids : o.ids + b], g[o.positions : o.positions + b], meta
 
@@ -84,9 +90,10 @@ class DecodeGraphs:
         """Capture one graph per padded decode batch size, largest first, sharing one memory pool."""
         t0 = time.perf_counter()
         self.sizes = [s for s in GRAPH_SIZES if s <= self.max_num_seqs] or [1]
-        self.layout = o = GraphLayout.for_rows(self.sizes[-1], self.max_blocks_per_seq)
+        self.layout = o = GraphLayout.for_rows(self.sizes[-1], self.max_blocks_per_seq, self.lora)
         self.buf = torch.zeros(o.end, dtype=torch.int32, device=self.device)
         self.buf[o.slots : o.query_start_loc] = -1  # padding slots: write_kv skips them
+        self.buf[o.lora : o.block_tables] = -1  # no adapter: the LoRA kernels skip the rows
         self.staging.ensure(o.end)
         pool = None
         for b in reversed(self.sizes):
@@ -128,6 +135,10 @@ class DecodeGraphs:
         buf[o.query_start_loc + b + 1 : o.query_start_loc + size + 1] = b
         buf[o.seq_lens : o.seq_lens + b] = p.seq_lens
         buf[o.seq_lens + b : o.seq_lens + size] = 0
+        if self.lora:
+            assert p.lora is not None  # planned with LoRA
+            buf[o.lora : o.lora + b] = p.lora
+            buf[o.lora + b : o.lora + size] = -1
         w = p.bt.shape[1]
         # stale tails are never read (seq_lens)
         buf[o.block_tables : o.block_tables + size * W].reshape(size, W)[:b, :w] = p.bt

@@ -87,7 +87,8 @@ class StepPlan:
 
     ``B`` sequences, ``T`` tokens: ``ids``/``pos``/``slots`` per token, ``qsl`` (query start
     offsets, ``B + 1``), ``seq_lens`` and ``bt`` (block table ``[B, W]``) per sequence; ``rows``:
-    the sequences that sample (their last token's logits are kept), ``logits_idx`` those tokens."""
+    the sequences that sample (their last token's logits are kept), ``logits_idx`` those tokens;
+    ``lora``: each token's LoRA slot (-1: the base model), None when LoRA is off."""
 
     __slots__ = (
         "B",
@@ -102,6 +103,7 @@ class StepPlan:
         "logits_idx",
         "max_query_len",
         "max_seq_len",
+        "lora",
     )
     B: int
     T: int
@@ -115,9 +117,11 @@ class StepPlan:
     logits_idx: np.ndarray
     max_query_len: int
     max_seq_len: int
+    lora: np.ndarray | None
 
 
-def plan_step(sched: SchedulerOutput, block_size: int) -> StepPlan:
+def plan_step(sched: SchedulerOutput, block_size: int, lora: bool = False) -> StepPlan:
+    """``lora``: the engine serves LoRA adapters; the plan then carries each token's slot."""
     bs = block_size
     scheduled = sched.scheduled
     B = len(scheduled)
@@ -149,6 +153,7 @@ def plan_step(sched: SchedulerOutput, block_size: int) -> StepPlan:
     p.logits_idx = qsl[p.rows + 1] - 1
     p.max_query_len = int(n_tok.max()) if B else 0
     p.max_seq_len = int(ends.max()) if B else 0
+    p.lora = np.repeat(np.fromiter((s.lora_slot for s in scheduled), np.int64, B), n_tok) if lora else None
     return p
 
 
@@ -178,11 +183,21 @@ class EagerInputs(NamedTuple, Generic[A]):
     seq_lens: A
     logits_idx: A
     block_tables: A
+    lora: A  # each token's LoRA slot; empty for a step without LoRA rows
+
+
+_NO_LORA = np.zeros(0, np.int64)
 
 
 def eager_layout_size(T: int, B: int, W: int) -> int:
     """Int32s of an eager step of ``T`` tokens, ``B`` sequences and ``W``-wide block tables."""
-    return 3 * T + 3 * B + 1 + B * W + len(EagerInputs._fields) * 3  # + alignment padding of each input
+    return 4 * T + 3 * B + 1 + B * W + len(EagerInputs._fields) * 3  # + alignment padding of each input
+
+
+def lora_rows(p: StepPlan) -> np.ndarray | None:
+    """The plan's LoRA slots when some token has an adapter; None (no LoRA work) otherwise. An eager
+    step decides per step: base-model steps of a LoRA engine skip the adapters' launches."""
+    return p.lora if p.lora is not None and bool((p.lora >= 0).any()) else None
 
 
 class EagerStager:
@@ -198,7 +213,10 @@ class EagerStager:
 
     def stage(self, p: StepPlan) -> tuple[EagerInputs[torch.Tensor], AttentionMetadata]:
         B, W = p.B, p.bt.shape[1]
-        arrays = EagerInputs(p.ids, p.pos, p.slots, p.qsl, p.seq_lens, p.logits_idx, p.bt.reshape(-1))
+        lora = lora_rows(p)
+        arrays = EagerInputs(
+            p.ids, p.pos, p.slots, p.qsl, p.seq_lens, p.logits_idx, p.bt.reshape(-1), _NO_LORA if lora is None else lora
+        )
         sizes = [len(a) for a in arrays]
         offs = np.cumsum([0] + [align4(n) for n in sizes]).tolist()
         staging = self.staging
@@ -216,5 +234,6 @@ class EagerStager:
             seq_lens=v.seq_lens,
             max_query_len=p.max_query_len,
             max_seq_len=p.max_seq_len,
+            lora_slots=None if lora is None else v.lora,
         )
         return v, meta

@@ -15,6 +15,10 @@ GPU only:
 * every Triton kernel variant is compiled at start-up (engine/runner/warmup.py).
 
 Decode rounds (several steps per host round trip) are engine/runner/rounds.py.
+
+LoRA (engine/lora/): the runner holds its rank's share of every registered adapter on the host and
+the model's device slot pool; the engine says which adapter a slot holds (`load_lora_slot`) and each
+step's plan carries every token's slot. A tensor-parallel rank 0 forwards all three to the others.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from kvmesh.common.env import env
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.connectors.common import LocalBlocks
 from kvmesh.engine.core.sched_output import SchedulerOutput
+from kvmesh.engine.lora.adapter import LoraAdapter, LoraWeights
+from kvmesh.engine.lora.pool import LoraPool
 from kvmesh.engine.models import model_class
 from kvmesh.engine.models.kv_scales import kv_cache_scales, scales_fingerprint
 from kvmesh.engine.models.quantization import LayerQuantizer, fp8_before_split
@@ -116,6 +122,12 @@ class ModelRunner(DecodeRoundRunner):
         )
         if quantizer is not None:
             quantizer.log()
+        # LoRA: the slot pool before profiling and graph capture (both run the LoRA path)
+        self.lora_enabled = config.lora.enabled
+        self.lora_weights: dict[str, LoraWeights] = {}  # adapter key -> this rank's (A, B) on the host
+        self.lora_shard = Shard(tp.rank, tp.world, whole_cfg) if tp is not None else None
+        if self.lora_enabled:
+            self.model.lora = LoraPool(m, config.lora.max_loras, config.lora.max_lora_rank, self.dtype, self.device)
         self.sched_cfg = config.scheduler
         n_stage = eager_layout_size(
             config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, self.max_blocks_per_seq
@@ -193,7 +205,7 @@ class ModelRunner(DecodeRoundRunner):
             raise
 
     def _execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        p = plan_step(sched, self.block_size) if sched.scheduled else None
+        p = plan_step(sched, self.block_size, self.lora_enabled) if sched.scheduled else None
         gather: list[int] = []
         if self.ranks is not None:  # the other ranks run the same step from its plan
             assert isinstance(self.kv_blocks, ShardedBlocks)
@@ -241,6 +253,48 @@ class ModelRunner(DecodeRoundRunner):
             self._run_eager(p)
         if step.kv_gather:
             self.rank_blocks.send(self.tp_group, step.kv_gather)
+
+    # ---- LoRA adapters (engine/lora/) -----------------------------------------------------------
+    def add_lora(self, adapter: LoraAdapter) -> None:
+        """Keep this rank's share of a registered adapter's weights on the host (every rank's)."""
+        if self.ranks is not None:
+            arrays = {
+                f"{li}.{m}.{ab}": messages.Array.of(t.float().numpy())
+                for (li, m), pair in adapter.weights.items()
+                for ab, t in zip("AB", pair)
+            }
+            self.ranks.send(messages.encode(messages.LoraAdd(adapter.key, arrays)))
+        self._keep_lora(adapter.key, adapter.weights)
+
+    def load_lora_slot(self, slot: int, key: str) -> None:
+        """Device slot ``slot`` holds adapter ``key`` (registered) from the next step on."""
+        if self.ranks is not None:
+            self.ranks.send(messages.encode(messages.LoraSlot(slot, key)))
+        assert self.model.lora is not None
+        self.model.lora.load(slot, self.lora_weights[key])
+
+    def drop_lora(self, key: str) -> None:
+        if self.ranks is not None:
+            self.ranks.send(messages.encode(messages.LoraDrop(key)))
+        self.lora_weights.pop(key, None)
+
+    def lora_message(self, msg: messages.LoraAdd | messages.LoraSlot | messages.LoraDrop) -> None:
+        """Another rank's side of `add_lora`, `load_lora_slot` and `drop_lora`."""
+        if isinstance(msg, messages.LoraAdd):
+            weights: LoraWeights = {}
+            for name, arr in msg.arrays.items():
+                li, module, ab = name.split(".")
+                a, b = weights.get((int(li), module), (None, None))
+                t = torch.from_numpy(arr.array()).to(self.dtype)
+                weights[(int(li), module)] = (t, b) if ab == "A" else (a, t)  # type: ignore[assignment]
+            self._keep_lora(msg.key, weights)
+        elif isinstance(msg, messages.LoraSlot):
+            self.load_lora_slot(msg.slot, msg.key)
+        else:
+            self.drop_lora(msg.key)
+
+    def _keep_lora(self, key: str, weights: LoraWeights) -> None:
+        self.lora_weights[key] = self.lora_shard.lora(weights) if self.lora_shard is not None else weights
 
     def close(self) -> None:
         """Stop the other ranks (rank 0 of a tensor-parallel engine)."""

@@ -20,7 +20,7 @@ from kvmesh.engine.core.sched_output import SchedulerOutput
 from kvmesh.engine.models.decoder import AttentionMetadata
 from kvmesh.engine.runner.device_draw import draw_on_device
 from kvmesh.engine.runner.host_copy import to_device
-from kvmesh.engine.runner.inputs import StepPlan, block_table, plan_step
+from kvmesh.engine.runner.inputs import StepPlan, block_table, lora_rows, plan_step
 from kvmesh.engine.runner.logit_adjustment import LogitAdjustment
 from kvmesh.engine.runner.logprobs import SampleResult, device_logprobs, logprob_width, results_with_logprobs
 
@@ -88,7 +88,7 @@ class DecodeRoundRunner:
         positions. ``masked``: a round of one step whose draw waits for the structured-output
         masks (`sample_round`); only its forward pass is queued."""
         self._apply_copies(sched.block_copies)
-        p = plan_step(sched, self.block_size)
+        p = plan_step(sched, self.block_size, self.model.lora is not None)
         if p.T != p.B or len(p.rows) != p.B:
             raise ValueError("a decode round needs a pure decode step")
         params = [s.params for s in sched.scheduled]
@@ -111,6 +111,7 @@ class DecodeRoundRunner:
                     seq_lens=m.seq_lens[:B],
                     max_query_len=1,
                     max_seq_len=m.max_seq_len,
+                    lora_slots=None if m.lora_slots is None else m.lora_slots[:B],
                 ),
             )
             first = self.graphs.run(p)
@@ -119,6 +120,7 @@ class DecodeRoundRunner:
             def up(a):  # queued copies: the host does not wait for a round in flight
                 return to_device(a, self.device, torch.int32)
 
+            lora = lora_rows(p)
             meta = AttentionMetadata(
                 slot_mapping=up(p.slots),
                 block_tables=up(p.bt),
@@ -126,6 +128,7 @@ class DecodeRoundRunner:
                 seq_lens=up(p.seq_lens),
                 max_query_len=1,
                 max_seq_len=p.max_seq_len,
+                lora_slots=None if lora is None else up(lora),
             )
             rnd.inputs = (up(p.ids), up(p.pos), meta)
             first = self.model(rnd.inputs[0], rnd.inputs[1], self.kv_cache, meta, None)

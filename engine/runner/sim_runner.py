@@ -102,6 +102,16 @@ class SimulatedRunner:
         prefill = sum(s.num_tokens for s in sched.scheduled if s.num_tokens > 1)
         return self.decode_base_ms + self.decode_per_seq_ms * b + self.prefill_ms_per_token * prefill
 
+    # LoRA adapters are registered and given slots as with a model; the simulated tokens ignore them.
+    def add_lora(self, adapter) -> None:
+        pass
+
+    def load_lora_slot(self, slot: int, key: str) -> None:
+        pass
+
+    def drop_lora(self, key: str) -> None:
+        pass
+
     def flush_kv_writes(self) -> None:
         """One rank: loaded blocks are in place already."""
 

@@ -4,9 +4,10 @@ Two schemes (``--prefix-hash``), one entry point (`block_hashes_for`):
 
 * ``kvmesh`` (the default): ``hash(parent, tokens, extra)`` is SHA-256 over a canonical msgpack
   encoding, so the same tokens give the same hash in every process and on every machine (no
-  ``PYTHONHASHSEED`` dependence). The first block's extra keys carry the model identity and an
-  optional per-tenant ``cache_salt`` so caches never mix models or tenants; every later block
-  inherits them through the parent hash.
+  ``PYTHONHASHSEED`` dependence). The first block's extra keys carry the model identity, an
+  optional per-tenant ``cache_salt`` and, for a request under a LoRA adapter, the adapter's
+  identity (`LoraId.key`: its name and a digest of its weights), so caches never mix models, tenants
+  or adapters; every later block inherits them through the parent hash.
 * ``vllm``: vLLM's own ``sha256_cbor`` prefix-caching hashes, pinned at vLLM 0.33.0
   (``vllm/v1/core/kv_cache_utils.py``: ``hash_block_tokens``, ``generate_block_hash_extra_keys``;
   ``vllm/utils/hashing.py``: ``sha256_cbor``), so an external indexer that hashes prompts the vLLM
@@ -29,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -41,7 +43,6 @@ _encoder = msgspec.msgpack.Encoder()
 KVMESH = "kvmesh"
 VLLM = "vllm"
 PREFIX_HASHES = (KVMESH, VLLM)
-Lora = tuple[str, str]  # (adapter name, adapter path): what vLLM's hash takes of a LoRA request
 
 # The parent of the first block: a fixed constant, so hashes agree across processes.
 NONE_HASH: BlockHash = hashlib.sha256(b"kvmesh-block-hash-root-v1").digest()
@@ -52,8 +53,22 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_
     return hashlib.sha256(payload).digest()
 
 
-def first_block_extra_keys(model_identity: str, cache_salt: str | None) -> tuple:
-    return (model_identity, cache_salt) if cache_salt else (model_identity,)
+@dataclass(frozen=True)
+class LoraId:
+    """A LoRA adapter as block hashes see it: kvmesh's scheme hashes ``key`` (the name and a digest of
+    the weights, so another adapter loaded under the same name never hits old blocks), vLLM's hashes
+    ``(name, path)`` as vLLM does."""
+
+    name: str
+    path: str
+    key: str
+
+
+def first_block_extra_keys(model_identity: str, cache_salt: str | None, lora: str | None = None) -> tuple:
+    """``lora``: the adapter's identity, tagged so it never equals a salt; without it the keys (and so
+    every hash of the base model) are what they were before adapters existed."""
+    keys = (model_identity, cache_salt) if cache_salt else (model_identity,)
+    return keys + (("lora", lora),) if lora else keys
 
 
 # ---- vLLM's sha256_cbor scheme ----------------------------------------------
@@ -78,11 +93,11 @@ def vllm_hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], e
     return sha256_cbor((parent or vllm_none_hash(), tuple(token_ids), extra_keys))
 
 
-def vllm_extra_keys(block_index: int, cache_salt: str | None, lora: Lora | None = None) -> tuple | None:
+def vllm_extra_keys(block_index: int, cache_salt: str | None, lora: LoraId | None = None) -> tuple | None:
     """The tagged extra keys vLLM hashes for block ``block_index`` of a text request."""
     keys: list[tuple] = []
     if lora is not None:
-        keys.append(("lora", lora[0], lora[1]))
+        keys.append(("lora", lora.name, lora.path))
     if block_index == 0 and cache_salt:
         keys.append(("cache_salt", cache_salt))
     return tuple(keys) if keys else None
@@ -97,12 +112,11 @@ def block_hashes_for(
     start: int = 0,
     parent: BlockHash | None = None,
     scheme: str = KVMESH,
-    lora: Lora | None = None,
+    lora: LoraId | None = None,
 ) -> list[BlockHash]:
     """Hashes of the full blocks of ``token_ids`` from block index ``start`` (``parent`` = hash of
-    block ``start-1``) in ``scheme`` (``kvmesh`` or ``vllm``, see the module's docstring). ``lora``
-    enters the ``vllm`` scheme as vLLM hashes an adapter's request; the ``kvmesh`` scheme's adapter key
-    belongs to `first_block_extra_keys`."""
+    block ``start-1``) in ``scheme`` (``kvmesh`` or ``vllm``, see the module's docstring), for a
+    request under the LoRA adapter ``lora`` (None: the base model)."""
     out: list[BlockHash] = []
     n_full = len(token_ids) // block_size
     if scheme == VLLM:
@@ -113,15 +127,16 @@ def block_hashes_for(
         return out
     if scheme != KVMESH:
         raise ValueError(f"prefix hash scheme must be one of {PREFIX_HASHES}, got {scheme!r}")
+    key = lora.key if lora is not None else None
     for i in range(start, n_full):
-        extra = first_block_extra_keys(model_identity, cache_salt) if i == 0 else None
+        extra = first_block_extra_keys(model_identity, cache_salt, key) if i == 0 else None
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         out.append(parent)
     return out
 
 
 def event_extra_keys(
-    scheme: str, block_index: int, model_identity: str, cache_salt: str | None, lora: Lora | None = None
+    scheme: str, block_index: int, model_identity: str, cache_salt: str | None, lora: LoraId | None = None
 ) -> tuple | None:
     """What entered block ``block_index``'s hash besides tokens and parent, as a BlockStored publishes
     it: vLLM's untagged form for ``vllm`` (adapter name, salt: the adapter's path is not published,
@@ -129,7 +144,8 @@ def event_extra_keys(
     if scheme == VLLM:
         keys = vllm_extra_keys(block_index, cache_salt, lora)
         return None if keys is None else tuple(k[1] for k in keys)
-    return first_block_extra_keys(model_identity, cache_salt) if block_index == 0 else None
+    key = lora.key if lora is not None else None
+    return first_block_extra_keys(model_identity, cache_salt, key) if block_index == 0 else None
 
 
 def scheme_of_root_block(
