@@ -66,8 +66,8 @@ class RateMeter:
         dt = now - self._start
         if dt < WINDOW_S and not (force and dt > 0 and self._count > 0):
             return
-        if dt <= 0:
-            return
+        if dt <= 0 or (self.rate is None and self._count == 0):
+            return  # the first rate waits for a first event: a busy start is no evidence of a zero rate
         r = self._count / dt
         self.rate = r if self.rate is None else (1 - ALPHA) * self.rate + ALPHA * r
         self._start, self._count = now, 0.0
