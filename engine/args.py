@@ -207,6 +207,22 @@ class EngineArgs:
         "bound on the engine's waiting queue; beyond it requests get 503 + Retry-After (0: unbounded)",
         section="server",
     )
+    # The pod's shedding deadline (services/api/overload.py): read by the engine process, which owns the
+    # queue and measures the rates; no engine config holds it.
+    max_queue_wait_s: float = _setting(
+        30.0,
+        "refuse (503 + Retry-After from the estimate) a request the engine cannot start within this many "
+        "seconds, estimated from the prefill backlog, free sequence slots and KV blocks and the measured "
+        "token and finish rates (0: off, everything queues)",
+        section="server",
+        crd=CrdProperty(
+            "maxQueueWaitS",
+            30.0,
+            minimum=0,
+            description="Seconds a request may be expected to wait in a worker's queue; beyond it the worker "
+            "answers 503 with a Retry-After computed from its queue (0: no bound, everything queues).",
+        ),
+    )
     tensor_parallel_size: int = _setting(
         ParallelConfig.tensor_parallel_size,
         "devices the model is split across, one rank process each (tensor parallelism: heads, MLP and "

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.common.fields import cli
 from kvmesh.common.roles import Role
+from kvmesh.services.api.protocol import DEFAULT_MAX_REQUEST_TOKENS
 from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT
 
 ADDRESS = "address"  # the flags before the engine's server flags (--role, --max-waiting, --engine-id) in --help
@@ -67,6 +68,12 @@ class ServerConfig:
         None, "file holding the admin key, re-read when it changes (instead of --admin-key)", metavar="PATH"
     )
     max_body_bytes: int = _flag(8 << 20, "larger request bodies get 413")
+    # services/api/protocol.py check_request_tokens; the router has the same flag and default.
+    max_request_tokens: int = _flag(
+        DEFAULT_MAX_REQUEST_TOKENS,
+        "tokens one request may ask to generate over all its sequences (prompts x n x max_tokens; an unset "
+        "max_tokens counts as the context left); more is a 400. Never below max_model_len (0: no limit)",
+    )
     # how `auto` tool calls are read from the output (services/api/tools.py PARSERS); None: from the chat template
     tool_call_parser: str | None = _flag(
         None,
@@ -129,6 +136,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
+        if self.max_request_tokens < 0:
+            raise ValueError("max_request_tokens must be >= 0")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.engine_restarts < 0:

@@ -40,10 +40,11 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineRejectedError(Exception):
-    def __init__(self, reason: str, message: str, request_id: str = "") -> None:
+    def __init__(self, reason: str, message: str, request_id: str = "", retry_after_s: int = 0) -> None:
         super().__init__(message)
-        self.reason = reason  # "invalid" | "queue_full"
+        self.reason = reason  # "invalid" | "queue_full" | "overloaded"
         self.request_id = request_id
+        self.retry_after_s = retry_after_s  # the engine's estimate (services/api/overload.py)
 
 
 @dataclass
@@ -222,7 +223,7 @@ class EngineClient:
             elif isinstance(msg, wire.Rejected):
                 s = self.streams.pop(msg.request_id, None)
                 if s is not None:
-                    s.queue.put_nowait(EngineRejectedError(msg.reason, msg.message, msg.request_id))
+                    s.queue.put_nowait(EngineRejectedError(msg.reason, msg.message, msg.request_id, msg.retry_after_s))
             elif isinstance(msg, wire.ResetDone):
                 fut = self._resets.get(msg.token)
                 if fut is not None and not fut.done():

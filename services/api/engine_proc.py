@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -35,6 +36,7 @@ from kvmesh.common.logs import setup_logging
 from kvmesh.common.roles import ROLES, Role, policy_for
 
 from . import wire
+from .overload import PodAdmission, PodLoad
 
 log = logging.getLogger("kvmesh.api.engine_proc")
 
@@ -135,6 +137,9 @@ class EngineProcess:
         self._last_stats_time = 0.0
         self._running = True
         self._drain_deadline = 0.0
+        # Shedding by deadline (--max-queue-wait-s): the rates come from this loop's own steps.
+        self.admission = PodAdmission(_max_queue_wait_s(cfg))
+        self._computed = getattr(engine, "num_computed_tokens", 0)
 
     # ---- messages -----------------------------------------------------------
     def _send(self, msg) -> None:
@@ -213,10 +218,17 @@ class EngineProcess:
     def _add(self, req) -> None:
         from kvmesh.engine.core.scheduler import QueueFullError
 
+        load = self._load(req)
+        shed = self.admission.check(load) if load is not None else None
+        if shed is not None:
+            self._send(wire.Rejected(req.request_id, "overloaded", shed.message, shed.retry_after_s))
+            return
         try:
             self.engine.add_request(req)
         except QueueFullError as e:
-            self._send(wire.Rejected(req.request_id, "queue_full", str(e)))
+            wait = self.admission.estimate(load) if load is not None else None
+            retry = max(1, math.ceil(wait)) if wait else 1
+            self._send(wire.Rejected(req.request_id, "queue_full", str(e), retry))
             return
         except ValueError as e:
             self._send(wire.Rejected(req.request_id, "invalid", str(e)))
@@ -224,6 +236,27 @@ class EngineProcess:
         r = self.engine.requests.get(req.request_id)
         if r is not None:
             self._unscheduled[req.request_id] = r
+
+    def _load(self, req) -> PodLoad | None:
+        """The scheduler's queue, slots and KV pool as the deadline check sees them (None: an engine
+        without a scheduler, as tests inject, is never shed)."""
+        sched = getattr(self.engine, "scheduler", None)
+        kv = getattr(self.engine, "kv", None)
+        if sched is None or kv is None:
+            return None
+        bs = kv.block_size
+        need = -(-len(req.prompt_token_ids) // bs)
+        for r in sched.waiting:
+            need += -(-max(0, r.num_tokens - r.num_computed_tokens) // bs)
+        return PodLoad(
+            waiting=len(sched.waiting),
+            running=len(sched.running),
+            max_num_seqs=sched.config.max_num_seqs,
+            prompt_tokens_pending=sched.num_prompt_tokens_pending(),
+            free_blocks=kv.pool.num_free_blocks,
+            total_blocks=kv.pool.num_blocks,
+            blocks_needed=need,
+        )
 
     def _admit_ready(self) -> None:
         """Admit (or reject) every waiting request whose handshake is done, in arrival order."""
@@ -250,7 +283,11 @@ class EngineProcess:
 
     # ---- the loop -----------------------------------------------------------
     def step_once(self) -> None:
+        self.admission.busy()
         outs = self.engine.step()
+        computed = getattr(self.engine, "num_computed_tokens", 0)
+        self.admission.observe_step(computed - self._computed, sum(1 for o in outs if o.finish_reason is not None))
+        self._computed = computed
         queue_times: dict[str, float] = {}
         if self._unscheduled:
             for rid, r in list(self._unscheduled.items()):
@@ -296,6 +333,8 @@ class EngineProcess:
             else:
                 # Going idle: one snapshot right away so gauges (KV usage, running) settle at idle values.
                 self.maybe_send_stats(force=was_busy)
+                if was_busy:
+                    self.admission.idle()  # the rates keep their value; the idle gap is not counted
                 was_busy = False
                 if self.cfg.parent_pid is not None and not _alive(self.cfg.parent_pid):
                     log.warning("API server process %d is gone; engine exiting", self.cfg.parent_pid)
@@ -351,6 +390,17 @@ def _make_kv_publisher(cfg: EngineProcConfig, engine, ctx):
     return KVEventPublisher(
         PublisherConfig(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, topic, keys=keys), ctx
     )
+
+
+def _max_queue_wait_s(cfg: EngineProcConfig) -> float:
+    """--max-queue-wait-s (an EngineArgs field, so the CRD sets it too); its default when the config
+    does not name it."""
+    from kvmesh.engine.args import EngineArgs
+
+    v = float(cfg.engine_kwargs.get("max_queue_wait_s", EngineArgs.max_queue_wait_s))
+    if v < 0:
+        raise ValueError(f"max_queue_wait_s must be >= 0, got {v}")
+    return v
 
 
 def _peek_request_id(raw: bytes) -> str | None:

@@ -16,6 +16,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvmesh.services.errors import bad_request
+
+# Default of --max-request-tokens (API server and router): how many tokens one request may ask to
+# generate over all its sequences (prompts x n x max_tokens). vLLM has no such bound; without one a
+# single request (n=100, max_tokens=8000) holds a pod for minutes. A single sequence may always run to
+# the end of its context, so the limit in force is never below max_model_len.
+DEFAULT_MAX_REQUEST_TOKENS = 65536
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
@@ -99,3 +107,36 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+def completion_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int | None) -> int:
+    """The tokens one sequence may generate: ``max_tokens``, or when unset the context left
+    (``max_model_len - prompt``), as vLLM generates to the end of the context then. Every budget
+    (the request limit below, the router's admission and TPM charge) counts it this way."""
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0:
+        return max_tokens
+    if max_tokens is None and max_model_len:
+        return max(0, max_model_len - prompt_len)
+    return 0
+
+
+def check_request_tokens(
+    n: int, num_prompts: int, max_tokens: int | None, prompt_len: int, max_model_len: int | None, limit: int
+) -> int:
+    """The request's generation budget, ``prompts x n x completion_tokens``; a request over the limit
+    (``limit`` raised to ``max_model_len``; 0: no limit) gets a 400 naming the parameter and by how much,
+    never a rate limit's 429: no wait would ever admit it. The API server and the router both call
+    this, so a client gets the same answer from either."""
+    per_seq = completion_tokens(max_tokens, prompt_len, max_model_len)
+    seqs = max(1, n) * max(1, num_prompts)
+    total = seqs * per_seq
+    cap = max(limit, max_model_len or 0)
+    if limit > 0 and total > cap:
+        what = "max_tokens" if max_tokens is not None else f"max_tokens (unset: the context left, {per_seq})"
+        shape = f"n={n} x {what}" if num_prompts <= 1 else f"{num_prompts} prompts x n={n} x {what}"
+        raise bad_request(
+            f"the request may generate {total} tokens ({shape}), over this server's limit of {cap} tokens "
+            f"per request by {total - cap} (--max-request-tokens); lower n or max_tokens",
+            "max_tokens",
+        )
+    return total

@@ -44,7 +44,15 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
     ready = client.ready
     assert ready is not None, "start the engine client before building the app"
     served = list(cfg.served_model_names) or [ready.model_name]
-    serving = Serving(client, tokenizer, metrics, served, ready.max_model_len, tool_call_parser=cfg.tool_call_parser)
+    serving = Serving(
+        client,
+        tokenizer,
+        metrics,
+        served,
+        ready.max_model_len,
+        tool_call_parser=cfg.tool_call_parser,
+        max_request_tokens=cfg.max_request_tokens,
+    )
     app = FastAPI(title="kvmesh", version=__version__, docs_url=None, redoc_url=None)
     app.state.server = ServerState(client, serving, tokenizer, metrics, ready, served)
 

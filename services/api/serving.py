@@ -12,7 +12,8 @@ running so its KV blocks are freed.
 
 ``max_tokens`` follows vLLM: when given, ``prompt + max_tokens`` must fit in
 ``max_model_len`` or the request is rejected with 400; when absent (chat), it
-defaults to the rest of the context.
+defaults to the rest of the context, and counts as that in the request's token
+budget (``prompts x n x max_tokens`` <= --max-request-tokens, protocol.py).
 """
 
 from __future__ import annotations
@@ -33,10 +34,14 @@ from kvmesh.services.errors import APIError, bad_request, engine_unavailable
 from .constraints import structured_output
 from .engine_client import EngineClient, EngineDeadError, EngineRejectedError, RequestStream
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from .protocol import (
+    DEFAULT_MAX_REQUEST_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Sampling,
+    check_request_tokens,
+)
 from .tools import PARSERS, ChatTools, parser_for_template
-
-RETRY_AFTER_SECONDS = "1"
 
 
 @dataclass
@@ -60,9 +65,11 @@ class _Prompt:
 def engine_error(e: Exception) -> APIError:
     """Map an engine-side failure to the HTTP error a client should see."""
     if isinstance(e, EngineRejectedError):
-        if e.reason == "queue_full":
+        if e.reason in ("queue_full", "overloaded"):
+            # Not ENGINE_UNAVAILABLE_HEADER: the engine is up, only busy; Retry-After is its estimate of
+            # when the queue will have drained enough (services/api/overload.py).
             return APIError(
-                503, f"server is overloaded: {e}; retry later", headers={"Retry-After": RETRY_AFTER_SECONDS}
+                503, f"server is overloaded: {e}; retry later", headers={"Retry-After": str(max(1, e.retry_after_s))}
             )
         msg = str(e)
         # The engine names the field it rejects when it is kv_transfer_params (unknown remote engine,
@@ -237,8 +244,10 @@ class Serving:
         max_model_len: int,
         vocab_size: int | None = None,
         tool_call_parser: str | None = None,
+        max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
     ) -> None:
         self.client = client
+        self.max_request_tokens = max_request_tokens
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.served_names = served_names
@@ -435,9 +444,13 @@ class Serving:
         prompts = self.completion_prompts(req)
         for p in prompts:
             self.check_prompt(p.token_ids)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs, [len(p.token_ids) for p in prompts])
+        lens = [len(p.token_ids) for p in prompts]
+        params = self.sampling_params(req, req.max_tokens, req.logprobs, lens)
         if len(prompts) * req.n > MAX_N:  # each prompt is a request of n sequences
             raise bad_request(f"prompts * n must be <= {MAX_N}, got {len(prompts)} * {req.n}", "prompt")
+        check_request_tokens(
+            req.n, len(prompts), req.max_tokens, max(lens), self.max_model_len, self.max_request_tokens
+        )
         return model, self.new_generation("cmpl", prompts, params, req)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, Generation]:
@@ -454,6 +467,7 @@ class Serving:
         elif req.top_logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         params = self.sampling_params(req, max_tokens, logprobs, [len(ids)], tools)
+        check_request_tokens(req.n, 1, max_tokens, len(ids), self.max_model_len, self.max_request_tokens)
         gen = self.new_generation("chatcmpl", [_Prompt(None, ids)], params, req)
         gen.tools = tools if tools.active else None
         return model, gen

@@ -84,8 +84,9 @@ class Rejected(msgspec.Struct, tag="rejected"):
     """The engine refused a request before it touched any state."""
 
     request_id: str
-    reason: str  # "invalid" (bad input: HTTP 400) | "queue_full" (HTTP 503 + Retry-After)
+    reason: str  # "invalid" (bad input: HTTP 400) | "queue_full" | "overloaded" (HTTP 503 + Retry-After)
     message: str
+    retry_after_s: int = 0  # queue_full, overloaded: seconds until the queue should have drained enough
 
 
 class Stats(msgspec.Struct, tag="stats"):

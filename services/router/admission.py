@@ -11,6 +11,14 @@ A request passes, in order:
    priority first and, within a priority, the tenant admitted least recently (round robin over the
    tenants that wait, not FIFO): a tenant with a thousand queued requests delays another tenant's
    next request by at most one admission per slot.
+3. the queue is bounded by its estimated wait too (``max_queue_wait``; 0: off): the requests that
+   would be admitted before this one (higher priorities, and at its own priority the round robin's
+   turns: each other waiting tenant gets one per turn of this tenant), divided by the measured rate
+   at which admitted requests finish (an EWMA, services/api/overload.py). Past the bound: 429 when
+   the tenant's own queued requests are what makes it long (one request of it alone would fit),
+   503 when the service is saturated (it would not), each with ``Retry-After`` the seconds until the
+   queue should have drained below the bound. Until a finish rate is measured only the count bounds
+   the queue.
 
 A waiter holds a `Ticket` (a few slots) and a future, nothing of its request, so a deep queue costs
 little memory; one whose client goes away, or that waits longer than ``queue_timeout``, leaves the
@@ -25,6 +33,8 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
+from kvmesh.services.api.overload import RateMeter, retry_after
+from kvmesh.services.api.protocol import check_request_tokens
 from kvmesh.services.errors import APIError
 
 from .metrics import RouterMetrics
@@ -102,9 +112,12 @@ class Admission:
         queue_timeout: float,
         metrics: RouterMetrics,
         clock: Callable[[], float] = time.monotonic,
+        max_queue_wait: float = 0.0,
     ) -> None:
         self.max_concurrent, self.queue_size, self.queue_timeout = max_concurrent, queue_size, queue_timeout
+        self.max_queue_wait = max_queue_wait
         self.metrics, self._clock = metrics, clock
+        self.finishes = RateMeter(clock)  # admitted requests finished per second, while any is active
         self.active = 0  # requests holding a slot
         self.waiting = 0
         self._levels: dict[int, dict[str, deque[Ticket]]] = {}  # priority -> tenant -> its waiters, oldest first
@@ -164,11 +177,58 @@ class Admission:
             self._charge(t, tk)
             self._grant(tk)
             return tk
+        wait = self.estimate_wait(tenant, priority)
         if self.waiting >= self.queue_size:
-            raise self._reject("queue_full", tenant, f"the router's queue is full ({self.queue_size} waiting)", 1)
+            raise self._reject(
+                "queue_full",
+                tenant,
+                f"the router's queue is full ({self.queue_size} waiting)",
+                retry_after(wait, self.max_queue_wait) if wait is not None else 1,
+            )
+        if wait is not None and self.max_queue_wait > 0 and wait > self.max_queue_wait:
+            alone = self.estimate_wait(tenant, priority, own_ahead=0)
+            assert alone is not None
+            if alone <= self.max_queue_wait:  # its own backlog makes the wait: the tenant's limit
+                raise self._reject(
+                    "queue_wait",
+                    tenant,
+                    f"tenant {tenant!r} has {self._queued(tenant, priority)} requests queued; this one would "
+                    f"wait about {wait:.0f} s, over the router's bound of {self.max_queue_wait:g} s",
+                    retry_after(wait, self.max_queue_wait),
+                )
+            raise self._reject(
+                "saturated",
+                tenant,
+                f"the service is saturated: a request would wait about {wait:.0f} s in the router's queue "
+                f"({self.waiting} waiting), over its bound of {self.max_queue_wait:g} s",
+                retry_after(wait, self.max_queue_wait),
+                status=503,
+            )
         self._charge(t, tk)
         await self._wait(tk, gone)
         return tk
+
+    def _queued(self, tenant: str, priority: int) -> int:
+        q = self._levels.get(priority, {}).get(tenant)
+        return len(q) if q else 0
+
+    def estimate_wait(self, tenant: str, priority: int, own_ahead: int | None = None) -> float | None:
+        """Seconds before a request of ``tenant`` queued now would be admitted, or None while no finish
+        rate is measured. Ahead of it: every waiter of a higher priority and, at its own, the round
+        robin's turns: with ``k`` of its tenant's requests ahead (``own_ahead``, default: those queued),
+        each other tenant there gets up to ``k + 1`` admissions first. It is admitted when one more
+        slot frees than that: ``(ahead + 1) / finish rate``."""
+        rate = self.finishes.rate
+        if not rate:
+            return None
+        k = self._queued(tenant, priority) if own_ahead is None else own_ahead
+        ahead = k
+        for prio, level in self._levels.items():
+            if prio > priority:
+                ahead += sum(len(q) for q in level.values())
+            elif prio == priority:
+                ahead += sum(min(len(q), k + 1) for name, q in level.items() if name != tenant)
+        return (ahead + 1) / rate
 
     def _charge(self, t: _Tenant, tk: Ticket) -> None:
         if t.rpm is not None:
@@ -184,6 +244,7 @@ class Admission:
             t.tpm.give(tk.tokens)
 
     def _grant(self, tk: Ticket) -> None:
+        self.finishes.tick()  # busy from here: the finish rate's window runs
         self.active += 1
         self._seq += 1
         self._tenants[tk.tenant].last_admitted = self._seq
@@ -213,8 +274,12 @@ class Admission:
         if watch is not None and watch.done():
             self.metrics.rejected.labels("client_gone", tk.tenant).inc()
             raise ClientGone()
+        wait = self.estimate_wait(tk.tenant, tk.priority)
         raise self._reject(
-            "queue_timeout", tk.tenant, f"waited {self.queue_timeout:g} s in the router's queue for a free slot", 1
+            "queue_timeout",
+            tk.tenant,
+            f"waited {self.queue_timeout:g} s in the router's queue for a free slot",
+            retry_after(wait, self.max_queue_wait) if wait is not None else 1,
         )
 
     def _leave(self, tk: Ticket) -> None:
@@ -249,12 +314,15 @@ class Admission:
 
     def _free(self) -> None:
         self.active -= 1
+        self.finishes.add()
         self.metrics.active.set(self.active)
         while self.waiting and (self.max_concurrent <= 0 or self.active < self.max_concurrent):
             tk = self._pop()
             self._grant(tk)
             assert tk.future is not None
             tk.future.set_result(None)
+        if not self.active and not self.waiting:
+            self.finishes.idle()  # keep the rate, leave the idle gap out of it
 
     def _pop(self) -> Ticket:
         """The next waiter: highest priority, then the tenant admitted least recently."""
@@ -269,3 +337,16 @@ class Admission:
 
     def _depth(self, priority: int) -> None:
         self.metrics.queue_depth.labels(str(priority)).set(sum(len(q) for q in self._levels.get(priority, {}).values()))
+
+
+def request_budget(body: dict, plen: int, max_model_len: int | None, limit: int) -> int:
+    """Tokens the request may generate (prompts × ``n`` × ``max_tokens``, an unset one counting as the
+    context left): its TPM charge beyond the prompt; over ``limit`` a 400, as the pod answers it
+    (services/api/protocol.py)."""
+    m = body.get("max_completion_tokens")
+    if m is None:
+        m = body.get("max_tokens", 16 if "prompt" in body else None)  # completions' default is OpenAI's 16
+    n = body.get("n")
+    p = body.get("prompt")
+    prompts = len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1
+    return check_request_tokens(n if isinstance(n, int) and n > 0 else 1, prompts, m, plen, max_model_len, limit)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.common.fields import cli
 from kvmesh.common.roles import ROLES, Role
+from kvmesh.services.api.protocol import DEFAULT_MAX_REQUEST_TOKENS
 from kvmesh.services.http_server import DEFAULT_HEADER_TIMEOUT
 
 POLICIES = ("kv-aware", "round-robin", "least-load")
@@ -233,6 +234,30 @@ class RouterConfig:
     queue_timeout: float = field(
         default=60.0, metadata=cli("seconds a request may wait for a slot before it gets 429 (0: no limit)")
     )
+    # Shedding (admission.py, docs/router.md "Overload"): on by default.
+    max_queue_wait_s: float = field(
+        default=30.0,
+        metadata=cli(
+            "bound on a request's estimated wait in the admission queue (queue ahead / measured finish "
+            "rate); past it 429 when the tenant's own queued requests cause it, else 503, each with "
+            "Retry-After from the queue (0: only --queue-size bounds it)"
+        ),
+    )
+    max_request_tokens: int = field(
+        default=DEFAULT_MAX_REQUEST_TOKENS,
+        metadata=cli(
+            "tokens one request may ask to generate over all its sequences (prompts x n x max_tokens; an "
+            "unset max_tokens counts as the context left); more is a 400. Never below the context length "
+            "(0: no limit); the pods' --max-request-tokens has the same default"
+        ),
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=cli(
+            "the pods' context length, for the budget of a request without max_tokens (the context left); "
+            "default: the model's, what the pods use unless given --max-model-len"
+        ),
+    )
     max_body_bytes: int = field(default=8 << 20, metadata=cli("larger request bodies get 413"))
     body_timeout: float = field(
         default=30.0, metadata=cli("seconds for a request body to arrive in full; a slower client gets 408")
@@ -262,6 +287,10 @@ class RouterConfig:
             raise ValueError("max_retries must be >= 0")
         if self.max_concurrent_requests < 0 or self.queue_size < 0 or self.queue_timeout < 0:
             raise ValueError("max_concurrent_requests, queue_size and queue_timeout must be >= 0")
+        if self.max_queue_wait_s < 0 or self.max_request_tokens < 0:
+            raise ValueError("max_queue_wait_s and max_request_tokens must be >= 0")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")
         if self.approx_capacity < 1:
             raise ValueError("approx_capacity must be >= 1")
         if self.max_body_bytes < 1024 or self.body_timeout <= 0 or self.header_timeout <= 0:

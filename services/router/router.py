@@ -46,7 +46,7 @@ from kvmesh.services.auth import DEFAULT_TENANT, APIKey, KeyStore, SecretFile
 from kvmesh.services.errors import ENGINE_UNAVAILABLE_HEADER, APIError, bad_request
 
 from . import pd
-from .admission import Admission
+from .admission import Admission, request_budget
 from .config import PodSpec, RouterConfig
 from .events import EventHub
 from .index import PrefixIndex
@@ -127,7 +127,13 @@ class Router:
         self.keys = KeyStore.from_config(cfg.api_keys, cfg.api_keys_file)
         self.upstream_key = SecretFile(cfg.upstream_api_key_file, env().upstream_api_key)
         self.upstream = Upstream(cfg.connect_timeout, cfg.read_timeout, self.upstream_key.get)
-        self.admission = Admission(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout, self.metrics)
+        self.admission = Admission(
+            cfg.max_concurrent_requests,
+            cfg.queue_size,
+            cfg.queue_timeout,
+            self.metrics,
+            max_queue_wait=cfg.max_queue_wait_s,
+        )
         self._tasks: list[asyncio.Task] = []
         self._discovery: K8sDiscovery | None = None
         for spec in cfg.pods:
@@ -468,12 +474,14 @@ class Router:
         except ChatContentError as e:  # the pod would refuse it the same way
             raise bad_request(str(e), "messages") from e
         plen = len(ids) if ids else 0
+        ctx = self.cfg.max_model_len or getattr(self.tok, "max_model_len", None)
+        budget = request_budget(body, plen, ctx, self.cfg.max_request_tokens)  # a 400 before any queue
         if not self.candidates(DECODE_ROLES):
             raise self.no_pod(tenant)
         ticket = await self.admission.admit(
             tenant,
             prio,
-            plen + _completion_budget(body),
+            plen + budget,
             key.rpm if key is not None else None,
             key.tpm if key is not None else None,
             gone,
@@ -615,13 +623,3 @@ def _usage_from_sse(tail: bytes) -> dict | None:
 def _total_tokens(usage: Any) -> int | None:
     total = usage.get("total_tokens") if isinstance(usage, dict) else None
     return total if isinstance(total, int) else None
-
-
-def _completion_budget(body: dict) -> int:
-    """Tokens the request may generate (``max_tokens`` × ``n``; 0 when unset): its TPM charge beyond the prompt."""
-    m = body.get("max_tokens")
-    if m is None:
-        m = body.get("max_completion_tokens")
-    n = body.get("n")
-    m = m if isinstance(m, int) and m > 0 else 0
-    return m * (n if isinstance(n, int) and n > 0 else 1)

@@ -42,6 +42,8 @@ class RouterTokenizer:
         self._batch_fast = getattr(self._fast, "encode_batch_fast", None)
         self.identity = loaded.config.identity()
         self.model_name = loaded.config.name
+        # The context the pods default to (their --max-model-len may lower it: the router's own flag then)
+        self.max_model_len = loaded.config.max_position_embeddings
         self._pool: ThreadPoolExecutor | None = None
         # Long prompts in cached pieces when that is exact for this tokenizer (token_cache.py).
         self.pieces = PieceCache.for_tokenizer(self._fast)

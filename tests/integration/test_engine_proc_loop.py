@@ -196,3 +196,52 @@ def test_admission_waits_for_connector_handshake_off_the_loop(loop):
     rejected = [m for m in recv_all() if isinstance(m, wire.Rejected)]
     assert [(m.request_id, m.reason) for m in rejected] == [("bad", "invalid")]
     assert "unknown remote engine" in rejected[0].message
+
+
+def test_deadline_sheds_with_retry_after_and_leaks_nothing(tmp_path):
+    """A real (simulated) engine behind the loop, --max-queue-wait-s 1 and 2 sequence slots, rates set
+    (one request finishes per second): of 10 requests arriving at once 3 are admitted (the third waits
+    an estimated 1 s), 7 get ``overloaded`` with Retry-After >= 1; the admitted finish and the engine's
+    bookkeeping is intact with every block back."""
+    from kvmesh.engine.args import EngineArgs
+    from kvmesh.engine.core.engine_core import EngineCore
+
+    engine, _ = EngineCore.from_model(
+        EngineArgs(max_num_seqs=2, num_kv_blocks=32, max_model_len=256),
+        simulate={"decode_base_ms": 0.0, "decode_per_seq_ms": 0.0, "prefill_ms_per_token": 0.0},
+    )
+    ctx = zmq.Context()
+    cfg = EngineProcConfig(
+        f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", stats_interval=3600, engine_kwargs={"max_queue_wait_s": 1.0}
+    )
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    push.bind(cfg.input_addr)
+    pull.bind(cfg.output_addr)
+    proc = EngineProcess(cfg, engine=engine)
+    try:
+        proc.admission.tokens.rate, proc.admission.finishes.rate = 1e6, 1.0
+        for i in range(10):
+            params = SamplingParams(max_tokens=4, ignore_eos=True)
+            push.send(wire.encoder.encode(wire.AddRequest(EngineCoreRequest(f"r{i}", [1, 2, 3], params))))
+        time.sleep(0.1)
+        proc._drain(100)
+        msgs = []
+        for _ in range(50):
+            if not engine.has_unfinished():
+                break
+            proc.step_once()
+        while pull.poll(200):
+            msgs.append(wire.from_engine_decoder.decode(pull.recv()))
+        rejected = [m for m in msgs if isinstance(m, wire.Rejected)]
+        assert sorted(m.request_id for m in rejected) == [f"r{i}" for i in range(3, 10)]
+        assert all(m.reason == "overloaded" and m.retry_after_s >= 1 for m in rejected)
+        finished = {o.request_id for m in msgs if isinstance(m, wire.Outputs) for o in m.outputs if o.finish_reason}
+        assert finished == {"r0", "r1", "r2"}
+        assert not engine.has_unfinished() and proc.admission.refused == 7
+        engine.check_integrity()
+        assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+    finally:
+        proc.close()
+        push.close(0)
+        pull.close(0)
+        ctx.term()

@@ -4,9 +4,12 @@
 A tenant over its RPM or TPM gets 429 with Retry-After while another tenant is served; a tenant
 with queued requests does not delay another tenant's request behind all of them (round robin); a
 higher-priority key overtakes, a client's priority header cannot raise its key's; a full queue
-answers 429, no healthy pod 503; a client that disconnects while queued leaves the queue; afterwards
-nothing is in flight. Orders of admission are read from the order the pod received the requests
-(one slot: admission order), never from wall times.
+answers 429, no healthy pod 503; a queue whose estimated wait passes the bound answers 429 when the
+tenant's own backlog makes it long and 503 when the service is saturated, each with Retry-After from
+the queue; a request over the token budget (n x max_tokens) is a 400 naming max_tokens; a client
+that disconnects while queued leaves the queue; afterwards nothing is in flight. Orders of admission
+are read from the order the pod received the requests (one slot: admission order), never from wall
+times; the queue's finish rate is set by the test, never measured from them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from kvmesh.services.errors import ENGINE_UNAVAILABLE_HEADER
 from kvmesh.testing.pods import FakePod, IdTokenizer, start_router
 from kvmesh.testing.pods import wait_for as _wait_for
 from kvmesh.topology import free_port
@@ -170,6 +174,42 @@ def test_full_queue_gets_429(stack, settled):
     assert rejected(router, "queue_full", "beta") == 1
     pod.paused = False
     assert [f.result().status_code for f in (first, *queued)] == [200] * 4
+
+
+def test_queue_bounded_by_estimated_wait_429_for_own_backlog_503_when_saturated(stack, settled):
+    srv, router, pod, _ = stack
+    adm = router.admission
+    first, n0 = hold_one(stack)
+    bound = adm.max_queue_wait
+    try:
+        # One admitted request finishes every 10 s (as measured); a request may wait 15 s at most.
+        adm.finishes.rate, adm.max_queue_wait = 0.1, 15.0
+        queued = queue(stack, "alpha-key")  # 1 slot to free: 10 s, within the bound
+        # alpha's next: its own queued request goes first, 20 s; alone it would fit: 429, its backlog
+        r = post(srv.url, "alpha-key")
+        assert r.status_code == 429 and r.headers["retry-after"] == "5"  # 20 s - 15 s, from the queue
+        assert r.json()["error"]["type"] == "RateLimitError" and "alpha" in r.json()["error"]["message"]
+        # beta's first: alpha's queued request has the next turn, 20 s even alone: the service is saturated
+        r = post(srv.url, "beta-key")
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert ENGINE_UNAVAILABLE_HEADER not in r.headers and "saturated" in r.json()["error"]["message"]
+        assert rejected(router, "queue_wait", "alpha") == 1 and rejected(router, "saturated", "beta") == 1
+    finally:
+        adm.max_queue_wait = bound
+    pod.paused = False
+    assert [f.result().status_code for f in (first, queued)] == [200, 200]
+    assert tenants_seen(pod, n0) == ["alpha", "alpha"]  # the refused requests never reached the pod
+
+
+def test_request_over_the_token_budget_is_a_400_at_the_router(stack, settled):
+    srv, router, pod, _ = stack
+    n0 = len(pod.bodies)
+    body = {"prompt": PROMPT, "n": 100, "max_tokens": 8000}  # the probe's 800,000 tokens
+    r = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": "Bearer beta-key"}, timeout=60)
+    assert r.status_code == 400 and "retry-after" not in r.headers
+    err = r.json()["error"]
+    assert err["param"] == "max_tokens" and "800000" in err["message"] and "65536" in err["message"]
+    assert len(pod.bodies) == n0  # answered by the router, before any queue or pod
 
 
 def test_client_gone_while_queued_leaves_the_queue(stack, settled):

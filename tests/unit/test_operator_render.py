@@ -285,6 +285,7 @@ def test_every_engine_field_reaches_the_engine(example: Path, role: str) -> None
         "tp_nodes": "tensorParallelNodes",
         "prefix_hash": "prefixHash",
         "kv_events_format": "kvEventsFormat",
+        "max_queue_wait_s": "maxQueueWaitS",
     }
     assert {camel[a] for a, _ in ENGINE_FLAGS} == crd_fields
     for attr, _ in ENGINE_FLAGS:
