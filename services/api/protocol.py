@@ -99,3 +99,20 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's body of ``POST /v1/load_lora_adapter``."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    load_inplace: bool = False  # an adapter of that name is replaced instead of refused
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's body of ``POST /v1/unload_lora_adapter``."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None  # vLLM's body may carry it; names identify adapters here

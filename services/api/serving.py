@@ -86,6 +86,7 @@ class Generation:
         params: SamplingParams,
         cache_salt: str | None,
         kv_transfer_params: dict | None,
+        lora_name: str | None = None,
     ) -> None:
         self.client = client
         self.metrics = metrics
@@ -100,6 +101,7 @@ class Generation:
         self.prompts = prompts
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params
+        self.lora_name = lora_name
         self.unfinished = set(self.ids)
         self.tools: ChatTools | None = None  # a chat request's tools, when its output is read for calls
         self._last_token_time: dict[tuple[str, int], float] = {}
@@ -116,6 +118,7 @@ class Generation:
                         params=self.params,
                         cache_salt=self.cache_salt,
                         kv_transfer_params=self.kv_transfer_params,
+                        lora_name=self.lora_name,
                         arrival_time=self.arrival,
                     ),
                     self.stream,
@@ -251,9 +254,16 @@ class Serving:
 
     # ---- validation ---------------------------------------------------------
     def check_model(self, name: str | None) -> str:
+        """The model a request names: a served name of the base model, or a registered LoRA adapter."""
         if name is None or name in self.served_names:
             return self.served_names[0] if name is None else name
+        if name in self.client.loras:
+            return name
         raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+    def lora_of(self, model: str) -> str | None:
+        """The adapter a checked ``model`` names (None: the base model)."""
+        return None if model in self.served_names else model
 
     def check_prompt(self, ids: list[int]) -> None:
         n = len(ids)
@@ -357,7 +367,9 @@ class Serving:
             self._token_str[tok] = s
         return s
 
-    def new_generation(self, prefix: str, prompts: list[_Prompt], params: SamplingParams, req: _Sampling) -> Generation:
+    def new_generation(
+        self, prefix: str, prompts: list[_Prompt], params: SamplingParams, req: _Sampling, model: str
+    ) -> Generation:
         """The generation of already checked prompts (`check_prompt`, by the prepare_* methods)."""
         from kvmesh.services.decode.admission import admit_kv_transfer_params
 
@@ -373,6 +385,7 @@ class Serving:
             params,
             req.cache_salt,
             req.kv_transfer_params,
+            self.lora_of(model),
         )
 
     # ---- logprobs formats ---------------------------------------------------
@@ -438,7 +451,7 @@ class Serving:
         params = self.sampling_params(req, req.max_tokens, req.logprobs, [len(p.token_ids) for p in prompts])
         if len(prompts) * req.n > MAX_N:  # each prompt is a request of n sequences
             raise bad_request(f"prompts * n must be <= {MAX_N}, got {len(prompts)} * {req.n}", "prompt")
-        return model, self.new_generation("cmpl", prompts, params, req)
+        return model, self.new_generation("cmpl", prompts, params, req, model)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, Generation]:
         model = self.check_model(req.model)
@@ -454,6 +467,6 @@ class Serving:
         elif req.top_logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         params = self.sampling_params(req, max_tokens, logprobs, [len(ids)], tools)
-        gen = self.new_generation("chatcmpl", [_Prompt(None, ids)], params, req)
+        gen = self.new_generation("chatcmpl", [_Prompt(None, ids)], params, req, model)
         gen.tools = tools if tools.active else None
         return model, gen
