@@ -210,7 +210,9 @@ class EngineProcess:
                 self.engine.add_lora(msg.name, msg.path)
                 log.info("LoRA adapter %s loaded from %s", msg.name, msg.path)
             elif not self.engine.remove_lora(msg.name):
-                return wire.LoRADone(msg.token, 404, f"The lora adapter '{msg.name}' is not loaded.")
+                return wire.LoRADone(
+                    msg.token, 404, f"The lora adapter '{msg.name}' is not loaded.", self.engine.list_loras()
+                )
             else:
                 log.info("LoRA adapter %s unloaded", msg.name)
         except LoRAError as e:

@@ -123,8 +123,8 @@ class LoRADone(msgspec.Struct, tag="lora_done"):
 
     token: int
     status: int
-    message: str = ""
-    loras: list[str] = []
+    message: str
+    loras: list[str]
 
 
 class Fatal(msgspec.Struct, tag="fatal"):
