@@ -64,6 +64,11 @@ class EngineStats(msgspec.Struct):
     num_prompt_tokens_pending: int = 0
     # KV-transfer messages and pulls a connector refused, by reason (see KV_TRANSFER_REFUSALS)
     kv_transfer_refused: dict[str, int] = msgspec.field(default_factory=dict)
+    # LoRA: the adapters registered, and those of running and of waiting requests (vllm:lora_requests_info)
+    loras: list[str] = msgspec.field(default_factory=list)
+    running_loras: list[str] = msgspec.field(default_factory=list)
+    waiting_loras: list[str] = msgspec.field(default_factory=list)
+    max_loras: int = 0
 
 
 # connector stats key -> the ``reason`` of kvmesh:kv_transfer_refused_total

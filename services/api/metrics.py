@@ -201,6 +201,15 @@ class ServerMetrics:
             ],
             registry=r,
         )
+        self.lora_requests_info = Gauge(
+            mn.LORA_REQUESTS_INFO,
+            "Running stats on LoRA requests (vLLM's; value: when it was set).",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=r,
+        )
+        self.lora_adapter_info = Gauge(
+            mn.LORA_ADAPTER_INFO, "The LoRA adapters the pod has registered (value 1).", L + ["lora_name"], registry=r
+        )
         self.queue_time = Histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
@@ -219,6 +228,7 @@ class ServerMetrics:
         self._gen, self._prompt = self.generation_tokens.labels(m), self.prompt_tokens.labels(m)
         self._success = {reason: self.request_success.labels(m, reason) for reason in FINISH_REASONS}
         self._last = EngineStats()
+        self._lora_set_once = False
         for g in (self.num_running, self.num_waiting, self.kv_usage, self.held_requests, self.prompt_tokens_pending):
             g.labels(m).set(0)
         for c in (self.prefix_queries, self.prefix_hits, self.preemptions, self.chained_rounds, self.computed_tokens):
@@ -255,7 +265,24 @@ class ServerMetrics:
             old = last.kv_transfer_refused.get(reason, 0)
             if new > old:
                 refused.inc(new - old)
+        self._lora(s)
         self._last = s
+
+    def _lora(self, s: EngineStats) -> None:
+        """One current series of vllm:lora_requests_info (set only while LoRA is on), one series per adapter."""
+        last = self._last
+        now = (s.running_loras, s.waiting_loras, s.max_loras)
+        if s.max_loras and (not self._lora_set_once or now != (last.running_loras, last.waiting_loras, last.max_loras)):
+            self.lora_requests_info.clear()
+            self.lora_requests_info.labels(
+                str(s.max_loras), ",".join(s.waiting_loras), ",".join(s.running_loras)
+            ).set_to_current_time()
+            self._lora_set_once = True
+        if s.loras != last.loras:
+            for name in set(last.loras) - set(s.loras):
+                self.lora_adapter_info.remove(self.model_name, name)
+            for name in s.loras:
+                self.lora_adapter_info.labels(self.model_name, name).set(1)
 
     def on_ready(self, ready) -> None:
         """The engine's settings (a `wire.Ready`), once at start."""
