@@ -248,3 +248,29 @@ def test_file_format_round_trips() -> None:
     assert json.loads(text) == {"adapters": {"a": "/x/a", "b": "/x/b"}}
     assert parse_adapters(text) == {"a": "/x/a", "b": "/x/b"}
     assert parse_adapters("{}") == {}
+
+
+def test_server_loads_the_file_before_serving_and_only_with_lora_enabled(tmp_path: Path, caplog) -> None:
+    """launcher._start_lora_sync: the adapters are loaded before it returns (before the port opens), then
+    followed by a task; a server without LoRA (Ready.max_loras 0) logs why and follows nothing."""
+    from kvmesh.services.api.config import ServerConfig
+    from kvmesh.services.api.launcher import _start_lora_sync
+
+    f = tmp_path / "adapters.json"
+    write(f, {"a": "/adapters/a"})
+    cfg = ServerConfig(lora_modules_file=str(f))
+
+    async def start(max_loras: int) -> FakeClient:
+        client = FakeClient()
+        client.ready = wire.Ready(1, "m", 64, 16, 8, "both", max_loras=max_loras)  # type: ignore[attr-defined]
+        task = await _start_lora_sync(cfg, client)  # type: ignore[arg-type]
+        assert (task is None) == (max_loras == 0)
+        if task is not None:
+            assert client.loaded == {"a": "/adapters/a"}
+            task.cancel()
+        return client
+
+    assert asyncio.run(start(4)).loaded == {"a": "/adapters/a"}
+    with caplog.at_level(logging.ERROR, logger="kvmesh.api"):
+        assert asyncio.run(start(0)).calls == []
+    assert any("--enable-lora" in r.getMessage() for r in caplog.records)
