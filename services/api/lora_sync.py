@@ -38,6 +38,7 @@ class LoRAClient(Protocol):
     """What the sync needs of `EngineClient`."""
 
     loras: frozenset[str]
+    runtime_loras: dict[str, str]  # loaded at run time (name -> folder), by this sync, the HTTP route or the router
 
     async def load_lora(self, name: str, path: str) -> Any: ...  # a wire.LoRADone
 
@@ -113,6 +114,9 @@ class LoRASync:
                 await self._unload(name)
         for name, path in sorted(self.wanted.items()):
             if (self.owned.get(name) == path and name in self.client.loras) or not self._due(name, path):
+                continue
+            if name in self.client.loras and self.client.runtime_loras.get(name) == path:
+                self.owned[name] = path  # already loaded from this folder (e.g. by the router): adopt it
                 continue
             if name in self.client.loras and not await self._unload(name):  # a changed folder, or not ours
                 continue

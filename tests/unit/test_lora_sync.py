@@ -32,6 +32,10 @@ class FakeClient:
     def loras(self) -> frozenset[str]:
         return frozenset(self.loaded)
 
+    @property
+    def runtime_loras(self) -> dict[str, str]:  # as EngineClient: every adapter here was loaded at run time
+        return self.loaded
+
     async def load_lora(self, name: str, path: str) -> wire.LoRADone:
         self.calls.append(("load", name, path))
         if self.down:
@@ -122,6 +126,17 @@ def test_adapters_loaded_by_hand_are_left_alone_unless_the_file_names_them(setup
     write(f, {})
     step(sync)
     assert client.loaded == {"manual": "/elsewhere/manual"}
+
+
+def test_adapter_already_loaded_from_the_same_folder_is_adopted_not_reloaded(setup) -> None:
+    """E.g. the router loaded it onto this pod before the kubelet's update reached the file."""
+    f, client, _, sync = setup
+    client.loaded["a"] = "/adapters/a"
+    step(sync)
+    assert client.calls == [("load", "b", "/adapters/b")]
+    write(f, {"b": "/adapters/b"})
+    step(sync)  # adopted, so removing it from the file unloads it
+    assert client.loaded == {"b": "/adapters/b"}
 
 
 def test_adapter_unloaded_behind_its_back_is_loaded_again(setup) -> None:
