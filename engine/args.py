@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.common.fields import add_arguments, cli, scalar_type, values_from
+from kvmesh.common.hashing import PREFIX_HASHES
 from kvmesh.common.kernel_choices import FP8_GEMMS, FP8_ONE_ROW_KERNELS, KernelChoices
+from kvmesh.common.kv_events import EVENT_FORMATS
 from kvmesh.common.model_files import ModelConfig
 from kvmesh.common.roles import ROLES, Role
 from kvmesh.engine.config import (
@@ -150,6 +152,31 @@ class EngineArgs:
         ),
     )
     num_kv_blocks: int | None = _setting(CacheConfig.num_kv_blocks, "KV pool size in blocks (default: from memory)")
+    prefix_hash: str = _setting(
+        CacheConfig.prefix_hash,
+        "how the prefix cache hashes blocks: kvmesh (model identity and cache_salt in the first block's "
+        "keys) or vllm (vLLM 0.33's sha256_cbor hashes, so an llm-d or Dynamo indexer that hashes prompts "
+        "the vLLM way matches this pod's KV events); kvmesh's router follows what the pods' events show",
+        choices=list(PREFIX_HASHES),
+        crd=CrdProperty(
+            "prefixHash",
+            CacheConfig.prefix_hash,
+            description="Block hashes of the prefix cache and its KV events: kvmesh, or vllm (vLLM's "
+            "sha256_cbor scheme, for an external llm-d or Dynamo router that hashes prompts itself).",
+        ),
+    )
+    kv_events_format: str = _setting(
+        CacheConfig.kv_events_format,
+        "KV events on the wire: map (vLLM's named-field events, what current indexers read) or array "
+        "(vLLM v0.10's positional arrays, for older consumers)",
+        choices=list(EVENT_FORMATS),
+        crd=CrdProperty(
+            "kvEventsFormat",
+            CacheConfig.kv_events_format,
+            description="KV-event encoding: map (vLLM's current named fields) or array (vLLM v0.10's "
+            "positional form). kvmesh's router reads both.",
+        ),
+    )
     seed: int = _setting(EngineConfig.seed)
     # Flags of the server commands (kvmesh serve/prefill/decode): the "server" section.
     role: Role = _setting(EngineConfig.role, choices=list(ROLES), section="server")

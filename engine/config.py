@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.common.hashing import KVMESH, PREFIX_HASHES
 from kvmesh.common.kernel_choices import KernelChoices
+from kvmesh.common.kv_events import EVENT_FORMATS, MAP
 from kvmesh.common.model_files import ModelConfig
 from kvmesh.common.roles import ROLES, Role
 
@@ -27,8 +29,16 @@ class CacheConfig:
     kv_cache_memory_gb: float = 2.0
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; fp8 halves the bytes per block (twice the blocks)
+    # How the prefix cache hashes blocks (kvmesh.common.hashing: "kvmesh" or vLLM's "vllm") and how the
+    # KV events are laid out on the wire (kvmesh.common.kv_events: vLLM's "map" form or v0.10's "array").
+    prefix_hash: str = KVMESH
+    kv_events_format: str = MAP
 
     def __post_init__(self) -> None:
+        if self.prefix_hash not in PREFIX_HASHES:
+            raise ValueError(f"prefix_hash must be one of {PREFIX_HASHES}, got {self.prefix_hash!r}")
+        if self.kv_events_format not in EVENT_FORMATS:
+            raise ValueError(f"kv_events_format must be one of {EVENT_FORMATS}, got {self.kv_events_format!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -21,6 +21,8 @@ KV-path secret (``KVMESH_KV_AUTH_KEY``, unless the caller's environment already 
 one), so the event streams are CURVE-encrypted and admit only the router, and the
 NIXL side channel is MAC'd; the router gets a random key towards the workers, which
 accept only it, and the private redis-server a password (``KVMESH_REDIS_PASSWORD``).
+The admin key (``TopologyConfig.admin_key``, else the caller's ``KVMESH_ADMIN_KEY``)
+reaches the router and every worker: their administrative endpoints take it alone.
 Secrets reach the children through the environment, never a command line; UCX is
 kept on the loopback device.
 """
@@ -62,6 +64,9 @@ class TopologyConfig:
     router_args: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = ()  # clients' keys at the router (--api-key)
     api_keys_file: str | None = None  # or a keys file (--api-keys-file)
+    # The admin credential of the router (/pods, x-kvmesh-pod) and the workers (/drain, /reset_prefix_cache),
+    # given to them as $KVMESH_ADMIN_KEY (None: theirs is the caller's $KVMESH_ADMIN_KEY, if any).
+    admin_key: str | None = field(default=None, repr=False)
     cpu_threads: int | None = None  # KVMESH_CPU_THREADS for each worker (default: cores / workers)
     startup_timeout_s: float = 300.0
     log_dir: str | None = None
@@ -304,11 +309,13 @@ class Topology:
             raise
 
     def _env(self, extra: dict[str, str]) -> dict[str, str]:
-        """A child's environment: ours, this run's KV-path secret, and ``extra``."""
+        """A child's environment: ours, this run's KV-path secret, the admin key, and ``extra``."""
         # PARENT_PID: the servers shut down if this process goes without stopping them (killed, OOM).
         child = {**os.environ, ev.KV_AUTH_KEY: self.kv_auth_key, ev.PARENT_PID: str(os.getpid()), **extra}
         if self.redis_password is not None:
             child[ev.REDIS_PASSWORD] = self.redis_password
+        if self.config.admin_key:
+            child[ev.ADMIN_KEY] = self.config.admin_key
         return child
 
     # ---- supervise ----------------------------------------------------------

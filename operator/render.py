@@ -74,11 +74,15 @@ INTERNAL_SECRET_SUFFIX = "-kvmesh-internal"
 KEY_UPSTREAM_API_KEY = "upstream-api-key"
 KEY_KV_AUTH = "kv-auth-key"
 KEY_REDIS_PASSWORD = "redis-password"
+# The admin credential (router /pods and x-kvmesh-pod, workers' /drain and /reset_prefix_cache). Its
+# secretKeyRef is optional: a Secret made before this key existed (or brought by the user without it)
+# still starts the pods, which then refuse the admin endpoints (docs/operator.md, "Secrets").
+KEY_ADMIN = "admin-key"
 # An external Redis (kvConnector.redis.url): the user's Secrets for its password and its CA.
 REDIS_PASSWORD_SECRET_KEY = "password"
 REDIS_TLS_CA_KEY = "ca.crt"
 REDIS_TLS_DIR = "/etc/kvmesh/redis-tls"
-INTERNAL_KEYS = (KEY_UPSTREAM_API_KEY, KEY_KV_AUTH, KEY_REDIS_PASSWORD)
+INTERNAL_KEYS = (KEY_UPSTREAM_API_KEY, KEY_KV_AUTH, KEY_REDIS_PASSWORD, KEY_ADMIN)
 # Tenant keys: the user's Secret (spec.auth.apiKeysSecret, key keys.json) mounted in the router.
 API_KEYS_SECRET_KEY = "keys.json"
 API_KEYS_DIR = "/etc/kvmesh/api-keys"
@@ -195,9 +199,10 @@ def internal_secret_name(meta: ObjectMeta) -> str:
 
 def internal_secret(meta: ObjectMeta) -> Manifest:
     """The generated keys of one InferenceService: the router's credential towards its workers,
-    the KV path's shared secret (NIXL side channel HMAC, KV-event stream) and the managed Redis's
-    password. Fresh random values on every call, so reconcile creates it once and never applies it
-    again (keys stay stable across passes); the owner reference deletes it with the service."""
+    the KV path's shared secret (NIXL side channel HMAC, KV-event stream), the managed Redis's
+    password and the admin key (the router's /pods, the workers' /drain and /reset_prefix_cache).
+    Fresh random values on every call, so reconcile creates it once and never applies it again (keys
+    stay stable across passes); the owner reference deletes it with the service."""
     obj = _object("v1", "Secret", internal_secret_name(meta), meta, "secret")
     obj["type"] = "Opaque"
     obj["stringData"] = {k: secrets.token_urlsafe(32) for k in INTERNAL_KEYS}
@@ -206,6 +211,13 @@ def internal_secret(meta: ObjectMeta) -> Manifest:
 
 def _secret_env(name: str, meta: ObjectMeta, key: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": internal_secret_name(meta), "key": key}}}
+
+
+def _admin_env(meta: ObjectMeta) -> dict[str, Any]:
+    """``KVMESH_ADMIN_KEY`` from the generated Secret; optional (`KEY_ADMIN`)."""
+    env = _secret_env(ev.ADMIN_KEY, meta, KEY_ADMIN)
+    env["valueFrom"]["secretKeyRef"]["optional"] = True
+    return env
 
 
 def _security_context() -> dict[str, Any]:
@@ -425,11 +437,13 @@ def _lora_volumes(spec: InferenceServiceSpec, meta: ObjectMeta) -> tuple[list[di
 
 
 def _worker_secret_env(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[dict[str, Any]]:
-    """A worker accepts only the router's key on its API; the KV path is authenticated with the
-    shared key; Redis AUTH with a managed Redis's generated password, or an external one's from the
-    user's Secret (``kvConnector.redis.passwordSecret``)."""
+    """A worker accepts only the router's key on its API, and the admin key on /drain and
+    /reset_prefix_cache; the KV path is authenticated with the shared key; Redis AUTH with a managed
+    Redis's generated password, or an external one's from the user's Secret
+    (``kvConnector.redis.passwordSecret``)."""
     env = [
         _secret_env(ev.API_KEY, meta, KEY_UPSTREAM_API_KEY),
+        _admin_env(meta),
         _secret_env(ev.KV_AUTH_KEY, meta, KEY_KV_AUTH),
     ]
     c = spec.connector
@@ -654,6 +668,8 @@ def _router_args(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[str]:
     ]
     if spec.model.source != "embedded":
         args += ["--model", model_path(spec)]
+    if spec.auth.metrics_tenant_labels:  # tenants by name in the open /metrics (services/router/metrics.py)
+        args.append("--metrics-tenant-labels")
     return args
 
 
@@ -673,6 +689,7 @@ def _router(spec: InferenceServiceSpec, meta: ObjectMeta) -> Manifest:
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             *_cache_env(),
             _secret_env(ev.UPSTREAM_API_KEY, meta, KEY_UPSTREAM_API_KEY),
+            _admin_env(meta),
             _secret_env(ev.KV_AUTH_KEY, meta, KEY_KV_AUTH),
             *(
                 [{"name": ev.API_KEYS_FILE, "value": f"{API_KEYS_DIR}/{API_KEYS_SECRET_KEY}"}]

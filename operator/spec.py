@@ -175,13 +175,19 @@ class AutoscalingSpec:
 
 @dataclass(frozen=True)
 class AuthSpec:
-    """spec.auth: the user Secret (key keys.json) holding the tenant API keys the router accepts."""
+    """spec.auth: the user Secret (key keys.json) holding the tenant API keys the router accepts, and
+    whether the router's /metrics (open to scrapers) names tenants (``metricsTenantLabels``; default:
+    opaque labels)."""
 
     api_keys_secret: str | None = None
+    metrics_tenant_labels: bool = False
 
     @staticmethod
     def parse(d: Mapping[str, Any]) -> AuthSpec:
-        return AuthSpec(api_keys_secret=d.get("apiKeysSecret") or None)
+        return AuthSpec(
+            api_keys_secret=d.get("apiKeysSecret") or None,
+            metrics_tenant_labels=bool(d.get("metricsTenantLabels", False)),
+        )
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,19 @@ on rotation, so the store re-reads it when its mtime, size or inode change (chec
 second: one ``stat`` per second, not per request). A file that cannot be read or parsed keeps the
 keys already loaded (a half-written file must not open or lock the service) and logs an error.
 
-No key configured at all means no authentication (the behaviour of a local ``kvmesh serve``), with a
-warning at start. Keys are compared in constant time against every configured key, so the answer
-time tells nothing about how much of a key matched or which key it was.
+The admin key is another credential, never a client's: ``--admin-key`` or ``--admin-key-file`` (re-read
+on change, like every secret file), else ``$KVMESH_ADMIN_KEY``. Administrative endpoints (each app
+names its own ``admin_paths``: the API server's ``/drain`` and ``/reset_prefix_cache``, the router's
+``/pods``) take only it: a client's key gets 403, and with no admin key configured they are refused to
+everyone (403), because a client key that may drain a pod lets any client, or a fuzzer holding one,
+take the pod out of service. The admin key is also accepted wherever a client key is (tenant
+`ADMIN_TENANT`), and only its requests learn internals such as the router's ``x-kvmesh-pod`` header
+(`is_admin`).
+
+No key configured at all, client or admin, means no authentication (the behaviour of a local
+``kvmesh serve``), with a warning at start: every caller is then the admin, as every endpoint is open
+anyway. Keys are compared in constant time against every configured key, so the answer time tells
+nothing about how much of a key matched or which key it was.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ log = logging.getLogger("kvmesh.auth")
 
 OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})  # probes and scrapers never need a key
 DEFAULT_TENANT = "default"
+ADMIN_TENANT = "kvmesh-admin"  # the admin key's tenant where it calls a client endpoint (its cache namespace)
 RECHECK_S = 1.0  # a changed key file is seen within this many seconds
 
 
@@ -155,12 +166,10 @@ class KeyStore:
     def lookup(self, authorization: str | None) -> APIKey | None:
         """The key an ``Authorization: Bearer <key>`` header carries, or None. Every configured key is
         compared, in constant time each, whichever matches."""
-        if not authorization:
+        token = _bearer(authorization)
+        if token is None:
             return None
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer":
-            return None
-        got = token.strip().encode()
+        got = token.encode()
         found = None
         for k in self.keys():
             if hmac.compare_digest(got, k.key.encode()) and found is None:
@@ -193,7 +202,16 @@ def _one_secret(text: str) -> str:
     return s
 
 
+def admin_key_source(key: str | None = None, path: str | None = None, environ: Env | None = None) -> SecretFile:
+    """The admin credential of a service's flags: ``--admin-key``, else ``--admin-key-file`` (re-read when
+    it changes), else ``$KVMESH_ADMIN_KEY``; `ValueError` for both flags, or a file that cannot be read."""
+    if key and path:
+        raise ValueError("give --admin-key or --admin-key-file, not both")
+    return SecretFile(path, key or (environ or env()).admin_key)
+
+
 API_KEY_SCOPE = "kvmesh.api_key"  # where the middleware leaves the caller's `APIKey` in the ASGI scope
+ADMIN_SCOPE = "kvmesh.admin"  # True in the scope of a request made with the admin credential
 
 
 def request_key(scope: Mapping) -> APIKey | None:
@@ -201,24 +219,55 @@ def request_key(scope: Mapping) -> APIKey | None:
     return scope.get(API_KEY_SCOPE)
 
 
+def is_admin(scope: Mapping) -> bool:
+    """Whether the request carries the admin key (or no credential is configured at all: open)."""
+    return bool(scope.get(ADMIN_SCOPE, False))
+
+
+def _bearer(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
 class APIKeyMiddleware:
     """ASGI middleware: 401 in OpenAI's schema unless the request carries an accepted key (open
-    paths aside); the accepted `APIKey` goes into the scope for the app (`request_key`). Pure ASGI,
-    not Starlette's ``BaseHTTPMiddleware``: streaming and disconnect detection pass through untouched."""
+    paths aside), 403 on an ``admin_paths`` endpoint unless that key is the admin key (module
+    docstring); the accepted `APIKey` goes into the scope for the app (`request_key`), and whether it
+    is the admin's (`is_admin`). Pure ASGI, not Starlette's ``BaseHTTPMiddleware``: streaming and
+    disconnect detection pass through untouched."""
 
-    def __init__(self, app, store: KeyStore) -> None:
-        self.app, self.store = app, store
+    def __init__(
+        self, app, store: KeyStore, admin: SecretFile | None = None, admin_paths: frozenset[str] = frozenset()
+    ) -> None:
+        self.app, self.store, self.admin, self.admin_paths = app, store, admin, admin_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.store.configured or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        admin_key = self.admin.get() if self.admin is not None else None
+        if not self.store.configured and admin_key is None:  # no credential at all: open, as a local serve
+            scope[ADMIN_SCOPE] = True
             return await self.app(scope, receive, send)
         auth = None
         for k, v in scope.get("headers", ()):
             if k == b"authorization":
                 auth = v.decode("latin-1")
                 break
-        key = self.store.lookup(auth)
-        if key is None:
+        key = self.store.lookup(auth)  # compared against every key whatever the outcome (constant time)
+        token = _bearer(auth)
+        admin = admin_key is not None and hmac.compare_digest((token or "").encode(), admin_key.encode())
+        if admin:
+            scope[ADMIN_SCOPE] = True
+            # at a client endpoint the admin is a tenant of its own (no limits); open endpoints stay keyless
+            scope[API_KEY_SCOPE] = APIKey(admin_key, ADMIN_TENANT) if self.store.configured else None
+            return await self.app(scope, receive, send)
+        if scope["path"] in self.admin_paths and key is not None:
+            why = "no admin key is configured" if admin_key is None else "a client's key is not the admin key"
+            resp = error_response(403, f"administrative endpoint: it takes the admin key (--admin-key); {why}")
+            return await resp(scope, receive, send)
+        if key is None and (self.store.configured or scope["path"] in self.admin_paths):
             resp = error_response(
                 401,
                 "invalid or missing API key: send `Authorization: Bearer <key>`",

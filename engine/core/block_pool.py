@@ -8,10 +8,13 @@ from the middle, when a cache hit revives it, is O(1).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvmesh.common.hashing import BlockHash, external_hash
-from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvmesh.common.kv_events import MAP, KVCacheEvent, event_classes
+
+# The KV-cache group of every block: the pool holds one (full-attention) group, which vLLM numbers 0.
+GROUP_IDX = 0
 
 
 class KVCacheBlock:
@@ -76,7 +79,14 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, emit_events: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        emit_events: bool = True,
+        event_format: str = MAP,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.num_blocks = num_blocks
@@ -87,6 +97,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self._events: list[KVCacheEvent] = []
+        self._ev = event_classes(event_format)  # the wire form's classes (kvmesh.common.kv_events)
         self.num_evictions = 0
 
     # ---- queries ------------------------------------------------------------
@@ -121,7 +132,7 @@ class BlockPool:
         block.block_hash = None
         self.num_evictions += 1
         if self.emit_events:
-            self._events.append(BlockRemoved(block_hashes=[external_hash(h)]))
+            self._events.append(self._ev.removed(block_hashes=[external_hash(h)], group_idx=GROUP_IDX))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference; a free (cached) block leaves the free list."""
@@ -147,32 +158,55 @@ class BlockPool:
         token_ids: Sequence[int],
         start: int,
         end: int,
+        extra_keys: Callable[[int], tuple | None] | None = None,
+        lora_name: str | None = None,
     ) -> None:
-        """Register blocks ``[start, end)`` of a request under their hashes and emit one BlockStored."""
+        """Register blocks ``[start, end)`` of a request under their hashes and emit BlockStored events.
+
+        One event per run of consecutive newly stored blocks (usually one), its ``parent_block_hash``
+        the hash of the block before the run: an indexer that chains blocks (a radix tree keyed by
+        parent) attaches the run where it belongs. ``extra_keys(i)`` gives what entered block ``i``'s
+        hash besides its tokens and parent (`hashing.event_extra_keys`), published per block as vLLM
+        does; ``lora_name`` is the request's adapter, published as the event's ``lora_name`` (None:
+        the base model)."""
         if not self.enable_caching or end <= start:
             return
-        stored_hashes: list[int] = []
-        stored_tokens: list[int] = []
+        run: list[int] = []  # block indices of the current run of newly stored blocks
         for i in range(start, end):
             b, h = blocks[i], block_hashes[i]
-            if b.block_hash is not None:
-                continue  # already cached (a prefix hit or an earlier step)
-            if h in self.cached:
-                continue  # same content held by another block: keep this one private
+            if b.block_hash is not None or h in self.cached:
+                # already cached (a prefix hit or an earlier step), or the same content held by another
+                # block (this one stays private): either way not stored now, so a run ends here
+                self._emit_stored(run, block_hashes, token_ids, extra_keys, lora_name)
+                run = []
+                continue
             b.block_hash = h
             self.cached[h] = b
-            stored_hashes.append(external_hash(h))
-            stored_tokens.extend(token_ids[i * self.block_size : (i + 1) * self.block_size])
-        if self.emit_events and stored_hashes:
-            parent = external_hash(block_hashes[start - 1]) if start > 0 else None
-            self._events.append(
-                BlockStored(
-                    block_hashes=stored_hashes,
-                    parent_block_hash=parent,
-                    token_ids=stored_tokens,
-                    block_size=self.block_size,
-                )
+            run.append(i)
+        self._emit_stored(run, block_hashes, token_ids, extra_keys, lora_name)
+
+    def _emit_stored(
+        self,
+        run: list[int],
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        extra_keys: Callable[[int], tuple | None] | None,
+        lora_name: str | None,
+    ) -> None:
+        if not self.emit_events or not run:
+            return
+        bs = self.block_size
+        self._events.append(
+            self._ev.stored(
+                block_hashes=[external_hash(block_hashes[i]) for i in run],
+                parent_block_hash=external_hash(block_hashes[run[0] - 1]) if run[0] > 0 else None,
+                token_ids=[t for i in run for t in token_ids[i * bs : (i + 1) * bs]],
+                block_size=bs,
+                lora_name=lora_name,
+                extra_keys=[extra_keys(i) for i in run] if extra_keys is not None else None,
+                group_idx=GROUP_IDX,
             )
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""
@@ -182,7 +216,7 @@ class BlockPool:
             b.block_hash = None
         self.cached.clear()
         if self.emit_events:
-            self._events.append(AllBlocksCleared())
+            self._events.append(self._ev.cleared())
         return True
 
     def take_events(self) -> list[KVCacheEvent]:

@@ -67,7 +67,11 @@ class EngineCore:
         else:
             self.runner = ModelRunner(config, state_dict)
         self.kv = KVCacheManager(
-            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, emit_events=False
+            self.runner.num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            emit_events=False,
+            event_format=config.cache.kv_events_format,
         )
         self.connector = connector or KVConnector()
         self.connector.configure(config)
@@ -175,6 +179,7 @@ class EngineCore:
             block_size=self.config.cache.block_size,
             model_identity=self.model_identity,
             cache_salt=req.cache_salt,
+            prefix_hash=self.config.cache.prefix_hash,
             kv_transfer_params=req.kv_transfer_params,
             max_model_len=self.config.scheduler.max_model_len,
             arrival_time=req.arrival_time or time.monotonic(),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.common.hashing import event_extra_keys
+from kvmesh.common.kv_events import MAP
 from kvmesh.engine.core.block_pool import BlockPool, KVCacheBlock
 from kvmesh.engine.core.request import Request
 
@@ -20,10 +22,17 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, emit_events: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        emit_events: bool = True,
+        event_format: str = MAP,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, block_size, enable_caching, emit_events)
+        self.pool = BlockPool(num_blocks, block_size, enable_caching, emit_events, event_format)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # blocks of the request already registered in the cache
         self.stats = PrefixCacheStats()
@@ -123,7 +132,16 @@ class KVCacheManager:
         n_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
         start = self.num_cached_blocks.get(request.request_id, 0)
         if n_full > start:
-            self.pool.cache_blocks(blocks, request.block_hashes, request.all_token_ids, start, n_full)
+            self.pool.cache_blocks(
+                blocks,
+                request.block_hashes,
+                request.all_token_ids,
+                start,
+                n_full,
+                extra_keys=lambda i: event_extra_keys(
+                    request.prefix_hash, i, request.model_identity, request.cache_salt
+                ),
+            )
             self.num_cached_blocks[request.request_id] = n_full
 
     def fork(self, parent: Request, child: Request) -> None:

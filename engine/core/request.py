@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh.common.hashing import BlockHash, block_hashes_for
+from kvmesh.common.hashing import KVMESH, BlockHash, block_hashes_for
 from kvmesh.engine.frontend.sampling_params import SamplingParams
 
 
@@ -58,6 +58,7 @@ class Request:
     parent_id: str | None = None  # set on forks of an n > 1 request
     index: int = 0  # which of the n completions this sequence is
     max_model_len: int = 1 << 30
+    prefix_hash: str = KVMESH  # the block-hash scheme (kvmesh.common.hashing), the engine's --prefix-hash
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Any] = field(default_factory=list)
@@ -79,7 +80,9 @@ class Request:
 
     def __post_init__(self) -> None:
         self._all: list[int] = list(self.prompt_token_ids)
-        self.block_hashes = block_hashes_for(self._all, self.block_size, self.model_identity, self.cache_salt)
+        self.block_hashes = block_hashes_for(
+            self._all, self.block_size, self.model_identity, self.cache_salt, scheme=self.prefix_hash
+        )
 
     # ---- tokens -------------------------------------------------------------
     @property
@@ -141,6 +144,7 @@ class Request:
                     self.cache_salt,
                     start=len(self.block_hashes),
                     parent=parent,
+                    scheme=self.prefix_hash,
                 )
             )
 

@@ -267,6 +267,7 @@ class Scheduler:
                 block_size=parent.block_size,
                 model_identity=parent.model_identity,
                 cache_salt=parent.cache_salt,
+                prefix_hash=parent.prefix_hash,
                 parent_id=parent.request_id,
                 index=i,
                 max_model_len=parent.max_model_len,

@@ -32,6 +32,12 @@ def register(sub) -> None:
         help="clients' API key at the router (repeatable; default: $KVMESH_API_KEY; none: open)",
     )
     p.add_argument("--api-keys-file", default=None, help="JSON keys file for the router (tenants, limits)")
+    p.add_argument(
+        "--admin-key",
+        default=None,
+        help="admin key of the router (/pods, x-kvmesh-pod) and the workers (/drain, /reset_prefix_cache); "
+        "default: $KVMESH_ADMIN_KEY; none while client keys are given: those endpoints are refused",
+    )
     p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeatable)")
     p.set_defaults(func=run)
 
@@ -63,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
     if not (cfg.api_keys or cfg.api_keys_file or env().api_key):
         print("  the router takes requests without a key (give --api-key or --api-keys-file)", flush=True)
     print("  workers accept only the router's key (generated for this run)", flush=True)
+    if cfg.admin_key or env().admin_key:
+        print("  /pods, x-kvmesh-pod and the workers' /drain and /reset_prefix_cache take the admin key", flush=True)
+    else:
+        print("  the workers' /drain and /reset_prefix_cache are refused (no --admin-key)", flush=True)
     print(f"ready: OpenAI endpoint {topo.router_url}/v1  (Ctrl-C stops everything)", flush=True)
     try:
         while not stop.wait(1.0):  # a child that exits is started again; the others keep serving
@@ -94,5 +104,6 @@ def _config(args: argparse.Namespace) -> TopologyConfig:
         router_args=tuple(args.router_arg),
         api_keys=tuple(args.api_key),
         api_keys_file=args.api_keys_file,
+        admin_key=args.admin_key,
         log_dir=args.log_dir,
     )

@@ -89,6 +89,11 @@ class Env:
     upstream_api_key: str | None = var(
         None, "the router's key towards its workers without --upstream-api-key-file", secret=True
     )
+    admin_key: str | None = var(
+        None,
+        "the admin credential (/drain, /reset_prefix_cache, /pods, x-kvmesh-pod) without --admin-key[-file]",
+        secret=True,
+    )
     kv_auth_key: str | None = var(
         None,
         "KV-path secret shared by workers and router (NIXL side channel, KV events) without --kv-auth-key-file",
@@ -118,6 +123,7 @@ class Env:
 API_KEY = name_of(Env, "api_key")
 API_KEYS_FILE = name_of(Env, "api_keys_file")
 UPSTREAM_API_KEY = name_of(Env, "upstream_api_key")
+ADMIN_KEY = name_of(Env, "admin_key")
 KV_AUTH_KEY = name_of(Env, "kv_auth_key")
 REDIS_PASSWORD = name_of(Env, "redis_password")
 CPU_THREADS = name_of(Env, "cpu_threads")

@@ -175,10 +175,10 @@ class IdTokenizer:
     async def prompt_ids_async(self, path, body):
         return self.prompt_ids(path, body)
 
-    def block_hashes(self, ids, block_size, cache_salt):
+    def block_hashes(self, ids, block_size, cache_salt, scheme="kvmesh"):
         from kvmesh.common.hashing import block_hashes_for, external_hash
 
-        return [external_hash(h) for h in block_hashes_for(ids, block_size, self.identity, cache_salt)]
+        return [external_hash(h) for h in block_hashes_for(ids, block_size, self.identity, cache_salt, scheme=scheme)]
 
 
 def start_router(cfg, tokenizer=None):

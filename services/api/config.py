@@ -63,6 +63,18 @@ class ServerConfig:
         "needs --enable-lora",
         metavar="PATH",
     )
+    # The admin credential (services/auth.py): /drain and /reset_prefix_cache take it, never a client's key.
+    admin_key: str | None = field(
+        default=None,
+        repr=False,  # a secret: never in a logged config
+        metadata=cli(
+            "the admin credential, distinct from --api-key: /drain and /reset_prefix_cache take it "
+            "(default: $KVMESH_ADMIN_KEY; none while keys are configured: they are refused)"
+        ),
+    )
+    admin_key_file: str | None = _flag(
+        None, "file holding the admin key, re-read when it changes (instead of --admin-key)", metavar="PATH"
+    )
     max_body_bytes: int = _flag(8 << 20, "larger request bodies get 413")
     # how `auto` tool calls are read from the output (services/api/tools.py PARSERS); None: from the chat template
     tool_call_parser: str | None = _flag(

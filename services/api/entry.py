@@ -101,10 +101,11 @@ def configs_from_args(args: argparse.Namespace):
     cfg = ServerConfig(**values_from(args, ServerConfig), role=args.role)
     if cfg.ready_file and not os.path.isdir(os.path.dirname(os.path.abspath(cfg.ready_file))):
         raise ValueError(f"--ready-file {cfg.ready_file}: no such directory")  # now, not after the model loaded
-    if cfg.api_keys_file:  # a missing or malformed keys file fails now, not after the model loaded
-        from kvmesh.services.auth import KeyStore
+    from kvmesh.services.auth import KeyStore, admin_key_source
 
+    if cfg.api_keys_file:  # a missing or malformed keys file fails now, not after the model loaded
         KeyStore(path=cfg.api_keys_file)
+    admin_key_source(cfg.admin_key, cfg.admin_key_file)  # both flags, or a missing admin key file, fail now too
     addrs = engine_addresses(cfg)
     # The engine process gets the model and role as fields of its own; the rest by EngineArgs field name.
     kw = {k: v for k, v in asdict(EngineArgs.from_cli_args(args)).items() if k not in ("model", "role")}

@@ -1,5 +1,7 @@
 """Operating the server: health and liveness probes, draining, version, Prometheus metrics, and
-resetting the engine's prefix cache."""
+resetting the engine's prefix cache. Draining and the reset act on the whole pod, so they take the
+admin key (`ADMIN_PATHS`, services/auth.py), never a client's: a client key that may POST /drain lets
+any client take the pod out of service."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from .app_state import ServerState, server_state
 log = logging.getLogger("kvmesh.api.server")
 
 routes = APIRouter()
+ADMIN_PATHS = frozenset({"/drain", "/reset_prefix_cache"})  # APIKeyMiddleware's admin_paths (every method)
 
 
 @routes.get(
@@ -65,7 +68,7 @@ async def drain(request: Request):
     """Stop being ready for new work (/health 503) and keep serving what is open: requests and
     streams in flight finish, a prefill pod keeps the blocks it holds for decode pods until they
     are pulled or their lease ends. Poll GET /drain until ``idle``; DELETE /drain undoes it.
-    Requests that still arrive are answered. Needs an API key like every other endpoint."""
+    Requests that still arrive are answered. Takes the admin key (GET and DELETE too)."""
     st = server_state(request)
     if not st.draining:
         log.info("draining: /health now answers 503")

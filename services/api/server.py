@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from kvmesh import __version__
-from kvmesh.services.auth import APIKeyMiddleware, KeyStore
+from kvmesh.services.auth import APIKeyMiddleware, KeyStore, admin_key_source
 from kvmesh.services.errors import (
     APIError,
     api_error_response,
@@ -55,8 +55,14 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
 
-    # ---- auth (services/auth.py; /health and /metrics stay open) and request hygiene (outermost) --
-    app.add_middleware(APIKeyMiddleware, store=KeyStore.from_config(cfg.api_keys, cfg.api_keys_file))
+    # ---- auth (services/auth.py; /health and /metrics stay open, /drain and /reset_prefix_cache take
+    # the admin key) and request hygiene (outermost) --------------------------------------------------
+    app.add_middleware(
+        APIKeyMiddleware,
+        store=KeyStore.from_config(cfg.api_keys, cfg.api_keys_file),
+        admin=admin_key_source(cfg.admin_key, cfg.admin_key_file),
+        admin_paths=routes_admin.ADMIN_PATHS,
+    )
     app.add_middleware(RequestGuard, max_body_bytes=cfg.max_body_bytes, body_timeout=cfg.body_timeout)
 
     include_routes(app, routes_admin.routes, routes_models.routes, routes_openai.routes, routes_lora.routes)

@@ -5,7 +5,7 @@ The routes live in one module per concern and read the `Router` through app_stat
 * routes_proxy.py: ``/v1/completions`` and ``/v1/chat/completions`` through `Router.handle`
   (bodies validated with the API server's models), ``/v1/models`` from a decode-capable pod
 * routes_health.py: ``/live``, ``/health`` (200 while a pod can decode), ``/metrics``
-* routes_debug.py: ``/pods``, a debug view of the pod table
+* routes_debug.py: ``/pods``, a debug view of the pod table (the admin key's alone)
 
 Errors are OpenAI-schema bodies from `kvmesh.services.errors`, the same the pods send.
 `RequestGuard` bounds what a request may hold the router for (headers, body size and read time)
@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from kvmesh.services.auth import APIKeyMiddleware
+from kvmesh.services.auth import APIKeyMiddleware, admin_key_source
 from kvmesh.services.errors import http_error_response, validation_error_response
 from kvmesh.services.http_server import include_routes, server_config
 from kvmesh.services.request_guard import RequestGuard
@@ -38,8 +38,10 @@ def build_app(router: Router) -> FastAPI:
     cfg = router.cfg
     app = FastAPI(title="kvmesh router")
     app.state.router = router  # the routes' state (app_state.py)
-    # every path but /health, /live and /metrics needs a key once keys are configured (services/auth.py)
-    app.add_middleware(APIKeyMiddleware, store=router.keys)
+    # every path but /health, /live and /metrics needs a key once keys are configured, /pods the admin
+    # key (services/auth.py)
+    admin = admin_key_source(cfg.admin_key, cfg.admin_key_file)
+    app.add_middleware(APIKeyMiddleware, store=router.keys, admin=admin, admin_paths=routes_debug.ADMIN_PATHS)
     app.add_middleware(RequestGuard, max_body_bytes=cfg.max_body_bytes, body_timeout=cfg.body_timeout)  # outermost
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)

@@ -222,6 +222,25 @@ class RouterConfig:
             "(default: $KVMESH_UPSTREAM_API_KEY)"
         ),
     )
+    admin_key: str | None = field(
+        default=None,
+        repr=False,  # a secret: never in a logged config
+        metadata=cli(
+            "the admin credential, distinct from clients' keys: /pods and the x-kvmesh-pod header take it "
+            "(default: $KVMESH_ADMIN_KEY; none while keys are configured: /pods is refused)"
+        ),
+    )
+    admin_key_file: str | None = field(
+        default=None, metadata=cli("file holding the admin key, re-read when it changes (instead of --admin-key)")
+    )
+    metrics_tenant_labels: bool = field(
+        default=False,
+        metadata=cli(
+            "name tenants in /metrics (open to any scraper); default: each tenant's label is t- and the "
+            "first 8 hex digits of the sha256 of its name",
+            action="store_true",
+        ),
+    )
     max_concurrent_requests: int = field(
         default=0,
         metadata=cli("requests sent upstream at once; more wait in the admission queue (0: no limit)"),

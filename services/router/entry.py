@@ -55,10 +55,11 @@ def config_from_args(args: argparse.Namespace):
         raise ValueError("--discovery k8s needs --selector (and/or --prefill-selector/--decode-selector)")
     weights = ScoringWeights(**values_from(args, ScoringWeights))
     cfg = RouterConfig(**values_from(args, RouterConfig), weights=weights, pods=pods, k8s_selectors=selectors)
-    from kvmesh.services.auth import KeyStore, SecretFile
+    from kvmesh.services.auth import KeyStore, SecretFile, admin_key_source
 
     if cfg.api_keys_file:  # a missing or malformed file is a start-up error, not a traceback later
         KeyStore(path=cfg.api_keys_file)
+    admin_key_source(cfg.admin_key, cfg.admin_key_file)
     if cfg.upstream_api_key_file:
         SecretFile(cfg.upstream_api_key_file, env().upstream_api_key)
     load_kv_auth_key(cfg.kv_auth_key_file)  # a missing or empty secret file fails here, with the reason

@@ -15,6 +15,13 @@ to hundreds of pods). Per pod it tracks the last sequence number applied:
 The first message from a pod triggers a replay from 0, so a router started
 after its pods learns what they already hold (as far as the ring buffer goes).
 
+Batches come in either of vLLM's forms (kvmesh.common.kv_events: named-field maps, or v0.10's
+positional arrays), told apart per message and counted per form. A pod's first blocks
+(``parent_block_hash`` None) also tell which block-hash scheme it runs (kvmesh's or vLLM's,
+`hashing.scheme_of_root_block`): the event carries the tokens and the extra keys that entered the
+hash, so the router checks which scheme reproduces it and reports it (``on_scheme``), and hashes
+prompts the same way (`Router.prefix_hash`).
+
 The pods bind, the hub connects (to the endpoints of the static list or of the
 EndpointSlices). With `CurveKeys` every SUB and replay socket is a CURVE client:
 the pods admit only the routers' key. A socket monitor per pod tracks whether
@@ -36,7 +43,8 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
+from kvmesh.common.hashing import scheme_of_root_block
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch_form
 from kvmesh.common.kv_events_auth import CurveKeys
 
 from .index import PrefixIndex
@@ -76,6 +84,7 @@ class _Sub:
     replayed: int = 0
     resyncs: int = 0
     restarts: int = 0
+    prefix_hash: str | None = None  # the block-hash scheme its root blocks showed (None: not seen yet)
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,7 @@ class EventStats:
     restarts: int = 0
     decode_errors: int = 0
     per_pod: dict = field(default_factory=dict)
+    forms: dict[str, int] = field(default_factory=dict)  # batches by wire form ("map", "array")
 
 
 class EventHub:
@@ -107,11 +117,15 @@ class EventHub:
         on_event: Callable[[str, str], None] | None = None,
         keys: CurveKeys | None = None,
         on_batch: Callable[[str], None] | None = None,
+        on_form: Callable[[str, str], None] | None = None,
+        on_scheme: Callable[[str, str | None], None] | None = None,
     ) -> None:
         self.index = index
         self.replay_timeout_ms = int(replay_timeout * 1000)
         self.on_event = on_event  # (pod, kind) -> None, for metrics
         self.on_batch = on_batch  # (pod) -> None, once per batch received (live or replayed)
+        self.on_form = on_form  # (pod, "map" | "array") -> None, once per batch decoded
+        self.on_scheme = on_scheme  # (pod, "kvmesh" | "vllm" | None): a pod's hash scheme learned (or reset)
         self.keys = keys  # CURVE client keys; None: plain sockets (pods without a secret)
         self.ctx = zmq.Context()
         self.stats = EventStats()
@@ -135,6 +149,10 @@ class EventHub:
     def pod_seq(self, pod: str) -> int | None:
         s = self._by_pod.get(pod)
         return None if s is None else s.last_seq
+
+    def pod_prefix_hash(self, pod: str) -> str | None:
+        s = self._by_pod.get(pod)
+        return None if s is None else s.prefix_hash
 
     def pod_stream(self, pod: str) -> PodStream | None:
         s = self._by_pod.get(pod)
@@ -258,6 +276,7 @@ class EventHub:
             self.stats.restarts += 1
             self.index.clear_pod(sub.pod)
             sub.last_seq = last = None
+            self._set_scheme(sub, None)  # a restarted pod may run another scheme: learn it again
         expected = 0 if last is None else last + 1
         if seq > expected:
             sub.gaps += 1
@@ -318,15 +337,38 @@ class EventHub:
         self.stats.replayed += len(got)
         return complete
 
+    def _set_scheme(self, sub: _Sub, scheme: str | None) -> None:
+        if scheme == sub.prefix_hash:
+            return
+        sub.prefix_hash = scheme
+        if scheme is not None:
+            log.info("pod %s hashes blocks the %s way (from its KV events)", sub.pod, scheme)
+        if self.on_scheme is not None:
+            self.on_scheme(sub.pod, scheme)
+
+    def _learn_scheme(self, sub: _Sub, ev: BlockStored) -> None:
+        """A root block (no parent, no adapter) shows which scheme the pod hashes with."""
+        if ev.parent_block_hash is not None or ev.lora_name is not None or not ev.block_hashes:
+            return
+        keys = ev.extra_keys[0] if ev.extra_keys else None
+        scheme = scheme_of_root_block(ev.block_hashes[0], ev.token_ids[: ev.block_size], keys, sub.model)
+        if scheme is not None:
+            self._set_scheme(sub, scheme)
+
     def _apply(self, sub: _Sub, seq: int, payload: bytes) -> None:
         try:
-            batch: KVEventBatch = decode_batch(payload)
-        except msgspec.DecodeError:
+            batch, form = decode_batch_form(payload)
+        except (msgspec.DecodeError, IndexError):
             self.stats.decode_errors += 1
             sub.last_seq = seq
             return
+        self.stats.forms[form] = self.stats.forms.get(form, 0) + 1
+        if self.on_form is not None:
+            self.on_form(sub.pod, form)
         for ev in batch.events:
             if isinstance(ev, BlockStored):
+                if sub.prefix_hash is None:
+                    self._learn_scheme(sub, ev)
                 self.index.stored(sub.pod, sub.model, ev.block_hashes)
                 kind = "stored"
             elif isinstance(ev, BlockRemoved):

@@ -1,7 +1,21 @@
 """The router's Prometheus metrics (``kvmesh:`` prefix), in a registry of its own so
-tests can run several routers in one process."""
+tests can run several routers in one process.
+
+Tenant names stay out of ``/metrics`` unless the operator opts in (``--metrics-tenant-labels``): the
+endpoint is open to any scraper, and a tenant's name and traffic are its own. Without the opt-in a
+tenant's ``tenant`` label is `tenant_label` of its name: stable (the same tenant has the same label
+on every router and after every restart) and distinct per tenant, so per-tenant rates, alerts and
+dashboards work unchanged, and an SRE who knows a name finds its series
+(``printf %s NAME | sha256sum | cut -c1-8``); an aggregate would lose the one tenant that is being
+refused. The registry itself keeps the names (tests and the process read them); only the rendering
+maps them.
+"""
 
 from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
@@ -11,6 +25,33 @@ from prometheus_client.metrics import MetricWrapperBase
 # `reason` label values of kvmesh:router_retries_total.
 ENGINE_UNAVAILABLE = "EngineUnavailable"  # the pod answered 503 with services/errors.py's ENGINE_UNAVAILABLE_HEADER
 RETRY_REASONS = ("ConnectTimeout", "ConnectError", "RemoteProtocolError", "ReadError", ENGINE_UNAVAILABLE)
+
+TENANT = "tenant"  # the label that carries a tenant's name
+
+
+def tenant_label(tenant: str) -> str:
+    """A tenant's opaque label in /metrics: ``t-`` and the first 8 hex digits of its name's sha256."""
+    return "t-" + hashlib.sha256(tenant.encode()).hexdigest()[:8]
+
+
+class _TenantsHidden:
+    """A registry's view whose ``tenant`` label values are `tenant_label`s (what `generate_latest` reads)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator:
+        for family in self._registry.collect():
+            if any(TENANT in smp.labels for smp in family.samples):
+                family = copy.copy(family)
+                family.samples = [
+                    smp._replace(labels={**smp.labels, TENANT: tenant_label(smp.labels[TENANT])})
+                    if TENANT in smp.labels
+                    else smp
+                    for smp in family.samples
+                ]
+            yield family
+
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TOK = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
@@ -102,6 +143,18 @@ class RouterMetrics:
         self.kv_event_batches = Counter(
             "kvmesh:router_kv_event_batches", "KV-event batches received (live or replayed)", ["pod"], registry=r
         )
+        self.kv_event_forms = Counter(
+            "kvmesh:router_kv_event_batches_by_form",
+            "KV-event batches decoded, by wire form: map (vLLM's named fields) or array (vLLM v0.10's positions)",
+            ["pod", "form"],
+            registry=r,
+        )
+        self.prefix_hash_mixed = Gauge(
+            "kvmesh:router_prefix_hash_mixed",
+            "1 while the pods' KV events show more than one block-hash scheme (kvmesh and vllm): prompts are "
+            "hashed the kvmesh way and the other pods get no prefix hits until they agree",
+            registry=r,
+        )
         self.kv_events_connected = Gauge(
             "kvmesh:router_kv_events_connected",
             "1 while the pod's KV-event stream is connected (handshake done); 0: the pod is routed on predictions",
@@ -147,5 +200,6 @@ class RouterMetrics:
         for m in self.per_pod():
             m.remove_by_labels({"pod": pod})
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenant_names: bool = False) -> bytes:
+        """The text exposition; tenants by name only with ``tenant_names`` (module docstring)."""
+        return generate_latest(self.registry if tenant_names else _TenantsHidden(self.registry))

@@ -3,7 +3,8 @@
 Request path (``/v1/completions``, ``/v1/chat/completions``):
 
 1. tokenize with the pods' tokenizer and hash the full blocks with the engine's
-   own `block_hashes_for` (model identity + ``cache_salt``);
+   own `block_hashes_for` (model identity + ``cache_salt``), in the scheme the pods'
+   KV events show (kvmesh's or vLLM's, `prefix_hash`);
 2. choose a decode-capable pod (role ``both`` or ``decode``) by policy;
 3. P/D (`pd`): when prefill pods exist and the chosen decode pod would still have to
    compute at least ``pd_min_uncached`` tokens, prefill on a prefill pod first, then
@@ -39,6 +40,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvmesh.common.chat import ChatContentError
 from kvmesh.common.env import env
+from kvmesh.common.hashing import KVMESH
 from kvmesh.common.kv_auth import load_kv_auth_key
 from kvmesh.common.kv_events_auth import CurveKeys
 from kvmesh.services.auth import DEFAULT_TENANT, APIKey, KeyStore, SecretFile
@@ -64,6 +66,7 @@ WHOLE = "worker"  # the ``phase`` label of a request one pod answers alone (no P
 PROMPT_WINDOW = 256  # requests the typical prompt length is averaged over
 NO_DECODE_POD = "no healthy pod that can decode (role both or decode)"
 CLIENT_KV_PARAMS = "kv_transfer_params are set by the router (prefill/decode disaggregation), not by clients"
+POD_HEADER = "x-kvmesh-pod"  # the pod that answered; routes_proxy.py passes it on to the admin key alone
 
 _json = msgspec.json.Decoder()
 
@@ -111,7 +114,12 @@ class Router:
             on_event=self._count_event,
             keys=CurveKeys.derive(secret) if secret else None,
             on_batch=self._count_batch,
+            on_form=self._count_form,
+            on_scheme=self._pod_scheme,
         )
+        self._schemes: dict[str, str] = {}  # pod -> the block-hash scheme its KV events showed
+        self.prefix_hash = KVMESH  # how prompts are hashed: the scheme all those pods agree on
+        self._mixed = False
         if secret is None and any(p.events for p in cfg.pods):
             log.warning("no KV auth secret: reading the pods' KV events unauthenticated (set KVMESH_KV_AUTH_KEY)")
         self.pods: dict[str, Pod] = {}
@@ -137,6 +145,37 @@ class Router:
         if pod in self.pods:
             self.metrics.kv_event_batches.labels(pod).inc()
 
+    def _count_form(self, pod: str, form: str) -> None:
+        if pod in self.pods:
+            self.metrics.kv_event_forms.labels(pod, form).inc()
+
+    def _pod_scheme(self, pod: str, scheme: str | None) -> None:
+        """A pod's events showed its block-hash scheme (None: forget it): prompts are hashed the way every
+        such pod hashes. Pods that disagree (a mixed set) leave the router on kvmesh's scheme, loudly:
+        the pods of the other scheme then get no prefix hits, only load-based routing."""
+        if scheme is None:
+            self._schemes.pop(pod, None)
+        else:
+            self._schemes[pod] = scheme
+        self._settle_scheme()
+
+    def _settle_scheme(self) -> None:
+        seen = set(self._schemes.values())
+        mixed = len(seen) > 1
+        scheme = seen.pop() if len(seen) == 1 else KVMESH
+        if mixed and not self._mixed:  # once per episode
+            by = {s: sorted(p for p, v in self._schemes.items() if v == s) for s in set(self._schemes.values())}
+            log.error(
+                "pods hash blocks in different schemes %s: give them one --prefix-hash; until then prompts are "
+                "hashed the kvmesh way and the others get no prefix hits",
+                by,
+            )
+        self._mixed = mixed
+        self.metrics.prefix_hash_mixed.set(1 if mixed else 0)
+        if scheme != self.prefix_hash:
+            log.info("hashing prompts the %s way, as the pods do", scheme)
+            self.prefix_hash = scheme
+
     # ---- membership ---------------------------------------------------------
     def add_pod(self, spec: PodSpec) -> None:
         if spec.url in self.pods:
@@ -153,6 +192,8 @@ class Router:
             return
         if pod.spec.events:
             self.hub.remove_pod(url)
+        if self._schemes.pop(url, None) is not None:
+            self._settle_scheme()
         self.index.clear_pod(url)
         # A departed pod's series must not keep reporting it: alerts count healthy pods and dead
         # streams, and an autoscaler reading a stale gauge would hold the pool up.
@@ -470,7 +511,8 @@ class Router:
         if lora is not None:
             await self.ensure_lora(lora)
         try:
-            hashes = self.tok.block_hashes(ids, self.cfg.block_size, body.get("cache_salt"), lora) if ids else []
+            salt = body.get("cache_salt")
+            hashes = self.tok.block_hashes(ids, self.cfg.block_size, salt, self.prefix_hash, lora) if ids else []
         except OverflowError:  # token ids beyond 64 bits cannot be hashed (nor exist in any vocabulary)
             raise bad_request("token ids out of range", "prompt") from None
         self.metrics.prompt_tokens.inc(plen)
@@ -596,7 +638,7 @@ class Router:
         """Pass the pod's answer on; ``done`` gets the reported total tokens (None if none) once the
         answer is over, whatever way it ends (admission's slot and token correction)."""
         t0 = time.monotonic()
-        headers = {"x-kvmesh-pod": d.pod.url}
+        headers = {POD_HEADER: d.pod.url}
         retry_after = resp.headers.get("retry-after")
         if retry_after is not None:
             headers["retry-after"] = retry_after

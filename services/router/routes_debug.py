@@ -1,4 +1,5 @@
-"""``/pods``: a debug view of the pod table, each pod as the router sees it."""
+"""``/pods``: a debug view of the pod table, each pod as the router sees it. It names the pods' addresses,
+load and event state, so it takes the admin key (services/auth.py), never a client's."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from .app_state import current_router
 from .router import Router
 
 routes = APIRouter()
+ADMIN_PATHS = frozenset({"/pods"})  # APIKeyMiddleware's admin_paths for this module's routes
 
 
 @routes.get("/pods")

@@ -1,4 +1,5 @@
-"""The router's probes and metrics: ``/live``, ``/health``, ``/metrics``."""
+"""The router's probes and metrics: ``/live``, ``/health``, ``/metrics`` (open to any scraper: tenants
+appear by name only with --metrics-tenant-labels, metrics.py)."""
 
 from __future__ import annotations
 
@@ -39,4 +40,5 @@ async def health(request: Request):
 async def metrics(request: Request):
     router = current_router(request)
     router.refresh_event_metrics()
-    return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    body = router.metrics.render(tenant_names=router.cfg.metrics_tenant_labels)
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

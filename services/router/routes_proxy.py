@@ -3,7 +3,8 @@
 
 Request bodies are validated with the API server's own models (`kvmesh.services.api.protocol`), so
 a bad request gets the same 400 whether the router or a pod refuses it, and the router's
-``/openapi.json`` declares them; the body forwarded is the client's, unknown fields included.
+``/openapi.json`` declares them; the body forwarded is the client's, unknown fields included. The
+answer names the pod that served it (``x-kvmesh-pod``) only to the admin key (services/auth.py).
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from kvmesh.services.api.protocol import ChatCompletionRequest, CompletionRequest
-from kvmesh.services.auth import request_key
+from kvmesh.services.auth import is_admin, request_key
 from kvmesh.services.errors import APIError, api_error_response, bad_request, error_responses
 
 from .admission import ClientGone
 from .app_state import current_router
-from .router import DECODE_ROLES
+from .router import DECODE_ROLES, POD_HEADER
 from .upstream import UpstreamError
 
 PROXIED = ("/v1/completions", "/v1/chat/completions")
@@ -54,6 +55,8 @@ async def _proxy(path: str, request: Request) -> Response:
         resp = await router.handle(
             path, body, request_key(request.scope), request.headers.get("x-kvmesh-priority"), gone
         )
+        if not is_admin(request.scope):  # which pod answered is the topology's, not a client's business
+            del resp.headers[POD_HEADER]
         status = resp.status_code
         return resp
     except ClientGone:

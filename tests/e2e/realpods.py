@@ -9,6 +9,7 @@ never reconcile the same object.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -74,6 +75,13 @@ class Service:
     def url(self) -> str:
         svc = self.c.get("service", self.name, self.ns)
         return f"http://{svc['spec']['clusterIP']}:80"
+
+    def admin_key(self) -> str:
+        """The service's admin key (key admin-key of the operator's NAME-kvmesh-internal Secret): the
+        router shows which pod answered (x-kvmesh-pod) to it alone."""
+        secret = self.c.get("secret", f"{self.name}-kvmesh-internal", self.ns)
+        assert secret is not None, f"no Secret {self.name}-kvmesh-internal"
+        return base64.b64decode(secret["data"]["admin-key"]).decode()
 
     def router_metrics(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=30).text

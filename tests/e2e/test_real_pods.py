@@ -112,7 +112,8 @@ def reference(make_llm, prompts) -> dict[str, str]:
 
 
 def client(svc: Service) -> openai.OpenAI:
-    return openai.OpenAI(base_url=svc.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    """The router takes no client keys here; the admin key makes it name the answering pod (x-kvmesh-pod)."""
+    return openai.OpenAI(base_url=svc.url + "/v1", api_key=svc.admin_key(), max_retries=0, timeout=300)
 
 
 def complete(svc: Service, ids: list[int], stream: bool, max_tokens: int = MAX_TOKENS) -> tuple[str, str, Any]:

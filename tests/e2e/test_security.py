@@ -18,7 +18,7 @@ from .helpers import EXAMPLES
 
 pytestmark = pytest.mark.e2e
 
-INTERNAL_KEYS = {"upstream-api-key", "kv-auth-key", "redis-password"}
+INTERNAL_KEYS = {"upstream-api-key", "kv-auth-key", "redis-password", "admin-key"}
 # What Kubernetes grants every authenticated identity (system:basic-user, system:discovery,
 # system:public-info-viewer): not ours to document or to remove.
 EVERYONE = {
@@ -79,7 +79,7 @@ def test_router_service_account_and_generated_secret(chart: Cluster, operator: O
     (ref,) = s["metadata"]["ownerReferences"]
     assert (ref["kind"], ref["uid"], ref["controller"]) == ("InferenceService", obj["metadata"]["uid"], True)
     keys = decoded(s)
-    assert set(keys) == INTERNAL_KEYS and len(set(keys.values())) == 3 and all(len(v) >= 40 for v in keys.values())
+    assert set(keys) == INTERNAL_KEYS and len(set(keys.values())) == 4 and all(len(v) >= 40 for v in keys.values())
     # the pods reference it; no Deployment holds a value
     for dep in ("tiny-prefill", "tiny-decode", "tiny-router"):
         d = chart.get("deployment.apps", dep, ns)
@@ -89,6 +89,7 @@ def test_router_service_account_and_generated_secret(chart: Cluster, operator: O
             if "secretKeyRef" in (e.get("valueFrom") or {})
         }
         assert refs["KVMESH_KV_AUTH_KEY"] == "kv-auth-key", dep
+        assert refs["KVMESH_ADMIN_KEY"] == "admin-key", dep  # /drain, /reset_prefix_cache, /pods
         assert not any(v in json.dumps(d) for v in keys.values()), dep
     # NetworkPolicies are among the children
     policies = {p["metadata"]["name"] for p in chart.list("networkpolicy.networking.k8s.io", ns)}

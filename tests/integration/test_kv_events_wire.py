@@ -8,7 +8,15 @@ import msgspec
 import pytest
 import zmq
 
-from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.common.kv_events import (
+    AllBlocksCleared,
+    ArrayAllBlocksCleared,
+    ArrayBlockRemoved,
+    ArrayBlockStored,
+    BlockRemoved,
+    BlockStored,
+    decode_batch,
+)
 from kvmesh.common.kv_events_auth import CurveKeys
 from kvmesh.engine.core.kv_publisher import END_SEQ, KVEventPublisher, PublisherConfig, make_topic
 from kvmesh.testing.pods import handshake_refused, kv_event_outsider, wait_for
@@ -25,14 +33,16 @@ def test_wire_layout_and_replay(tmp_path):
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(ep)
     time.sleep(0.3)  # slow joiner
-    pub.publish([BlockStored([1, 2], None, list(range(32)), 16)])
+    pub.publish([ArrayBlockStored([1, 2], None, list(range(32)), 16)])
     topic, seq, payload = sub.recv_multipart()
     assert topic == b"kv@pod-a@smol" and int.from_bytes(seq, "big") == 0 and len(seq) == 8
-    # pinned vLLM layout: batch = [ts, [events], dp_rank?]; event = ["BlockStored", hashes, parent, tokens, bs]
+    # vLLM v0.10's layout (--kv-events-format array): batch = [ts, [events], dp_rank?];
+    # event = ["BlockStored", hashes, parent, tokens, bs, lora_id, medium, lora_name, extra_keys, group_idx]
     raw = msgspec.msgpack.decode(payload)
     assert isinstance(raw, list) and isinstance(raw[0], float)
     assert raw[1][0][:5] == ["BlockStored", [1, 2], None, list(range(32)), 16]
-    for ev in ([BlockRemoved([2])], [AllBlocksCleared()], [BlockStored([9], None, [0] * 16, 16)]):
+    assert raw[1][0][5:] == [None, "GPU", None, None, None]  # every field written: a positional reader needs them
+    for ev in ([ArrayBlockRemoved([2])], [ArrayAllBlocksCleared()], [ArrayBlockStored([9], None, [0] * 16, 16)]):
         pub.publish(ev)
     seqs = [int.from_bytes(sub.recv_multipart()[1], "big") for _ in range(3)]
     assert seqs == [1, 2, 3]
@@ -51,6 +61,43 @@ def test_wire_layout_and_replay(tmp_path):
         got.append(int.from_bytes(s, "big"))
     assert got == [1, 2, 3]
     d.close(linger=0)
+    sub.close(linger=0)
+    pub.close()
+    ctx.term()
+
+
+def test_map_layout(tmp_path):
+    """The default form (vLLM's named fields since June 2026): events are maps tagged by "type", vLLM's
+    required fields (lora_id, medium, lora_name) always written, extra_keys and group_idx when set."""
+    ctx = zmq.Context()
+    ep = f"ipc://{tmp_path}/ev"
+    pub = KVEventPublisher(PublisherConfig(ep, None, make_topic("pod-a", "smol")))
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(ep)
+    time.sleep(0.3)  # slow joiner
+    stored = BlockStored([1, 2], None, list(range(32)), 16, extra_keys=[("salt",), None], group_idx=0)
+    pub.publish([stored, BlockRemoved([2], group_idx=0), AllBlocksCleared()])
+    _, _, payload = sub.recv_multipart()
+    raw = msgspec.msgpack.decode(payload)
+    assert isinstance(raw, list) and isinstance(raw[0], float)
+    assert raw[1] == [
+        {
+            "type": "BlockStored",
+            "block_hashes": [1, 2],
+            "parent_block_hash": None,
+            "token_ids": list(range(32)),
+            "block_size": 16,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+            "extra_keys": [["salt"], None],
+            "group_idx": 0,
+        },
+        {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU", "group_idx": 0},
+        {"type": "AllBlocksCleared"},
+    ]
+    assert decode_batch(payload).events == [stored, BlockRemoved([2], group_idx=0), AllBlocksCleared()]
     sub.close(linger=0)
     pub.close()
     ctx.term()
@@ -106,7 +153,7 @@ def test_curve_stream_and_replay_reach_only_the_router_key():
         while router.poll(5000):
             _, seq, payload = router.recv_multipart()
             got.append(int.from_bytes(seq, "big"))
-            if msgspec.msgpack.decode(payload)[1][0][1] == [999]:
+            if decode_batch(payload).events[0].block_hashes == [999]:
                 break
         assert got[-1] == n
         assert all(s.poll(0) == 0 for s, _ in outsiders)  # those batches never reached them

@@ -21,6 +21,8 @@ pytestmark = pytest.mark.integration
 BS = 16
 TENANT_KEYS = {"alpha": "alpha-key", "beta": "beta-key"}  # the router's clients (tenants)
 ROUTER_AUTH = {"Authorization": "Bearer alpha-key"}
+ADMIN_KEY = "admin-key-of-the-run"  # the router's /pods takes it, never a tenant's key
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
 WORKER_ARGS = ("--max-model-len", "1024", "--num-kv-blocks", "256", "--block-size", str(BS))
 
 
@@ -41,6 +43,7 @@ def topo(request, tmp_path_factory, monkeypatch_module):
         log_dir=str(tmp_path_factory.mktemp(f"up-{request.param}")),
         startup_timeout_s=600,
         api_keys_file=str(keys),
+        admin_key=ADMIN_KEY,
     )
     t = Topology(cfg)
     t.start()
@@ -305,7 +308,7 @@ def test_kv_events_feed_the_router_exact_index_and_nobody_else(topo, smol):
     ]
 
     def pods() -> dict[str, dict]:
-        return {p["url"]: p for p in httpx.get(router + "/pods", headers=ROUTER_AUTH, timeout=30).json()["pods"]}
+        return {p["url"]: p for p in httpx.get(router + "/pods", headers=ADMIN_AUTH, timeout=30).json()["pods"]}
 
     def batches(url: str) -> float:
         return _metric(router, f'kvmesh:router_kv_event_batches_total{{pod="{url}"}}')

@@ -5,7 +5,9 @@ No key -> 401 at both; the right key -> 200 through the official `openai` client
 file takes effect without a restart; a tenant's key sent straight to the worker is refused; the
 same long prompt hits the cache for the tenant that sent it before and never for another tenant
 (router prediction, reported usage and the engine's prefix-cache counter agree); nothing is left
-running afterwards.
+running afterwards. The admin key, distinct from every client key, is the only one that reads the
+router's /pods, sees x-kvmesh-pod, and calls the worker's /drain and /reset_prefix_cache; the
+router's open /metrics names no tenant unless --metrics-tenant-labels.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -26,6 +29,7 @@ pytestmark = pytest.mark.integration
 
 BS = 16
 INTERNAL = "internal-key-of-the-router"
+ADMIN = "admin-key-of-the-operator"
 KEYS = [
     {"key": "alpha-key", "tenant": "alpha", "priority": 1},
     {"key": "beta-key", "tenant": "beta"},
@@ -46,12 +50,14 @@ def stack(tmp_path_factory):
     from kvmesh.testing.servers import ServerProcess
 
     d = tmp_path_factory.mktemp("auth")
-    keys_file, upstream_file = d / "keys.json", d / "upstream"
+    keys_file, upstream_file, admin_file = d / "keys.json", d / "upstream", d / "admin"
     write_keys(keys_file, KEYS)
     upstream_file.write_text(INTERNAL + "\n")
+    admin_file.write_text(ADMIN + "\n")
+    env = {"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING", "KVMESH_API_KEY": INTERNAL}
     pod = ServerProcess(
         ["--max-model-len", "512", "--num-kv-blocks", "64", "--block-size", str(BS), "--stats-interval", "0.1"],
-        env={"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING", "KVMESH_API_KEY": INTERNAL},
+        env={**env, "KVMESH_ADMIN_KEY": ADMIN},
         log_path=str(d / "pod.log"),
     )
     pod.start()
@@ -63,6 +69,7 @@ def stack(tmp_path_factory):
             health_interval=0.5,
             api_keys_file=str(keys_file),
             upstream_api_key_file=str(upstream_file),
+            admin_key_file=str(admin_file),
         )
         srv, router = start_router(cfg)
         yield srv, router, pod, keys_file
@@ -95,7 +102,8 @@ def test_keys_at_router_and_worker(stack):
             assert httpx.get(url + path).status_code == 200, (url, path)
     assert httpx.get(srv.url + "/live").status_code == 200
     assert httpx.get(srv.url + "/pods").status_code == 401
-    assert httpx.get(srv.url + "/pods", headers=auth("beta-key")).status_code == 200
+    assert httpx.get(srv.url + "/pods", headers=auth("beta-key")).status_code == 403  # the admin key's alone
+    assert httpx.get(srv.url + "/pods", headers=auth(ADMIN)).status_code == 200
     assert httpx.post(pod.base_url + "/reset_prefix_cache").status_code == 401
 
     # the official client: a tenant key works at the router, and is refused by the worker
@@ -110,6 +118,64 @@ def test_keys_at_router_and_worker(stack):
     # the router's own key is the one the worker takes (models through the router need it too)
     r = httpx.post(pod.base_url + "/tokenize", json={"prompt": "hi"}, headers=auth(INTERNAL))
     assert r.status_code == 200 and r.json()["count"] >= 1
+
+
+def test_the_admin_key_alone_administers_and_sees_the_topology(stack):
+    srv, _, pod, _ = stack
+
+    def forbidden(r: httpx.Response) -> None:
+        assert r.status_code == 403, r.text
+        err = r.json()["error"]
+        assert err["type"] == "PermissionDeniedError" and "admin key" in err["message"], err
+
+    # a client key never administers: the router's /pods, the worker's /drain and /reset_prefix_cache
+    for key in ("alpha-key", "beta-key"):
+        forbidden(httpx.get(srv.url + "/pods", headers=auth(key)))
+    for method, path in (("POST", "/drain"), ("GET", "/drain"), ("DELETE", "/drain"), ("POST", "/reset_prefix_cache")):
+        forbidden(httpx.request(method, pod.base_url + path, headers=auth(INTERNAL)))  # the worker's client key
+        assert httpx.request(method, pod.base_url + path, headers=auth("alpha-key")).status_code == 401
+    assert httpx.get(pod.base_url + "/health").status_code == 200  # the client's POST /drain did nothing
+
+    # the admin key does
+    pods = httpx.get(srv.url + "/pods", headers=auth(ADMIN)).json()["pods"]
+    assert [p["url"] for p in pods] == [pod.base_url]
+    assert httpx.get(pod.base_url + "/drain", headers=auth(ADMIN)).json()["draining"] is False
+    assert httpx.post(pod.base_url + "/reset_prefix_cache", headers=auth(ADMIN), timeout=30).status_code in (200, 409)
+
+    # x-kvmesh-pod: never to a tenant (streaming or not), to the admin key only
+    body = {"prompt": "Hello there", "max_tokens": 2, "temperature": 0}
+    for stream in (False, True):
+        r = httpx.post(
+            srv.url + "/v1/completions", json={**body, "stream": stream}, headers=auth("alpha-key"), timeout=120
+        )
+        assert r.status_code == 200 and "x-kvmesh-pod" not in r.headers, r.headers
+        r = httpx.post(srv.url + "/v1/completions", json={**body, "stream": stream}, headers=auth(ADMIN), timeout=120)
+        assert r.status_code == 200 and r.headers["x-kvmesh-pod"] == pod.base_url
+
+
+def test_metrics_name_tenants_only_with_the_opt_in(stack):
+    from kvmesh.services.router.config import PodSpec, RouterConfig
+    from kvmesh.services.router.metrics import tenant_label
+
+    srv, router, pod, keys_file = stack
+    body = {"prompt": "Hello there", "max_tokens": 1}
+    assert httpx.post(srv.url + "/v1/completions", json=body, headers=auth("alpha-key"), timeout=120).status_code == 200
+    text = httpx.get(srv.url + "/metrics").text  # open: any scraper reads it
+    assert f'kvmesh:router_admitted_requests_total{{tenant="{tenant_label("alpha")}"}}' in text
+    assert "alpha" not in text and "beta" not in text
+    assert tenant_label("alpha") == "t-8ed3f6ad"  # printf %s alpha | sha256sum | cut -c1-8: stable, documented
+    assert router.metrics.registry.get_sample_value("kvmesh:router_admitted_requests_total", {"tenant": "alpha"})
+
+    cfg = replace(router.cfg, port=free_port(), metrics_tenant_labels=True, pods=(PodSpec(pod.base_url),))
+    assert isinstance(cfg, RouterConfig)
+    opted, _ = start_router(cfg)
+    try:
+        r = httpx.post(opted.url + "/v1/completions", json=body, headers=auth("alpha-key"), timeout=120)
+        assert r.status_code == 200, r.text
+        text = httpx.get(opted.url + "/metrics").text
+        assert 'kvmesh:router_admitted_requests_total{tenant="alpha"} 1.0' in text
+    finally:
+        opted.stop()
 
 
 def test_rotating_the_keys_file_needs_no_restart(stack):

@@ -329,3 +329,61 @@ def test_liveness_does_not_depend_on_the_pods():
         assert httpx.get(srv.url + "/live").status_code == 200
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("form", ["map", "array"])
+def test_hub_reads_either_form_and_learns_the_pods_hash_scheme(tmp_path, form):
+    """A pod publishing in either form (engine events, built by the pool of that form) is indexed the same;
+    the batches are counted per form, and the pod's first block shows the router its block-hash scheme."""
+    from kvmesh.common.kv_events import event_classes
+    from kvmesh.engine.core.kv_cache_manager import KVCacheManager
+    from kvmesh.engine.core.request import Request
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
+
+    forms, schemes = [], []
+    idx = PrefixIndex()
+    hub = EventHub(idx, on_form=lambda pod, f: forms.append((pod, f)), on_scheme=lambda p, s: schemes.append((p, s)))
+    ep = f"ipc://{tmp_path}/ev"
+    pub = KVEventPublisher(PublisherConfig(ep, None, "kv@a@m"))
+    hub.add_pod("a", TOK.identity, ep, None)
+    time.sleep(0.5)
+    try:
+        ids = list(range(48))
+        for scheme in ("vllm", "kvmesh"):
+            kv = KVCacheManager(8, BS, event_format=form)
+            req = Request("r", ids, SamplingParams(max_tokens=1), BS, TOK.identity, cache_salt="t", prefix_hash=scheme)
+            kv.allocate_slots(req, req.num_tokens)
+            pub.publish(kv.pool.take_events())
+            want = TOK.block_hashes(ids, BS, "t", scheme)
+            assert wait_for(lambda w=want: idx.match(TOK.identity, w, ["a"])["a"] == 3)
+            assert wait_for(lambda s=scheme: hub.pod_prefix_hash("a") == s)
+            if scheme == "vllm":  # a restarted pod may run another scheme: the hub learns it again
+                pub.close()
+                time.sleep(0.2)
+                pub = KVEventPublisher(PublisherConfig(ep, None, "kv@a@m"))
+                time.sleep(0.5)
+                pub.publish([event_classes(form).cleared()])
+                assert wait_for(lambda: hub.pod_prefix_hash("a") is None)
+        assert schemes == [("a", "vllm"), ("a", None), ("a", "kvmesh")]
+        assert {f for _, f in forms} == {form} and hub.stats.forms[form] == len(forms) == 3
+        assert hub.stats.decode_errors == 0
+    finally:
+        pub.close()
+        hub.close()
+
+
+def test_router_hashes_prompts_as_its_pods_do_and_flags_a_mixed_set():
+    from kvmesh.services.router.router import Router
+
+    r = Router(RouterConfig(block_size=BS), tokenizer=TOK)
+    try:
+        assert r.prefix_hash == "kvmesh"
+        r._pod_scheme("a", "vllm")
+        r._pod_scheme("b", "vllm")
+        assert r.prefix_hash == "vllm" and r.metrics.prefix_hash_mixed._value.get() == 0
+        r._pod_scheme("c", "kvmesh")  # a mixed set: kvmesh's scheme, flagged
+        assert r.prefix_hash == "kvmesh" and r.metrics.prefix_hash_mixed._value.get() == 1
+        r._pod_scheme("c", None)  # c restarted (or left): the set agrees again
+        assert r.prefix_hash == "vllm" and r.metrics.prefix_hash_mixed._value.get() == 0
+    finally:
+        r.hub.close()

@@ -52,6 +52,12 @@ class FakeClient:
     def healthy(self):
         return self.dead_reason is None
 
+    stats = EngineStats()
+    streams: dict = {}
+
+    async def reset_prefix_cache(self) -> bool:
+        return True
+
     def add(self, req, stream=None):
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
@@ -266,6 +272,45 @@ def test_metrics_counters_advance_by_delta():
     assert 'kvmesh:engine_chained_rounds_total{model_name="m"} 2.0' in text
     m.observe_finished("length", 0.5)
     assert 'vllm:request_success_total{finished_reason="length",model_name="m"} 1.0' in m.render().decode()
+
+
+def test_admin_endpoints_take_the_admin_key_alone():
+    """/drain and /reset_prefix_cache act on the whole pod: a client's key gets 403 (a fuzz holding one
+    once drained a pod for good), the admin key works (and is accepted where a client key is); with no
+    admin key configured they are refused to everyone; with no credential at all the server is open."""
+
+    def serve(**kw) -> TestClient:
+        cfg = ServerConfig(served_model_names=("fake",), **kw)
+        return TestClient(build_app(cfg, FakeClient(), FakeTokenizer(), ServerMetrics("fake")))
+
+    def auth(key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+    admin_routes = (("POST", "/drain"), ("GET", "/drain"), ("DELETE", "/drain"), ("POST", "/reset_prefix_cache"))
+    with serve(api_keys=("k",), admin_key="adm") as c:
+        for method, path in admin_routes:
+            e = err(c.request(method, path, headers=auth("k")), 403)
+            assert e["type"] == "PermissionDeniedError" and "admin key" in e["message"], e
+            err(c.request(method, path), 401, "invalid_api_key")
+            err(c.request(method, path, headers=auth("wrong")), 401, "invalid_api_key")
+        assert c.post("/drain", headers=auth("adm")).json()["draining"] is True
+        assert c.get("/health").status_code == 503
+        assert c.get("/drain", headers=auth("adm")).json()["draining"] is True
+        assert c.delete("/drain", headers=auth("adm")).json()["draining"] is False
+        assert c.post("/reset_prefix_cache", headers=auth("adm")).json() == {"reset": True}
+        assert c.get("/v1/models", headers=auth("adm")).status_code == 200
+        assert c.get("/v1/models", headers=auth("k")).status_code == 200
+    with serve(api_keys=("k",)) as c:  # keys but no admin key: nobody may drain
+        for method, path in admin_routes:
+            e = err(c.request(method, path, headers=auth("k")), 403)
+            assert "no admin key is configured" in e["message"], e
+    with serve(admin_key="adm") as c:  # an admin key alone: the client endpoints stay open
+        assert c.get("/v1/models").status_code == 200
+        err(c.post("/drain"), 401, "invalid_api_key")
+        assert c.post("/drain", headers=auth("adm")).status_code == 200
+    with serve() as c:  # nothing configured: open, as a local `kvmesh serve`
+        assert c.post("/drain").json()["draining"] is True
+        assert c.post("/reset_prefix_cache").status_code == 200
 
 
 def test_models_and_cache_config_info_report_number_formats():

@@ -1,4 +1,4 @@
-"""services/auth.py: key files, lookup, reloading on change, env fallbacks."""
+"""services/auth.py: key files, lookup, reloading on change, env fallbacks, the admin key."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 
 from kvmesh.common.env import Env
-from kvmesh.services.auth import APIKey, KeyStore, SecretFile, parse_keys_file
+from kvmesh.services.auth import APIKey, KeyStore, SecretFile, admin_key_source, parse_keys_file
 
 pytestmark = pytest.mark.unit
 
@@ -79,3 +79,18 @@ def test_a_missing_or_bad_file_fails_at_start(tmp_path):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         SecretFile(str(tmp_path / "empty"), None)
+
+
+def test_admin_key_from_the_flag_a_file_or_the_env(tmp_path):
+    env = Env.from_environ({"KVMESH_ADMIN_KEY": " from-env "})
+    assert admin_key_source("flag", None, env).get() == "flag"  # the flag wins over the env
+    assert admin_key_source(None, None, env).get() == "from-env"
+    assert admin_key_source(None, None, Env.from_environ({})).get() is None
+    path = tmp_path / "admin"
+    path.write_text("from-file\n")
+    assert admin_key_source(None, str(path), env).get() == "from-file"
+    with pytest.raises(ValueError, match="not both"):
+        admin_key_source("flag", str(path), env)
+    with pytest.raises(ValueError, match="missing"):
+        admin_key_source(None, str(tmp_path / "missing"), env)
+    assert "from-env" not in repr(env)  # a secret: never in a logged snapshot

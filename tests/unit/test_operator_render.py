@@ -283,6 +283,8 @@ def test_every_engine_field_reaches_the_engine(example: Path, role: str) -> None
         "quantization": "quantization",
         "tensor_parallel_size": "tensorParallelSize",
         "tp_nodes": "tensorParallelNodes",
+        "prefix_hash": "prefixHash",
+        "kv_events_format": "kvEventsFormat",
     }
     assert {camel[a] for a, _ in ENGINE_FLAGS} == crd_fields
     for attr, _ in ENGINE_FLAGS:

@@ -115,6 +115,7 @@ def test_generated_keys_reach_exactly_the_containers_that_use_them() -> None:
         assert env["KVMESH_API_KEY"] == (s, "upstream-api-key")  # workers accept only the router's key
         assert env["KVMESH_KV_AUTH_KEY"] == (s, "kv-auth-key")
         assert env["KVMESH_REDIS_PASSWORD"] == (s, "redis-password")
+        assert env["KVMESH_ADMIN_KEY"] == (s, "admin-key")  # /drain and /reset_prefix_cache take it alone
         assert "KVMESH_UPSTREAM_API_KEY" not in env and "KVMESH_API_KEYS_FILE" not in env
         # the connector reads the password from the environment: the URL (in the arguments) holds none
         url = next(a for a in c["args"] if a.startswith('{"url"'))
@@ -124,7 +125,18 @@ def test_generated_keys_reach_exactly_the_containers_that_use_them() -> None:
     assert env["KVMESH_UPSTREAM_API_KEY"] == (s, "upstream-api-key")
     assert env["KVMESH_KV_AUTH_KEY"] == (s, "kv-auth-key")
     assert env["KVMESH_API_KEYS_FILE"] == "/etc/kvmesh/api-keys/keys.json"
+    assert env["KVMESH_ADMIN_KEY"] == (s, "admin-key")  # /pods and x-kvmesh-pod
     assert "KVMESH_API_KEY" not in env and "KVMESH_REDIS_PASSWORD" not in env
+    # optional: a Secret made before the admin key existed still starts the pods (admin routes refused)
+    (admin,) = [e for e in router["containers"][0]["env"] if e["name"] == "KVMESH_ADMIN_KEY"]
+    assert admin["valueFrom"]["secretKeyRef"]["optional"] is True
+    # tenants stay out of the router's open /metrics unless the spec opts in
+    assert "--metrics-tenant-labels" not in router["containers"][0]["args"]
+    opted = by_kind(render({**REDIS, "auth": {"metricsTenantLabels": True}}, META))
+    assert (
+        "--metrics-tenant-labels"
+        in opted[("Deployment", "svc-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
     (vol,) = [v for v in router["volumes"] if v["name"] == "api-keys"]
     assert vol["secret"]["secretName"] == "tenants"
     assert vol["secret"]["items"] == [{"key": "keys.json", "path": "keys.json"}]
@@ -181,9 +193,9 @@ def test_internal_secret_is_owned_and_random() -> None:
     a, b = internal_secret(meta), internal_secret(meta)
     assert a["metadata"]["name"] == "svc-kvmesh-internal"
     assert a["metadata"]["ownerReferences"][0]["uid"] == META["uid"]
-    assert set(a["stringData"]) == {"upstream-api-key", "kv-auth-key", "redis-password"}
+    assert set(a["stringData"]) == {"upstream-api-key", "kv-auth-key", "redis-password", "admin-key"}
     assert all(len(v) >= 40 for v in a["stringData"].values())
-    assert len(set(a["stringData"].values())) == 3
+    assert len(set(a["stringData"].values())) == 4
     assert not set(a["stringData"].values()) & set(b["stringData"].values())
     # never among the applied children: an apply would replace the keys on every pass
     assert all(o["kind"] != "Secret" for o in render(REDIS, META))

@@ -73,3 +73,37 @@ def test_refusals_are_openai_errors(client):
 
 def test_an_unhandled_error_is_a_500_in_the_schema(client):
     assert error(client.get("/bug"), 500)["message"] == "internal error: ZeroDivisionError"
+
+
+def test_the_header_timeout_408_is_the_body_timeout_408s_kind():
+    """uvicorn's protocol writes the header-timeout 408 itself (services/http_server.py, no app saw the
+    request); it has the same error type and fields as the 408 of a body that arrives too slowly."""
+    import asyncio
+
+    from kvmesh.services.http_server import _timeout_response
+
+    async def body_timeout_408() -> dict:
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            await asyncio.sleep(60)  # the body never comes
+            return {"type": "http.disconnect"}
+
+        async def send(msg: dict) -> None:
+            sent.append(msg)
+
+        async def app(scope, receive, send) -> None:
+            raise AssertionError("the guard answers before the app")
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"content-length", b"9")]}
+        await RequestGuard(app, max_body_bytes=2048, body_timeout=0.05)(scope, receive, send)
+        assert sent[0]["status"] == 408
+        return json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
+
+    by_body = asyncio.run(body_timeout_408())
+    head, raw = _timeout_response().split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 408 ") and b"content-type: application/json" in head
+    by_headers = json.loads(raw)["error"]
+    assert set(by_headers) == set(by_body) == {"message", "type", "param", "code"}
+    assert by_headers["type"] == by_body["type"] == "RequestTimeoutError"
+    assert by_headers["code"] == by_body["code"] == 408

@@ -111,3 +111,20 @@ def test_defaults_from_gpu_doc():
     # docs/gpu.md: 4.744 ms/step at batch 1, 6.555 at 128 (Llama-3-8B, H200)
     assert abs(s.DEFAULT_DECODE_BASE_MS + s.DEFAULT_DECODE_PER_SEQ_MS - 4.744) < 0.01
     assert abs(s.DEFAULT_DECODE_BASE_MS + 128 * s.DEFAULT_DECODE_PER_SEQ_MS - 6.555) < 0.01
+
+
+def test_engine_publishes_in_its_flags_form_and_hash_scheme(loaded):
+    """--prefix-hash vllm --kv-events-format array reach the engine: its requests hash the vLLM way and its
+    pool publishes v0.10's arrays (the flags' default pair is what the other tests here run)."""
+    from kvmesh.common.hashing import block_hashes_for, external_hash
+    from kvmesh.common.kv_events import ArrayBlockStored
+
+    args = EngineArgs(num_kv_blocks=64, prefix_hash="vllm", kv_events_format="array")
+    eng, _ = EngineCore.from_model(args, loaded=loaded, simulate=SIM)
+    eng.set_kv_events(True)
+    prompt = list(range(5000, 5000 + 16 * 4 + 5))
+    run(eng, "p1", prompt)
+    stored = [e for e in eng.take_kv_events() if isinstance(e, BlockStored)]
+    assert stored and all(isinstance(e, ArrayBlockStored) for e in stored)
+    want = [external_hash(h) for h in block_hashes_for(prompt, 16, "ignored", scheme="vllm")]
+    assert [h for e in stored for h in e.block_hashes][:4] == want
