@@ -1,7 +1,7 @@
 """LoRA adapters at run time: ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, vLLM's
-names and bodies, so the tools that manage vLLM's adapters (and the kvmesh router and operator) manage
-these too. A loaded adapter is a model name for ``/v1/completions`` and ``/v1/chat/completions`` and is
-listed on ``/v1/models`` with the base model as its ``parent``."""
+names and bodies, so the tools that manage vLLM's adapters (and the kvmesh router) manage these too;
+both take the admin key. A loaded adapter is a model name for ``/v1/completions`` and
+``/v1/chat/completions`` and is listed on ``/v1/models`` with the base model as its ``parent``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from .protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from .serving import engine_error
 
 routes = APIRouter()
+# Administrative (APIKeyMiddleware's admin_paths): an adapter is shared by every tenant of the pod, and its
+# folder is read from the server's file system, so a client key may neither load nor unload one.
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 def _check_enabled(request: Request) -> None:

@@ -61,7 +61,7 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
         APIKeyMiddleware,
         store=KeyStore.from_config(cfg.api_keys, cfg.api_keys_file),
         admin=admin_key_source(cfg.admin_key, cfg.admin_key_file),
-        admin_paths=routes_admin.ADMIN_PATHS,
+        admin_paths=routes_admin.ADMIN_PATHS | routes_lora.ADMIN_PATHS,
     )
     app.add_middleware(RequestGuard, max_body_bytes=cfg.max_body_bytes, body_timeout=cfg.body_timeout)
 

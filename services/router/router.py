@@ -43,7 +43,7 @@ from kvmesh.common.env import env
 from kvmesh.common.hashing import KVMESH
 from kvmesh.common.kv_auth import load_kv_auth_key
 from kvmesh.common.kv_events_auth import CurveKeys
-from kvmesh.services.auth import DEFAULT_TENANT, APIKey, KeyStore, SecretFile
+from kvmesh.services.auth import DEFAULT_TENANT, APIKey, KeyStore, SecretFile, admin_key_source
 from kvmesh.services.errors import ENGINE_UNAVAILABLE_HEADER, APIError, bad_request
 
 from . import pd
@@ -126,6 +126,8 @@ class Router:
         self.mean_prompt = 0.0  # typical prompt length, the scale of a hit's value (see `score_pods`)
         self._prompts = 0
         self.keys = KeyStore.from_config(cfg.api_keys, cfg.api_keys_file)
+        # the admin credential: the router's own /pods, and the pods' adapter loading (`load_lora`)
+        self.admin = admin_key_source(cfg.admin_key, cfg.admin_key_file)
         self.upstream_key = SecretFile(cfg.upstream_api_key_file, env().upstream_api_key)
         self.upstream = Upstream(cfg.connect_timeout, cfg.read_timeout, self.upstream_key.get)
         self.admission = Admission(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout, self.metrics)
@@ -612,7 +614,9 @@ class Router:
         scrape confirms)."""
         body = {"lora_name": name, "lora_path": path}
         try:
-            resp = await self.upstream.post(pod.url + "/v1/load_lora_adapter", body, self.cfg.read_timeout)
+            resp = await self.upstream.post(
+                pod.url + "/v1/load_lora_adapter", body, self.cfg.read_timeout, bearer=self.admin.get()
+            )
             content = await resp.read()
             resp.release()
         except UpstreamError as e:
