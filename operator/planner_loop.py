@@ -37,14 +37,13 @@ from .kube import Kube
 from .metrics_text import Sample, parse, quantile
 from .planner import Decision, PodLoad, RoleObservation, RoleState, Targets, decide, least_loaded
 from .render import HTTP_PORT, LABEL_ROUTABLE, LWS_GROUP_INDEX, LWS_KIND, selector, workload
-from .spec import AutoscalingSpec, InferenceServiceSpec, ObjectMeta
+from .spec import WORKER_ROLES, AutoscalingSpec, InferenceServiceSpec, ObjectMeta
 from .validate import problems
 
 log = logging.getLogger(__name__)
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 LOWEST_COST = str(-(2**31))  # int32 minimum: removed before any other Ready pod
-WORKER_ROLES = ("prefill", "decode")
 
 ABLE_TO_SCALE = "AbleToScale"
 SCALING_ACTIVE = "ScalingActive"
@@ -165,7 +164,7 @@ class Planner:
         st = self.states.setdefault(key, _ServiceState())
         now = self.clock()
         st.next_due = now + a.interval_s
-        if problems(spec):
+        if problems(spec, meta.name):
             return {}  # reconcile reports InvalidSpec; nothing to plan on
         decisions: dict[str, Decision] = {}
         status: dict[str, Any] = {}

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.services.api.lora_sync import parse_adapters
+
 from . import conditions as cond
 from .conditions import Condition
 from .kube import KINDS, Kube, TransientError
@@ -22,13 +24,15 @@ from .render import (
     LABEL_COMPONENT,
     LABEL_MANAGED_BY,
     LABEL_OWNER,
+    LORA_FILE_KEY,
     LWS_KIND,
     MANAGER,
     child_key,
     internal_secret,
+    lora_configmap_name,
     render,
 )
-from .spec import ROLES, InferenceServiceSpec, ObjectMeta
+from .spec import ROLES, WORKER_ROLES, InferenceServiceSpec, ObjectMeta
 from .validate import problems
 
 log = logging.getLogger(__name__)
@@ -54,6 +58,9 @@ class Outcome:
     apply_errors: list[str] = field(default_factory=list)
     roles: dict[str, dict[str, int]] = field(default_factory=dict)
     not_ready: list[str] = field(default_factory=list)
+    # The adapters each worker role is configured to serve: what the applied NAME-lora-adapters names
+    # ({} without adapters; None when this pass does not know, e.g. the ConfigMap's apply failed).
+    lora_adapters: dict[str, list[str]] | None = None
 
 
 def controlled_by(obj: dict[str, Any], uid: str) -> bool:
@@ -131,11 +138,13 @@ def _reconcile_once(
     meta = ObjectMeta.parse(fresh["metadata"])
     out = Outcome(generation=meta.generation)
     spec = InferenceServiceSpec.parse(fresh.get("spec") or {})
-    out.invalid = problems(spec)
+    out.invalid = problems(spec, meta.name)
     if out.invalid:
         write_status(kube, fresh, out)
         return out
     desired = render(spec, meta, prometheus_url)
+    if not spec.lora_adapters:
+        out.lora_adapters = {}
     try:
         _ensure_internal_secret(kube, meta, out)
         _apply_all(kube, meta, desired, out, apply_delay, _replica_floors(spec))
@@ -194,6 +203,8 @@ def _apply_all(
             out.apply_errors.append(f"{kind} {name}: {e.status} {_api_message(e)}")
             log.warning("apply %s %s/%s failed: %s", kind, meta.namespace, name, e.body)
             continue
+        if kind == "ConfigMap" and name == lora_configmap_name(meta):
+            out.lora_adapters = configured_adapters(applied)
         if kind in ("Deployment", LWS_KIND):
             component = obj["metadata"]["labels"][LABEL_COMPONENT]
             progress = _deployment_progress if kind == "Deployment" else _lws_progress
@@ -202,6 +213,18 @@ def _apply_all(
                 out.roles[component] = {"replicas": d, "readyReplicas": r}
             if not settled:
                 out.not_ready.append(f"{component} {r}/{d}")
+
+
+def configured_adapters(cm: dict[str, Any]) -> dict[str, list[str]]:
+    """status.loraAdapters from the applied NAME-lora-adapters: the adapters every prefill and decode
+    worker is told to serve (each worker loads them within a minute or so of a change: the kubelet's
+    ConfigMap sync, then the server's poll). Not whether each pod has loaded them: that is on each
+    pod's /v1/models."""
+    try:
+        names = sorted(parse_adapters((cm.get("data") or {}).get(LORA_FILE_KEY, "{}")))
+    except ValueError:
+        names = []
+    return {role: names for role in WORKER_ROLES}
 
 
 def _prune(kube: Kube, meta: ObjectMeta, desired: list[dict]) -> None:
@@ -259,6 +282,8 @@ def status_for(body: dict[str, Any], out: Outcome) -> dict[str, Any]:
     status: dict[str, Any] = {"observedGeneration": gen, "conditions": cond.merge(old, new, gen)}
     for role, counts in out.roles.items():
         status[role] = {**counts, "summary": f"{counts['readyReplicas']}/{counts['replicas']}"}
+    if out.lora_adapters is not None:  # a merge patch: null removes what an earlier pass wrote
+        status["loraAdapters"] = out.lora_adapters or None
     return status
 
 

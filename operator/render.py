@@ -13,6 +13,9 @@ Object layout for an InferenceService NAME:
     NAME-prefill, NAME-decode                headless Services per role (same ports); the router
                                              discovers each role through their EndpointSlices
     NAME-config                              ConfigMap with the engine settings
+    NAME-lora-adapters                       ConfigMap adapters.json (spec.loraAdapters: name -> folder
+                                             in the workers), only with adapters; mounted as a
+                                             directory, so a change reaches running pods
     NAME-{prefill,decode,router}             PodDisruptionBudgets
     NAME-{prefill,decode}                    HPAs, only with autoscaling enabled and provider hpa
     NAME-{prefill,decode}                    KEDA ScaledObjects, with provider keda
@@ -37,8 +40,9 @@ from kvmesh.common import env as ev
 from kvmesh.common import metric_names as mn
 from kvmesh.common.fields import flag_of
 from kvmesh.engine.args import EngineArgs
+from kvmesh.services.api.lora_sync import adapters_file
 
-from .spec import DEFAULT_ROUTER_IMAGE, InferenceServiceSpec, ObjectMeta, RoleSpec
+from .spec import DEFAULT_ROUTER_IMAGE, InferenceServiceSpec, LoRAAdapterSpec, ObjectMeta, RoleSpec
 
 API_GROUP = "serving.kvmesh.io"
 API_VERSION = f"{API_GROUP}/v1alpha1"
@@ -84,6 +88,16 @@ API_KEYS_SECRET_KEY = "keys.json"
 API_KEYS_DIR = "/etc/kvmesh/api-keys"
 GPU_RESOURCE = "nvidia.com/gpu"
 MODEL_MOUNT = "/models"
+# LoRA adapters (spec.loraAdapters): the operator's ConfigMap NAME-lora-adapters, mounted as a directory at
+# LORA_DIR, names each adapter's folder in the pod; the workers follow its file (--lora-modules-file,
+# services/api/lora_sync.py). Sources are mounted whole and read-only: a PVC at LORA_PVC_MOUNT/CLAIM, a
+# ConfigMap at LORA_CM_MOUNT/NAME.
+LORA_CONFIGMAP_SUFFIX = "-lora-adapters"
+LORA_FILE_KEY = "adapters.json"
+LORA_DIR = "/etc/kvmesh/lora"
+LORA_FILE = f"{LORA_DIR}/{LORA_FILE_KEY}"
+LORA_PVC_MOUNT = "/adapters/pvc"
+LORA_CM_MOUNT = "/adapters/cm"
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -283,6 +297,8 @@ def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> lis
             args += [flag, str(value)]
     if spec.gpus(role) == 0:
         args += ["--device", "cpu"]
+    if spec.lora_adapters:  # the adapters themselves are in the file, so changing them changes no argument
+        args += ["--enable-lora", "--lora-modules-file", LORA_FILE]
     sim = spec.simulate
     if sim.enabled:  # tests and load tests only (SimulateSpec)
         args.append("--simulate")
@@ -362,6 +378,62 @@ def _model_volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     if spec.model.source == "embedded" or not spec.model.claim_name:
         return []
     return [{"name": "model", "persistentVolumeClaim": {"claimName": spec.model.claim_name, "readOnly": True}}]
+
+
+def lora_configmap_name(meta: ObjectMeta) -> str:
+    return f"{meta.name}{LORA_CONFIGMAP_SUFFIX}"
+
+
+def lora_adapter_path(a: LoRAAdapterSpec) -> str:
+    """The folder of adapter ``a`` inside a worker pod (where `_lora_volumes` mounts its source)."""
+    if a.claim_name is not None:
+        return "/".join(x for x in (f"{LORA_PVC_MOUNT}/{a.claim_name}", (a.sub_path or "").strip("/")) if x)
+    if a.config_map is not None:
+        return f"{LORA_CM_MOUNT}/{a.config_map}"
+    return a.path or ""
+
+
+def lora_adapters(spec: InferenceServiceSpec) -> dict[str, str]:
+    """spec.loraAdapters as the workers' ``--lora-modules-file`` names them: adapter -> folder in the pod."""
+    return {a.name: lora_adapter_path(a) for a in spec.lora_adapters}
+
+
+def lora_configmap(spec: InferenceServiceSpec, meta: ObjectMeta) -> Manifest:
+    """NAME-lora-adapters: the one object that changes when only the adapters change (their sources'
+    volumes aside), so adding or removing one restarts nothing: the kubelet updates the mounted file
+    and each worker loads or unloads the difference."""
+    cm = _object("v1", "ConfigMap", lora_configmap_name(meta), meta, "lora-adapters")
+    cm["data"] = {LORA_FILE_KEY: adapters_file(lora_adapters(spec))}
+    return cm
+
+
+def _volume_name(prefix: str, name: str) -> str:
+    """A pod volume name (a DNS label of at most 63 characters) for the source ``name``: readable when
+    it fits, else a digest of it (stable, so the pod template does not change)."""
+    if len(prefix) + len(name) <= 63 and "." not in name:
+        return prefix + name
+    return prefix + hashlib.sha256(name.encode()).hexdigest()[:16]
+
+
+def _lora_volumes(spec: InferenceServiceSpec, meta: ObjectMeta) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) of a worker pod for spec.loraAdapters: the operator's ConfigMap as a directory
+    (not subPath: a subPath mount never sees an update) and each distinct source, sorted, so the pod
+    template depends on the set of sources alone, never on the adapters' names, order or folders."""
+    if not spec.lora_adapters:
+        return [], []
+    volumes: list[dict[str, Any]] = [
+        {"name": "lora-adapters", "configMap": {"name": lora_configmap_name(meta), "defaultMode": 0o444}}
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "lora-adapters", "mountPath": LORA_DIR, "readOnly": True}]
+    for claim in sorted({a.claim_name for a in spec.lora_adapters if a.claim_name is not None}):
+        name = _volume_name("lora-pvc-", claim)
+        volumes.append({"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": name, "mountPath": f"{LORA_PVC_MOUNT}/{claim}", "readOnly": True})
+    for cm in sorted({a.config_map for a in spec.lora_adapters if a.config_map is not None}):
+        name = _volume_name("lora-cm-", cm)
+        volumes.append({"name": name, "configMap": {"name": cm, "defaultMode": 0o444}})
+        mounts.append({"name": name, "mountPath": f"{LORA_CM_MOUNT}/{cm}", "readOnly": True})
+    return volumes, mounts
 
 
 def _worker_secret_env(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[dict[str, Any]]:
@@ -506,8 +578,9 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
         {"name": "tmp", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": dev_shm_size(spec, role)}},
     ]
-    mounts += _model_mounts(spec) + _redis_tls_mounts(spec)
-    volumes += _model_volumes(spec) + _redis_tls_volumes(spec)
+    lora_volumes, lora_mounts = _lora_volumes(spec, meta)
+    mounts += _model_mounts(spec) + _redis_tls_mounts(spec) + lora_mounts
+    volumes += _model_volumes(spec) + _redis_tls_volumes(spec) + lora_volumes
     container: dict[str, Any] = {
         "name": "worker",
         "image": r.image or spec.image,
@@ -994,7 +1067,7 @@ def render(
     cm = _object("v1", "ConfigMap", f"{meta.name}-config", meta, "config")
     cm["data"] = {"engine.json": cfg_json + "\n"}
 
-    out: list[Manifest] = [cm, *_router_rbac(meta)]
+    out: list[Manifest] = [cm, *([lora_configmap(spec, meta)] if spec.lora_adapters else []), *_router_rbac(meta)]
     if spec.network_policy.enabled:  # before the pods, which then never run unprotected
         out += network_policies(spec, meta)
     if spec.connector.type == "redis" and spec.connector.redis_managed:

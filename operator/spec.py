@@ -16,6 +16,7 @@ from kvmesh import __version__
 from kvmesh.engine.args import EngineArgs
 
 ROLES = ("prefill", "decode", "router")
+WORKER_ROLES = ("prefill", "decode")  # the roles that run engines
 # Exactly what `make images` builds (scripts/images.sh); the CRD's defaults name the same refs
 # (tests/unit/test_operator_render.py checks both).
 IMAGE_REPOSITORY = "ghcr.io/kvmesh"
@@ -225,6 +226,36 @@ class SimulateSpec:
 
 
 @dataclass(frozen=True)
+class LoRAAdapterSpec:
+    """One entry of spec.loraAdapters: an adapter served under ``name``, its PEFT folder from exactly
+    one source: ``path`` (a folder already in the worker pods, e.g. on the model's volume),
+    ``volume`` (a PVC, ``subPath`` the folder inside it) or ``config_map`` (a ConfigMap whose keys are
+    the folder's files). validate.py checks the exactly-one rule for specs that did not pass the CRD."""
+
+    name: str
+    path: str | None = None
+    claim_name: str | None = None
+    sub_path: str | None = None
+    config_map: str | None = None
+
+    @staticmethod
+    def parse(d: Mapping[str, Any]) -> LoRAAdapterSpec:
+        vol = d.get("volume")
+        return LoRAAdapterSpec(
+            name=str(d.get("name") or ""),
+            path=d.get("path"),
+            claim_name=vol.get("claimName") if vol is not None else None,
+            sub_path=(vol or {}).get("subPath") or None,
+            config_map=d.get("configMap"),
+        )
+
+    @property
+    def sources(self) -> int:
+        """How many sources the entry names (1 when valid)."""
+        return sum(x is not None for x in (self.path, self.claim_name, self.config_map))
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     image: str
     image_pull_policy: str
@@ -238,6 +269,7 @@ class InferenceServiceSpec:
     auth: AuthSpec = AuthSpec()
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
     simulate: SimulateSpec = SimulateSpec()
+    lora_adapters: tuple[LoRAAdapterSpec, ...] = ()
 
     @staticmethod
     def parse(spec: Mapping[str, Any]) -> InferenceServiceSpec:
@@ -254,6 +286,7 @@ class InferenceServiceSpec:
             auth=AuthSpec.parse(spec.get("auth") or {}),
             network_policy=NetworkPolicySpec.parse(spec.get("networkPolicy") or {}),
             simulate=SimulateSpec.parse(spec.get("simulate") or {}),
+            lora_adapters=tuple(LoRAAdapterSpec.parse(a) for a in spec.get("loraAdapters") or ()),
         )
 
     def role(self, name: str) -> RoleSpec:

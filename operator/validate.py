@@ -8,14 +8,24 @@ they were (a typo must not tear down a serving deployment).
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlsplit
 
 from .spec import PROVIDERS, InferenceServiceSpec
 
+# spec.loraAdapters[].name: a model name clients send, and a DNS label (lower case, digits, '-', '.', '_'
+# inside); the CRD's pattern says the same.
+LORA_NAME = re.compile(r"^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$")
+LORA_NAME_MAX = 63
+# ConfigMap and PVC names (DNS subdomains), as the CRD's patterns
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
-def problems(spec: InferenceServiceSpec) -> list[str]:
-    """Return human-readable problems; an empty list means the spec can be rendered."""
+
+def problems(spec: InferenceServiceSpec, name: str | None = None) -> list[str]:
+    """Return human-readable problems; an empty list means the spec can be rendered. ``name``: the
+    object's name (the served model name when ``model.name`` is unset), for the adapters' names."""
     out: list[str] = []
+    out += lora_problems(spec, name)
     e = spec.engine
     if e.max_num_batched_tokens < e.max_num_seqs:
         out.append(
@@ -81,4 +91,39 @@ def problems(spec: InferenceServiceSpec) -> list[str]:
                     )
             if not 0.1 <= a.target_utilization <= 1.0:
                 out.append(f"autoscaling.targetUtilization ({a.target_utilization}) must be within [0.1, 1]")
+    return out
+
+
+def _dot_dot(path: str) -> bool:
+    return ".." in path.split("/")
+
+
+def lora_problems(spec: InferenceServiceSpec, name: str | None = None) -> list[str]:
+    """spec.loraAdapters: unique names that are not the base model's, exactly one source each, folders
+    that stay inside their source."""
+    out: list[str] = []
+    served = spec.model.name or name  # the base model's name on the API, when known
+    seen: set[str] = set()
+    for i, a in enumerate(spec.lora_adapters):
+        where = f"loraAdapters[{i}]" + (f" ({a.name})" if a.name else "")
+        if not a.name or len(a.name) > LORA_NAME_MAX or not LORA_NAME.match(a.name):
+            out.append(
+                f"{where}: name must be 1-{LORA_NAME_MAX} lower-case letters, digits, '-', '.' or '_', "
+                "starting and ending with a letter or digit"
+            )
+        elif a.name in seen:
+            out.append(f"{where}: name {a.name!r} is used by another adapter")
+        elif a.name == served:
+            out.append(f"{where}: name {a.name!r} is the base model's served name; give the adapter another name")
+        seen.add(a.name)
+        if a.sources != 1:
+            out.append(f"{where}: set exactly one of path, volume or configMap (found {a.sources})")
+        if a.path is not None and (not a.path.startswith("/") or _dot_dot(a.path)):
+            out.append(f"{where}: path {a.path!r} must be an absolute path without '..'")
+        if a.claim_name is not None and not DNS_SUBDOMAIN.match(a.claim_name):
+            out.append(f"{where}: volume.claimName {a.claim_name!r} is not a PersistentVolumeClaim name")
+        if a.sub_path is not None and (a.sub_path.startswith("/") or _dot_dot(a.sub_path)):
+            out.append(f"{where}: volume.subPath {a.sub_path!r} must be a relative path without '..'")
+        if a.config_map is not None and (len(a.config_map) > 253 or not DNS_SUBDOMAIN.match(a.config_map)):
+            out.append(f"{where}: configMap {a.config_map!r} is not a ConfigMap name")
     return out

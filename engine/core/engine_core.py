@@ -449,6 +449,7 @@ class EngineCore:
             max_loras=self.config.lora.max_loras,
             num_lora_loads=self.lora.num_loads,
             num_lora_evictions=self.lora.num_evictions,
+            loras=self.lora_identities(),
         )
 
     def _kv_transfer_refused(self) -> dict[str, int]:

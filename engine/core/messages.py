@@ -72,6 +72,9 @@ class EngineStats(msgspec.Struct):
     max_loras: int = 0  # 0: LoRA disabled
     num_lora_loads: int = 0
     num_lora_evictions: int = 0
+    # the adapters registered (servable), by name: their identity in block hashes (`LoraId.key`), which a
+    # router needs to hash an adapter's prompts as the pod does
+    loras: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 # connector stats key -> the ``reason`` of kvmesh:kv_transfer_refused_total

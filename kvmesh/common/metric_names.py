@@ -27,3 +27,9 @@ def total(name: str) -> str:
 def bucket(name: str) -> str:
     """The sample name of histogram ``name``'s buckets."""
     return name + "_bucket"
+
+
+# LoRA: vLLM's info gauge (labels max_lora, running_lora_adapters, waiting_lora_adapters; value: the time
+# it was set), read by LoRA-aware routers, and kvmesh's registered adapters (label lora_name, value 1).
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+LORA_ADAPTER_INFO = "kvmesh:lora_adapter_info"

@@ -55,6 +55,15 @@ class ServerConfig:
         None,
         "JSON list of {key, tenant, priority, rpm, tpm}, re-read when it changes (default: $KVMESH_API_KEYS_FILE)",
     )
+    # LoRA adapters kept equal to a file (services/api/lora_sync.py): the operator's spec.loraAdapters
+    # reaches running pods through it, from a ConfigMap mount
+    lora_modules_file: str | None = _flag(
+        None,
+        'JSON {"adapters": {NAME: PATH}}: the LoRA adapters to serve, loaded before serving and kept equal to '
+        "the file (re-read every 2 s: added ones loaded, removed ones unloaded, changed ones reloaded); "
+        "needs --enable-lora",
+        metavar="PATH",
+    )
     # The admin credential (services/auth.py): /drain and /reset_prefix_cache take it, never a client's key.
     admin_key: str | None = field(
         default=None,

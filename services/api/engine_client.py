@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -102,8 +103,12 @@ class EngineClient:
         self.streams: dict[str, RequestStream] = {}
         self._tasks: list[asyncio.Task] = []
         self._ready_event = asyncio.Event()
-        self._resets: dict[int, asyncio.Future] = {}
-        self._reset_tokens = itertools.count(1)
+        self._calls: dict[int, asyncio.Future] = {}  # control messages awaiting their answer, by token
+        # Adapters loaded at run time (name -> folder): a restarted engine knows only its --lora-modules,
+        # so they are loaded into it again before it serves.
+        self.runtime_loras: dict[str, str] = {}
+        self.loras: frozenset[str] = frozenset()  # the adapters the engine has registered now
+        self._tokens = itertools.count(1)
 
     # ---- lifecycle ----------------------------------------------------------
     def spawn(self) -> None:
@@ -185,16 +190,33 @@ class EngineClient:
 
     async def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
         """Ask the engine to forget its cached prefixes; False when requests are running there."""
+        return await self._call(wire.ResetPrefixCache, timeout)
+
+    async def load_lora(self, name: str, path: str, timeout: float = 60.0) -> wire.LoRADone:
+        """Register the PEFT adapter folder ``path`` as ``name`` on the engine."""
+        done = await self._call(lambda token: wire.LoadLoRA(token, name, path), timeout)
+        if done.status == 200:
+            self.runtime_loras[name] = path
+        return done
+
+    async def unload_lora(self, name: str, timeout: float = 30.0) -> wire.LoRADone:
+        done = await self._call(lambda token: wire.UnloadLoRA(token, name), timeout)
+        if done.status == 200:
+            self.runtime_loras.pop(name, None)
+        return done
+
+    async def _call(self, make: Callable[[int], Any], timeout: float) -> Any:
+        """Send the control message ``make(token)`` and wait for the answer echoing ``token``."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        token = next(self._reset_tokens)
+        token = next(self._tokens)
         fut = asyncio.get_running_loop().create_future()
-        self._resets[token] = fut
+        self._calls[token] = fut
         try:
-            self._send(wire.ResetPrefixCache(token))
+            self._send(make(token))
             return await asyncio.wait_for(fut, timeout)
         finally:
-            self._resets.pop(token, None)
+            self._calls.pop(token, None)
 
     # ---- background tasks ---------------------------------------------------
     async def _reader(self) -> None:
@@ -224,14 +246,21 @@ class EngineClient:
                 s = self.streams.pop(msg.request_id, None)
                 if s is not None:
                     s.queue.put_nowait(EngineRejectedError(msg.reason, msg.message, msg.request_id, msg.retry_after_s))
-            elif isinstance(msg, wire.ResetDone):
-                fut = self._resets.get(msg.token)
+            elif isinstance(msg, wire.ResetDone | wire.LoRADone):
+                if isinstance(msg, wire.LoRADone):
+                    self.loras = frozenset(msg.loras)
+                fut = self._calls.get(msg.token)
                 if fut is not None and not fut.done():
-                    fut.set_result(msg.ok)
+                    fut.set_result(msg.ok if isinstance(msg, wire.ResetDone) else msg)
             elif isinstance(msg, wire.Ready):
                 if self.ready is not None and self.dead_reason is not None:
                     log.warning("engine restarted (%d so far); serving again", self.restarts)
                     self.dead_reason = None  # a restarted engine: new requests go to it
+                    for name, path in self.runtime_loras.items():
+                        if name not in msg.loras:  # sent before any request: the engine reads messages in order
+                            self._send(wire.LoadLoRA(0, name, path))
+                    msg.loras = sorted({*msg.loras, *self.runtime_loras})
+                self.loras = frozenset(msg.loras)
                 self.ready = msg
                 self._ready_event.set()
                 log.info(
@@ -270,6 +299,6 @@ class EngineClient:
         streams, self.streams = self.streams, {}
         for s in streams.values():
             s.queue.put_nowait(EngineDeadError(reason))
-        for fut in self._resets.values():
+        for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))

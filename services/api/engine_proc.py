@@ -164,6 +164,8 @@ class EngineProcess:
                 kv_cache_dtype=c.cache.kv_cache_dtype,
                 quantization=c.quantization or "",
                 enable_prefix_caching=c.cache.enable_prefix_caching,
+                loras=self.engine.list_loras(),
+                max_loras=c.lora.max_loras if c.lora.enabled else 0,
             )
         )
 
@@ -198,9 +200,29 @@ class EngineProcess:
             self._publish_events()  # AllBlocksCleared now, not at the next step (there may be none)
             self._send(wire.ResetDone(msg.token, ok))
             self.maybe_send_stats(force=True)
+        elif isinstance(msg, wire.LoadLoRA | wire.UnloadLoRA):
+            self._send(self._lora(msg))
         elif isinstance(msg, wire.Shutdown):
             self._running = False
             self._drain_deadline = time.monotonic() + max(0.0, msg.drain_s)
+
+    def _lora(self, msg: wire.LoadLoRA | wire.UnloadLoRA) -> wire.LoRADone:
+        """Register or forget an adapter; the answer carries the HTTP status the API gives."""
+        from kvmesh.engine.lora import LoraError
+
+        try:
+            if isinstance(msg, wire.LoadLoRA):
+                self.engine.add_lora(msg.name, msg.path)
+                log.info("LoRA adapter %s loaded from %s", msg.name, msg.path)
+            elif not self.engine.remove_lora(msg.name):
+                return wire.LoRADone(
+                    msg.token, 404, f"The lora adapter '{msg.name}' is not loaded.", self.engine.list_loras()
+                )
+            else:
+                log.info("LoRA adapter %s unloaded", msg.name)
+        except LoraError as e:
+            return wire.LoRADone(msg.token, 400, str(e), self.engine.list_loras())
+        return wire.LoRADone(msg.token, 200, "", self.engine.list_loras())
 
     def _prepare(self, req):
         """The connector's background check of the request's kv_transfer_params, if it needs one."""

@@ -32,6 +32,7 @@ from kvmesh.services.http_server import server_config
 from .config import ServerConfig
 from .engine_client import EngineAddresses, EngineClient, EngineDeadError
 from .engine_proc import EngineProcConfig
+from .lora_sync import LoRASync
 from .metrics import ServerMetrics
 from .server import build_app
 
@@ -60,6 +61,7 @@ async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
     client.on_stats = metrics.on_stats
     client.on_queue_time = metrics.on_queue_time
     metrics.on_stats(client.stats)
+    lora_sync = await _start_lora_sync(cfg, client)
     app = build_app(cfg, client, loaded.tokenizer, metrics)
     server = uvicorn.Server(
         server_config(
@@ -86,6 +88,8 @@ async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
         await server.serve()  # on SIGTERM: stops accepting, waits for open requests (shutdown_timeout)
     finally:
         announce.cancel()
+        if lora_sync is not None:
+            lora_sync.cancel()
         if announced == [True] and cfg.ready_file:
             _remove(cfg.ready_file)  # it would name a port nobody listens on any more
         # uvicorn re-raises the captured SIGTERM as KeyboardInterrupt after its graceful stop; the
@@ -96,6 +100,20 @@ async def serve(cfg: ServerConfig, proc_cfg: EngineProcConfig) -> int:
         await client.close(drain_s=drain)
         _remove_ipc_dir(cfg, proc_cfg)
     return 1 if announced == [False] else 0
+
+
+async def _start_lora_sync(cfg: ServerConfig, client: EngineClient) -> asyncio.Task | None:
+    """With ``--lora-modules-file``: load its adapters now, before the port opens (a Ready pod serves
+    them), then keep following the file in the background."""
+    if not cfg.lora_modules_file:
+        return None
+    assert client.ready is not None
+    if client.ready.max_loras <= 0:
+        log.error("--lora-modules-file %s ignored: LoRA is not enabled (--enable-lora)", cfg.lora_modules_file)
+        return None
+    sync = LoRASync(client, cfg.lora_modules_file)
+    await sync.step()
+    return asyncio.create_task(sync.run())
 
 
 async def _announce(server: uvicorn.Server, cfg: ServerConfig, model: str, role: str, announced: list[bool]) -> None:

@@ -201,6 +201,27 @@ class ServerMetrics:
             ],
             registry=r,
         )
+        self.lora_requests_info = Gauge(
+            mn.LORA_REQUESTS_INFO,
+            "Running stats on LoRA requests (vLLM's; value: when it was set).",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=r,
+        )
+        self.lora_loads = Counter(
+            "kvmesh:lora_loads",
+            "LoRA adapters copied into a device slot (each time one became resident)",
+            L,
+            registry=r,
+        )
+        self.lora_evictions = Counter(
+            "kvmesh:lora_evictions", "LoRA adapter loads that replaced another adapter in its slot.", L, registry=r
+        )
+        self.lora_adapter_info = Gauge(
+            mn.LORA_ADAPTER_INFO,
+            "The LoRA adapters the pod has registered (value 1); key: the adapter's identity in block hashes.",
+            L + ["lora_name", "key"],
+            registry=r,
+        )
         self.queue_time = Histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
@@ -219,6 +240,7 @@ class ServerMetrics:
         self._gen, self._prompt = self.generation_tokens.labels(m), self.prompt_tokens.labels(m)
         self._success = {reason: self.request_success.labels(m, reason) for reason in FINISH_REASONS}
         self._last = EngineStats()
+        self._lora_set_once = False
         for g in (self.num_running, self.num_waiting, self.kv_usage, self.held_requests, self.prompt_tokens_pending):
             g.labels(m).set(0)
         for c in (self.prefix_queries, self.prefix_hits, self.preemptions, self.chained_rounds, self.computed_tokens):
@@ -241,6 +263,8 @@ class ServerMetrics:
             (self.preemptions, s.num_preemptions, last.num_preemptions),
             (self.chained_rounds, s.num_chained_rounds, last.num_chained_rounds),
             (self.computed_tokens, s.num_computed_tokens, last.num_computed_tokens),
+            (self.lora_loads, s.num_lora_loads, last.num_lora_loads),
+            (self.lora_evictions, s.num_lora_evictions, last.num_lora_evictions),
         ):
             if new > old:
                 counter.labels(m).inc(new - old)
@@ -255,7 +279,26 @@ class ServerMetrics:
             old = last.kv_transfer_refused.get(reason, 0)
             if new > old:
                 refused.inc(new - old)
+        self._lora(s)
         self._last = s
+
+    def _lora(self, s: EngineStats) -> None:
+        """One current series of vllm:lora_requests_info (set only while LoRA is on), one series per adapter."""
+        last = self._last
+        now = (s.running_lora_adapters, s.waiting_lora_adapters, s.max_loras)
+        was = (last.running_lora_adapters, last.waiting_lora_adapters, last.max_loras)
+        if s.max_loras and (not self._lora_set_once or now != was):
+            self.lora_requests_info.clear()
+            self.lora_requests_info.labels(
+                str(s.max_loras), ",".join(s.waiting_lora_adapters), ",".join(s.running_lora_adapters)
+            ).set_to_current_time()
+            self._lora_set_once = True
+        if s.loras != last.loras:
+            for name, key in last.loras.items():
+                if s.loras.get(name) != key:
+                    self.lora_adapter_info.remove(self.model_name, name, key)
+            for name, key in s.loras.items():
+                self.lora_adapter_info.labels(self.model_name, name, key).set(1)
 
     def on_ready(self, ready) -> None:
         """The engine's settings (a `wire.Ready`), once at start."""

@@ -140,3 +140,20 @@ def check_request_tokens(
             "max_tokens",
         )
     return total
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's body of ``POST /v1/load_lora_adapter``."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    load_inplace: bool = False  # an adapter of that name is replaced instead of refused
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's body of ``POST /v1/unload_lora_adapter``."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None  # vLLM's body may carry it; names identify adapters here

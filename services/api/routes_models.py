@@ -34,6 +34,11 @@ async def models(request: Request):
                 "kv_cache_dtype": ready.kv_cache_dtype,
             }
             for name in st.served
+        ]
+        + [
+            # vLLM's form for an adapter: its base model is the parent
+            {"id": name, "object": "model", "created": now, "owned_by": "kvmesh", "root": name, "parent": st.served[0]}
+            for name in sorted(st.client.loras)
         ],
     }
 

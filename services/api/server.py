@@ -7,6 +7,7 @@ module per concern and share the `ServerState` (app_state.py):
 
 * routes_openai.py: ``/v1/completions``, ``/v1/chat/completions``
 * routes_models.py: ``/v1/models``, ``/tokenize``, ``/detokenize``
+* routes_lora.py: ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``
 * routes_admin.py: ``/health``, ``/live``, ``/drain``, ``/version``, ``/metrics``, ``/reset_prefix_cache``
 """
 
@@ -30,7 +31,7 @@ from kvmesh.services.errors import (
 from kvmesh.services.http_server import include_routes
 from kvmesh.services.request_guard import RequestGuard
 
-from . import routes_admin, routes_models, routes_openai
+from . import routes_admin, routes_lora, routes_models, routes_openai
 from .app_state import ServerState
 from .config import ServerConfig
 from .engine_client import EngineClient
@@ -68,11 +69,11 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
         APIKeyMiddleware,
         store=KeyStore.from_config(cfg.api_keys, cfg.api_keys_file),
         admin=admin_key_source(cfg.admin_key, cfg.admin_key_file),
-        admin_paths=routes_admin.ADMIN_PATHS,
+        admin_paths=routes_admin.ADMIN_PATHS | routes_lora.ADMIN_PATHS,
     )
     app.add_middleware(RequestGuard, max_body_bytes=cfg.max_body_bytes, body_timeout=cfg.body_timeout)
 
-    include_routes(app, routes_admin.routes, routes_models.routes, routes_openai.routes)
+    include_routes(app, routes_admin.routes, routes_models.routes, routes_openai.routes, routes_lora.routes)
     return app
 
 

@@ -93,6 +93,7 @@ class Generation:
         params: SamplingParams,
         cache_salt: str | None,
         kv_transfer_params: dict | None,
+        lora_name: str | None = None,
     ) -> None:
         self.client = client
         self.metrics = metrics
@@ -107,6 +108,7 @@ class Generation:
         self.prompts = prompts
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params
+        self.lora_name = lora_name
         self.unfinished = set(self.ids)
         self.tools: ChatTools | None = None  # a chat request's tools, when its output is read for calls
         self._last_token_time: dict[tuple[str, int], float] = {}
@@ -123,6 +125,7 @@ class Generation:
                         params=self.params,
                         cache_salt=self.cache_salt,
                         kv_transfer_params=self.kv_transfer_params,
+                        lora_name=self.lora_name,
                         arrival_time=self.arrival,
                     ),
                     self.stream,
@@ -260,9 +263,16 @@ class Serving:
 
     # ---- validation ---------------------------------------------------------
     def check_model(self, name: str | None) -> str:
+        """The model a request names: a served name of the base model, or a registered LoRA adapter."""
         if name is None or name in self.served_names:
             return self.served_names[0] if name is None else name
+        if name in self.client.loras:
+            return name
         raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+    def lora_of(self, model: str) -> str | None:
+        """The adapter a checked ``model`` names (None: the base model)."""
+        return None if model in self.served_names else model
 
     def check_prompt(self, ids: list[int]) -> None:
         n = len(ids)
@@ -366,7 +376,9 @@ class Serving:
             self._token_str[tok] = s
         return s
 
-    def new_generation(self, prefix: str, prompts: list[_Prompt], params: SamplingParams, req: _Sampling) -> Generation:
+    def new_generation(
+        self, prefix: str, prompts: list[_Prompt], params: SamplingParams, req: _Sampling, model: str
+    ) -> Generation:
         """The generation of already checked prompts (`check_prompt`, by the prepare_* methods)."""
         from kvmesh.services.decode.admission import admit_kv_transfer_params
 
@@ -382,6 +394,7 @@ class Serving:
             params,
             req.cache_salt,
             req.kv_transfer_params,
+            self.lora_of(model),
         )
 
     # ---- logprobs formats ---------------------------------------------------
@@ -451,7 +464,7 @@ class Serving:
         check_request_tokens(
             req.n, len(prompts), req.max_tokens, max(lens), self.max_model_len, self.max_request_tokens
         )
-        return model, self.new_generation("cmpl", prompts, params, req)
+        return model, self.new_generation("cmpl", prompts, params, req, model)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, Generation]:
         model = self.check_model(req.model)
@@ -468,6 +481,6 @@ class Serving:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         params = self.sampling_params(req, max_tokens, logprobs, [len(ids)], tools)
         check_request_tokens(req.n, 1, max_tokens, len(ids), self.max_model_len, self.max_request_tokens)
-        gen = self.new_generation("chatcmpl", [_Prompt(None, ids)], params, req)
+        gen = self.new_generation("chatcmpl", [_Prompt(None, ids)], params, req, model)
         gen.tools = tools if tools.active else None
         return model, gen

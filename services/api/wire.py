@@ -6,8 +6,9 @@ drift; this module only adds the envelopes the process boundary needs:
 aborts, rejections, readiness and batched outputs. Every message is a tagged
 struct, so one `Decoder` per direction decodes any of them.
 
-Direction API -> engine: ``AddRequest``, ``Abort``, ``AbortSequence``, ``ResetPrefixCache``, ``Shutdown``.
-Direction engine -> API: ``Ready``, ``Outputs``, ``Rejected``, ``Stats``, ``ResetDone``, ``Fatal``.
+Direction API -> engine: ``AddRequest``, ``Abort``, ``AbortSequence``, ``ResetPrefixCache``, ``LoadLoRA``,
+``UnloadLoRA``, ``Shutdown``.
+Direction engine -> API: ``Ready``, ``Outputs``, ``Rejected``, ``Stats``, ``ResetDone``, ``LoRADone``, ``Fatal``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,21 @@ class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
     token: int  # echoed in the answer, so concurrent callers each get theirs
 
 
-ToEngine = AddRequest | Abort | AbortSequence | Shutdown | ResetPrefixCache
+class LoadLoRA(msgspec.Struct, tag="load_lora"):
+    """Register a PEFT adapter folder under ``name`` (read by the engine; resident on the device when a
+    request needs it)."""
+
+    token: int  # echoed in `LoRADone`
+    name: str
+    path: str
+
+
+class UnloadLoRA(msgspec.Struct, tag="unload_lora"):
+    token: int
+    name: str
+
+
+ToEngine = AddRequest | Abort | AbortSequence | Shutdown | ResetPrefixCache | LoadLoRA | UnloadLoRA
 
 
 # ---- engine -> API ----------------------------------------------------------
@@ -70,6 +85,10 @@ class Ready(msgspec.Struct, tag="ready"):
     kv_cache_dtype: str = "auto"
     quantization: str = ""
     enable_prefix_caching: bool = True
+    # LoRA: the adapters registered at start (--lora-modules) and how many fit on the device at once
+    # (--max-loras; 0 when LoRA is off).
+    loras: list[str] = []
+    max_loras: int = 0
 
 
 class Outputs(msgspec.Struct, tag="outputs"):
@@ -99,13 +118,23 @@ class ResetDone(msgspec.Struct, tag="reset_done"):
     ok: bool  # False: requests were running (nothing was reset)
 
 
+class LoRADone(msgspec.Struct, tag="lora_done"):
+    """The answer to `LoadLoRA` / `UnloadLoRA`: ``status`` is the HTTP status the API gives (200, 400 for a
+    bad adapter or one already loaded, 404 for an unknown name), ``loras`` the adapters registered after it."""
+
+    token: int
+    status: int
+    message: str
+    loras: list[str]
+
+
 class Fatal(msgspec.Struct, tag="fatal"):
     """The engine loop hit an unrecoverable error and is about to exit."""
 
     message: str
 
 
-FromEngine = Ready | Outputs | Rejected | Stats | ResetDone | Fatal
+FromEngine = Ready | Outputs | Rejected | Stats | ResetDone | LoRADone | Fatal
 
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
 from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from kvmesh.services.auth import APIKeyMiddleware, admin_key_source
+from kvmesh.services.auth import APIKeyMiddleware
 from kvmesh.services.errors import http_error_response, validation_error_response
 from kvmesh.services.http_server import include_routes, server_config
 from kvmesh.services.request_guard import RequestGuard
@@ -40,8 +40,7 @@ def build_app(router: Router) -> FastAPI:
     app.state.router = router  # the routes' state (app_state.py)
     # every path but /health, /live and /metrics needs a key once keys are configured, /pods the admin
     # key (services/auth.py)
-    admin = admin_key_source(cfg.admin_key, cfg.admin_key_file)
-    app.add_middleware(APIKeyMiddleware, store=router.keys, admin=admin, admin_paths=routes_debug.ADMIN_PATHS)
+    app.add_middleware(APIKeyMiddleware, store=router.keys, admin=router.admin, admin_paths=routes_debug.ADMIN_PATHS)
     app.add_middleware(RequestGuard, max_body_bytes=cfg.max_body_bytes, body_timeout=cfg.body_timeout)  # outermost
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)

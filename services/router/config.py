@@ -52,6 +52,14 @@ class ScoringWeights:
             flag="--weight-kv",
         ),
     )
+    lora: float = field(
+        default=0.2,
+        metadata=cli(
+            "bonus of a pod whose device already holds the request's LoRA adapter (it serves it without "
+            "copying the adapter in, or evicting another), in the load term's units",
+            flag="--weight-lora",
+        ),
+    )
     balance_abs: float = field(
         default=2.0,
         metadata=cli("a pod whose load exceeds balance_rel * mean + balance_abs is not eligible while another is"),
@@ -178,6 +186,14 @@ class RouterConfig:
     read_timeout: float = field(default=600.0, metadata=cli())  # max gap between bytes from an upstream
     prefill_timeout: float = 300.0
     max_retries: int = field(default=2, metadata=cli())  # other pods tried after a connect failure
+    lora_modules: tuple[str, ...] = field(
+        default=(),
+        metadata=cli(
+            "NAME=PATH: a LoRA adapter folder on the pods' file system, loaded onto a chosen pod when a request "
+            "names the adapter and no pod has it (repeatable)",
+            action="append",
+        ),
+    )
     pending_ttl: float = 30.0  # predicted index entries for event-publishing pods
     # Predicted blocks kept per pod without events (~180 bytes each): about a large pod's KV cache
     # (64 Ki blocks of 16 tokens = 1 Mi tokens); the pod itself cannot hold more, so more is only memory.
@@ -295,3 +311,14 @@ class RouterConfig:
             raise ValueError("approx_capacity must be >= 1")
         if self.max_body_bytes < 1024 or self.body_timeout <= 0 or self.header_timeout <= 0:
             raise ValueError("max_body_bytes must be >= 1024, body_timeout and header_timeout > 0")
+
+
+def lora_paths(modules: tuple[str, ...]) -> dict[str, str]:
+    """``NAME=PATH`` entries (``--lora-modules``) as ``{name: path}``; a malformed one is an error."""
+    out = {}
+    for m in modules:
+        name, sep, path = m.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {m!r}")
+        out[name] = path
+    return out

@@ -124,6 +124,9 @@ class RouterMetrics:
         self.retries = Counter("kvmesh:router_retries", "requests retried on another pod", ["reason"], registry=r)
         for reason in RETRY_REASONS:  # at 0 from the start: the dashboard's retry panel shows 0, not "no data"
             self.retries.labels(reason)
+        self.lora_loads = Counter(
+            "kvmesh:router_lora_loads", "LoRA adapters the router loaded onto a pod (none had it)", ["pod"], registry=r
+        )
         self.pod_healthy = Gauge(
             "kvmesh:router_pod_healthy", "1 if the pod passes health checks", ["pod", "role"], registry=r
         )

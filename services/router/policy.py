@@ -50,6 +50,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .config import PodSpec, ScoringWeights
+from .scrape import LoRAState
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Pod:
     probe_timeouts: int = 0  # consecutive health-probe timeouts (a busy pod is slow, not dead)
     last_error: str = ""
     inflight_blocks: Counter = field(default_factory=Counter)  # block hash -> in-flight requests holding it
+    lora: LoRAState = field(default_factory=LoRAState)  # its adapters, from its last /metrics scrape
 
     @property
     def url(self) -> str:
@@ -161,6 +163,7 @@ def score_pods(
     pressure: dict[str, float] | None = None,
     private: set[str] | None = None,
     hot: set[str] | None = None,
+    resident: set[str] | None = None,
 ) -> Decision:
     """Pick the best pod among ``pods`` (all healthy, non-empty).
 
@@ -175,7 +178,10 @@ def score_pods(
     seconds, and its next turns follow it there.
 
     ``hot``: pods holding a hot prefix of this request (`shared_hits`); their limit is `hot_limit`
-    (every pod's with ``hot_limit_scope`` "all", none's with "off")."""
+    (every pod's with ``hot_limit_scope`` "all", none's with "off").
+
+    ``resident``: pods on whose device the request's LoRA adapter already is (``w.lora`` in their favour:
+    elsewhere the adapter is copied in first, and may evict another that running requests use)."""
     if len(pods) == 1:
         p = pods[0]
         hb = hits.get(p.url, 0)
@@ -221,6 +227,7 @@ def score_pods(
             - w.kv * p.kv_usage
             - new_share * shares[p.url] / (mean_share + 1.0)
             - evict_scale * pressure.get(p.url, 0.0)
+            + (w.lora if resident and p.url in resident else 0.0)
         )
         key = (s, -p.load)
         if best is None or key > best[0]:

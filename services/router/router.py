@@ -28,6 +28,7 @@ with the prediction to measure index drift.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -39,20 +40,20 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvmesh.common.chat import ChatContentError
 from kvmesh.common.env import env
-from kvmesh.common.hashing import KVMESH
+from kvmesh.common.hashing import KVMESH, LoraId
 from kvmesh.common.kv_auth import load_kv_auth_key
 from kvmesh.common.kv_events_auth import CurveKeys
-from kvmesh.services.auth import DEFAULT_TENANT, APIKey, KeyStore, SecretFile
+from kvmesh.services.auth import DEFAULT_TENANT, APIKey, KeyStore, SecretFile, admin_key_source
 from kvmesh.services.errors import ENGINE_UNAVAILABLE_HEADER, APIError, bad_request
 
 from . import pd
 from .admission import Admission, request_budget
-from .config import PodSpec, RouterConfig
+from .config import PodSpec, RouterConfig, lora_paths
 from .events import EventHub
 from .index import PrefixIndex
 from .metrics import ENGINE_UNAVAILABLE, RouterMetrics
 from .policy import Decision, Pod, least_load, predicted_cached_tokens, round_robin, score_pods, shared_hits
-from .scrape import parse_vllm_metrics
+from .scrape import parse_lora_state, parse_vllm_metrics
 from .upstream import Upstream, UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -125,6 +126,8 @@ class Router:
         self.mean_prompt = 0.0  # typical prompt length, the scale of a hit's value (see `score_pods`)
         self._prompts = 0
         self.keys = KeyStore.from_config(cfg.api_keys, cfg.api_keys_file)
+        # the admin credential: the router's own /pods, and the pods' adapter loading (`load_lora`)
+        self.admin = admin_key_source(cfg.admin_key, cfg.admin_key_file)
         self.upstream_key = SecretFile(cfg.upstream_api_key_file, env().upstream_api_key)
         self.upstream = Upstream(cfg.connect_timeout, cfg.read_timeout, self.upstream_key.get)
         self.admission = Admission(
@@ -136,6 +139,8 @@ class Router:
         )
         self._tasks: list[asyncio.Task] = []
         self._discovery: K8sDiscovery | None = None
+        self.lora_paths = lora_paths(cfg.lora_modules)  # adapters the router may load onto a pod
+        self._lora_loading: dict[str, asyncio.Lock] = {}
         for spec in cfg.pods:
             self.add_pod(spec)
 
@@ -276,10 +281,12 @@ class Router:
             self.set_healthy(pod, ok, "" if ok else f"/health returned {status}")
             if ok:
                 before = (pod.inflight_requests, pod.routed)
-                status, text = await self.upstream.get(pod.url + "/metrics", t)
+                status, raw = await self.upstream.get(pod.url + "/metrics", t)
                 if status == 200:
-                    got = parse_vllm_metrics(text.decode("utf-8", "replace"))
+                    text = raw.decode("utf-8", "replace")
+                    got = parse_vllm_metrics(text)
                     pod.observe_scrape(got.get("running", 0.0), got.get("waiting", 0.0), got.get("kv_usage"), *before)
+                    pod.lora = parse_lora_state(text)
         except UpstreamError as e:
             if e.timeout:
                 # A pod saturated by requests answers probes late; only repeated timeouts take it out.
@@ -290,10 +297,23 @@ class Router:
                 self.set_healthy(pod, False, str(e))
 
     # ---- choosing -----------------------------------------------------------
-    def candidates(self, roles: tuple[str, ...], exclude: set[str] = frozenset()) -> list[Pod]:  # type: ignore[assignment]
-        return [p for p in self.pods.values() if p.spec.role in roles and p.healthy and p.url not in exclude]
+    def candidates(
+        self,
+        roles: tuple[str, ...],
+        exclude: set[str] = frozenset(),  # type: ignore[assignment]
+        lora: str | None = None,
+    ) -> list[Pod]:
+        """Healthy pods of ``roles``; with ``lora``, only those that have that adapter registered."""
+        return [
+            p
+            for p in self.pods.values()
+            if p.spec.role in roles
+            and p.healthy
+            and p.url not in exclude
+            and (lora is None or lora in p.lora.registered)
+        ]
 
-    def pick(self, pods: list[Pod], hashes: list[int], plen: int) -> Decision:
+    def pick(self, pods: list[Pod], hashes: list[int], plen: int, lora: str | None = None) -> Decision:
         bs = self.cfg.block_size
         if self.cfg.policy == "kv-aware":
             urls = [p.url for p in pods]
@@ -310,6 +330,7 @@ class Router:
                 pressure=pressure,
                 private=private,
                 hot=hot,
+                resident={p.url for p in pods if lora in p.lora.active} if lora is not None else None,
             )
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
@@ -367,6 +388,7 @@ class Router:
         phase: str,
         first: Decision | None = None,
         timeout: float | None = None,
+        lora: str | None = None,
     ) -> tuple[Decision, UpstreamResponse, Flight]:
         """POST to a pod of ``roles`` (``first`` if given), retrying elsewhere on connect failure.
 
@@ -379,10 +401,10 @@ class Router:
             if first is not None and attempt == 0 and first.pod.healthy:
                 d = first
             else:
-                pods = self.candidates(roles, exclude)
+                pods = self.candidates(roles, exclude, lora)
                 if not pods:
                     break
-                d = self.pick(pods, hashes, plen)
+                d = self.pick(pods, hashes, plen, lora)
             fl = self._begin(d, hashes, plen)
             t0 = time.monotonic()
             try:
@@ -495,9 +517,13 @@ class Router:
     async def _route(
         self, path: str, body: dict, ids: list[int] | None, plen: int, tenant: str, done: Callable[[int | None], None]
     ) -> Response:
+        lora = self.lora_of(body)
+        if lora is not None:
+            await self.ensure_lora(lora)
         try:
             salt = body.get("cache_salt")
-            hashes = self.tok.block_hashes(ids, self.cfg.block_size, salt, self.prefix_hash) if ids else []
+            lid = self.lora_id(lora) if lora is not None else None
+            hashes = self.tok.block_hashes(ids, self.cfg.block_size, salt, self.prefix_hash, lid) if ids else []
         except OverflowError:  # token ids beyond 64 bits cannot be hashed (nor exist in any vocabulary)
             raise bad_request("token ids out of range", "prompt") from None
         self.metrics.prompt_tokens.inc(plen)
@@ -505,36 +531,45 @@ class Router:
             self._prompts += 1  # running mean of prompt lengths, over the last ~PROMPT_WINDOW requests
             self.mean_prompt += (plen - self.mean_prompt) / min(self._prompts, PROMPT_WINDOW)
         stream = bool(body.get("stream"))
-        pods = self.candidates(DECODE_ROLES)
+        pods = self.candidates(DECODE_ROLES, lora=lora)
         if not pods:  # went down while the request waited
             raise self.no_pod(tenant)
-        dd = self.pick(pods, hashes, plen)
+        dd = self.pick(pods, hashes, plen, lora)
         self.metrics.predicted_hit.inc(dd.hit_tokens)
         params = None
         pd_path = None
-        if self.candidates(("prefill",)) and dd.pod.spec.role == "decode":
+        if self.candidates(("prefill",), lora=lora) and dd.pod.spec.role == "decode":
             pd_path = pd.plan(body, ids, plen, dd.hit_tokens, self.cfg.pd_min_uncached)
             if pd_path == pd.PREFILL_DECODE:
-                params, pd_path = await self.prefill(path, body, hashes, plen)
+                params, pd_path = await self.prefill(path, body, hashes, plen, lora)
             self.metrics.pd.labels(pd_path).inc()
         phase = "decode" if pd_path else WHOLE
         dbody = body if params is None else {**body, "kv_transfer_params": params}
-        d, resp, fl = await self.send(DECODE_ROLES, path, dbody, hashes, plen, phase, dd)
+        d, resp, fl = await self.send(DECODE_ROLES, path, dbody, hashes, plen, phase, dd, lora=lora)
         if params is not None and resp.status >= 400:
             # the decode pod refused the transfer (bad/expired params): recompute there, never guess
             resp.release()
             self._end(fl)
             self.metrics.pd.labels("fallback_decode_rejected").inc()
-            d, resp, fl = await self.send(DECODE_ROLES, path, body, hashes, plen, "decode", d)
+            d, resp, fl = await self.send(DECODE_ROLES, path, body, hashes, plen, "decode", d, lora=lora)
         measure = pd_path in (None, "decode_only")
         return await self.relay(d, resp, fl, stream, phase, measure, done)
 
-    async def prefill(self, path: str, body: dict, hashes: list[int], plen: int) -> tuple[dict | None, str]:
+    async def prefill(
+        self, path: str, body: dict, hashes: list[int], plen: int, lora: str | None = None
+    ) -> tuple[dict | None, str]:
         """Prefill on a prefill pod: (the transfer params for the decode pod or None, the P/D path)."""
         t0 = time.monotonic()
         try:
             d, resp, fl = await self.send(
-                ("prefill",), path, pd.prefill_body(body), hashes, plen, "prefill", timeout=self.cfg.prefill_timeout
+                ("prefill",),
+                path,
+                pd.prefill_body(body),
+                hashes,
+                plen,
+                "prefill",
+                timeout=self.cfg.prefill_timeout,
+                lora=lora,
             )
         except APIError as e:
             log.warning("prefill failed, decode recomputes: %s", e.message)
@@ -555,6 +590,59 @@ class Router:
         if not isinstance(params, dict):
             return None, "fallback_no_params"
         return params, pd.PREFILL_DECODE
+
+    # ---- LoRA adapters --------------------------------------------------------
+    def lora_of(self, body: dict) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model, or a name no pod and no
+        ``--lora-modules`` knows, which the pod then refuses with its 404)."""
+        model = body.get("model")
+        if not isinstance(model, str) or model == self.model:
+            return None
+        if model in self.lora_paths or any(model in p.lora.registered for p in self.pods.values()):
+            return model
+        return None
+
+    def lora_id(self, name: str) -> LoraId:
+        """The adapter as the pods hash it: its key as a pod that has it publishes (its name and weights'
+        digest; pods loading one folder agree), its path as ``--lora-modules`` gives it (vLLM's scheme)."""
+        key = next((k for p in self.pods.values() for n, k in p.lora.keys if n == name), name)
+        return LoraId(name, self.lora_paths.get(name, ""), key)
+
+    async def ensure_lora(self, name: str) -> None:
+        """Make sure a healthy decode-capable pod (and, where there are prefill pods, a prefill pod) has
+        adapter ``name``: when none has, load it (``--lora-modules``) onto the least loaded one, preferring
+        pods with free adapter slots."""
+        lock = self._lora_loading.setdefault(name, asyncio.Lock())
+        async with lock:  # concurrent first requests for one adapter load it once
+            for roles in (DECODE_ROLES, ("prefill",)):
+                if not self.candidates(roles) or self.candidates(roles, lora=name):
+                    continue
+                path = self.lora_paths.get(name)
+                if path is None:
+                    raise APIError(404, f"The model `{name}` does not exist.", "model")
+                pods = self.candidates(roles)
+                pod = min(pods, key=lambda p: (len(p.lora.registered) >= p.lora.max_loras > 0, p.load))
+                await self.load_lora(pod, name, path)
+
+    async def load_lora(self, pod: Pod, name: str, path: str) -> None:
+        """``POST /v1/load_lora_adapter`` on ``pod``; the pod counts as holding it at once (its next
+        scrape confirms)."""
+        body = {"lora_name": name, "lora_path": path}
+        try:
+            resp = await self.upstream.post(
+                pod.url + "/v1/load_lora_adapter", body, self.cfg.read_timeout, bearer=self.admin.get()
+            )
+            content = await resp.read()
+            resp.release()
+        except UpstreamError as e:
+            raise APIError(503, f"loading LoRA adapter {name!r} on {pod.url} failed: {e}") from e
+        already = resp.status == 400 and b"already been loaded" in content
+        if resp.status != 200 and not already:
+            log.warning("loading LoRA adapter %s on %s: %d %s", name, pod.url, resp.status, content[:300])
+            raise APIError(503, f"LoRA adapter {name!r} could not be loaded on a pod (status {resp.status})")
+        log.info("LoRA adapter %s loaded on %s", name, pod.url)
+        self.metrics.lora_loads.labels(pod.url).inc()
+        pod.lora = dataclasses.replace(pod.lora, registered=pod.lora.registered | {name})
 
     async def relay(
         self,

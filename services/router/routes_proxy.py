@@ -82,15 +82,24 @@ async def chat(checked: ChatCompletionRequest, request: Request):
 
 @routes.get("/v1/models")
 async def models(request: Request):
+    """Every model the decode-capable pods serve: the base model and each pod's LoRA adapters (a
+    union: pods may hold different adapters), each listed once."""
     router = current_router(request)
+    seen: dict[str, dict] = {}
     for pod in router.candidates(DECODE_ROLES):
         try:
             status, content = await router.upstream.get(pod.url + "/v1/models", router.cfg.connect_timeout)
-            if status == 200:
-                return Response(content, media_type="application/json")
         except UpstreamError:
             continue
-    return {
-        "object": "list",
-        "data": [{"id": router.model, "object": "model", "created": int(time.time()), "owned_by": "kvmesh"}],
-    }
+        if status != 200:
+            continue
+        try:
+            data = _json.decode(content).get("data") or []
+        except (msgspec.DecodeError, AttributeError):
+            continue
+        for m in data:
+            if isinstance(m, dict) and isinstance(m.get("id"), str):
+                seen.setdefault(m["id"], m)
+    if not seen:
+        seen[router.model] = {"id": router.model, "object": "model", "created": int(time.time()), "owned_by": "kvmesh"}
+    return {"object": "list", "data": list(seen.values())}

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvmesh.common.chat import ChatContentError, chat_input, render_chat, template_args
-from kvmesh.common.hashing import KVMESH, block_hashes_for, external_hash
+from kvmesh.common.hashing import KVMESH, LoraId, block_hashes_for, external_hash
 from kvmesh.common.model_files import load_model_files
 
 from .token_cache import PieceCache
@@ -109,9 +109,13 @@ class RouterTokenizer:
             return self.pieces.encode(text)
         return render_chat(self.tokenizer, messages, gen, cont, kwargs, body.get("tools"))
 
-    def block_hashes(self, ids: list[int], block_size: int, cache_salt: str | None, scheme: str = KVMESH) -> list[int]:
-        """The wire (64-bit) hashes of the prompt's full blocks, as the engine computes them in ``scheme``."""
-        return [external_hash(h) for h in block_hashes_for(ids, block_size, self.identity, cache_salt, scheme=scheme)]
+    def block_hashes(
+        self, ids: list[int], block_size: int, cache_salt: str | None, scheme: str = KVMESH, lora: LoraId | None = None
+    ) -> list[int]:
+        """The wire (64-bit) hashes of the prompt's full blocks, as the engine computes them in ``scheme``
+        for a request under the LoRA adapter ``lora`` (None: the base model)."""
+        hashes = block_hashes_for(ids, block_size, self.identity, cache_salt, scheme=scheme, lora=lora)
+        return [external_hash(h) for h in hashes]
 
 
 def _text_chars(body: dict[str, Any]) -> int:

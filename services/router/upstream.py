@@ -112,14 +112,20 @@ class Upstream:
             )
         return t
 
-    async def post(self, url: str, body: dict, read_timeout: float | None = None) -> UpstreamResponse:
-        """POST ``body`` as JSON; returns once the response headers are in."""
+    async def post(
+        self, url: str, body: dict, read_timeout: float | None = None, bearer: str | None = None
+    ) -> UpstreamResponse:
+        """POST ``body`` as JSON; returns once the response headers are in. ``bearer``: a credential to
+        send instead of the router's own key (the admin key, for an administrative endpoint)."""
         assert self.session is not None
+        headers = self._headers(_JSON_HEADERS)
+        if bearer is not None:
+            headers = {**_JSON_HEADERS, "Authorization": f"Bearer {bearer}"}
         try:
             r = await self.session.post(
                 url,
                 data=msgspec.json.encode(body),
-                headers=self._headers(_JSON_HEADERS),
+                headers=headers,
                 timeout=self._stream_timeout(read_timeout or self.read_timeout),
             )
         except (TimeoutError, aiohttp.ClientError) as e:

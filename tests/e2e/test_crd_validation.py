@@ -85,6 +85,34 @@ CASES = {
         {"prefill": {"gpus": 2}},
         "prefill.gpus must be 0 (CPU ranks) or engine.tensorParallelSize / engine.tensorParallelNodes",
     ),
+    "cel-lora-one-source": (
+        {"loraAdapters": [{"name": "sql", "path": "/a/sql", "configMap": "sql"}]},
+        "each loraAdapters entry needs exactly one of path, volume or configMap",
+    ),
+    "cel-lora-no-source": (
+        {"loraAdapters": [{"name": "sql"}]},
+        "each loraAdapters entry needs exactly one of path, volume or configMap",
+    ),
+    "cel-lora-path-absolute": (
+        {"loraAdapters": [{"name": "sql", "path": "adapters/sql"}]},
+        "loraAdapters[].path must be an absolute path without '..'",
+    ),
+    "cel-lora-sub-path-inside": (
+        {"loraAdapters": [{"name": "sql", "volume": {"claimName": "adapters", "subPath": "x/../../etc"}}]},
+        "loraAdapters[].volume.subPath must be a relative path without '..'",
+    ),
+    "cel-lora-not-the-served-name": (  # the object is named "bad", the served name's default
+        {"loraAdapters": [{"name": "bad", "path": "/a/bad"}]},
+        "a loraAdapters name must differ from the served model name",
+    ),
+    "lora-name-pattern": (
+        {"loraAdapters": [{"name": "SQL Adapter", "path": "/a/sql"}]},
+        "spec.loraAdapters[0].name in body should match",
+    ),
+    "lora-names-unique": (  # x-kubernetes-list-type map keyed by name
+        {"loraAdapters": [{"name": "sql", "path": "/a/sql"}, {"name": "sql", "path": "/a/sql2"}]},
+        "Duplicate value",
+    ),
 }
 
 

@@ -195,3 +195,40 @@ def test_delete_works_while_the_operator_is_down(chart: Cluster, operator: Opera
         wait_for("garbage collection", lambda: children(chart, ns, "tiny") == [], timeout=180)
     finally:
         operator.start()
+
+
+def test_lora_adapters_change_only_their_configmap_and_are_pruned(chart: Cluster, operator: Operator, ns: str) -> None:
+    """spec.loraAdapters: adding an adapter from a claim already mounted changes NAME-lora-adapters and
+    status, never the workers' Deployments (their generation stays); removing every adapter prunes the
+    ConfigMap and takes the flags off (a rollout)."""
+
+    def adapters(*names: str) -> list[dict]:
+        return [{"name": n, "volume": {"claimName": "models", "subPath": f"loras/{n}"}} for n in names]
+
+    def files() -> dict:
+        cm = chart.get("configmap", "tiny-lora-adapters", ns)
+        return json.loads(cm["data"]["adapters.json"])["adapters"] if cm else {}
+
+    body = example("minimal")
+    body["spec"]["loraAdapters"] = adapters("a")
+    chart.apply(json.dumps(body), ns)
+    st = wait_ready(chart, "tiny", ns)["status"]
+    assert st["loraAdapters"] == {"prefill": ["a"], "decode": ["a"]}
+    assert files() == {"a": "/adapters/pvc/models/loras/a"}
+    gens = {r: chart.get("deployment.apps", f"tiny-{r}", ns)["metadata"]["generation"] for r in ("prefill", "decode")}
+    for r in ("prefill", "decode"):
+        args = container(chart, ns, f"tiny-{r}")["args"]
+        assert "--enable-lora" in args and "--lora-modules-file" in args
+
+    patch(chart, ns, "tiny", {"spec": {"loraAdapters": adapters("a", "b")}})
+    st = wait_ready(chart, "tiny", ns)["status"]
+    assert st["loraAdapters"] == {"prefill": ["a", "b"], "decode": ["a", "b"]}
+    assert files() == {"a": "/adapters/pvc/models/loras/a", "b": "/adapters/pvc/models/loras/b"}
+    for r, g in gens.items():
+        assert chart.get("deployment.apps", f"tiny-{r}", ns)["metadata"]["generation"] == g, r
+
+    patch(chart, ns, "tiny", {"spec": {"loraAdapters": None}})
+    wait_for("NAME-lora-adapters pruned", lambda: chart.get("configmap", "tiny-lora-adapters", ns) is None)
+    st = wait_ready(chart, "tiny", ns)["status"]
+    assert "loraAdapters" not in st
+    assert "--enable-lora" not in container(chart, ns, "tiny-decode")["args"]

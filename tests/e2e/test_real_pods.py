@@ -18,7 +18,10 @@ kube-proxy, CoreDNS) running the images `make images` builds:
 * tensor parallelism on CPU workers (`engine.tensorParallelSize`, `gpus: 0`): every rank of a worker
   in its one pod, and the router's answers through P/D over NIXL are the offline engine's tokens;
 * replicas across pods (`engine.tensorParallelNodes`): LeaderWorkerSet groups meeting over pod IPs
-  serve the same tokens, and a lost rank pod recreates its group while the other group serves.
+  serve the same tokens, and a lost rank pod recreates its group while the other group serves;
+* LoRA adapters in `spec.loraAdapters` (PEFT folders on a PVC): the router serves each with the
+  offline engine's tokens for that adapter; adding one to the spec makes it servable with no pod
+  restarted, removing one makes it 404.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -354,6 +358,211 @@ def test_replicas_across_pods_serve_and_a_lost_rank_pod_recreates_its_group(
         text, _, _ = complete(svc, prompts["long"], stream)
         assert text == reference["long"]
     svc.idle("decode")
+
+
+# ---- LoRA adapters from spec.loraAdapters (operator/render.py, services/api/lora_sync.py) -------------
+
+# Three PEFT adapters on the embedded SmolLM2 with random weights: ranks 8 and 16, different target
+# modules. a and b are in the spec from the start; c is added later from the same claim (no new volume,
+# so no rollout).
+LORA_ADAPTERS = {
+    "a": (8, ["q_proj", "v_proj"]),
+    "b": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "c": (8, ["o_proj", "down_proj"]),
+}
+LORA_PROMPTS = ("short", "long")  # long: prefill -> decode, so both roles run the adapter
+
+
+@pytest.fixture(scope="module")
+def lora_dir(hf_model) -> Iterator[Path]:
+    """The adapters' folders in a host directory the real node's kubelet mounts through a hostPath PV
+    (the node runs on this machine). World-readable: the pods run as uid 1000."""
+    import copy
+    import shutil
+    import tempfile
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    root = Path(tempfile.mkdtemp(prefix="kvmesh-e2e-lora-", dir="/tmp"))
+    root.chmod(0o755)
+    for i, (name, (rank, targets)) in enumerate(sorted(LORA_ADAPTERS.items())):
+        torch.manual_seed(1000 + i)
+        # init_lora_weights=False: B random too, so each adapter changes the greedy tokens
+        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+        get_peft_model(copy.deepcopy(hf_model), cfg).save_pretrained(str(root / name))
+    for p in [root, *root.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def lora_reference(make_llm, prompts, lora_dir: Path) -> dict[tuple[str | None, str], str]:
+    """(adapter or None for the base model, prompt) -> the offline engine's greedy text with it."""
+    llm = make_llm(enable_lora=True, lora_modules=tuple(f"{n}={lora_dir / n}" for n in sorted(LORA_ADAPTERS)))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    out = {}
+    for adapter in (None, *sorted(LORA_ADAPTERS)):
+        for k in LORA_PROMPTS:
+            out[(adapter, k)] = llm.generate([prompts[k]], params, lora_name=adapter)[0].outputs[0].text
+    for adapter in LORA_ADAPTERS:  # each adapter changes the answers, or the test would prove nothing
+        assert any(out[(adapter, k)] != out[(None, k)] for k in LORA_PROMPTS), adapter
+    return out
+
+
+def adapters_pvc(c: Cluster, ns: str, host_dir: Path) -> str:
+    """PV (hostPath ``host_dir``) + PVC ``adapters`` in ``ns``; the PV's name, for clean-up."""
+    pv = f"adapters-{ns}"
+    c.apply(f"""
+apiVersion: v1
+kind: PersistentVolume
+metadata: {{name: {pv}}}
+spec:
+  capacity: {{storage: 1Gi}}
+  accessModes: [ReadOnlyMany]
+  storageClassName: ""
+  persistentVolumeReclaimPolicy: Retain
+  hostPath: {{path: {host_dir}, type: Directory}}
+  claimRef: {{namespace: {ns}, name: adapters}}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {{name: adapters, namespace: {ns}}}
+spec:
+  accessModes: [ReadOnlyMany]
+  storageClassName: ""
+  volumeName: {pv}
+  resources: {{requests: {{storage: 1Gi}}}}
+""")
+    return pv
+
+
+def complete_as(svc: Service, model: str, ids: list[int], stream: bool) -> str:
+    """One greedy completion through the router's Service, for ``model`` (the base model or an adapter)."""
+    cl = client(svc)
+    if not stream:
+        return cl.completions.create(model=model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+    chunks = cl.completions.create(model=model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    return "".join(ch.choices[0].text for ch in chunks if ch.choices)
+
+
+def worker_models(svc: Service) -> dict[str, set[str]]:
+    """Each worker pod's /v1/models ids (asked with the router's key: workers take no other)."""
+    import base64
+
+    secret = svc.c.get("secret", f"{svc.name}-kvmesh-internal", svc.ns)
+    assert secret is not None
+    key = base64.b64decode(secret["data"]["upstream-api-key"]).decode()
+    out = {}
+    for role in ("prefill", "decode"):
+        for name, url in svc.pod_urls(role).items():
+            r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+            r.raise_for_status()
+            out[name] = {m["id"] for m in r.json()["data"]}
+    return out
+
+
+def pod_identities(svc: Service) -> dict[str, tuple[str, int]]:
+    """name -> (uid, restarts) of every pod of the service: equal before and after means no restart."""
+    return {
+        p["metadata"]["name"]: (p["metadata"]["uid"], sum(s["restartCount"] for s in p["status"]["containerStatuses"]))
+        for p in svc.pods()
+    }
+
+
+def set_adapters(svc: Service, names: list[str]) -> None:
+    adapters = [{"name": n, "volume": {"claimName": "adapters", "subPath": n}} for n in names]
+    svc.c.kubectl(
+        "patch",
+        "inferenceservice",
+        svc.name,
+        "-n",
+        svc.ns,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"loraAdapters": adapters}}),
+    )
+
+
+def test_lora_adapters_from_the_spec_are_served_and_follow_spec_changes_without_restarts(
+    real_operator: Cluster, real_node: str, rns: str, prompts, lora_dir: Path, lora_reference
+) -> None:
+    """Two adapters from a PVC in spec.loraAdapters: the router's greedy answers for each are the offline
+    engine's with that adapter (not the base model's), P/D included. A third added to the spec from the
+    same claim becomes servable with no pod restarted or replaced (the kubelet updates the operator's
+    ConfigMap mount; the workers load it); one removed answers 404."""
+    import yaml
+
+    pv = adapters_pvc(real_operator, rns, lora_dir)
+    try:
+        obj = yaml.safe_load(CPU_EXAMPLES["minimal"].read_text())
+        name = obj["metadata"]["name"] = "lora-cpu"
+        obj["spec"]["loraAdapters"] = [
+            {"name": n, "volume": {"claimName": "adapters", "subPath": n}} for n in ("a", "b")
+        ]
+        t0 = time.monotonic()
+        real_operator.apply(json.dumps(obj), rns)
+        live = wait_ready(real_operator, name, rns, 900)
+        record("real.apply_to_ready_seconds.lora-cpu", round(time.monotonic() - t0, 1))
+        assert live["status"]["loraAdapters"] == {"prefill": ["a", "b"], "decode": ["a", "b"]}
+        svc = Service(real_operator, name, rns)
+        assert not not_ready_on(real_node, svc.pods()), not_ready_on(real_node, svc.pods())
+        svc.routed()
+        # a Ready worker has loaded the file's adapters (the server loads them before it listens)
+        for pod, models in worker_models(svc).items():
+            assert models == {name, "a", "b"}, (pod, models)
+
+        def check(adapters: list[str]) -> None:
+            for adapter in (None, *adapters):
+                for k in LORA_PROMPTS:
+                    for stream in (False, True):
+                        text = complete_as(svc, adapter or name, prompts[k], stream)
+                        assert text == lora_reference[(adapter, k)], (adapter, k, stream, text)
+
+        check(["a", "b"])
+        before = pod_identities(svc)
+        generations = {
+            d["metadata"]["name"]: d["metadata"]["generation"]
+            for d in real_operator.list("deployment.apps", rns, f"app.kubernetes.io/instance={name}")
+        }
+
+        # a third adapter: the same claim, so only NAME-lora-adapters changes
+        t0 = time.monotonic()
+        set_adapters(svc, ["a", "b", "c"])
+        wait_for(
+            "every worker serves adapter c",
+            lambda: all(m == {name, "a", "b", "c"} for m in worker_models(svc).values()),
+            300,
+            2.0,
+        )
+        record("real.lora_adapter_added_to_servable_seconds", round(time.monotonic() - t0, 1))
+        check(["c", "a"])
+        assert pod_identities(svc) == before
+        assert {
+            d["metadata"]["name"]: d["metadata"]["generation"]
+            for d in real_operator.list("deployment.apps", rns, f"app.kubernetes.io/instance={name}")
+        } == generations
+        live = wait_ready(real_operator, name, rns, 120)
+        assert live["status"]["loraAdapters"]["decode"] == ["a", "b", "c"]
+
+        # one removed: requests for it get 404, the others still serve, and still no restart
+        set_adapters(svc, ["b", "c"])
+        wait_for(
+            "adapter a unloaded from every worker",
+            lambda: all(m == {name, "b", "c"} for m in worker_models(svc).values()),
+            300,
+            2.0,
+        )
+        for stream in (False, True):
+            with pytest.raises(openai.NotFoundError):
+                complete_as(svc, "a", prompts["short"], stream)
+        check(["b"])
+        assert pod_identities(svc) == before
+        svc.idle("prefill")
+        svc.idle("decode")
+    finally:
+        real_operator.kubectl("delete", "pv", pv, "--wait=false", check=False)
 
 
 def pd_counts(svc: Service) -> dict[str, float]:

@@ -17,6 +17,7 @@ from kvmesh.common import hashing
 from kvmesh.common.hashing import (
     KVMESH,
     VLLM,
+    LoraId,
     block_hashes_for,
     event_extra_keys,
     external_hash,
@@ -128,7 +129,7 @@ def test_vllm_scheme_is_sha256_of_canonical_cbor():
     # an adapter's request: ("lora", name, path) on every block, before the salt
     lb0 = h((none, tuple(toks[:16]), (("lora", "ad", "/a"), ("cache_salt", "t1"))))
     lb1 = h((lb0, tuple(toks[16:32]), (("lora", "ad", "/a"),)))
-    assert block_hashes_for(toks, BS, MODEL, "t1", scheme=VLLM, lora=("ad", "/a")) == [lb0, lb1]
+    assert block_hashes_for(toks, BS, MODEL, "t1", scheme=VLLM, lora=LoraId("ad", "/a", "ad@k")) == [lb0, lb1]
     # the kvmesh scheme is unchanged and differs
     assert block_hashes_for(toks, BS, MODEL, "t1") == block_hashes_for(toks, BS, MODEL, "t1", scheme=KVMESH)
     assert block_hashes_for(toks, BS, MODEL, "t1")[0] != b0
@@ -156,7 +157,7 @@ def test_published_extra_keys_rebuild_the_hash_and_show_the_scheme():
         assert scheme_of_root_block(external_hash(hs[0]), toks[:BS], wire_keys, MODEL) == scheme
         assert event_extra_keys(scheme, 1, MODEL, salt) is None
     assert event_extra_keys(VLLM, 0, MODEL, "t1") == ("t1",)  # vLLM's untagged published form
-    assert event_extra_keys(VLLM, 0, MODEL, "t1", ("ad", "/a")) == ("ad", "t1")
+    assert event_extra_keys(VLLM, 0, MODEL, "t1", LoraId("ad", "/a", "ad@k")) == ("ad", "t1")
     assert event_extra_keys(KVMESH, 0, MODEL, "t1") == (MODEL, "t1")
     # another model's kvmesh block, or a hash neither scheme gives: unknown
     other = block_hashes_for(toks, BS, "other@1", None)[0]

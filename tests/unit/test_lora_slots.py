@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_lora_adapters import CFG, _weights, write
 
+from kvmesh.common.hashing import LoraId
 from kvmesh.engine.args import EngineArgs
 from kvmesh.engine.config import LoraConfig, SchedulerConfig
 from kvmesh.engine.core.kv_cache_manager import KVCacheManager
@@ -81,7 +82,9 @@ def test_removal_waits_for_the_requests_under_the_adapter(lm, tmp_path):
 
 
 def _req(rid: str, lora: str | None) -> Request:
-    return Request(rid, [5, 6, 7], SamplingParams(max_tokens=4), 4, "m", lora_name=lora, lora_key=lora and lora + "@k")
+    return Request(
+        rid, [5, 6, 7], SamplingParams(max_tokens=4), 4, "m", lora=lora and LoraId(lora, "/" + lora, lora + "@k")
+    )
 
 
 def test_the_scheduler_runs_at_most_max_loras_adapters_and_never_starves_the_base():
