@@ -35,6 +35,11 @@ async def pods(request: Request):
                 "event_seq": router.hub.pod_seq(p.url),
                 "events": _stream(router, p.url),
                 "last_error": p.last_error,
+                "lora": {
+                    "registered": sorted(p.lora.registered),
+                    "active": sorted(p.lora.active),
+                    "max_loras": p.lora.max_loras,
+                },
             }
             for p in router.pods.values()
         ],

@@ -9,11 +9,11 @@ saved with ``save_pretrained``, as a user's fine-tune would be.
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 import torch
+from lora_checks import make_adapter
 
 from kvmesh import SamplingParams
 from kvmesh.engine.core.messages import EngineCoreRequest
@@ -46,32 +46,6 @@ def _peft_greedy(model, prompts: list[list[int]], eos: set[int]) -> list[list[in
             )[0, len(ids) :].tolist()
             out.append(g[: next((i + 1 for i, t in enumerate(g) if t in eos), len(g))])
     return out
-
-
-def make_adapter(
-    hf_model, path: str, rank: int, alpha: int, targets: list[str], rslora: bool, scale: float, seed: int, **kw
-):
-    """A PEFT LoRA adapter on the HF model, saved in ``path``; returns the PEFT model (a copy of ``hf_model``)."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    cfg = LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        target_modules=targets,
-        lora_dropout=0.0,
-        use_rslora=rslora,
-        init_lora_weights=False,
-        **kw,
-    )
-    model = get_peft_model(copy.deepcopy(hf_model), cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.mul_(scale)
-    model.save_pretrained(path)
-    model.eval()
-    return model
 
 
 @pytest.fixture(scope="module")

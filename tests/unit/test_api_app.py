@@ -54,6 +54,7 @@ class FakeClient:
 
     stats = EngineStats()
     streams: dict = {}
+    loras: frozenset[str] = frozenset()  # LoRA is off: only the base model's names are models
 
     async def reset_prefix_cache(self) -> bool:
         return True
