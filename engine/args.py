@@ -196,9 +196,23 @@ class EngineArgs:
         LoraConfig.max_loras,
         "LoRA adapters resident on the device at once (slots); one step runs rows of at most this many, others "
         "wait, and an idle adapter is evicted (least recently used) for one that is needed",
+        crd=CrdProperty(
+            "maxLoras",
+            LoraConfig.max_loras,
+            minimum=1,
+            maximum=256,
+            description="LoRA adapters resident on a GPU at once (used when spec.loraAdapters is set).",
+        ),
     )
     max_lora_rank: int = _setting(
-        LoraConfig.max_lora_rank, "the largest LoRA rank served (the slots' size); adapters above it are refused"
+        LoraConfig.max_lora_rank,
+        "the largest LoRA rank served (the slots' size); adapters above it are refused",
+        crd=CrdProperty(
+            "maxLoraRank",
+            LoraConfig.max_lora_rank,
+            enum=(8, 16, 32, 64, 128, 256),
+            description="The largest LoRA rank served; adapters of a larger rank are refused.",
+        ),
     )
     # Flags of the server commands (kvmesh serve/prefill/decode): the "server" section.
     role: Role = _setting(EngineConfig.role, choices=list(ROLES), section="server")

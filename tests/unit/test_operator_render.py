@@ -286,6 +286,8 @@ def test_every_engine_field_reaches_the_engine(example: Path, role: str) -> None
         "prefix_hash": "prefixHash",
         "kv_events_format": "kvEventsFormat",
         "max_queue_wait_s": "maxQueueWaitS",
+        "max_loras": "maxLoras",
+        "max_lora_rank": "maxLoraRank",
     }
     assert {camel[a] for a, _ in ENGINE_FLAGS} == crd_fields
     for attr, _ in ENGINE_FLAGS:
