@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-import cbor2
 import msgspec
 
 BlockHash = bytes  # 32 bytes
@@ -76,6 +75,9 @@ VLLM_DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
 
 def sha256_cbor(obj: Any) -> bytes:
+    # Imported here: the operator reads PREFIX_HASHES (through EngineArgs) and its image has no cbor2.
+    import cbor2
+
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
