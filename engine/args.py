@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.common.fields import add_arguments, cli, scalar_type, values_from
-from kvmesh.common.hashing import PREFIX_HASHES
 from kvmesh.common.kernel_choices import FP8_GEMMS, FP8_ONE_ROW_KERNELS, KernelChoices
-from kvmesh.common.kv_events import EVENT_FORMATS
+from kvmesh.common.kv_formats import EVENT_FORMATS, PREFIX_HASHES
 from kvmesh.common.model_files import ModelConfig
 from kvmesh.common.roles import ROLES, Role
 from kvmesh.engine.config import (

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvmesh.common.hashing import KVMESH, PREFIX_HASHES
 from kvmesh.common.kernel_choices import KernelChoices
-from kvmesh.common.kv_events import EVENT_FORMATS, MAP
+from kvmesh.common.kv_formats import EVENT_FORMATS, KVMESH, MAP, PREFIX_HASHES
 from kvmesh.common.model_files import ModelConfig
 from kvmesh.common.roles import ROLES, Role
 

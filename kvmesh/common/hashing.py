@@ -36,12 +36,11 @@ from typing import Any
 
 import msgspec
 
+from kvmesh.common.kv_formats import KVMESH, PREFIX_HASHES, VLLM  # noqa: F401 (re-exported)
+
 BlockHash = bytes  # 32 bytes
 _encoder = msgspec.msgpack.Encoder()
 
-KVMESH = "kvmesh"
-VLLM = "vllm"
-PREFIX_HASHES = (KVMESH, VLLM)
 
 # The parent of the first block: a fixed constant, so hashes agree across processes.
 NONE_HASH: BlockHash = hashlib.sha256(b"kvmesh-block-hash-root-v1").digest()

@@ -27,14 +27,12 @@ event kind whatever the form. `decode_batch` reads either form, and tells which 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
-EventFormat = Literal["map", "array"]
-MAP: EventFormat = "map"
-ARRAY: EventFormat = "array"
-EVENT_FORMATS = (MAP, ARRAY)
+from kvmesh.common.kv_formats import ARRAY, EVENT_FORMATS, MAP, EventFormat  # noqa: F401 (re-exported)
+
 MEDIUM_GPU = "GPU"
 ExtraKeys = list[tuple[Any, ...] | None] | None
 

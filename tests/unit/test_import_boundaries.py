@@ -261,3 +261,17 @@ def test_kvmesh_common_imports_no_torch_and_nothing_above_it():
         if any(target == m or target.startswith(m + ".") for m in above)
     }
     assert found == set()
+
+
+# What the operator's image lacks (docker/operator.Dockerfile installs kopf, kubernetes, pyyaml and
+# prometheus-client, and kvmesh without its dependencies): none of it may be imported by the operator.
+NOT_IN_OPERATOR_IMAGE = ("torch", "triton", "msgspec", "cbor2", "zmq", "numpy", "tokenizers", "fastapi", "uvicorn")
+
+
+def test_the_operator_imports_with_only_its_image_packages():
+    """The operator's modules (handlers, render, planner) import with every package its image lacks made
+    unimportable, so a setting it reads through `EngineArgs` never pulls in the engine's libraries."""
+    code = BLOCK_TORCH.replace('("torch", "triton")', repr(NOT_IN_OPERATOR_IMAGE))
+    code += "import kvmesh.operator.handlers, kvmesh.operator.render, kvmesh.operator.planner_loop\nprint('ok')\n"
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
