@@ -205,8 +205,12 @@ def engine_decode(
     seed: int,
     sampled: bool | str = False,
     penalized: bool = False,
+    loras: list[str | None] | None = None,
+    keep_tokens: bool = False,
 ) -> dict:
-    """B requests of P random prompt tokens decoding N tokens each. Decode tok/s counts the tokens
+    """B requests of P random prompt tokens decoding N tokens each (``loras``: request i under LoRA
+    adapter ``loras[i]``, None for the base model; ``keep_tokens``: the result's ``tokens`` holds each
+    request's output, in prompt order). Decode tok/s counts the tokens
     after every request has its first token over the time since then; end-to-end tok/s includes
     prefill. The GPU time per decode step is taken with CUDA events around the runner's step and by
     replaying its graph. Roofline: (weight bytes read per step + KV bytes read, averaged over the
@@ -230,7 +234,7 @@ def engine_decode(
     g0 = runner.num_graph_steps
     try:
         params = sampling(N, sampled, penalized)
-        outs, t = run_requests(eng, prompts, params, tag=f"d{B}_", seeded=sampled == "seeded")
+        outs, t = run_requests(eng, prompts, params, tag=f"d{B}_", seeded=sampled == "seeded", loras=loras)
     finally:
         runner.execute = inner  # type: ignore[method-assign]
     assert all(len(v) == N for v in outs.values()), "requests did not all reach max_tokens"
@@ -263,6 +267,8 @@ def engine_decode(
         steps=t["steps"],
     )
     log("engine decode", r)
+    if keep_tokens:
+        r["tokens"] = [outs[f"d{B}_{i}"] for i in range(B)]
     return r
 
 

@@ -57,7 +57,12 @@ class RequestResult:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="model name (default: the server's first model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model name (default: the server's first model); a comma list: request i names the "
+        "(i mod n)-th, e.g. LoRA adapters of one base model",
+    )
     p.add_argument("--api-key", default=None)
     p.add_argument("--dataset", choices=["random", "shared-prefix", "trace"], default="random")
     p.add_argument("--num-prompts", type=int, default=100)
@@ -239,10 +244,11 @@ async def run_benchmark(args: argparse.Namespace, reqs: list[BenchRequest]) -> t
             r.raise_for_status()
             model = r.json()["data"][0]["id"]
             args.model = model
+        models = model.split(",")  # round-robin over the requests in their order
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         bar = tqdm(total=len(reqs), disable=args.no_progress, desc="requests", file=sys.stderr)
 
-        async def task(req):
+        async def task(req, model):
             if sem is None:
                 res = await send_one(client, "/v1/completions", model, req, headers)
             else:
@@ -252,9 +258,9 @@ async def run_benchmark(args: argparse.Namespace, reqs: list[BenchRequest]) -> t
             return res
 
         start = time.perf_counter()
-        tasks = []
+        tasks: list[asyncio.Task[RequestResult]] = []
         async for req in _arrivals(reqs, args.request_rate, args.burstiness, random.Random(args.seed + 1)):
-            tasks.append(asyncio.create_task(task(req)))
+            tasks.append(asyncio.create_task(task(req, models[len(tasks) % len(models)])))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()

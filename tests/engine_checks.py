@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -66,6 +66,12 @@ def enforce_eager(on: bool) -> Iterator[None]:
         env.cache_clear()
 
 
+def _sync() -> None:
+    """Wait for the GPU's queued work, where this process uses CUDA (an engine on the CPU does not)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def run_requests(
     eng: EngineCore,
     prompts,
@@ -73,18 +79,25 @@ def run_requests(
     deadline: float | None = None,
     tag: str = "r",
     seeded: bool = False,
+    loras: Sequence[str | None] | None = None,
 ):
-    """Submit every prompt with ``params`` (``seeded``: each with its own seed, its index), step to
-    completion (or until ``deadline``, then abort the rest). Returns ``(outputs by request id,
-    timing)``: the submit time, the time every request had its first token, the end, the steps and
-    whether the deadline cut the run."""
+    """Submit every prompt with ``params`` (``seeded``: each with its own seed, its index; ``loras``:
+    each under its LoRA adapter, None for the base model), step to completion (or until ``deadline``,
+    then abort the rest). Returns ``(outputs by request id, timing)``: the submit time, the time every
+    request had its first token, the end, the steps and whether the deadline cut the run. On the CPU
+    too (the CPU smoke runs of the benchmarks): the device is synchronised only where CUDA is in use."""
     n = len(prompts)
+    if loras is not None and len(loras) != n:
+        raise ValueError(f"{len(loras)} LoRA names for {n} prompts")
     outs: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         eng.add_request(
             EngineCoreRequest(
-                request_id=f"{tag}{i}", prompt_token_ids=list(p), params=params.with_(seed=i) if seeded else params
+                request_id=f"{tag}{i}",
+                prompt_token_ids=list(p),
+                params=params.with_(seed=i) if seeded else params,
+                lora_name=loras[i] if loras is not None else None,
             )
         )
         outs[f"{tag}{i}"] = []
@@ -99,13 +112,13 @@ def run_requests(
             outs[o.request_id].extend(o.new_token_ids)
         steps += 1
         if t_all_first is None and n_started == n:
-            torch.cuda.synchronize()
+            _sync()
             t_all_first = time.perf_counter()
         if deadline is not None and time.time() > deadline:
             cut = True
             eng.abort(list(outs))
             break
-    torch.cuda.synchronize()
+    _sync()
     t1 = time.perf_counter()
     return outs, dict(t0=t0, t_all_first=t_all_first or t1, t1=t1, steps=steps, cut=cut)
 
