@@ -147,6 +147,9 @@ class Bench:
     def decode(self, eng: EngineCore, case: str, B: int, rep: int, bw: float) -> dict:
         seed = 1000 * rep + B
         loras = self.loras(case, B)
+        # Every case decodes the same prompts: without this reset a later case's prompts would hit the
+        # blocks an earlier one cached (another prefill split, so other bf16 roundings, and less prefill)
+        eng.reset_prefix_cache()
         if self.smoke:
             prompts = prompts_for(B, self.P, seed, self.hi)
             outs, t = h.run_requests(eng, prompts, h.sampling(self.N), tag=f"d{B}_", loras=loras)
