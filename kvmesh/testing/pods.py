@@ -85,6 +85,7 @@ class FakePod:
         self.inflight = 0
         self.max_inflight = 0
         self.paused = False  # while set, requests are held before answering (a test's gate)
+        self.refuse: tuple[int, dict] | None = None  # while set, requests get this (status, JSON body)
         app = FastAPI()
 
         @app.get("/health")
@@ -106,6 +107,8 @@ class FakePod:
         async def gen(request: Request):
             body = await request.json()
             self.bodies.append(body)
+            if self.refuse is not None:
+                return JSONResponse(self.refuse[1], status_code=self.refuse[0])
             self.inflight += 1
             self.max_inflight = max(self.max_inflight, self.inflight)
             try:
@@ -175,10 +178,11 @@ class IdTokenizer:
     async def prompt_ids_async(self, path, body):
         return self.prompt_ids(path, body)
 
-    def block_hashes(self, ids, block_size, cache_salt, scheme="kvmesh"):
+    def block_hashes(self, ids, block_size, cache_salt, scheme="kvmesh", lora=None):
         from kvmesh.common.hashing import block_hashes_for, external_hash
 
-        return [external_hash(h) for h in block_hashes_for(ids, block_size, self.identity, cache_salt, scheme=scheme)]
+        hashes = block_hashes_for(ids, block_size, self.identity, cache_salt, scheme=scheme, lora=lora)
+        return [external_hash(h) for h in hashes]
 
 
 def start_router(cfg, tokenizer=None):

@@ -109,6 +109,17 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+def check_context(prompt_len: int, max_model_len: int | None) -> None:
+    """A 400 for a prompt that leaves no room for one generated token: the API server's check, which the
+    router makes too after its own tokenization, so such a request never reaches a queue or a pod."""
+    if max_model_len and prompt_len >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_len} input tokens; the prompt must leave room for at least one generated token.",
+            "prompt",
+        )
+
+
 def completion_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int | None) -> int:
     """The tokens one sequence may generate: ``max_tokens``, or when unset the context left
     (``max_model_len - prompt``), as vLLM generates to the end of the context then. Every budget

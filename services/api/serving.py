@@ -39,6 +39,7 @@ from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     _Sampling,
+    check_context,
     check_request_tokens,
 )
 from .tools import PARSERS, ChatTools, parser_for_template
@@ -278,13 +279,7 @@ class Serving:
         n = len(ids)
         if n == 0:
             raise bad_request("prompt is empty", "prompt")
-        if n >= self.max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                f"request has {n} input tokens; the prompt must leave room for at least one "
-                "generated token.",
-                "prompt",
-            )
+        check_context(n, self.max_model_len)
         bad = [t for t in ids if not (0 <= t < self.vocab_size)]
         if bad:
             raise bad_request(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", "prompt")

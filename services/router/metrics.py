@@ -72,7 +72,8 @@ class RouterMetrics:
         self.pd = Counter(
             "kvmesh:router_pd_decisions",
             "P/D path taken: decode_only (selective), "
-            "prefill_decode, or fallback_* (prefill failed, decode recomputed)",
+            "prefill_decode, fallback_* (prefill failed, decode recomputed), or prefill_client_error (the "
+            "prefill pod refused the request as the client's error: answered, not retried)",
             ["path"],
             registry=r,
         )

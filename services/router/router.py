@@ -43,6 +43,7 @@ from kvmesh.common.env import env
 from kvmesh.common.hashing import KVMESH, LoraId
 from kvmesh.common.kv_auth import load_kv_auth_key
 from kvmesh.common.kv_events_auth import CurveKeys
+from kvmesh.services.api.protocol import check_context
 from kvmesh.services.auth import DEFAULT_TENANT, APIKey, KeyStore, SecretFile, admin_key_source
 from kvmesh.services.errors import ENGINE_UNAVAILABLE_HEADER, APIError, bad_request
 
@@ -497,7 +498,8 @@ class Router:
             raise bad_request(str(e), "messages") from e
         plen = len(ids) if ids else 0
         ctx = self.cfg.max_model_len or getattr(self.tok, "max_model_len", None)
-        budget = request_budget(body, plen, ctx, self.cfg.max_request_tokens)  # a 400 before any queue
+        check_context(plen, ctx)  # the pods' own 400s, before any queue: nothing the pods would refuse goes on
+        budget = request_budget(body, plen, ctx, self.cfg.max_request_tokens)
         if not self.candidates(DECODE_ROLES):
             raise self.no_pod(tenant)
         ticket = await self.admission.admit(
@@ -583,6 +585,11 @@ class Router:
             resp.release()
             self._end(fl)
             self.metrics.upstream_total.labels("prefill").observe(time.monotonic() - t0)
+        if 400 <= resp.status < 500 and resp.status not in (408, 429):
+            # the client's error (the pod validates as the decode pod would): answered as it is, never
+            # retried on the decode role
+            self.metrics.pd.labels("prefill_client_error").inc()
+            raise _pod_client_error(resp.status, content)
         if resp.status != 200:
             log.warning("prefill %s returned %d, decode recomputes", d.pod.url, resp.status)
             return None, "fallback_prefill_status"
@@ -697,6 +704,15 @@ class Router:
                     done(_total_tokens(usage))
 
         return StreamingResponse(body(), status_code=200, media_type=ctype, headers=headers)
+
+
+def _pod_client_error(status: int, content: bytes) -> APIError:
+    """A pod's 4xx answer (OpenAI's error schema) as the router's own."""
+    err = json_object(content).get("error")
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        param = err.get("param")
+        return APIError(status, err["message"], param if isinstance(param, str) else None)
+    return APIError(status, f"the request was refused (status {status})")
 
 
 def _usage_from_sse(tail: bytes) -> dict | None:

@@ -14,6 +14,7 @@ times; the queue's finish rate is set by the test, never measured from them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import socket
@@ -210,6 +211,26 @@ def test_request_over_the_token_budget_is_a_400_at_the_router(stack, settled):
     err = r.json()["error"]
     assert err["param"] == "max_tokens" and "800000" in err["message"] and "65536" in err["message"]
     assert len(pod.bodies) == n0  # answered by the router, before any queue or pod
+
+
+def test_a_prompt_over_the_context_is_a_400_at_the_router(stack, settled):
+    """The router checks the context after its own tokenization, as a pod would, so the request never
+    waits in a queue nor reaches a pod."""
+    srv, router, pod, _ = stack
+    n0, cfg = len(pod.bodies), router.cfg
+    router.cfg = dataclasses.replace(cfg, max_model_len=40)  # PROMPT is 50 tokens
+    try:
+        r = httpx.post(
+            srv.url + "/v1/completions",
+            json={"prompt": PROMPT},
+            headers={"Authorization": "Bearer beta-key"},
+            timeout=60,
+        )
+    finally:
+        router.cfg = cfg
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "maximum context length is 40 tokens" in r.json()["error"]["message"]
+    assert len(pod.bodies) == n0
 
 
 def test_client_gone_while_queued_leaves_the_queue(stack, settled):

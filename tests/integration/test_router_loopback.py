@@ -302,6 +302,17 @@ def test_selective_pd_and_fallback(tmp_path):
         m = httpx.get(srv.url + "/metrics").text
         assert 'kvmesh:router_pd_decisions_total{path="decode_only"} 1.0' in m
         assert 'kvmesh:router_pd_decisions_total{path="prefill_decode"} 1.0' in m
+        # a 4xx from the prefill pod is the client's error: answered as it is, never retried on decode
+        refusal = {"error": {"message": "temperature must be >= 0", "type": "BadRequestError", "param": "temperature"}}
+        pre.refuse, n_dec = (400, refusal), len(dec.bodies)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": list(range(7000, 7320))}, timeout=30)
+        pre.refuse = None
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+        assert r.json()["error"]["message"] == "temperature must be >= 0"
+        assert len(dec.bodies) == n_dec  # decode never saw it
+        assert (
+            'kvmesh:router_pd_decisions_total{path="prefill_client_error"} 1.0' in httpx.get(srv.url + "/metrics").text
+        )
         # prefill pod dies: decode recomputes, the client still gets its answer
         pre.stop()
         r = httpx.post(
