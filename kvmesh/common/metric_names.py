@@ -33,3 +33,5 @@ def bucket(name: str) -> str:
 # it was set), read by LoRA-aware routers, and kvmesh's registered adapters (label lora_name, value 1).
 LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 LORA_ADAPTER_INFO = "kvmesh:lora_adapter_info"
+# The pod's KV-block layout id (label layout; value 1): what a P/D transfer needs equal on both sides.
+KV_LAYOUT_INFO = "kvmesh:kv_layout_info"

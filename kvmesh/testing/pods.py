@@ -86,6 +86,7 @@ class FakePod:
         self.max_inflight = 0
         self.paused = False  # while set, requests are held before answering (a test's gate)
         self.refuse: tuple[int, dict] | None = None  # while set, requests get this (status, JSON body)
+        self.kv_layout = ""  # exported as kvmesh:kv_layout_info when set
         app = FastAPI()
 
         @app.get("/health")
@@ -98,6 +99,7 @@ class FakePod:
                 f'vllm:num_requests_running{{model_name="m"}} {float(self.inflight)}\n'
                 f'vllm:num_requests_waiting{{model_name="m"}} 0.0\n'
                 f'vllm:kv_cache_usage_perc{{model_name="m"}} 0.1\n'
+                + (f'kvmesh:kv_layout_info{{model_name="m",layout="{self.kv_layout}"}} 1.0\n' if self.kv_layout else "")
             )
 
         @app.get("/v1/models")

@@ -166,8 +166,15 @@ class EngineProcess:
                 enable_prefix_caching=c.cache.enable_prefix_caching,
                 loras=self.engine.list_loras(),
                 max_loras=c.lora.max_loras if c.lora.enabled else 0,
+                kv_layout=self._kv_layout(),
             )
         )
+
+    def _kv_layout(self) -> str:
+        from kvmesh.engine.connectors.common import model_namespace
+
+        layout = getattr(getattr(self.engine, "connector", None), "layout", None)
+        return model_namespace(self.engine.config.model.identity(), layout) if layout is not None else ""
 
     def _handle(self, raw: bytes) -> None:
         try:

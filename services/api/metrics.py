@@ -207,6 +207,13 @@ class ServerMetrics:
             ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
             registry=r,
         )
+        self.kv_layout_info = Gauge(
+            mn.KV_LAYOUT_INFO,
+            "The KV blocks' layout id (model, KV dtype, block shape, FP8 scales; value 1): a router pairs "
+            "prefill and decode pods only when theirs are equal.",
+            L + ["layout"],
+            registry=r,
+        )
         self.lora_loads = Counter(
             "kvmesh:lora_loads",
             "LoRA adapters copied into a device slot (each time one became resident)",
@@ -302,6 +309,8 @@ class ServerMetrics:
 
     def on_ready(self, ready) -> None:
         """The engine's settings (a `wire.Ready`), once at start."""
+        if ready.kv_layout:
+            self.kv_layout_info.labels(self.model_name, ready.kv_layout).set(1)
         self.engine_info.labels(
             self.model_name,
             ready.role,

@@ -89,6 +89,9 @@ class Ready(msgspec.Struct, tag="ready"):
     # (--max-loras; 0 when LoRA is off).
     loras: list[str] = []
     max_loras: int = 0
+    # The id of the KV blocks' layout (model, KV dtype, block shape, FP8 scales; the connectors'
+    # namespace): a router pairs prefill and decode pods only when theirs are equal. "" without a connector.
+    kv_layout: str = ""
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

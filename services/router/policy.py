@@ -71,6 +71,7 @@ class Pod:
     last_error: str = ""
     inflight_blocks: Counter = field(default_factory=Counter)  # block hash -> in-flight requests holding it
     lora: LoRAState = field(default_factory=LoRAState)  # its adapters, from its last /metrics scrape
+    kv_layout: str = ""  # its KV blocks' layout id (kvmesh:kv_layout_info), "" until scraped or without one
 
     @property
     def url(self) -> str:

@@ -54,7 +54,7 @@ from .events import EventHub
 from .index import PrefixIndex
 from .metrics import ENGINE_UNAVAILABLE, RouterMetrics
 from .policy import Decision, Pod, least_load, predicted_cached_tokens, round_robin, score_pods, shared_hits
-from .scrape import parse_lora_state, parse_vllm_metrics
+from .scrape import parse_kv_layout, parse_lora_state, parse_vllm_metrics
 from .upstream import Upstream, UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -288,6 +288,7 @@ class Router:
                     got = parse_vllm_metrics(text)
                     pod.observe_scrape(got.get("running", 0.0), got.get("waiting", 0.0), got.get("kv_usage"), *before)
                     pod.lora = parse_lora_state(text)
+                    pod.kv_layout = parse_kv_layout(text)
         except UpstreamError as e:
             if e.timeout:
                 # A pod saturated by requests answers probes late; only repeated timeouts take it out.
@@ -303,8 +304,11 @@ class Router:
         roles: tuple[str, ...],
         exclude: set[str] = frozenset(),  # type: ignore[assignment]
         lora: str | None = None,
+        layout: str | None = None,
     ) -> list[Pod]:
-        """Healthy pods of ``roles``; with ``lora``, only those that have that adapter registered."""
+        """Healthy pods of ``roles``; with ``lora``, only those that have that adapter registered; with
+        ``layout``, only those whose KV blocks have that layout (model, dtype, block shape: what a P/D
+        transfer needs equal on both sides)."""
         return [
             p
             for p in self.pods.values()
@@ -312,6 +316,7 @@ class Router:
             and p.healthy
             and p.url not in exclude
             and (lora is None or lora in p.lora.registered)
+            and (layout is None or p.kv_layout == layout)
         ]
 
     def pick(self, pods: list[Pod], hashes: list[int], plen: int, lora: str | None = None) -> Decision:
@@ -390,6 +395,7 @@ class Router:
         first: Decision | None = None,
         timeout: float | None = None,
         lora: str | None = None,
+        layout: str | None = None,
     ) -> tuple[Decision, UpstreamResponse, Flight]:
         """POST to a pod of ``roles`` (``first`` if given), retrying elsewhere on connect failure.
 
@@ -402,7 +408,7 @@ class Router:
             if first is not None and attempt == 0 and first.pod.healthy:
                 d = first
             else:
-                pods = self.candidates(roles, exclude, lora)
+                pods = self.candidates(roles, exclude, lora, layout)
                 if not pods:
                     break
                 d = self.pick(pods, hashes, plen, lora)
@@ -541,9 +547,13 @@ class Router:
         params = None
         pd_path = None
         if self.candidates(("prefill",), lora=lora) and dd.pod.spec.role == "decode":
+            # only a prefill pod whose blocks the decode pod can read (a rollout may run two layouts at once)
+            layout = dd.pod.kv_layout or None
             pd_path = pd.plan(body, ids, plen, dd.hit_tokens, self.cfg.pd_min_uncached)
+            if pd_path == pd.PREFILL_DECODE and not self.candidates(("prefill",), lora=lora, layout=layout):
+                pd_path = "decode_only_layout"  # no prefill pod of the decode pod's layout: decode computes it
             if pd_path == pd.PREFILL_DECODE:
-                params, pd_path = await self.prefill(path, body, hashes, plen, lora)
+                params, pd_path = await self.prefill(path, body, hashes, plen, lora, layout)
             self.metrics.pd.labels(pd_path).inc()
         phase = "decode" if pd_path else WHOLE
         dbody = body if params is None else {**body, "kv_transfer_params": params}
@@ -558,7 +568,7 @@ class Router:
         return await self.relay(d, resp, fl, stream, phase, measure, done)
 
     async def prefill(
-        self, path: str, body: dict, hashes: list[int], plen: int, lora: str | None = None
+        self, path: str, body: dict, hashes: list[int], plen: int, lora: str | None = None, layout: str | None = None
     ) -> tuple[dict | None, str]:
         """Prefill on a prefill pod: (the transfer params for the decode pod or None, the P/D path)."""
         t0 = time.monotonic()
@@ -572,6 +582,7 @@ class Router:
                 "prefill",
                 timeout=self.cfg.prefill_timeout,
                 lora=lora,
+                layout=layout,
             )
         except APIError as e:
             log.warning("prefill failed, decode recomputes: %s", e.message)

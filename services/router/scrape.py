@@ -56,3 +56,12 @@ def parse_lora_state(text: str) -> LoRAState:
     except ValueError:
         max_loras = 0
     return LoRAState(frozenset(registered), frozenset(active - {""}), max_loras, ks)
+
+
+def parse_kv_layout(text: str) -> str:
+    """The pod's KV layout id (``kvmesh:kv_layout_info{layout}``: model, KV dtype, block shape, FP8 scales;
+    what a P/D transfer needs equal on both sides), "" when it exports none."""
+    for name, labels, value in samples(text, (mn.KV_LAYOUT_INFO,)):
+        if name == mn.KV_LAYOUT_INFO and value > 0 and labels.get("layout"):
+            return labels["layout"]
+    return ""

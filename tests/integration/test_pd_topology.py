@@ -112,6 +112,11 @@ def test_pd_greedy_equals_single_engine_and_decode_skips_received_tokens(topo, p
         # Everything but the block holding the last prompt token came from the prefill pod.
         received = ((len(ids) - 1) // BS) * BS
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == received, name
+    # Both pods export one KV layout id, the same: the router pairs them (services/router/scrape.py)
+    from kvmesh.services.router.scrape import parse_kv_layout
+
+    layouts = {parse_kv_layout(httpx.get(w.url + "/metrics", timeout=30).text) for w in (prefill, decode)}
+    assert len(layouts) == 1 and "" not in layouts, layouts
     # Both connectors report their P/D path as such (Redis too: its params say what decode can load).
     assert _metric(topo.router_url, pd) == before + 3
     assert _metric(topo.router_url, 'kvmesh:router_pd_decisions_total{path="fallback_no_params"}') == 0

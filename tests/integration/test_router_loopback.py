@@ -329,6 +329,36 @@ def test_selective_pd_and_fallback(tmp_path):
         dec.stop()
 
 
+def test_prefill_pairs_only_with_a_decode_pod_of_its_kv_layout():
+    """Mid-rollout a prefill pod may have another KV layout (dtype, block size) than the decode pod: the
+    router then lets decode compute the prompt, and pairs them again once the layouts agree."""
+    pre, dec = FakePod().start(), FakePod().start()
+    pre.kv_layout, dec.kv_layout = "old-layout", "new-layout"
+    cfg = RouterConfig(
+        port=free_port(),
+        block_size=BS,
+        pd_min_uncached=0,
+        health_interval=0.1,
+        pods=(PodSpec(pre.url, "prefill"), PodSpec(dec.url, "decode")),
+    )
+    srv, router = start_router(cfg, TOK)
+    try:
+        assert wait_for(lambda: router.pods[pre.url].kv_layout == "old-layout", timeout=10)
+        assert wait_for(lambda: router.pods[dec.url].kv_layout == "new-layout", timeout=10)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": list(range(100, 164))}, timeout=30)
+        assert r.status_code == 200 and pre.bodies == [] and "kv_transfer_params" not in dec.bodies[-1]
+        assert 'kvmesh:router_pd_decisions_total{path="decode_only_layout"} 1.0' in httpx.get(srv.url + "/metrics").text
+        pre.kv_layout = "new-layout"
+        assert wait_for(lambda: router.pods[pre.url].kv_layout == "new-layout", timeout=10)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": list(range(200, 264))}, timeout=30)
+        assert r.status_code == 200 and len(pre.bodies) == 1
+        assert dec.bodies[-1]["kv_transfer_params"]["remote_engine_id"] == "fake"
+    finally:
+        srv.stop()
+        pre.stop()
+        dec.stop()
+
+
 def test_liveness_does_not_depend_on_the_pods():
     """No decode pod: /health (readiness) is 503, /live (liveness) stays 200."""
     dead = f"http://127.0.0.1:{free_port()}"
