@@ -27,6 +27,8 @@ import logging
 
 import msgspec
 
+from kvmesh.common.heap import TRIM_BODY_BYTES, trim_heap
+
 from .errors import error_response
 
 log = logging.getLogger("kvmesh.request_guard")
@@ -90,7 +92,13 @@ class RequestGuard:
                     return  # the client went away while sending
                 resp = error_response(*problem)
                 return await resp(scope, receive, send)
-        return await self._run(scope, receive, send, body)
+        large = len(body) >= TRIM_BODY_BYTES
+        try:
+            return await self._run(scope, receive, send, body)
+        finally:
+            if large:  # its parsed prompt and token ids are garbage now: give the pages back (kvmesh/common/heap.py)
+                del body
+                await asyncio.to_thread(trim_heap)
 
     async def _read_body(self, scope, receive) -> tuple[tuple[int, str] | None, bytes]:
         ctype, length = b"", None
