@@ -78,6 +78,7 @@ class EngineCore:
             config.cache.enable_prefix_caching,
             emit_events=False,
             event_format=config.cache.kv_events_format,
+            num_host_blocks=getattr(self.runner, "num_host_blocks", 0),
         )
         self.connector = connector or KVConnector()
         self.connector.configure(config)
@@ -353,6 +354,9 @@ class EngineCore:
                 log.exception("loading LoRA adapters failed")
                 failed = (self.scheduler.fail(s.request_id, str(e)) for s in sched.scheduled)
                 return [o for o in failed if o is not None]
+        # the host tier's copies first: before a connector's loads or the step write the blocks they read
+        if sched.kv_moves:
+            self.runner.move_kv(sched.kv_moves)
         if sched.is_empty:
             if sched.connector_meta.loads:  # only async loads this step: start them, nothing to run
                 self.connector.start_load_kv(sched.connector_meta)

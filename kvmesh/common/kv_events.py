@@ -36,6 +36,7 @@ MAP: EventFormat = "map"
 ARRAY: EventFormat = "array"
 EVENT_FORMATS = (MAP, ARRAY)
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"  # the host-memory tier (engine/core/host_pool.py)
 ExtraKeys = list[tuple[Any, ...] | None] | None
 
 
