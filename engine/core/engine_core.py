@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvmesh.common.kv_events import KVCacheEvent
+from kvmesh.common.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
 from kvmesh.engine.args import EngineArgs
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.connectors.base import KVConnector
@@ -440,6 +440,22 @@ class EngineCore:
             num_prompt_tokens_pending=self.scheduler.num_prompt_tokens_pending(),
             kv_transfer_refused=self._kv_transfer_refused(),
             **self._lora_stats(),
+            **self._host_tier_stats(),
+        )
+
+    def _host_tier_stats(self) -> dict[str, Any]:
+        pool = self.kv.pool
+        host = pool.host
+        if host is None:
+            return {}
+        st = host.stats
+        return dict(
+            kv_offload_blocks={MEDIUM_GPU: len(pool.cached), MEDIUM_CPU: host.num_cached},
+            kv_offload_capacity=host.num_slots,
+            kv_offload_stored=st.offloads,
+            kv_offload_loaded=st.loads,
+            kv_offload_hit_tokens=st.hit_tokens,
+            kv_offload_evictions=st.evictions,
         )
 
     def _lora_stats(self) -> dict[str, Any]:

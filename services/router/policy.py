@@ -164,6 +164,7 @@ def score_pods(
     private: set[str] | None = None,
     hot: set[str] | None = None,
     resident: set[str] | None = None,
+    host_hits: dict[str, int] | None = None,
 ) -> Decision:
     """Pick the best pod among ``pods`` (all healthy, non-empty).
 
@@ -181,7 +182,11 @@ def score_pods(
     (every pod's with ``hot_limit_scope`` "all", none's with "off").
 
     ``resident``: pods on whose device the request's LoRA adapter already is (``w.lora`` in their favour:
-    elsewhere the adapter is copied in first, and may evict another that running requests use)."""
+    elsewhere the adapter is copied in first, and may evict another that running requests use).
+
+    ``host_hits``: blocks each pod holds in its host-memory tier right after its device hit
+    (`PrefixIndex.match_host`); they count ``w.host_hit`` of a device block in the hit term (loaded
+    back rather than recomputed, but not free). Empty or None: the score is the device hit's alone."""
     if len(pods) == 1:
         p = pods[0]
         hb = hits.get(p.url, 0)
@@ -204,6 +209,12 @@ def score_pods(
 
     eligible = [p for p in pods if p.load <= (strict if p.url in hot else limit) or follow_up(p)] or pods
     hit_base = max(plen, ref_len)
+    # host-tier blocks as tokens (only those before the last token: it is always recomputed), weighted
+    host_on = {
+        u: w.host_hit * (predicted_cached_tokens(hits.get(u, 0) + n, prompt_len, block_size) - cached_on.get(u, 0))
+        for u, n in (host_hits or {}).items()
+        if n > 0
+    }
     pressure = pressure or {}
     cached = [cached_on[p.url] for p in eligible]
     top = max(cached)
@@ -220,7 +231,7 @@ def score_pods(
         p, ht = eligible[j], cached[j]
         hb = hits.get(p.url, 0)
         s = (
-            w.hit * ht / hit_base
+            w.hit * (ht + host_on.get(p.url, 0)) / hit_base
             + w.affinity * ht / plen
             - w.load * p.load / (mean_load + 1.0)
             - w.tokens * p.inflight_tokens / (mean_tok + plen)
