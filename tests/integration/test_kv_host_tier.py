@@ -40,6 +40,16 @@ def _serve(llm: LLM, prompts, salts=None, loras=None):
     return out
 
 
+def _hashes(llm: LLM, prompt, lora: str) -> list:
+    """The block hashes the engine gives ``prompt``'s first six blocks under adapter ``lora``."""
+    from kvmesh.engine.core.request import Request
+
+    e = llm.engine
+    assert e.lora is not None
+    r = Request("probe", list(prompt), GREEDY, BS, e.model_identity, lora=e.lora.id_of(lora))
+    return r.block_hashes[:6]
+
+
 @pytest.fixture(scope="module")
 def baseline(smol):
     llm = LLM(loaded=smol, num_kv_blocks=BLOCKS, block_size=BS)
@@ -92,12 +102,14 @@ def test_adapters_never_cross_the_host_tier(smol, hf_model, tmp_path):
     path = str(tmp_path / "qv8")
     make_adapter(hf_model, path, 8, 16, ["q_proj", "v_proj"], False, 1.0, 0)
     llm = LLM(loaded=smol, num_kv_blocks=BLOCKS, block_size=BS, kv_offload_gb=0.05, lora_modules=(f"qv8={path}",))
-    got = _serve(llm, [A, B, A, A, A], loras=["qv8", None, None, "qv8", None])
-    assert got[2][1] == 0  # the base model never reads the adapter's blocks
-    assert got[3][1] == 6 * BS  # the adapter's, from the host tier
-    assert got[4][1] == 6 * BS  # the base model's own, cached on the device by got[2]
-    s = llm.engine.stats()
-    assert s.kv_offload_loaded == 6 and s.kv_offload_hit_tokens == 6 * BS
+    got = _serve(llm, [A, B, A], loras=["qv8", None, None])
+    assert llm.engine.kv.pool.host is not None
+    assert set(llm.engine.kv.pool.host.cached) >= set(_hashes(llm, A, "qv8"))  # the adapter's blocks, on the host
+    assert got[2][1] == 0 and llm.engine.stats().kv_offload_loaded == 0  # the base model never reads them
+    got += _serve(llm, [A, A], loras=["qv8", None])
+    assert got[3][1] == 6 * BS  # the adapter's own, from the host tier
+    assert got[4][1] == 6 * BS  # the base model's own (computed by got[2]), from either tier
+    assert llm.engine.stats().kv_offload_loaded >= 6
     assert got[0][0] == got[3][0] and got[2][0] == got[4][0]
 
 
@@ -164,3 +176,13 @@ def test_every_tier_move_is_an_event_and_the_routers_view_equals_the_pod(smol, t
     assert kinds[("BlockStored", MEDIUM_CPU)] == s.kv_offload_stored
     assert kinds[("BlockRemoved", MEDIUM_CPU)] == s.kv_offload_evictions > 0
     assert s.kv_offload_loaded > 0 and kinds[("BlockStored", "GPU")] > 0
+
+
+def test_decode_rounds_offload_what_their_reservations_evict(smol, baseline):
+    """Multi-step decode rounds reserve blocks ahead (engine/core/decode_rounds.py): blocks those
+    reservations evict are offloaded before the round writes them; same tokens."""
+    want, _ = baseline
+    llm = LLM(loaded=smol, num_kv_blocks=BLOCKS, block_size=BS, kv_offload_gb=0.05, num_scheduler_steps=4)
+    got = _serve(llm, [A, B, A, C, A])
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert got[2][1] == 6 * BS and llm.engine.rounds.num_rounds > 0
