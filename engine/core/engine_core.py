@@ -355,8 +355,8 @@ class EngineCore:
                 failed = (self.scheduler.fail(s.request_id, str(e)) for s in sched.scheduled)
                 return [o for o in failed if o is not None]
         # the host tier's copies first: before a connector's loads or the step write the blocks they read
-        if sched.kv_moves:
-            self.runner.move_kv(sched.kv_moves)
+        if sched.kv_moves:  # a connector's loads may write outside the compute stream: wait for them then
+            self.runner.move_kv(sched.kv_moves, wait=bool(sched.connector_meta.loads))
         if sched.is_empty:
             if sched.connector_meta.loads:  # only async loads this step: start them, nothing to run
                 self.connector.start_load_kv(sched.connector_meta)

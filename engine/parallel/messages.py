@@ -83,6 +83,7 @@ class KvMoves(msgspec.Struct, tag="kv_moves", array_like=True):
     between its device pool and its own host blocks, before the next step's KV writes and forward."""
 
     moves: list[tuple[int, int, int]]
+    wait: bool = False  # done before the rank goes on (a connector's load follows, outside the compute stream)
 
 
 class Stop(msgspec.Struct, tag="stop", array_like=True):

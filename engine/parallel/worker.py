@@ -89,7 +89,7 @@ def _run(spec: WorkerSpec, rank: int, member: Member | None) -> int:
             if isinstance(msg, messages.Step):
                 runner.run_step(msg)
             elif isinstance(msg, messages.KvMoves):
-                runner.move_kv(msg.moves)
+                runner.move_kv(msg.moves, msg.wait)
             else:
                 runner.lora_message(msg)
     finally:

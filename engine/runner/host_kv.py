@@ -22,7 +22,8 @@ from kvmesh.engine.core.host_pool import OFFLOAD, Move
 class HostKV:
     def __init__(self, num_slots: int, kv_cache: torch.Tensor) -> None:
         self.cuda = kv_cache.device.type == "cuda"
-        self.data = torch.zeros(
+        # never read before an offload writes it: empty, so a large tier costs no memset at start
+        self.data = torch.empty(
             (num_slots, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device="cpu", pin_memory=self.cuda
         )
         self.kv_cache = kv_cache
@@ -35,8 +36,12 @@ class HostKV:
         per_block = kv_cache[0].numel() * kv_cache.element_size()
         return int(gb * (1 << 30)) // per_block if gb > 0 else 0
 
-    def apply(self, moves: list[Move]) -> None:
-        """Copy blocks as planned, in order: ``(OFFLOAD, device block, slot)`` or ``(LOAD, slot, device block)``."""
+    def apply(self, moves: list[Move], wait: bool = False) -> None:
+        """Copy blocks as planned, in order: ``(OFFLOAD, device block, slot)`` or ``(LOAD, slot, device block)``.
+
+        ``wait``: return only once the copies are done. For a step whose connector loads write device
+        blocks outside the compute stream (NIXL's RDMA): such a write must not overtake an offload of
+        the block it lands in."""
         if not moves:
             return
         kv, host = self.kv_cache, self.data
@@ -59,3 +64,5 @@ class HostKV:
             done = torch.cuda.Event()
             done.record(self.stream)
         compute.wait_event(done)  # the next kernel on the compute stream waits; the host does not
+        if wait:
+            done.synchronize()

@@ -239,14 +239,15 @@ class ModelRunner(DecodeRoundRunner):
         self.num_eager_steps += 1
         return self._run_eager(p), rows
 
-    def move_kv(self, moves: list[tuple[int, int, int]]) -> None:
+    def move_kv(self, moves: list[tuple[int, int, int]], wait: bool = False) -> None:
         """Apply the host tier's planned copies (engine/core/host_pool.py) before anything else writes
-        the device blocks; under tensor parallelism every rank applies them to its heads."""
+        the device blocks; under tensor parallelism every rank applies them to its heads. ``wait``: done
+        when this returns (a connector is about to write blocks outside the compute stream)."""
         if not moves or self.host_kv is None:
             return
         if self.ranks is not None:
-            self.ranks.send(messages.encode(messages.KvMoves(moves)))
-        self.host_kv.apply(moves)
+            self.ranks.send(messages.encode(messages.KvMoves(moves, wait)))
+        self.host_kv.apply(moves, wait)
 
     def flush_kv_writes(self) -> None:
         """Send the other ranks the blocks a connector loaded when no forward follows (a step of only

@@ -121,9 +121,9 @@ class SimulatedRunner:
     def flush_kv_writes(self) -> None:
         """One rank: loaded blocks are in place already."""
 
-    def move_kv(self, moves: list[tuple[int, int, int]]) -> None:
+    def move_kv(self, moves: list[tuple[int, int, int]], wait: bool = False) -> None:
         if self.host_kv is not None:
-            self.host_kv.apply(moves)
+            self.host_kv.apply(moves, wait)
 
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Sleep for the step's modelled latency; ``logits[j]`` belongs to ``sched.scheduled[rows[j]]``."""
