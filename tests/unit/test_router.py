@@ -280,7 +280,8 @@ def test_host_tier_events_keep_their_own_residency_and_score_between_a_hit_and_a
     pa, pb, pc = Pod(PodSpec(a)), Pod(PodSpec(b)), Pod(PodSpec(c))
     hits, host = {a: 2, b: 0, c: 0}, {a: 0, b: 8, c: 0}  # b: nothing on the device, eight blocks on the host
     pa.inflight_requests = 1  # a is a little busier
-    assert score_pods([pa, pb, pc], hits, 200, BS, w, host_hits=host).pod is pb
+    d = score_pods([pa, pb, pc], hits, 200, BS, w, host_hits=host)
+    assert d.pod is pb and d.hit_tokens == 8 * BS  # what b will report cached (the index's drift compares it)
     assert score_pods([pa, pb, pc], hits, 200, BS, w).pod is pa  # without the tier's view: a's device hit
     # a host hit is worth less than the same device hit, more than a miss
     dev = {a: 0, b: 10, c: 0}
