@@ -152,6 +152,19 @@ class EngineArgs:
         ),
     )
     num_kv_blocks: int | None = _setting(CacheConfig.num_kv_blocks, "KV pool size in blocks (default: from memory)")
+    kv_offload_gb: float = _setting(
+        CacheConfig.kv_offload_gb,
+        "GiB of host memory (per tensor-parallel rank) for a host-memory KV tier under the device pool: "
+        "full cached blocks the device evicts are copied there and loaded back on a prefix hit (0: off)",
+        crd=CrdProperty(
+            "kvOffloadGb",
+            0.0,
+            minimum=0,
+            maximum=4096,
+            description="Host-memory KV tier per rank in GiB, 0 for none. Blocks evicted from the device "
+            "pool are kept there and loaded back on a prefix hit; count it in the pod's memory request.",
+        ),
+    )
     prefix_hash: str = _setting(
         CacheConfig.prefix_hash,
         "how the prefix cache hashes blocks: kvmesh (model identity and cache_salt in the first block's "

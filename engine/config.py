@@ -32,6 +32,8 @@ class CacheConfig:
     # KV events are laid out on the wire (kvmesh.common.kv_events: vLLM's "map" form or v0.10's "array").
     prefix_hash: str = KVMESH
     kv_events_format: str = MAP
+    # GiB of host memory per rank for the host-memory KV tier (engine/core/host_pool.py); 0: no tier
+    kv_offload_gb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prefix_hash not in PREFIX_HASHES:
@@ -44,6 +46,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.kv_offload_gb < 0:
+            raise ValueError(f"kv_offload_gb must be >= 0, got {self.kv_offload_gb}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 

@@ -4,6 +4,10 @@ Free blocks keep their hash until they are handed out again, so a finished or
 preempted request's prefix stays reusable until memory is actually needed.
 The free list is intrusive (prev/next live on the blocks) so removing a block
 from the middle, when a cache hit revives it, is O(1).
+
+With a host tier (``host``, engine/core/host_pool.py) a cached block evicted to reuse its slot is
+offloaded first: its contents go to a host slot under the same hash (BlockStored, medium CPU,
+before the device's BlockRemoved GPU); a host slot reused for another block is BlockRemoved CPU.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvmesh.common.hashing import BlockHash, external_hash
-from kvmesh.common.kv_events import MAP, KVCacheEvent, event_classes
+from kvmesh.common.kv_events import MAP, MEDIUM_CPU, KVCacheEvent, event_classes
+from kvmesh.engine.core.host_pool import HostPool
 
 # The KV-cache group of every block: the pool holds one (full-attention) group, which vLLM numbers 0.
 GROUP_IDX = 0
@@ -86,7 +91,9 @@ class BlockPool:
         enable_caching: bool = True,
         emit_events: bool = True,
         event_format: str = MAP,
+        num_host_blocks: int = 0,
     ) -> None:
+        """``num_host_blocks``: slots of the host tier under this pool (0: none)."""
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.num_blocks = num_blocks
@@ -99,6 +106,7 @@ class BlockPool:
         self._events: list[KVCacheEvent] = []
         self._ev = event_classes(event_format)  # the wire form's classes (kvmesh.common.kv_events)
         self.num_evictions = 0
+        self.host: HostPool | None = HostPool(num_host_blocks) if num_host_blocks > 0 and enable_caching else None
 
     # ---- queries ------------------------------------------------------------
     @property
@@ -129,10 +137,36 @@ class BlockPool:
         h = block.block_hash
         if self.cached.get(h) is block:
             del self.cached[h]
+            if self.host is not None:
+                self._offload(block.block_id, h)
         block.block_hash = None
         self.num_evictions += 1
         if self.emit_events:
             self._events.append(self._ev.removed(block_hashes=[external_hash(h)], group_idx=GROUP_IDX))
+
+    def _offload(self, block_id: int, h: BlockHash) -> None:
+        """Hand a full cached block being reused to the host tier (its copy is planned, not done)."""
+        assert self.host is not None
+        stored, evicted = self.host.offload(block_id, h)
+        if not self.emit_events:
+            return
+        if evicted is not None:
+            self._events.append(
+                self._ev.removed(block_hashes=[external_hash(evicted)], medium=MEDIUM_CPU, group_idx=GROUP_IDX)
+            )
+        if stored:
+            # As vLLM's offloading connector publishes it: the hash, no tokens or parent (the device's
+            # BlockStored carried them when the block was first stored).
+            self._events.append(
+                self._ev.stored(
+                    block_hashes=[external_hash(h)],
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=self.block_size,
+                    medium=MEDIUM_CPU,
+                    group_idx=GROUP_IDX,
+                )
+            )
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference; a free (cached) block leaves the free list."""
@@ -215,6 +249,8 @@ class BlockPool:
         for b in self.blocks:
             b.block_hash = None
         self.cached.clear()
+        if self.host is not None:
+            self.host.clear()
         if self.emit_events:
             self._events.append(self._ev.cleared())
         return True
@@ -248,3 +284,8 @@ class BlockPool:
         for h, b in self.cached.items():
             if b.block_hash != h:
                 raise AssertionError(f"cache map entry {h.hex()[:8]} points to {b}")
+        for b in self.blocks:
+            if b.block_hash is not None and self.cached.get(b.block_hash) is not b:
+                raise AssertionError(f"{b} carries a hash the cache map does not give it")
+        if self.host is not None:
+            self.host.check_integrity()

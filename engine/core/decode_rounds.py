@@ -153,7 +153,9 @@ class DecodeRounds:
                 k_max = 1
         ids = [s.request_id for s in sched.scheduled]
         k = sch.decode_headroom(ids, 0, k_max)
-        if not k or not sch.reserve_decode_slots(ids, 0, k):
+        reserved = bool(k) and sch.reserve_decode_slots(ids, 0, k)
+        self._move_kv()  # blocks the reservation evicted go to the host tier first
+        if not reserved:
             return 0
         for s in sched.scheduled:
             s.block_ids = sch.block_ids(s.request_id)
@@ -172,7 +174,15 @@ class DecodeRounds:
         if sch.could_admit():
             return 0  # the next schedule() may admit it: let it run (a full batch admits nothing anyway)
         k = sch.decode_headroom(request_ids, pending, 1 if constrained else self.max_steps)
-        return k if k and sch.reserve_decode_slots(request_ids, pending, k) else 0
+        reserved = bool(k) and sch.reserve_decode_slots(request_ids, pending, k)
+        self._move_kv()  # queued before the round that writes the blocks
+        return k if reserved else 0
+
+    def _move_kv(self) -> None:
+        """Apply the host tier's copies the reservation planned (blocks it evicted) before a round writes them."""
+        moves = self.scheduler.kv.take_moves()
+        if moves:
+            self.runner.move_kv(moves)
 
     def launch(self, sched: SchedulerOutput, k: int) -> RoundOutcome:
         """Queue a round of ``k`` decode steps for ``sched`` and collect it (chaining the next)."""

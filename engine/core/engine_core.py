@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvmesh.common.kv_events import KVCacheEvent
+from kvmesh.common.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
 from kvmesh.engine.args import EngineArgs
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.connectors.base import KVConnector
@@ -78,6 +78,7 @@ class EngineCore:
             config.cache.enable_prefix_caching,
             emit_events=False,
             event_format=config.cache.kv_events_format,
+            num_host_blocks=getattr(self.runner, "num_host_blocks", 0),
         )
         self.connector = connector or KVConnector()
         self.connector.configure(config)
@@ -353,6 +354,9 @@ class EngineCore:
                 log.exception("loading LoRA adapters failed")
                 failed = (self.scheduler.fail(s.request_id, str(e)) for s in sched.scheduled)
                 return [o for o in failed if o is not None]
+        # the host tier's copies first: before a connector's loads or the step write the blocks they read
+        if sched.kv_moves:  # a connector's loads may write outside the compute stream: wait for them then
+            self.runner.move_kv(sched.kv_moves, wait=bool(sched.connector_meta.loads))
         if sched.is_empty:
             if sched.connector_meta.loads:  # only async loads this step: start them, nothing to run
                 self.connector.start_load_kv(sched.connector_meta)
@@ -436,6 +440,22 @@ class EngineCore:
             num_prompt_tokens_pending=self.scheduler.num_prompt_tokens_pending(),
             kv_transfer_refused=self._kv_transfer_refused(),
             **self._lora_stats(),
+            **self._host_tier_stats(),
+        )
+
+    def _host_tier_stats(self) -> dict[str, Any]:
+        pool = self.kv.pool
+        host = pool.host
+        if host is None:
+            return {}
+        st = host.stats
+        return dict(
+            kv_offload_blocks={MEDIUM_GPU: len(pool.cached), MEDIUM_CPU: host.num_cached},
+            kv_offload_capacity=host.num_slots,
+            kv_offload_stored=st.offloads,
+            kv_offload_loaded=st.loads,
+            kv_offload_hit_tokens=st.hit_tokens,
+            kv_offload_evictions=st.evictions,
         )
 
     def _lora_stats(self) -> dict[str, Any]:

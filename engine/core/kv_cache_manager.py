@@ -1,12 +1,20 @@
-"""Maps requests to blocks: prefix lookup, slot allocation, copy-on-write, freeing."""
+"""Maps requests to blocks: prefix lookup, slot allocation, copy-on-write, freeing.
+
+With a host tier (``num_host_blocks``, engine/core/host_pool.py) the prefix lookup goes device ->
+host: `find_host_hit` continues the chain where the device's hit ends, and `allocate_slots` takes
+new device blocks for those blocks and plans their copies back (`take_moves`, applied by the
+runner before the step's forward), so they count as computed tokens and are never recomputed.
+The connector (Redis, NIXL) is asked only about what both tiers miss.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.common.hashing import event_extra_keys
+from kvmesh.common.hashing import BlockHash, event_extra_keys
 from kvmesh.common.kv_events import MAP
 from kvmesh.engine.core.block_pool import BlockPool, KVCacheBlock
+from kvmesh.engine.core.host_pool import HostTierStats, Move
 from kvmesh.engine.core.request import Request
 
 
@@ -29,10 +37,11 @@ class KVCacheManager:
         enable_caching: bool = True,
         emit_events: bool = True,
         event_format: str = MAP,
+        num_host_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, block_size, enable_caching, emit_events, event_format)
+        self.pool = BlockPool(num_blocks, block_size, enable_caching, emit_events, event_format, num_host_blocks)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # blocks of the request already registered in the cache
         self.stats = PrefixCacheStats()
@@ -51,6 +60,20 @@ class KVCacheManager:
                 break
             hits.append(b)
         return hits
+
+    def find_host_hit(self, request: Request, num_device_blocks: int, max_tokens: int | None = None) -> list[BlockHash]:
+        """The hashes of the blocks after the device's ``num_device_blocks`` hit that the host tier
+        holds, consecutive (the chain makes the first miss final); the last token is never loaded."""
+        host = self.pool.host
+        if host is None or not self.enable_caching:
+            return []
+        limit = request.num_tokens - 1 if max_tokens is None else max_tokens
+        found: list[BlockHash] = []
+        for h in request.block_hashes[num_device_blocks : limit // self.block_size]:
+            if host.lookup(h) is None:
+                break
+            found.append(h)
+        return found
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Prefix hit of a request about to be scheduled; the last token is always recomputed for its logits.
@@ -79,8 +102,13 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         num_external_tokens: int = 0,
         delay_cache: bool = False,
+        host_hits: list[BlockHash] | None = None,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` (+ ``num_external_tokens`` loaded from outside).
+
+        ``host_hits`` (`find_host_hit`): blocks of the host tier right after ``new_computed_blocks``,
+        counted in ``num_new_computed_tokens``; the first new blocks receive them (their copies are
+        planned before the evictions that taking those blocks causes can reuse their host slots).
 
         Returns the newly allocated blocks, or ``None`` when the pool cannot fit them
         (nothing is changed then). Cached hit blocks that sit on the free list count
@@ -105,6 +133,10 @@ class KVCacheManager:
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if need + int(cow) + revived > self.pool.num_free_blocks:
             return None  # nothing changed
+        host = self.pool.host
+        if host_hits:
+            assert host is not None and not blocks and need >= len(host_hits)
+            host.pin(host_hits)  # the evictions below may offload into the host tier, never over these
         self.req_blocks[request.request_id] = blocks
         self.num_cached_blocks.setdefault(request.request_id, 0)
         if cow:
@@ -119,6 +151,12 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id], len(blocks) if new_computed_blocks else 0
         )
         fresh = self.pool.get_new_blocks(need)
+        if host_hits:
+            assert host is not None
+            for h, b in zip(host_hits, fresh):
+                host.load(h, b.block_id)
+            host.unpin_all()
+            host.stats.hit_tokens += len(host_hits) * self.block_size
         blocks.extend(fresh)
         if not delay_cache:
             self.cache_blocks(request, min(total, request.num_tokens))
@@ -161,6 +199,15 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def take_moves(self) -> list[Move]:
+        """The host tier's planned copies (engine/core/host_pool.py), in order; the runner applies
+        them before any later write to the device blocks (engine/runner/host_kv.py)."""
+        return self.pool.host.take_moves() if self.pool.host is not None else []
+
+    @property
+    def host_stats(self) -> HostTierStats:
+        return self.pool.host.stats if self.pool.host is not None else HostTierStats()
 
     def take_copies(self) -> list[tuple[int, int]]:
         c, self.pending_copies = self.pending_copies, []

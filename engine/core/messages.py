@@ -75,6 +75,16 @@ class EngineStats(msgspec.Struct):
     # the adapters registered (servable), by name: their identity in block hashes (`LoraId.key`), which a
     # router needs to hash an adapter's prompts as the pod does
     loras: dict[str, str] = msgspec.field(default_factory=dict)
+    # the host-memory KV tier (--kv-offload-gb, engine/core/host_pool.py): cached blocks per medium ("GPU":
+    # the device pool's prefix cache, "CPU": the host tier; empty without a tier), the host tier's slots,
+    # blocks copied device -> host (offloads) and back (loads), prompt tokens admitted from the host tier
+    # (part of prefix_cache_hits), and host slots reused for another block (LRU evictions)
+    kv_offload_blocks: dict[str, int] = msgspec.field(default_factory=dict)
+    kv_offload_capacity: int = 0
+    kv_offload_stored: int = 0
+    kv_offload_loaded: int = 0
+    kv_offload_hit_tokens: int = 0
+    kv_offload_evictions: int = 0
 
 
 # connector stats key -> the ``reason`` of kvmesh:kv_transfer_refused_total

@@ -59,6 +59,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) first
+    # host-tier copies planned by this step's allocations (engine/core/host_pool.py): the engine has the
+    # runner apply them (`move_kv`) first, before a connector's loads, the copy-on-write copies and the forward
+    kv_moves: list[tuple[int, int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     connector_meta: ConnectorMetadata = field(default_factory=ConnectorMetadata)
 

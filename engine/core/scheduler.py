@@ -35,6 +35,7 @@ from kvmesh.engine.core.sched_output import ScheduledRequest, SchedulerOutput
 log = logging.getLogger("kvmesh.engine")
 
 if TYPE_CHECKING:
+    from kvmesh.common.hashing import BlockHash
     from kvmesh.engine.core.block_pool import KVCacheBlock
     from kvmesh.engine.runner.sampler import SampleResult
 
@@ -135,11 +136,15 @@ class Scheduler:
                     passed.append(self.waiting.popleft())
                     continue
                 hits: list[KVCacheBlock] = []
+                host_hits: list[BlockHash] = []
                 n_hit = 0
                 ext, load_async = 0, False
                 looked_up = req.num_computed_tokens == 0
                 if looked_up:
+                    # device -> host tier -> connector: each is asked only about what the ones before miss
                     hits, n_hit = self.kv.get_computed_blocks(req)
+                    host_hits = self.kv.find_host_hit(req, len(hits))
+                    n_hit += len(host_hits) * self.kv.block_size
                     ext, load_async = self.connector.get_num_new_matched_tokens(req, n_hit)
                     # Never load the last token: its logits must come from this engine.
                     max_ext = ((req.num_tokens - 1) // self.kv.block_size) * self.kv.block_size - n_hit
@@ -154,7 +159,7 @@ class Scheduler:
                     if threshold:
                         n = min(n, threshold)
                     n = min(n, budget)
-                new = self.kv.allocate_slots(req, n, hits, n_hit, ext, delay_cache=load_async)
+                new = self.kv.allocate_slots(req, n, hits, n_hit, ext, delay_cache=load_async, host_hits=host_hits)
                 if new is None:
                     break
                 if looked_up:
@@ -185,6 +190,7 @@ class Scheduler:
             w.block_ids = self.kv.get_block_ids(w.request.request_id)
             out.scheduled.append(self._entry(w))
         out.block_copies = self.kv.take_copies()
+        out.kv_moves = self.kv.take_moves()
         out.connector_meta = self.connector.build_connector_meta(ConnectorStep(work))
         return out
 

@@ -78,6 +78,14 @@ class Step(msgspec.Struct, tag="step", array_like=True):
     kv_gather: list[int] = []  # block ids: each rank's heads of them go to rank 0 after the forward
 
 
+class KvMoves(msgspec.Struct, tag="kv_moves", array_like=True):
+    """The host tier's copies (engine/core/host_pool.py), in order: every rank moves its heads of them
+    between its device pool and its own host blocks, before the next step's KV writes and forward."""
+
+    moves: list[tuple[int, int, int]]
+    wait: bool = False  # done before the rank goes on (a connector's load follows, outside the compute stream)
+
+
 class Stop(msgspec.Struct, tag="stop", array_like=True):
     reason: str = ""
 
@@ -111,7 +119,7 @@ class LoraDrop(msgspec.Struct, tag="lora_drop", array_like=True):
     key: str
 
 
-Message = Step | Stop | Agents | LoraAdd | LoraSlot | LoraDrop
+Message = Step | Stop | Agents | LoraAdd | LoraSlot | LoraDrop | KvMoves
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Message)
 
@@ -135,7 +143,7 @@ def encode_stop(reason: str = "") -> bytes:
     return _enc.encode(Stop(reason))
 
 
-def encode(msg: Agents | LoraAdd | LoraSlot | LoraDrop) -> bytes:
+def encode(msg: Agents | LoraAdd | LoraSlot | LoraDrop | KvMoves) -> bytes:
     return _enc.encode(msg)
 
 

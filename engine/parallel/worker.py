@@ -88,6 +88,8 @@ def _run(spec: WorkerSpec, rank: int, member: Member | None) -> int:
                 continue
             if isinstance(msg, messages.Step):
                 runner.run_step(msg)
+            elif isinstance(msg, messages.KvMoves):
+                runner.move_kv(msg.moves, msg.wait)
             else:
                 runner.lora_message(msg)
     finally:

@@ -41,6 +41,7 @@ from kvmesh.engine.parallel.kv_shards import RankBlocks, ShardedBlocks, whole_bl
 from kvmesh.engine.parallel.ranks import Ranks
 from kvmesh.engine.parallel.sharding import Shard, TensorParallel, local_config
 from kvmesh.engine.runner.graphs import DecodeGraphs
+from kvmesh.engine.runner.host_kv import HostKV
 from kvmesh.engine.runner.inputs import EagerStager, Staging, StepPlan, cdiv, eager_layout_size, plan_step
 from kvmesh.engine.runner.memory import (
     configure_cpu_threads,
@@ -145,6 +146,12 @@ class ModelRunner(DecodeRoundRunner):
             dtype=self.kv_dtype,
             device=self.device,
         )
+        # The host-memory tier (--kv-offload-gb, engine/runner/host_kv.py): every rank keeps its own heads'
+        # copy, as many slots on every rank (the scheduler's slot ids address them all).
+        self.num_host_blocks = HostKV.num_slots(config.cache.kv_offload_gb, self.kv_cache)
+        if tp is not None and config.cache.kv_offload_gb > 0:
+            self.num_host_blocks = tp.min_int(self.num_host_blocks)
+        self.host_kv = HostKV(self.num_host_blocks, self.kv_cache) if self.num_host_blocks else None
         # How connectors move whole blocks: this pool's, or (rank 0 of a TP engine) every rank's heads.
         self.kv_blocks: LocalBlocks | ShardedBlocks = LocalBlocks(self.kv_cache, self.kv_scales_id)
         self.rank_blocks: RankBlocks | None = None
@@ -231,6 +238,16 @@ class ModelRunner(DecodeRoundRunner):
             return logits, rows
         self.num_eager_steps += 1
         return self._run_eager(p), rows
+
+    def move_kv(self, moves: list[tuple[int, int, int]], wait: bool = False) -> None:
+        """Apply the host tier's planned copies (engine/core/host_pool.py) before anything else writes
+        the device blocks; under tensor parallelism every rank applies them to its heads. ``wait``: done
+        when this returns (a connector is about to write blocks outside the compute stream)."""
+        if not moves or self.host_kv is None:
+            return
+        if self.ranks is not None:
+            self.ranks.send(messages.encode(messages.KvMoves(moves, wait)))
+        self.host_kv.apply(moves, wait)
 
     def flush_kv_writes(self) -> None:
         """Send the other ranks the blocks a connector loaded when no forward follows (a step of only

@@ -41,6 +41,8 @@ import torch
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.connectors.common import LocalBlocks
 from kvmesh.engine.core.sched_output import SchedulerOutput
+from kvmesh.engine.runner.host_kv import HostKV
+from kvmesh.engine.runner.memory import kv_bytes_per_block
 
 # Calibration (see the module docstring).
 DEFAULT_PREFILL_MS_PER_TOKEN = 0.035
@@ -91,6 +93,10 @@ class SimulatedRunner:
         bs = config.cache.block_size
         self.kv_cache = torch.zeros(self.num_blocks, 1, 2, bs, 1, 1, dtype=torch.float32)
         self.kv_blocks = LocalBlocks(self.kv_cache)
+        # the host tier holds as many blocks as it would for the real model (its bytes per block)
+        gb = config.cache.kv_offload_gb
+        self.num_host_blocks = int(gb * (1 << 30)) // kv_bytes_per_block(config) if gb > 0 else 0
+        self.host_kv = HostKV(self.num_host_blocks, self.kv_cache) if self.num_host_blocks else None
         self.device = torch.device("cpu")
         self.num_steps = 0
         self.simulated_s = 0.0  # total latency slept
@@ -114,6 +120,10 @@ class SimulatedRunner:
 
     def flush_kv_writes(self) -> None:
         """One rank: loaded blocks are in place already."""
+
+    def move_kv(self, moves: list[tuple[int, int, int]], wait: bool = False) -> None:
+        if self.host_kv is not None:
+            self.host_kv.apply(moves, wait)
 
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Sleep for the step's modelled latency; ``logits[j]`` belongs to ``sched.scheduled[rows[j]]``."""

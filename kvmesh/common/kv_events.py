@@ -34,6 +34,7 @@ import msgspec
 from kvmesh.common.kv_formats import ARRAY, EVENT_FORMATS, MAP, EventFormat  # noqa: F401 (re-exported)
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"  # the host-memory tier (engine/core/host_pool.py)
 ExtraKeys = list[tuple[Any, ...] | None] | None
 
 

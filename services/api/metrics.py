@@ -229,6 +229,28 @@ class ServerMetrics:
             L + ["lora_name", "key"],
             registry=r,
         )
+        # the host-memory KV tier (--kv-offload-gb): absent without one
+        self.kv_offload_blocks = Gauge(
+            "kvmesh:kv_offload_blocks",
+            "Cached KV blocks per tier (GPU: the device pool's prefix cache, CPU: the host-memory tier).",
+            L + ["medium"],
+            registry=r,
+        )
+        self.kv_offloads = Counter(
+            "kvmesh:kv_offloads", "KV blocks copied from the device pool to the host tier.", L, registry=r
+        )
+        self.kv_offload_loads = Counter(
+            "kvmesh:kv_offload_loads", "KV blocks loaded back from the host tier into the device pool.", L, registry=r
+        )
+        self.kv_offload_hit_tokens = Counter(
+            "kvmesh:kv_offload_hit_tokens",
+            "Prompt tokens served from the host tier (part of the prefix cache hits).",
+            L,
+            registry=r,
+        )
+        self.kv_offload_evictions = Counter(
+            "kvmesh:kv_offload_evictions", "Host-tier blocks dropped (LRU) for another block.", L, registry=r
+        )
         self.queue_time = Histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
@@ -272,6 +294,10 @@ class ServerMetrics:
             (self.computed_tokens, s.num_computed_tokens, last.num_computed_tokens),
             (self.lora_loads, s.num_lora_loads, last.num_lora_loads),
             (self.lora_evictions, s.num_lora_evictions, last.num_lora_evictions),
+            (self.kv_offloads, s.kv_offload_stored, last.kv_offload_stored),
+            (self.kv_offload_loads, s.kv_offload_loaded, last.kv_offload_loaded),
+            (self.kv_offload_hit_tokens, s.kv_offload_hit_tokens, last.kv_offload_hit_tokens),
+            (self.kv_offload_evictions, s.kv_offload_evictions, last.kv_offload_evictions),
         ):
             if new > old:
                 counter.labels(m).inc(new - old)
@@ -286,6 +312,8 @@ class ServerMetrics:
             old = last.kv_transfer_refused.get(reason, 0)
             if new > old:
                 refused.inc(new - old)
+        for medium, n in s.kv_offload_blocks.items():
+            self.kv_offload_blocks.labels(m, medium).set(n)
         self._lora(s)
         self._last = s
 

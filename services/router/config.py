@@ -52,6 +52,14 @@ class ScoringWeights:
             flag="--weight-kv",
         ),
     )
+    host_hit: float = field(
+        default=0.5,
+        metadata=cli(
+            "value of a prefix block a pod holds in its host-memory KV tier (after its device's hit: loaded "
+            "back, not recomputed) as a share of a device block's value; 0.5 is a first value, to be measured",
+            flag="--weight-host-hit",
+        ),
+    )
     lora: float = field(
         default=0.2,
         metadata=cli(

@@ -44,7 +44,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvmesh.common.hashing import scheme_of_root_block
-from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch_form
+from kvmesh.common.kv_events import MEDIUM_CPU, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch_form
 from kvmesh.common.kv_events_auth import CurveKeys
 
 from .index import PrefixIndex
@@ -367,12 +367,12 @@ class EventHub:
             self.on_form(sub.pod, form)
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                if sub.prefix_hash is None:
+                if sub.prefix_hash is None and ev.medium != MEDIUM_CPU:  # a host copy carries no tokens
                     self._learn_scheme(sub, ev)
-                self.index.stored(sub.pod, sub.model, ev.block_hashes)
+                self.index.stored(sub.pod, sub.model, ev.block_hashes, ev.medium)
                 kind = "stored"
             elif isinstance(ev, BlockRemoved):
-                self.index.removed(sub.pod, sub.model, ev.block_hashes)
+                self.index.removed(sub.pod, sub.model, ev.block_hashes, ev.medium)
                 kind = "removed"
             elif isinstance(ev, AllBlocksCleared):
                 self.index.clear_pod(sub.pod)

@@ -25,6 +25,12 @@ from such pods (`policy.score_pods`). Only an event-fed router sees this: the
 approximate mode cannot know what a pod dropped. A cleared pod (restart,
 resync, removal) resets its count; that is not pressure.
 
+**Tiers**: a pod with a host-memory KV tier (``--kv-offload-gb``) publishes its moves with ``medium``
+"CPU" (BlockStored when a block is offloaded, BlockRemoved when its host copy is dropped). Those go
+to a second map, the host residency, and `match_host` counts the blocks a pod holds there right
+after its device prefix (the pod's own lookup order: device, then host). Device ("GPU", or no
+medium) events are handled exactly as without tiers, and only they count as eviction pressure.
+
 All methods are thread-safe (event threads write, the HTTP loop reads).
 """
 
@@ -34,6 +40,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+from kvmesh.common.kv_events import MEDIUM_CPU
 
 
 class PrefixIndex:
@@ -52,6 +60,9 @@ class PrefixIndex:
         # pod -> OrderedDict[(model, hash)] -> expiry (monotonic; inf for approximate pods)
         self._predicted: dict[str, OrderedDict[tuple[str, int], float]] = {}
         self._event_pods: set[str] = set()  # pods whose events we receive (exact mode)
+        # the host tier (medium CPU): model -> hash -> pods, and pod -> (model, hash)
+        self._host: dict[str, dict[int, set[str]]] = {}
+        self._host_by_pod: dict[str, set[tuple[str, int]]] = {}
 
     # ---- exact (events) -----------------------------------------------------
     def mark_exact(self, pod: str, exact: bool = True) -> None:
@@ -64,7 +75,11 @@ class PrefixIndex:
     def is_exact(self, pod: str) -> bool:
         return pod in self._event_pods
 
-    def stored(self, pod: str, model: str, hashes: Iterable[int]) -> None:
+    def stored(self, pod: str, model: str, hashes: Iterable[int], medium: str | None = None) -> None:
+        """``medium``: the event's; "CPU" is the pod's host tier, anything else its device."""
+        if medium == MEDIUM_CPU:
+            self._host_stored(pod, model, hashes)
+            return
         with self._lock:
             m = self._exact.setdefault(model, {})
             mine = self._by_pod.setdefault(pod, set())
@@ -75,7 +90,10 @@ class PrefixIndex:
                 if pred is not None:
                     pred.pop((model, h), None)  # confirmed: the event entry takes over
 
-    def removed(self, pod: str, model: str, hashes: Iterable[int]) -> None:
+    def removed(self, pod: str, model: str, hashes: Iterable[int], medium: str | None = None) -> None:
+        if medium == MEDIUM_CPU:
+            self._host_removed(pod, model, hashes)
+            return
         hashes = list(hashes)
         now = time.monotonic()
         with self._lock:
@@ -104,6 +122,57 @@ class PrefixIndex:
                         del self._exact[model][h]
             self._predicted.pop(pod, None)
             self._evicted.pop(pod, None)
+            for model, h in self._host_by_pod.pop(pod, set()):
+                pods = self._host.get(model, {}).get(h)
+                if pods is not None:
+                    pods.discard(pod)
+                    if not pods:
+                        del self._host[model][h]
+
+    # ---- the host tier (medium CPU) -------------------------------------------
+    def _host_stored(self, pod: str, model: str, hashes: Iterable[int]) -> None:
+        with self._lock:
+            m = self._host.setdefault(model, {})
+            mine = self._host_by_pod.setdefault(pod, set())
+            for h in hashes:
+                m.setdefault(h, set()).add(pod)
+                mine.add((model, h))
+
+    def _host_removed(self, pod: str, model: str, hashes: Iterable[int]) -> None:
+        with self._lock:
+            m = self._host.get(model, {})
+            mine = self._host_by_pod.get(pod, set())
+            for h in hashes:
+                pods = m.get(h)
+                if pods is not None:
+                    pods.discard(pod)
+                    if not pods:
+                        del m[h]
+                mine.discard((model, h))
+
+    def match_host(self, model: str, hashes: Sequence[int], start: dict[str, int]) -> dict[str, int]:
+        """For each pod of ``start`` (pod -> its device hit in blocks), the consecutive blocks of
+        ``hashes`` from there that the pod holds in its host tier (0 for pods without one)."""
+        out: dict[str, int] = {}
+        with self._lock:
+            host = self._host.get(model)
+            for pod, k in start.items():
+                n = 0
+                if host:
+                    for h in hashes[k:]:
+                        if pod not in host.get(h, ()):
+                            break
+                        n += 1
+                out[pod] = n
+        return out
+
+    def pod_tiers(self, pod: str, model: str) -> dict[str, set[int]]:
+        """The hashes ``pod`` holds per tier, as its events told ("GPU": device, "CPU": host)."""
+        with self._lock:
+            return {
+                "GPU": {h for m, h in self._by_pod.get(pod, ()) if m == model},
+                MEDIUM_CPU: {h for m, h in self._host_by_pod.get(pod, ()) if m == model},
+            }
 
     def _decayed(self, pod: str, now: float) -> float:
         v, t = self._evicted.get(pod, (0.0, now))

@@ -153,6 +153,21 @@ def shared_hits(pods: list[Pod], hits: dict[str, int], hashes: list[int]) -> tup
     return private, hot
 
 
+def _host_tokens(
+    host_hits: dict[str, int] | None, hits: dict[str, int], prompt_len: int, block_size: int
+) -> dict[str, int]:
+    """Tokens each pod will load from its host tier: its host blocks after its device hit, up to the
+    prompt's last full block before the last token (as the pod counts them)."""
+    out = {}
+    for u, n in (host_hits or {}).items():
+        if n > 0:
+            d = hits.get(u, 0)
+            out[u] = predicted_cached_tokens(d + n, prompt_len, block_size) - predicted_cached_tokens(
+                d, prompt_len, block_size
+            )
+    return out
+
+
 def score_pods(
     pods: list[Pod],
     hits: dict[str, int],
@@ -165,6 +180,7 @@ def score_pods(
     private: set[str] | None = None,
     hot: set[str] | None = None,
     resident: set[str] | None = None,
+    host_hits: dict[str, int] | None = None,
 ) -> Decision:
     """Pick the best pod among ``pods`` (all healthy, non-empty).
 
@@ -182,11 +198,16 @@ def score_pods(
     (every pod's with ``hot_limit_scope`` "all", none's with "off").
 
     ``resident``: pods on whose device the request's LoRA adapter already is (``w.lora`` in their favour:
-    elsewhere the adapter is copied in first, and may evict another that running requests use)."""
+    elsewhere the adapter is copied in first, and may evict another that running requests use).
+
+    ``host_hits``: blocks each pod holds in its host-memory tier right after its device hit
+    (`PrefixIndex.match_host`); they count ``w.host_hit`` of a device block in the hit term (loaded
+    back rather than recomputed, but not free). Empty or None: the score is the device hit's alone."""
     if len(pods) == 1:
         p = pods[0]
         hb = hits.get(p.url, 0)
-        return Decision(p, hb, predicted_cached_tokens(hb, prompt_len, block_size), "only")
+        n = hb + (host_hits or {}).get(p.url, 0)
+        return Decision(p, hb, predicted_cached_tokens(n, prompt_len, block_size), "only")
     n = len(pods)
     mean_load = sum(p.load for p in pods) / n
     mean_tok = sum(p.inflight_tokens for p in pods) / n
@@ -205,6 +226,8 @@ def score_pods(
 
     eligible = [p for p in pods if p.load <= (strict if p.url in hot else limit) or follow_up(p)] or pods
     hit_base = max(plen, ref_len)
+    # host-tier blocks as tokens (only those before the last token: it is always recomputed)
+    host_on = _host_tokens(host_hits, hits, prompt_len, block_size)
     pressure = pressure or {}
     cached = [cached_on[p.url] for p in eligible]
     top = max(cached)
@@ -221,7 +244,7 @@ def score_pods(
         p, ht = eligible[j], cached[j]
         hb = hits.get(p.url, 0)
         s = (
-            w.hit * ht / hit_base
+            w.hit * (ht + w.host_hit * host_on.get(p.url, 0)) / hit_base
             + w.affinity * ht / plen
             - w.load * p.load / (mean_load + 1.0)
             - w.tokens * p.inflight_tokens / (mean_tok + plen)
@@ -232,7 +255,7 @@ def score_pods(
         )
         key = (s, -p.load)
         if best is None or key > best[0]:
-            best = (key, p, hb, ht)
+            best = (key, p, hb, ht + host_on.get(p.url, 0))  # the pod reports host-tier tokens as cached too
     assert best is not None
     _, p, hb, ht = best
     top_hit = max((hits.get(q.url, 0) for q in pods), default=0)

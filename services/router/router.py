@@ -326,6 +326,8 @@ class Router:
             hits = self.index.match(self.ns, hashes, urls) if hashes else {}
             pressure = self.index.eviction_pressure(urls) if self.cfg.weights.evict else None
             private, hot = shared_hits(pods, hits, hashes)
+            # the pods' host tiers (medium CPU events), right after each device hit
+            host = self.index.match_host(self.ns, hashes, {u: hits.get(u, 0) for u in urls}) if hashes else {}
             d = score_pods(
                 pods,
                 hits,
@@ -337,6 +339,7 @@ class Router:
                 private=private,
                 hot=hot,
                 resident={p.url for p in pods if lora in p.lora.active} if lora is not None else None,
+                host_hits=host if self.cfg.weights.host_hit else None,
             )
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(

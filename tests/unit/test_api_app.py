@@ -275,6 +275,29 @@ def test_metrics_counters_advance_by_delta():
     assert 'vllm:request_success_total{finished_reason="length",model_name="m"} 1.0' in m.render().decode()
 
 
+def test_host_tier_metrics():
+    m = ServerMetrics("m")
+    text = m.render().decode()
+    assert "kvmesh:kv_offload_blocks{" not in text  # no tier, no series
+    m.on_stats(EngineStats(kv_offload_blocks={"GPU": 10, "CPU": 3}, kv_offload_stored=5, kv_offload_loaded=2))
+    m.on_stats(
+        EngineStats(
+            kv_offload_blocks={"GPU": 9, "CPU": 4},
+            kv_offload_stored=7,
+            kv_offload_loaded=2,
+            kv_offload_hit_tokens=32,
+            kv_offload_evictions=1,
+        )
+    )
+    text = m.render().decode()
+    assert 'kvmesh:kv_offload_blocks{medium="CPU",model_name="m"} 4.0' in text
+    assert 'kvmesh:kv_offload_blocks{medium="GPU",model_name="m"} 9.0' in text
+    assert 'kvmesh:kv_offloads_total{model_name="m"} 7.0' in text
+    assert 'kvmesh:kv_offload_loads_total{model_name="m"} 2.0' in text
+    assert 'kvmesh:kv_offload_hit_tokens_total{model_name="m"} 32.0' in text
+    assert 'kvmesh:kv_offload_evictions_total{model_name="m"} 1.0' in text
+
+
 def test_admin_endpoints_take_the_admin_key_alone():
     """/drain and /reset_prefix_cache act on the whole pod: a client's key gets 403 (a fuzz holding one
     once drained a pod for good), the admin key works (and is accepted where a client key is); with no

@@ -258,3 +258,35 @@ def test_index_drift_is_recorded_in_both_directions(predicted: int, reported: in
     text = generate_latest(router.metrics.registry).decode()
     assert f"kvmesh:router_index_overpredicted_tokens_total {float(max(0, predicted - reported))}" in text
     assert f"kvmesh:router_index_underpredicted_tokens_total {float(max(0, reported - predicted))}" in text
+
+
+def test_host_tier_events_keep_their_own_residency_and_score_between_a_hit_and_a_miss():
+    """CPU-medium events (a pod's host-memory tier) fill a second map, never the device's, and are no
+    eviction pressure; a host hit after the device hit scores ``host_hit`` of a device hit."""
+    idx = PrefixIndex()
+    a, b, c = "http://a:1", "http://b:1", "http://c:1"
+    idx.stored(a, "m", range(2))  # a: two blocks on the device
+    idx.stored(a, "m", range(2, 10), "CPU")  # then eight in its host tier
+    idx.stored(b, "m", range(10), "GPU")  # b: all ten on the device
+    idx.removed(a, "m", [9], "CPU")
+    assert idx.match("m", list(range(10)), [a, b, c]) == {a: 2, b: 10, c: 0}  # device residency unchanged
+    assert idx.match_host("m", list(range(10)), {a: 2, b: 10, c: 0}) == {a: 7, b: 0, c: 0}
+    assert idx.eviction_pressure([a])[a] == 0
+    assert idx.pod_tiers(a, "m") == {"GPU": {0, 1}, "CPU": set(range(2, 9))}
+    idx.clear_pod(a)
+    assert idx.pod_tiers(a, "m") == {"GPU": set(), "CPU": set()}
+
+    w = ScoringWeights(share=0.0)
+    pa, pb, pc = Pod(PodSpec(a)), Pod(PodSpec(b)), Pod(PodSpec(c))
+    hits, host = {a: 2, b: 0, c: 0}, {a: 0, b: 8, c: 0}  # b: nothing on the device, eight blocks on the host
+    pa.inflight_requests = 1  # a is a little busier
+    d = score_pods([pa, pb, pc], hits, 200, BS, w, host_hits=host)
+    assert d.pod is pb and d.hit_tokens == 8 * BS  # what b will report cached (the index's drift compares it)
+    assert score_pods([pa, pb, pc], hits, 200, BS, w).pod is pa  # without the tier's view: a's device hit
+    # a host hit is worth less than the same device hit, more than a miss
+    dev = {a: 0, b: 10, c: 0}
+    pb.inflight_requests = pc.inflight_requests = 0
+    pa.inflight_requests = 0
+    both = score_pods([pb, pc], {b: 0, c: 10}, 200, BS, w, host_hits={b: 10, c: 0})
+    assert both.pod is pc and score_pods([pa, pb], dev, 200, BS, w, host_hits={a: 10, b: 0}).pod is pb
+    assert score_pods([pa, pc], {a: 0, c: 0}, 200, BS, w, host_hits={a: 10, c: 0}).pod is pa
