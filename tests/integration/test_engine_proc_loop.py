@@ -28,6 +28,7 @@ class FakeEngine:
                 block_size=16, gpu_memory_utilization=0.9, kv_cache_dtype="auto", enable_prefix_caching=True
             ),
             quantization=None,
+            lora=SimpleNamespace(enabled=False, max_loras=4),
             role="both",
             dtype="float32",
             device="cpu",
@@ -37,6 +38,9 @@ class FakeEngine:
         self.max_waiting = max_waiting
         self.aborted: list[str] = []
         self.steps = 0
+
+    def list_loras(self) -> list[str]:
+        return []  # LoRA off
 
     def add_request(self, req):
         from kvmesh.engine.core.scheduler import QueueFullError
