@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from kvmesh.operator.crd import engine_properties
+
 from .conftest import Cluster, condition, record, wait_ready
 from .helpers import EXAMPLES, RESOURCE, example, expected_children, subset_mismatch
 
@@ -88,18 +90,8 @@ def test_example_reaches_ready(name: str, chart: Cluster, operator, ns: str) -> 
 def test_defaults_are_applied_by_the_api_server(chart: Cluster, ns: str) -> None:
     chart.apply(EXAMPLES["minimal"].read_text(), ns)
     spec = chart.get("inferenceservice", "tiny", ns)["spec"]
-    assert spec["engine"] == {
-        "blockSize": 16,
-        "maxNumBatchedTokens": 8192,
-        "maxNumSeqs": 128,
-        "dtype": "auto",
-        "gpuMemoryUtilization": 0.9,
-        "kvCacheMemoryGB": 2.0,
-        "kvCacheDtype": "auto",
-        "quantization": "none",
-        "tensorParallelSize": 1,
-        "tensorParallelNodes": 1,
-    }
+    # every spec.engine setting at its declared default (EngineArgs' CrdProperty, which the CRD carries)
+    assert spec["engine"] == {name: schema["default"] for name, schema in engine_properties().items()}
     assert spec["kvConnector"] == {"type": "nixl"}
     assert spec["model"] == {"source": "embedded"}
     assert spec["prefill"] == {"replicas": 1} and spec["autoscaling"]["enabled"] is False
