@@ -44,6 +44,15 @@ from collections.abc import Iterable, Sequence
 from kvmesh.common.kv_events import MEDIUM_CPU
 
 
+def _unhold(holders: dict[int, set[str]], h: int, pod: str) -> None:
+    """``pod`` no longer holds block ``h``; a hash nobody holds leaves the map (device and host tiers alike)."""
+    pods = holders.get(h)
+    if pods is not None:
+        pods.discard(pod)
+        if not pods:
+            del holders[h]
+
+
 class PrefixIndex:
     def __init__(
         self, pending_ttl: float = 10.0, approx_capacity: int = 1 << 16, evict_halflife: float = 120.0
@@ -102,11 +111,7 @@ class PrefixIndex:
             mine = self._by_pod.get(pod, set())
             pred = self._predicted.get(pod)
             for h in hashes:
-                pods = m.get(h)
-                if pods is not None:
-                    pods.discard(pod)
-                    if not pods:
-                        del m[h]
+                _unhold(m, h, pod)
                 mine.discard((model, h))
                 if pred is not None:
                     pred.pop((model, h), None)
@@ -115,19 +120,11 @@ class PrefixIndex:
         """Forget everything about ``pod`` (AllBlocksCleared, restart, resync, removal)."""
         with self._lock:
             for model, h in self._by_pod.pop(pod, set()):
-                pods = self._exact.get(model, {}).get(h)
-                if pods is not None:
-                    pods.discard(pod)
-                    if not pods:
-                        del self._exact[model][h]
+                _unhold(self._exact.get(model, {}), h, pod)
             self._predicted.pop(pod, None)
             self._evicted.pop(pod, None)
             for model, h in self._host_by_pod.pop(pod, set()):
-                pods = self._host.get(model, {}).get(h)
-                if pods is not None:
-                    pods.discard(pod)
-                    if not pods:
-                        del self._host[model][h]
+                _unhold(self._host.get(model, {}), h, pod)
 
     # ---- the host tier (medium CPU) -------------------------------------------
     def _host_stored(self, pod: str, model: str, hashes: Iterable[int]) -> None:
@@ -143,11 +140,7 @@ class PrefixIndex:
             m = self._host.get(model, {})
             mine = self._host_by_pod.get(pod, set())
             for h in hashes:
-                pods = m.get(h)
-                if pods is not None:
-                    pods.discard(pod)
-                    if not pods:
-                        del m[h]
+                _unhold(m, h, pod)
                 mine.discard((model, h))
 
     def match_host(self, model: str, hashes: Sequence[int], start: dict[str, int]) -> dict[str, int]:
