@@ -10,9 +10,10 @@ HTTP and ZMQ without paying for model forwards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -256,3 +257,32 @@ def handshake_refused(monitor, timeout: float = 15.0) -> bool:
         if ev & failed:
             return True
     return False
+
+
+@contextlib.contextmanager
+def serve_pods_behind_router(
+    folder, pod_args: list[list[str]], env: dict[str, str], **router_kw: Any
+) -> Iterator[tuple[ThreadServer, Any, list[Any]]]:
+    """Real `kvmesh serve` pods (one per entry of ``pod_args``, each publishing KV events on ipc sockets in
+    ``folder`` as engine ``pod<i>``), started together, behind an in-process router (``router_kw``: the
+    other `RouterConfig` fields). Yields (router server, `Router`, the pods' `ServerProcess`es)."""
+    from kvmesh.services.router.config import PodSpec, RouterConfig
+    from kvmesh.testing.servers import ServerProcess
+
+    pods, specs = [], []
+    for i, args in enumerate(pod_args):
+        ev, rep = f"ipc://{folder}/ev{i}", f"ipc://{folder}/rep{i}"
+        events = ("--kv-events-endpoint", ev, "--kv-events-replay-endpoint", rep, "--engine-id", f"pod{i}")
+        pods.append(ServerProcess([*args, *events], env=env, log_path=f"{folder}/pod{i}.log"))
+        specs.append(PodSpec(pods[-1].base_url, "both", ev, rep))
+    try:
+        for p in pods:  # each loads in its own process: they start together
+            p.start()
+        srv, router = start_router(RouterConfig(port=free_port(), pods=tuple(specs), **router_kw))
+        try:
+            yield srv, router, pods
+        finally:
+            srv.stop()
+    finally:
+        for p in pods:
+            p.stop()

@@ -169,38 +169,16 @@ def test_the_router_loads_an_adapter_no_pod_has_and_lists_every_model(topo, prom
 @pytest.fixture(scope="module")
 def pods(tmp_path_factory, adapters):
     """Two `kvmesh serve` pods, LoRA on in both, qv8 only on the first, behind an in-process router."""
-    from kvmesh.services.router.config import PodSpec, RouterConfig
-    from kvmesh.testing.pods import start_router
-    from kvmesh.testing.servers import ServerProcess
-    from kvmesh.topology import free_port
+    from kvmesh.testing.pods import serve_pods_behind_router
 
     d = tmp_path_factory.mktemp("lora-pods")
     env = {"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING", "KVMESH_ADMIN_KEY": ADMIN_KEY}
-    servers, specs = [], []
-    for i, extra in enumerate((("--lora-modules", f"qv8={adapters['qv8']}"), ("--enable-lora",))):
-        ev, rep = f"ipc://{d}/ev{i}", f"ipc://{d}/rep{i}"
-        srv = ServerProcess(
-            [
-                *WORKER_ARGS,
-                *extra,
-                *("--kv-events-endpoint", ev, "--kv-events-replay-endpoint", rep, "--engine-id", f"pod{i}"),
-                *("--stats-interval", "0.1"),
-            ],
-            env=env,
-            log_path=str(d / f"pod{i}.log"),
-        )
-        servers.append(srv)
-        specs.append(PodSpec(srv.base_url, "both", ev, rep))
-    try:
-        for s in servers:
-            s.start()
-        cfg = RouterConfig(port=free_port(), block_size=BS, pods=tuple(specs), health_interval=0.2)
-        rsrv, router = start_router(cfg)
-        yield rsrv, router, servers
-        rsrv.stop()
-    finally:
-        for s in servers:
-            s.stop()
+    args = [
+        [*WORKER_ARGS, *extra, "--stats-interval", "0.1"]
+        for extra in (("--lora-modules", f"qv8={adapters['qv8']}"), ("--enable-lora",))
+    ]
+    with serve_pods_behind_router(d, args, env, block_size=BS, health_interval=0.2) as running:
+        yield running
 
 
 def test_adapter_requests_go_only_to_pods_that_hold_the_adapter(pods, smol, reference, prompts):

@@ -27,37 +27,13 @@ wait_for = functools.partial(_wait_for, timeout=30.0, poll=0.05)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from kvmesh.services.router.config import PodSpec, RouterConfig
-    from kvmesh.testing.pods import start_router
-    from kvmesh.testing.servers import ServerProcess
-    from kvmesh.topology import free_port
+    from kvmesh.testing.pods import serve_pods_behind_router
 
+    args = ["--max-model-len", "512", "--num-kv-blocks", "64", "--block-size", str(BS), "--engine-restarts", "0"]
     d = tmp_path_factory.mktemp("router-unavailable")
-    pods, specs = [], []
-    for i in range(2):
-        ev, rep = f"ipc://{d}/ev{i}", f"ipc://{d}/rep{i}"
-        srv = ServerProcess(
-            [
-                *("--max-model-len", "512", "--num-kv-blocks", "64", "--block-size", str(BS)),
-                *("--kv-events-endpoint", ev, "--kv-events-replay-endpoint", rep, "--engine-id", f"pod{i}"),
-                *("--engine-restarts", "0"),
-            ],
-            env=ENV,
-            log_path=str(d / f"pod{i}.log"),
-        )
-        pods.append(srv)
-        specs.append(PodSpec(srv.base_url, "both", ev, rep))
-    try:
-        for p in pods:
-            p.start()
-        # Health checks far apart: the router must learn of the dead engine from the request itself.
-        cfg = RouterConfig(port=free_port(), block_size=BS, pods=tuple(specs), health_interval=600.0)
-        srv, router = start_router(cfg)
-        yield srv, router, pods
-        srv.stop()
-    finally:
-        for p in pods:
-            p.stop()
+    # Health checks far apart: the router must learn of the dead engine from the request itself.
+    with serve_pods_behind_router(d, [args, args], ENV, block_size=BS, health_interval=600.0) as running:
+        yield running
 
 
 def _complete(url: str, prompt: str) -> httpx.Response:

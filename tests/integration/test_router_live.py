@@ -27,49 +27,12 @@ wait_for = functools.partial(_wait_for, timeout=20.0, poll=0.05)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from kvmesh.services.router.config import PodSpec, RouterConfig
-    from kvmesh.testing.pods import start_router
-    from kvmesh.testing.servers import ServerProcess
-    from kvmesh.topology import free_port
+    from kvmesh.testing.pods import serve_pods_behind_router
 
+    args = ["--max-model-len", "512", "--num-kv-blocks", "64", "--block-size", str(BS), "--stats-interval", "0.1"]
     d = tmp_path_factory.mktemp("router")
-    pods, specs = [], []
-    for i in range(2):
-        ev, rep = f"ipc://{d}/ev{i}", f"ipc://{d}/rep{i}"
-        srv = ServerProcess(
-            [
-                "--max-model-len",
-                "512",
-                "--num-kv-blocks",
-                "64",
-                "--block-size",
-                str(BS),
-                "--kv-events-endpoint",
-                ev,
-                "--kv-events-replay-endpoint",
-                rep,
-                "--engine-id",
-                f"pod{i}",
-                "--stats-interval",
-                "0.1",
-            ],
-            env=ENV,
-            log_path=str(d / f"pod{i}.log"),
-        )
-        pods.append(srv)
-        specs.append(PodSpec(srv.base_url, "both", ev, rep))
-    try:
-        for p in pods:
-            p.proc = None
-        for p in pods:  # start both, then wait (they load in parallel)
-            p.start()
-        cfg = RouterConfig(port=free_port(), block_size=BS, pods=tuple(specs), health_interval=0.5)
-        srv, router = start_router(cfg)
-        yield srv, router, pods
-        srv.stop()
-    finally:
-        for p in pods:
-            p.stop()
+    with serve_pods_behind_router(d, [args, args], ENV, block_size=BS, health_interval=0.5) as running:
+        yield running
 
 
 def doc(i: int, words: int = 60) -> str:
