@@ -40,8 +40,7 @@ from kvmesh import kernels  # noqa: E402
 from kvmesh.engine.args import EngineArgs  # noqa: E402
 from kvmesh.engine.core.engine_core import EngineCore  # noqa: E402
 from kvmesh.engine.models import random_init  # noqa: E402
-from kvmesh.kernels import moe as kmoe  # noqa: E402
-from kvmesh.kernels.moe import ALIGN_KERNEL_MAX_PAIRS, moe_align, moe_align_torch  # noqa: E402
+from kvmesh.kernels.moe import ALIGN_KERNEL_MAX_PAIRS, MOE_GEMV_MAX_PAIRS, moe_align, moe_align_torch  # noqa: E402
 
 DEV = "cuda"
 R: dict = {}
@@ -54,6 +53,15 @@ CONFIGS = [
     (64, 64, 64, 4, 3),
     (64, 128, 64, 8, 3),
     (128, 128, 64, 8, 3),
+]
+# (gate|up, down) configurations of the matrix-vector kernels: (BLOCK_N, BLOCK_K, num_warps) each
+GEMV_CONFIGS = [
+    ((8, 256, 4), (16, 256, 4)),
+    ((16, 128, 4), (16, 256, 4)),
+    ((16, 256, 8), (32, 256, 8)),
+    ((32, 256, 4), (32, 256, 4)),
+    ((16, 512, 4), (8, 256, 4)),
+    ((8, 512, 4), (8, 512, 4)),
 ]
 log = h.log
 
@@ -137,7 +145,7 @@ def bench_fused_moe(quick: bool) -> None:
     w2 = (torch.randn(E, H, inter, generator=g, device=DEV) * 0.02).bfloat16()
     expert_bytes = (w1.numel() + w2.numel()) * 2 / E
     rows = []
-    for T in (1, 32, 128, 4096):
+    for T in (1, 2, 32, 128, 4096):
         x = torch.randn(T, H, generator=g, device=DEV).bfloat16()
         weights, ids = kernels.moe_routing(torch.randn(T, E, generator=g, device=DEV).bfloat16(), k, True)
         ref32 = kernels.fused_moe_reference(x.float(), w1.float(), w2.float(), weights.float(), ids)
@@ -147,7 +155,7 @@ def bench_fused_moe(quick: bool) -> None:
         default = kernels.moe_config(T * k, E, x.device)
         res = {}
         for cfg in [default] + [c for c in CONFIGS if c != default and not quick]:
-            try:
+            try:  # config= forces the grouped GEMM (T = 1 and 2 run the matrix-vector kernels by default)
                 out = kernels.fused_moe(*args, config=cfg)
                 err = ((out.float() - ref32).norm() / ref32.norm()).item()
                 replay = _graph(lambda cfg=cfg, args=args: kernels.fused_moe(*args, config=cfg))
@@ -162,12 +170,26 @@ def bench_fused_moe(quick: bool) -> None:
             bm = default[0]
             ours = lambda lg=logits, bm=bm: moe_align(kernels.moe_routing(lg, k, True)[1], E, bm)  # noqa: E731
             torch_ops = lambda lg=logits, bm=bm: moe_align_torch(kernels.moe_routing_reference(lg, k, True)[1], E, bm)  # noqa: E731
-            kmoe.PREP_KERNELS_ON_GPU = True  # off by default on a GPU until measured: this run measures it
             same = all(torch.equal(a, b) for a, b in zip(ours(), torch_ops()))
             prep = dict(
                 route_align_ms=_time(_graph(ours)), route_align_torch_ms=_time(_graph(torch_ops)), route_align_same=same
             )
-            kmoe.PREP_KERNELS_ON_GPU = False
+        if T * k <= MOE_GEMV_MAX_PAIRS:  # the two matrix-vector kernels (the default here) and their sweep
+            gemv = {}
+            for cfg in [None] + ([] if quick else GEMV_CONFIGS):
+                out = kernels.fused_moe(*args, gemv_config=cfg)
+                err = ((out.float() - ref32).norm() / ref32.norm()).item()
+                replay = _graph(lambda cfg=cfg, args=args: kernels.fused_moe(*args, gemv_config=cfg))
+                gemv[str(cfg or "default")] = (_time(replay), err)
+            best_g = min(gemv, key=lambda c: gemv[c][0])
+            prep.update(
+                gemv_ms=gemv["default"][0],
+                gemv_rel_err=gemv["default"][1],
+                gemv_best=best_g,
+                gemv_best_ms=gemv[best_g][0],
+                gemv_TBps=active * expert_bytes / (gemv["default"][0] / 1e3) / 1e12,
+                gemv_sweep={c: v[0] for c, v in gemv.items()},
+            )
         r = dict(
             T=T,
             active_experts=active,
@@ -219,7 +241,7 @@ def bench_30b(quick: bool, bw: float) -> None:
         weights_GB=sum(t.numel() * t.element_size() for t in lm.state_dict.values()) / 1e9,
     )
     log("engine", R["engine"], f"{time.time() - t0:.1f}s")
-    R["decode"] = [h.engine_decode(eng, B, 512, 32 if quick else 128, bw, seed=B) for B in (1, 32, 128)]
+    R["decode"] = [h.engine_decode(eng, B, 512, 32 if quick else 128, bw, seed=B) for B in (1, 2, 32, 128)]
     # prefill: 8 x 1,024 tokens, one 8,192-token step (warm the shape first)
     g = torch.Generator().manual_seed(7)
     B, P = 8, 1024
@@ -232,6 +254,15 @@ def bench_30b(quick: bool, bw: float) -> None:
     flops += 2 * B * c.vocab_size * c.hidden_size  # the last token's logits
     R["prefill"] = dict(B=B, prompt=P, s=s, tok_s=B * P / s, TFLOPs=flops / s / 1e12, steps=t["steps"])
     log("prefill", R["prefill"])
+    eng.shutdown()
+    del eng
+    torch.cuda.empty_cache()
+    # the same weights without the MoE decode kernels (torch routing + alignment, the grouped GEMM at
+    # every batch): the engine as it was before them, for the ratio in the same run
+    eng = h.build_engine(
+        lm, max_model_len=2048, max_num_seqs=128, max_num_batched_tokens=8192, moe_prep_kernels=False, moe_gemv=False
+    )
+    R["decode_before"] = [h.engine_decode(eng, B, 512, 32 if quick else 128, bw, seed=B) for B in (1, 2, 32)]
     eng.shutdown()
 
 
@@ -248,6 +279,12 @@ def table() -> str:
             f"{r['TFLOPs']:>8.1f} {r['rel_err']:>8.1e}"
         )
     for r in R.get("fused_moe", []):
+        if "gemv_ms" in r:
+            lines.append(
+                f"T={r['T']}: matrix-vector kernels {r['gemv_ms'] * 1e3:.1f} us ({r['gemv_TBps']:.2f} TB/s, rel err "
+                f"{r['gemv_rel_err']:.1e}; best {r['gemv_best']} {r['gemv_best_ms'] * 1e3:.1f} us) against the "
+                f"grouped GEMM {r['kernel_ms'] * 1e3:.1f} us"
+            )
         if "route_align_ms" in r:
             lines.append(
                 f"T={r['T']}: routing + align {r['route_align_ms'] * 1e3:.1f} us (torch ops "
@@ -262,6 +299,11 @@ def table() -> str:
         lines.append(
             f"{r['B']:>4} {r['decode_tok_s']:>9.1f} {r['gpu_only_tok_s']:>15.1f} {r['step_GB']:>8.2f} "
             f"{r['roofline_tok_s']:>9.1f} {100 * r['frac_roofline']:>5.1f}% {100 * r['gpu_only_frac_roofline']:>9.1f}%"
+        )
+    for r, b in zip(R.get("decode_before", []), R.get("decode", [])):
+        lines.append(
+            f"B={r['B']} without the MoE decode kernels: {r['decode_tok_s']:.1f} tok/s "
+            f"({100 * r['frac_roofline']:.1f}%); with them {b['decode_tok_s'] / r['decode_tok_s']:.2f}x"
         )
     if "prefill" in R:
         p = R["prefill"]

@@ -346,6 +346,19 @@ class EngineArgs:
         choices=list(FP8_GEMMS),
         section=KERNELS,
     )
+    moe_prep_kernels: bool = _setting(
+        KernelChoices.moe_prep_kernels,
+        "MoE routing and alignment by one Triton launch each; --no-moe-prep-kernels: the torch ops",
+        action=argparse.BooleanOptionalAction,
+        section=KERNELS,
+    )
+    moe_gemv: bool = _setting(
+        KernelChoices.moe_gemv,
+        "MoE layers of up to 16 (token, expert) pairs (decode at batch 1 and 2 with top-8) by two "
+        "matrix-vector kernels; --no-moe-gemv: the grouped GEMM at every batch",
+        action=argparse.BooleanOptionalAction,
+        section=KERNELS,
+    )
 
     # ---- command line -------------------------------------------------------
     @classmethod

@@ -30,7 +30,7 @@ def moe_routing(
     T, E = router_logits.shape
     if not 0 < top_k <= E:
         fail(fn, f"top_k must be in 1..{E} (the number of experts), got {top_k}")
-    if not _prep_kernels(router_logits) or T == 0 or E > ROUTING_KERNEL_MAX_EXPERTS:
+    if not _prep_kernels(router_logits, choices) or T == 0 or E > ROUTING_KERNEL_MAX_EXPERTS:
         return _ref.moe_routing_reference(router_logits, top_k, renormalize)
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
@@ -51,17 +51,15 @@ def moe_routing(
     return weights, ids
 
 
-# Whether CUDA devices take `moe_routing_kernel` and `moe_align_kernel`. Both equal the torch ops, ties
-# included (the lower expert id first, in the kernel and in `moe_routing_reference`): in the Triton
-# interpreter (tests/kernels/test_moe_kernels.py) and on an H100 (tests/gpu/test_moe_gpu.py; `bench/gpu_moe.py`
-# turns them on for its routing + align rows: 10 / 14 / 19 us against 68 / 95 / 104 us for the torch ops at
-# T = 1 / 32 / 128, same result at each). Still off on a GPU until the engine's MoE decode is measured with them.
-PREP_KERNELS_ON_GPU = False
-
-
-def _prep_kernels(t: torch.Tensor) -> bool:
+def _prep_kernels(t: torch.Tensor, choices: KernelChoices) -> bool:
+    """Whether routing and alignment take `moe_routing_kernel` and `moe_align_kernel` (one launch each)
+    rather than the torch ops (a dozen launches). Both equal the torch ops, ties included (the lower
+    expert id first, in the kernels and in `moe_routing_reference`): in the Triton interpreter
+    (tests/kernels/test_moe_kernels.py) and on an H100 (tests/gpu/test_moe_gpu.py): 10 / 14 / 19 us
+    against 68 / 95 / 104 us for the torch ops at T = 1 / 32 / 128. The interpreter always takes them
+    (that is where CI checks them); a GPU unless ``choices.moe_prep_kernels`` is off."""
     b = backend(t)
-    return b == "interpret" or (b == "triton" and PREP_KERNELS_ON_GPU)
+    return b == "interpret" or (b == "triton" and choices.moe_prep_kernels)
 
 
 # Routers over more experts than this keep the torch ops (one program holds a token's logits).
@@ -99,7 +97,7 @@ def moe_align(
     n = T * k
     dev = topk_ids.device
     cap = cdiv(n + min(n, num_experts) * (block_m - 1), block_m) * block_m
-    if _prep_kernels(topk_ids) and 0 < n <= ALIGN_KERNEL_MAX_PAIRS and num_experts < ALIGN_KERNEL_MAX_EXPERTS:
+    if _prep_kernels(topk_ids, choices) and 0 < n <= ALIGN_KERNEL_MAX_PAIRS and num_experts < ALIGN_KERNEL_MAX_EXPERTS:
         sorted_ids = torch.empty((cap,), dtype=torch.int32, device=dev)
         expert_ids = torch.empty((cap // block_m,), dtype=torch.int32, device=dev)
         num_padded = torch.empty((1,), dtype=torch.int32, device=dev)
@@ -145,6 +143,19 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
 
 
+# Batches of up to this many (token, slot) pairs (decode at batch 1 and 2 with top-8) take the two
+# matrix-vector kernels (`moe_gemv_config`) instead of alignment + the grouped GEMM + the sum over slots.
+MOE_GEMV_MAX_PAIRS = 16
+
+
+def moe_gemv_config(N: int, K: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps)`` of a MoE matrix-vector kernel with N output rows over K:
+    narrow row blocks, so that even one token's eight experts spread over every SM (a 768-wide
+    expert in 16-row blocks is 48 programs per pair), and long K chunks for many loads in flight.
+    `bench/gpu_moe.py` sweeps the alternatives."""
+    return (16 if N <= 1024 else 32), min(256, max(16, 1 << (K - 1).bit_length())), 4
+
+
 def fused_moe(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -154,10 +165,12 @@ def fused_moe(
     config: tuple[int, int, int, int, int] | None = None,
     *,
     choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
+    gemv_config: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = topk_ids[t, j]``,
     for ``x [T, H]``, ``w_gate_up [E, 2I, H]`` (gate rows then up rows), ``w_down [E, H, I]``,
-    ``topk_* [T, k]``. ``config`` overrides `moe_config`."""
+    ``topk_* [T, k]``. ``config`` overrides `moe_config` (and forces the grouped GEMM);
+    ``gemv_config`` the two matrix-vector kernels' `moe_gemv_config` (gate|up, down)."""
     fn = "fused_moe"
     check_dim(fn, "x", x, 2)
     check_dim(fn, "w_gate_up", w_gate_up, 3)
@@ -185,6 +198,8 @@ def fused_moe(
     n = T * k
     if n == 0 or H == 0:
         return torch.zeros((T, H), dtype=x.dtype, device=x.device)
+    if config is None and choices.moe_gemv and n <= MOE_GEMV_MAX_PAIRS:
+        return _fused_moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, choices, gemv_config)
     bm, bn, bk, warps, stages = config or moe_config(n, E, x.device)
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, bm, choices=choices)
     x = x.contiguous()
@@ -227,3 +242,54 @@ def fused_moe(
             **pdl(x, T, choices.pdl),
         )
     return out.view(T, k, H).sum(1)
+
+
+def _fused_moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, choices, cfg) -> torch.Tensor:
+    """`fused_moe` of a few pairs in two launches: `moe_gemv_gate_up_kernel` per (pair, row block), then
+    `moe_gemv_down_kernel` per (token, column block), which also sums the token's k slots."""
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    inter = w_down.shape[2]
+    x = x.contiguous()
+    w_gate_up = w_gate_up.contiguous()
+    w_down = w_down.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).to(x.dtype).contiguous()
+    act = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    kern = _dispatch.kernels_for(x)
+    (bn1, bk1, w1), (bn2, bk2, w2) = cfg or (moe_gemv_config(inter, H), moe_gemv_config(H, inter))
+    kern.moe_gemv_gate_up_kernel[(T * k, cdiv(inter, bn1))](
+        x,
+        w_gate_up,
+        act,
+        ids,
+        inter,
+        H,
+        x.stride(0),
+        w_gate_up.stride(0),
+        w_gate_up.stride(1),
+        TOP_K=k,
+        BLOCK_N=bn1,
+        BLOCK_K=bk1,
+        num_warps=w1,
+        **pdl(x, T, choices.pdl),
+    )
+    kern.moe_gemv_down_kernel[(T, cdiv(H, bn2))](
+        act,
+        w_down,
+        out,
+        weights,
+        ids,
+        H,
+        inter,
+        w_down.stride(0),
+        w_down.stride(1),
+        out.stride(0),
+        TOP_K=k,
+        BLOCK_N=bn2,
+        BLOCK_K=bk2,
+        num_warps=w2,
+        **pdl(x, T, choices.pdl),
+    )
+    return out

@@ -8,7 +8,13 @@ from .elementwise import rms_norm_kernel, rope_kernel, silu_and_mul_kernel
 from .fp8 import fp8_gemm_kernel, fp8_quant_rows_kernel, fp8_swapab_kernel
 from .gemv import gemv_kernel
 from .lora import lora_expand_kernel, lora_shrink_kernel
-from .moe import fused_moe_kernel, moe_align_kernel, moe_routing_kernel
+from .moe import (
+    fused_moe_kernel,
+    moe_align_kernel,
+    moe_gemv_down_kernel,
+    moe_gemv_gate_up_kernel,
+    moe_routing_kernel,
+)
 from .sampling import (
     race_argmax_kernel,
     race_noise_kernel,
@@ -22,6 +28,8 @@ __all__ = [
     "block_copy_kernel",
     "fused_moe_kernel",
     "moe_align_kernel",
+    "moe_gemv_down_kernel",
+    "moe_gemv_gate_up_kernel",
     "moe_routing_kernel",
     "fp8_gemm_kernel",
     "fp8_quant_rows_kernel",

@@ -183,3 +183,92 @@ def moe_routing_kernel(
         vals = vals / total
     tl.store(ids_ptr + t * TOP_K + e, ids.to(ids_ptr.dtype.element_ty), mask=e < TOP_K)
     tl.store(w_ptr + t * TOP_K + e, vals.to(w_ptr.dtype.element_ty), mask=e < TOP_K)
+
+
+@triton.jit
+def moe_gemv_gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    act_ptr,
+    ids_ptr,
+    N,
+    K,
+    stride_x,
+    stride_we,
+    stride_wn,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """``act[p] = silu(gate_e(x_t)) * up_e(x_t)`` for one (token, slot) pair ``p = t * TOP_K + j`` and
+    BLOCK_N of its N intermediate rows, ``e = ids[p]``: the gate|up product of a few pairs (decode at
+    batch 1) as matrix-vector products, with no alignment pass and no padded tiles. The grid is
+    ``(pairs, cdiv(N, BLOCK_N))``: at one token and top-8 of 768-wide experts, hundreds of programs
+    streaming the eight experts' rows, where the grouped GEMM has a handful of 16-row tiles. Gate and
+    up are each rounded to the activation's dtype before ``silu * up``, as `fused_moe_kernel` rounds."""
+    p = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    grid_dependency(PDL)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    rows = w_ptr + e * stride_we + n.to(tl.int64)[:, None] * stride_wn
+    xrow = x_ptr + (p // TOP_K) * stride_x
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        m = n_ok[:, None] & k_ok[None, :]
+        xf = tl.load(xrow + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        g = tl.load(rows + k[None, :], mask=m, other=0.0, eviction_policy="evict_first")
+        u = tl.load(rows + N * stride_wn + k[None, :], mask=m, other=0.0, eviction_policy="evict_first")
+        acc += g.to(tl.float32) * xf
+        acc_up += u.to(tl.float32) * xf
+    dt = act_ptr.dtype.element_ty
+    out = silu_mul(tl.sum(acc, 1).to(dt), tl.sum(acc_up, 1).to(dt), act_ptr)
+    tl.store(act_ptr + p * N + n, out, mask=n_ok)
+
+
+@triton.jit
+def moe_gemv_down_kernel(
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    topk_w_ptr,
+    ids_ptr,
+    N,
+    K,
+    stride_we,
+    stride_wn,
+    stride_o,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """``out[t] = sum_j w[t, j] * down_e(act[t * TOP_K + j])`` for BLOCK_N output columns of one token:
+    the down products of its k slots and their weighted sum in one program, so no ``[T, k, H]``
+    buffer and no summing launch. Each slot's product is rounded to the output dtype, times its
+    routing weight rounded again (the reference's order), and the k terms are summed in fp32 and
+    rounded once, as torch sums ``[T, k, H]`` over k."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    grid_dependency(PDL)
+    dt = out_ptr.dtype.element_ty
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        p = t * TOP_K + j
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        rows = w_ptr + e * stride_we + n.to(tl.int64)[:, None] * stride_wn
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            a = tl.load(act_ptr + p * K + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            acc += w.to(tl.float32) * a
+        wt = tl.load(topk_w_ptr + p).to(dt).to(tl.float32)
+        total += (tl.sum(acc, 1).to(dt).to(tl.float32) * wt).to(dt).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + n, total.to(dt), mask=n_ok)

@@ -45,9 +45,14 @@ class KernelChoices:
     fp8_split_k: int | None = None
     # The W8A8 product of more than one row (one of FP8_GEMMS).
     fp8_gemm: str = "scaled_mm"
+    # MoE routing and alignment by one Triton launch each instead of a dozen torch ops.
+    moe_prep_kernels: bool = True
+    # MoE layers of a few (token, slot) pairs (decode at batch 1 and 2) by two matrix-vector kernels
+    # instead of alignment, the grouped GEMM and the sum over slots.
+    moe_gemv: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("gemv_kernel", "tma_attention", "pdl", "fp8_gemv_w8a8"):
+        for name in ("gemv_kernel", "tma_attention", "pdl", "fp8_gemv_w8a8", "moe_prep_kernels", "moe_gemv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.fp8_one_row_kernel is not None and self.fp8_one_row_kernel not in FP8_ONE_ROW_KERNELS:

@@ -27,12 +27,11 @@ def _err(out, x, w1, w2, weights, ids):
 
 
 @pytest.mark.parametrize("T", [1, 32, 128, 256])
-def test_routing_and_align_kernels_equal_the_torch_ops(gen, T, monkeypatch):
+def test_routing_and_align_kernels_equal_the_torch_ops(gen, T):
     """bf16 logits over 128 experts (ties are common): the routing kernel picks the reference's experts
     in its order (ties to the lower expert id) and the align kernel gives the torch path's outputs."""
     from kvmesh.kernels import moe as kmoe
 
-    monkeypatch.setattr(kmoe, "PREP_KERNELS_ON_GPU", True)
     logits = torch.randn(T, 128, generator=gen, device="cuda").bfloat16()
     w, ids = K.moe_routing(logits, 8, True)
     rw, rids = K.moe_routing_reference(logits, 8, True)
@@ -51,8 +50,20 @@ def test_fused_moe_matches_reference(gen, T, dtype):
     assert _err(out, *args) < BOUND[dtype]
 
 
-def test_fused_moe_in_a_cuda_graph_follows_new_routing(gen):
-    x, w1, w2, weights, ids = _case(gen, 8, 256, 96, 16, 4, torch.bfloat16)
+@pytest.mark.parametrize("T,k", [(1, 8), (2, 8), (3, 4)])
+def test_moe_gemv_path_matches_grouped_gemm_and_reference(gen, T, k):
+    """A few pairs take the matrix-vector kernels; the grouped GEMM (``moe_gemv`` off) on the same inputs
+    and the fp32 reference agree with them."""
+    args = _case(gen, T, 2048, 768, 128, k, torch.bfloat16)
+    out = K.fused_moe(*args)
+    grouped = K.fused_moe(*args, choices=K.KernelChoices(moe_gemv=False))
+    assert _err(out, *args) < BOUND[torch.bfloat16]
+    assert ((out.float() - grouped.float()).norm() / grouped.float().norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("T", [2, 8])  # the matrix-vector kernels, the grouped GEMM
+def test_fused_moe_in_a_cuda_graph_follows_new_routing(gen, T):
+    x, w1, w2, weights, ids = _case(gen, T, 256, 96, 16, 4, torch.bfloat16)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -63,7 +74,7 @@ def test_fused_moe_in_a_cuda_graph_follows_new_routing(gen):
         out = K.fused_moe(x, w1, w2, weights, ids)
     for _ in range(3):  # new tokens and new routing in the same buffers: no host sync, no stale sizes
         x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
-        w, i = K.moe_routing(torch.randn(8, 16, generator=gen, device="cuda").bfloat16(), 4, True)
+        w, i = K.moe_routing(torch.randn(T, 16, generator=gen, device="cuda").bfloat16(), 4, True)
         weights.copy_(w)
         ids.copy_(i)
         g.replay()

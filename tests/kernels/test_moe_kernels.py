@@ -41,6 +41,30 @@ def make(gen, T, H, inter, E, k, dtype, skew=False):
 
 
 @pytest.mark.parametrize(
+    "T,H,inter,E,k,dtype,gemv_config",
+    [
+        (1, 40, 24, 6, 4, torch.float32, None),
+        (2, 48, 40, 8, 8, torch.bfloat16, None),  # 16 pairs: the largest batch the path takes
+        (3, 40, 24, 4, 3, torch.float32, ((16, 16, 4), (16, 16, 4))),  # ragged row blocks and K chunks
+    ],
+)
+def test_moe_gemv_path_matches_reference_and_grouped_gemm(gen, T, H, inter, E, k, dtype, gemv_config):
+    """Up to MOE_GEMV_MAX_PAIRS pairs: the two matrix-vector kernels (the default there) equal the reference,
+    and the grouped GEMM (forced by ``moe_gemv=False``) on the same inputs; more pairs never take them."""
+    from kvmesh.kernels.moe import MOE_GEMV_MAX_PAIRS
+
+    assert T * k <= MOE_GEMV_MAX_PAIRS
+    x, w1, w2, logits = make(gen, T, H, inter, E, k, dtype)
+    weights, ids = K.moe_routing(logits, k, renormalize=True)
+    out = K.fused_moe(x, w1, w2, weights, ids, gemv_config=gemv_config)
+    grouped = K.fused_moe(x, w1, w2, weights, ids, choices=K.KernelChoices(moe_gemv=False))
+    ref = K.fused_moe_reference(x.float(), w1.float(), w2.float(), weights.float(), ids)
+    assert out.shape == (T, H) and out.dtype == dtype
+    assert rel_err(out, ref) < BOUND[dtype]
+    assert rel_err(out, grouped.float()) < BOUND[dtype]
+
+
+@pytest.mark.parametrize(
     "T,H,inter,E,k,dtype,config,skew",
     [
         (5, 32, 24, 4, 2, torch.float32, (16, 16, 16, 4, 1), False),
