@@ -5,8 +5,11 @@ graphs read one static int32 buffer at fixed offsets (`GraphLayout`): padding to
 -1, padding sequences have no query tokens and length 0, so every kernel skips them; the
 attention launch is fixed at capture for ``max_model_len`` (split-KV only where the batch is
 too small to fill the SMs). Prefill and mixed steps run eagerly. With LoRA the buffer also holds
-each row's adapter slot (padding and base rows -1), which every graph reads: one graph per size
-serves any mix of adapters.
+each row's adapter slot (padding and base rows -1), which the LoRA graphs read: one graph per size
+serves any mix of adapters. A second set per size, captured without the LoRA launches, runs the
+steps in which no row has an adapter, so a LoRA-enabled engine serving base-model traffic pays
+nothing for the adapters it could serve (two launches per projection, each a fixed cost at small
+batches).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import numpy as np
 import torch
 
 from kvmesh.engine.models.decoder import AttentionMetadata, DecoderForCausalLM
-from kvmesh.engine.runner.inputs import Staging, StepPlan
+from kvmesh.engine.runner.inputs import Staging, StepPlan, lora_rows
 
 log = logging.getLogger("kvmesh.engine")
 
@@ -66,11 +69,15 @@ class DecodeGraphs:
         self.device = device
         self.lora = model.lora is not None  # the graphs read each row's LoRA slot
         self.captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # padded size -> graph, logits
+        # with LoRA: the graphs without its launches, for steps with no adapter row
+        self.captured_base: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.current = self.captured  # the set `run` chose last, which `replay` (chained rounds) replays
         self.sizes: list[int] = []
         self.capture_s = 0.0
 
-    def views(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """``(ids, positions, metadata)`` of the first ``b`` rows of the static buffer."""
+    def views(self, b: int, lora: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """``(ids, positions, metadata)`` of the first ``b`` rows of the static buffer (``lora``: with the
+        rows' adapter slots, when the engine serves adapters)."""
         o = self.layout
         g = self.buf
         W = self.max_blocks_per_seq
@@ -82,12 +89,13 @@ class DecodeGraphs:
             seq_lens=g[o.seq_lens : o.seq_lens + b],
             max_query_len=1,
             max_seq_len=self.max_model_len,
-            lora_slots=g[o.lora : o.lora + b] if self.lora else None,
+            lora_slots=g[o.lora : o.lora + b] if self.lora and lora else None,
         )
         return g[o.ids : o.ids + b], g[o.positions : o.positions + b], meta
 
     def capture(self) -> None:
-        """Capture one graph per padded decode batch size, largest first, sharing one memory pool."""
+        """Capture one graph per padded decode batch size (two with LoRA: with and without its launches),
+        largest first, sharing one memory pool."""
         t0 = time.perf_counter()
         self.sizes = [s for s in GRAPH_SIZES if s <= self.max_num_seqs] or [1]
         self.layout = o = GraphLayout.for_rows(self.sizes[-1], self.max_blocks_per_seq, self.lora)
@@ -96,18 +104,26 @@ class DecodeGraphs:
         self.buf[o.lora : o.block_tables] = -1  # no adapter: the LoRA kernels skip the rows
         self.staging.ensure(o.end)
         pool = None
-        for b in reversed(self.sizes):
-            ids, pos, meta = self.views(b)
-            self.model(ids, pos, self.kv_cache, meta, None)  # warm-up: Triton compiles, cuBLAS picks kernels
-            torch.cuda.synchronize(self.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                out = self.model(ids, pos, self.kv_cache, meta, None)
-            pool = g.pool()
-            self.captured[b] = (g, out)
+        sets = [(self.captured, True)] + ([(self.captured_base, False)] if self.lora else [])
+        for captured, lora in sets:
+            for b in reversed(self.sizes):
+                ids, pos, meta = self.views(b, lora)
+                self.model(ids, pos, self.kv_cache, meta, None)  # warm-up: Triton compiles, cuBLAS picks kernels
+                torch.cuda.synchronize(self.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self.model(ids, pos, self.kv_cache, meta, None)
+                pool = g.pool()
+                captured[b] = (g, out)
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
-        log.info("captured %d decode CUDA graphs (sizes %s) in %.1fs", len(self.captured), self.sizes, self.capture_s)
+        log.info(
+            "captured %d decode CUDA graphs (sizes %s%s) in %.1fs",
+            len(self.captured) + len(self.captured_base),
+            self.sizes,
+            ", with and without LoRA" if self.lora else "",
+            self.capture_s,
+        )
 
     def fits(self, p: StepPlan) -> bool:
         """A pure decode step that a captured graph can run."""
@@ -118,8 +134,10 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= b)
 
     def run(self, p: StepPlan) -> torch.Tensor:
-        """Stage the step into the static buffer (padding rows included), replay; logits ``[B, V]``."""
+        """Stage the step into the static buffer (padding rows included), replay the graph of its padded
+        size (without LoRA's launches when no row has an adapter); logits ``[B, V]``."""
         b = p.B
+        self.current = self.captured_base if self.lora and lora_rows(p) is None else self.captured
         size = self.size_for(b)
         o = self.layout
         W = self.max_blocks_per_seq
@@ -146,8 +164,9 @@ class DecodeGraphs:
         return self.replay(size)[:b]
 
     def replay(self, size: int) -> torch.Tensor:
-        """Replay the graph of padded size ``size`` on the buffer's current inputs; its logits."""
-        g, out = self.captured[size]
+        """Replay the graph of padded size ``size`` (of the set the last `run` chose) on the buffer's current
+        inputs; its logits."""
+        g, out = self.current[size]
         g.replay()
         return out
 

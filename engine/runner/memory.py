@@ -109,8 +109,10 @@ def profile_reserve(
     peak = torch.cuda.max_memory_allocated(dev) - base
     del scratch, meta
     torch.cuda.empty_cache()
-    # Graph outputs (bf16 + fp32 logits per captured size) and the sampler's copies.
+    # Graph outputs (bf16 + fp32 logits per captured size; two sets with LoRA, engine/runner/graphs.py)
+    # and the sampler's copies.
     bmax = min(GRAPH_SIZES[-1], sc.max_num_seqs)
     logits = 4 * sc.max_num_seqs * cfg.vocab_size * 4
-    graphs = 2 * (sum(s for s in GRAPH_SIZES if s <= bmax) * cfg.vocab_size * 6) + (256 << 20)
+    sets = 2 if model.lora is not None else 1
+    graphs = 2 * sets * (sum(s for s in GRAPH_SIZES if s <= bmax) * cfg.vocab_size * 6) + (256 << 20)
     return peak + logits + graphs

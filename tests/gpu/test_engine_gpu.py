@@ -400,3 +400,47 @@ def test_logprobs_and_seeds_in_rounds_match_one_step_on_the_gpu():
             assert [t for t, _ in gtop] == [t for t, _ in wtop]
             assert [v for _, v in gtop] == pytest.approx([v for _, v in wtop], abs=1e-4)
     assert [len(top) for _, top in got_l["l2"]] == [5] * 24 and all(len(top) == 2 for _, top in got_l["l1"])
+
+
+def test_lora_engine_runs_base_steps_on_graphs_without_lora_launches(tmp_path):
+    """A LoRA-enabled engine captures each decode graph twice; steps with no adapter row replay the set
+    without LoRA's launches, steps with one the LoRA set. float32: tokens equal exactly across graphs
+    and eager, base rows equal an engine without LoRA, adapter rows equal their eager tokens."""
+    from lora_checks import make_adapter
+
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
+    from kvmesh.engine.models.random_init import hf_model_from_state_dict, random_model
+
+    cfg = small_config()
+    loaded = random_model(cfg, name="small-random", dtype=torch.float32, device="cuda", seed=3)
+    hf = hf_model_from_state_dict(cfg, loaded.state_dict, "cuda", torch.float32)
+    make_adapter(hf, str(tmp_path / "a"), 8, 16, ["q_proj", "v_proj", "down_proj"], False, 0.5, seed=1)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (12, 40, 7)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def run(eng, loras):
+        for i, (p, lo) in enumerate(zip(prompts, loras)):
+            eng.add_request(EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=p, params=greedy, lora_name=lo))
+        out: dict[str, list[int]] = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        eng.check_integrity()
+        return out
+
+    plain = run(_float32_engine(loaded), [None, None, None])
+    eng = _float32_engine(loaded, lora_modules=(f"a={tmp_path / 'a'}",))
+    gr = eng.runner.graphs
+    assert gr is not None and gr.captured_base and set(gr.captured_base) == set(gr.captured)
+    steps0 = eng.runner.num_graph_steps
+    assert run(eng, [None, None, None]) == plain
+    assert eng.runner.num_graph_steps > steps0 and gr.current is gr.captured_base
+    mixed = run(eng, ["a", None, "a"])
+    assert gr.current is gr.captured
+    assert mixed["r1"] == plain["r1"] and mixed["r0"] != plain["r0"]
+    with enforce_eager(True):
+        eager = _float32_engine(loaded, lora_modules=(f"a={tmp_path / 'a'}",))
+        assert eager.runner.graphs is None or not eager.runner.graphs.captured
+        assert run(eager, ["a", None, "a"]) == mixed
