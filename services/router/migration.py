@@ -407,7 +407,9 @@ class Migrator:
 
     async def open(self, path: str, body: dict, ids: list[int] | None) -> Leg:
         r = self.router
-        hashes = r.tok.block_hashes(ids, r.cfg.block_size, body.get("cache_salt"), r.prefix_hash) if ids else []
+        lid = r.lora_id(self.lora) if self.lora is not None else None
+        salt = body.get("cache_salt")
+        hashes = r.tok.block_hashes(ids, r.cfg.block_size, salt, r.prefix_hash, lid) if ids else []
         from .router import DECODE_ROLES
 
         d, resp, fl = await r.send(DECODE_ROLES, path, body, hashes, len(ids or ()), "migration", lora=self.lora)
