@@ -61,6 +61,10 @@ class _Sampling(BaseModel):
     # vLLM extras, passed through to the engine
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: the answer carries the prompt's token ids (``prompt_token_ids``) and each choice's generated
+    # ones (``token_ids``, per streamed chunk too). The router asks for them to migrate a broken stream
+    # (services/router/migration.py).
+    return_token_ids: bool | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -31,6 +31,10 @@ class Answer:
     choices: Callable[[], list[dict]]  # the whole answer's choices, once the generation ended
     delta: Callable[[Event], dict]  # one streamed event as a choice
     lead: Callable[[], Iterable[dict]] = tuple  # choices streamed before the first token (echo, the role)
+    # ``return_token_ids``: events that carry only token ids (no text yet: a partial character, text held
+    # back for a stop string) are streamed too, so the client has every token id as it is generated
+    tokens: bool = False
+    top: Callable[[], dict] = dict  # top-level fields of the whole answer and of the first streamed chunk
 
 
 def sse(obj) -> str:
@@ -48,18 +52,25 @@ async def answer(a: Answer, gen: Generation, raw: Request, model: str, stream: b
 
     if not stream:
         await _consume(gen, raw)
-        out = body(a.obj, a.choices(), usage=gen.usage())
+        out = body(a.obj, a.choices(), usage=gen.usage(), **a.top())
         if gen.kv_transfer_params_out is not None:  # a prefill answer: what a decode pod needs to pull its blocks
             out["kv_transfer_params"] = gen.kv_transfer_params_out
         return out
     first = await _first_event(gen, raw)
 
     async def events() -> AsyncIterator[str]:
+        top = a.top()  # on the first chunk alone
+
+        def chunk(choice: dict) -> str:
+            nonlocal top
+            out, top = body(a.chunk_obj, [choice], **top), {}
+            return sse(out)
+
         for choice in a.lead():
-            yield sse(body(a.chunk_obj, [choice]))
+            yield chunk(choice)
         async for ev in _chain(first, gen):
-            if ev.text or ev.finish_reason or ev.logprobs:
-                yield sse(body(a.chunk_obj, [a.delta(ev)]))
+            if ev.text or ev.finish_reason or ev.logprobs or (a.tokens and ev.token_ids):
+                yield chunk(a.delta(ev))
         if include_usage:
             yield sse(body(a.chunk_obj, [], usage=gen.usage()))
 

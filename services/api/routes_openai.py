@@ -28,6 +28,18 @@ async def completions(req: CompletionRequest, raw: Request):
     model, gen = serving.prepare_completion(req)
     k = req.logprobs or 0
     offsets: dict[int, int] = {}  # streamed text so far per choice (the logprobs' text_offset)
+    ids = bool(req.return_token_ids)
+    prompt_ids = {idx: p.token_ids for idx, _, p in gen.outputs()} if ids else {}
+
+    def with_ids(choice: dict, token_ids: list[int]) -> dict:
+        """vLLM's ``return_token_ids`` fields of a completions choice: ``prompt_token_ids`` once (its
+        first chunk), ``token_ids`` always."""
+        if ids:
+            prompt = prompt_ids.pop(choice["index"], None)
+            if prompt is not None:
+                choice["prompt_token_ids"] = prompt
+            choice["token_ids"] = token_ids
+        return choice
 
     def echoed(p) -> str:
         return p.text if p.text is not None else tokenizer.decode(p.token_ids)
@@ -39,20 +51,21 @@ async def completions(req: CompletionRequest, raw: Request):
         for idx, _, p in gen.outputs():
             text = echoed(p)
             offsets[idx] = len(text)
-            out.append({"index": idx, "text": text, "logprobs": None, "finish_reason": None})
+            out.append(with_ids({"index": idx, "text": text, "logprobs": None, "finish_reason": None}, []))
         return out
 
     def delta(ev: Event) -> dict:
         off = offsets.get(ev.choice, 0)
         offsets[ev.choice] = off + len(ev.text)
         lp = serving.legacy_logprobs(ev.logprobs, off, k) if req.logprobs is not None and ev.logprobs else None
-        return {
+        choice = {
             "index": ev.choice,
             "text": ev.text,
             "logprobs": lp,
             "finish_reason": ev.finish_reason,
             "stop_reason": ev.stop_reason,
         }
+        return with_ids(choice, ev.token_ids)
 
     def choices() -> list[dict]:
         out = []
@@ -61,19 +74,18 @@ async def completions(req: CompletionRequest, raw: Request):
             lp = None
             if req.logprobs is not None and o.logprobs is not None:
                 lp = serving.legacy_logprobs(o.logprobs, len(prefix), k)
-            out.append(
-                {
-                    "index": idx,
-                    "text": prefix + o.text,
-                    "logprobs": lp,
-                    "finish_reason": o.finish_reason,
-                    "stop_reason": o.stop_reason,
-                }
-            )
+            choice = {
+                "index": idx,
+                "text": prefix + o.text,
+                "logprobs": lp,
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+            out.append(with_ids(choice, list(o.token_ids)))
         return out
 
     return await answer(
-        Answer("text_completion", "text_completion", choices, delta, lead),
+        Answer("text_completion", "text_completion", choices, delta, lead, tokens=ids),
         gen,
         raw,
         model,
@@ -89,6 +101,10 @@ async def chat(req: ChatCompletionRequest, raw: Request):
     model, gen = serving.prepare_chat(req)
     k = req.top_logprobs or 0
     tool_streams = {i: ToolStream(gen.tools) for i in range(req.n)} if gen.tools else None  # tools.py
+    ids = bool(req.return_token_ids)
+
+    def top() -> dict:  # vLLM's chat answer carries the prompt's ids at the top level
+        return {"prompt_token_ids": next(p.token_ids for _, _, p in gen.outputs())} if ids else {}
 
     def lead() -> list[dict]:
         return [
@@ -101,13 +117,16 @@ async def chat(req: ChatCompletionRequest, raw: Request):
         d, finish = ({"content": ev.text} if ev.text else {}), ev.finish_reason
         if tool_streams is not None:
             d, finish = tool_streams[ev.choice].delta(ev.text, ev.finish_reason)
-        return {
+        choice = {
             "index": ev.choice,
             "delta": d,
             "logprobs": lp,
             "finish_reason": finish,
             "stop_reason": ev.stop_reason,
         }
+        if ids:
+            choice["token_ids"] = ev.token_ids
+        return choice
 
     def choices() -> list[dict]:
         out = []
@@ -116,19 +135,20 @@ async def chat(req: ChatCompletionRequest, raw: Request):
             if gen.tools is not None:
                 msg, finish = gen.tools.message(o.text, o.finish_reason)
             lp = serving.chat_logprobs(o.logprobs, k) if req.logprobs and o.logprobs is not None else None
-            out.append(
-                {
-                    "index": idx,
-                    "message": msg,
-                    "logprobs": lp,
-                    "finish_reason": finish,
-                    "stop_reason": o.stop_reason,
-                }
-            )
+            choice = {
+                "index": idx,
+                "message": msg,
+                "logprobs": lp,
+                "finish_reason": finish,
+                "stop_reason": o.stop_reason,
+            }
+            if ids:
+                choice["token_ids"] = list(o.token_ids)
+            out.append(choice)
         return out
 
     return await answer(
-        Answer("chat.completion", "chat.completion.chunk", choices, delta, lead),
+        Answer("chat.completion", "chat.completion.chunk", choices, delta, lead, tokens=ids, top=top),
         gen,
         raw,
         model,

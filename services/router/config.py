@@ -194,6 +194,10 @@ class RouterConfig:
     read_timeout: float = field(default=600.0, metadata=cli())  # max gap between bytes from an upstream
     prefill_timeout: float = 300.0
     max_retries: int = field(default=2, metadata=cli())  # other pods tried after a connect failure
+    # requests (streams included) moved to another pod after theirs failed mid-answer (migration.py)
+    migration_limit: int = field(
+        default=3, metadata=cli("migrations per request after its pod failed mid-answer (0: none)")
+    )
     lora_modules: tuple[str, ...] = field(
         default=(),
         metadata=cli(
@@ -309,6 +313,8 @@ class RouterConfig:
             raise ValueError("block_size must be >= 1")
         if self.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        if self.migration_limit < 0:
+            raise ValueError("migration_limit must be >= 0")
         if self.max_concurrent_requests < 0 or self.queue_size < 0 or self.queue_timeout < 0:
             raise ValueError("max_concurrent_requests, queue_size and queue_timeout must be >= 0")
         if self.max_queue_wait_s < 0 or self.max_request_tokens < 0:

@@ -26,6 +26,10 @@ from prometheus_client.metrics import MetricWrapperBase
 ENGINE_UNAVAILABLE = "EngineUnavailable"  # the pod answered 503 with services/errors.py's ENGINE_UNAVAILABLE_HEADER
 RETRY_REASONS = ("ConnectTimeout", "ConnectError", "RemoteProtocolError", "ReadError", ENGINE_UNAVAILABLE)
 
+# why a request's pod was given up mid-answer (services/router/migration.py): reset or closed mid-body,
+# a stream ended without [DONE], the pod's error event (its engine died), no byte within the read timeout
+MIGRATION_REASONS = ("disconnect", "eof", "engine_error", "timeout")
+
 TENANT = "tenant"  # the label that carries a tenant's name
 
 
@@ -125,6 +129,14 @@ class RouterMetrics:
         self.retries = Counter("kvmesh:router_retries", "requests retried on another pod", ["reason"], registry=r)
         for reason in RETRY_REASONS:  # at 0 from the start: the dashboard's retry panel shows 0, not "no data"
             self.retries.labels(reason)
+        self.migrations = Counter(
+            "kvmesh:router_migrations",
+            "requests moved to another pod after theirs failed mid-answer (a stream continues where it broke)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in MIGRATION_REASONS:
+            self.migrations.labels(reason)
         self.lora_loads = Counter(
             "kvmesh:router_lora_loads", "LoRA adapters the router loaded onto a pod (none had it)", ["pod"], registry=r
         )

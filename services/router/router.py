@@ -14,9 +14,10 @@ Request path (``/v1/completions``, ``/v1/chat/completions``):
    Otherwise (selective P/D) go straight to the decode pod. Any prefill failure,
    missing params, or a decode pod rejecting the params falls back to the
    decode pod computing the prompt itself: slower, never a wrong token;
-4. forward, streaming bytes through untouched; a connect failure marks the pod
-   down (until its health check passes) and retries on another pod, which is
-   safe because nothing reached the client yet.
+4. forward; a connect failure marks the pod down (until its health check passes)
+   and retries on another pod, which is safe because nothing reached the client yet;
+5. a pod that fails later (mid-answer, mid-stream) has its request migrated to
+   another pod, the stream continuing where it broke (migration.py).
 
 All pod traffic goes through one `Upstream` client (upstream.py); load gauges come from the
 pods' ``/metrics`` (scrape.py).
@@ -53,6 +54,7 @@ from .config import PodSpec, RouterConfig, lora_paths
 from .events import EventHub
 from .index import PrefixIndex
 from .metrics import ENGINE_UNAVAILABLE, RouterMetrics
+from .migration import Leg, Migrator
 from .policy import Decision, Pod, least_load, predicted_cached_tokens, round_robin, score_pods, shared_hits
 from .scrape import parse_kv_layout, parse_lora_state, parse_vllm_metrics
 from .upstream import Upstream, UpstreamError, UpstreamResponse
@@ -559,16 +561,19 @@ class Router:
                 params, pd_path = await self.prefill(path, body, hashes, plen, lora, layout)
             self.metrics.pd.labels(pd_path).inc()
         phase = "decode" if pd_path else WHOLE
-        dbody = body if params is None else {**body, "kv_transfer_params": params}
+        # a stream's pods report its token ids: what a migration continues from (migration.py)
+        wire = {**body, "return_token_ids": True} if stream else body
+        dbody = wire if params is None else {**wire, "kv_transfer_params": params}
         d, resp, fl = await self.send(DECODE_ROLES, path, dbody, hashes, plen, phase, dd, lora=lora)
         if params is not None and resp.status >= 400:
             # the decode pod refused the transfer (bad/expired params): recompute there, never guess
             resp.release()
             self._end(fl)
             self.metrics.pd.labels("fallback_decode_rejected").inc()
-            d, resp, fl = await self.send(DECODE_ROLES, path, body, hashes, plen, "decode", d, lora=lora)
+            d, resp, fl = await self.send(DECODE_ROLES, path, wire, hashes, plen, "decode", d, lora=lora)
         measure = pd_path in (None, "decode_only")
-        return await self.relay(d, resp, fl, stream, phase, measure, done)
+        mig = Migrator(self, path, wire, ids, lora)
+        return await self.relay(d, resp, fl, stream, phase, measure, done, mig, body)
 
     async def prefill(
         self, path: str, body: dict, hashes: list[int], plen: int, lora: str | None = None, layout: str | None = None
@@ -674,9 +679,13 @@ class Router:
         phase: str,
         measure: bool,
         done: Callable[[int | None], None] | None = None,
+        mig: Migrator | None = None,
+        client_body: dict | None = None,
     ) -> Response:
         """Pass the pod's answer on; ``done`` gets the reported total tokens (None if none) once the
-        answer is over, whatever way it ends (admission's slot and token correction)."""
+        answer is over, whatever way it ends (admission's slot and token correction). With ``mig``, a
+        pod that fails mid-answer has the request migrated (migration.py); ``client_body`` is the
+        client's own request (the fields it asked for decide what its stream shows)."""
         t0 = time.monotonic()
         headers = {POD_HEADER: d.pod.url}
         retry_after = resp.headers.get("retry-after")
@@ -684,20 +693,36 @@ class Router:
             headers["retry-after"] = retry_after
         ctype = resp.headers.get("content-type", "application/json")
         if not stream or resp.status != 200 or not ctype.startswith("text/event-stream"):
-            try:
-                content = await resp.read()
-            except UpstreamError as e:
-                raise APIError(504 if e.timeout else 502, f"upstream {d.pod.url}: {e}") from e
-            finally:
+            while True:
+                try:
+                    content = await resp.read()
+                except UpstreamError as e:
+                    if mig is None:
+                        resp.release()
+                        self._end(fl)
+                        raise APIError(504 if e.timeout else 502, f"upstream {d.pod.url}: {e}") from e
+                    # nothing reached the client: the request goes whole to another pod
+                    leg = await mig.resend(Leg(d, resp, fl, phase, t0), e)
+                    d, resp, fl, t0 = leg.d, leg.resp, leg.fl, leg.t0
+                    headers[POD_HEADER] = d.pod.url
+                    continue
+                except BaseException:
+                    resp.release()
+                    self._end(fl)
+                    raise
                 resp.release()
                 self._end(fl)
                 self.metrics.upstream_total.labels(phase).observe(time.monotonic() - t0)
+                break
             usage = json_object(content).get("usage") if resp.status == 200 else None
             if measure and usage is not None:
                 self.observe_usage(d, usage)
             if done is not None:
                 done(_total_tokens(usage))
             return Response(content, status_code=resp.status, media_type=ctype, headers=headers)
+
+        if mig is not None:
+            return mig.stream(Leg(d, resp, fl, phase, t0), client_body or {}, headers, measure, done)
 
         async def body() -> AsyncIterator[bytes]:
             tail = b""
