@@ -37,6 +37,7 @@ test:
 	@t0=$$(date +%s); mkdir -p $(HOME)/.cache/kvmesh; \
 	nice -n 19 bash tests/e2e/cluster/build.sh > $(HOME)/.cache/kvmesh/cluster-build.log 2>&1 & \
 	nice -n 19 bash tests/e2e/cluster/build.sh prometheus > $(HOME)/.cache/kvmesh/prometheus-build.log 2>&1 & \
+	nice -n 19 bash tests/e2e/cluster/build.sh otelcol > $(HOME)/.cache/kvmesh/otelcol-build.log 2>&1 & \
 	$(MAKE) --no-print-directory install || exit 1; \
 	nice -n 19 bash scripts/images.sh > $(HOME)/.cache/kvmesh/images-build.log 2>&1 & \
 	$(MAKE) --no-print-directory lint; rc0=$$?; \

@@ -592,6 +592,7 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             *_cache_env(),
             *_worker_secret_env(spec, meta),
+            *_tracing_env(spec, meta),
         ],
         "ports": [
             {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
@@ -673,6 +674,24 @@ def _router_args(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[str]:
     return args
 
 
+def _tracing_env(spec: InferenceServiceSpec, meta: ObjectMeta) -> list[dict[str, str]]:
+    """spec.tracing as the standard OpenTelemetry variables (kvmesh/common/tracing.py); none when no
+    endpoint is set, so tracing stays off. The service name stays each process's own (kvmesh-router,
+    kvmesh-prefill, kvmesh-decode); the resource names the InferenceService and its namespace."""
+    t = spec.tracing
+    if t.endpoint is None:
+        return []
+    return [
+        {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": t.endpoint},
+        {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
+        {"name": "OTEL_TRACES_SAMPLER_ARG", "value": f"{t.sampling_ratio:g}"},
+        {
+            "name": "OTEL_RESOURCE_ATTRIBUTES",
+            "value": f"service.namespace={meta.namespace},kvmesh.inferenceservice={meta.name}",
+        },
+    ]
+
+
 def _cache_env() -> list[dict[str, str]]:
     return [{"name": k, "value": v} for k, v in CACHE_ENV]
 
@@ -691,6 +710,7 @@ def _router(spec: InferenceServiceSpec, meta: ObjectMeta) -> Manifest:
             _secret_env(ev.UPSTREAM_API_KEY, meta, KEY_UPSTREAM_API_KEY),
             _admin_env(meta),
             _secret_env(ev.KV_AUTH_KEY, meta, KEY_KV_AUTH),
+            *_tracing_env(spec, meta),
             *(
                 [{"name": ev.API_KEYS_FILE, "value": f"{API_KEYS_DIR}/{API_KEYS_SECRET_KEY}"}]
                 if spec.auth.api_keys_secret

@@ -191,6 +191,20 @@ class AuthSpec:
 
 
 @dataclass(frozen=True)
+class TracingSpec:
+    """spec.tracing: where every pod (router and workers) sends OpenTelemetry traces (an OTLP/HTTP
+    endpoint; None: no traces) and the fraction of requests traced when the client sent no sampled
+    ``traceparent`` (kvmesh/common/tracing.py reads both as the standard ``OTEL_*`` variables)."""
+
+    endpoint: str | None = None
+    sampling_ratio: float = 1.0
+
+    @staticmethod
+    def parse(d: Mapping[str, Any]) -> TracingSpec:
+        return TracingSpec(endpoint=d.get("endpoint") or None, sampling_ratio=float(d.get("samplingRatio", 1.0)))
+
+
+@dataclass(frozen=True)
 class NetworkPolicySpec:
     """spec.networkPolicy: render the service's NetworkPolicies (on by default)."""
 
@@ -270,6 +284,7 @@ class InferenceServiceSpec:
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
     simulate: SimulateSpec = SimulateSpec()
     lora_adapters: tuple[LoRAAdapterSpec, ...] = ()
+    tracing: TracingSpec = TracingSpec()
 
     @staticmethod
     def parse(spec: Mapping[str, Any]) -> InferenceServiceSpec:
@@ -287,6 +302,7 @@ class InferenceServiceSpec:
             network_policy=NetworkPolicySpec.parse(spec.get("networkPolicy") or {}),
             simulate=SimulateSpec.parse(spec.get("simulate") or {}),
             lora_adapters=tuple(LoRAAdapterSpec.parse(a) for a in spec.get("loraAdapters") or ()),
+            tracing=TracingSpec.parse(spec.get("tracing") or {}),
         )
 
     def role(self, name: str) -> RoleSpec:

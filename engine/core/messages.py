@@ -37,6 +37,9 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
+    # with a sequence's first token only: (first scheduled, KV loaded from outside or 0, first token: this
+    # host's time.monotonic(); tokens loaded from outside), the engine's phases of a request's trace
+    timing: tuple[float, float, float, int] | None = None
 
     @property
     def finished(self) -> bool:

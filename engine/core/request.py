@@ -72,6 +72,9 @@ class Request:
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
+    # when its blocks loaded from outside (a P/D pull) arrived, and their tokens (a trace's KV transfer)
+    kv_loaded_time: float | None = None
+    kv_loaded_tokens: int = 0
     generator: Any = None  # seeded sampling: device_draw.NoiseStream on a GPU, a CPU torch.Generator else
     grammar: Any = None  # a structured output's structured.RequestGrammar (its matcher)
     forked: bool = False  # an n > 1 parent whose children have been created

@@ -328,8 +328,10 @@ class Scheduler:
         r.append_output_token(res.token_id)
         if r.grammar is not None and not r.grammar.accept(res.token_id):  # then stop_status ends it
             log.error("structured output: %s", r.grammar.failed)
+        timing = None
         if r.first_token_time is None:
             r.first_token_time = time.monotonic()
+            timing = (r.first_scheduled_time or 0.0, r.kv_loaded_time or 0.0, r.first_token_time, r.kv_loaded_tokens)
         status = self.stop_status(r, res.token_id)
         out = EngineCoreOutput(
             request_id=r.parent_id or r.request_id,
@@ -338,6 +340,7 @@ class Scheduler:
             new_logprobs=lp,
             num_prompt_tokens=r.num_prompt_tokens,
             num_cached_tokens=max(r.num_cached_tokens, 0),
+            timing=timing,
         )
         if status is not None:
             out.kv_transfer_params = self.finish(r, status)
@@ -432,6 +435,7 @@ class Scheduler:
                 req.num_external_tokens = 0
             else:
                 req.num_computed_tokens += req.num_external_tokens
+                req.kv_loaded_time, req.kv_loaded_tokens = time.monotonic(), req.num_external_tokens
                 self.kv.cache_blocks(req, req.num_computed_tokens)
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)

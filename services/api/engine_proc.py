@@ -167,13 +167,18 @@ class EngineProcess:
                 loras=self.engine.list_loras(),
                 max_loras=c.lora.max_loras if c.lora.enabled else 0,
                 kv_layout=self._kv_layout(),
+                kv_block_bytes=getattr(self._connector_layout(), "block_bytes", 0),
             )
         )
+
+    def _connector_layout(self):
+        """The connector's `BlockLayout` (None without a connector)."""
+        return getattr(getattr(self.engine, "connector", None), "layout", None)
 
     def _kv_layout(self) -> str:
         from kvmesh.engine.connectors.common import model_namespace
 
-        layout = getattr(getattr(self.engine, "connector", None), "layout", None)
+        layout = self._connector_layout()
         return model_namespace(self.engine.config.model.identity(), layout) if layout is not None else ""
 
     def _handle(self, raw: bytes) -> None:

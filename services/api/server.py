@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from kvmesh import __version__
+from kvmesh.common import tracing
 from kvmesh.services.auth import APIKeyMiddleware, KeyStore, admin_key_source
 from kvmesh.services.errors import (
     APIError,
@@ -74,6 +75,9 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
     app.add_middleware(RequestGuard, max_body_bytes=cfg.max_body_bytes, body_timeout=cfg.body_timeout)
 
     include_routes(app, routes_admin.routes, routes_models.routes, routes_openai.routes, routes_lora.routes)
+    # OTEL_* (kvmesh/common/tracing.py); outermost: the span covers every answer, streamed ones to the end
+    if tracing.setup(f"kvmesh-{ready.role}"):
+        tracing.instrument(app, ("/v1/completions", "/v1/chat/completions"), ready.role)
     return app
 
 

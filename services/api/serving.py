@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.common import tracing
 from kvmesh.common.chat import ChatContentError, render_chat
 from kvmesh.engine.core.messages import EngineCoreRequest
 from kvmesh.engine.frontend.output_processor import RequestState
@@ -114,6 +115,7 @@ class Generation:
         self.tools: ChatTools | None = None  # a chat request's tools, when its output is read for calls
         self._last_token_time: dict[tuple[str, int], float] = {}
         self._first_token: set[str] = set()
+        self._timing: dict[str, tuple[float, float, float, int]] = {}  # the engine's, for the trace
         self.error: APIError | None = None
 
     def start(self) -> None:
@@ -174,6 +176,8 @@ class Generation:
         if eo.error:
             self.close()
             raise APIError(500, f"generation failed in the engine: {eo.error}")
+        if eo.timing is not None:
+            self._timing.setdefault(rid, eo.timing)
         n_new = len(seq.token_ids) - n_before
         if n_new:
             self.metrics.observe_tokens(n_new)
@@ -198,7 +202,35 @@ class Generation:
             self.unfinished.discard(rid)
             self.client.release(rid)
             self.metrics.observe_finished(st.result.outputs[0].finish_reason or "stop", now - self.arrival)
+            if tracing.enabled():
+                self._trace(rid, now)
         return [ev]
+
+    def _trace(self, rid: str, now: float) -> None:
+        """The engine's phases of request ``rid`` as spans (kvmesh/common/tracing.py), from the timestamps
+        its first output carried; a pulled prompt's KV transfer with its bytes and connector."""
+        t = self._timing.pop(rid, None)
+        if t is None:
+            return
+        scheduled, loaded, first, external = t
+        ready = self.client.ready
+        st = self.states[rid]
+        attrs = {
+            "kvmesh.request_id": rid,
+            "kvmesh.prompt_tokens": len(st.result.prompt_token_ids),
+            "kvmesh.cached_tokens": st.result.num_cached_tokens,
+            "kvmesh.output_tokens": sum(len(o.token_ids) for o in st.result.outputs),
+        }
+        transfer = None
+        if external > 0 and ready is not None:
+            blocks = external // max(ready.block_size, 1)
+            transfer = {
+                "kvmesh.kv_connector": ready.kv_connector,
+                "kvmesh.kv_blocks": blocks,
+                "kvmesh.kv_tokens": external,
+                "kvmesh.kv_bytes": blocks * ready.kv_block_bytes,
+            }
+        tracing.engine_spans(self.arrival, scheduled, loaded, first, now, attrs, transfer)
 
     def close(self) -> None:
         """Abort whatever is still running in the engine (idempotent, never awaits)."""

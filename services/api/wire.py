@@ -92,6 +92,9 @@ class Ready(msgspec.Struct, tag="ready"):
     # The id of the KV blocks' layout (model, KV dtype, block shape, FP8 scales; the connectors'
     # namespace): a router pairs prefill and decode pods only when theirs are equal. "" without a connector.
     kv_layout: str = ""
+    # Bytes of one KV block (all layers, K and V) as a connector moves it; 0 without a connector. What a
+    # trace's KV transfer span reports as bytes (blocks loaded x this).
+    kv_block_bytes: int = 0
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

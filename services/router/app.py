@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
+from kvmesh.common import tracing
 from kvmesh.services.auth import APIKeyMiddleware
 from kvmesh.services.errors import http_error_response, validation_error_response
 from kvmesh.services.http_server import include_routes, server_config
@@ -45,6 +46,8 @@ def build_app(router: Router) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     include_routes(app, routes_proxy.routes, routes_health.routes, routes_debug.routes)
+    if tracing.setup("kvmesh-router"):  # OTEL_* (kvmesh/common/tracing.py); outermost: covers every answer
+        tracing.instrument(app, routes_proxy.PROXIED, "router")
     return app
 
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from fastapi.responses import Response, StreamingResponse
 
+from kvmesh.common import tracing
 from kvmesh.common.chat import ChatContentError
 from kvmesh.common.env import env
 from kvmesh.common.hashing import KVMESH, LoraId
@@ -418,6 +419,8 @@ class Router:
                     break
                 d = self.pick(pods, hashes, plen, lora)
             fl = self._begin(d, hashes, plen)
+            if tracing.enabled():  # the pod this call goes to (after a retry: the last one tried)
+                tracing.annotate(**_decision_attributes(d))
             t0 = time.monotonic()
             try:
                 resp = await self.upstream.post(d.pod.url + path, body, timeout)
@@ -513,14 +516,15 @@ class Router:
         budget = request_budget(body, plen, ctx, self.cfg.max_request_tokens)
         if not self.candidates(DECODE_ROLES):
             raise self.no_pod(tenant)
-        ticket = await self.admission.admit(
-            tenant,
-            prio,
-            plen + budget,
-            key.rpm if key is not None else None,
-            key.tpm if key is not None else None,
-            gone,
-        )
+        with tracing.span("router.admission", {"kvmesh.tenant": tenant, "kvmesh.priority": prio}):
+            ticket = await self.admission.admit(
+                tenant,
+                prio,
+                plen + budget,
+                key.rpm if key is not None else None,
+                key.tpm if key is not None else None,
+                gone,
+            )
         try:
             return await self._route(path, body, ids, plen, tenant, ticket.settle)
         except BaseException:
@@ -547,7 +551,10 @@ class Router:
         pods = self.candidates(DECODE_ROLES, lora=lora)
         if not pods:  # went down while the request waited
             raise self.no_pod(tenant)
-        dd = self.pick(pods, hashes, plen, lora)
+        with tracing.span("router.route", {"kvmesh.prompt_tokens": plen}):
+            dd = self.pick(pods, hashes, plen, lora)
+            if tracing.enabled():
+                tracing.annotate(**_decision_attributes(dd))
         self.metrics.predicted_hit.inc(dd.hit_tokens)
         params = None
         pd_path = None
@@ -564,21 +571,33 @@ class Router:
         # a stream's pods report its token ids: what a migration continues from (migration.py)
         wire = {**body, "return_token_ids": True} if stream else body
         dbody = wire if params is None else {**wire, "kv_transfer_params": params}
-        d, resp, fl = await self.send(DECODE_ROLES, path, dbody, hashes, plen, phase, dd, lora=lora)
-        if params is not None and resp.status >= 400:
-            # the decode pod refused the transfer (bad/expired params): recompute there, never guess
-            resp.release()
-            self._end(fl)
-            self.metrics.pd.labels("fallback_decode_rejected").inc()
-            d, resp, fl = await self.send(DECODE_ROLES, path, wire, hashes, plen, "decode", d, lora=lora)
+        # open until the answer is relayed to its end (`tracing.ending`)
+        with tracing.opened(f"router.{phase}", {"kvmesh.pd_path": pd_path or "none"}) as sp:
+            d, resp, fl = await self.send(DECODE_ROLES, path, dbody, hashes, plen, phase, dd, lora=lora)
+            if params is not None and resp.status >= 400:
+                # the decode pod refused the transfer (bad/expired params): recompute there, never guess
+                resp.release()
+                self._end(fl)
+                self.metrics.pd.labels("fallback_decode_rejected").inc()
+                tracing.annotate(**{"kvmesh.pd_path": "fallback_decode_rejected"})
+                d, resp, fl = await self.send(DECODE_ROLES, path, wire, hashes, plen, "decode", d, lora=lora)
         measure = pd_path in (None, "decode_only")
         mig = Migrator(self, path, wire, ids, lora)
-        return await self.relay(d, resp, fl, stream, phase, measure, done, mig, body)
+        return await self.relay(d, resp, fl, stream, phase, measure, tracing.ending(sp, done), mig, body)
 
     async def prefill(
         self, path: str, body: dict, hashes: list[int], plen: int, lora: str | None = None, layout: str | None = None
     ) -> tuple[dict | None, str]:
         """Prefill on a prefill pod: (the transfer params for the decode pod or None, the P/D path)."""
+        with tracing.span("router.prefill", {"kvmesh.prompt_tokens": plen}):
+            params, why = await self._prefill(path, body, hashes, plen, lora, layout)
+            blocks = (params or {}).get("remote_block_ids")
+            tracing.annotate(**{"kvmesh.pd_path": why, "kvmesh.remote_blocks": len(blocks) if blocks else None})
+            return params, why
+
+    async def _prefill(
+        self, path: str, body: dict, hashes: list[int], plen: int, lora: str | None, layout: str | None
+    ) -> tuple[dict | None, str]:
         t0 = time.monotonic()
         try:
             d, resp, fl = await self.send(
@@ -743,6 +762,17 @@ class Router:
                     done(_total_tokens(usage))
 
         return StreamingResponse(body(), status_code=200, media_type=ctype, headers=headers)
+
+
+def _decision_attributes(d: Decision) -> dict[str, Any]:
+    """A routing decision as span attributes."""
+    return {
+        "kvmesh.pod": d.pod.url,
+        "kvmesh.role": d.pod.spec.role,
+        "kvmesh.reason": d.reason,
+        "kvmesh.predicted_hit_blocks": d.hit_blocks,
+        "kvmesh.predicted_hit_tokens": d.hit_tokens,
+    }
 
 
 def _pod_client_error(status: int, content: bytes) -> APIError:

@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 import msgspec
 
+from kvmesh.common import tracing
+
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
@@ -121,6 +123,7 @@ class Upstream:
         headers = self._headers(_JSON_HEADERS)
         if bearer is not None:
             headers = {**_JSON_HEADERS, "Authorization": f"Bearer {bearer}"}
+        headers = tracing.inject(headers or {})  # the current span's traceparent (off: unchanged)
         try:
             r = await self.session.post(
                 url,

@@ -1,5 +1,6 @@
-"""The Prometheus and promtool binaries that tests/e2e/cluster/build.sh builds from the Go module
-proxy (pinned in versions.env, cached under $KVMESH_CACHE), and the chart rendered with helm.
+"""The Prometheus and promtool binaries, and the OpenTelemetry Collector, that tests/e2e/cluster/build.sh
+builds from the Go module proxy (pinned in versions.env, cached under $KVMESH_CACHE), and the chart
+rendered with helm.
 
 Why build on demand: `make test` starts the build in the background before the install, so it is
 normally done when the tests get here; a test run on its own builds it now (about 3 minutes cold)
@@ -30,6 +31,7 @@ def _versions() -> dict[str, str]:
 
 VERSIONS = _versions()
 PROMETHEUS_BIN = CACHE / f"prometheus-v{VERSIONS['PROMETHEUS_VERSION']}" / "bin"
+OTELCOL_BIN = CACHE / f"otelcol-v{VERSIONS['OTELCOL_VERSION']}" / "bin"
 # common.sh's TOOLS_DIR (kubectl and helm)
 _TOOLS = f"tools-{VERSIONS['KUBECTL_LAYER_PKG'].rsplit('/', 1)[-1]}-{VERSIONS['KUBECTL_LAYER_VERSION']}"
 TOOLS_BIN = CACHE / _TOOLS / "bin"
@@ -52,6 +54,13 @@ def prometheus_tool(name: str) -> Path:
     """Path of `prometheus` or `promtool`, built first when the cache lacks it."""
     _ensure(PROMETHEUS_BIN / ".done", "prometheus")
     return PROMETHEUS_BIN / name
+
+
+def otelcol() -> Path:
+    """Path of the OpenTelemetry Collector (OTLP receiver, batch processor, debug exporter), built first
+    when the cache lacks it."""
+    _ensure(OTELCOL_BIN / ".done", "otelcol")
+    return OTELCOL_BIN / "otelcol"
 
 
 def helm() -> Path:

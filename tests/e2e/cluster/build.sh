@@ -18,6 +18,7 @@ mkdir -p "$KVMESH_CACHE"
 # with helm) must not wait behind the long control-plane build.
 case "${1:-all}" in
   prometheus) exec 9>"$KVMESH_CACHE/.build-prometheus.lock"; flock 9 ;;
+  otelcol) exec 9>"$KVMESH_CACHE/.build-otelcol.lock"; flock 9 ;;
   tools) ;;  # install_tools takes its own lock
   *) exec 9>"$KVMESH_CACHE/.build.lock"; flock 9 ;;
 esac
@@ -391,6 +392,73 @@ build_prometheus() {
   touch "$PROMETHEUS_BIN/.done"
 }
 
+# An OpenTelemetry Collector for the tracing test (tests/integration/test_tracing.py): the core
+# distribution's OTLP receiver, batch processor and debug exporter (which prints every span it gets),
+# in a wrapper main.go like the one the collector's builder (ocb) generates. Not the contrib file
+# exporter: it needs contrib's otlpencodingextension, which the Go module proxy does not serve.
+build_otelcol() {
+  [[ -f "$OTELCOL_BIN/.done" ]] && return 0
+  local V="$OTELCOL_VERSION" W="$KVMESH_CACHE/src/otelcol-v$OTELCOL_VERSION"
+  log "otelcol v$V (otlp receiver, batch processor, debug exporter)"
+  rm -rf "$W"; mkdir -p "$W" "$OTELCOL_BIN" && cd "$W"
+  go mod init example.invalid/otelcolbin >/dev/null 2>&1
+  cat > main.go <<'GO'
+package main
+
+import (
+	"os"
+
+	"go.opentelemetry.io/collector/component"
+	"go.opentelemetry.io/collector/confmap"
+	"go.opentelemetry.io/collector/confmap/provider/envprovider"
+	"go.opentelemetry.io/collector/confmap/provider/fileprovider"
+	"go.opentelemetry.io/collector/exporter"
+	"go.opentelemetry.io/collector/exporter/debugexporter"
+	"go.opentelemetry.io/collector/otelcol"
+	"go.opentelemetry.io/collector/processor"
+	"go.opentelemetry.io/collector/processor/batchprocessor"
+	"go.opentelemetry.io/collector/receiver"
+	"go.opentelemetry.io/collector/receiver/otlpreceiver"
+	"go.opentelemetry.io/collector/service/telemetry/otelconftelemetry"
+)
+
+func components() (otelcol.Factories, error) {
+	var err error
+	f := otelcol.Factories{Telemetry: otelconftelemetry.NewFactory()}
+	if f.Receivers, err = otelcol.MakeFactoryMap[receiver.Factory](otlpreceiver.NewFactory()); err != nil {
+		return f, err
+	}
+	if f.Processors, err = otelcol.MakeFactoryMap[processor.Factory](batchprocessor.NewFactory()); err != nil {
+		return f, err
+	}
+	f.Exporters, err = otelcol.MakeFactoryMap[exporter.Factory](debugexporter.NewFactory())
+	return f, err
+}
+
+var version = "dev"
+
+func main() {
+	set := otelcol.CollectorSettings{
+		BuildInfo: component.BuildInfo{Command: "otelcol", Description: "kvmesh test collector", Version: version},
+		Factories: components,
+		ConfigProviderSettings: otelcol.ConfigProviderSettings{ResolverSettings: confmap.ResolverSettings{
+			ProviderFactories: []confmap.ProviderFactory{fileprovider.NewFactory(), envprovider.NewFactory()},
+		}},
+	}
+	if err := otelcol.NewCommand(set).Execute(); err != nil {
+		os.Exit(1)
+	}
+}
+GO
+  local m
+  for m in otelcol receiver/otlpreceiver processor/batchprocessor exporter/debugexporter service; do
+    go get "go.opentelemetry.io/collector/$m@v$V"
+  done
+  go mod tidy
+  go build -trimpath -ldflags "$LDFLAGS_BASE -X main.version=$V" -o "$OTELCOL_BIN/otelcol" .
+  touch "$OTELCOL_BIN/.done"
+}
+
 # KEDA's CRDs only (KEDA itself is not built: its go.mod has replace lines and it links every
 # cloud SDK its scalers use); the API server validates ScaledObjects against them.
 fetch_keda_crds() {
@@ -432,9 +500,10 @@ case "$what" in
          install_node_packages; build_k8s_node; build_coredns; build_node_images
        fi ;;
   prometheus) build_prometheus ;;
+  otelcol) build_otelcol ;;
   keda-crds) fetch_keda_crds ;;
   lws) build_lws ;;
   node) install_node_packages; build_k8s_node; build_coredns; build_node_images ;;
-  *) echo "usage: $0 [all|tools|node|prometheus|keda-crds|lws]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|tools|node|prometheus|otelcol|keda-crds|lws]" >&2; exit 2 ;;
 esac
 log "done in $(( $(date +%s) - t0 ))s (cache: $KVMESH_CACHE)"
