@@ -282,16 +282,16 @@ class Router:
             status, _ = await self.upstream.get(pod.url + "/health", t)
             ok = status == 200
             pod.probe_timeouts = 0
-            self.set_healthy(pod, ok, "" if ok else f"/health returned {status}")
-            if ok:
+            if ok:  # scraped before the pod counts healthy: a new pod is never routed with its layout unknown
                 before = (pod.inflight_requests, pod.routed)
-                status, raw = await self.upstream.get(pod.url + "/metrics", t)
-                if status == 200:
+                mstatus, raw = await self.upstream.get(pod.url + "/metrics", t)
+                if mstatus == 200:
                     text = raw.decode("utf-8", "replace")
                     got = parse_vllm_metrics(text)
                     pod.observe_scrape(got.get("running", 0.0), got.get("waiting", 0.0), got.get("kv_usage"), *before)
                     pod.lora = parse_lora_state(text)
                     pod.kv_layout = parse_kv_layout(text)
+            self.set_healthy(pod, ok, "" if ok else f"/health returned {status}")
         except UpstreamError as e:
             if e.timeout:
                 # A pod saturated by requests answers probes late; only repeated timeouts take it out.
