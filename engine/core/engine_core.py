@@ -505,6 +505,18 @@ class EngineCore:
             kv_transfer_refused=self._kv_transfer_refused(),
             **self._lora_stats(),
             **self._host_tier_stats(),
+            **self._spec_stats(),
+        )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        sp = self.speculator
+        if sp is None:
+            return {}
+        return dict(
+            spec_decode_num_drafts=sp.num_drafts,
+            spec_decode_num_draft_tokens=sp.num_draft_tokens,
+            spec_decode_num_accepted_tokens=sp.num_accepted_tokens,
+            spec_decode_accepted_per_pos=list(sp.accepted_per_pos),
         )
 
     def _host_tier_stats(self) -> dict[str, Any]:
