@@ -121,6 +121,9 @@ class Scheduler:
                     n += len(d)
             scheduled = True
             while self.kv.allocate_slots(req, n) is None:
+                if req.request_id in drafts:  # no room for its drafts: one token, before preempting anyone
+                    n -= len(drafts.pop(req.request_id))
+                    continue
                 victim = self.running.pop()
                 drafts.pop(victim.request_id, None)
                 self._preempt(victim)

@@ -21,7 +21,7 @@ from kvmesh import SamplingParams
 
 pytestmark = pytest.mark.integration
 
-PROMPTS = ["1, 2, 3, 4, 5, 6, 7, 8,", "The capital of France is"]
+PROMPTS = ["The cat sat on the mat. The cat sat on the mat. The cat sat on the", "The capital of France is"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -79,6 +79,24 @@ def test_ngram_greedy_is_unchanged_with_mixed_rows(make_llm, ids, reference):
     assert sp.num_drafts > 0 and 0 < sp.num_accepted_tokens <= sp.num_draft_tokens
     assert any(a and b for a, b in kinds), kinds  # some steps verified drafts beside rows without any
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+
+
+def test_penalties_logprobs_and_stops_are_those_without_speculation(make_llm, ids, reference):
+    """A penalized greedy request asking for logprobs, stopped by a token in the middle of a verified
+    row: the same tokens, logprobs and finish as without speculation."""
+    stop = reference[0][6]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=10, ignore_eos=True, frequency_penalty=0.02, logprobs=2, stop_token_ids=[stop]
+    )
+    want = make_llm(num_kv_blocks=64).generate(ids[:1], params)[0].outputs[0]
+    llm, _ = checked(make_llm(num_kv_blocks=64, speculative_config=json.dumps(NGRAM)))
+    got = llm.generate(ids[:1], params)[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
+    assert len(got.logprobs) == len(want.logprobs)
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert a["token_id"] == b["token_id"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+        assert [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
+    assert llm.engine.speculator.num_accepted_tokens > 0
 
 
 def test_embedded_model_as_its_own_draft(make_llm, ids, reference):
