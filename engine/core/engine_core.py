@@ -437,7 +437,13 @@ class EngineCore:
             gen = host_generator(s.generator, self.sampler.default_generator)
             q = s.draft_probs
             toks, _ = verify(
-                host[starts[i] : starts[i] + widths[i]], s.params, s.spec_token_ids, q, s.penalty_history, gen
+                host[starts[i] : starts[i] + widths[i]],
+                s.params,
+                s.spec_token_ids,
+                q,
+                s.penalty_history,
+                gen,
+                s.grammar,
             )
             verified[j] = toks
             by_row[i] = toks[:1]

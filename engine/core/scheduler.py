@@ -306,10 +306,12 @@ class Scheduler:
                 if r.status != RequestStatus.RUNNING:
                     break
                 outputs.append(self._append(r, res))
-            if r.status == RequestStatus.RUNNING:
-                self.kv.trim(r)
             if self.spec is not None:
                 self.spec.record(r, sched.scheduled[j], len(toks) - 1)
+        if self.spec is not None:  # blocks taken for drafts that were rejected (or cut before the step) go back
+            for r in live:
+                if r is not None and r.status == RequestStatus.RUNNING:
+                    self.kv.trim(r)
         return outputs
 
     def update_from_round(self, request_ids: list[str], results: list[list[SampleResult]]) -> list[EngineCoreOutput]:

@@ -60,6 +60,47 @@ def adjusted(
     return adjust_logits(raw, [params] * n, hists)
 
 
+def grammar_prefix(grammar: Any, drafts: Sequence[int]) -> int:
+    """How many of ``drafts`` a structured output's grammar allows in a row, short of one that would
+    complete it (the grammar's end comes as the model's own token, after which nothing is masked); its
+    matcher is left as it was."""
+    m = grammar.matcher
+    if m is None or grammar.terminated:
+        return 0
+    walked = keep = 0
+    for t in drafts:
+        if not m.accept_token(int(t)):
+            break
+        walked += 1
+        if m.is_terminated():
+            break
+        keep += 1
+    if walked:
+        m.rollback(walked)
+    return keep
+
+
+def grammar_masked(raw: torch.Tensor, grammar: Any, drafts: Sequence[int]) -> torch.Tensor:
+    """``raw`` (``[1 + k, V]``, host) with each position's disallowed tokens at -inf: position ``i`` with
+    the grammar's state after ``drafts[:i]`` (which it allows: `grammar_prefix` cut them); the matcher is
+    left as it was (the scheduler advances it over the tokens kept)."""
+    import xgrammar as xgr
+
+    m = grammar.matcher
+    n, V = raw.shape
+    bits = torch.zeros((n, -(-V // 32)), dtype=torch.int32)
+    for i in range(n):
+        m.fill_next_token_bitmask(bits, i)
+        if i < n - 1:
+            ok = m.accept_token(int(drafts[i]))
+            assert ok, "drafts are cut to the grammar's prefix before they run"
+    if n > 1:
+        m.rollback(n - 1)
+    out = raw.clone()
+    xgr.apply_token_bitmask_inplace(out, bits, vocab_size=V)
+    return out
+
+
 def verify(
     raw: torch.Tensor,
     params: SamplingParams,
@@ -67,12 +108,14 @@ def verify(
     q: torch.Tensor | None,
     history: tuple[np.ndarray, np.ndarray] | None,
     generator: torch.Generator,
+    grammar: Any = None,
 ) -> tuple[list[SampleResult], int]:
     """One row: ``raw`` the target's float32 logits ``[1 + k, V]`` on the host, ``q`` the draft's
-    probabilities ``[k, V]`` (None: one-hot drafts). Returns the emitted tokens (the kept drafts,
-    then one token of the target's) and how many drafts were kept."""
+    probabilities ``[k, V]`` (None: one-hot drafts), ``grammar`` a structured output's (its masks
+    apply first, as in the one-token sampler). Returns the emitted tokens (the kept drafts, then one
+    token of the target's) and how many drafts were kept."""
     k = len(drafts)
-    logits = adjusted(raw, params, drafts, history)
+    logits = adjusted(raw if grammar is None else grammar_masked(raw, grammar, drafts), params, drafts, history)
     toks: list[int] = []
     if params.greedy:
         target = logits.argmax(-1).tolist()

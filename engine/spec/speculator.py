@@ -5,9 +5,11 @@ n-gram proposer returns its drafts there (their number is the slots to allocate)
 only reserves ``k`` (its tokens need those slots: its own KV lives in the same block ids) and
 `fill` runs it over every speculating row once the step's blocks are known.
 
-Rows that do not speculate (fall back to one token per step): requests with a structured output
-(their grammar would have to advance over each draft to mask the next, not done yet), prefill
-chunks, and rows with no room left (``max_tokens``, the context, the step's token budget).
+A structured output's drafts are masked by its grammar: they are cut at the first one the grammar
+refuses (or after the one that completes it), the matcher walked over them and rolled back, and the
+verification masks each of the ``1 + k`` positions with the grammar's state after the drafts before it
+(`rejection.grammar_masked`). Rows that do not speculate (one token per step): prefill chunks, rows with
+no room left (``max_tokens``, the context, the step's token budget) and grammars that failed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from kvmesh.engine.spec.config import NGRAM, SpeculativeConfig
 from kvmesh.engine.spec.ngram import NgramProposer
+from kvmesh.engine.spec.rejection import grammar_prefix
 
 if TYPE_CHECKING:
     from kvmesh.engine.core.request import Request
@@ -42,7 +45,8 @@ class Speculator:
 
     @staticmethod
     def eligible(req: Request) -> bool:
-        return req.grammar is None
+        g = req.grammar
+        return g is None or not g.terminated
 
     def plan(self, req: Request, room: int) -> list[int]:
         """Drafts for a decoding request (at most ``room``); a draft model's are placeholders that
@@ -72,6 +76,14 @@ class Speculator:
                 drafts[s.request_id] = t
         for s, q in zip(rows, probs):
             d = drafts[s.request_id]
+            if s.grammar is not None:
+                cut = grammar_prefix(s.grammar, d)
+                s.num_tokens -= len(d) - cut  # the blocks taken for the rest go back after the step
+                d = d[:cut]
+                if q is not None:
+                    q = q[:cut] if cut else None
+                if not cut:
+                    continue
             s.spec_token_ids = d
             s.all_token_ids = s.all_token_ids + d
             s.draft_probs = q

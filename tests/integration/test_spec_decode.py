@@ -99,6 +99,29 @@ def test_penalties_logprobs_and_stops_are_those_without_speculation(make_llm, id
     assert llm.engine.speculator.num_accepted_tokens > 0
 
 
+def test_structured_output_drafts_are_masked_by_the_grammar(make_llm, smol):
+    """A JSON-schema request speculates (its drafts cut to what the grammar allows, each verified
+    position masked by the grammar's state after the drafts before it): the same tokens, greedy and
+    seeded, as without speculation."""
+    from kvmesh.engine.frontend.structured import StructuredOutput
+
+    so = StructuredOutput.json_schema(
+        {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}, "required": ["a", "b"]}
+    )
+    prompt = smol.tokenizer('Repeat: {"a": "cat cat cat", "b": "cat cat cat"}. Again: ').input_ids
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, structured=so),
+        SamplingParams(temperature=0.7, seed=4, max_tokens=24, structured=so),
+    ]
+    want = [o.outputs[0].token_ids for o in make_llm(num_kv_blocks=64).generate([prompt, prompt], params)]
+    llm, _ = checked(make_llm(num_kv_blocks=64, speculative_config=json.dumps(NGRAM)))
+    got = [o.outputs[0].token_ids for o in llm.generate([prompt, prompt], params)]
+    assert got[0] == want[0]
+    json.loads(smol.tokenizer.decode(got[1], skip_special_tokens=True))  # sampled: valid JSON
+    sp = llm.engine.speculator
+    assert sp.num_accepted_tokens > 0
+
+
 def test_embedded_model_as_its_own_draft(make_llm, ids, reference):
     spec = {"method": "draft_model", "model": "embedded", "num_speculative_tokens": 3}
     llm, _ = checked(make_llm(num_kv_blocks=64, speculative_config=json.dumps(spec)))
