@@ -282,3 +282,67 @@ def test_api_server_with_speculation(smol, ids, reference, tmp_path):
         assert drafts > 0
     finally:
         srv.stop()
+
+
+def test_ngram_under_tensor_parallelism(tmp_path):
+    """Two CPU ranks: the other rank runs the verification rows' plan like any other (rank 0 keeps
+    their 1 + k logits and verifies); greedy tokens equal the same engine's without drafts."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kvmesh.common.model_files import model_config_from_hf
+    from kvmesh.engine.args import EngineArgs
+    from kvmesh.engine.core.engine_core import EngineCore
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.models.loader import load_model
+    from kvmesh.engine.models.random_init import random_state_dict, scaled_config
+
+    hf = scaled_config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=258,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
+    sd = random_state_dict(model_config_from_hf(hf, "tp"), torch.float32, seed=7, std=0.3)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    path = str(tmp_path)
+    args = EngineArgs(
+        model=path,
+        tensor_parallel_size=2,
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=64,
+        speculative_config=json.dumps(NGRAM),
+    )
+    eng, _ = EngineCore.from_model(args, loaded=load_model(path, load_tokenizer=False))
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 12, 13]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def run(tag: str) -> dict[str, list[int]]:
+        for i, p in enumerate(prompts):
+            eng.add_request(EngineCoreRequest(request_id=f"{tag}{i}", prompt_token_ids=p, params=params))
+        out: dict[str, list[int]] = {}
+        while eng.has_unfinished():
+            for eo in eng.step():
+                out.setdefault(eo.request_id[len(tag) :], []).extend(eo.new_token_ids)
+            eng.check_integrity()
+        return out
+
+    try:
+        spec = eng.scheduler.spec
+        eng.scheduler.spec = None  # the reference: the same ranks without drafts
+        want = run("plain")
+        eng.scheduler.spec = spec
+        got = run("spec")
+        assert got == want
+        assert spec is not None and spec.num_accepted_tokens > 0
+    finally:
+        eng.shutdown()
