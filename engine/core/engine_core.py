@@ -46,6 +46,7 @@ from kvmesh.engine.spec.speculator import Speculator
 
 if TYPE_CHECKING:
     from kvmesh.engine.runner.sim_runner import SimulatedRunner
+    from kvmesh.engine.spec.draft import DraftModel
 
 log = logging.getLogger("kvmesh.engine")
 
@@ -69,12 +70,19 @@ class EngineCore:
         simulate: dict | None = None,
     ) -> None:
         self.config = config
+        self.draft: DraftModel | None = None
         if simulate is not None:  # `serve --simulate`: latency model instead of the forward pass
             from kvmesh.engine.runner.sim_runner import SimulatedRunner
 
             self.runner: ModelRunner | SimulatedRunner = SimulatedRunner(config, **simulate)
         else:
-            self.runner = ModelRunner(config, state_dict)
+            # a draft model's weights go on the device first: the pool is sized from what is left, and
+            # every block pays for the draft's KV too (engine/spec/draft.py)
+            self.draft = self._draft_model(config)
+            extra = self.draft.bytes_per_block if self.draft is not None else 0
+            self.runner = ModelRunner(config, state_dict, extra_block_bytes=extra)
+            if self.draft is not None:
+                self.draft.allocate(self.runner.num_blocks)
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             config.cache.block_size,
@@ -148,18 +156,21 @@ class EngineCore:
             self.masks,
         )
 
+    @staticmethod
+    def _draft_model(config: EngineConfig) -> DraftModel | None:
+        spec = config.speculative
+        if spec is None or spec.method != DRAFT_MODEL:
+            return None
+        from kvmesh.engine.spec.draft import DraftModel
+
+        return DraftModel.load(spec, config)
+
     def _speculator(self, config: EngineConfig) -> Speculator | None:
         """Speculative decoding's proposer (engine/spec/), or None when it is off."""
         spec = config.speculative
         if spec is None:
             return None
-        draft = None
-        if spec.method == DRAFT_MODEL:
-            from kvmesh.engine.spec.draft import DraftModel
-
-            assert isinstance(self.runner, ModelRunner)
-            draft = DraftModel.load(spec, config, self.runner.num_blocks)
-        return Speculator(spec, draft)
+        return Speculator(spec, self.draft)
 
     # ---- construction -------------------------------------------------------
     @classmethod

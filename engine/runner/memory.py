@@ -44,7 +44,11 @@ def kv_bytes_per_block(config: EngineConfig, kv_heads: int | None = None) -> int
 
 
 def num_blocks_for(
-    config: EngineConfig, weight_bytes: int = 0, reserve_bytes: int = 0, kv_heads: int | None = None
+    config: EngineConfig,
+    weight_bytes: int = 0,
+    reserve_bytes: int = 0,
+    kv_heads: int | None = None,
+    extra_bytes_per_block: int = 0,
 ) -> int:
     """Pool size: explicit, else a memory budget (CPU) or a share of free device memory (GPU); the
     budget is per device, so a tensor-parallel rank (``kv_heads``: its share) fits more blocks in it.
@@ -54,7 +58,8 @@ def num_blocks_for(
     free memory reported by the driver has them subtracted."""
     if config.cache.num_kv_blocks is not None:
         return config.cache.num_kv_blocks
-    per_block = kv_bytes_per_block(config, kv_heads)
+    # extra_bytes_per_block: a second pool indexed by the same block ids (a draft model's KV, engine/spec/draft.py)
+    per_block = kv_bytes_per_block(config, kv_heads) + extra_bytes_per_block
     if config.device.startswith("cuda"):
         free, total = torch.cuda.mem_get_info(torch.device(config.device))
         budget = int(total * config.cache.gpu_memory_utilization) - (total - free) - reserve_bytes - (1 << 30)

@@ -3,9 +3,10 @@
 Its paged KV is a second pool with the target's block ids: ``[num_blocks, draft layers, 2,
 block_size, draft KV heads, draft head dim]``. A request's block table then addresses both, so the
 draft needs no allocator of its own, prefix-cache hits, copy-on-write and freeing apply to both at
-once, and a preempted request loses both. That pool's bytes come on top of the target's pool (the
-target's budget is not shrunk for it): small against the target for a small draft, and as large as
-the target's pool for a model that is its own draft.
+once, and a preempted request loses both. Both pools come out of one budget: the draft's weights are
+on the device before the target's pool is sized, and each block costs the bytes of both (the
+runner's ``extra_block_bytes``), so a model that is its own draft gets half the blocks. An explicit
+``--num-kv-blocks`` is the number of blocks of each pool.
 
 Per verification step, `propose` runs the draft over the request's tokens it has not seen yet (its
 prompt on the first step, then the tokens the last verification accepted: ``Request.draft_kv_len``
@@ -37,7 +38,9 @@ if TYPE_CHECKING:
 
 
 class DraftModel:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        """The draft's weights on the device; its KV pool comes with `allocate` (once the runner has
+        sized the shared budget)."""
         m = loaded.config
         if m.vocab_size != config.model.vocab_size:
             raise ValueError(
@@ -49,11 +52,8 @@ class DraftModel:
         self.block_size = config.cache.block_size
         max_len = max(config.scheduler.max_model_len, 1)
         self.model = model_class(m)(m, loaded.state_dict, self.dtype, self.device, max_positions=max_len)
-        self.kv_cache = torch.zeros(
-            (num_blocks, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        self.block_shape = (m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim)
+        self.kv_cache = torch.zeros((0, *self.block_shape), dtype=self.dtype, device=self.device)
         sc = config.scheduler
         self.eager = EagerStager(
             Staging(eager_layout_size(sc.max_num_batched_tokens, sc.max_num_seqs, 64), self.device)
@@ -62,8 +62,19 @@ class DraftModel:
         self.source = loaded.source
 
     @classmethod
-    def load(cls, spec: SpeculativeConfig, config: EngineConfig, num_blocks: int) -> DraftModel:
-        return cls(config, load_model(spec.model, load_tokenizer=False), num_blocks)
+    def load(cls, spec: SpeculativeConfig, config: EngineConfig) -> DraftModel:
+        return cls(config, load_model(spec.model, load_tokenizer=False))
+
+    @property
+    def bytes_per_block(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n * self.kv_cache.element_size()
+
+    def allocate(self, num_blocks: int) -> None:
+        """The draft's KV pool: as many blocks as the model's, the same ids."""
+        self.kv_cache = torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=self.device)
 
     def _forward(self, entries: list[ScheduledRequest]) -> torch.Tensor:
         """The draft's logits after each entry's last token (float32, on the host)."""

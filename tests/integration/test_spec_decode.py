@@ -123,8 +123,14 @@ def test_structured_output_drafts_are_masked_by_the_grammar(make_llm, smol):
 
 
 def test_embedded_model_as_its_own_draft(make_llm, ids, reference):
+    from kvmesh.engine.runner.memory import kv_bytes_per_block
+
     spec = {"method": "draft_model", "model": "embedded", "num_speculative_tokens": 3}
-    llm, _ = checked(make_llm(num_kv_blocks=64, speculative_config=json.dumps(spec)))
+    gb = 0.05
+    llm, _ = checked(make_llm(num_kv_blocks=None, kv_cache_memory_gb=gb, speculative_config=json.dumps(spec)))
+    # one budget for both pools: every block pays for the model's KV and its draft's (here the same)
+    assert llm.engine.runner.num_blocks == int(gb * (1 << 30)) // (2 * kv_bytes_per_block(llm.engine.config))
+    assert llm.engine.draft is not None and llm.engine.draft.kv_cache.shape[0] == llm.engine.runner.num_blocks
     outs = llm.generate(ids, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference
     sp = llm.engine.speculator
