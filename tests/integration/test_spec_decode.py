@@ -135,6 +135,12 @@ def test_embedded_model_as_its_own_draft(make_llm, ids, reference):
     assert [o.outputs[0].token_ids for o in outs] == reference
     sp = llm.engine.speculator
     assert sp.num_draft_tokens > 0 and sp.num_accepted_tokens >= 0.9 * sp.num_draft_tokens
+    # n = 2 forks share the prompt's blocks (copy-on-write for the model's KV and the draft's); seeded,
+    # so the same request gives the same tokens again, alone or beside another
+    forked = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=8, ignore_eos=True)
+    first = llm.generate(ids[:1], forked)[0].outputs
+    again = llm.generate(ids, [forked, GREEDY])[0].outputs
+    assert [c.token_ids for c in first] == [c.token_ids for c in again] and all(len(c.token_ids) == 8 for c in first)
 
 
 def _write_random_draft(path, vocab: int) -> str:
