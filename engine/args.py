@@ -31,6 +31,7 @@ from kvmesh.engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from kvmesh.engine.spec.config import SpeculativeConfig
 
 CRD = "crd"
 KERNELS = "kernels"  # the section of the kernel variants' flags (`KernelChoices`)
@@ -224,6 +225,20 @@ class EngineArgs:
             LoraConfig.max_lora_rank,
             enum=(8, 16, 32, 64, 128, 256),
             description="The largest LoRA rank served; adapters of a larger rank are refused.",
+        ),
+    )
+    speculative_config: str | None = _setting(
+        None,
+        'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup, no second model) or '
+        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (a smaller model of the '
+        'same tokenizer; "embedded" for the embedded model); outputs keep the target\'s distribution',
+        crd=CrdProperty(
+            "speculativeConfig",
+            "",
+            unset="",
+            description="Speculative decoding as vLLM's --speculative-config JSON (method ngram or draft_model, "
+            "num_speculative_tokens, ...); empty for none. Outputs are those of the model alone.",
         ),
     )
     # Flags of the server commands (kvmesh serve/prefill/decode): the "server" section.
@@ -425,6 +440,7 @@ class EngineArgs:
             cache=self._pick(CacheConfig, kv_cache_dtype=self.kv_cache_dtype or "auto"),
             scheduler=self._pick(SchedulerConfig, max_model_len=max_len),
             kernels=self._pick(KernelChoices),
+            speculative=SpeculativeConfig.parse(self.speculative_config),
             lora=LoraConfig(
                 enabled=self.enable_lora or bool(self.lora_modules),
                 max_loras=self.max_loras,

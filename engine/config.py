@@ -14,6 +14,7 @@ from kvmesh.common.kernel_choices import KernelChoices
 from kvmesh.common.kv_formats import EVENT_FORMATS, KVMESH, MAP, PREFIX_HASHES
 from kvmesh.common.model_files import ModelConfig
 from kvmesh.common.roles import ROLES, Role
+from kvmesh.engine.spec.config import DRAFT_MODEL, SpeculativeConfig
 
 # "auto": the KV cache holds the model's dtype; "fp8": float8_e4m3fn with static per-layer scales
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
@@ -162,6 +163,7 @@ class EngineConfig:
     quantization: str | None = None  # projection weights: None (the model's dtype) or "fp8"
     # the kernel variants the model's layers launch, fixed for the engine's life (its CUDA graphs hold them)
     kernels: KernelChoices = field(default_factory=KernelChoices)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (engine/spec/); None: off
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -178,6 +180,11 @@ class EngineConfig:
             from kvmesh.engine.parallel.sharding import check_divisible
 
             check_divisible(self.model, tp)
+            if self.speculative is not None and self.speculative.method == DRAFT_MODEL:
+                raise ValueError(
+                    "speculative method draft_model runs its draft on rank 0 only: not under "
+                    "tensor_parallel_size > 1 yet (ngram works at any TP size)"
+                )
             # Decode rounds run several steps on the device without the host, so they would need the
             # other ranks to run rounds of their own; under TP every step goes through the step plan.
             if self.scheduler.num_scheduler_steps > 1 or self.scheduler.async_scheduling:

@@ -40,9 +40,13 @@ from kvmesh.engine.parallel.ranks import RankFailure
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.runner.grammar_masks import GrammarMasks
 from kvmesh.engine.runner.sampler import NoiseStream, Sampler, SampleResult
+from kvmesh.engine.spec.config import DRAFT_MODEL
+from kvmesh.engine.spec.rejection import host_generator, verify
+from kvmesh.engine.spec.speculator import Speculator
 
 if TYPE_CHECKING:
     from kvmesh.engine.runner.sim_runner import SimulatedRunner
+    from kvmesh.engine.spec.draft import DraftModel
 
 log = logging.getLogger("kvmesh.engine")
 
@@ -66,12 +70,19 @@ class EngineCore:
         simulate: dict | None = None,
     ) -> None:
         self.config = config
+        self.draft: DraftModel | None = None
         if simulate is not None:  # `serve --simulate`: latency model instead of the forward pass
             from kvmesh.engine.runner.sim_runner import SimulatedRunner
 
             self.runner: ModelRunner | SimulatedRunner = SimulatedRunner(config, **simulate)
         else:
-            self.runner = ModelRunner(config, state_dict)
+            # a draft model's weights go on the device first: the pool is sized from what is left, and
+            # every block pays for the draft's KV too (engine/spec/draft.py)
+            self.draft = self._draft_model(config)
+            extra = self.draft.bytes_per_block if self.draft is not None else 0
+            self.runner = ModelRunner(config, state_dict, extra_block_bytes=extra)
+            if self.draft is not None:
+                self.draft.allocate(self.runner.num_blocks)
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             config.cache.block_size,
@@ -87,6 +98,7 @@ class EngineCore:
         except BaseException:
             self.shutdown_runner()  # no rank outlives an engine that failed to start
             raise
+        self.speculator = self._speculator(config) if simulate is None else None
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv,
@@ -96,6 +108,7 @@ class EngineCore:
             # engine's weights and KV pool alive until the next full garbage collection)
             make_generator=functools.partial(seeded_stream, self._on_device()),
             max_loras=config.lora.max_loras if config.lora.enabled else 0,
+            speculator=self.speculator,
         )
         self.sampler = Sampler(config.seed)
         # structured outputs' token masks, for the one-step path and decode rounds alike
@@ -127,7 +140,13 @@ class EngineCore:
         # Decode rounds (multi-step, async scheduling) need a runner that feeds its own tokens back
         # on the device (the simulated one cannot).
         # Under tensor parallelism every step goes to the other ranks as a plan (engine/parallel/).
-        rounds = hasattr(self.runner, "launch_round") and config.parallel.tensor_parallel_size == 1
+        # Speculative decoding turns them off: each step's drafts come from the tokens the step
+        # before accepted, which a round on the device would have to propose and verify itself.
+        rounds = (
+            hasattr(self.runner, "launch_round")
+            and config.parallel.tensor_parallel_size == 1
+            and self.speculator is None
+        )
         lazy = config.scheduler.async_scheduling
         self.rounds = DecodeRounds(
             self.scheduler,
@@ -136,6 +155,22 @@ class EngineCore:
             rounds and (getattr(self.runner, "cuda", False) if lazy is None else lazy),
             self.masks,
         )
+
+    @staticmethod
+    def _draft_model(config: EngineConfig) -> DraftModel | None:
+        spec = config.speculative
+        if spec is None or spec.method != DRAFT_MODEL:
+            return None
+        from kvmesh.engine.spec.draft import DraftModel
+
+        return DraftModel.load(spec, config)
+
+    def _speculator(self, config: EngineConfig) -> Speculator | None:
+        """Speculative decoding's proposer (engine/spec/), or None when it is off."""
+        spec = config.speculative
+        if spec is None:
+            return None
+        return Speculator(spec, self.draft)
 
     # ---- construction -------------------------------------------------------
     @classmethod
@@ -378,7 +413,53 @@ class EngineCore:
             return [o for o in failed if o is not None]
         self.num_computed_tokens += sched.total_tokens
         self.connector.save_kv(sched.connector_meta)
+        if self.speculator is not None and any(sched.scheduled[j].spec_token_ids for j in rows):
+            samples, verified = self._verify(sched, logits, rows)
+            return self.scheduler.update_from_output(sched, rows, samples, verified)
         return self.scheduler.update_from_output(sched, rows, self._sample(sched, logits, rows))
+
+    def _verify(
+        self, sched: SchedulerOutput, logits: torch.Tensor, rows: list[int]
+    ) -> tuple[list[SampleResult], dict[int, list[SampleResult]]]:
+        """A step with drafts (engine/spec/): ``logits`` holds ``1 + k`` rows for each row that
+        verifies k drafts, one for the others. The others sample as usual; each verifying row keeps a
+        prefix of its drafts and one token of the target's (`rejection.verify`). Returns the
+        ``samples`` and ``verified`` of `Scheduler.update_from_output`."""
+        widths = [len(sched.scheduled[j].spec_token_ids) + 1 for j in rows]
+        starts = [0] * len(rows)
+        for i in range(1, len(rows)):
+            starts[i] = starts[i - 1] + widths[i - 1]
+        plain = [i for i, j in enumerate(rows) if widths[i] == 1]
+        plain_samples = (
+            self._sample(sched, logits[[starts[i] for i in plain]], [rows[i] for i in plain]) if plain else []
+        )
+        host = logits.float().cpu()  # verification runs on the host (engine/spec/rejection.py)
+        by_row: dict[int, list[SampleResult]] = {}
+        k = 0
+        for i in plain:
+            n = sched.scheduled[rows[i]].num_samples
+            by_row[i] = plain_samples[k : k + n]
+            k += n
+        verified: dict[int, list[SampleResult]] = {}
+        for i, j in enumerate(rows):
+            s = sched.scheduled[j]
+            if widths[i] == 1:
+                continue
+            gen = host_generator(s.generator, self.sampler.default_generator)
+            q = s.draft_probs
+            toks, _ = verify(
+                host[starts[i] : starts[i] + widths[i]],
+                s.params,
+                s.spec_token_ids,
+                q,
+                s.penalty_history,
+                gen,
+                s.grammar,
+            )
+            verified[j] = toks
+            by_row[i] = toks[:1]
+        samples = [res for i in range(len(rows)) for res in by_row[i]]
+        return samples, verified
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor, rows: list[int]) -> list[SampleResult]:
         """Draw each sampling row's tokens: ``num_samples`` per row (n for an n > 1 request that
@@ -441,6 +522,18 @@ class EngineCore:
             kv_transfer_refused=self._kv_transfer_refused(),
             **self._lora_stats(),
             **self._host_tier_stats(),
+            **self._spec_stats(),
+        )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        sp = self.speculator
+        if sp is None:
+            return {}
+        return dict(
+            spec_decode_num_drafts=sp.num_drafts,
+            spec_decode_num_draft_tokens=sp.num_draft_tokens,
+            spec_decode_num_accepted_tokens=sp.num_accepted_tokens,
+            spec_decode_accepted_per_pos=list(sp.accepted_per_pos),
         )
 
     def _host_tier_stats(self) -> dict[str, Any]:

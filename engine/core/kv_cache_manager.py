@@ -197,6 +197,18 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
+    def trim(self, request: Request) -> None:
+        """Return the blocks past the request's tokens (speculative decoding: blocks taken for drafts
+        that were rejected). They were never registered in the prefix cache: only blocks full of the
+        request's own tokens are (`cache_blocks`)."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = cdiv(request.num_tokens, self.block_size)
+        if blocks and len(blocks) > keep:
+            tail = blocks[keep:]
+            del blocks[keep:]
+            assert self.num_cached_blocks.get(request.request_id, 0) <= keep
+            self.pool.free_blocks(reversed(tail))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 

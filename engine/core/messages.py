@@ -88,6 +88,12 @@ class EngineStats(msgspec.Struct):
     kv_offload_loaded: int = 0
     kv_offload_hit_tokens: int = 0
     kv_offload_evictions: int = 0
+    # speculative decoding (engine/spec/): rows verified with drafts, drafts proposed and kept, and how many
+    # were kept at each draft position (vLLM's vllm:spec_decode_* counters); zeros without speculation
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 # connector stats key -> the ``reason`` of kvmesh:kv_transfer_refused_total

@@ -78,6 +78,8 @@ class Request:
     generator: Any = None  # seeded sampling: device_draw.NoiseStream on a GPU, a CPU torch.Generator else
     grammar: Any = None  # a structured output's structured.RequestGrammar (its matcher)
     forked: bool = False  # an n > 1 parent whose children have been created
+    # speculative decoding with a draft model: its KV holds this many of the sequence's tokens (engine/spec/draft.py)
+    draft_kv_len: int = 0
     # the output as an int64 array for the sampler's penalties, filled up to _out_n (see output_array)
     _out_buf: np.ndarray | None = field(default=None, init=False, repr=False)
     _out_n: int = field(default=0, init=False, repr=False)

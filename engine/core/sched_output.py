@@ -48,6 +48,11 @@ class ScheduledRequest:
     grammar: Any = None  # a structured output's structured.RequestGrammar: its mask applies when it samples
     lora_key: str | None = None  # its LoRA adapter's identity (engine/lora/); None: the base model
     lora_slot: int = -1  # that adapter's device slot this step (set by the engine before the runner runs)
+    # speculative decoding (engine/spec/): the proposed tokens this row verifies after its last token
+    # (then ``all_token_ids`` is a copy that ends with them and the runner keeps the logits of all
+    # ``1 + len(spec_token_ids)`` positions), and the draft model's probabilities for them ([k, V], or None: one-hot)
+    spec_token_ids: tuple[int, ...] | list[int] = ()
+    draft_probs: Any = None
 
     @property
     def completes_prompt(self) -> bool:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from kvmesh.common.hashing import BlockHash
     from kvmesh.engine.core.block_pool import KVCacheBlock
     from kvmesh.engine.runner.sampler import SampleResult
+    from kvmesh.engine.spec.speculator import Speculator
 
 
 class QueueFullError(RuntimeError):
@@ -59,8 +60,10 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         make_generator: Callable[[int], Any] | None = None,
         max_loras: int = 0,
+        speculator: Speculator | None = None,
     ) -> None:
-        """``max_loras``: distinct LoRA adapters the running requests may use (0: LoRA is off)."""
+        """``max_loras``: distinct LoRA adapters the running requests may use (0: LoRA is off);
+        ``speculator``: proposes drafts for decoding requests (engine/spec/; None: no speculation)."""
         self.config = config
         self.kv = kv
         self.connector = connector or KVConnector()
@@ -74,6 +77,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}
         self.num_preemptions = 0
+        self.spec = speculator
 
     # ---- admission ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -98,6 +102,8 @@ class Scheduler:
         work: list[ScheduledWork] = []
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
+        spec = self.spec
+        drafts: dict[str, list[int]] = {}  # request id -> its drafts this step (speculative decoding)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -108,9 +114,18 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            if spec is not None and n == 1 and req.num_output_tokens > 0:
+                d = spec.plan(req, self._spec_room(req, budget - 1))
+                if d:
+                    drafts[req.request_id] = d
+                    n += len(d)
             scheduled = True
             while self.kv.allocate_slots(req, n) is None:
+                if req.request_id in drafts:  # no room for its drafts: one token, before preempting anyone
+                    n -= len(drafts.pop(req.request_id))
+                    continue
                 victim = self.running.pop()
+                drafts.pop(victim.request_id, None)
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is req:
@@ -190,6 +205,9 @@ class Scheduler:
             w.block_ids = self.kv.get_block_ids(w.request.request_id)
             out.scheduled.append(self._entry(w))
         out.block_copies = self.kv.take_copies()
+        if drafts:
+            assert spec is not None
+            spec.fill(out.scheduled, drafts, out.block_copies, self.requests)
         out.kv_moves = self.kv.take_moves()
         out.connector_meta = self.connector.build_connector_meta(ConnectorStep(work))
         return out
@@ -223,28 +241,46 @@ class Scheduler:
             r.lora_key,
         )
 
+    def _spec_room(self, req: Request, budget: int) -> int:
+        """Drafts a decoding request may verify this step: within the step's token budget, its
+        ``max_tokens`` (one token of the target's own always follows the drafts) and the context."""
+        k = min(budget, req.max_model_len - req.num_tokens)
+        if req.params.max_tokens is not None:
+            k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
+        return max(k, 0)
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.draft_kv_len = 0  # its blocks are gone, the draft model's KV in them too
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     # ---- after the forward pass --------------------------------------------
     def update_from_output(
-        self, sched: SchedulerOutput, rows: list[int], samples: list[SampleResult]
+        self,
+        sched: SchedulerOutput,
+        rows: list[int],
+        samples: list[SampleResult],
+        verified: dict[int, list[SampleResult]] | None = None,
     ) -> list[EngineCoreOutput]:
         """Apply a step's results: its tokens have KV now; sampled tokens are appended, stops
         checked, finished requests freed, and an n > 1 request that finished its prompt forks.
 
         ``rows``: the entries of ``sched.scheduled`` that sampled, in order; ``samples``: their
         draws, ``num_samples`` of them per row (the first is the sequence's own, the others
-        start its forks)."""
+        start its forks). ``verified``: for a row that verified drafts (speculative decoding), every
+        token it emits (the kept drafts, then the target's own; ``samples`` holds the first): only
+        the kept drafts' KV counts as computed, each token is appended and stop-checked in order, and
+        blocks taken only for rejected drafts go back to the pool."""
+        verified = verified or {}
         live = [self._live(s.request_id) for s in sched.scheduled]
-        for r, s in zip(live, sched.scheduled):
+        for j, (r, s) in enumerate(zip(live, sched.scheduled)):
             if r is not None:
-                r.num_computed_tokens += s.num_tokens
+                rejected = len(s.spec_token_ids) - (len(verified[j]) - 1) if s.spec_token_ids else 0
+                r.num_computed_tokens += s.num_tokens - rejected
         own: list[tuple[Request, SampleResult]] = []
         forks: list[tuple[Request, list[SampleResult]]] = []
         k = 0
@@ -262,6 +298,20 @@ class Scheduler:
             outputs.extend(self.add_forked(parent, results))
         for r, res in own:
             outputs.append(self._append(r, res))
+        for j, toks in verified.items():
+            r = live[j]
+            if r is None:
+                continue
+            for res in toks[1:]:  # the first was appended above; stop at the first token that ends it
+                if r.status != RequestStatus.RUNNING:
+                    break
+                outputs.append(self._append(r, res))
+            if self.spec is not None:
+                self.spec.record(r, sched.scheduled[j], len(toks) - 1)
+        if self.spec is not None:  # blocks taken for drafts that were rejected (or cut before the step) go back
+            for r in live:
+                if r is not None and r.status == RequestStatus.RUNNING:
+                    self.kv.trim(r)
         return outputs
 
     def update_from_round(self, request_ids: list[str], results: list[list[SampleResult]]) -> list[EngineCoreOutput]:

@@ -87,7 +87,8 @@ class StepPlan:
 
     ``B`` sequences, ``T`` tokens: ``ids``/``pos``/``slots`` per token, ``qsl`` (query start
     offsets, ``B + 1``), ``seq_lens`` and ``bt`` (block table ``[B, W]``) per sequence; ``rows``:
-    the sequences that sample (their last token's logits are kept), ``logits_idx`` those tokens;
+    the sequences that sample (their last token's logits are kept; a row verifying k drafts keeps its
+    last ``1 + k``, engine/spec/), ``logits_idx`` those tokens;
     ``lora``: each token's LoRA slot (-1: the base model), None when LoRA is off."""
 
     __slots__ = (
@@ -151,6 +152,12 @@ def plan_step(sched: SchedulerOutput, block_size: int, lora: bool = False) -> St
     p.bt = bt
     p.rows = np.nonzero(ends >= totals)[0]
     p.logits_idx = qsl[p.rows + 1] - 1
+    if any(s.spec_token_ids for s in scheduled):
+        # speculative decoding: a row verifying k drafts keeps the logits of its last 1 + k positions
+        keep = np.fromiter((len(scheduled[j].spec_token_ids) + 1 for j in p.rows.tolist()), np.int64, len(p.rows))
+        p.logits_idx = np.repeat(p.logits_idx - keep + 1, keep) + (
+            np.arange(int(keep.sum())) - np.repeat(np.cumsum(keep) - keep, keep)
+        )
     p.max_query_len = int(n_tok.max()) if B else 0
     p.max_seq_len = int(ends.max()) if B else 0
     p.lora = np.repeat(np.fromiter((s.lora_slot for s in scheduled), np.int64, B), n_tok) if lora else None

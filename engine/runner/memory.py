@@ -44,7 +44,11 @@ def kv_bytes_per_block(config: EngineConfig, kv_heads: int | None = None) -> int
 
 
 def num_blocks_for(
-    config: EngineConfig, weight_bytes: int = 0, reserve_bytes: int = 0, kv_heads: int | None = None
+    config: EngineConfig,
+    weight_bytes: int = 0,
+    reserve_bytes: int = 0,
+    kv_heads: int | None = None,
+    extra_bytes_per_block: int = 0,
 ) -> int:
     """Pool size: explicit, else a memory budget (CPU) or a share of free device memory (GPU); the
     budget is per device, so a tensor-parallel rank (``kv_heads``: its share) fits more blocks in it.
@@ -54,7 +58,8 @@ def num_blocks_for(
     free memory reported by the driver has them subtracted."""
     if config.cache.num_kv_blocks is not None:
         return config.cache.num_kv_blocks
-    per_block = kv_bytes_per_block(config, kv_heads)
+    # extra_bytes_per_block: a second pool indexed by the same block ids (a draft model's KV, engine/spec/draft.py)
+    per_block = kv_bytes_per_block(config, kv_heads) + extra_bytes_per_block
     if config.device.startswith("cuda"):
         free, total = torch.cuda.mem_get_info(torch.device(config.device))
         budget = int(total * config.cache.gpu_memory_utilization) - (total - free) - reserve_bytes - (1 << 30)
@@ -86,6 +91,9 @@ def profile_reserve(
     cfg, sc = config.model, config.scheduler
     block_size = config.cache.block_size
     T = max(1, min(sc.max_num_batched_tokens, max_model_len))
+    # rows of logits a step may keep: one per sequence, 1 + k for one verifying k drafts (engine/spec/)
+    spec = config.speculative
+    rows = sc.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
     nb = cdiv(T, block_size) + 1
     scratch = torch.zeros(
         (nb, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), dtype=kv_cache_dtype(config), device=device
@@ -104,7 +112,7 @@ def profile_reserve(
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    model(torch.zeros(T, **i32), torch.arange(T, **i32), scratch, meta, torch.arange(min(T, sc.max_num_seqs), **i32))
+    model(torch.zeros(T, **i32), torch.arange(T, **i32), scratch, meta, torch.arange(min(T, rows), **i32))
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
     del scratch, meta
@@ -112,7 +120,7 @@ def profile_reserve(
     # Graph outputs (bf16 + fp32 logits per captured size; two sets with LoRA, engine/runner/graphs.py)
     # and the sampler's copies.
     bmax = min(GRAPH_SIZES[-1], sc.max_num_seqs)
-    logits = 4 * sc.max_num_seqs * cfg.vocab_size * 4
+    logits = 4 * rows * cfg.vocab_size * 4
     sets = 2 if model.lora is not None else 1
     graphs = 2 * sets * (sum(s for s in GRAPH_SIZES if s <= bmax) * cfg.vocab_size * 6) + (256 << 20)
     return peak + logits + graphs

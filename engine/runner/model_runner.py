@@ -55,11 +55,19 @@ from kvmesh.engine.runner.warmup import attention_launch_configs, warm_up_attent
 
 
 class ModelRunner(DecodeRoundRunner):
-    def __init__(self, config: EngineConfig, state_dict: dict[str, torch.Tensor], tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        state_dict: dict[str, torch.Tensor],
+        tp: TPGroup | None = None,
+        extra_block_bytes: int = 0,
+    ) -> None:
         """``tp``: this rank's group when the runner is another rank's (engine/parallel/worker.py); rank
         0 of a tensor-parallel engine (``config.parallel.tensor_parallel_size > 1``, no ``tp``) starts
-        the other ranks itself and sends them every step it runs."""
+        the other ranks itself and sends them every step it runs. ``extra_block_bytes``: bytes per block
+        of a second pool with the same block ids (a draft model's KV), sized out of the same budget."""
         self.config = config
+        self.extra_block_bytes = extra_block_bytes
         world = config.parallel.tensor_parallel_size
         self.ranks: Ranks | None = None
         if world > 1 and tp is None:
@@ -138,7 +146,9 @@ class ModelRunner(DecodeRoundRunner):
         reserve = 0
         if self.cuda:
             reserve = profile_reserve(self.model, config, self.max_model_len, self.dtype, self.device)
-        self.num_blocks = num_blocks_for(config, reserve_bytes=reserve, kv_heads=m.num_kv_heads)
+        self.num_blocks = num_blocks_for(
+            config, reserve_bytes=reserve, kv_heads=m.num_kv_heads, extra_bytes_per_block=self.extra_block_bytes
+        )
         if tp is not None:  # every rank's pool holds the same block ids: the smallest pool for all
             self.num_blocks = tp.min_int(self.num_blocks)
         self.kv_cache = torch.zeros(

@@ -251,6 +251,22 @@ class ServerMetrics:
         self.kv_offload_evictions = Counter(
             "kvmesh:kv_offload_evictions", "Host-tier blocks dropped (LRU) for another block.", L, registry=r
         )
+        # speculative decoding (--speculative-config): vLLM's names, zero without speculation
+        self.spec_drafts = Counter(
+            "vllm:spec_decode_num_drafts", "Rows verified with speculative drafts.", L, registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Speculative draft tokens proposed.", L, registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.", L, registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative draft tokens accepted, per position in the draft (0: the first).",
+            L + ["position"],
+            registry=r,
+        )
         self.queue_time = Histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
@@ -272,7 +288,16 @@ class ServerMetrics:
         self._lora_set_once = False
         for g in (self.num_running, self.num_waiting, self.kv_usage, self.held_requests, self.prompt_tokens_pending):
             g.labels(m).set(0)
-        for c in (self.prefix_queries, self.prefix_hits, self.preemptions, self.chained_rounds, self.computed_tokens):
+        for c in (
+            self.prefix_queries,
+            self.prefix_hits,
+            self.preemptions,
+            self.chained_rounds,
+            self.computed_tokens,
+            self.spec_drafts,
+            self.spec_draft_tokens,
+            self.spec_accepted_tokens,
+        ):
             c.labels(m)
         for path in ("round", "one_step"):
             self.engine_steps.labels(m, path)
@@ -298,6 +323,9 @@ class ServerMetrics:
             (self.kv_offload_loads, s.kv_offload_loaded, last.kv_offload_loaded),
             (self.kv_offload_hit_tokens, s.kv_offload_hit_tokens, last.kv_offload_hit_tokens),
             (self.kv_offload_evictions, s.kv_offload_evictions, last.kv_offload_evictions),
+            (self.spec_drafts, s.spec_decode_num_drafts, last.spec_decode_num_drafts),
+            (self.spec_draft_tokens, s.spec_decode_num_draft_tokens, last.spec_decode_num_draft_tokens),
+            (self.spec_accepted_tokens, s.spec_decode_num_accepted_tokens, last.spec_decode_num_accepted_tokens),
         ):
             if new > old:
                 counter.labels(m).inc(new - old)
@@ -312,6 +340,11 @@ class ServerMetrics:
             old = last.kv_transfer_refused.get(reason, 0)
             if new > old:
                 refused.inc(new - old)
+        for pos, new in enumerate(s.spec_decode_accepted_per_pos):
+            old = last.spec_decode_accepted_per_pos[pos] if pos < len(last.spec_decode_accepted_per_pos) else 0
+            accepted = self.spec_accepted_per_pos.labels(m, str(pos))  # every position's series from the start
+            if new > old:
+                accepted.inc(new - old)
         for medium, n in s.kv_offload_blocks.items():
             self.kv_offload_blocks.labels(m, medium).set(n)
         self._lora(s)

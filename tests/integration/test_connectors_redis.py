@@ -136,9 +136,9 @@ def reference(smol, one_thread, prompts):
     return {k: run_request(eng, f"ref-{k}", p, MAX_NEW)["tokens"] for k, p in prompts.items()}
 
 
-def _engine(smol, url, role="both", loaded=None, kv_cache_dtype=None, **opts):
+def _engine(smol, url, role="both", loaded=None, kv_cache_dtype=None, speculative_config=None, **opts):
     conn = make_connector("redis", None, url=url, ttl_s=600, **opts)
-    args = EngineArgs(num_kv_blocks=32, role=role, kv_cache_dtype=kv_cache_dtype)
+    args = EngineArgs(num_kv_blocks=32, role=role, kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config)
     eng, _ = EngineCore.from_model(args, connector=conn, loaded=loaded or smol)
     return eng
 
@@ -201,6 +201,31 @@ def test_prefill_saves_decode_loads_exact_tokens(smol, one_thread, redis_server,
     _assert_no_leak(prefill, decode)
     prefill.shutdown()
     decode.shutdown()
+
+
+def test_decode_pod_speculates(smol, one_thread, redis_server, prompts, reference):
+    """P/D with speculative decoding on the decode pod (engine/spec/): n-gram lookup, and SmolLM2 as
+    its own draft, whose KV the decode pod builds itself (only the model's KV travels). The prompt's
+    blocks are loaded, the tokens are those without speculation, nothing leaks."""
+    import json
+
+    prefill = _engine(smol, redis_server.url, role="prefill")
+    for k, p in prompts.items():
+        run_request(prefill, f"p-{k}", p, 1, {"do_remote_decode": True})
+    specs = [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        {"method": "draft_model", "model": "embedded", "num_speculative_tokens": 2},
+    ]
+    for i, spec in enumerate(specs):
+        decode = _engine(smol, redis_server.url, role="decode", speculative_config=json.dumps(spec))
+        for k, p in prompts.items():
+            assert run_request(decode, f"d{i}-{k}", p, MAX_NEW)["tokens"] == reference[k], (spec["method"], k)
+        assert decode.connector.stats["blocks_loaded"] == sum(_loadable(len(p)) // BS for p in prompts.values())
+        assert decode.speculator is not None and decode.speculator.num_accepted_tokens > 0
+        _assert_no_leak(decode)
+        decode.shutdown()
+    _assert_no_leak(prefill)
+    prefill.shutdown()
 
 
 def test_shared_prefix_across_instances_and_isolation(smol, one_thread, redis_server, prompts, reference):

@@ -289,6 +289,7 @@ def test_every_engine_field_reaches_the_engine(example: Path, role: str) -> None
         "max_loras": "maxLoras",
         "max_lora_rank": "maxLoraRank",
         "kv_offload_gb": "kvOffloadGb",
+        "speculative_config": "speculativeConfig",
     }
     assert {camel[a] for a, _ in ENGINE_FLAGS} == crd_fields
     for attr, _ in ENGINE_FLAGS:

@@ -1,0 +1,164 @@
+"""Exact verification of drafts: which proposed tokens a request keeps, and its own next token.
+
+For a row with drafts ``d_0 .. d_{k-1}`` the target's logits at its ``1 + k`` positions give
+``p_0 .. p_k`` (position ``i`` predicts the token after ``d_{i-1}``), each adjusted and filtered
+exactly as the one-token sampler would for that history (logit bias, penalties over the output
+plus the drafts before it, temperature, top-k, top-p, min-p).
+
+* Greedy rows keep drafts while each equals ``argmax p_i``; the first differing position gives
+  its argmax (or ``argmax p_k``, the bonus, when all were kept). The tokens are exactly the ones
+  decoding one token at a time gives.
+* Random rows use rejection sampling (Leviathan et al. 2023): ``d_i`` is kept with probability
+  ``min(1, p_i(d_i) / q_i(d_i))``; on the first rejection a token is drawn from the normalized
+  ``max(p_i - q_i, 0)`` and the row ends; when all are kept a bonus token is drawn from ``p_k``. Each
+  emitted token is then distributed as ``p``. N-gram drafts are one-hot (``q`` None: keep with
+  probability ``p_i(d_i)``, else draw from ``p_i`` without ``d_i``).
+
+Draws use the request's own generator (a seeded request stays reproducible and independent of its
+batch); on a GPU, where a seeded request holds a `NoiseStream`, a CPU generator is made from the
+stream's next (seed, draw) pair, so its draws are as reproducible. Verification runs on the host,
+row by row (the rows' ``1 + k`` logits are copied there): see the module's notes in engine/spec/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvmesh.engine.frontend.sampling_params import SamplingParams
+from kvmesh.engine.runner.device_draw import NoiseStream
+from kvmesh.engine.runner.logit_adjustment import adjust_logits
+from kvmesh.engine.runner.logprobs import SampleResult
+from kvmesh.engine.runner.sampling_filter import filter_row
+
+
+def host_generator(gen: Any, default: torch.Generator) -> torch.Generator:
+    """The CPU generator a row's verification draws from (see the module's docstring)."""
+    if isinstance(gen, NoiseStream):
+        seed, n = gen.take()
+        return torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + n) % (1 << 63))
+    return gen if gen is not None else default
+
+
+def adjusted(
+    raw: torch.Tensor, params: SamplingParams, drafts: Sequence[int], history: tuple[np.ndarray, np.ndarray] | None
+) -> torch.Tensor:
+    """The ``1 + k`` rows of logits after the logit bias and penalties, position ``i`` with the
+    drafts before it counted in the output (as the one-token path would have them)."""
+    if not params.adjusts_logits:
+        return raw
+    n = raw.shape[0]
+    hists = None
+    if params.penalized:
+        assert history is not None  # the scheduler passes it for penalized rows
+        prompt, out = history
+        d = np.asarray(drafts, dtype=np.int64)
+        hists = [(prompt, np.concatenate([out, d[:i]])) for i in range(n)]
+    return adjust_logits(raw, [params] * n, hists)
+
+
+def grammar_prefix(grammar: Any, drafts: Sequence[int]) -> int:
+    """How many of ``drafts`` a structured output's grammar allows in a row, short of one that would
+    complete it (the grammar's end comes as the model's own token, after which nothing is masked); its
+    matcher is left as it was."""
+    m = grammar.matcher
+    if m is None or grammar.terminated:
+        return 0
+    walked = keep = 0
+    for t in drafts:
+        if not m.accept_token(int(t)):
+            break
+        walked += 1
+        if m.is_terminated():
+            break
+        keep += 1
+    if walked:
+        m.rollback(walked)
+    return keep
+
+
+def grammar_masked(raw: torch.Tensor, grammar: Any, drafts: Sequence[int]) -> torch.Tensor:
+    """``raw`` (``[1 + k, V]``, host) with each position's disallowed tokens at -inf: position ``i`` with
+    the grammar's state after ``drafts[:i]`` (which it allows: `grammar_prefix` cut them); the matcher is
+    left as it was (the scheduler advances it over the tokens kept)."""
+    import xgrammar as xgr
+
+    m = grammar.matcher
+    n, V = raw.shape
+    bits = torch.zeros((n, -(-V // 32)), dtype=torch.int32)
+    for i in range(n):
+        m.fill_next_token_bitmask(bits, i)
+        if i < n - 1:
+            ok = m.accept_token(int(drafts[i]))
+            assert ok, "drafts are cut to the grammar's prefix before they run"
+    if n > 1:
+        m.rollback(n - 1)
+    out = raw.clone()
+    xgr.apply_token_bitmask_inplace(out, bits, vocab_size=V)
+    return out
+
+
+def verify(
+    raw: torch.Tensor,
+    params: SamplingParams,
+    drafts: Sequence[int],
+    q: torch.Tensor | None,
+    history: tuple[np.ndarray, np.ndarray] | None,
+    generator: torch.Generator,
+    grammar: Any = None,
+) -> tuple[list[SampleResult], int]:
+    """One row: ``raw`` the target's float32 logits ``[1 + k, V]`` on the host, ``q`` the draft's
+    probabilities ``[k, V]`` (None: one-hot drafts), ``grammar`` a structured output's (its masks
+    apply first, as in the one-token sampler). Returns the emitted tokens (the kept drafts, then one
+    token of the target's) and how many drafts were kept."""
+    k = len(drafts)
+    logits = adjusted(raw if grammar is None else grammar_masked(raw, grammar, drafts), params, drafts, history)
+    toks: list[int] = []
+    if params.greedy:
+        target = logits.argmax(-1).tolist()
+        a = 0
+        while a < k and target[a] == drafts[a]:
+            a += 1
+        toks = list(drafts[:a]) + [target[a]]
+    else:
+        a = 0
+        last: int | None = None
+        while a < k:
+            p = filter_row(logits[a], params).softmax(-1)
+            d = int(drafts[a])
+            if q is None:
+                keep = float(p[d])
+            else:
+                qd = float(q[a, d])
+                keep = 1.0 if qd <= 0.0 else min(1.0, float(p[d]) / qd)
+            u = float(torch.rand(1, generator=generator))
+            if u < keep:
+                a += 1
+                continue
+            if q is None:
+                resid = p.clone()
+                resid[d] = 0.0
+            else:
+                resid = (p - q[a]).clamp_(min=0.0)
+            s = float(resid.sum())
+            resid = resid / s if s > 0.0 else p  # p == q: rejection has probability 0 then
+            last = int(torch.multinomial(resid, 1, generator=generator))
+            break
+        if last is None:  # every draft kept: the bonus token from p_k
+            p = filter_row(logits[k], params).softmax(-1)
+            last = int(torch.multinomial(p, 1, generator=generator))
+        toks = list(drafts[:a]) + [last]
+    out = [SampleResult(int(t)) for t in toks]
+    if params.logprobs is not None:  # of the raw distribution, as the one-token path reports them
+        lsm = torch.log_softmax(raw[: len(toks)].float(), -1)
+        for i, r in enumerate(out):
+            r.logprob = float(lsm[i, r.token_id])
+            if params.logprobs:
+                v, ix = lsm[i].topk(params.logprobs)
+                r.top_logprobs = list(zip(ix.tolist(), v.tolist()))
+            else:
+                r.top_logprobs = []
+    return out, a
