@@ -165,6 +165,11 @@ class EngineArgs:
             "pool are kept there and loaded back on a prefix hit; count it in the pod's memory request.",
         ),
     )
+    kv_offload_blocks: int = _setting(
+        CacheConfig.kv_offload_blocks,
+        "the host-memory KV tier in blocks (per rank) instead of --kv-offload-gb, as --num-kv-blocks sizes the "
+        "device pool: e.g. 4x the device pool for a benchmark (0: --kv-offload-gb decides)",
+    )
     kv_offload_disk_gb: float = _setting(
         CacheConfig.kv_offload_disk_gb,
         "GiB of local disk (per tensor-parallel rank) for a disk KV tier under the host tier: blocks the "

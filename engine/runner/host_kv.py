@@ -109,8 +109,11 @@ class HostKV:
         self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # host loads in flight (GPU)
 
     @staticmethod
-    def num_slots(gb: float, kv_cache: torch.Tensor) -> int:
-        """Whole blocks of this pool's shape that ``gb`` GiB of host memory holds."""
+    def num_slots(gb: float, kv_cache: torch.Tensor, blocks: int = 0) -> int:
+        """Whole blocks of this pool's shape that ``gb`` GiB of host memory holds; ``blocks`` (> 0,
+        ``--kv-offload-blocks``) instead."""
+        if blocks > 0:
+            return blocks
         per_block = kv_cache[0].numel() * kv_cache.element_size()
         return int(gb * (1 << 30)) // per_block if gb > 0 else 0
 

@@ -148,8 +148,9 @@ class ModelRunner(DecodeRoundRunner):
         )
         # The host-memory tier (--kv-offload-gb, engine/runner/host_kv.py): every rank keeps its own heads'
         # copy, as many slots on every rank (the scheduler's slot ids address them all).
-        self.num_host_blocks = HostKV.num_slots(config.cache.kv_offload_gb, self.kv_cache)
-        if tp is not None and config.cache.kv_offload_gb > 0:
+        cc = config.cache
+        self.num_host_blocks = HostKV.num_slots(cc.kv_offload_gb, self.kv_cache, cc.kv_offload_blocks)
+        if tp is not None and (cc.kv_offload_gb > 0 or cc.kv_offload_blocks > 0):
             self.num_host_blocks = tp.min_int(self.num_host_blocks)
         self.num_disk_blocks, disk = disk_tier(config, self.kv_cache, self.num_host_blocks, tp)
         self.host_kv = HostKV(self.num_host_blocks, self.kv_cache, disk) if self.num_host_blocks else None

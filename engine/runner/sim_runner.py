@@ -97,6 +97,8 @@ class SimulatedRunner:
         # the host tier holds as many blocks as it would for the real model (its bytes per block)
         gb = config.cache.kv_offload_gb
         self.num_host_blocks = int(gb * (1 << 30)) // kv_bytes_per_block(config) if gb > 0 else 0
+        if config.cache.kv_offload_blocks > 0:
+            self.num_host_blocks = config.cache.kv_offload_blocks
         disk_gb = config.cache.kv_offload_disk_gb if self.num_host_blocks else 0.0
         self.num_disk_blocks = int(disk_gb * (1 << 30)) // kv_bytes_per_block(config) if disk_gb > 0 else 0
         disk = (
