@@ -60,8 +60,11 @@ class DiskKV:
         self.fd: int | None = fd
         self.path = name
         size = num_slots * self.block_bytes
+        fallocate = getattr(os, "posix_fallocate", None)  # not on macOS
         try:
-            os.posix_fallocate(fd, 0, size)
+            if fallocate is None:
+                raise OSError(errno.EOPNOTSUPP, "no posix_fallocate")
+            fallocate(fd, 0, size)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 os.close(fd)
