@@ -491,6 +491,8 @@ def test_kv_tiers_grow_the_pods_memory_and_mount_an_empty_dir_for_the_disk_tier(
     assert "memory" not in router["containers"][0].get("resources", {}).get("requests", {})
     assert not [v for v in router["volumes"] if v["name"] == "kv-disk"]
 
+    no_host = InferenceServiceSpec.parse({"engine": {"kvOffloadDiskGb": 10}})
+    assert [p for p in problems(no_host) if "kvOffloadDiskGb" in p]  # a disk tier under no host tier
     plain = by_kind(render({}, {**META, "name": "p"}))  # no tier: no volume, resources as given
     pod = worker_pod(plain, "p", "prefill")
     assert not [v for v in pod["volumes"] if v["name"] == "kv-disk"]
