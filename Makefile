@@ -9,7 +9,7 @@ INSTALL_INPUTS := scripts/install.sh requirements.lock pyproject.toml
 # library's `operator` (the product is imported as kvmesh.*; its own children run `python -P`).
 export PYTHONSAFEPATH := 1
 
-.PHONY: install lock serve test test-unit test-integration lint e2e gpu-test bench-offline bench-serve bench-router cluster-up cluster-down clean images
+.PHONY: install lock serve test test-unit test-integration lint e2e gpu-test bench-offline bench-serve bench-router bench-router-tier cluster-up cluster-down clean images
 
 install: $(STAMP)
 
@@ -96,3 +96,7 @@ cluster-down:
 
 bench-router: install
 	$(VENV)/bin/kvmesh bench router --trace bench/traces/mooncake/conversation_trace.jsonl --instances 8 --policies round-robin,kvmesh,sglang,vllm --select conversations --window-s 600 --requests 160 --rate 4 --repeats 3 --json bench-results/router.json
+
+# the same replay under KV-capacity pressure (300 blocks a pod), each policy with and without a host tier of 4x the pool
+bench-router-tier: install
+	$(VENV)/bin/kvmesh bench router --trace bench/traces/mooncake/conversation_trace.jsonl --instances 8 --num-kv-blocks 300 --kv-offload-blocks 1200 --policies kvmesh,kvmesh+tier,sglang,sglang+tier,vllm,vllm+tier --select conversations --window-s 600 --requests 160 --rate 4 --repeats 3 --json bench-results/router-tier.json

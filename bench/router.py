@@ -24,6 +24,15 @@ One command, four measurements:
 * ``--tokenizer N``: the router's tokenization alone on N prompts, in this process, and an exactness
   check of its ids on ``make bench-router``'s prompts (needs ``--trace``).
 
+KV tiers (``--kv-offload-blocks N``): a second set of instances whose pods have a host-memory KV
+tier of N blocks (``kvmesh serve --kv-offload-blocks``; e.g. 4x ``--num-kv-blocks``), and any policy
+named with the suffix ``+tier`` (``kvmesh+tier``, ``sglang+tier``) runs over that set, the same
+requests as its plain run: hit ratio and TTFT with and without the tier side by side in one run, e.g.
+
+    kvmesh bench router --trace bench/traces/mooncake/conversation_trace.jsonl --instances 8 \
+        --num-kv-blocks 300 --kv-offload-blocks 1200 --policies kvmesh,kvmesh+tier,sglang,vllm \
+        --select conversations --window-s 600 --requests 160 --rate 4 --json bench-results/router-tier.json
+
 Policies: ``round-robin`` and ``kvmesh`` (`kvmesh router --policy round-robin|kv-aware`),
 ``least-load`` (kvmesh), ``sglang`` / ``sglang-rr`` (sglang-router ``cache_aware`` / ``round_robin``,
 from ``--peer-venvs``/venv-sgl) and ``vllm`` (vllm-router ``cache_aware``, from
@@ -138,6 +147,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=8192, help="instances' context (synthetic tokens)")
     p.add_argument("--num-kv-blocks", type=int, default=H200_KV_BLOCKS, help="per-instance KV capacity, blocks")
+    p.add_argument(
+        "--kv-offload-blocks",
+        type=int,
+        default=0,
+        help="host-memory KV tier per instance, in blocks, of the second instance set that policies named "
+        "POLICY+tier run on (0: no such set)",
+    )
     p.add_argument("--sim-decode-ms", default=None, help="instances' BASE,PER_SEQ (default: H200 calibration)")
     p.add_argument("--peer-venvs", default="/tmp", help="folder holding venv-sgl/ and venv-vllm/")
     p.add_argument("--kvmesh-args", default="", help="extra `kvmesh router` flags for the kvmesh policy")
@@ -415,6 +431,14 @@ def scrape(url: str) -> dict[str, float]:
     return {**dict.fromkeys(SCRAPED, 0.0), **sum_samples(httpx.get(url + "/metrics", timeout=10).text, SCRAPED)}
 
 
+TIER = "+tier"  # a policy's run on the instances with a host-memory KV tier (--kv-offload-blocks)
+
+
+def base_policy(policy: str) -> str:
+    """The router policy of a run's name: ``kvmesh+tier`` is kvmesh's router over the tiered instances."""
+    return policy.removesuffix(TIER)
+
+
 # Peer policies: policy -> (peer router, its policy).
 PEERS = {"sglang": ("sglang", "cache_aware"), "sglang-rr": ("sglang", "round_robin"), "vllm": ("vllm", "cache_aware")}
 
@@ -644,9 +668,13 @@ def run_replay(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     known |= set(args.variants)
-    bad = [p for p in policies if p not in known]
+    bad = [p for p in policies if base_policy(p) not in known]
     if bad:
-        print(f"error: unknown policies {bad}; choose from {sorted(known)}", file=sys.stderr)
+        print(f"error: unknown policies {bad}; choose from {sorted(known)} (each also as NAME{TIER})", file=sys.stderr)
+        return 2
+    tiered = any(p != base_policy(p) for p in policies)
+    if tiered and args.kv_offload_blocks <= 0:
+        print(f"error: policies named NAME{TIER} need --kv-offload-blocks N", file=sys.stderr)
         return 2
     try:
         rows = load_trace(args.trace, args.requests, args.select, args.window_s)
@@ -656,8 +684,9 @@ def run_replay(args: argparse.Namespace) -> int:
     runnable = []
     results: dict[str, dict] = {}
     for p in policies:
-        if p in PEERS and peer_command(PEERS[p][0], args) is None:
-            sgl = PEERS[p][0] == "sglang"
+        b = base_policy(p)
+        if b in PEERS and peer_command(PEERS[b][0], args) is None:
+            sgl = PEERS[b][0] == "sglang"
             venv = os.path.join(args.peer_venvs, "venv-sgl" if sgl else "venv-vllm")
             msg = (
                 f"skipped: {venv} not found (pip install {'sglang-router' if sgl else 'vllm-router'} "
@@ -678,10 +707,12 @@ def run_replay(args: argparse.Namespace) -> int:
     os.makedirs(args.log_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="kvmesh-bench-router-")
     env = {"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING"}
-    workers, procs = [], []
+    workers: list[dict] = []
+    procs = []
+    tier_workers: list[dict] = []
     t_start = time.monotonic()
     try:
-        for i in range(args.instances):
+        for i in range(args.instances * (2 if tiered else 1)):
             flags = [
                 "--max-model-len",
                 str(args.max_model_len),
@@ -701,15 +732,18 @@ def run_replay(args: argparse.Namespace) -> int:
                 if args.sim_decode_ms:
                     flags += ["--sim-decode-ms", args.sim_decode_ms]
             name = f"w{i}" if args.real_workers else f"sim{i}"
+            if i >= args.instances:  # the tiered set (policies NAME+tier)
+                flags += ["--kv-offload-blocks", str(args.kv_offload_blocks)]
             w, p = start_instance(tmp, i, name, os.path.join(args.log_dir, f"instance{i}.log"), env, *flags)
             procs.append(p)
-            workers.append(w)
-        print(f"starting {args.instances} {kind} instances (logs in {args.log_dir}) ...", file=sys.stderr)
-        for w, p in zip(workers, procs):
+            (workers if i < args.instances else tier_workers).append(w)
+        n_sets = f" x2 (one set with a host tier of {args.kv_offload_blocks} blocks)" if tiered else ""
+        print(f"starting {args.instances}{n_sets} {kind} instances (logs in {args.log_dir}) ...", file=sys.stderr)
+        for w, p in zip(workers + tier_workers, procs):
             wait_ready(w["url"], 900, p)
         model = httpx.get(workers[0]["url"] + "/v1/models").json()["data"][0]["id"]
         if args.real_workers:
-            warm_up(workers, model)
+            warm_up(workers + tier_workers, model)
         max_len = args.max_model_len
         runs: dict[str, list[dict]] = defaultdict(list)
         for rnd in range(max(1, args.repeats)):
@@ -717,8 +751,9 @@ def run_replay(args: argparse.Namespace) -> int:
             for policy in runnable[k:] + runnable[:k]:
                 if policy in results:  # its router failed to start
                     continue
-                reset_caches(workers)
-                res = run_policy(policy, rows, workers, model, args, max_len, results)
+                on = tier_workers if policy != base_policy(policy) else workers
+                reset_caches(on)
+                res = run_policy(policy, rows, on, model, args, max_len, results)
                 if res is not None:
                     res["round"] = rnd
                     runs[policy].append(res)
@@ -748,15 +783,46 @@ def run_replay(args: argparse.Namespace) -> int:
         "output_divisor": args.output_divisor,
         "max_model_len": args.max_model_len,
         "num_kv_blocks_per_instance": args.num_kv_blocks,
+        "kv_offload_blocks_per_instance": args.kv_offload_blocks if tiered else None,
         "sim_prefill_ms_per_token": prefill_ms if simulated else None,
         "max_num_batched_tokens": chunk if simulated else None,
         "sim_decode_ms": (args.sim_decode_ms or "4.73,0.0143") if simulated else None,
         "repeats": max(1, args.repeats),
         "wall_s": round(time.monotonic() - t_start, 1),
     }
+    tiers = tier_comparison(results)
     print_table(results, setup)
-    write_json(args.json, {**results, "_setup": setup})
+    print_tier_comparison(tiers)
+    write_json(args.json, {**results, "_setup": setup, **({"_tier": tiers} if tiers else {})})
     return 0
+
+
+def tier_comparison(results: dict) -> dict[str, dict]:
+    """Each policy run with and without the host tier (``X`` and ``X+tier``), side by side: hit ratio and
+    TTFT p50/p90 of both, and how many times lower the tier's TTFT p90 is (``ttft_p90_speedup``)."""
+    out: dict[str, dict] = {}
+    for pol, r in results.items():
+        t = results.get(pol + TIER)
+        if pol == base_policy(pol) and t and "ok" in r and "ok" in t:
+            row = {}
+            for k in ("hit_ratio", "ideal_hit_ratio", "ttft_p50", "ttft_p90"):
+                row[k], row[k + "_tier"] = r.get(k), t.get(k)
+            p90, p90_t = r.get("ttft_p90"), t.get("ttft_p90")
+            row["ttft_p90_speedup"] = p90 / p90_t if p90 and p90_t else None
+            out[pol] = row
+    return out
+
+
+def print_tier_comparison(tiers: dict[str, dict]) -> None:
+    if not tiers:
+        return
+    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    print("with the host tier (X+tier) against without (X):")
+    heads = ("hit", "+tier", "ideal", "p50", "+tier", "p90", "+tier", "p90 x")
+    print(f"  {'policy':<12} " + " ".join(f"{h:>7}" for h in heads))
+    for pol, t in tiers.items():
+        keys = ("hit_ratio", "hit_ratio_tier", "ideal_hit_ratio", "ttft_p50", "ttft_p50_tier", "ttft_p90")
+        print(f"  {pol:<12} " + " ".join(f"{f(t[k]):>7}" for k in (*keys, "ttft_p90_tier", "ttft_p90_speedup")))
 
 
 def warm_up(workers: list[dict], model: str) -> None:
@@ -798,9 +864,10 @@ def run_policy(
 ) -> dict | None:
     """One replay of the trace through ``policy``'s router; None (and an error in ``results``) if it
     did not start."""
-    reqs = build_requests(rows, args, seed=policy, max_len=max_len)
+    # a policy and its +tier run replay the same requests (on instance sets of their own)
+    reqs = build_requests(rows, args, seed=base_policy(policy), max_len=max_len)
     try:
-        rp, url = start_router(policy, workers, args)
+        rp, url = start_router(base_policy(policy), workers, args)
     except RuntimeError as e:
         results[policy] = {"error": f"router did not start: {e}"}
         print(f"[{policy}] router did not start: {e}", file=sys.stderr)
@@ -875,16 +942,16 @@ def print_table(results: dict, setup: dict) -> None:
         f"{setup['rate_req_s']} req/s"
     )
     print(
-        f"{'policy':<12} {'hit':>6} {'ideal':>6} {'ttft p50':>9} {'p90':>7} {'p99':>7} {'req/s':>6} "
+        f"{'policy':<16} {'hit':>6} {'ideal':>6} {'ttft p50':>9} {'p90':>7} {'p99':>7} {'req/s':>6} "
         f"{'imbal':>6} {'lost':>6} {'missed':>6} {'ok/fail':>8} {'router CPU %':>12}"
     )
     f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for pol, r in results.items():
         if "ok" not in r:
-            print(f"{pol:<12} {r.get('skipped') or r.get('error')}")
+            print(f"{pol:<16} {r.get('skipped') or r.get('error')}")
             continue
         print(
-            f"{pol:<12} {f(r['hit_ratio']):>6} {f(r['ideal_hit_ratio']):>6} {f(r['ttft_p50']):>9} "
+            f"{pol:<16} {f(r['hit_ratio']):>6} {f(r['ideal_hit_ratio']):>6} {f(r['ttft_p50']):>9} "
             f"{f(r['ttft_p90']):>7} {f(r['ttft_p99']):>7} {f(r['throughput']):>6} {f(r['imbalance'], 2):>6} "
             f"{f(r.get('lost_ratio')):>6} {f(r.get('missed_followups'), 1):>6} {r['ok']:>4}/{r['failed']:<3} "
             f"{f(r.get('router_cpu_pct'), 1):>12}"
@@ -896,7 +963,7 @@ def print_table(results: dict, setup: dict) -> None:
     for pol, r in results.items():
         if r.get("sd"):
             print(
-                f"  {pol:<12} hit {f(r['hit_ratio'])} ± {f(r['sd'].get('hit_ratio'))}, "
+                f"  {pol:<16} hit {f(r['hit_ratio'])} ± {f(r['sd'].get('hit_ratio'))}, "
                 f"ttft p90 {f(r['ttft_p90'])} ± {f(r['sd'].get('ttft_p90'))}, "
                 f"imbalance {f(r['imbalance'], 2)} ± {f(r['sd'].get('imbalance'), 2)}"
             )

@@ -166,6 +166,29 @@ class EngineArgs:
             "pool are kept there and loaded back on a prefix hit; count it in the pod's memory request.",
         ),
     )
+    kv_offload_blocks: int = _setting(
+        CacheConfig.kv_offload_blocks,
+        "the host-memory KV tier in blocks (per rank) instead of --kv-offload-gb, as --num-kv-blocks sizes the "
+        "device pool: e.g. 4x the device pool for a benchmark (0: --kv-offload-gb decides)",
+    )
+    kv_offload_disk_gb: float = _setting(
+        CacheConfig.kv_offload_disk_gb,
+        "GiB of local disk (per tensor-parallel rank) for a disk KV tier under the host tier: blocks the "
+        "host tier evicts are written there and loaded back on a prefix hit (0: off; needs --kv-offload-gb)",
+        crd=CrdProperty(
+            "kvOffloadDiskGb",
+            0.0,
+            minimum=0,
+            maximum=65536,
+            description="Local-disk KV tier per rank in GiB under the host tier, 0 for none. The operator "
+            "mounts an emptyDir of this size (plus slack) for it; needs kvOffloadGb.",
+        ),
+    )
+    kv_offload_disk_path: str = _setting(
+        CacheConfig.kv_offload_disk_path,
+        "folder of the disk KV tier's file (default: the system's temporary folder); the file is unlinked "
+        "as soon as it is made, so nothing is left there when the engine stops",
+    )
     prefix_hash: str = _setting(
         CacheConfig.prefix_hash,
         "how the prefix cache hashes blocks: kvmesh (model identity and cache_salt in the first block's "

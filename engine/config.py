@@ -35,6 +35,13 @@ class CacheConfig:
     kv_events_format: str = MAP
     # GiB of host memory per rank for the host-memory KV tier (engine/core/host_pool.py); 0: no tier
     kv_offload_gb: float = 0.0
+    # the host tier in blocks instead (> 0: this many slots, whatever kv_offload_gb says): sized like
+    # num_kv_blocks, for benchmarks that set the tier as a multiple of the device pool
+    kv_offload_blocks: int = 0
+    # GiB of local disk per rank for the disk KV tier under the host tier, and the folder of its file
+    # (engine/runner/host_kv.py `DiskKV`; "": the system's temporary folder); 0: no disk tier
+    kv_offload_disk_gb: float = 0.0
+    kv_offload_disk_path: str = ""
 
     def __post_init__(self) -> None:
         if self.prefix_hash not in PREFIX_HASHES:
@@ -49,6 +56,14 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.kv_offload_gb < 0:
             raise ValueError(f"kv_offload_gb must be >= 0, got {self.kv_offload_gb}")
+        if self.kv_offload_disk_gb < 0:
+            raise ValueError(f"kv_offload_disk_gb must be >= 0, got {self.kv_offload_disk_gb}")
+        if self.kv_offload_blocks < 0:
+            raise ValueError(f"kv_offload_blocks must be >= 0, got {self.kv_offload_blocks}")
+        if self.kv_offload_disk_gb > 0 and self.kv_offload_gb <= 0 and self.kv_offload_blocks <= 0:
+            raise ValueError(
+                "kv_offload_disk_gb needs kv_offload_gb > 0: the disk tier holds what the host tier evicts"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 

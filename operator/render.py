@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import secrets
 from collections.abc import Mapping
 from typing import Any
@@ -50,6 +51,7 @@ KIND = "InferenceService"
 MANAGER = "kvmesh-operator"
 
 HTTP_PORT = 8000
+KV_DISK_PATH = "/var/cache/kvmesh/kv"  # a worker's disk KV tier (an emptyDir, with engine.kvOffloadDiskGb)
 KV_EVENTS_PORT = 5557  # workers bind their KV-event PUB socket here; the router connects to each pod IP
 KV_REPLAY_PORT = 5558  # and the replay ROUTER socket (a router started late, or after a gap, asks for history)
 NIXL_SIDE_CHANNEL_PORT = 5600
@@ -230,9 +232,53 @@ def _security_context() -> dict[str, Any]:
     }
 
 
-def _resources(role: RoleSpec, gpus: int) -> dict[str, Any]:
+_QUANTITY_SUFFIX = {
+    "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18, "m": 1e-3,
+}  # fmt: skip
+
+
+def quantity_bytes(q: Any) -> float:
+    """A Kubernetes quantity ("16Gi", "512M", "1e9", 1073741824) in bytes."""
+    text = str(q).strip()
+    for suffix in sorted(_QUANTITY_SUFFIX, key=len, reverse=True):
+        if text.endswith(suffix) and text[: -len(suffix)]:
+            return float(text[: -len(suffix)]) * _QUANTITY_SUFFIX[suffix]
+    return float(text)
+
+
+def _mebibytes(n_bytes: float) -> str:
+    return f"{math.ceil(n_bytes / (1 << 20))}Mi"
+
+
+def kv_tier_memory_gib(spec: InferenceServiceSpec) -> float:
+    """Host memory a worker pod's host-memory KV tiers take: ``kvOffloadGb`` per rank, pinned (never
+    paged out, never reclaimed), for each rank the pod runs."""
+    return spec.engine.kv_offload_gb * spec.ranks_per_pod()
+
+
+def kv_disk_size(spec: InferenceServiceSpec) -> str | None:
+    """``sizeLimit`` of a worker pod's disk-tier emptyDir: ``kvOffloadDiskGb`` per rank of the pod (each
+    rank's file is at most that, preallocated at start); None without a disk tier."""
+    gb = spec.engine.kv_offload_disk_gb
+    if gb <= 0 or spec.engine.kv_offload_gb <= 0:
+        return None
+    return _mebibytes(gb * spec.ranks_per_pod() * (1 << 30))
+
+
+def _resources(role: RoleSpec, gpus: int, tier_gib: float = 0.0) -> dict[str, Any]:
+    """The container's resources: the role's, plus ``tier_gib`` GiB of memory (a worker's host KV
+    tiers, `kv_tier_memory_gib`) added to its memory request and limit. A role without a memory
+    request gets one of the tier's size, so the scheduler places the pod where that much is free;
+    one without a limit stays without one."""
     requests = {k: v for k, v in sorted(role.requests.items())}
     limits = {k: v for k, v in sorted(role.limits.items())}
+    if tier_gib > 0:
+        extra = tier_gib * (1 << 30)
+        requests["memory"] = _mebibytes(quantity_bytes(requests.get("memory", 0)) + extra)
+        if "memory" in limits:
+            limits["memory"] = _mebibytes(quantity_bytes(limits["memory"]) + extra)
+        requests = dict(sorted(requests.items()))
     if gpus:
         # Extended resources must be in limits (requests default to the same value).
         limits[GPU_RESOURCE] = gpus
@@ -295,6 +341,8 @@ def _worker_args(spec: InferenceServiceSpec, meta: ObjectMeta, role: str) -> lis
         value = getattr(spec.engine, attr)
         if value is not None:  # None (dtype: auto): the engine's own choice for the device
             args += [flag, str(value)]
+    if kv_disk_size(spec) is not None:
+        args += ["--kv-offload-disk-path", KV_DISK_PATH]
     if spec.gpus(role) == 0:
         args += ["--device", "cpu"]
     if spec.lora_adapters:  # the adapters themselves are in the file, so changing them changes no argument
@@ -524,7 +572,7 @@ def _rank_pod(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, volumes: 
         "command": ["kvmesh"],
         "args": args,
         "env": [*_cache_env()],
-        "resources": _resources(spec.role(role), spec.gpus(role)),
+        "resources": _resources(spec.role(role), spec.gpus(role), kv_tier_memory_gib(spec)),
         "securityContext": _security_context(),
         "volumeMounts": mounts,
     }
@@ -578,6 +626,10 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
         {"name": "tmp", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": dev_shm_size(spec, role)}},
     ]
+    disk = kv_disk_size(spec)
+    if disk is not None:  # the disk KV tier's files (--kv-offload-disk-path, in _worker_args)
+        mounts.append({"name": "kv-disk", "mountPath": KV_DISK_PATH})
+        volumes.append({"name": "kv-disk", "emptyDir": {"sizeLimit": disk}})
     lora_volumes, lora_mounts = _lora_volumes(spec, meta)
     mounts += _model_mounts(spec) + _redis_tls_mounts(spec) + lora_mounts
     volumes += _model_volumes(spec) + _redis_tls_volumes(spec) + lora_volumes
@@ -604,7 +656,7 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
         # /live: a draining worker (/health 503, see POST /drain) is alive and must not be restarted.
         "livenessProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},
-        "resources": _resources(r, spec.gpus(role)),
+        "resources": _resources(r, spec.gpus(role), kv_tier_memory_gib(spec)),
         "securityContext": _security_context(),
         "volumeMounts": mounts,
     }

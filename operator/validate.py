@@ -37,6 +37,11 @@ def problems(spec: InferenceServiceSpec, name: str | None = None) -> list[str]:
             f"engine.maxNumBatchedTokens ({e.max_num_batched_tokens}) must be a multiple of "
             f"engine.blockSize ({e.block_size})"
         )
+    if e.kv_offload_disk_gb > 0 and e.kv_offload_gb <= 0:
+        out.append(
+            f"engine.kvOffloadDiskGb ({e.kv_offload_disk_gb}) needs engine.kvOffloadGb > 0: the disk KV tier "
+            "holds what the host-memory tier evicts"
+        )
     tp, nodes = e.tensor_parallel_size, e.tp_nodes
     if tp % nodes:
         out.append(

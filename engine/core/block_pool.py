@@ -8,6 +8,8 @@ from the middle, when a cache hit revives it, is O(1).
 With a host tier (``host``, engine/core/host_pool.py) a cached block evicted to reuse its slot is
 offloaded first: its contents go to a host slot under the same hash (BlockStored, medium CPU,
 before the device's BlockRemoved GPU); a host slot reused for another block is BlockRemoved CPU.
+With a disk tier under the host that block goes to disk (BlockStored DISK, after its BlockRemoved
+CPU), and a disk slot reused for another block is BlockRemoved DISK.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvmesh.common.hashing import BlockHash, external_hash
-from kvmesh.common.kv_events import MAP, MEDIUM_CPU, KVCacheEvent, event_classes
+from kvmesh.common.kv_events import MAP, MEDIUM_CPU, MEDIUM_DISK, KVCacheEvent, event_classes
 from kvmesh.engine.core.host_pool import HostPool
 
 # The KV-cache group of every block: the pool holds one (full-attention) group, which vLLM numbers 0.
@@ -92,8 +94,10 @@ class BlockPool:
         emit_events: bool = True,
         event_format: str = MAP,
         num_host_blocks: int = 0,
+        num_disk_blocks: int = 0,
     ) -> None:
-        """``num_host_blocks``: slots of the host tier under this pool (0: none)."""
+        """``num_host_blocks``: slots of the host tier under this pool (0: none); ``num_disk_blocks``:
+        slots of the disk tier under the host tier (0: none; only with a host tier)."""
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.num_blocks = num_blocks
@@ -106,7 +110,11 @@ class BlockPool:
         self._events: list[KVCacheEvent] = []
         self._ev = event_classes(event_format)  # the wire form's classes (kvmesh.common.kv_events)
         self.num_evictions = 0
-        self.host: HostPool | None = HostPool(num_host_blocks) if num_host_blocks > 0 and enable_caching else None
+        if num_disk_blocks > 0 and num_host_blocks < 1:
+            raise ValueError("a disk tier needs a host tier above it")
+        self.host: HostPool | None = (
+            HostPool(num_host_blocks, num_disk_blocks) if num_host_blocks > 0 and enable_caching else None
+        )
 
     # ---- queries ------------------------------------------------------------
     @property
@@ -147,26 +155,35 @@ class BlockPool:
     def _offload(self, block_id: int, h: BlockHash) -> None:
         """Hand a full cached block being reused to the host tier (its copy is planned, not done)."""
         assert self.host is not None
-        stored, evicted = self.host.offload(block_id, h)
+        moved = self.host.offload(block_id, h)
         if not self.emit_events:
             return
-        if evicted is not None:
+        if moved.evicted is not None:
             self._events.append(
-                self._ev.removed(block_hashes=[external_hash(evicted)], medium=MEDIUM_CPU, group_idx=GROUP_IDX)
+                self._ev.removed(block_hashes=[external_hash(moved.evicted)], medium=MEDIUM_CPU, group_idx=GROUP_IDX)
             )
-        if stored:
-            # As vLLM's offloading connector publishes it: the hash, no tokens or parent (the device's
-            # BlockStored carried them when the block was first stored).
-            self._events.append(
-                self._ev.stored(
-                    block_hashes=[external_hash(h)],
-                    parent_block_hash=None,
-                    token_ids=[],
-                    block_size=self.block_size,
-                    medium=MEDIUM_CPU,
-                    group_idx=GROUP_IDX,
+            if moved.spill_evicted is not None:
+                self._events.append(
+                    self._ev.removed(
+                        block_hashes=[external_hash(moved.spill_evicted)], medium=MEDIUM_DISK, group_idx=GROUP_IDX
+                    )
                 )
-            )
+            if moved.spilled:
+                self._events.append(self._tier_stored(moved.evicted, MEDIUM_DISK))
+        if moved.stored:
+            self._events.append(self._tier_stored(h, MEDIUM_CPU))
+
+    def _tier_stored(self, h: BlockHash, medium: str) -> KVCacheEvent:
+        # As vLLM's offloading connector publishes it: the hash, no tokens or parent (the device's
+        # BlockStored carried them when the block was first stored).
+        return self._ev.stored(
+            block_hashes=[external_hash(h)],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=self.block_size,
+            medium=medium,
+            group_idx=GROUP_IDX,
+        )
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference; a free (cached) block leaves the free list."""

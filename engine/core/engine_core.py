@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvmesh.common.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
+from kvmesh.common.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, KVCacheEvent
 from kvmesh.engine.args import EngineArgs
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.connectors.base import KVConnector
@@ -90,6 +90,7 @@ class EngineCore:
             emit_events=False,
             event_format=config.cache.kv_events_format,
             num_host_blocks=getattr(self.runner, "num_host_blocks", 0),
+            num_disk_blocks=getattr(self.runner, "num_disk_blocks", 0),
         )
         self.connector = connector or KVConnector()
         self.connector.configure(config)
@@ -541,14 +542,25 @@ class EngineCore:
         host = pool.host
         if host is None:
             return {}
-        st = host.stats
+        st, disk = host.stats, host.disk
+        tiers = {MEDIUM_CPU: host} | ({MEDIUM_DISK: disk} if disk is not None else {})
+        host_kv = getattr(self.runner, "host_kv", None)  # this rank's bytes and times (rank 0)
+        below = sum(t.stats.hit_tokens for t in tiers.values())
         return dict(
-            kv_offload_blocks={MEDIUM_GPU: len(pool.cached), MEDIUM_CPU: host.num_cached},
+            kv_offload_blocks={MEDIUM_GPU: len(pool.cached)} | {m: t.num_cached for m, t in tiers.items()},
             kv_offload_capacity=host.num_slots,
             kv_offload_stored=st.offloads,
             kv_offload_loaded=st.loads,
             kv_offload_hit_tokens=st.hit_tokens,
             kv_offload_evictions=st.evictions,
+            kv_tier_capacity={m: t.num_slots for m, t in tiers.items()},
+            kv_tier_hit_tokens={MEDIUM_GPU: self.kv.stats.hits - below}
+            | {m: t.stats.hit_tokens for m, t in tiers.items()},
+            kv_tier_stored={m: t.stats.offloads for m, t in tiers.items()},
+            kv_tier_loaded={m: t.stats.loads for m, t in tiers.items()},
+            kv_tier_evictions={m: t.stats.evictions for m, t in tiers.items()},
+            kv_tier_bytes={m: dict(b) for m, b in host_kv.tier_bytes.items() if m in tiers} if host_kv else {},
+            kv_tier_load_seconds={m: v for m, v in host_kv.load_seconds().items() if m in tiers} if host_kv else {},
         )
 
     def _lora_stats(self) -> dict[str, Any]:

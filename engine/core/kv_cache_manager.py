@@ -1,10 +1,11 @@
 """Maps requests to blocks: prefix lookup, slot allocation, copy-on-write, freeing.
 
 With a host tier (``num_host_blocks``, engine/core/host_pool.py) the prefix lookup goes device ->
-host: `find_host_hit` continues the chain where the device's hit ends, and `allocate_slots` takes
+host -> disk (``num_disk_blocks``, the tier under the host's): `find_host_hit` continues the chain
+where the device's hit ends, each block from the first tier holding it, and `allocate_slots` takes
 new device blocks for those blocks and plans their copies back (`take_moves`, applied by the
 runner before the step's forward), so they count as computed tokens and are never recomputed.
-The connector (Redis, NIXL) is asked only about what both tiers miss.
+The connector (Redis, NIXL) is asked only about what every tier misses.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from kvmesh.common.hashing import BlockHash, event_extra_keys
 from kvmesh.common.kv_events import MAP
 from kvmesh.engine.core.block_pool import BlockPool, KVCacheBlock
-from kvmesh.engine.core.host_pool import HostTierStats, Move
+from kvmesh.engine.core.host_pool import HostTierStats, Move, SlotTier
 from kvmesh.engine.core.request import Request
 
 
@@ -38,10 +39,13 @@ class KVCacheManager:
         emit_events: bool = True,
         event_format: str = MAP,
         num_host_blocks: int = 0,
+        num_disk_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, block_size, enable_caching, emit_events, event_format, num_host_blocks)
+        self.pool = BlockPool(
+            num_blocks, block_size, enable_caching, emit_events, event_format, num_host_blocks, num_disk_blocks
+        )
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # blocks of the request already registered in the cache
         self.stats = PrefixCacheStats()
@@ -62,15 +66,15 @@ class KVCacheManager:
         return hits
 
     def find_host_hit(self, request: Request, num_device_blocks: int, max_tokens: int | None = None) -> list[BlockHash]:
-        """The hashes of the blocks after the device's ``num_device_blocks`` hit that the host tier
-        holds, consecutive (the chain makes the first miss final); the last token is never loaded."""
+        """The hashes of the blocks after the device's ``num_device_blocks`` hit that the host or the
+        disk tier holds, consecutive (the chain makes the first miss final); the last token is never loaded."""
         host = self.pool.host
         if host is None or not self.enable_caching:
             return []
         limit = request.num_tokens - 1 if max_tokens is None else max_tokens
         found: list[BlockHash] = []
         for h in request.block_hashes[num_device_blocks : limit // self.block_size]:
-            if host.lookup(h) is None:
+            if host.holder(h) is None:
                 break
             found.append(h)
         return found
@@ -106,9 +110,9 @@ class KVCacheManager:
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` (+ ``num_external_tokens`` loaded from outside).
 
-        ``host_hits`` (`find_host_hit`): blocks of the host tier right after ``new_computed_blocks``,
-        counted in ``num_new_computed_tokens``; the first new blocks receive them (their copies are
-        planned before the evictions that taking those blocks causes can reuse their host slots).
+        ``host_hits`` (`find_host_hit`): blocks of the host or disk tier right after ``new_computed_blocks``,
+        counted in ``num_new_computed_tokens``; the first new blocks receive them (their slots are
+        pinned, so the evictions that taking those blocks causes never reuse them).
 
         Returns the newly allocated blocks, or ``None`` when the pool cannot fit them
         (nothing is changed then). Cached hit blocks that sit on the free list count
@@ -134,9 +138,14 @@ class KVCacheManager:
         if need + int(cow) + revived > self.pool.num_free_blocks:
             return None  # nothing changed
         host = self.pool.host
+        tiers: list[SlotTier] = []
         if host_hits:
             assert host is not None and not blocks and need >= len(host_hits)
-            host.pin(host_hits)  # the evictions below may offload into the host tier, never over these
+            for h in host_hits:
+                tier = host.holder(h)
+                assert tier is not None
+                tiers.append(tier)
+                tier.pin([h])  # the evictions below may offload into these tiers, never over these
         self.req_blocks[request.request_id] = blocks
         self.num_cached_blocks.setdefault(request.request_id, 0)
         if cow:
@@ -153,10 +162,10 @@ class KVCacheManager:
         fresh = self.pool.get_new_blocks(need)
         if host_hits:
             assert host is not None
-            for h, b in zip(host_hits, fresh):
-                host.load(h, b.block_id)
+            for h, tier, b in zip(host_hits, tiers, fresh):
+                tier.load(h, b.block_id)
+                tier.stats.hit_tokens += self.block_size
             host.unpin_all()
-            host.stats.hit_tokens += len(host_hits) * self.block_size
         blocks.extend(fresh)
         if not delay_cache:
             self.cache_blocks(request, min(total, request.num_tokens))
@@ -220,6 +229,11 @@ class KVCacheManager:
     @property
     def host_stats(self) -> HostTierStats:
         return self.pool.host.stats if self.pool.host is not None else HostTierStats()
+
+    @property
+    def disk_stats(self) -> HostTierStats:
+        host = self.pool.host
+        return host.disk.stats if host is not None and host.disk is not None else HostTierStats()
 
     def take_copies(self) -> list[tuple[int, int]]:
         c, self.pending_copies = self.pending_copies, []

@@ -94,6 +94,17 @@ class EngineStats(msgspec.Struct):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    # per medium ("GPU", "CPU": host, "DISK": the disk tier under it; only the tiers the pod has): slots,
+    # prompt tokens admitted from the tier (GPU: the device's own prefix hits), blocks copied into the tier
+    # and loaded back out of it, slots reused (LRU), bytes written "in" and read "out" (rank 0's), and
+    # seconds loads from the tier took (rank 0's)
+    kv_tier_capacity: dict[str, int] = msgspec.field(default_factory=dict)
+    kv_tier_hit_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    kv_tier_stored: dict[str, int] = msgspec.field(default_factory=dict)
+    kv_tier_loaded: dict[str, int] = msgspec.field(default_factory=dict)
+    kv_tier_evictions: dict[str, int] = msgspec.field(default_factory=dict)
+    kv_tier_bytes: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
+    kv_tier_load_seconds: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 # connector stats key -> the ``reason`` of kvmesh:kv_transfer_refused_total

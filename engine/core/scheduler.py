@@ -156,7 +156,7 @@ class Scheduler:
                 ext, load_async = 0, False
                 looked_up = req.num_computed_tokens == 0
                 if looked_up:
-                    # device -> host tier -> connector: each is asked only about what the ones before miss
+                    # device -> host -> disk tiers -> connector: each is asked only about what the ones before miss
                     hits, n_hit = self.kv.get_computed_blocks(req)
                     host_hits = self.kv.find_host_hit(req, len(hits))
                     n_hit += len(host_hits) * self.kv.block_size

@@ -41,7 +41,7 @@ from kvmesh.engine.parallel.kv_shards import RankBlocks, ShardedBlocks, whole_bl
 from kvmesh.engine.parallel.ranks import Ranks
 from kvmesh.engine.parallel.sharding import Shard, TensorParallel, local_config
 from kvmesh.engine.runner.graphs import DecodeGraphs
-from kvmesh.engine.runner.host_kv import HostKV
+from kvmesh.engine.runner.host_kv import HostKV, disk_tier
 from kvmesh.engine.runner.inputs import EagerStager, Staging, StepPlan, cdiv, eager_layout_size, plan_step
 from kvmesh.engine.runner.memory import (
     configure_cpu_threads,
@@ -158,10 +158,12 @@ class ModelRunner(DecodeRoundRunner):
         )
         # The host-memory tier (--kv-offload-gb, engine/runner/host_kv.py): every rank keeps its own heads'
         # copy, as many slots on every rank (the scheduler's slot ids address them all).
-        self.num_host_blocks = HostKV.num_slots(config.cache.kv_offload_gb, self.kv_cache)
-        if tp is not None and config.cache.kv_offload_gb > 0:
+        cc = config.cache
+        self.num_host_blocks = HostKV.num_slots(cc.kv_offload_gb, self.kv_cache, cc.kv_offload_blocks)
+        if tp is not None and (cc.kv_offload_gb > 0 or cc.kv_offload_blocks > 0):
             self.num_host_blocks = tp.min_int(self.num_host_blocks)
-        self.host_kv = HostKV(self.num_host_blocks, self.kv_cache) if self.num_host_blocks else None
+        self.num_disk_blocks, disk = disk_tier(config, self.kv_cache, self.num_host_blocks, tp)
+        self.host_kv = HostKV(self.num_host_blocks, self.kv_cache, disk) if self.num_host_blocks else None
         # How connectors move whole blocks: this pool's, or (rank 0 of a TP engine) every rank's heads.
         self.kv_blocks: LocalBlocks | ShardedBlocks = LocalBlocks(self.kv_cache, self.kv_scales_id)
         self.rank_blocks: RankBlocks | None = None
@@ -324,9 +326,11 @@ class ModelRunner(DecodeRoundRunner):
         self.lora_weights[key] = self.lora_shard.lora(weights) if self.lora_shard is not None else weights
 
     def close(self) -> None:
-        """Stop the other ranks (rank 0 of a tensor-parallel engine)."""
+        """Stop the other ranks (rank 0 of a tensor-parallel engine); close the disk tier's file."""
         if self.ranks is not None:
             self.ranks.close()
+        if self.host_kv is not None:
+            self.host_kv.close()
 
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
         if copies:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import tempfile
 import time
 
 import torch
@@ -41,7 +42,7 @@ import torch
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.connectors.common import LocalBlocks
 from kvmesh.engine.core.sched_output import SchedulerOutput
-from kvmesh.engine.runner.host_kv import HostKV
+from kvmesh.engine.runner.host_kv import DiskKV, HostKV
 from kvmesh.engine.runner.memory import kv_bytes_per_block
 
 # Calibration (see the module docstring).
@@ -96,7 +97,16 @@ class SimulatedRunner:
         # the host tier holds as many blocks as it would for the real model (its bytes per block)
         gb = config.cache.kv_offload_gb
         self.num_host_blocks = int(gb * (1 << 30)) // kv_bytes_per_block(config) if gb > 0 else 0
-        self.host_kv = HostKV(self.num_host_blocks, self.kv_cache) if self.num_host_blocks else None
+        if config.cache.kv_offload_blocks > 0:
+            self.num_host_blocks = config.cache.kv_offload_blocks
+        disk_gb = config.cache.kv_offload_disk_gb if self.num_host_blocks else 0.0
+        self.num_disk_blocks = int(disk_gb * (1 << 30)) // kv_bytes_per_block(config) if disk_gb > 0 else 0
+        disk = (
+            DiskKV(self.num_disk_blocks, self.kv_cache[0], config.cache.kv_offload_disk_path or tempfile.gettempdir())
+            if self.num_disk_blocks
+            else None
+        )
+        self.host_kv = HostKV(self.num_host_blocks, self.kv_cache, disk) if self.num_host_blocks else None
         self.device = torch.device("cpu")
         self.num_steps = 0
         self.simulated_s = 0.0  # total latency slept
@@ -124,6 +134,11 @@ class SimulatedRunner:
     def move_kv(self, moves: list[tuple[int, int, int]], wait: bool = False) -> None:
         if self.host_kv is not None:
             self.host_kv.apply(moves, wait)
+
+    def close(self) -> None:
+        """Close the disk tier's file (its name is gone already)."""
+        if self.host_kv is not None:
+            self.host_kv.close()
 
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Sleep for the step's modelled latency; ``logits[j]`` belongs to ``sched.scheduled[rows[j]]``."""

@@ -35,6 +35,7 @@ from kvmesh.common.kv_formats import ARRAY, EVENT_FORMATS, MAP, EventFormat  # n
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"  # the host-memory tier (engine/core/host_pool.py)
+MEDIUM_DISK = "DISK"  # the local-disk tier under it (engine/core/host_pool.py `DiskPool`)
 ExtraKeys = list[tuple[Any, ...] | None] | None
 
 

@@ -267,6 +267,41 @@ class ServerMetrics:
             L + ["position"],
             registry=r,
         )
+        # per tier (medium GPU: the device's own prefix cache, CPU: the host tier, DISK: the disk tier under
+        # it), absent without tiers; the kv_offload_* series above are the host tier's alone
+        LM = L + ["medium"]
+        self.kv_tier_hit_tokens = Counter(
+            "kvmesh:kv_tier_hit_tokens",
+            "Prompt tokens served from each KV tier without recompute (GPU: device prefix hits; CPU, DISK: "
+            "loaded back from the host or disk tier). Their sum is the prefix cache hits.",
+            LM,
+            registry=r,
+        )
+        self.kv_tier_stored = Counter(
+            "kvmesh:kv_tier_stored", "KV blocks copied into each tier under the device (CPU, DISK).", LM, registry=r
+        )
+        self.kv_tier_loads = Counter(
+            "kvmesh:kv_tier_loads",
+            "KV blocks loaded back into the device pool from each tier (CPU, DISK).",
+            LM,
+            registry=r,
+        )
+        self.kv_tier_evictions = Counter(
+            "kvmesh:kv_tier_evictions", "KV blocks each tier dropped (LRU) for another block.", LM, registry=r
+        )
+        self.kv_tier_bytes = Counter(
+            "kvmesh:kv_tier_bytes",
+            "Bytes written into (direction in) and read out of (out) each tier under the device, by rank 0.",
+            LM + ["direction"],
+            registry=r,
+        )
+        self.kv_tier_load_seconds = Counter(
+            "kvmesh:kv_tier_load_seconds",
+            "Seconds loads back into the device pool from each tier took, on rank 0 (GPU host loads: the "
+            "copy stream's time, counted once the copies completed).",
+            LM,
+            registry=r,
+        )
         self.queue_time = Histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
@@ -347,8 +382,30 @@ class ServerMetrics:
                 accepted.inc(new - old)
         for medium, n in s.kv_offload_blocks.items():
             self.kv_offload_blocks.labels(m, medium).set(n)
+        self._tiers(s)
         self._lora(s)
         self._last = s
+
+    def _tiers(self, s: EngineStats) -> None:
+        """The per-tier counters, from the engine's cumulative per-medium values."""
+        last, m = self._last, self.model_name
+        for counter, new, old in (
+            (self.kv_tier_hit_tokens, s.kv_tier_hit_tokens, last.kv_tier_hit_tokens),
+            (self.kv_tier_stored, s.kv_tier_stored, last.kv_tier_stored),
+            (self.kv_tier_loads, s.kv_tier_loaded, last.kv_tier_loaded),
+            (self.kv_tier_evictions, s.kv_tier_evictions, last.kv_tier_evictions),
+            (self.kv_tier_load_seconds, s.kv_tier_load_seconds, last.kv_tier_load_seconds),
+        ):
+            for medium, v in new.items():
+                child = counter.labels(m, medium)  # the series exists (at 0) once the tier does
+                if v > old.get(medium, 0):
+                    child.inc(v - old.get(medium, 0))
+        for medium, by_dir in s.kv_tier_bytes.items():
+            before = last.kv_tier_bytes.get(medium, {})
+            for direction, v in by_dir.items():
+                child = self.kv_tier_bytes.labels(m, medium, direction)
+                if v > before.get(direction, 0):
+                    child.inc(v - before.get(direction, 0))
 
     def _lora(self, s: EngineStats) -> None:
         """One current series of vllm:lora_requests_info (set only while LoRA is on), one series per adapter."""

@@ -60,6 +60,15 @@ class ScoringWeights:
             flag="--weight-host-hit",
         ),
     )
+    disk_hit: float = field(
+        default=0.25,
+        metadata=cli(
+            "value of a prefix block a pod would load from its local-disk KV tier (after its device and host "
+            "hits) as a share of a device block's value: below --weight-host-hit, a disk read being slower "
+            "than a host copy; 0.25 is a first value, to be measured",
+            flag="--weight-disk-hit",
+        ),
+    )
     lora: float = field(
         default=0.2,
         metadata=cli(

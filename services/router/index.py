@@ -28,7 +28,10 @@ resync, removal) resets its count; that is not pressure.
 **Tiers**: a pod with a host-memory KV tier (``--kv-offload-gb``) publishes its moves with ``medium``
 "CPU" (BlockStored when a block is offloaded, BlockRemoved when its host copy is dropped). Those go
 to a second map, the host residency, and `match_host` counts the blocks a pod holds there right
-after its device prefix (the pod's own lookup order: device, then host). Device ("GPU", or no
+after its device prefix (the pod's own lookup order: device, then host). A disk tier under the host
+(``--kv-offload-disk-gb``) publishes medium "DISK" the same way, kept in a third map: the chain after
+the device prefix takes each block from the host, else from the disk, and `match_host` says how many
+of each (`TierHits`; the policy scores a disk block below a host block). Device ("GPU", or no
 medium) events are handled exactly as without tiers, and only they count as eviction pressure.
 
 All methods are thread-safe (event threads write, the HTTP loop reads).
@@ -41,7 +44,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from kvmesh.common.kv_events import MEDIUM_CPU
+from kvmesh.common.kv_events import MEDIUM_CPU, MEDIUM_DISK
 
 
 def _unhold(holders: dict[int, set[str]], h: int, pod: str) -> None:
@@ -51,6 +54,16 @@ def _unhold(holders: dict[int, set[str]], h: int, pod: str) -> None:
         pods.discard(pod)
         if not pods:
             del holders[h]
+
+
+class TierHits(dict[str, int]):
+    """`PrefixIndex.match_host`'s answer: per pod, the blocks after its device hit it would load from
+    its host tier (the mapping, as without a disk tier), and in ``disk`` those it would load from its
+    disk tier (the chain goes on through either; a block both hold counts for the host)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.disk: dict[str, int] = {}
 
 
 class PrefixIndex:
@@ -72,6 +85,9 @@ class PrefixIndex:
         # the host tier (medium CPU): model -> hash -> pods, and pod -> (model, hash)
         self._host: dict[str, dict[int, set[str]]] = {}
         self._host_by_pod: dict[str, set[tuple[str, int]]] = {}
+        # the disk tier under it (medium DISK), the same way
+        self._disk: dict[str, dict[int, set[str]]] = {}
+        self._disk_by_pod: dict[str, set[tuple[str, int]]] = {}
 
     # ---- exact (events) -----------------------------------------------------
     def mark_exact(self, pod: str, exact: bool = True) -> None:
@@ -85,9 +101,9 @@ class PrefixIndex:
         return pod in self._event_pods
 
     def stored(self, pod: str, model: str, hashes: Iterable[int], medium: str | None = None) -> None:
-        """``medium``: the event's; "CPU" is the pod's host tier, anything else its device."""
-        if medium == MEDIUM_CPU:
-            self._host_stored(pod, model, hashes)
+        """``medium``: the event's; "CPU" is the pod's host tier, "DISK" its disk tier, anything else its device."""
+        if medium in (MEDIUM_CPU, MEDIUM_DISK):
+            self._tier_stored(medium, pod, model, hashes)
             return
         with self._lock:
             m = self._exact.setdefault(model, {})
@@ -100,8 +116,8 @@ class PrefixIndex:
                     pred.pop((model, h), None)  # confirmed: the event entry takes over
 
     def removed(self, pod: str, model: str, hashes: Iterable[int], medium: str | None = None) -> None:
-        if medium == MEDIUM_CPU:
-            self._host_removed(pod, model, hashes)
+        if medium in (MEDIUM_CPU, MEDIUM_DISK):
+            self._tier_removed(medium, pod, model, hashes)
             return
         hashes = list(hashes)
         now = time.monotonic()
@@ -123,49 +139,66 @@ class PrefixIndex:
                 _unhold(self._exact.get(model, {}), h, pod)
             self._predicted.pop(pod, None)
             self._evicted.pop(pod, None)
-            for model, h in self._host_by_pod.pop(pod, set()):
-                _unhold(self._host.get(model, {}), h, pod)
+            for held, by_pod in ((self._host, self._host_by_pod), (self._disk, self._disk_by_pod)):
+                for model, h in by_pod.pop(pod, set()):
+                    _unhold(held.get(model, {}), h, pod)
 
-    # ---- the host tier (medium CPU) -------------------------------------------
-    def _host_stored(self, pod: str, model: str, hashes: Iterable[int]) -> None:
+    # ---- the tiers under the device (medium CPU and DISK) ------------------------
+    def _tier_maps(self, medium: str) -> tuple[dict[str, dict[int, set[str]]], dict[str, set[tuple[str, int]]]]:
+        return (self._host, self._host_by_pod) if medium == MEDIUM_CPU else (self._disk, self._disk_by_pod)
+
+    def _tier_stored(self, medium: str, pod: str, model: str, hashes: Iterable[int]) -> None:
+        held, by_pod = self._tier_maps(medium)
         with self._lock:
-            m = self._host.setdefault(model, {})
-            mine = self._host_by_pod.setdefault(pod, set())
+            m = held.setdefault(model, {})
+            mine = by_pod.setdefault(pod, set())
             for h in hashes:
                 m.setdefault(h, set()).add(pod)
                 mine.add((model, h))
 
-    def _host_removed(self, pod: str, model: str, hashes: Iterable[int]) -> None:
+    def _tier_removed(self, medium: str, pod: str, model: str, hashes: Iterable[int]) -> None:
+        held, by_pod = self._tier_maps(medium)
         with self._lock:
-            m = self._host.get(model, {})
-            mine = self._host_by_pod.get(pod, set())
+            m = held.get(model, {})
+            mine = by_pod.get(pod, set())
             for h in hashes:
                 _unhold(m, h, pod)
                 mine.discard((model, h))
 
-    def match_host(self, model: str, hashes: Sequence[int], start: dict[str, int]) -> dict[str, int]:
+    def match_host(self, model: str, hashes: Sequence[int], start: dict[str, int]) -> TierHits:
         """For each pod of ``start`` (pod -> its device hit in blocks), the consecutive blocks of
-        ``hashes`` from there that the pod holds in its host tier (0 for pods without one)."""
-        out: dict[str, int] = {}
+        ``hashes`` from there that the pod holds in its host tier, or in its disk tier (``.disk``):
+        each block from the host if it has it, else from the disk, as the pod looks them up (0 for
+        pods without tiers)."""
+        out = TierHits()
         with self._lock:
-            host = self._host.get(model)
+            host = self._host.get(model) or {}
+            disk = self._disk.get(model) or {}
             for pod, k in start.items():
-                n = 0
-                if host:
+                n_host = n_disk = 0
+                if host or disk:
                     for h in hashes[k:]:
-                        if pod not in host.get(h, ()):
+                        if pod in host.get(h, ()):
+                            n_host += 1
+                        elif pod in disk.get(h, ()):
+                            n_disk += 1
+                        else:
                             break
-                        n += 1
-                out[pod] = n
+                out[pod] = n_host
+                out.disk[pod] = n_disk
         return out
 
     def pod_tiers(self, pod: str, model: str) -> dict[str, set[int]]:
-        """The hashes ``pod`` holds per tier, as its events told ("GPU": device, "CPU": host)."""
+        """The hashes ``pod`` holds per tier, as its events told ("GPU": device, "CPU": host, "DISK": disk;
+        the disk's only when it has one)."""
         with self._lock:
-            return {
+            out = {
                 "GPU": {h for m, h in self._by_pod.get(pod, ()) if m == model},
                 MEDIUM_CPU: {h for m, h in self._host_by_pod.get(pod, ()) if m == model},
             }
+            if pod in self._disk_by_pod:
+                out[MEDIUM_DISK] = {h for m, h in self._disk_by_pod[pod] if m == model}
+            return out
 
     def _decayed(self, pod: str, now: float) -> float:
         v, t = self._evicted.get(pod, (0.0, now))

@@ -155,17 +155,21 @@ def shared_hits(pods: list[Pod], hits: dict[str, int], hashes: list[int]) -> tup
 
 def _host_tokens(
     host_hits: dict[str, int] | None, hits: dict[str, int], prompt_len: int, block_size: int
-) -> dict[str, int]:
-    """Tokens each pod will load from its host tier: its host blocks after its device hit, up to the
-    prompt's last full block before the last token (as the pod counts them)."""
-    out = {}
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Tokens each pod will load from its host tier and from its disk tier: the blocks after its device
+    hit, up to the prompt's last full block before the last token (as the pod counts them). The disk
+    blocks are ``host_hits.disk`` (`index.TierHits`), placed after the host's: where the two interleave
+    only the blocks next to the prompt's end may be attributed to the wrong tier."""
+    host: dict[str, int] = {}
+    disk: dict[str, int] = {}
+    on_disk: dict[str, int] = getattr(host_hits, "disk", {})
     for u, n in (host_hits or {}).items():
-        if n > 0:
+        k = on_disk.get(u, 0)
+        if n > 0 or k > 0:
             d = hits.get(u, 0)
-            out[u] = predicted_cached_tokens(d + n, prompt_len, block_size) - predicted_cached_tokens(
-                d, prompt_len, block_size
-            )
-    return out
+            at = [predicted_cached_tokens(x, prompt_len, block_size) for x in (d, d + n, d + n + k)]
+            host[u], disk[u] = at[1] - at[0], at[2] - at[1]
+    return host, disk
 
 
 def score_pods(
@@ -202,11 +206,12 @@ def score_pods(
 
     ``host_hits``: blocks each pod holds in its host-memory tier right after its device hit
     (`PrefixIndex.match_host`); they count ``w.host_hit`` of a device block in the hit term (loaded
-    back rather than recomputed, but not free). Empty or None: the score is the device hit's alone."""
+    back rather than recomputed, but not free), and the disk tier's blocks after them (its ``disk``)
+    ``w.disk_hit``. Empty or None: the score is the device hit's alone."""
     if len(pods) == 1:
         p = pods[0]
         hb = hits.get(p.url, 0)
-        n = hb + (host_hits or {}).get(p.url, 0)
+        n = hb + (host_hits or {}).get(p.url, 0) + getattr(host_hits, "disk", {}).get(p.url, 0)
         return Decision(p, hb, predicted_cached_tokens(n, prompt_len, block_size), "only")
     n = len(pods)
     mean_load = sum(p.load for p in pods) / n
@@ -227,7 +232,7 @@ def score_pods(
     eligible = [p for p in pods if p.load <= (strict if p.url in hot else limit) or follow_up(p)] or pods
     hit_base = max(plen, ref_len)
     # host-tier blocks as tokens (only those before the last token: it is always recomputed)
-    host_on = _host_tokens(host_hits, hits, prompt_len, block_size)
+    host_on, disk_on = _host_tokens(host_hits, hits, prompt_len, block_size)
     pressure = pressure or {}
     cached = [cached_on[p.url] for p in eligible]
     top = max(cached)
@@ -244,7 +249,7 @@ def score_pods(
         p, ht = eligible[j], cached[j]
         hb = hits.get(p.url, 0)
         s = (
-            w.hit * (ht + w.host_hit * host_on.get(p.url, 0)) / hit_base
+            w.hit * (ht + w.host_hit * host_on.get(p.url, 0) + w.disk_hit * disk_on.get(p.url, 0)) / hit_base
             + w.affinity * ht / plen
             - w.load * p.load / (mean_load + 1.0)
             - w.tokens * p.inflight_tokens / (mean_tok + plen)
@@ -255,7 +260,8 @@ def score_pods(
         )
         key = (s, -p.load)
         if best is None or key > best[0]:
-            best = (key, p, hb, ht + host_on.get(p.url, 0))  # the pod reports host-tier tokens as cached too
+            # the pod reports the tiers' tokens as cached too
+            best = (key, p, hb, ht + host_on.get(p.url, 0) + disk_on.get(p.url, 0))
     assert best is not None
     _, p, hb, ht = best
     top_hit = max((hits.get(q.url, 0) for q in pods), default=0)

@@ -157,3 +157,25 @@ def test_peer_policies_and_unknown_ones(tmp_path, capsys):
     assert B.peer_command("sglang", _scaling(peer_venvs=str(tmp_path))) is None  # no venv-sgl there
     assert B.run(_scaling(trace=str(trace), policies="kvmesh,nonesuch")) == 2
     assert "unknown policies ['nonesuch']" in capsys.readouterr().err
+
+
+def test_tier_runs_need_the_tier_and_compare_side_by_side(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}) + "\n")
+    assert B.base_policy("kvmesh+tier") == "kvmesh" and B.base_policy("sglang") == "sglang"
+    assert B.run(_scaling(trace=str(trace), policies="kvmesh,kvmesh+tier")) == 2
+    assert "need --kv-offload-blocks" in capsys.readouterr().err
+    assert B.run(_scaling(trace=str(trace), policies="nonesuch+tier", kv_offload_blocks=8)) == 2
+    assert "unknown policies ['nonesuch+tier']" in capsys.readouterr().err
+    results = {
+        "kvmesh": {"ok": 3, "hit_ratio": 0.2, "ideal_hit_ratio": 0.5, "ttft_p50": 0.4, "ttft_p90": 1.2},
+        "kvmesh+tier": {"ok": 3, "hit_ratio": 0.45, "ideal_hit_ratio": 0.5, "ttft_p50": 0.3, "ttft_p90": 0.6},
+        "sglang": {"ok": 3, "hit_ratio": 0.3, "ttft_p90": 1.0},  # no tiered run: not compared
+        "vllm+tier": {"skipped": "no venv"},
+    }
+    got = B.tier_comparison(results)
+    assert list(got) == ["kvmesh"]
+    assert got["kvmesh"]["hit_ratio"] == 0.2 and got["kvmesh"]["hit_ratio_tier"] == 0.45
+    assert got["kvmesh"]["ttft_p90_speedup"] == pytest.approx(2.0)
+    B.print_tier_comparison(got)
+    assert "2.000" in capsys.readouterr().out

@@ -95,6 +95,37 @@ def test_bench_router_repeats_with_cold_caches(tmp_path):
     assert "per run" in p.stdout and "round 2" in p.stdout
 
 
+def test_bench_router_runs_a_policy_with_and_without_the_host_tier(tmp_path):
+    """``--kv-offload-blocks`` starts a second instance set with a host tier; ``kvmesh+tier`` replays the
+    same requests there. One instance a set, a 16-block pool: a conversation's blocks are evicted by a
+    long filler before its second turn, so only the tiered instance serves that turn from cache."""
+    rows = [
+        {"timestamp": 0, "input_length": 512 * 4, "output_length": 2, "hash_ids": [1, 2, 3, 4]},
+        {"timestamp": 1000, "input_length": 512 * 15, "output_length": 2, "hash_ids": list(range(100, 115))},
+        {"timestamp": 2000, "input_length": 512 * 5, "output_length": 2, "hash_ids": [1, 2, 3, 4, 5]},
+    ]
+    out = tmp_path / "router.json"
+    env = dict(os.environ, KVMESH_CPU_THREADS="1")
+    flags = ("--instances", "1", "--num-kv-blocks", "16", "--kv-offload-blocks", "64", "--json", str(out))
+    p = subprocess.run(
+        bench_router(tmp_path, rows, "kvmesh,kvmesh+tier", "2", *flags),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["_setup"]["kv_offload_blocks_per_instance"] == 64
+    plain, tier = res["kvmesh"], res["kvmesh+tier"]
+    assert plain["ok"] == tier["ok"] == 3 and plain["prompt_tokens"] == tier["prompt_tokens"]
+    assert plain["cached"][2] == 0  # the filler evicted the conversation: recomputed
+    assert tier["cached"][2] == 4 * 16  # its four blocks, loaded back from the host tier
+    t = res["_tier"]["kvmesh"]
+    assert t["hit_ratio_tier"] > t["hit_ratio"] and t["ttft_p90_speedup"] is not None
+    assert "with the host tier" in p.stdout
+
+
 def test_sigterm_stops_the_instances(tmp_path):
     """The instances run in sessions of their own (so a stop can take their engine children too); a
     SIGTERM to the bench must still stop them all, not leave them running without a parent."""

@@ -361,3 +361,30 @@ def test_models_and_cache_config_info_report_number_formats():
     entry, line = serve(wire.Ready(1, "fake-model", 32, 16, 64, "both"))  # an unquantized model, auto KV
     assert (entry["quantization"], entry["kv_cache_dtype"]) == (None, "auto")
     assert 'cache_dtype="auto"' in line and 'quantization="none"' in line
+
+
+def test_tier_metrics_by_medium():
+    """One series per tier the pod has (device, host, disk): hits, blocks in and out, LRU drops, bytes
+    each way and load time, as counters of the engine's cumulative values."""
+    m = ServerMetrics("m")
+    assert "kvmesh:kv_tier_loads_total{" not in m.render().decode()  # no tier, no series
+    tiers = dict(
+        kv_tier_hit_tokens={"GPU": 64, "CPU": 16, "DISK": 32},
+        kv_tier_stored={"CPU": 4, "DISK": 2},
+        kv_tier_loaded={"CPU": 1, "DISK": 2},
+        kv_tier_evictions={"CPU": 2, "DISK": 0},
+        kv_tier_bytes={"CPU": {"in": 400, "out": 300}, "DISK": {"in": 200, "out": 200}},
+        kv_tier_load_seconds={"CPU": 0.5, "DISK": 1.5},
+    )
+    m.on_stats(EngineStats(**tiers))
+    tiers["kv_tier_loaded"] = {"CPU": 3, "DISK": 2}
+    tiers["kv_tier_load_seconds"] = {"CPU": 0.75, "DISK": 1.5}
+    m.on_stats(EngineStats(**tiers))
+    text = m.render().decode()
+    assert 'kvmesh:kv_tier_hit_tokens_total{medium="GPU",model_name="m"} 64.0' in text
+    assert 'kvmesh:kv_tier_hit_tokens_total{medium="DISK",model_name="m"} 32.0' in text
+    assert 'kvmesh:kv_tier_loads_total{medium="CPU",model_name="m"} 3.0' in text
+    assert 'kvmesh:kv_tier_stored_total{medium="DISK",model_name="m"} 2.0' in text
+    assert 'kvmesh:kv_tier_evictions_total{medium="DISK",model_name="m"} 0.0' in text
+    assert 'kvmesh:kv_tier_bytes_total{direction="out",medium="DISK",model_name="m"} 200.0' in text
+    assert 'kvmesh:kv_tier_load_seconds_total{medium="CPU",model_name="m"} 0.75' in text

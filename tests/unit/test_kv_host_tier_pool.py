@@ -1,6 +1,7 @@
-"""The host tier's bookkeeping (engine/core/host_pool.py) with the block pool and the KV cache
-manager, no model: pinned cases, and a randomized workload that also models the blocks' contents
-(which hash each device block and host slot holds once the planned moves are applied in order), so
+"""The host tier's bookkeeping (engine/core/host_pool.py), and the disk tier's under it, with the
+block pool and the KV cache manager, no model: pinned cases, and a randomized workload that also
+models the blocks' contents (which hash each device block, host slot and disk slot holds once the
+planned moves are applied in order), so
 a load that would read a slot already overwritten, or an offload that would read a reused block,
 fails here."""
 
@@ -11,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.common.hashing import LoraId, external_hash
-from kvmesh.common.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
-from kvmesh.engine.core.host_pool import LOAD, OFFLOAD
+from kvmesh.common.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, BlockRemoved, BlockStored
+from kvmesh.engine.core.host_pool import DISK_LOAD, LOAD, OFFLOAD, SPILL
 from kvmesh.engine.core.kv_cache_manager import KVCacheManager
 from kvmesh.engine.core.request import Request
 from kvmesh.engine.frontend.sampling_params import SamplingParams
@@ -26,20 +27,25 @@ def req(rid: str, tokens, salt: str | None = None, lora: LoraId | None = None) -
 
 
 class Contents:
-    """What the runner would hold: the hash whose KV each device block / host slot contains."""
+    """What the runner would hold: the hash whose KV each device block / host slot / disk slot contains."""
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
         self.dev: dict[int, object] = {}
         self.host: dict[int, object] = {}
+        self.disk: dict[int, object] = {}
 
     def apply(self) -> None:
         for kind, a, b in self.kv.take_moves():  # in plan order, as engine/runner/host_kv.py does
             if kind == OFFLOAD:
                 self.host[b] = self.dev.get(a)
-            else:
-                assert kind == LOAD
+            elif kind == LOAD:
                 self.dev[b] = self.host.get(a)
+            elif kind == SPILL:
+                self.disk[b] = self.host.get(a)
+            else:
+                assert kind == DISK_LOAD
+                self.dev[b] = self.disk.get(a)
         for src, dst in self.kv.take_copies():
             self.dev[dst] = self.dev.get(src)
 
@@ -56,6 +62,9 @@ class Contents:
         assert pool.host is not None
         for h, slot in pool.host.cached.items():
             assert self.host.get(slot) == h, "a host slot holds other contents"
+        if pool.host.disk is not None:
+            for h, slot in pool.host.disk.cached.items():
+                assert self.disk.get(slot) == h, "a disk slot holds other contents"
 
 
 def admit(kv: KVCacheManager, r: Request, contents: Contents | None = None):
@@ -164,6 +173,7 @@ def test_salts_and_adapters_never_cross_the_host_tier():
 @settings(max_examples=150, deadline=None)
 @given(
     st.integers(1, 12),
+    st.integers(0, 10),
     st.lists(
         st.tuples(
             st.sampled_from(["add", "add", "append", "free", "preempt", "reset"]),
@@ -174,8 +184,8 @@ def test_salts_and_adapters_never_cross_the_host_tier():
         max_size=60,
     ),
 )
-def test_random_workload_keeps_both_tiers_consistent(num_host, ops):
-    kv = KVCacheManager(num_blocks=10, block_size=BS, num_host_blocks=num_host)
+def test_random_workload_keeps_every_tier_consistent(num_host, num_disk, ops):
+    kv = KVCacheManager(num_blocks=10, block_size=BS, num_host_blocks=num_host, num_disk_blocks=num_disk)
     contents = Contents(kv)
     live: dict[str, Request] = {}
     counter = 0
@@ -216,3 +226,55 @@ def test_random_workload_keeps_both_tiers_consistent(num_host, ops):
         kv.free(r)
     kv.check_integrity()
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
+
+
+def test_host_evictions_go_to_disk_and_come_back_from_it():
+    """Device -> host -> disk: the host's LRU victims are spilled (planned before the offload that
+    overwrites their slot, with their events), and a lookup missing device and host loads from disk."""
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=2, num_disk_blocks=8)
+    contents = Contents(kv)
+    a = req("a", range(13))  # three full blocks + one token
+    admit(kv, a, contents)
+    kv.free(a)
+    kv.pool.take_events()
+    others = [req(f"o{i}", [100 + 20 * i + j for j in range(13)]) for i in range(3)]
+    for o in others:  # each takes the whole device pool: a's blocks go to the host, then the disk
+        admit(kv, o, contents)
+        kv.free(o)
+        contents.apply()
+        kv.check_integrity()
+        contents.check()
+    host = kv.pool.host
+    assert host is not None and host.disk is not None
+    disk = host.disk
+    assert all(h in disk.cached for h in a.block_hashes[:3])
+    assert disk.stats.offloads > 0 and host.stats.evictions > 0
+    ev = kv.pool.take_events()
+    stored_disk = [h for e in ev if isinstance(e, BlockStored) and e.medium == MEDIUM_DISK for h in e.block_hashes]
+    removed_cpu = [h for e in ev if isinstance(e, BlockRemoved) and e.medium == MEDIUM_CPU for h in e.block_hashes]
+    assert set(stored_disk) <= set(removed_cpu)  # a block goes down only when the host drops it
+    assert {external_hash(h) for h in a.block_hashes[:3]} <= set(stored_disk)
+    a2 = req("a2", range(13))
+    _, n_dev, n_tier = admit(kv, a2, contents)
+    assert n_dev == 0 and n_tier == 3  # every block from the disk tier
+    assert disk.stats.loads == 3 and disk.stats.hit_tokens == 3 * BS
+    kv.check_integrity()
+    contents.check()
+
+
+def test_disk_lru_drops_the_oldest_and_emits_disk_removal():
+    kv = KVCacheManager(num_blocks=2, block_size=BS, num_host_blocks=1, num_disk_blocks=1)
+    for i in range(5):
+        r = req(f"r{i}", [10 * i + j for j in range(5)])  # one full block each
+        admit(kv, r)
+        kv.free(r)
+        kv.check_integrity()
+    disk = kv.pool.host.disk if kv.pool.host is not None else None
+    assert disk is not None and disk.stats.evictions > 0
+    removed = [e for e in kv.pool.take_events() if isinstance(e, BlockRemoved) and e.medium == MEDIUM_DISK]
+    assert sum(len(e.block_hashes) for e in removed) == disk.stats.evictions
+
+
+def test_a_disk_tier_needs_a_host_tier():
+    with pytest.raises(ValueError, match="host tier"):
+        KVCacheManager(num_blocks=4, block_size=BS, num_disk_blocks=4)

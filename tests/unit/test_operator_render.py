@@ -290,6 +290,7 @@ def test_every_engine_field_reaches_the_engine(example: Path, role: str) -> None
         "max_lora_rank": "maxLoraRank",
         "kv_offload_gb": "kvOffloadGb",
         "speculative_config": "speculativeConfig",
+        "kv_offload_disk_gb": "kvOffloadDiskGb",
     }
     assert {camel[a] for a, _ in ENGINE_FLAGS} == crd_fields
     for attr, _ in ENGINE_FLAGS:
@@ -459,6 +460,44 @@ def test_cpu_workers_with_tensor_parallelism_run_every_rank_in_one_pod() -> None
         assert (proc.engine_kwargs["tensor_parallel_size"], proc.engine_kwargs["device"]) == (2, "cpu")
         assert GPU_RESOURCE not in c.get("resources", {}).get("limits", {})
         assert dev_shm_limit(pod) == "1Gi"  # gloo over loopback: no NCCL buffers
+
+
+def test_kv_tiers_grow_the_pods_memory_and_mount_an_empty_dir_for_the_disk_tier() -> None:
+    """kvOffloadGb is pinned host memory per rank: the worker's memory request and limit grow by it for
+    every rank of the pod; kvOffloadDiskGb gets an emptyDir of that size per rank, passed as the tier's path."""
+    spec = {
+        "engine": {"tensorParallelSize": 2, "kvOffloadGb": 4, "kvOffloadDiskGb": 10.5},
+        "prefill": {"resources": {"requests": {"memory": "16Gi", "cpu": "4"}, "limits": {"memory": "32Gi"}}},
+        "decode": {"gpus": 0, "resources": {"requests": {"cpu": "2"}}},
+    }
+    assert problems(InferenceServiceSpec.parse(spec)) == []
+    objs = by_kind(render(spec, {**META, "name": "tier"}))
+    pre = worker_pod(objs, "tier", "prefill")["containers"][0]["resources"]
+    assert pre["requests"] == {"cpu": "4", "memory": f"{(16 + 8) * 1024}Mi"}
+    assert pre["limits"]["memory"] == f"{(32 + 8) * 1024}Mi"
+    dec = worker_pod(objs, "tier", "decode")["containers"][0]["resources"]
+    assert dec["requests"] == {"cpu": "2", "memory": f"{8 * 1024}Mi"}  # at least the tier's own
+    assert "limits" not in dec  # no limit to grow: none added
+    for role in ("prefill", "decode"):
+        pod = worker_pod(objs, "tier", role)
+        c = pod["containers"][0]
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "kv-disk"]
+        assert vol["emptyDir"] == {"sizeLimit": f"{21 * 1024}Mi"}  # two ranks of 10.5 GiB
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "kv-disk"]
+        _, proc = engine_settings_from_args(c["args"])
+        kw = proc.engine_kwargs
+        assert (kw["kv_offload_gb"], kw["kv_offload_disk_gb"]) == (4, 10.5)
+        assert kw["kv_offload_disk_path"] == mount["mountPath"]
+    router = worker_pod(objs, "tier", "router")
+    assert "memory" not in router["containers"][0].get("resources", {}).get("requests", {})
+    assert not [v for v in router["volumes"] if v["name"] == "kv-disk"]
+
+    no_host = InferenceServiceSpec.parse({"engine": {"kvOffloadDiskGb": 10}})
+    assert [p for p in problems(no_host) if "kvOffloadDiskGb" in p]  # a disk tier under no host tier
+    plain = by_kind(render({}, {**META, "name": "p"}))  # no tier: no volume, resources as given
+    pod = worker_pod(plain, "p", "prefill")
+    assert not [v for v in pod["volumes"] if v["name"] == "kv-disk"]
+    assert "--kv-offload-disk-path" not in pod["containers"][0]["args"]
 
 
 @pytest.mark.parametrize(

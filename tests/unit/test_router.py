@@ -290,3 +290,37 @@ def test_host_tier_events_keep_their_own_residency_and_score_between_a_hit_and_a
     both = score_pods([pb, pc], {b: 0, c: 10}, 200, BS, w, host_hits={b: 10, c: 0})
     assert both.pod is pc and score_pods([pa, pb], dev, 200, BS, w, host_hits={a: 10, b: 0}).pod is pb
     assert score_pods([pa, pc], {a: 0, c: 0}, 200, BS, w, host_hits={a: 10, c: 0}).pod is pa
+
+
+def test_disk_tier_events_keep_their_own_residency_and_score_below_a_host_hit():
+    """DISK-medium events (the disk tier under a pod's host tier) fill a third map; `match_host` walks
+    the chain after the device hit through host or disk, as the pod does, and a disk block scores
+    ``disk_hit`` of a device block: below the same block on the host, above a miss."""
+    idx = PrefixIndex()
+    a, b, c = "http://a:1", "http://b:1", "http://c:1"
+    idx.stored(a, "m", range(2))
+    idx.stored(a, "m", range(2, 5), "CPU")
+    idx.stored(a, "m", range(5, 10), "DISK")
+    idx.stored(b, "m", range(10), "DISK")
+    idx.removed(a, "m", [9], "DISK")
+    assert idx.match("m", list(range(10)), [a, b, c]) == {a: 2, b: 0, c: 0}
+    m = idx.match_host("m", list(range(10)), {a: 2, b: 0, c: 0})
+    assert m == {a: 3, b: 0, c: 0} and m.disk == {a: 4, b: 10, c: 0}
+    assert idx.eviction_pressure([a])[a] == 0
+    assert idx.pod_tiers(a, "m") == {"GPU": {0, 1}, "CPU": {2, 3, 4}, "DISK": set(range(5, 9))}
+    idx.clear_pod(a)
+    assert idx.pod_tiers(a, "m") == {"GPU": set(), "CPU": set()}
+
+    w = ScoringWeights(share=0.0)
+    assert 0 < w.disk_hit < w.host_hit
+    pb, pc = Pod(PodSpec(b)), Pod(PodSpec(c))
+    on_host = idx.match_host("m", [], {})
+    on_host.update({b: 10, c: 0})
+    on_host.disk.update({b: 0, c: 10})
+    d = score_pods([pb, pc], {b: 0, c: 0}, 200, BS, w, host_hits=on_host)
+    assert d.pod is pb and d.hit_tokens == 10 * BS  # the host's blocks beat the same blocks on disk
+    on_disk = idx.match_host("m", [], {})
+    on_disk.update({b: 0, c: 0})
+    on_disk.disk.update({b: 0, c: 10})
+    d = score_pods([pb, pc], {b: 0, c: 0}, 200, BS, w, host_hits=on_disk)
+    assert d.pod is pc and d.hit_tokens == 10 * BS  # a disk hit beats a miss, and counts as cached
