@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ from kvmesh.engine.models.random_init import random_model, scaled_config  # noqa
 
 R: dict = {}
 log = h.log
-SMOKE = dict(
+SMOKE: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
