@@ -32,6 +32,9 @@ _TYPES = {
 # On a worker's 503 while its engine is down, restarting or still loading (not an overload, which comes
 # with Retry-After): nothing was generated, so a router sends the request to another pod.
 ENGINE_UNAVAILABLE_HEADER = "x-kvmesh-engine-unavailable"
+# On a worker's 503 that sheds load (its queue would make the request wait past its deadline, with
+# Retry-After): the request was not admitted, so a router tries the role's other pods before it refuses.
+OVERLOADED_HEADER = "x-kvmesh-overloaded"
 
 
 class APIError(Exception):

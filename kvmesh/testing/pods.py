@@ -87,6 +87,7 @@ class FakePod:
         self.max_inflight = 0
         self.paused = False  # while set, requests are held before answering (a test's gate)
         self.refuse: tuple[int, dict] | None = None  # while set, requests get this (status, JSON body)
+        self.refuse_headers: dict[str, str] = {}  # ... with these headers
         self.kv_layout = ""  # exported as kvmesh:kv_layout_info when set
         app = FastAPI()
 
@@ -111,7 +112,7 @@ class FakePod:
             body = await request.json()
             self.bodies.append(body)
             if self.refuse is not None:
-                return JSONResponse(self.refuse[1], status_code=self.refuse[0])
+                return JSONResponse(self.refuse[1], status_code=self.refuse[0], headers=self.refuse_headers)
             self.inflight += 1
             self.max_inflight = max(self.max_inflight, self.inflight)
             try:

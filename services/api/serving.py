@@ -30,7 +30,7 @@ from kvmesh.common.chat import ChatContentError, render_chat
 from kvmesh.engine.core.messages import EngineCoreRequest
 from kvmesh.engine.frontend.output_processor import RequestState
 from kvmesh.engine.frontend.sampling_params import MAX_N, SamplingParams
-from kvmesh.services.errors import APIError, bad_request, engine_unavailable
+from kvmesh.services.errors import OVERLOADED_HEADER, APIError, bad_request, engine_unavailable
 
 from .constraints import structured_output
 from .engine_client import EngineClient, EngineDeadError, EngineRejectedError, RequestStream
@@ -69,9 +69,12 @@ def engine_error(e: Exception) -> APIError:
     if isinstance(e, EngineRejectedError):
         if e.reason in ("queue_full", "overloaded"):
             # Not ENGINE_UNAVAILABLE_HEADER: the engine is up, only busy; Retry-After is its estimate of
-            # when the queue will have drained enough (services/api/overload.py).
+            # when the queue will have drained enough (services/api/overload.py). OVERLOADED_HEADER: a
+            # router may try another pod (nothing was admitted here).
             return APIError(
-                503, f"server is overloaded: {e}; retry later", headers={"Retry-After": str(max(1, e.retry_after_s))}
+                503,
+                f"server is overloaded: {e}; retry later",
+                headers={"Retry-After": str(max(1, e.retry_after_s)), OVERLOADED_HEADER: "1"},
             )
         msg = str(e)
         # The engine names the field it rejects when it is kv_transfer_params (unknown remote engine,

@@ -20,11 +20,11 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
-# The failures the router retries on another pod (upstream.UpstreamError with gone=True, and a pod's
-# engine-unavailable 503), the
-# `reason` label values of kvmesh:router_retries_total.
+# The failures the router retries on another pod (upstream.UpstreamError with gone=True, a pod's
+# engine-unavailable 503 and its shedding 503), the `reason` label values of kvmesh:router_retries_total.
 ENGINE_UNAVAILABLE = "EngineUnavailable"  # the pod answered 503 with services/errors.py's ENGINE_UNAVAILABLE_HEADER
-RETRY_REASONS = ("ConnectTimeout", "ConnectError", "RemoteProtocolError", "ReadError", ENGINE_UNAVAILABLE)
+OVERLOADED = "Overloaded"  # the pod shed the request: 503 with services/errors.py's OVERLOADED_HEADER
+RETRY_REASONS = ("ConnectTimeout", "ConnectError", "RemoteProtocolError", "ReadError", ENGINE_UNAVAILABLE, OVERLOADED)
 
 # why a request's pod was given up mid-answer (services/router/migration.py): reset or closed mid-body,
 # a stream ended without [DONE], the pod's error event (its engine died), no byte within the read timeout

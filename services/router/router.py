@@ -47,14 +47,14 @@ from kvmesh.common.kv_auth import load_kv_auth_key
 from kvmesh.common.kv_events_auth import CurveKeys
 from kvmesh.services.api.protocol import check_context
 from kvmesh.services.auth import DEFAULT_TENANT, APIKey, KeyStore, SecretFile, admin_key_source
-from kvmesh.services.errors import ENGINE_UNAVAILABLE_HEADER, APIError, bad_request
+from kvmesh.services.errors import ENGINE_UNAVAILABLE_HEADER, OVERLOADED_HEADER, APIError, bad_request
 
 from . import pd
 from .admission import Admission, request_budget
 from .config import PodSpec, RouterConfig, lora_paths
 from .events import EventHub
 from .index import PrefixIndex
-from .metrics import ENGINE_UNAVAILABLE, RouterMetrics
+from .metrics import ENGINE_UNAVAILABLE, OVERLOADED, RouterMetrics
 from .migration import Leg, Migrator
 from .policy import Decision, Pod, least_load, predicted_cached_tokens, round_robin, score_pods, shared_hits
 from .scrape import parse_kv_layout, parse_lora_state, parse_vllm_metrics
@@ -403,13 +403,15 @@ class Router:
         lora: str | None = None,
         layout: str | None = None,
     ) -> tuple[Decision, UpstreamResponse, Flight]:
-        """POST to a pod of ``roles`` (``first`` if given), retrying elsewhere on connect failure.
+        """POST to a pod of ``roles`` (``first`` if given), retrying elsewhere on connect failure, on an
+        engine that is down, and on a pod that sheds the request (overloaded: it admitted nothing).
 
         Returns the decision and the response with headers read, body still streaming. The caller
         owns all three: it must release the response and call `_end` with the flight.
         """
         exclude: set[str] = set()
         last = "no healthy pod"
+        shed: list[int] = []  # the Retry-After of each pod that shed the request
         for attempt in range(self.cfg.max_retries + 1):
             if first is not None and attempt == 0 and first.pod.healthy:
                 d = first
@@ -448,8 +450,25 @@ class Router:
                 self.metrics.retries.labels(ENGINE_UNAVAILABLE).inc()
                 last = f"{d.pod.url}: its engine is unavailable"
                 continue
+            if resp.status == 503 and resp.headers.get(OVERLOADED_HEADER):
+                # Shed by the pod's admission (its queue would hold the request past its deadline): it
+                # is healthy, only busy; another pod of the role may have room.
+                ra = resp.headers.get("retry-after", "")
+                resp.release()
+                self._end(fl)
+                exclude.add(d.pod.url)
+                self.metrics.retries.labels(OVERLOADED).inc()
+                shed.append(int(ra) if ra.isdigit() else 1)
+                last = f"{d.pod.url}: overloaded"
+                continue
             self.metrics.upstream_latency.labels(phase).observe(time.monotonic() - t0)
             return d, resp, fl
+        if shed and len(shed) == len(exclude):  # every pod tried was only busy: the soonest one's estimate
+            raise APIError(
+                503,
+                f"server is overloaded: every {'/'.join(roles)} pod tried shed the request; retry later",
+                headers={"Retry-After": str(max(1, min(shed)))},
+            )
         raise APIError(
             503,
             f"no pod could take the request ({last})",

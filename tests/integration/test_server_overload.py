@@ -16,7 +16,7 @@ import asyncio
 import httpx
 import pytest
 
-from kvmesh.services.errors import ENGINE_UNAVAILABLE_HEADER
+from kvmesh.services.errors import ENGINE_UNAVAILABLE_HEADER, OVERLOADED_HEADER
 
 pytestmark = pytest.mark.integration
 
@@ -91,6 +91,7 @@ def test_200_concurrent_requests_are_served_or_shed_with_retry_after(server) -> 
         retry = r.headers.get("retry-after")
         assert retry is not None and retry.isdigit() and int(retry) >= 1, retry
         assert ENGINE_UNAVAILABLE_HEADER not in r.headers  # busy, not down: a router must not fail over as if dead
+        assert r.headers[OVERLOADED_HEADER] == "1"  # nothing admitted: a router may try another pod
         err = r.json()["error"]
         assert err["type"] == "ServiceUnavailableError" and "overloaded" in err["message"]
 
