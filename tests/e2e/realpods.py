@@ -183,7 +183,9 @@ def new_namespace(c: Cluster) -> str:
 
 
 def delete_namespace(c: Cluster, name: str) -> None:
-    """Deletes a test's namespace and waits, so the next test's pods get the node's CPU and memory.
+    """Deletes a test's namespace and waits until its pods are gone, so the next test's pods get the
+    node's CPU and memory; the namespace's other objects go on being deleted in the background (each
+    test has a namespace of its own).
 
     Its pods are force-deleted once the namespace is terminating (no new pod can be made there then):
     a test's teardown needs no graceful drain, and each pod's (preStop, then the server's drain of
@@ -191,9 +193,7 @@ def delete_namespace(c: Cluster, name: str) -> None:
     their pods themselves."""
     c.kubectl("delete", "namespace", name, "--wait=false", timeout=60, check=False)
     c.kubectl("delete", "pods", "--all", "-n", name, "--grace-period=0", "--force", timeout=60, check=False)
-    c.kubectl(
-        "delete", "namespace", name, "--wait=true", "--timeout=240s", "--ignore-not-found", timeout=300, check=False
-    )
+    c.kubectl("wait", "--for=delete", "pods", "--all", "-n", name, "--timeout=120s", timeout=180, check=False)
 
 
 def deploy(c: Cluster, example: str, ns: str, timeout: float = 900) -> tuple[Service, dict[str, Any]]:
