@@ -540,8 +540,10 @@ class EngineCore:
     def _host_tier_stats(self) -> dict[str, Any]:
         pool = self.kv.pool
         host = pool.host
-        if host is None:
-            return {}
+        if host is None:  # the device tier alone: its cached blocks and prefix hits (the dashboard's tier row)
+            return dict(
+                kv_offload_blocks={MEDIUM_GPU: len(pool.cached)}, kv_tier_hit_tokens={MEDIUM_GPU: self.kv.stats.hits}
+            )
         st, disk = host.stats, host.disk
         tiers = {MEDIUM_CPU: host} | ({MEDIUM_DISK: disk} if disk is not None else {})
         host_kv = getattr(self.runner, "host_kv", None)  # this rank's bytes and times (rank 0)
