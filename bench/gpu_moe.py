@@ -63,6 +63,7 @@ GEMV_CONFIGS = [
     ((16, 512, 4), (8, 256, 4)),
     ((8, 512, 4), (8, 512, 4)),
 ]
+GEMV = kernels.KernelChoices(moe_gemv=True)  # the matrix-vector path (off by default) for its rows
 log = h.log
 
 
@@ -155,7 +156,7 @@ def bench_fused_moe(quick: bool) -> None:
         default = kernels.moe_config(T * k, E, x.device)
         res = {}
         for cfg in [default] + [c for c in CONFIGS if c != default and not quick]:
-            try:  # config= forces the grouped GEMM (T = 1 and 2 run the matrix-vector kernels by default)
+            try:
                 out = kernels.fused_moe(*args, config=cfg)
                 err = ((out.float() - ref32).norm() / ref32.norm()).item()
                 replay = _graph(lambda cfg=cfg, args=args: kernels.fused_moe(*args, config=cfg))
@@ -174,12 +175,12 @@ def bench_fused_moe(quick: bool) -> None:
             prep = dict(
                 route_align_ms=_time(_graph(ours)), route_align_torch_ms=_time(_graph(torch_ops)), route_align_same=same
             )
-        if T * k <= MOE_GEMV_MAX_PAIRS:  # the two matrix-vector kernels (the default here) and their sweep
+        if T * k <= MOE_GEMV_MAX_PAIRS:  # the two matrix-vector kernels (--moe-gemv) and their sweep
             gemv = {}
             for cfg in [None] + ([] if quick else GEMV_CONFIGS):
-                out = kernels.fused_moe(*args, gemv_config=cfg)
+                out = kernels.fused_moe(*args, choices=GEMV, gemv_config=cfg)
                 err = ((out.float() - ref32).norm() / ref32.norm()).item()
-                replay = _graph(lambda cfg=cfg, args=args: kernels.fused_moe(*args, gemv_config=cfg))
+                replay = _graph(lambda cfg=cfg, args=args: kernels.fused_moe(*args, choices=GEMV, gemv_config=cfg))
                 gemv[str(cfg or "default")] = (_time(replay), err)
             best_g = min(gemv, key=lambda c: gemv[c][0])
             prep.update(

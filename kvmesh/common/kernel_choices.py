@@ -48,8 +48,9 @@ class KernelChoices:
     # MoE routing and alignment by one Triton launch each instead of a dozen torch ops.
     moe_prep_kernels: bool = True
     # MoE layers of a few (token, slot) pairs (decode at batch 1 and 2) by two matrix-vector kernels
-    # instead of alignment, the grouped GEMM and the sum over slots.
-    moe_gemv: bool = True
+    # instead of alignment, the grouped GEMM and the sum over slots. Off: on an H100 it took 51 us at one
+    # token against 46 us for alignment + the grouped GEMM (BENCHMARKS.md), kept for its sweep.
+    moe_gemv: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gemv_kernel", "tma_attention", "pdl", "fp8_gemv_w8a8", "moe_prep_kernels", "moe_gemv"):

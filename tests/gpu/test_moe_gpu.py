@@ -52,26 +52,27 @@ def test_fused_moe_matches_reference(gen, T, dtype):
 
 @pytest.mark.parametrize("T,k", [(1, 8), (2, 8), (3, 4)])
 def test_moe_gemv_path_matches_grouped_gemm_and_reference(gen, T, k):
-    """A few pairs take the matrix-vector kernels; the grouped GEMM (``moe_gemv`` off) on the same inputs
-    and the fp32 reference agree with them."""
+    """A few pairs through the matrix-vector kernels (``moe_gemv``); the grouped GEMM (the default) on the
+    same inputs and the fp32 reference agree with them."""
     args = _case(gen, T, 2048, 768, 128, k, torch.bfloat16)
-    out = K.fused_moe(*args)
-    grouped = K.fused_moe(*args, choices=K.KernelChoices(moe_gemv=False))
+    out = K.fused_moe(*args, choices=K.KernelChoices(moe_gemv=True))
+    grouped = K.fused_moe(*args)
     assert _err(out, *args) < BOUND[torch.bfloat16]
     assert ((out.float() - grouped.float()).norm() / grouped.float().norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("T", [2, 8])  # the matrix-vector kernels, the grouped GEMM
-def test_fused_moe_in_a_cuda_graph_follows_new_routing(gen, T):
+@pytest.mark.parametrize("gemv", [True, False])  # the matrix-vector kernels, the grouped GEMM
+def test_fused_moe_in_a_cuda_graph_follows_new_routing(gen, gemv):
+    T = 2
     x, w1, w2, weights, ids = _case(gen, T, 256, 96, 16, 4, torch.bfloat16)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        K.fused_moe(x, w1, w2, weights, ids)
+        K.fused_moe(x, w1, w2, weights, ids, choices=K.KernelChoices(moe_gemv=gemv))
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = K.fused_moe(x, w1, w2, weights, ids)
+        out = K.fused_moe(x, w1, w2, weights, ids, choices=K.KernelChoices(moe_gemv=gemv))
     for _ in range(3):  # new tokens and new routing in the same buffers: no host sync, no stale sizes
         x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
         w, i = K.moe_routing(torch.randn(T, 16, generator=gen, device="cuda").bfloat16(), 4, True)

@@ -49,15 +49,15 @@ def make(gen, T, H, inter, E, k, dtype, skew=False):
     ],
 )
 def test_moe_gemv_path_matches_reference_and_grouped_gemm(gen, T, H, inter, E, k, dtype, gemv_config):
-    """Up to MOE_GEMV_MAX_PAIRS pairs: the two matrix-vector kernels (the default there) equal the reference,
-    and the grouped GEMM (forced by ``moe_gemv=False``) on the same inputs; more pairs never take them."""
+    """Up to MOE_GEMV_MAX_PAIRS pairs: the two matrix-vector kernels (``moe_gemv``) equal the reference, and
+    the grouped GEMM (the default) on the same inputs."""
     from kvmesh.kernels.moe import MOE_GEMV_MAX_PAIRS
 
     assert T * k <= MOE_GEMV_MAX_PAIRS
     x, w1, w2, logits = make(gen, T, H, inter, E, k, dtype)
     weights, ids = K.moe_routing(logits, k, renormalize=True)
-    out = K.fused_moe(x, w1, w2, weights, ids, gemv_config=gemv_config)
-    grouped = K.fused_moe(x, w1, w2, weights, ids, choices=K.KernelChoices(moe_gemv=False))
+    out = K.fused_moe(x, w1, w2, weights, ids, choices=K.KernelChoices(moe_gemv=True), gemv_config=gemv_config)
+    grouped = K.fused_moe(x, w1, w2, weights, ids)
     ref = K.fused_moe_reference(x.float(), w1.float(), w2.float(), weights.float(), ids)
     assert out.shape == (T, H) and out.dtype == dtype
     assert rel_err(out, ref) < BOUND[dtype]
