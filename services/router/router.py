@@ -466,7 +466,7 @@ class Router:
         if shed and len(shed) == len(exclude):  # every pod tried was only busy: the soonest one's estimate
             raise APIError(
                 503,
-                f"server is overloaded: every {'/'.join(roles)} pod tried shed the request; retry later",
+                f"server is overloaded: each of the {len(shed)} pods tried shed the request; retry later",
                 headers={"Retry-After": str(max(1, min(shed)))},
             )
         raise APIError(

@@ -1,6 +1,11 @@
-"""The chaos run: a fixed load of greedy requests through a real-pod P/D service while a fault is
-injected at a fixed interval, cycling through: a decode pod's main process SIGKILLed, a decode pod
-deleted, the prefill pod deleted, one of two router pods deleted, the redis-server pod deleted.
+"""The chaos run: a fixed load of greedy requests through a real-pod P/D service while faults are
+injected, cycling through: a decode pod's main process SIGKILLed, a decode pod deleted, the prefill pod
+deleted, one of two router pods deleted, the redis-server pod deleted.
+
+A fault comes ``KVMESH_CHAOS_EVERY_S`` after the one before, and not before the service has recovered
+from it (every pod Ready again): on a CPU node a pod takes longer than 30 s to come back, and a second
+fault on the other decode pod meanwhile would leave no decode pod at all, an outage by construction
+rather than a finding. Each fault's recovery time is recorded.
 
 Not part of `make test` (the file has no ``test_`` prefix, so only naming it runs it)::
 
@@ -28,7 +33,7 @@ import pytest
 import yaml
 
 from .conftest import Cluster, wait_ready
-from .realpods import CPU_EXAMPLES, MAX_TOKENS, Service, kill_main_process
+from .realpods import CPU_EXAMPLES, MAX_TOKENS, Service, kill_main_process, not_ready_on
 from .test_real_pods import client, prompts, real_node, real_operator, reference, rns  # noqa: F401
 
 pytestmark = pytest.mark.e2e
@@ -79,11 +84,27 @@ def _one(svc: Service, ids: list[int], want: str) -> dict[str, Any]:
     return rec
 
 
+REPLICAS = {"decode": 2, "prefill": 1, "router": 2, "redis": 1}
+
+
+def _recovered(svc: Service) -> bool:
+    """Every role has its replicas, each Running and Ready (and every container ready again)."""
+    for component, n in REPLICAS.items():
+        pods = svc.pods(component)
+        if len(pods) != n or any(not_ready_on(p["spec"].get("nodeName", ""), [p]) for p in pods):
+            return False
+        if not all(c.get("ready") for p in pods for c in p["status"].get("containerStatuses") or [{}]):
+            return False
+    return True
+
+
 def _inject(svc: Service, fault: str) -> str:
-    """Inject ``fault``; returns the pod it hit."""
+    """Inject ``fault`` into a Ready pod; returns the pod it hit."""
     role = {"decode_process": "decode", "decode_pod": "decode", "prefill_pod": "prefill", "router_pod": "router"}
     component = role.get(fault, "redis")
-    pods = sorted(p["metadata"]["name"] for p in svc.pods(component))
+    pods = sorted(
+        p["metadata"]["name"] for p in svc.pods(component) if not not_ready_on(p["spec"].get("nodeName", ""), [p])
+    )
     assert pods, f"no {component} pod to hurt"
     victim = pods[0]
     if fault == "decode_process":
@@ -108,6 +129,11 @@ def test_chaos(real_operator: Cluster, rns: str, prompts, reference) -> None:  #
     def injector() -> None:
         i = 0
         while not stop.wait(EVERY_S):
+            while not _recovered(svc):  # the last fault's pods are back first (module docstring)
+                if stop.wait(2.0):
+                    return
+            if faults:
+                faults[-1]["recovered_s"] = round(time.monotonic() - faults[-1]["t"], 1)
             fault = FAULTS[i % len(FAULTS)]
             try:
                 victim = _inject(svc, fault)
@@ -157,13 +183,24 @@ def test_chaos(real_operator: Cluster, rns: str, prompts, reference) -> None:  #
         rate=RATE,
         every_s=EVERY_S,
         window_s=WINDOW_S,
-        faults=[{"at_s": round(f["t"] - t_start, 1), "fault": f["fault"], "pod": f["pod"]} for f in faults],
+        faults=[
+            {
+                "at_s": round(f["t"] - t_start, 1),
+                "fault": f["fault"],
+                "pod": f["pod"],
+                "recovered_s": f.get("recovered_s"),
+            }
+            for f in faults
+        ],
         rows=rows,
         errors=[r.get("error") or r.get("text") for r in records if r["outcome"] != "ok"][:20],
     )
     out = ROOT / "bench" / "results" / "chaos.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nchaos run: {MINUTES:g} min at {RATE:g} req/s, a fault every {EVERY_S:g} s ({len(faults)} faults)")
+    print(
+        f"\nchaos run: {MINUTES:g} min at {RATE:g} req/s, a fault at least every {EVERY_S:g} s once the last one "
+        f"recovered ({len(faults)} faults: {', '.join(f['fault'] for f in faults)})"
+    )
     print(f"{'':16} {'sent':>5} {'failed':>6} {'wrong':>5} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} (ms)")
     for label, r in rows.items():
         print(
