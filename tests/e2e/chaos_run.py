@@ -46,9 +46,12 @@ FAULTS = ("decode_process", "decode_pod", "prefill_pod", "router_pod", "redis_po
 
 
 def _deploy(c: Cluster, ns: str) -> Service:
-    """The pd-redis CPU example with two router replicas (a router pod can go while the other serves)."""
+    """The pd-redis CPU example with two decode and two router replicas (a decode or router pod can go
+    while the other serves: with one decode pod, killing it is an outage by construction)."""
     obj = yaml.safe_load(CPU_EXAMPLES["pd-redis"].read_text())
-    obj["spec"].setdefault("router", {})["replicas"] = 2
+    for role, n in REPLICAS.items():
+        if role != "redis":
+            obj["spec"].setdefault(role, {})["replicas"] = n
     c.apply(yaml.safe_dump(obj), ns)
     wait_ready(c, obj["metadata"]["name"], ns, 900)
     svc = Service(c, obj["metadata"]["name"], ns)
@@ -208,4 +211,5 @@ def test_chaos(real_operator: Cluster, rns: str, prompts, reference) -> None:  #
             f"{r['ttft_p99_ms']!s:>7} {r['itl_p50_ms']!s:>8} {r['itl_p99_ms']!s:>7}"
         )
     print(f"written: {out}")
+    assert faults, "no fault injected: the service never counted as recovered"
     assert sum(r["failed"] + r["wrong"] for r in rows.values()) == 0, result["errors"]
