@@ -577,6 +577,7 @@ class Router:
         self.metrics.predicted_hit.inc(dd.hit_tokens)
         params = None
         pd_path = None
+        layout: str | None = None
         if self.candidates(("prefill",), lora=lora) and dd.pod.spec.role == "decode":
             # only a prefill pod whose blocks the decode pod can read (a rollout may run two layouts at once)
             layout = dd.pod.kv_layout or None
@@ -592,7 +593,18 @@ class Router:
         dbody = wire if params is None else {**wire, "kv_transfer_params": params}
         # open until the answer is relayed to its end (`tracing.ending`)
         with tracing.opened(f"router.{phase}", {"kvmesh.pd_path": pd_path or "none"}) as sp:
-            d, resp, fl = await self.send(DECODE_ROLES, path, dbody, hashes, plen, phase, dd, lora=lora)
+            try:  # blocks in hand: a retry (dd shed the request or went away) stays on pods of their layout
+                d, resp, fl = await self.send(
+                    DECODE_ROLES, path, dbody, hashes, plen, phase, dd, lora=lora, layout=layout if params else None
+                )
+            except APIError:
+                if params is None:
+                    raise
+                # no pod of the blocks' layout could take it: any decode pod computes the prompt itself
+                params = None
+                self.metrics.pd.labels("fallback_decode_layout").inc()
+                tracing.annotate(**{"kvmesh.pd_path": "fallback_decode_layout"})
+                d, resp, fl = await self.send(DECODE_ROLES, path, wire, hashes, plen, "decode", None, lora=lora)
             if params is not None and resp.status >= 400:
                 # the decode pod refused the transfer (bad/expired params): recompute there, never guess
                 resp.release()

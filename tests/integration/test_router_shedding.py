@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from kvmesh.services.errors import ENGINE_UNAVAILABLE_HEADER, OVERLOADED_HEADER
-from kvmesh.testing.pods import FakePod, IdTokenizer, start_router
+from kvmesh.testing.pods import FakePod, IdTokenizer, start_router, wait_for
 from kvmesh.topology import free_port
 
 pytestmark = pytest.mark.integration
@@ -50,3 +50,38 @@ def test_a_shedding_pod_is_skipped_and_all_shedding_is_a_503_with_the_soonest_re
     assert r.status_code == 503 and r.headers["retry-after"] == "3"
     assert "overloaded" in r.json()["error"]["message"] and ENGINE_UNAVAILABLE_HEADER not in r.headers
     assert router.admission.active == 0  # nothing held after the refusal
+
+
+def test_blocks_prefilled_for_a_shedding_decode_pod_never_go_to_a_pod_of_another_layout():
+    """Mid-rollout: the decode pod chosen sheds the request after a prefill pod of its KV layout computed
+    it. The retry keeps to decode pods of that layout; with none, another decode pod computes the prompt
+    itself (it is never sent blocks it would refuse)."""
+    from kvmesh.services.router.config import PodSpec, RouterConfig
+
+    pre, d1, d2 = FakePod().start(), FakePod().start(), FakePod().start()
+    pre.kv_layout, d1.kv_layout, d2.kv_layout = "old", "old", "new"
+    d1.refuse, d1.refuse_headers = (503, SHED), {"Retry-After": "2", OVERLOADED_HEADER: "1"}
+    cfg = RouterConfig(
+        port=free_port(),
+        pods=(PodSpec(pre.url, "prefill"), PodSpec(d1.url, "decode"), PodSpec(d2.url, "decode")),
+        policy="round-robin",
+        pd_min_uncached=0,
+        health_interval=0.1,
+    )
+    srv, router = start_router(cfg, tokenizer=IdTokenizer())
+    try:
+        for p in (pre, d1, d2):
+            assert wait_for(lambda p=p: router.pods[p.url].kv_layout == p.kv_layout, timeout=10)
+        for _ in range(4):  # round-robin picks the shedding "old" pod first for half of them
+            r = _post(srv)
+            assert r.status_code == 200, r.text
+        assert len(d1.bodies) >= 1 and len(pre.bodies) >= 1  # the scenario ran: prefilled for d1, d1 shed
+        assert len(d2.bodies) == 4 and all("kv_transfer_params" not in b for b in d2.bodies)
+        fallback = router.metrics.registry.get_sample_value(
+            "kvmesh:router_pd_decisions_total", {"path": "fallback_decode_layout"}
+        )
+        assert fallback == len(pre.bodies)
+    finally:
+        srv.stop()
+        for p in (pre, d1, d2):
+            p.stop()
