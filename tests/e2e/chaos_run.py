@@ -223,7 +223,8 @@ def test_chaos(real_operator: Cluster, rns: str, prompts, reference) -> None:  #
         f"\nchaos run: {MINUTES:g} min at {RATE:g} req/s, a fault at least every {EVERY_S:g} s once the last one "
         f"recovered ({len(faults)} faults: {', '.join(f['fault'] for f in faults)})"
     )
-    print(f"{'':16} {'sent':>5} {'shed':>5} {'failed':>6} {'wrong':>5} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} (ms)")
+    head = f"{'sent':>5} {'shed':>5} {'failed':>6} {'wrong':>5} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7}"
+    print(f"{'':16} {head} (ms)")
     for label, r in rows.items():
         print(
             f"{label:16} {r['sent']:>5} {r['shed']:>5} {r['failed']:>6} {r['wrong']:>5} {r['ttft_p50_ms']!s:>9} "
