@@ -1,7 +1,7 @@
 """What the GPU benchmarks share (gpu_engine.py, gpu_fp8.py, gpu_moe.py; gpu_kernels.py for its
 results file): the clock and log, the run's environment, stages that fail on their own, the results
-JSON under ``$OUT``, the copy bandwidth (every roofline's denominator) and the engine measurements
-(decode against its roofline, offline throughput).
+JSON under ``$OUT``, the copy bandwidth (every roofline's denominator), the engine measurements
+(decode against its roofline, offline throughput), and the tiny model of the scripts' ``--smoke`` runs.
 
 Each script is run as a file (``python3 bench/gpu_fp8.py``) and imports this one from its own folder.
 Engines are built and driven by tests/engine_checks.py's `build_engine` and `run_requests`, the
@@ -15,7 +15,8 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from kvmesh.engine.runner import ModelRunner  # noqa: E402
 
 __all__ = [
     "PENALTIES",
+    "SMOKE_MODEL",
     "Stages",
     "T_START",
     "build_engine",
@@ -55,6 +57,22 @@ def log(*a: Any) -> None:
 def deadline(budget_s: float) -> float:
     """The wall-clock time (``time.time()``) at which a run of ``budget_s`` seconds must end."""
     return T_START + budget_s
+
+
+# The model of the scripts' ``--smoke`` runs (random weights on the CPU, seconds), one for all so their
+# smoke runs test the same thing: the fields that shrink Llama-3-8B's HF config (random_init.scaled_config)
+# to Llama-3's layout in miniature; a script's prompts take token ids below its vocabulary.
+SMOKE_MODEL: Mapping[str, Any] = MappingProxyType(
+    dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1000,
+    )
+)
 
 
 # --------------------------------------------------------------------------- the run and its results

@@ -44,15 +44,6 @@ from kvmesh.engine.models.random_init import random_state_dict, scaled_config  #
 R: dict = {}
 log = h.log
 BS = 16
-SMOKE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=1000,
-)
 
 
 def h2d_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -88,7 +79,7 @@ def ttft(eng: EngineCore, rid: str, ids: list[int]) -> tuple[float, int]:
 
 def run(args: argparse.Namespace) -> None:
     hf = scaled_config()
-    hf.update(SMOKE if args.smoke else {})
+    hf.update(h.SMOKE_MODEL if args.smoke else {})
     hf["max_position_embeddings"] = max(hf.get("max_position_embeddings", 0), args.prompt + 64)
     cfg = model_config_from_hf(hf, "llama3-tiny-random" if args.smoke else "llama3-8b-random")
     dev, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)

@@ -69,18 +69,8 @@ RANK, N_LORAS = 16, 8
 CASES = ("base", "none", "one", "eight")  # base: LoRA disabled; the others on the LoRA engine
 CASE_NAMES = {"base": "base (LoRA off)", "none": "LoRA on, no adapter", "one": "1 adapter", "eight": "8 adapters"}
 SOLO_ROWS, SOLO_TOKENS = 8, 32
-# The smoke model: Llama-3's layout, tiny (its prompts take token ids below its vocabulary).
-SMOKE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=1000,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+# The smoke model (the harness's) with BOS and EOS inside its vocabulary.
+SMOKE = {**h.SMOKE_MODEL, "bos_token_id": 1, "eos_token_id": 2}
 
 
 def prompts_for(B: int, P: int, seed: int, hi: int) -> list[list[int]]:

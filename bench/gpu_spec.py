@@ -30,7 +30,6 @@ import json
 import os
 import sys
 import time
-from typing import Any
 
 import numpy as np
 import torch
@@ -42,15 +41,6 @@ from kvmesh.engine.models.random_init import random_model, scaled_config  # noqa
 
 R: dict = {}
 log = h.log
-SMOKE: dict[str, Any] = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=1000,
-)
 
 
 class OracleProposer:
@@ -93,7 +83,7 @@ def main() -> int:
     args = ap.parse_args()
     dev = "cpu" if args.smoke else "cuda"
     R["env"] = vars(args) if args.smoke else h.env_info(args)
-    cfg = scaled_config(**SMOKE) if args.smoke else scaled_config()
+    cfg = scaled_config(**h.SMOKE_MODEL) if args.smoke else scaled_config()
     if args.smoke:
         args.new, args.prompt, args.p, args.batches = 12, 32, "1.0,0.5", "1,2"
     lm = random_model(

@@ -181,7 +181,8 @@ class EngineArgs:
             minimum=0,
             maximum=65536,
             description="Local-disk KV tier per rank in GiB under the host tier, 0 for none. The operator "
-            "mounts an emptyDir of this size (plus slack) for it; needs kvOffloadGb.",
+            "mounts an emptyDir of this size per rank (plus 64 MiB of slack each) for it and adds the same to "
+            "the worker's ephemeral-storage request (and limit, if the role sets one); needs kvOffloadGb.",
         ),
     )
     kv_offload_disk_path: str = _setting(

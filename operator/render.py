@@ -52,6 +52,12 @@ MANAGER = "kvmesh-operator"
 
 HTTP_PORT = 8000
 KV_DISK_PATH = "/var/cache/kvmesh/kv"  # a worker's disk KV tier (an emptyDir, with engine.kvOffloadDiskGb)
+# Room in the disk tier's emptyDir beyond its files, per rank. The engine writes nothing else there, but
+# a rank's file can be exactly kvOffloadDiskGb (whole blocks that divide a GiB), and the kubelet measures
+# the volume in the filesystem's blocks (du), which count the folder and each file's extent map too: with
+# no slack the volume would pass its sizeLimit at start and the kubelet would evict the pod. An extent
+# takes 12 bytes on ext4, so 64 MiB holds over five million of them (a preallocated file needs a few).
+KV_DISK_SLACK_MIB = 64
 KV_EVENTS_PORT = 5557  # workers bind their KV-event PUB socket here; the router connects to each pod IP
 KV_REPLAY_PORT = 5558  # and the replay ROUTER socket (a router started late, or after a gap, asks for history)
 NIXL_SIDE_CHANNEL_PORT = 5600
@@ -257,28 +263,37 @@ def kv_tier_memory_gib(spec: InferenceServiceSpec) -> float:
     return spec.engine.kv_offload_gb * spec.ranks_per_pod()
 
 
-def kv_disk_size(spec: InferenceServiceSpec) -> str | None:
-    """``sizeLimit`` of a worker pod's disk-tier emptyDir: ``kvOffloadDiskGb`` per rank of the pod (each
-    rank's file is at most that, preallocated at start); None without a disk tier."""
+def kv_disk_bytes(spec: InferenceServiceSpec) -> int:
+    """Local disk a worker pod's disk KV tier takes, in bytes: for each rank the pod runs, its one file
+    (engine/runner/host_kv.py's `DiskKV`: whole blocks, at most ``kvOffloadDiskGb`` GiB, preallocated at
+    start) and ``KV_DISK_SLACK_MIB``; 0 without a disk tier (none under no host tier)."""
     gb = spec.engine.kv_offload_disk_gb
     if gb <= 0 or spec.engine.kv_offload_gb <= 0:
-        return None
-    return _mebibytes(gb * spec.ranks_per_pod() * (1 << 30))
+        return 0
+    return spec.ranks_per_pod() * (math.ceil(gb * (1 << 30)) + KV_DISK_SLACK_MIB * (1 << 20))
 
 
-def _resources(role: RoleSpec, gpus: int, tier_gib: float = 0.0) -> dict[str, Any]:
+def kv_disk_size(spec: InferenceServiceSpec) -> str | None:
+    """``sizeLimit`` of a worker pod's disk-tier emptyDir (`kv_disk_bytes`); None without a disk tier."""
+    n = kv_disk_bytes(spec)
+    return _mebibytes(n) if n else None
+
+
+def _resources(role: RoleSpec, gpus: int, tier_gib: float = 0.0, disk_bytes: int = 0) -> dict[str, Any]:
     """The container's resources: the role's, plus ``tier_gib`` GiB of memory (a worker's host KV
-    tiers, `kv_tier_memory_gib`) added to its memory request and limit. A role without a memory
-    request gets one of the tier's size, so the scheduler places the pod where that much is free;
-    one without a limit stays without one."""
+    tiers, `kv_tier_memory_gib`) added to its memory request and limit, and ``disk_bytes`` (its disk KV
+    tier's emptyDir, `kv_disk_bytes`) to its ephemeral-storage request and limit. A role without such a
+    request gets one of the tier's size, so the scheduler places the pod where that much is free; one
+    without a limit stays without one (an ephemeral-storage limit bounds all the pod's local files, its
+    /tmp and logs too, so one of the tier's size alone would evict a pod that writes anything else)."""
     requests = {k: v for k, v in sorted(role.requests.items())}
     limits = {k: v for k, v in sorted(role.limits.items())}
-    if tier_gib > 0:
-        extra = tier_gib * (1 << 30)
-        requests["memory"] = _mebibytes(quantity_bytes(requests.get("memory", 0)) + extra)
-        if "memory" in limits:
-            limits["memory"] = _mebibytes(quantity_bytes(limits["memory"]) + extra)
-        requests = dict(sorted(requests.items()))
+    for key, extra in (("memory", tier_gib * (1 << 30)), ("ephemeral-storage", float(disk_bytes))):
+        if extra > 0:
+            requests[key] = _mebibytes(quantity_bytes(requests.get(key, 0)) + extra)
+            if key in limits:
+                limits[key] = _mebibytes(quantity_bytes(limits[key]) + extra)
+    requests = dict(sorted(requests.items()))
     if gpus:
         # Extended resources must be in limits (requests default to the same value).
         limits[GPU_RESOURCE] = gpus
@@ -572,7 +587,7 @@ def _rank_pod(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, volumes: 
         "command": ["kvmesh"],
         "args": args,
         "env": [*_cache_env()],
-        "resources": _resources(spec.role(role), spec.gpus(role), kv_tier_memory_gib(spec)),
+        "resources": _resources(spec.role(role), spec.gpus(role), kv_tier_memory_gib(spec), kv_disk_bytes(spec)),
         "securityContext": _security_context(),
         "volumeMounts": mounts,
     }
@@ -656,7 +671,7 @@ def _worker(spec: InferenceServiceSpec, meta: ObjectMeta, role: str, config_hash
         # /live: a draining worker (/health 503, see POST /drain) is alive and must not be restarted.
         "livenessProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},
-        "resources": _resources(r, spec.gpus(role), kv_tier_memory_gib(spec)),
+        "resources": _resources(r, spec.gpus(role), kv_tier_memory_gib(spec), kv_disk_bytes(spec)),
         "securityContext": _security_context(),
         "volumeMounts": mounts,
     }

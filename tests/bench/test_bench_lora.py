@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
+from bench_smoke import run_smoke
 
 from kvmesh.bench import serve as bench_serve
 from kvmesh.bench.lora_adapters import write_adapter
@@ -22,7 +18,6 @@ from kvmesh.engine.lora.adapter import LORA_MODULES, load_adapter, module_shape
 from kvmesh.engine.models.random_init import scaled_config
 
 pytestmark = pytest.mark.unit
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_written_adapters_load_as_peft_folders(tmp_path):
@@ -50,17 +45,9 @@ def test_written_adapters_load_as_peft_folders(tmp_path):
 def test_lora_decode_benchmark_runs_end_to_end_on_the_cpu(tmp_path):
     """bench/gpu_lora_decode.py --smoke: every case at every batch size, its token checks passing,
     its table printed and its JSON written."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OUT": str(tmp_path)}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_lora_decode.py"), "--smoke", "--repeats", "1"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "8 adapters" in proc.stdout and "PASS" in proc.stdout
-    res = json.loads((tmp_path / "gpu_lora_decode.json").read_text())
+    run = run_smoke("gpu_lora_decode", tmp_path, "--repeats", "1", timeout=180)
+    assert "8 adapters" in run.stdout and "PASS" in run.stdout
+    res = run.results
     assert {(r["case"], r["B"]) for r in res["rows"]} == {
         (c, b) for c in ("base", "none", "one", "eight") for b in (1, 4, 8)
     }

@@ -120,6 +120,12 @@ class Cluster:
         args = ["apply", "-f", "-"] + (["-n", ns] if ns else [])
         return self.kubectl(*args, input=manifest, **kw)
 
+    def patch_spec(self, name: str, ns: str, spec: dict[str, Any]) -> str:
+        """Merge-patches an InferenceService's spec as a user's `kubectl patch --type=merge` would
+        (a None value removes the field), so every test changes a spec the same way."""
+        body = json.dumps({"spec": spec})
+        return self.kubectl("patch", "inferenceservice", name, "-n", ns, "--type=merge", "-p", body)
+
 
 def _script(name: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **E2E_ENV}

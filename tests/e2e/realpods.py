@@ -76,6 +76,10 @@ class Service:
         svc = self.c.get("service", self.name, self.ns)
         return f"http://{svc['spec']['clusterIP']}:80"
 
+    def patch_spec(self, spec: dict[str, Any]) -> None:
+        """Merge-patches this service's spec (Cluster.patch_spec)."""
+        self.c.patch_spec(self.name, self.ns, spec)
+
     def admin_key(self) -> str:
         """The service's admin key (key admin-key of the operator's NAME-kvmesh-internal Secret): the
         router shows which pod answered (x-kvmesh-pod) to it alone."""

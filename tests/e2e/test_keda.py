@@ -104,16 +104,7 @@ def test_keda_scaled_objects_accepted_owned_and_pruned(keda_crds: Cluster, opera
     )
 
     # provider hpa: the ScaledObjects are pruned and the operator's HPAs take over.
-    c.kubectl(
-        "patch",
-        "inferenceservice",
-        "scaled",
-        "-n",
-        ns,
-        "--type=merge",
-        "-p",
-        '{"spec": {"autoscaling": {"provider": "hpa"}}}',
-    )
+    c.patch_spec("scaled", ns, {"autoscaling": {"provider": "hpa"}})
     wait_for("ScaledObjects pruned", lambda: not c.list("scaledobject.keda.sh", ns), 120)
     wait_for("HPAs rendered", lambda: len(c.list("horizontalpodautoscaler.autoscaling", ns)) == 2, 120)
 

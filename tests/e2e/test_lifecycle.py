@@ -18,10 +18,6 @@ pytestmark = pytest.mark.e2e
 CHILD_KINDS = ",".join(sorted(set(RESOURCE.values()) | {"pods", "replicasets.apps"}))
 
 
-def patch(c: Cluster, ns: str, name: str, body: dict) -> None:
-    c.kubectl("patch", "inferenceservice", name, "-n", ns, "--type=merge", "-p", json.dumps(body))
-
-
 def children(c: Cluster, ns: str, name: str) -> list[dict]:
     out = c.kubectl("get", CHILD_KINDS, "-n", ns, "-o", "json", "-l", f"app.kubernetes.io/instance={name}")
     return json.loads(out)["items"]
@@ -37,12 +33,7 @@ def test_spec_update_flows_to_children(chart: Cluster, operator: Operator, ns: s
     assert before["metadata"]["generation"] == 1
     old_decode_uid = chart.get("deployment.apps", "tiny-decode", ns)["metadata"]["uid"]
 
-    patch(
-        chart,
-        ns,
-        "tiny",
-        {"spec": {"decode": {"replicas": 2, "image": "example.test/w:2"}, "engine": {"maxNumSeqs": 32}}},
-    )
+    chart.patch_spec("tiny", ns, {"decode": {"replicas": 2, "image": "example.test/w:2"}, "engine": {"maxNumSeqs": 32}})
     after = wait_ready(chart, "tiny", ns)
     assert after["metadata"]["generation"] == 2
     assert after["status"]["observedGeneration"] == 2
@@ -67,11 +58,11 @@ def test_autoscaling_toggle_adds_and_prunes_hpas(chart: Cluster, operator: Opera
     wait_ready(chart, "tiny", ns)
     on = {"enabled": True, "provider": "hpa"}
     on |= {"prefill": {"targetTTFTMilliseconds": 500}, "decode": {"targetITLMilliseconds": 50}}
-    patch(chart, ns, "tiny", {"spec": {"autoscaling": on}})
+    chart.patch_spec("tiny", ns, {"autoscaling": on})
     hpa = "horizontalpodautoscaler.autoscaling"
     wait_for("HPAs", lambda: len(chart.list(hpa, ns)) == 2)
     wait_ready(chart, "tiny", ns)
-    patch(chart, ns, "tiny", {"spec": {"autoscaling": {"enabled": False}}})
+    chart.patch_spec("tiny", ns, {"autoscaling": {"enabled": False}})
     wait_for("HPAs pruned", lambda: chart.list(hpa, ns) == [])
 
 
@@ -125,7 +116,7 @@ def test_invalid_spec_that_passes_the_schema_is_degraded(chart: Cluster, operato
     assert condition(obj, "Progressing")["status"] == "False"
     assert children(chart, ns, "tiny") == []  # nothing rendered from an invalid spec
 
-    patch(chart, ns, "tiny", {"spec": {"engine": {"maxNumBatchedTokens": 256}}})
+    chart.patch_spec("tiny", ns, {"engine": {"maxNumBatchedTokens": 256}})
     fixed = wait_ready(chart, "tiny", ns)
     assert condition(fixed, "Degraded")["status"] == "False"
 
@@ -220,14 +211,14 @@ def test_lora_adapters_change_only_their_configmap_and_are_pruned(chart: Cluster
         args = container(chart, ns, f"tiny-{r}")["args"]
         assert "--enable-lora" in args and "--lora-modules-file" in args
 
-    patch(chart, ns, "tiny", {"spec": {"loraAdapters": adapters("a", "b")}})
+    chart.patch_spec("tiny", ns, {"loraAdapters": adapters("a", "b")})
     st = wait_ready(chart, "tiny", ns)["status"]
     assert st["loraAdapters"] == {"prefill": ["a", "b"], "decode": ["a", "b"]}
     assert files() == {"a": "/adapters/pvc/models/loras/a", "b": "/adapters/pvc/models/loras/b"}
     for r, g in gens.items():
         assert chart.get("deployment.apps", f"tiny-{r}", ns)["metadata"]["generation"] == g, r
 
-    patch(chart, ns, "tiny", {"spec": {"loraAdapters": None}})
+    chart.patch_spec("tiny", ns, {"loraAdapters": None})
     wait_for("NAME-lora-adapters pruned", lambda: chart.get("configmap", "tiny-lora-adapters", ns) is None)
     st = wait_ready(chart, "tiny", ns)["status"]
     assert "loraAdapters" not in st

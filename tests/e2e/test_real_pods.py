@@ -473,16 +473,7 @@ def pod_identities(svc: Service) -> dict[str, tuple[str, int]]:
 
 def set_adapters(svc: Service, names: list[str]) -> None:
     adapters = [{"name": n, "volume": {"claimName": "adapters", "subPath": n}} for n in names]
-    svc.c.kubectl(
-        "patch",
-        "inferenceservice",
-        svc.name,
-        "-n",
-        svc.ns,
-        "--type=merge",
-        "-p",
-        json.dumps({"spec": {"loraAdapters": adapters}}),
-    )
+    svc.patch_spec({"loraAdapters": adapters})
 
 
 def test_lora_adapters_from_the_spec_are_served_and_follow_spec_changes_without_restarts(
@@ -789,16 +780,7 @@ def test_router_pod_deleted(faulted: Service, prompts, reference) -> None:
 def test_operator_pod_restarted_mid_reconcile(faulted: Service) -> None:
     c = faulted.c
     gen = c.get("inferenceservice", faulted.name, faulted.ns)["metadata"]["generation"]
-    c.kubectl(
-        "patch",
-        "inferenceservice",
-        faulted.name,
-        "-n",
-        faulted.ns,
-        "--type=merge",
-        "-p",
-        json.dumps({"spec": {"router": {"resources": {"requests": {"cpu": "110m"}}}}}),
-    )
+    faulted.patch_spec({"router": {"resources": {"requests": {"cpu": "110m"}}}})
     for p in operator_pods(c):
         c.kubectl("delete", "pod", p["metadata"]["name"], "-n", REAL_OPERATOR_NS, "--wait=false")
     obj = wait_ready(c, faulted.name, faulted.ns, 600)
@@ -811,19 +793,9 @@ def test_operator_pod_restarted_mid_reconcile(faulted: Service) -> None:
 
 
 def test_engine_setting_rolled_out_under_load_loses_nothing(faulted: Service, prompts, reference) -> None:
-    c = faulted.c
     with Load(checked_sender(faulted, prompts, reference), threads=2) as load:
         load.wait_ok(2)
-        c.kubectl(
-            "patch",
-            "inferenceservice",
-            faulted.name,
-            "-n",
-            faulted.ns,
-            "--type=merge",
-            "-p",
-            json.dumps({"spec": {"engine": {"maxNumSeqs": 16, "kvCacheMemoryGB": 0.2, "blockSize": 32}}}),
-        )
+        faulted.patch_spec({"engine": {"maxNumSeqs": 16, "kvCacheMemoryGB": 0.2, "blockSize": 32}})
         wait_rolled_out(faulted)
         ok = load.ok
         load.wait_ok(ok + 2)
@@ -845,16 +817,7 @@ def test_decode_scaled_down_under_load_loses_nothing(faulted: Service, prompts, 
     assert len(faulted.pods("decode")) == 2
     with Load(checked_sender(faulted, prompts, reference), threads=3) as load:
         load.wait_ok(3)
-        c.kubectl(
-            "patch",
-            "inferenceservice",
-            faulted.name,
-            "-n",
-            faulted.ns,
-            "--type=merge",
-            "-p",
-            json.dumps({"spec": {"decode": {"replicas": 1}}}),
-        )
+        faulted.patch_spec({"decode": {"replicas": 1}})
         wait_for(
             "one decode pod left",
             lambda: (
@@ -882,24 +845,12 @@ def test_dtype_rolled_out_under_load_loses_nothing(faulted: Service, make_llm, p
     (or the decode pod computes the prompt) and a decode pod refuses another layout's blocks. No request
     fails; every answer is the float32 or the bfloat16 offline engine's, and after the rollout the
     bfloat16 one's. (Last of the module: its pods then run bfloat16.)"""
-    c = faulted.c
     llm = make_llm(dtype="bfloat16")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     bf16 = {k: llm.generate([v], params)[0].outputs[0].text for k, v in prompts.items()}
     with Load(checked_sender(faulted, prompts, reference, also=bf16), threads=2) as load:
         load.wait_ok(2)
-        c.kubectl(
-            "patch",
-            "inferenceservice",
-            faulted.name,
-            "-n",
-            faulted.ns,
-            "--type=merge",
-            "-p",
-            json.dumps(
-                {"spec": {"engine": {"dtype": "bfloat16", "gpuMemoryUtilization": 0.5, "maxNumBatchedTokens": 1024}}}
-            ),
-        )
+        faulted.patch_spec({"engine": {"dtype": "bfloat16", "gpuMemoryUtilization": 0.5, "maxNumBatchedTokens": 1024}})
         wait_rolled_out(faulted)
         faulted.routed()
         ok = load.ok

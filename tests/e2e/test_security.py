@@ -96,9 +96,7 @@ def test_router_service_account_and_generated_secret(chart: Cluster, operator: O
     assert policies == {"tiny-default-deny", "tiny-router", "tiny-workers"}
 
     # Reconciles after a spec change (and every resync meanwhile) leave the keys as they are.
-    chart.kubectl(
-        "patch", "inferenceservice", "tiny", "-n", ns, "--type=merge", "-p", '{"spec": {"engine": {"maxNumSeqs": 32}}}'
-    )
+    chart.patch_spec("tiny", ns, {"engine": {"maxNumSeqs": 32}})
     after = wait_ready(chart, "tiny", ns)
     assert after["status"]["observedGeneration"] == 2
     s2 = secret(chart, "tiny-kvmesh-internal", ns)
@@ -106,16 +104,7 @@ def test_router_service_account_and_generated_secret(chart: Cluster, operator: O
     assert decoded(s2) == keys
 
     # The spec switch removes the policies (pruned like any child no longer rendered).
-    chart.kubectl(
-        "patch",
-        "inferenceservice",
-        "tiny",
-        "-n",
-        ns,
-        "--type=merge",
-        "-p",
-        '{"spec": {"networkPolicy": {"enabled": false}}}',
-    )
+    chart.patch_spec("tiny", ns, {"networkPolicy": {"enabled": False}})
     wait_for("policies pruned", lambda: not chart.list("networkpolicy.networking.k8s.io", ns), 60)
 
     # Deleting the InferenceService deletes its Secret (garbage collection through the owner reference).

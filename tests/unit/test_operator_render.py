@@ -19,7 +19,7 @@ from operator_checks import engine_settings_from_args
 from kvmesh.operator import conditions
 from kvmesh.operator.conditions import Condition
 from kvmesh.operator.reconcile import Outcome, reconcile, status_for
-from kvmesh.operator.render import GPU_RESOURCE, render
+from kvmesh.operator.render import GPU_RESOURCE, KV_DISK_SLACK_MIB, render
 from kvmesh.operator.spec import InferenceServiceSpec
 from kvmesh.operator.validate import problems
 
@@ -464,25 +464,38 @@ def test_cpu_workers_with_tensor_parallelism_run_every_rank_in_one_pod() -> None
 
 def test_kv_tiers_grow_the_pods_memory_and_mount_an_empty_dir_for_the_disk_tier() -> None:
     """kvOffloadGb is pinned host memory per rank: the worker's memory request and limit grow by it for
-    every rank of the pod; kvOffloadDiskGb gets an emptyDir of that size per rank, passed as the tier's path."""
+    every rank of the pod; kvOffloadDiskGb gets an emptyDir of that size per rank (plus the stated slack),
+    passed as the tier's path, and the worker's ephemeral-storage request and limit grow by the same."""
     spec = {
         "engine": {"tensorParallelSize": 2, "kvOffloadGb": 4, "kvOffloadDiskGb": 10.5},
-        "prefill": {"resources": {"requests": {"memory": "16Gi", "cpu": "4"}, "limits": {"memory": "32Gi"}}},
+        "prefill": {
+            "resources": {
+                "requests": {"memory": "16Gi", "cpu": "4", "ephemeral-storage": "2Gi"},
+                "limits": {"memory": "32Gi", "ephemeral-storage": "50Gi"},
+            }
+        },
         "decode": {"gpus": 0, "resources": {"requests": {"cpu": "2"}}},
     }
     assert problems(InferenceServiceSpec.parse(spec)) == []
     objs = by_kind(render(spec, {**META, "name": "tier"}))
+    disk_mib = 2 * (int(10.5 * 1024) + KV_DISK_SLACK_MIB)  # two ranks of 10.5 GiB, each with its slack
     pre = worker_pod(objs, "tier", "prefill")["containers"][0]["resources"]
-    assert pre["requests"] == {"cpu": "4", "memory": f"{(16 + 8) * 1024}Mi"}
+    assert pre["requests"] == {
+        "cpu": "4",
+        "ephemeral-storage": f"{2 * 1024 + disk_mib}Mi",
+        "memory": f"{(16 + 8) * 1024}Mi",
+    }
     assert pre["limits"]["memory"] == f"{(32 + 8) * 1024}Mi"
+    assert pre["limits"]["ephemeral-storage"] == f"{50 * 1024 + disk_mib}Mi"
     dec = worker_pod(objs, "tier", "decode")["containers"][0]["resources"]
-    assert dec["requests"] == {"cpu": "2", "memory": f"{8 * 1024}Mi"}  # at least the tier's own
+    # at least the tiers' own
+    assert dec["requests"] == {"cpu": "2", "ephemeral-storage": f"{disk_mib}Mi", "memory": f"{8 * 1024}Mi"}
     assert "limits" not in dec  # no limit to grow: none added
     for role in ("prefill", "decode"):
         pod = worker_pod(objs, "tier", role)
         c = pod["containers"][0]
         (vol,) = [v for v in pod["volumes"] if v["name"] == "kv-disk"]
-        assert vol["emptyDir"] == {"sizeLimit": f"{21 * 1024}Mi"}  # two ranks of 10.5 GiB
+        assert vol["emptyDir"] == {"sizeLimit": f"{disk_mib}Mi"}
         (mount,) = [m for m in c["volumeMounts"] if m["name"] == "kv-disk"]
         _, proc = engine_settings_from_args(c["args"])
         kw = proc.engine_kwargs
@@ -490,6 +503,7 @@ def test_kv_tiers_grow_the_pods_memory_and_mount_an_empty_dir_for_the_disk_tier(
         assert kw["kv_offload_disk_path"] == mount["mountPath"]
     router = worker_pod(objs, "tier", "router")
     assert "memory" not in router["containers"][0].get("resources", {}).get("requests", {})
+    assert "ephemeral-storage" not in router["containers"][0].get("resources", {}).get("requests", {})
     assert not [v for v in router["volumes"] if v["name"] == "kv-disk"]
 
     no_host = InferenceServiceSpec.parse({"engine": {"kvOffloadDiskGb": 10}})
@@ -498,6 +512,31 @@ def test_kv_tiers_grow_the_pods_memory_and_mount_an_empty_dir_for_the_disk_tier(
     pod = worker_pod(plain, "p", "prefill")
     assert not [v for v in pod["volumes"] if v["name"] == "kv-disk"]
     assert "--kv-offload-disk-path" not in pod["containers"][0]["args"]
+    assert "ephemeral-storage" not in pod["containers"][0].get("resources", {}).get("requests", {})
+
+
+@pytest.mark.parametrize(("tp", "nodes", "ranks"), [(1, 1, 1), (4, 1, 4), (4, 2, 2)])
+def test_the_disk_tier_takes_its_size_for_every_rank_of_a_pod(tp: int, nodes: int, ranks: int) -> None:
+    """Each rank preallocates its own file of kvOffloadDiskGb (engine/runner/host_kv.py), so a pod's
+    emptyDir sizeLimit and its ephemeral-storage request and limit grow by the tier for each rank it runs:
+    all of them, or a host's share when a replica spans pods (the leader's and the rank pods alike)."""
+    engine = {"tensorParallelSize": tp, "tensorParallelNodes": nodes, "kvOffloadGb": 1, "kvOffloadDiskGb": 100}
+    storage = {"requests": {"ephemeral-storage": "1Gi"}, "limits": {"ephemeral-storage": "8Gi"}}
+    spec = {"engine": engine, "decode": {"resources": storage}}
+    assert problems(InferenceServiceSpec.parse(spec)) == []
+    objs = by_kind(render(spec, {**META, "name": "d"}))
+    if nodes == 1:
+        pods = [worker_pod(objs, "d", "decode")]
+    else:
+        t = objs[("LeaderWorkerSet", "d-decode-group")]["spec"]["leaderWorkerTemplate"]
+        pods = [t["leaderTemplate"]["spec"], t["workerTemplate"]["spec"]]
+    disk_mib = ranks * (100 * 1024 + KV_DISK_SLACK_MIB)
+    for pod in pods:
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "kv-disk"]
+        assert vol["emptyDir"] == {"sizeLimit": f"{disk_mib}Mi"}
+        res = pod["containers"][0]["resources"]
+        assert res["requests"]["ephemeral-storage"] == f"{1024 + disk_mib}Mi"
+        assert res["limits"]["ephemeral-storage"] == f"{8 * 1024 + disk_mib}Mi"
 
 
 @pytest.mark.parametrize(
