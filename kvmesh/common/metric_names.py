@@ -17,6 +17,10 @@ INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
 ENGINE_COMPUTED_TOKENS = "kvmesh:engine_computed_tokens"
 KV_HELD_REQUESTS = "kvmesh:kv_held_requests"
 PROMPT_TOKENS_PENDING = "kvmesh:prompt_tokens_pending"
+# Prompts a worker turned into token ids, by source: "text" (it tokenized the prompt or rendered the chat
+# itself) or "ids" (it took the ids the router computed, services/api/protocol.PROMPT_TOKEN_IDS).
+PROMPT_TOKENIZATIONS = "kvmesh:prompt_tokenizations"
+PROMPT_SOURCES = ("ids", "text")
 
 
 def total(name: str) -> str:

@@ -19,6 +19,7 @@ reference and is not re-implemented here; it imports torch only where torch is i
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -460,6 +461,24 @@ def tokenizer_for(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def tokenizer_digest(tokenizer: Any) -> str | None:
+    """A digest of everything that turns a prompt into ids: the Rust tokenizer's whole definition
+    (normalizer, pre-tokenizer, vocabulary and merges, added tokens, post-processor), the chat
+    template and the wrapper's class. A router sends the prompt ids it computed to a pod only under
+    this digest, and the pod takes them only when its own tokenizer's is the same (a router loaded
+    with another model, or pods mid-rollout to a new tokenizer, cost a tokenization, never a wrong
+    token). None for a tokenizer without a Rust definition: its ids are never passed on."""
+    fast = getattr(tokenizer, "_tokenizer", None)
+    to_str = getattr(fast, "to_str", None)
+    if to_str is None:
+        return None
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    template = getattr(tokenizer, "chat_template", None)
+    for part in (to_str(), template if isinstance(template, str) else json.dumps(template, sort_keys=True)):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:32]
 
 
 def gguf_tokenizer(path: str) -> Any:

@@ -302,6 +302,13 @@ class ServerMetrics:
             LM,
             registry=r,
         )
+        self.tokenizations = Counter(
+            mn.PROMPT_TOKENIZATIONS,
+            "Prompts turned into token ids, by source: text (tokenized or chat-rendered here), ids (the router's "
+            "ids taken, no tokenization). Token-id prompts are not counted.",
+            L + ["source"],
+            registry=r,
+        )
         self.queue_time = Histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
@@ -319,6 +326,7 @@ class ServerMetrics:
         )
         self._gen, self._prompt = self.generation_tokens.labels(m), self.prompt_tokens.labels(m)
         self._success = {reason: self.request_success.labels(m, reason) for reason in FINISH_REASONS}
+        self._tokenized = {source: self.tokenizations.labels(m, source) for source in mn.PROMPT_SOURCES}
         self._last = EngineStats()
         self._lora_set_once = False
         for g in (self.num_running, self.num_waiting, self.kv_usage, self.held_requests, self.prompt_tokens_pending):
@@ -471,6 +479,10 @@ class ServerMetrics:
 
     def observe_prompt(self, num_tokens: int) -> None:
         self._prompt.inc(num_tokens)
+
+    def observe_tokenization(self, source: str) -> None:
+        """One prompt turned into ids, from ``source`` (`metric_names.PROMPT_SOURCES`)."""
+        self._tokenized[source].inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 from kvmesh.services.errors import bad_request
 
@@ -24,12 +25,29 @@ from kvmesh.services.errors import bad_request
 # the end of its context, so the limit in force is never below max_model_len.
 DEFAULT_MAX_REQUEST_TOKENS = 65536
 
+# The router's private body field (never a client's: the router refuses a request that carries it):
+# the prompt's token ids as the router computed them to hash its blocks, so the prefill and decode pods
+# take them instead of tokenizing the prompt again. Its value is `PromptTokenIds`.
+PROMPT_TOKEN_IDS = "kvmesh_prompt_token_ids"
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class PromptTokenIds(BaseModel):
+    """The value of `PROMPT_TOKEN_IDS`: a single prompt's ids (a completions text prompt, or a chat rendered
+    by `kvmesh.common.chat` as the API server renders it) and the digest of the tokenizer that made them
+    (`kvmesh.common.model_files.tokenizer_digest`): a pod takes them only when its own tokenizer's digest
+    is the same, and validates them as it validates a token-id prompt."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    tokenizer: str
+    ids: list[int]
 
 
 class _Sampling(BaseModel):
@@ -65,6 +83,8 @@ class _Sampling(BaseModel):
     # ones (``token_ids``, per streamed chunk too). The router asks for them to migrate a broken stream
     # (services/router/migration.py).
     return_token_ids: bool | None = None
+    # `PROMPT_TOKEN_IDS` (the router's, kept out of the OpenAPI schema: no client is meant to send it)
+    router_prompt_ids: SkipJsonSchema[PromptTokenIds | None] = Field(default=None, validation_alias=PROMPT_TOKEN_IDS)
 
 
 class CompletionRequest(_Sampling):

@@ -19,14 +19,17 @@ budget (``prompts x n x max_tokens`` <= --max-request-tokens, protocol.py).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from kvmesh.common import tracing
 from kvmesh.common.chat import ChatContentError, render_chat
+from kvmesh.common.model_files import tokenizer_digest
 from kvmesh.engine.core.messages import EngineCoreRequest
 from kvmesh.engine.frontend.output_processor import RequestState
 from kvmesh.engine.frontend.sampling_params import MAX_N, SamplingParams
@@ -37,6 +40,7 @@ from .engine_client import EngineClient, EngineDeadError, EngineRejectedError, R
 from .metrics import ServerMetrics
 from .protocol import (
     DEFAULT_MAX_REQUEST_TOKENS,
+    PROMPT_TOKEN_IDS,
     ChatCompletionRequest,
     CompletionRequest,
     _Sampling,
@@ -44,6 +48,9 @@ from .protocol import (
     check_request_tokens,
 )
 from .tools import PARSERS, ChatTools, parser_for_template
+
+log = logging.getLogger("kvmesh.api.serving")
+FOREIGN_DIGESTS_LOGGED = 8  # other tokenizers' digests warned about (once each), so no client can flood the log
 
 
 @dataclass
@@ -293,6 +300,9 @@ class Serving:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size or len(tokenizer)
         self._token_str: dict[int, str] = {}
+        # what the router's ids must have been made with for this pod to take them (`given_ids`)
+        self.tokenizer_digest = tokenizer_digest(tokenizer)
+        self._foreign_digests: set[str] = set()
         if tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
         self.tool_call_parser = tool_call_parser or parser_for_template(tokenizer)
@@ -399,6 +409,37 @@ class Serving:
         except Exception as e:  # jinja errors from a template that rejects the conversation
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
 
+    def given_ids(self, req: _Sampling, text_prompts: int) -> list[int] | None:
+        """The prompt's ids the router computed (`PROMPT_TOKEN_IDS`) when this pod's tokenizer made the same
+        (the digests agree), else None: the pod tokenizes the prompt itself. They stand for one text prompt
+        (a completions string or a chat), so a request of several prompts or of token-id prompts that
+        carries them is refused. `check_prompt` validates them later as any token-id prompt."""
+        given = req.router_prompt_ids
+        if given is None:
+            return None
+        if text_prompts != 1:
+            raise bad_request(f"{PROMPT_TOKEN_IDS} apply to a request of one text prompt", PROMPT_TOKEN_IDS)
+        if given.tokenizer != self.tokenizer_digest:
+            if given.tokenizer not in self._foreign_digests and len(self._foreign_digests) < FOREIGN_DIGESTS_LOGGED:
+                self._foreign_digests.add(given.tokenizer)
+                log.warning(
+                    "prompt ids made by another tokenizer (digest %.32s, this pod's %s): tokenizing the prompt "
+                    "here; a router with another --model than its pods, or pods mid-rollout?",
+                    given.tokenizer,
+                    self.tokenizer_digest,
+                )
+            return None
+        return list(given.ids)
+
+    def text_ids(self, given: list[int] | None, tokenize: Callable[[], list[int]]) -> list[int]:
+        """``given`` (the router's ids, `given_ids`), else ``tokenize()``; counted by source."""
+        if given is not None:
+            self.metrics.observe_tokenization("ids")
+            return given
+        ids = tokenize()
+        self.metrics.observe_tokenization("text")
+        return ids
+
     def token_str(self, tok: int) -> str:
         s = self._token_str.get(tok)
         if s is None:
@@ -465,14 +506,18 @@ class Serving:
     def completion_prompts(self, req: CompletionRequest) -> list[_Prompt]:
         p = req.prompt
         if isinstance(p, str):
-            return [_Prompt(p, self.encode(p))]
+            return [_Prompt(p, self.text_ids(self.given_ids(req, 1), lambda: self.encode(p)))]
         if not p:
             raise bad_request("prompt is empty", "prompt")
         if all(isinstance(x, int) for x in p):
+            self.given_ids(req, 0)
             return [_Prompt(None, list(p))]  # type: ignore[arg-type]
         if all(isinstance(x, str) for x in p):
-            return [_Prompt(x, self.encode(x)) for x in p]  # type: ignore[arg-type]
+            given = self.given_ids(req, len(p))
+            texts: list[str] = p  # type: ignore[assignment]
+            return [_Prompt(x, self.text_ids(given, partial(self.encode, x))) for x in texts]
         if all(isinstance(x, list) for x in p):
+            self.given_ids(req, 0)
             return [_Prompt(None, list(x)) for x in p]  # type: ignore[arg-type]
         raise bad_request("prompt must be a string, a list of strings, or token ids", "prompt")
 
@@ -499,8 +544,11 @@ class Serving:
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, Generation]:
         model = self.check_model(req.model)
         tools = ChatTools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser)
-        ids = self.chat_prompt(
-            req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs, req.tools
+        ids = self.text_ids(
+            self.given_ids(req, 1),
+            lambda: self.chat_prompt(
+                req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs, req.tools
+            ),
         )
         self.check_prompt(ids)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

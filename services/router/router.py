@@ -11,8 +11,10 @@ Request path (``/v1/completions``, ``/v1/chat/completions``):
    send the original request to the decode pod with the params that prefill pod returned
    (the only ``kv_transfer_params`` a pod ever gets through the router: a client request
    carrying its own is refused with 400, as they name blocks and side channels to read).
-   Otherwise (selective P/D) go straight to the decode pod. Any prefill failure,
-   missing params, or a decode pod rejecting the params falls back to the
+   Otherwise (selective P/D) go straight to the decode pod. Both get the prompt's token ids
+   of step 1 (``kvmesh_prompt_token_ids``, `RouterTokenizer.prompt_field`) where they are what
+   the pod would compute, so neither tokenizes it again (a client may not set them either: 400).
+   Any prefill failure, missing params, or a decode pod rejecting the params falls back to the
    decode pod computing the prompt itself: slower, never a wrong token;
 4. forward; a connect failure marks the pod down (until its health check passes)
    and retries on another pod, which is safe because nothing reached the client yet;
@@ -45,7 +47,7 @@ from kvmesh.common.env import env
 from kvmesh.common.hashing import KVMESH, LoraId
 from kvmesh.common.kv_auth import load_kv_auth_key
 from kvmesh.common.kv_events_auth import CurveKeys
-from kvmesh.services.api.protocol import check_context
+from kvmesh.services.api.protocol import PROMPT_TOKEN_IDS, check_context
 from kvmesh.services.auth import DEFAULT_TENANT, APIKey, KeyStore, SecretFile, admin_key_source
 from kvmesh.services.errors import ENGINE_UNAVAILABLE_HEADER, OVERLOADED_HEADER, APIError, bad_request
 
@@ -70,6 +72,7 @@ WHOLE = "worker"  # the ``phase`` label of a request one pod answers alone (no P
 PROMPT_WINDOW = 256  # requests the typical prompt length is averaged over
 NO_DECODE_POD = "no healthy pod that can decode (role both or decode)"
 CLIENT_KV_PARAMS = "kv_transfer_params are set by the router (prefill/decode disaggregation), not by clients"
+CLIENT_PROMPT_IDS = f"{PROMPT_TOKEN_IDS} are set by the router (the prompt's ids it computed), not by clients"
 POD_HEADER = "x-kvmesh-pod"  # the pod that answered; routes_proxy.py passes it on to the admin key alone
 
 _json = msgspec.json.Decoder()
@@ -518,6 +521,8 @@ class Router:
         the cache and owns the limits. ``gone`` returns when the client disconnects (left the queue)."""
         if body.get("kv_transfer_params") is not None:
             raise bad_request(CLIENT_KV_PARAMS, "kv_transfer_params")
+        if body.get(PROMPT_TOKEN_IDS) is not None:
+            raise bad_request(CLIENT_PROMPT_IDS, PROMPT_TOKEN_IDS)
         tenant = key.tenant if key is not None else DEFAULT_TENANT
         if key is not None:  # before hashing: the index, the pods' caches and the connectors split by tenant
             salt = body.get("cache_salt")
@@ -578,6 +583,9 @@ class Router:
         params = None
         pd_path = None
         layout: str | None = None
+        # the ids just computed go to every pod of this request (prefill, decode, retries): none tokenizes again
+        given = self.tok.prompt_field(path, body, ids)
+        pod_body = body if given is None else {**body, PROMPT_TOKEN_IDS: given}
         if self.candidates(("prefill",), lora=lora) and dd.pod.spec.role == "decode":
             # only a prefill pod whose blocks the decode pod can read (a rollout may run two layouts at once)
             layout = dd.pod.kv_layout or None
@@ -585,11 +593,11 @@ class Router:
             if pd_path == pd.PREFILL_DECODE and not self.candidates(("prefill",), lora=lora, layout=layout):
                 pd_path = "decode_only_layout"  # no prefill pod of the decode pod's layout: decode computes it
             if pd_path == pd.PREFILL_DECODE:
-                params, pd_path = await self.prefill(path, body, hashes, plen, lora, layout)
+                params, pd_path = await self.prefill(path, pod_body, hashes, plen, lora, layout)
             self.metrics.pd.labels(pd_path).inc()
         phase = "decode" if pd_path else WHOLE
         # a stream's pods report its token ids: what a migration continues from (migration.py)
-        wire = {**body, "return_token_ids": True} if stream else body
+        wire = {**pod_body, "return_token_ids": True} if stream else pod_body
         dbody = wire if params is None else {**wire, "kv_transfer_params": params}
         # open until the answer is relayed to its end (`tracing.ending`)
         with tracing.opened(f"router.{phase}", {"kvmesh.pd_path": pd_path or "none"}) as sp:

@@ -8,18 +8,24 @@ A request the router cannot tokenize is still routed (by load), never refused:
 the pod is the authority on what is valid. The one exception is content the
 chat renderer rejects (`ChatContentError`, a non-text part), which every pod
 would refuse the same way.
+
+The ids it computed go on to the pods (`prompt_field`, the body field
+`PROMPT_TOKEN_IDS`), so a prompt is tokenized once per request: only where they
+are by construction what the pod would compute, under the digest of the
+tokenizer that made them, which a pod checks against its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvmesh.common.chat import ChatContentError, chat_input, render_chat, template_args
 from kvmesh.common.hashing import KVMESH, LoraId, block_hashes_for, external_hash
-from kvmesh.common.model_files import load_model_files
+from kvmesh.common.model_files import load_model_files, tokenizer_digest
 
 from .token_cache import PieceCache
 
@@ -47,6 +53,11 @@ class RouterTokenizer:
         self._pool: ThreadPoolExecutor | None = None
         # Long prompts in cached pieces when that is exact for this tokenizer (token_cache.py).
         self.pieces = PieceCache.for_tokenizer(self._fast)
+        # The ids this tokenizer makes, as a pod names them (`prompt_field`); None: never passed on.
+        self.digest = tokenizer_digest(self.tokenizer)
+        # ``apply_chat_template``'s own arguments: a chat whose chat_template_kwargs set one (``truncation``,
+        # ``max_length``...) may tokenize differently when the router renders it in pieces (`_chat`).
+        self._template_params = frozenset(inspect.signature(self.tokenizer.apply_chat_template).parameters)
 
     async def prompt_ids_async(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """`prompt_ids`, on a worker thread when the prompt text is long (see OFFLOAD_CHARS)."""
@@ -85,6 +96,23 @@ class RouterTokenizer:
         except Exception:
             return None
         return None
+
+    def prompt_field(self, path: str, body: dict[str, Any], ids: list[int] | None) -> dict[str, Any] | None:
+        """The value of the pods' `PROMPT_TOKEN_IDS` field for ``ids`` (`prompt_ids` of this body), or None
+        where the router's ids are not by construction the pod's: no ids, no digest, more than one
+        sequence or prompt (those bodies go on unchanged), a token-id prompt (nothing to tokenize), or a
+        chat whose ``chat_template_kwargs`` pass arguments to the tokenizer itself."""
+        if ids is None or self.digest is None or body.get("n", 1) not in (None, 1):
+            return None
+        if path.endswith("chat/completions"):
+            kwargs = body.get("chat_template_kwargs")
+            if kwargs and (not isinstance(kwargs, dict) or not self._template_params.isdisjoint(kwargs)):
+                return None
+        else:
+            p = body.get("prompt")
+            if not (isinstance(p, str) or (isinstance(p, list) and len(p) == 1 and isinstance(p[0], str))):
+                return None
+        return {"tokenizer": self.digest, "ids": ids}
 
     def _encode(self, text: str) -> list[int]:
         if self.pieces is not None and len(text) > self.pieces.piece_chars:

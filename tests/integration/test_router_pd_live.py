@@ -4,7 +4,8 @@
 The router prefills with ``max_tokens=1`` + ``do_remote_decode``, hands the returned
 params to the decode pod, and streams its answer; greedy outputs must equal the
 decode pod's own answer without a transfer. A second request whose prefix the
-decode pod now holds skips the prefill pod (selective P/D).
+decode pod now holds skips the prefill pod (selective P/D). Neither pod tokenizes the router's
+requests: both take the prompt ids the router computed (``kvmesh_prompt_token_ids``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import json
 
 import httpx
 import pytest
+
+from kvmesh.common import metric_names as mn
+from kvmesh.common.prometheus import flat_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -64,6 +68,12 @@ def pd(tmp_path_factory):
         dec.stop()
 
 
+def tokenized(pod) -> dict[str, float]:
+    """The pod's prompts by source: tokenized there ("text") or the router's ids taken ("ids")."""
+    m = flat_metrics(httpx.get(pod.base_url + "/metrics").text)
+    return {s: m[f"{mn.total(mn.PROMPT_TOKENIZATIONS)}{{source={s}}}"] for s in mn.PROMPT_SOURCES}
+
+
 def test_pd_through_router_exact_and_selective(pd):
     srv, router, pre, dec = pd
     prompt = "Once upon a time, " + " ".join(f"word{j}" for j in range(70))
@@ -78,6 +88,8 @@ def test_pd_through_router_exact_and_selective(pd):
     assert text == ref["choices"][0]["text"]
     m = httpx.get(srv.url + "/metrics").text
     assert 'kvmesh:router_pd_decisions_total{path="prefill_decode"} 1.0' in m, m
+    # the reference was the decode pod's one tokenization; the router's request was tokenized by neither pod
+    assert tokenized(pre) == {"ids": 1.0, "text": 0.0} and tokenized(dec) == {"ids": 1.0, "text": 1.0}
     # same prefix again: the decode pod holds it now, so the prefill pod is skipped
     r2 = httpx.post(srv.url + "/v1/completions", json={**body, "prompt": prompt + " and more"}, timeout=300)
     assert r2.status_code == 200
