@@ -41,7 +41,7 @@ from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.runner.grammar_masks import GrammarMasks
 from kvmesh.engine.runner.sampler import NoiseStream, Sampler, SampleResult
 from kvmesh.engine.spec.config import DRAFT_MODEL
-from kvmesh.engine.spec.rejection import host_generator, verify
+from kvmesh.engine.spec.rejection import host_generator, verified_on_device, verify, verify_greedy_rows
 from kvmesh.engine.spec.speculator import Speculator
 
 if TYPE_CHECKING:
@@ -424,8 +424,10 @@ class EngineCore:
     ) -> tuple[list[SampleResult], dict[int, list[SampleResult]]]:
         """A step with drafts (engine/spec/): ``logits`` holds ``1 + k`` rows for each row that
         verifies k drafts, one for the others. The others sample as usual; each verifying row keeps a
-        prefix of its drafts and one token of the target's (`rejection.verify`). Returns the
-        ``samples`` and ``verified`` of `Scheduler.update_from_output`."""
+        prefix of its drafts and one token of the target's: greedy rows with no per-position host work
+        all at once on the device (`rejection.verify_greedy_rows`), the rest on the host, row by row,
+        only their logits copied there (`rejection.verify`). Returns the ``samples`` and ``verified``
+        of `Scheduler.update_from_output`."""
         widths = [len(sched.scheduled[j].spec_token_ids) + 1 for j in rows]
         starts = [0] * len(rows)
         for i in range(1, len(rows)):
@@ -434,31 +436,48 @@ class EngineCore:
         plain_samples = (
             self._sample(sched, logits[[starts[i] for i in plain]], [rows[i] for i in plain]) if plain else []
         )
-        host = logits.float().cpu()  # verification runs on the host (engine/spec/rejection.py)
         by_row: dict[int, list[SampleResult]] = {}
         k = 0
         for i in plain:
             n = sched.scheduled[rows[i]].num_samples
             by_row[i] = plain_samples[k : k + n]
             k += n
+        verifying = [i for i in range(len(rows)) if widths[i] > 1]
+        on_device: list[int] = []
+        on_host: list[int] = []
+        for i in verifying:
+            s = sched.scheduled[rows[i]]
+            (on_device if verified_on_device(s.params, s.grammar) else on_host).append(i)
         verified: dict[int, list[SampleResult]] = {}
-        for i, j in enumerate(rows):
-            s = sched.scheduled[j]
-            if widths[i] == 1:
-                continue
-            gen = host_generator(s.generator, self.sampler.default_generator)
-            q = s.draft_probs
-            toks, _ = verify(
-                host[starts[i] : starts[i] + widths[i]],
-                s.params,
-                s.spec_token_ids,
-                q,
-                s.penalty_history,
-                gen,
-                s.grammar,
-            )
-            verified[j] = toks
+        entries = [sched.scheduled[rows[i]] for i in on_device]
+        results = verify_greedy_rows(
+            logits, [starts[i] for i in on_device], [s.params for s in entries], [s.spec_token_ids for s in entries]
+        )
+        for i, (toks, _) in zip(on_device, results):
+            verified[rows[i]] = toks
             by_row[i] = toks[:1]
+        if on_host:  # only these rows' logits come to the host (engine/spec/rejection.py)
+            at = [starts[i] + n for i in on_host for n in range(widths[i])]
+            host = logits[at].float().cpu()
+            o = 0
+            for i in on_host:
+                s = sched.scheduled[rows[i]]
+                gen = host_generator(s.generator, self.sampler.default_generator)
+                toks, _ = verify(
+                    host[o : o + widths[i]],
+                    s.params,
+                    s.spec_token_ids,
+                    s.draft_probs,
+                    s.penalty_history,
+                    gen,
+                    s.grammar,
+                )
+                o += widths[i]
+                verified[rows[i]] = toks
+                by_row[i] = toks[:1]
+        assert self.speculator is not None  # a step with drafts
+        self.speculator.num_rows_verified_on_device += len(on_device)
+        self.speculator.num_rows_verified_on_host += len(on_host)
         samples = [res for i in range(len(rows)) for res in by_row[i]]
         return samples, verified
 

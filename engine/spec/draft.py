@@ -11,8 +11,9 @@ runner's ``extra_block_bytes``), so a model that is its own draft gets half the 
 Per verification step, `propose` runs the draft over the request's tokens it has not seen yet (its
 prompt on the first step, then the tokens the last verification accepted: ``Request.draft_kv_len``
 counts what its KV holds), then ``k - 1`` one-token steps, all speculating rows batched in each. A
-greedy request's drafts are the draft's argmax; a random one draws them from the draft's filtered
-distribution ``q`` with the request's own generator, and ``q`` goes to the rejection sampler.
+greedy request's drafts are the draft's argmax, taken on the device (only the ids come back); a random
+one draws them from the draft's filtered distribution ``q`` with the request's own generator, on the
+host (its logits row copied there), and ``q`` goes to the rejection sampler.
 The draft runs eagerly on rank 0 (no CUDA graphs, no tensor parallelism).
 """
 
@@ -77,12 +78,12 @@ class DraftModel:
         self.kv_cache = torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=self.device)
 
     def _forward(self, entries: list[ScheduledRequest]) -> torch.Tensor:
-        """The draft's logits after each entry's last token (float32, on the host)."""
+        """The draft's logits after each entry's last token (float32, on the device)."""
         p = plan_step(SchedulerOutput(scheduled=entries), self.block_size)
         v, meta = self.eager.stage(p)
         with torch.inference_mode():
             out = self.model(v.ids, v.positions, self.kv_cache, meta, v.logits_idx)
-        return out.float().cpu()
+        return out.float()
 
     def propose(
         self,
@@ -111,8 +112,7 @@ class DraftModel:
         logits = self._forward(entries)
         active = list(range(len(rows)))
         for _ in range(max(ks)):
-            for n, i in enumerate(active):
-                self._draw(logits[n], rows[i], gens[i], drafts[i], qs[i])
+            self._draw(logits, active, rows, gens, drafts, qs)
             active = [i for i in active if len(drafts[i]) < ks[i]]
             if not active:
                 break
@@ -130,13 +130,34 @@ class DraftModel:
         return drafts, [torch.stack(q) if q else None for q in qs]
 
     @staticmethod
-    def _draw(logits: torch.Tensor, s: ScheduledRequest, gen: torch.Generator | None, out: list[int], qs: list) -> None:
-        if gen is None:  # greedy: the draft's argmax (the verification compares it with the target's)
-            out.append(int(logits.argmax()))
-            return
-        q = filter_row(logits, s.params).softmax(-1)
-        out.append(int(torch.multinomial(q, 1, generator=gen)))
-        qs.append(q)
+    def _draw(
+        logits: torch.Tensor,
+        active: list[int],
+        rows: list[ScheduledRequest],
+        gens: list[torch.Generator | None],
+        drafts: list[list[int]],
+        qs: list[list[torch.Tensor]],
+    ) -> None:
+        """One more draft for each of the ``active`` rows (``logits[n]``, on the device, is
+        ``rows[active[n]]``'s). Greedy rows take the draft's argmax on the device and only their ids
+        come to the host (the verification compares them with the target's); random rows' logits come
+        to the host, where each draws from its filtered distribution ``q`` with its own generator, in
+        row order."""
+        greedy = [n for n, i in enumerate(active) if gens[i] is None]
+        rand = [n for n, i in enumerate(active) if gens[i] is not None]
+        if greedy:
+            sel = logits if len(greedy) == len(active) else logits[greedy]
+            for n, t in zip(greedy, sel.argmax(-1).tolist()):
+                drafts[active[n]].append(t)
+        if rand:
+            host = logits[rand].cpu()
+            for m, n in enumerate(rand):
+                i = active[n]
+                gen = gens[i]
+                assert gen is not None
+                q = filter_row(host[m], rows[i].params).softmax(-1)
+                drafts[i].append(int(torch.multinomial(q, 1, generator=gen)))
+                qs[i].append(q)
 
     def verified(self, req: Request, entry: ScheduledRequest, accepted: int) -> None:
         """The draft's KV is right up to the tokens the verification kept (the rejected drafts' is not)."""

@@ -16,8 +16,13 @@ plus the drafts before it, temperature, top-k, top-p, min-p).
 
 Draws use the request's own generator (a seeded request stays reproducible and independent of its
 batch); on a GPU, where a seeded request holds a `NoiseStream`, a CPU generator is made from the
-stream's next (seed, draw) pair, so its draws are as reproducible. Verification runs on the host,
-row by row (the rows' ``1 + k`` logits are copied there): see the module's notes in engine/spec/.
+stream's next (seed, draw) pair, so its draws are as reproducible.
+
+Where verification runs: greedy rows with nothing the host must do per position (no grammar, whose
+masks follow the drafts before each position; no penalty, whose history does too) are verified on the
+device, all of a step's at once (`verify_greedy_rows`, `verify_greedy_device`), and only their tokens
+and kept counts come back, in one small copy. The others (random rows, grammars, penalties) run
+`verify` on the host, row by row, their ``1 + k`` logits rows copied there.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ import torch
 
 from kvmesh.engine.frontend.sampling_params import SamplingParams
 from kvmesh.engine.runner.device_draw import NoiseStream
+from kvmesh.engine.runner.host_copy import to_device
 from kvmesh.engine.runner.logit_adjustment import adjust_logits
-from kvmesh.engine.runner.logprobs import SampleResult
+from kvmesh.engine.runner.logprobs import SampleResult, device_logprobs, logprob_width, results_with_logprobs
 from kvmesh.engine.runner.sampling_filter import filter_row
 
 
@@ -162,3 +168,78 @@ def verify(
             else:
                 r.top_logprobs = []
     return out, a
+
+
+SENTINEL = -1  # a padded draft position: no token id equals it, so a row's kept prefix ends there
+_PLAIN = SamplingParams()  # what logits rows outside the device rows are adjusted with: nothing
+
+
+def verified_on_device(params: SamplingParams, grammar: Any) -> bool:
+    """Whether a verifying row takes the device path: greedy, no grammar (its masks are filled on the
+    host, position ``i`` after the drafts before it) and no penalty (its history, too, grows with the
+    drafts before each position, built on the host). A logit bias is the same at every position and
+    applies on the device, as in the one-token path."""
+    return params.greedy and grammar is None and not params.penalized
+
+
+def verify_greedy_device(logits: torch.Tensor, index: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """Greedy verification of ``B`` rows where the logits are, in fixed shapes and without a branch on
+    the data, so that a step can later capture it in its CUDA graph.
+
+    ``logits``: ``[N, V]``, adjusted as the one-token greedy path adjusts them (the logit bias);
+    ``index``: ``[B, K + 1]`` int64, row ``b``'s position ``i`` as a row of ``logits`` (a row with
+    ``k < K`` drafts repeats its last position); ``drafts``: ``[B, K]`` int64, padded with `SENTINEL`.
+    Returns ``[B, K + 2]`` int64: the argmax at each position, then the number of drafts kept (the
+    prefix where draft == argmax: a cumulative product of the matches, whose sum is its length; the
+    sentinel ends it at the row's own ``k``). A row emits ``argmax[:kept + 1]``: the kept drafts are the
+    argmax at their positions, and the last is the correction or the bonus. argmax takes the first
+    maximum on every device, so the tokens are `verify`'s exactly."""
+    target = logits.argmax(-1)[index]
+    kept = (target[:, :-1] == drafts).to(torch.int64).cumprod(1).sum(1, keepdim=True)
+    return torch.cat([target, kept], 1)
+
+
+def verify_greedy_rows(
+    logits: torch.Tensor,
+    starts: Sequence[int],
+    params: Sequence[SamplingParams],
+    drafts: Sequence[Sequence[int]],
+) -> list[tuple[list[SampleResult], int]]:
+    """`verify` for rows that are `verified_on_device`, all at once where ``logits`` (the step's
+    ``[N, V]``) are: row ``r``'s ``1 + len(drafts[r])`` positions are ``logits[starts[r]:]``. One copy
+    brings back ``B x (K + 2)`` ints (a second, of floats, when a row asked for logprobs, which are of
+    the raw distribution at the emitted positions, as the one-token path reports them). Returns each
+    row's emitted tokens and how many drafts it kept."""
+    if not params:
+        return []
+    dev = logits.device
+    K = max(len(d) for d in drafts)
+    index = [[s + min(i, len(d)) for i in range(K + 1)] for s, d in zip(starts, drafts)]
+    padded = [list(d) + [SENTINEL] * (K - len(d)) for d in drafts]
+    index_t = to_device(index, dev, torch.int64)
+    raw = logits.float()
+    x = raw
+    if any(p.adjusts_logits for p in params):  # a logit bias, the same at each of a row's positions
+        per_row = [_PLAIN] * raw.shape[0]
+        for s, d, p in zip(starts, drafts, params):
+            per_row[s : s + len(d) + 1] = [p] * (len(d) + 1)
+        x = adjust_logits(raw, per_row, None)
+    packed_t = verify_greedy_device(x, index_t, to_device(padded, dev, torch.int64))
+    width = logprob_width(params)
+    arrays = None
+    if width is not None:  # queued before the copy below waits for the device
+        arrays = device_logprobs(raw.index_select(0, index_t.view(-1)), packed_t[:, : K + 1].reshape(-1), width)
+    packed = packed_t.tolist()
+    out: list[tuple[list[SampleResult], int]] = []
+    if arrays is not None:
+        chosen, top_v, top_i = (a.tolist() for a in arrays)
+    for b, (row, p) in enumerate(zip(packed, params)):
+        kept = row[K + 1]
+        toks = row[: kept + 1]
+        if arrays is None:
+            res = [SampleResult(t) for t in toks]
+        else:
+            at = slice(b * (K + 1), b * (K + 1) + kept + 1)
+            res = results_with_logprobs(toks, [p] * len(toks), chosen[at], top_v[at], top_i[at])
+        out.append((res, kept))
+    return out

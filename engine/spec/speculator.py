@@ -42,6 +42,10 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k
+        # where verifying rows were verified (engine/core/engine_core.py `_verify`): greedy rows with no
+        # per-position host work on the device, the others on the host with their logits copied there
+        self.num_rows_verified_on_device = 0
+        self.num_rows_verified_on_host = 0
 
     @staticmethod
     def eligible(req: Request) -> bool:

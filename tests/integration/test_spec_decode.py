@@ -77,6 +77,8 @@ def test_ngram_greedy_is_unchanged_with_mixed_rows(make_llm, ids, reference):
     assert [o.outputs[0].token_ids for o in outs] == reference
     sp = llm.engine.speculator
     assert sp.num_drafts > 0 and 0 < sp.num_accepted_tokens <= sp.num_draft_tokens
+    # plain greedy rows are verified on the device, no logits row copied to the host for them
+    assert sp.num_rows_verified_on_device == sp.num_drafts and sp.num_rows_verified_on_host == 0
     assert any(a and b for a, b in kinds), kinds  # some steps verified drafts beside rows without any
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
 
@@ -96,7 +98,10 @@ def test_penalties_logprobs_and_stops_are_those_without_speculation(make_llm, id
     for a, b in zip(got.logprobs, want.logprobs):
         assert a["token_id"] == b["token_id"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
         assert [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
-    assert llm.engine.speculator.num_accepted_tokens > 0
+    sp = llm.engine.speculator
+    assert sp.num_accepted_tokens > 0
+    # a penalty's history grows with the drafts before each position: verified on the host
+    assert sp.num_rows_verified_on_host == sp.num_drafts and sp.num_rows_verified_on_device == 0
 
 
 def test_structured_output_drafts_are_masked_by_the_grammar(make_llm, smol):
@@ -120,6 +125,7 @@ def test_structured_output_drafts_are_masked_by_the_grammar(make_llm, smol):
     json.loads(smol.tokenizer.decode(got[1], skip_special_tokens=True))  # sampled: valid JSON
     sp = llm.engine.speculator
     assert sp.num_accepted_tokens > 0
+    assert sp.num_rows_verified_on_device == 0  # a grammar's masks follow the drafts: on the host
 
 
 def test_embedded_model_as_its_own_draft(make_llm, ids, reference):
