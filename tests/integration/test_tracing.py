@@ -2,10 +2,11 @@
 
 The collector (tests/e2e/cluster/build.sh otelcol: core distribution, OTLP/HTTP receiver, debug
 exporter printing every span) runs here; a router (in process) with a prefill pod and a decode pod
-(`kvmesh serve`, NIXL) export to it through the standard ``OTEL_*`` variables. One streamed request
-with the client's own ``traceparent`` must come back as one trace: the router's admission, routing,
-prefill and decode calls, each pod's server span, and the decode pod's KV transfer (with bytes and
-connector) and engine phases, all under the client's trace id.
+(`kvmesh serve`; NIXL, then the Redis connector with a real redis-server) export to it through the
+standard ``OTEL_*`` variables. One streamed request with the client's own ``traceparent`` must come
+back as one trace: the router's admission, routing, prefill and decode calls, each pod's server span,
+and the decode pod's KV transfer (with bytes and connector) and engine phases, all under the client's
+trace id.
 """
 
 from __future__ import annotations
@@ -75,10 +76,14 @@ def parse_spans(log: str) -> list[dict]:
     return spans
 
 
-@pytest.fixture(scope="module")
-def traced(tmp_path_factory):
-    pytest.importorskip("nixl")
+@pytest.fixture(scope="module", params=["nixl", "redis"])
+def traced(request, tmp_path_factory):
+    connector = request.param
+    if connector == "nixl":
+        pytest.importorskip("nixl")
     pytest.importorskip("opentelemetry.sdk")
+    from test_connectors_redis import RedisServer
+
     from kvmesh.common import tracing
     from kvmesh.services.router.config import PodSpec, RouterConfig
     from kvmesh.testing.pods import start_router
@@ -97,13 +102,17 @@ def traced(tmp_path_factory):
         "OTEL_TRACES_SAMPLER": "parentbased_always_on",
     }
     saved = {k: os.environ.get(k) for k in otel}
-    pre = dec = srv = None
+    pre = dec = srv = redis = None
     try:
+        conn = ["--kv-connector", connector]
+        if connector == "redis":
+            redis = RedisServer()
+            conn += ["--kv-connector-config", f'{{"url": "{redis.url}"}}']
         deadline = time.monotonic() + 30
         while b"Everything is ready" not in col_log.read_bytes():
             assert col.poll() is None and time.monotonic() < deadline, col_log.read_text()
             time.sleep(0.1)
-        common = ["--max-model-len", "512", "--num-kv-blocks", "128", "--block-size", str(BS), "--kv-connector", "nixl"]
+        common = ["--max-model-len", "512", "--num-kv-blocks", "128", "--block-size", str(BS), *conn]
         env = {**ENV, **otel}
         pre = ServerProcess([*common, "--role", "prefill", "--engine-id", "pre0"], env=env, log_path=str(d / "p.log"))
         dec = ServerProcess([*common, "--role", "decode", "--engine-id", "dec0"], env=env, log_path=str(d / "d.log"))
@@ -119,7 +128,7 @@ def traced(tmp_path_factory):
         )
         srv, _ = start_router(cfg)
         assert tracing.enabled()
-        yield srv, col_log
+        yield srv, col_log, connector
     finally:
         if srv is not None:
             srv.stop()
@@ -134,6 +143,8 @@ def traced(tmp_path_factory):
                 p.stop()
         col.terminate()
         col.wait(10)
+        if redis is not None:
+            redis.stop()
 
 
 def wait_for_trace(col_log, trace_id: str, names: set[str], timeout: float = 60.0) -> list[dict]:
@@ -146,7 +157,7 @@ def wait_for_trace(col_log, trace_id: str, names: set[str], timeout: float = 60.
 
 
 def test_pd_request_is_one_trace_in_the_collector(traced):
-    srv, col_log = traced
+    srv, col_log, connector = traced
     prompt = "Once upon a time, " + " ".join(f"word{j}" for j in range(70))
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}
     headers = {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}
@@ -182,12 +193,12 @@ def test_pd_request_is_one_trace_in_the_collector(traced):
     decode_spans = {s["ID"] for s in spans if s["service"] == "kvmesh-decode"}
     xfer = by["kv.transfer"]
     assert xfer["service"] == "kvmesh-decode" and xfer["Parent ID"] in decode_spans
-    assert xfer["attributes"]["kvmesh.kv_connector"] == "nixl"
+    assert xfer["attributes"]["kvmesh.kv_connector"] == connector
     assert int(xfer["attributes"]["kvmesh.kv_blocks"]) >= 4 and int(xfer["attributes"]["kvmesh.kv_bytes"]) > 0
 
 
 def test_a_request_without_traceparent_gets_its_own_trace(traced):
-    srv, col_log = traced
+    srv, col_log, _ = traced
     before = {s.get("Trace ID") for s in parse_spans(col_log.read_text())}
     prompt = "A different story begins: " + " ".join(f"item{j}" for j in range(60))
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0}, timeout=300)
