@@ -35,6 +35,10 @@ ENGINE_UNAVAILABLE_HEADER = "x-kvmesh-engine-unavailable"
 # On a worker's 503 that sheds load (its queue would make the request wait past its deadline, with
 # Retry-After): the request was not admitted, so a router tries the role's other pods before it refuses.
 OVERLOADED_HEADER = "x-kvmesh-overloaded"
+# On a router's request that migrates work another pod admitted and lost (its pod died mid-answer,
+# services/router/migration.py): the worker does not shed it by its queue deadline, so a surviving pod
+# takes its dead peer's streams before new work (its queue's hard bound, --max-waiting, still holds).
+MIGRATED_HEADER = "x-kvmesh-migrated"
 
 
 class APIError(Exception):

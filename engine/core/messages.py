@@ -21,6 +21,8 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     kv_transfer_params: dict[str, Any] | None = None
     arrival_time: float = 0.0
     lora_name: str | None = None  # a LoRA adapter the engine holds (EngineCore.list_loras); None: the base model
+    # work another pod admitted and lost, migrated here by the router: never shed by the queue deadline
+    migrated: bool = False
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):

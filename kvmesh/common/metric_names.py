@@ -21,6 +21,9 @@ PROMPT_TOKENS_PENDING = "kvmesh:prompt_tokens_pending"
 # itself) or "ids" (it took the ids the router computed, services/api/protocol.PROMPT_TOKEN_IDS).
 PROMPT_TOKENIZATIONS = "kvmesh:prompt_tokenizations"
 PROMPT_SOURCES = ("ids", "text")
+# Requests a worker took as migrations (services/errors.MIGRATED_HEADER): another pod's admitted work,
+# which the queue deadline does not shed.
+MIGRATED_REQUESTS = "kvmesh:migrated_requests"
 
 
 def total(name: str) -> str:

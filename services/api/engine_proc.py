@@ -253,7 +253,8 @@ class EngineProcess:
         from kvmesh.engine.core.scheduler import QueueFullError
 
         load = self._load(req)
-        shed = self.admission.check(load) if load is not None else None
+        # a migrated request was admitted once already (MIGRATED_HEADER): the deadline sheds new work only
+        shed = self.admission.check(load) if load is not None and not req.migrated else None
         if shed is not None:
             self._send(wire.Rejected(req.request_id, "overloaded", shed.message, shed.retry_after_s))
             return

@@ -309,6 +309,13 @@ class ServerMetrics:
             L + ["source"],
             registry=r,
         )
+        self.migrated = Counter(
+            mn.MIGRATED_REQUESTS,
+            "Requests taken as migrations: work another pod admitted and lost, which the router moved here "
+            "(not shed by --max-queue-wait-s).",
+            L,
+            registry=r,
+        )
         self.queue_time = Histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
@@ -327,6 +334,7 @@ class ServerMetrics:
         self._gen, self._prompt = self.generation_tokens.labels(m), self.prompt_tokens.labels(m)
         self._success = {reason: self.request_success.labels(m, reason) for reason in FINISH_REASONS}
         self._tokenized = {source: self.tokenizations.labels(m, source) for source in mn.PROMPT_SOURCES}
+        self._migrated = self.migrated.labels(m)
         self._last = EngineStats()
         self._lora_set_once = False
         for g in (self.num_running, self.num_waiting, self.kv_usage, self.held_requests, self.prompt_tokens_pending):
@@ -483,6 +491,10 @@ class ServerMetrics:
     def observe_tokenization(self, source: str) -> None:
         """One prompt turned into ids, from ``source`` (`metric_names.PROMPT_SOURCES`)."""
         self._tokenized[source].inc()
+
+    def observe_migrated(self) -> None:
+        """One request taken as a migration (`metric_names.MIGRATED_REQUESTS`)."""
+        self._migrated.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from kvmesh.services.errors import APIError, error_body
+from kvmesh.services.errors import MIGRATED_HEADER, APIError, error_body
 
 from .serving import Event, Generation
 
@@ -43,6 +43,9 @@ def sse(obj) -> str:
 
 async def answer(a: Answer, gen: Generation, raw: Request, model: str, stream: bool, include_usage: bool):
     """Start ``gen`` and answer with it: a JSON body (a dict), or an SSE `StreamingResponse`."""
+    gen.migrated = raw.headers.get(MIGRATED_HEADER) == "1"
+    if gen.migrated:
+        gen.metrics.observe_migrated()
     gen.start()
     created = int(time.time())
     rid = gen.stream.request_id

@@ -121,6 +121,7 @@ class Generation:
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params
         self.lora_name = lora_name
+        self.migrated = False  # set from the router's MIGRATED_HEADER (responses.answer)
         self.unfinished = set(self.ids)
         self.tools: ChatTools | None = None  # a chat request's tools, when its output is read for calls
         self._last_token_time: dict[tuple[str, int], float] = {}
@@ -140,6 +141,7 @@ class Generation:
                         kv_transfer_params=self.kv_transfer_params,
                         lora_name=self.lora_name,
                         arrival_time=self.arrival,
+                        migrated=self.migrated,
                     ),
                     self.stream,
                 )

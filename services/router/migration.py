@@ -412,7 +412,10 @@ class Migrator:
         hashes = r.tok.block_hashes(ids, r.cfg.block_size, salt, r.prefix_hash, lid) if ids else []
         from .router import DECODE_ROLES
 
-        d, resp, fl = await r.send(DECODE_ROLES, path, body, hashes, len(ids or ()), "migration", lora=self.lora)
+        # admitted once by the pod that lost it: the next pod does not shed it by its deadline
+        d, resp, fl = await r.send(
+            DECODE_ROLES, path, body, hashes, len(ids or ()), "migration", lora=self.lora, migrated=True
+        )
         return Leg(d, resp, fl)
 
     def close(self, leg: Leg, broken: str | None = None, why: str = "") -> None:

@@ -49,7 +49,13 @@ from kvmesh.common.kv_auth import load_kv_auth_key
 from kvmesh.common.kv_events_auth import CurveKeys
 from kvmesh.services.api.protocol import PROMPT_TOKEN_IDS, check_context
 from kvmesh.services.auth import DEFAULT_TENANT, APIKey, KeyStore, SecretFile, admin_key_source
-from kvmesh.services.errors import ENGINE_UNAVAILABLE_HEADER, OVERLOADED_HEADER, APIError, bad_request
+from kvmesh.services.errors import (
+    ENGINE_UNAVAILABLE_HEADER,
+    MIGRATED_HEADER,
+    OVERLOADED_HEADER,
+    APIError,
+    bad_request,
+)
 
 from . import pd
 from .admission import Admission, request_budget
@@ -405,13 +411,16 @@ class Router:
         timeout: float | None = None,
         lora: str | None = None,
         layout: str | None = None,
+        migrated: bool = False,
     ) -> tuple[Decision, UpstreamResponse, Flight]:
         """POST to a pod of ``roles`` (``first`` if given), retrying elsewhere on connect failure, on an
         engine that is down, and on a pod that sheds the request (overloaded: it admitted nothing).
 
+        ``migrated``: the request is work a pod admitted and lost (migration.py), which pods do not shed.
         Returns the decision and the response with headers read, body still streaming. The caller
         owns all three: it must release the response and call `_end` with the flight.
         """
+        extra = {MIGRATED_HEADER: "1"} if migrated else None
         exclude: set[str] = set()
         last = "no healthy pod"
         shed: list[int] = []  # the Retry-After of each pod that shed the request
@@ -428,7 +437,7 @@ class Router:
                 tracing.annotate(**_decision_attributes(d))
             t0 = time.monotonic()
             try:
-                resp = await self.upstream.post(d.pod.url + path, body, timeout)
+                resp = await self.upstream.post(d.pod.url + path, body, timeout, extra=extra)
             except UpstreamError as e:
                 self._end(fl)
                 if not e.gone:

@@ -115,14 +115,22 @@ class Upstream:
         return t
 
     async def post(
-        self, url: str, body: dict, read_timeout: float | None = None, bearer: str | None = None
+        self,
+        url: str,
+        body: dict,
+        read_timeout: float | None = None,
+        bearer: str | None = None,
+        extra: dict[str, str] | None = None,
     ) -> UpstreamResponse:
         """POST ``body`` as JSON; returns once the response headers are in. ``bearer``: a credential to
-        send instead of the router's own key (the admin key, for an administrative endpoint)."""
+        send instead of the router's own key (the admin key, for an administrative endpoint); ``extra``:
+        headers of the router's own to add (never a client's)."""
         assert self.session is not None
         headers = self._headers(_JSON_HEADERS)
         if bearer is not None:
             headers = {**_JSON_HEADERS, "Authorization": f"Bearer {bearer}"}
+        if extra:
+            headers = {**(headers or {}), **extra}
         headers = tracing.inject(headers or {})  # the current span's traceparent (off: unchanged)
         try:
             r = await self.session.post(

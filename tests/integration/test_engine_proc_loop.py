@@ -205,8 +205,9 @@ def test_admission_waits_for_connector_handshake_off_the_loop(loop):
 def test_deadline_sheds_with_retry_after_and_leaks_nothing(tmp_path):
     """A real (simulated) engine behind the loop, --max-queue-wait-s 1 and 2 sequence slots, rates set
     (one request finishes per second): of 10 requests arriving at once 3 are admitted (the third waits
-    an estimated 1 s), 7 get ``overloaded`` with Retry-After >= 1; the admitted finish and the engine's
-    bookkeeping is intact with every block back."""
+    an estimated 1 s), 7 get ``overloaded`` with Retry-After >= 1; two migrated ones (work another pod
+    admitted and lost) arriving after them are admitted all the same; the admitted finish and the
+    engine's bookkeeping is intact with every block back."""
     from kvmesh.engine.args import EngineArgs
     from kvmesh.engine.core.engine_core import EngineCore
 
@@ -227,6 +228,9 @@ def test_deadline_sheds_with_retry_after_and_leaks_nothing(tmp_path):
         for i in range(10):
             params = SamplingParams(max_tokens=4, ignore_eos=True)
             push.send(wire.encoder.encode(wire.AddRequest(EngineCoreRequest(f"r{i}", [1, 2, 3], params))))
+        for i in (10, 11):
+            req = EngineCoreRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), migrated=True)
+            push.send(wire.encoder.encode(wire.AddRequest(req)))
         time.sleep(0.1)
         proc._drain(100)
         msgs = []
@@ -240,7 +244,7 @@ def test_deadline_sheds_with_retry_after_and_leaks_nothing(tmp_path):
         assert sorted(m.request_id for m in rejected) == [f"r{i}" for i in range(3, 10)]
         assert all(m.reason == "overloaded" and m.retry_after_s >= 1 for m in rejected)
         finished = {o.request_id for m in msgs if isinstance(m, wire.Outputs) for o in m.outputs if o.finish_reason}
-        assert finished == {"r0", "r1", "r2"}
+        assert finished == {"r0", "r1", "r2", "r10", "r11"}
         assert not engine.has_unfinished() and proc.admission.refused == 7
         engine.check_integrity()
         assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks

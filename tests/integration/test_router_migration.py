@@ -88,6 +88,7 @@ def test_stream_continues_on_another_pod(cluster):
     kw = dict(model=router.model, messages=messages, max_tokens=TOKENS, temperature=0, extra_body={"ignore_eos": True})
     ref = client.chat.completions.create(**kw)
     before = _migrations(router, "disconnect")
+    taken = sum(_taken_as_migrations(p) for p in pods)
     stream = client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
     chunks, text = [], ""
     victim = None
@@ -109,7 +110,16 @@ def test_stream_continues_on_another_pod(cluster):
     assert usage.prompt_tokens == ref.usage.prompt_tokens  # the original prompt, not the continuation's
     assert not any("token_ids" in (c.choices[0].model_extra or {}) for c in chunks if c.choices)  # not asked for
     assert _migrations(router, "disconnect") == before + 1
+    # the continuation went as a migration (MIGRATED_HEADER): a pod took it, never shed by its deadline
+    assert sum(_taken_as_migrations(p) for p in pods if p.proc.poll() is None) == taken + 1
     _no_leak(router, pods)
+
+
+def _taken_as_migrations(pod) -> float:
+    from kvmesh.common import metric_names as mn
+    from kvmesh.testing.servers import pool_metrics
+
+    return pool_metrics(pod.base_url).get(mn.total(mn.MIGRATED_REQUESTS), 0.0)
 
 
 def test_non_streaming_request_survives_its_pod(cluster):
