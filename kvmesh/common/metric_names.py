@@ -42,3 +42,6 @@ LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 LORA_ADAPTER_INFO = "kvmesh:lora_adapter_info"
 # The pod's KV-block layout id (label layout; value 1): what a P/D transfer needs equal on both sides.
 KV_LAYOUT_INFO = "kvmesh:kv_layout_info"
+# The digest of the worker's tokenizer (kvmesh.common.model_files.tokenizer_digest; value 1): a router sends
+# the prompt ids it computed (services/api/protocol.PROMPT_TOKEN_IDS) only to pods that export its own.
+TOKENIZER_INFO = "kvmesh:tokenizer_info"

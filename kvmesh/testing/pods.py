@@ -89,6 +89,7 @@ class FakePod:
         self.refuse: tuple[int, dict] | None = None  # while set, requests get this (status, JSON body)
         self.refuse_headers: dict[str, str] = {}  # ... with these headers
         self.kv_layout = ""  # exported as kvmesh:kv_layout_info when set
+        self.tokenizer_digest = ""  # exported as kvmesh:tokenizer_info when set (the router then sends its ids)
         app = FastAPI()
 
         @app.get("/health")
@@ -102,6 +103,11 @@ class FakePod:
                 f'vllm:num_requests_waiting{{model_name="m"}} 0.0\n'
                 f'vllm:kv_cache_usage_perc{{model_name="m"}} 0.1\n'
                 + (f'kvmesh:kv_layout_info{{model_name="m",layout="{self.kv_layout}"}} 1.0\n' if self.kv_layout else "")
+                + (
+                    f'kvmesh:tokenizer_info{{model_name="m",digest="{self.tokenizer_digest}"}} 1.0\n'
+                    if self.tokenizer_digest
+                    else ""
+                )
             )
 
         @app.get("/v1/models")

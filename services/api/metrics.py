@@ -214,6 +214,13 @@ class ServerMetrics:
             L + ["layout"],
             registry=r,
         )
+        self.tokenizer_info = Gauge(
+            mn.TOKENIZER_INFO,
+            "The digest of this worker's tokenizer and chat template (value 1): a router sends the prompt ids "
+            "it computed only to pods whose digest is its own; others get the prompt alone.",
+            L + ["digest"],
+            registry=r,
+        )
         self.lora_loads = Counter(
             "kvmesh:lora_loads",
             "LoRA adapters copied into a device slot (each time one became resident)",

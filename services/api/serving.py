@@ -304,6 +304,8 @@ class Serving:
         self._token_str: dict[int, str] = {}
         # what the router's ids must have been made with for this pod to take them (`given_ids`)
         self.tokenizer_digest = tokenizer_digest(tokenizer)
+        if self.tokenizer_digest is not None:
+            metrics.tokenizer_info.labels(metrics.model_name, self.tokenizer_digest).set(1)
         self._foreign_digests: set[str] = set()
         if tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")

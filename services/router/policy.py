@@ -72,6 +72,7 @@ class Pod:
     inflight_blocks: Counter = field(default_factory=Counter)  # block hash -> in-flight requests holding it
     lora: LoRAState = field(default_factory=LoRAState)  # its adapters, from its last /metrics scrape
     kv_layout: str = ""  # its KV blocks' layout id (kvmesh:kv_layout_info), "" until scraped or without one
+    tokenizer: str = ""  # its tokenizer's digest (kvmesh:tokenizer_info): whether it takes the router's ids
 
     @property
     def url(self) -> str:

@@ -65,7 +65,7 @@ from .index import PrefixIndex
 from .metrics import ENGINE_UNAVAILABLE, OVERLOADED, RouterMetrics
 from .migration import Leg, Migrator
 from .policy import Decision, Pod, least_load, predicted_cached_tokens, round_robin, score_pods, shared_hits
-from .scrape import parse_kv_layout, parse_lora_state, parse_vllm_metrics
+from .scrape import parse_kv_layout, parse_lora_state, parse_tokenizer_digest, parse_vllm_metrics
 from .upstream import Upstream, UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -300,6 +300,7 @@ class Router:
                     pod.observe_scrape(got.get("running", 0.0), got.get("waiting", 0.0), got.get("kv_usage"), *before)
                     pod.lora = parse_lora_state(text)
                     pod.kv_layout = parse_kv_layout(text)
+                    pod.tokenizer = parse_tokenizer_digest(text)
             self.set_healthy(pod, ok, "" if ok else f"/health returned {status}")
         except UpstreamError as e:
             if e.timeout:
@@ -437,7 +438,7 @@ class Router:
                 tracing.annotate(**_decision_attributes(d))
             t0 = time.monotonic()
             try:
-                resp = await self.upstream.post(d.pod.url + path, body, timeout, extra=extra)
+                resp = await self.upstream.post(d.pod.url + path, _for_pod(body, d.pod), timeout, extra=extra)
             except UpstreamError as e:
                 self._end(fl)
                 if not e.gone:
@@ -844,3 +845,13 @@ def _usage_from_sse(tail: bytes) -> dict | None:
 def _total_tokens(usage: Any) -> int | None:
     total = usage.get("total_tokens") if isinstance(usage, dict) else None
     return total if isinstance(total, int) else None
+
+
+def _for_pod(body: dict, pod: Pod) -> dict:
+    """``body`` as ``pod`` gets it: without the router's prompt ids (`PROMPT_TOKEN_IDS`) unless the pod
+    exports the digest they were made under (a vLLM pod, or one with another tokenizer mid-rollout, gets
+    the prompt alone and tokenizes it, with no warning for an unknown field)."""
+    given = body.get(PROMPT_TOKEN_IDS)
+    if given is None or given.get("tokenizer") == pod.tokenizer:
+        return body
+    return {k: v for k, v in body.items() if k != PROMPT_TOKEN_IDS}

@@ -58,6 +58,15 @@ def parse_lora_state(text: str) -> LoRAState:
     return LoRAState(frozenset(registered), frozenset(active - {""}), max_loras, ks)
 
 
+def parse_tokenizer_digest(text: str) -> str:
+    """The digest of the pod's tokenizer (``kvmesh:tokenizer_info{digest}``), "" when it exports none (a
+    vLLM pod, an older kvmesh one): such a pod is sent the prompt alone, never the router's ids."""
+    for name, labels, value in samples(text, (mn.TOKENIZER_INFO,)):
+        if name == mn.TOKENIZER_INFO and value > 0 and labels.get("digest"):
+            return labels["digest"]
+    return ""
+
+
 def parse_kv_layout(text: str) -> str:
     """The pod's KV layout id (``kvmesh:kv_layout_info{layout}``: model, KV dtype, block shape, FP8 scales;
     what a P/D transfer needs equal on both sides), "" when it exports none."""

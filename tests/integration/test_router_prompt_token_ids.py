@@ -14,7 +14,7 @@ import pytest
 from kvmesh.common.chat import render_chat
 from kvmesh.common.model_files import load_model_files, tokenizer_digest
 from kvmesh.services.api.protocol import PROMPT_TOKEN_IDS
-from kvmesh.testing.pods import FakePod, start_router
+from kvmesh.testing.pods import FakePod, start_router, wait_for
 from kvmesh.topology import free_port
 
 pytestmark = pytest.mark.integration
@@ -32,10 +32,11 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def pd_router():
+def pd_router(tok):
     from kvmesh.services.router.config import PodSpec, RouterConfig
 
     pre, dec = FakePod().start(), FakePod().start()
+    pre.tokenizer_digest = dec.tokenizer_digest = tokenizer_digest(tok)  # as kvmesh pods of this model export
     cfg = RouterConfig(
         port=free_port(),
         pd_min_uncached=0,  # every single-sequence request is prefilled first
@@ -43,10 +44,42 @@ def pd_router():
         pods=(PodSpec(pre.url, "prefill"), PodSpec(dec.url, "decode")),
     )
     srv, router = start_router(cfg)
+    assert wait_for(lambda: all(router.pods[p.url].tokenizer == p.tokenizer_digest for p in (pre, dec)), 10)
     yield srv, router, pre, dec
     srv.stop()
     pre.stop()
     dec.stop()
+
+
+def test_only_pods_that_export_the_routers_tokenizer_get_its_ids(tok):
+    """A pod exporting another tokenizer's digest (mid-rollout to a new one), or none (a vLLM pod), is sent
+    the client's body alone: it tokenizes the prompt itself."""
+    from kvmesh.services.router.config import PodSpec, RouterConfig
+
+    pre, dec = FakePod().start(), FakePod().start()
+    pre.tokenizer_digest, dec.tokenizer_digest = tokenizer_digest(tok), "another-tokenizer"
+    cfg = RouterConfig(
+        port=free_port(),
+        pd_min_uncached=0,
+        health_interval=0.1,
+        pods=(PodSpec(pre.url, "prefill"), PodSpec(dec.url, "decode")),
+    )
+    srv, router = start_router(cfg)
+    try:
+        assert wait_for(lambda: router.pods[dec.url].tokenizer == "another-tokenizer", 10)
+        body = {"messages": MESSAGES, "max_tokens": 2}
+        for digest in ("another-tokenizer", ""):
+            dec.tokenizer_digest = digest
+            assert wait_for(lambda d=digest: router.pods[dec.url].tokenizer == d, 10)
+            r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert pre.bodies[-1][PROMPT_TOKEN_IDS] == expected(tok, "/v1/chat/completions", body)
+            assert PROMPT_TOKEN_IDS not in dec.bodies[-1] and dec.bodies[-1]["messages"] == MESSAGES
+            assert dec.bodies[-1]["kv_transfer_params"]["remote_engine_id"]  # P/D all the same
+    finally:
+        srv.stop()
+        pre.stop()
+        dec.stop()
 
 
 def expected(tok, path: str, body: dict) -> dict:

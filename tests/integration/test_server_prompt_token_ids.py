@@ -131,6 +131,8 @@ def test_ids_of_another_tokenizer_are_not_taken(http, rt):
     after = metrics(http)
     assert after[IDS] == before[IDS] and after[TEXT] == before[TEXT] + 1
     assert rt.digest is not None and rt.digest != "another"
+    # the pod exports the digest it takes ids under: the router's own, so the router sends it ids
+    assert after[f"kvmesh:tokenizer_info{{digest={rt.digest}}}"] == 1.0
 
 
 def test_bad_ids_get_the_400_of_a_bad_token_id_prompt_and_leave_nothing(http, rt):
