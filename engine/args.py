@@ -163,7 +163,8 @@ class EngineArgs:
             minimum=0,
             maximum=4096,
             description="Host-memory KV tier per rank in GiB, 0 for none. Blocks evicted from the device "
-            "pool are kept there and loaded back on a prefix hit; count it in the pod's memory request.",
+            "pool are kept there and loaded back on a prefix hit. The operator adds it, times the pod's "
+            "ranks, to the worker's memory request (and limit, if the role sets one).",
         ),
     )
     kv_offload_blocks: int = _setting(
