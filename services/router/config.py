@@ -203,6 +203,13 @@ class RouterConfig:
     read_timeout: float = field(default=600.0, metadata=cli())  # max gap between bytes from an upstream
     prefill_timeout: float = 300.0
     max_retries: int = field(default=2, metadata=cli())  # other pods tried after a connect failure
+    shed_hold_s: float = field(
+        default=10.0,
+        metadata=cli(
+            "seconds the router may hold a request every decode-capable pod shed (503 with Retry-After), "
+            "trying again after the soonest Retry-After, before it answers 503 itself (0: answer at once)"
+        ),
+    )
     # requests (streams included) moved to another pod after theirs failed mid-answer (migration.py)
     migration_limit: int = field(
         default=3, metadata=cli("migrations per request after its pod failed mid-answer (0: none)")
@@ -320,6 +327,8 @@ class RouterConfig:
             raise ValueError("discovery must be static or k8s")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if self.shed_hold_s < 0:
+            raise ValueError("shed_hold_s must be >= 0")
         if self.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
         if self.migration_limit < 0:

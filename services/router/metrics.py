@@ -127,6 +127,11 @@ class RouterMetrics:
             registry=r,
         )
         self.retries = Counter("kvmesh:router_retries", "requests retried on another pod", ["reason"], registry=r)
+        self.shed_holds = Counter(
+            "kvmesh:router_shed_holds",
+            "times a request every pod shed was held for the soonest Retry-After and tried again (--shed-hold-s)",
+            registry=r,
+        )
         for reason in RETRY_REASONS:  # at 0 from the start: the dashboard's retry panel shows 0, not "no data"
             self.retries.labels(reason)
         self.migrations = Counter(

@@ -400,7 +400,22 @@ class Router:
         if self.pods.get(fl.pod.url) is fl.pod:  # a request that outlived its pod's removal adds no series
             self.metrics.pod_inflight.labels(fl.pod.url).set(fl.pod.inflight_requests)
 
-    async def send(
+    async def send(self, *args: Any, hold: bool = False, **kw: Any) -> tuple[Decision, UpstreamResponse, Flight]:
+        """`_send_once`; with ``hold``, a request that every pod tried shed is held for the soonest
+        Retry-After and tried again, for up to ``--shed-hold-s`` in all, before the 503 reaches the
+        client. Right after a fault a pod's estimate still counts its lost peer's share of the work, and
+        its Retry-After says when it expects room: the router waits that out instead of the client."""
+        deadline = time.monotonic() + (self.cfg.shed_hold_s if hold else 0.0)
+        while True:
+            try:
+                return await self._send_once(*args, **kw)
+            except AllShed as e:
+                if time.monotonic() + e.retry_after > deadline:
+                    raise
+                self.metrics.shed_holds.inc()
+                await asyncio.sleep(e.retry_after)
+
+    async def _send_once(
         self,
         roles: tuple[str, ...],
         path: str,
@@ -477,11 +492,7 @@ class Router:
             self.metrics.upstream_latency.labels(phase).observe(time.monotonic() - t0)
             return d, resp, fl
         if shed and len(shed) == len(exclude):  # every pod tried was only busy: the soonest one's estimate
-            raise APIError(
-                503,
-                f"server is overloaded: each of the {len(shed)} pods tried shed the request; retry later",
-                headers={"Retry-After": str(max(1, min(shed)))},
-            )
+            raise AllShed(len(shed), max(1, min(shed)))
         raise APIError(
             503,
             f"no pod could take the request ({last})",
@@ -613,7 +624,16 @@ class Router:
         with tracing.opened(f"router.{phase}", {"kvmesh.pd_path": pd_path or "none"}) as sp:
             try:  # blocks in hand: a retry (dd shed the request or went away) stays on pods of their layout
                 d, resp, fl = await self.send(
-                    DECODE_ROLES, path, dbody, hashes, plen, phase, dd, lora=lora, layout=layout if params else None
+                    DECODE_ROLES,
+                    path,
+                    dbody,
+                    hashes,
+                    plen,
+                    phase,
+                    dd,
+                    lora=lora,
+                    layout=layout if params else None,
+                    hold=params is None,  # with blocks in hand: recompute elsewhere first (below)
                 )
             except APIError:
                 if params is None:
@@ -622,7 +642,9 @@ class Router:
                 params = None
                 self.metrics.pd.labels("fallback_decode_layout").inc()
                 tracing.annotate(**{"kvmesh.pd_path": "fallback_decode_layout"})
-                d, resp, fl = await self.send(DECODE_ROLES, path, wire, hashes, plen, "decode", None, lora=lora)
+                d, resp, fl = await self.send(
+                    DECODE_ROLES, path, wire, hashes, plen, "decode", None, lora=lora, hold=True
+                )
             if params is not None and resp.status >= 400:
                 # the decode pod refused the transfer (bad/expired params): recompute there, never guess
                 resp.release()
@@ -845,6 +867,18 @@ def _usage_from_sse(tail: bytes) -> dict | None:
 def _total_tokens(usage: Any) -> int | None:
     total = usage.get("total_tokens") if isinstance(usage, dict) else None
     return total if isinstance(total, int) else None
+
+
+class AllShed(APIError):
+    """The 503 of a request every pod tried shed (each only busy), with the soonest Retry-After."""
+
+    def __init__(self, pods: int, retry_after: int) -> None:
+        super().__init__(
+            503,
+            f"server is overloaded: each of the {pods} pods tried shed the request; retry later",
+            headers={"Retry-After": str(retry_after)},
+        )
+        self.retry_after = retry_after
 
 
 def _for_pod(body: dict, pod: Pod) -> dict:

@@ -21,7 +21,8 @@ def two():
     from kvmesh.services.router.config import PodSpec, RouterConfig
 
     a, b = FakePod().start(), FakePod().start()
-    cfg = RouterConfig(port=free_port(), pods=(PodSpec(a.url), PodSpec(b.url)), policy="round-robin")
+    # shed_hold_s 0: the router answers the 503 of a request both pods shed at once (holding: its own test)
+    cfg = RouterConfig(port=free_port(), pods=(PodSpec(a.url), PodSpec(b.url)), policy="round-robin", shed_hold_s=0)
     srv, router = start_router(cfg, tokenizer=IdTokenizer())
     yield srv, router, a, b
     srv.stop()
@@ -85,3 +86,35 @@ def test_blocks_prefilled_for_a_shedding_decode_pod_never_go_to_a_pod_of_another
         srv.stop()
         for p in (pre, d1, d2):
             p.stop()
+
+
+def test_a_request_every_pod_shed_is_held_for_the_retry_after_and_served():
+    """With --shed-hold-s, a request both pods shed waits out the soonest Retry-After in the router and
+    is tried again: served once a pod has room, a 503 only when the hold would pass the bound."""
+    import threading
+    import time
+
+    from kvmesh.services.router.config import PodSpec, RouterConfig
+
+    a, b = FakePod().start(), FakePod().start()
+    for p in (a, b):
+        p.refuse, p.refuse_headers = (503, SHED), {"Retry-After": "1", OVERLOADED_HEADER: "1"}
+    cfg = RouterConfig(port=free_port(), pods=(PodSpec(a.url), PodSpec(b.url)), policy="round-robin", shed_hold_s=5)
+    srv, router = start_router(cfg, tokenizer=IdTokenizer())
+    try:
+        threading.Timer(1.5, lambda: setattr(b, "refuse", None)).start()  # b has room again after 1.5 s
+        t0 = time.monotonic()
+        r = _post(srv)
+        assert r.status_code == 200, r.text
+        held = router.metrics.registry.get_sample_value("kvmesh:router_shed_holds_total")
+        assert held >= 1 and time.monotonic() - t0 >= 1.0  # it waited the Retry-After, at least once
+        assert b.bodies and "kv_transfer_params" not in b.bodies[-1]
+        b.refuse = (503, SHED)  # both shed for good: 503 once the next hold would pass 5 s
+        r = _post(srv)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert router.metrics.registry.get_sample_value("kvmesh:router_shed_holds_total") >= held + 4
+        assert router.admission.active == 0
+    finally:
+        srv.stop()
+        a.stop()
+        b.stop()
