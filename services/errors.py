@@ -39,6 +39,10 @@ OVERLOADED_HEADER = "x-kvmesh-overloaded"
 # services/router/migration.py): the worker does not shed it by its queue deadline, so a surviving pod
 # takes its dead peer's streams before new work (its queue's hard bound, --max-waiting, still holds).
 MIGRATED_HEADER = "x-kvmesh-migrated"
+# On a router's request it held after every pod shed it (--shed-hold-s): the seconds of its queue deadline
+# left, which the worker's admission uses when they are fewer than its own --max-queue-wait-s, so the hold
+# and the pod's queue together stay within one deadline.
+QUEUE_BUDGET_HEADER = "x-kvmesh-queue-budget-s"
 
 
 class APIError(Exception):

@@ -23,6 +23,8 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     lora_name: str | None = None  # a LoRA adapter the engine holds (EngineCore.list_loras); None: the base model
     # work another pod admitted and lost, migrated here by the router: never shed by the queue deadline
     migrated: bool = False
+    # seconds of its queue deadline the router left it (services/errors.QUEUE_BUDGET_HEADER); None: the pod's own
+    queue_budget_s: float | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):

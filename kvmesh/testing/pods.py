@@ -83,6 +83,7 @@ class FakePod:
         self.delay = delay
         self.cached_tokens = cached_tokens
         self.bodies: list[dict] = []
+        self.headers: list[dict[str, str]] = []  # each request's headers, in the order of ``bodies``
         self.inflight = 0
         self.max_inflight = 0
         self.paused = False  # while set, requests are held before answering (a test's gate)
@@ -117,6 +118,7 @@ class FakePod:
         async def gen(request: Request):
             body = await request.json()
             self.bodies.append(body)
+            self.headers.append(dict(request.headers))
             if self.refuse is not None:
                 return JSONResponse(self.refuse[1], status_code=self.refuse[0], headers=self.refuse_headers)
             self.inflight += 1

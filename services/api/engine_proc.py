@@ -254,7 +254,7 @@ class EngineProcess:
 
         load = self._load(req)
         # a migrated request was admitted once already (MIGRATED_HEADER): the deadline sheds new work only
-        shed = self.admission.check(load) if load is not None and not req.migrated else None
+        shed = self.admission.check(load, req.queue_budget_s) if load is not None and not req.migrated else None
         if shed is not None:
             self._send(wire.Rejected(req.request_id, "overloaded", shed.message, shed.retry_after_s))
             return

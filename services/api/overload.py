@@ -159,10 +159,13 @@ class PodAdmission:
     def estimate(self, load: PodLoad) -> float | None:
         return estimate_pod_wait(load, self.tokens.rate, self.finishes.rate)
 
-    def check(self, load: PodLoad) -> Shed | None:
-        """None: admit. Otherwise the refusal (HTTP 503 with its ``Retry-After``)."""
+    def check(self, load: PodLoad, budget_s: float | None = None) -> Shed | None:
+        """None: admit. Otherwise the refusal (HTTP 503 with its ``Retry-After``). ``budget_s``: what is
+        left of the request's deadline after the router held it (services/errors.QUEUE_BUDGET_HEADER),
+        which lowers this pod's own for it."""
         if self.deadline_s <= 0:
             return None
+        deadline = self.deadline_s if budget_s is None else min(self.deadline_s, max(0.0, budget_s))
         wait = self.estimate(load)
         if wait is None:
             # No rate yet: admit a batch's worth of waiters, which the pod starts within a few steps.
@@ -175,14 +178,14 @@ class PodAdmission:
                 f"the engine has measured no rate yet and {load.waiting} requests wait (one batch, "
                 f"--max-num-seqs {load.max_num_seqs}, is what it admits before it can estimate a wait)",
             )
-        if wait <= self.deadline_s:
+        if wait <= deadline:
             return None
         self.refused += 1
         return Shed(
             wait,
-            retry_after(wait, self.deadline_s),
+            retry_after(wait, deadline),
             f"the engine estimates a wait of {wait:.1f} s before it could start this request, over its "
-            f"deadline of {self.deadline_s:g} s (--max-queue-wait-s; {load.waiting} waiting, {load.running} "
+            f"deadline of {deadline:g} s (--max-queue-wait-s, or what the router's hold left; {load.waiting} waiting, {load.running} "
             f"running, {load.prompt_tokens_pending} prompt tokens pending, {load.free_blocks} KV blocks free "
             f"of {load.blocks_needed} needed)",
         )

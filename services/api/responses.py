@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from kvmesh.services.errors import MIGRATED_HEADER, APIError, error_body
+from kvmesh.services.errors import MIGRATED_HEADER, QUEUE_BUDGET_HEADER, APIError, error_body
 
 from .serving import Event, Generation
 
@@ -44,6 +44,7 @@ def sse(obj) -> str:
 async def answer(a: Answer, gen: Generation, raw: Request, model: str, stream: bool, include_usage: bool):
     """Start ``gen`` and answer with it: a JSON body (a dict), or an SSE `StreamingResponse`."""
     gen.migrated = raw.headers.get(MIGRATED_HEADER) == "1"
+    gen.queue_budget_s = _seconds(raw.headers.get(QUEUE_BUDGET_HEADER))
     if gen.migrated:
         gen.metrics.observe_migrated()
     gen.start()
@@ -117,3 +118,15 @@ async def _chain(first: Event | None, gen: Generation) -> AsyncIterator[Event]:
     yield first
     async for ev in gen.events():
         yield ev
+
+
+def _seconds(value: str | None) -> float | None:
+    """A header's non-negative, finite number of seconds; None when absent or not one (ignored, never a 400:
+    only the router sends it)."""
+    if value is None:
+        return None
+    try:
+        v = float(value)
+    except ValueError:
+        return None
+    return v if 0.0 <= v < float("inf") else None

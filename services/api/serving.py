@@ -122,6 +122,7 @@ class Generation:
         self.kv_transfer_params = kv_transfer_params
         self.lora_name = lora_name
         self.migrated = False  # set from the router's MIGRATED_HEADER (responses.answer)
+        self.queue_budget_s: float | None = None  # and QUEUE_BUDGET_HEADER
         self.unfinished = set(self.ids)
         self.tools: ChatTools | None = None  # a chat request's tools, when its output is read for calls
         self._last_token_time: dict[tuple[str, int], float] = {}
@@ -142,6 +143,7 @@ class Generation:
                         lora_name=self.lora_name,
                         arrival_time=self.arrival,
                         migrated=self.migrated,
+                        queue_budget_s=self.queue_budget_s,
                     ),
                     self.stream,
                 )

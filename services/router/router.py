@@ -53,6 +53,7 @@ from kvmesh.services.errors import (
     ENGINE_UNAVAILABLE_HEADER,
     MIGRATED_HEADER,
     OVERLOADED_HEADER,
+    QUEUE_BUDGET_HEADER,
     APIError,
     bad_request,
 )
@@ -405,15 +406,19 @@ class Router:
         Retry-After and tried again, for up to ``--shed-hold-s`` in all, before the 503 reaches the
         client. Right after a fault a pod's estimate still counts its lost peer's share of the work, and
         its Retry-After says when it expects room: the router waits that out instead of the client."""
-        deadline = time.monotonic() + (self.cfg.shed_hold_s if hold else 0.0)
+        t0 = time.monotonic()
+        deadline = t0 + (self.cfg.shed_hold_s if hold else 0.0)
+        budget: float | None = None
         while True:
             try:
-                return await self._send_once(*args, **kw)
+                return await self._send_once(*args, budget_s=budget, **kw)
             except AllShed as e:
                 if time.monotonic() + e.retry_after > deadline:
                     raise
                 self.metrics.shed_holds.inc()
                 await asyncio.sleep(e.retry_after)
+                if self.cfg.max_queue_wait_s > 0:  # the pod's queue gets what the hold left of the deadline
+                    budget = max(0.0, self.cfg.max_queue_wait_s - (time.monotonic() - t0))
 
     async def _send_once(
         self,
@@ -428,6 +433,7 @@ class Router:
         lora: str | None = None,
         layout: str | None = None,
         migrated: bool = False,
+        budget_s: float | None = None,
     ) -> tuple[Decision, UpstreamResponse, Flight]:
         """POST to a pod of ``roles`` (``first`` if given), retrying elsewhere on connect failure, on an
         engine that is down, and on a pod that sheds the request (overloaded: it admitted nothing).
@@ -436,7 +442,9 @@ class Router:
         Returns the decision and the response with headers read, body still streaming. The caller
         owns all three: it must release the response and call `_end` with the flight.
         """
-        extra = {MIGRATED_HEADER: "1"} if migrated else None
+        extra = {MIGRATED_HEADER: "1"} if migrated else {}
+        if budget_s is not None:  # held by `send`: the pod's queue gets only what is left of the deadline
+            extra[QUEUE_BUDGET_HEADER] = f"{budget_s:.3f}"
         exclude: set[str] = set()
         last = "no healthy pod"
         shed: list[int] = []  # the Retry-After of each pod that shed the request

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvmesh.services.errors import ENGINE_UNAVAILABLE_HEADER, OVERLOADED_HEADER
+from kvmesh.services.errors import ENGINE_UNAVAILABLE_HEADER, OVERLOADED_HEADER, QUEUE_BUDGET_HEADER
 from kvmesh.testing.pods import FakePod, IdTokenizer, start_router, wait_for
 from kvmesh.topology import free_port
 
@@ -109,6 +109,9 @@ def test_a_request_every_pod_shed_is_held_for_the_retry_after_and_served():
         held = router.metrics.registry.get_sample_value("kvmesh:router_shed_holds_total")
         assert held >= 1 and time.monotonic() - t0 >= 1.0  # it waited the Retry-After, at least once
         assert b.bodies and "kv_transfer_params" not in b.bodies[-1]
+        # the first try had the pods' own deadline; a try after a hold, what the hold left of the router's
+        assert QUEUE_BUDGET_HEADER not in b.headers[0]
+        assert 0 < float(b.headers[-1][QUEUE_BUDGET_HEADER]) < cfg.max_queue_wait_s
         b.refuse = (503, SHED)  # both shed for good: 503 once the next hold would pass 5 s
         r = _post(srv)
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text

@@ -92,6 +92,15 @@ def test_pod_admission_sheds_past_the_deadline_with_a_computed_retry_after() -> 
     assert PodAdmission(0.0).check(load(running=4, waiting=1000)) is None  # 0: off
 
 
+def test_a_held_requests_budget_lowers_the_pods_deadline_never_raises_it() -> None:
+    adm = PodAdmission(2.0)
+    adm.tokens.rate, adm.finishes.rate = 1000.0, 2.0
+    assert adm.check(load(running=4, waiting=2), budget_s=5.0) is None  # 1.5 s: within both
+    shed = adm.check(load(running=4, waiting=2), budget_s=1.0)  # 1.5 s: past what the router's hold left
+    assert shed is not None and shed.retry_after_s == 1 and "deadline of 1 s" in shed.message
+    assert adm.check(load(running=4, waiting=5), budget_s=10.0) is not None  # 3 s: past the pod's own 2 s
+
+
 def test_pod_admission_without_rates_admits_one_batch_of_waiters() -> None:
     adm = PodAdmission(2.0)
     assert adm.check(load(running=4, waiting=3)) is None
