@@ -185,7 +185,7 @@ class PodAdmission:
             wait,
             retry_after(wait, deadline),
             f"the engine estimates a wait of {wait:.1f} s before it could start this request, over its "
-            f"deadline of {deadline:g} s (--max-queue-wait-s, or what the router's hold left; {load.waiting} waiting, {load.running} "
-            f"running, {load.prompt_tokens_pending} prompt tokens pending, {load.free_blocks} KV blocks free "
-            f"of {load.blocks_needed} needed)",
+            f"deadline of {deadline:g} s (--max-queue-wait-s, or what the router's hold left; {load.waiting} "
+            f"waiting, {load.running} running, {load.prompt_tokens_pending} prompt tokens pending, "
+            f"{load.free_blocks} KV blocks free of {load.blocks_needed} needed)",
         )
