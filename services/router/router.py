@@ -411,7 +411,7 @@ class Router:
         budget: float | None = None
         while True:
             try:
-                return await self._send_once(*args, budget_s=budget, **kw)
+                return await self._send_once(*args, **{**kw, "budget_s": budget})
             except AllShed as e:
                 if time.monotonic() + e.retry_after > deadline:
                     raise
