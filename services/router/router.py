@@ -401,7 +401,21 @@ class Router:
         if self.pods.get(fl.pod.url) is fl.pod:  # a request that outlived its pod's removal adds no series
             self.metrics.pod_inflight.labels(fl.pod.url).set(fl.pod.inflight_requests)
 
-    async def send(self, *args: Any, hold: bool = False, **kw: Any) -> tuple[Decision, UpstreamResponse, Flight]:
+    async def send(
+        self,
+        roles: tuple[str, ...],
+        path: str,
+        body: dict,
+        hashes: list[int],
+        plen: int,
+        phase: str,
+        first: Decision | None = None,
+        timeout: float | None = None,
+        lora: str | None = None,
+        layout: str | None = None,
+        migrated: bool = False,
+        hold: bool = False,
+    ) -> tuple[Decision, UpstreamResponse, Flight]:
         """`_send_once`; with ``hold``, a request that every pod tried shed is held for the soonest
         Retry-After and tried again, for up to ``--shed-hold-s`` in all, before the 503 reaches the
         client. Right after a fault a pod's estimate still counts its lost peer's share of the work, and
@@ -411,7 +425,9 @@ class Router:
         budget: float | None = None
         while True:
             try:
-                return await self._send_once(*args, **{**kw, "budget_s": budget})
+                return await self._send_once(
+                    roles, path, body, hashes, plen, phase, first, timeout, lora, layout, migrated, budget
+                )
             except AllShed as e:
                 if time.monotonic() + e.retry_after > deadline:
                     raise
@@ -428,12 +444,12 @@ class Router:
         hashes: list[int],
         plen: int,
         phase: str,
-        first: Decision | None = None,
-        timeout: float | None = None,
-        lora: str | None = None,
-        layout: str | None = None,
-        migrated: bool = False,
-        budget_s: float | None = None,
+        first: Decision | None,
+        timeout: float | None,
+        lora: str | None,
+        layout: str | None,
+        migrated: bool,
+        budget_s: float | None,
     ) -> tuple[Decision, UpstreamResponse, Flight]:
         """POST to a pod of ``roles`` (``first`` if given), retrying elsewhere on connect failure, on an
         engine that is down, and on a pod that sheds the request (overloaded: it admitted nothing).
