@@ -9,15 +9,17 @@ on an H100; no ``peft`` (the adapters are written directly, bench/lora_adapters.
 
 Llama-3-8B shape, random bf16 weights (`random_state_dict`, drawn on the GPU); 8 random PEFT adapters
 of rank 16 (alpha 32) on q, k, v, o, gate, up and down of every layer, written to a temporary folder.
-Two engines over the same weights, one after the other, CUDA graphs on (the engine's default), async
+Three engines over the same weights, one after the other, CUDA graphs on (the engine's default), async
 scheduling, one step per round:
 
 * **base**: LoRA disabled;
 * the same weights with ``--enable-lora --max-loras 8 --max-lora-rank 16`` and the 8 adapters as
-  ``--lora-modules``, at each batch size:
-  * **no adapter**: every row on the base model (the LoRA kernels run on slots of -1);
+  ``--lora-modules`` (the adapters' A stacked under the base weights, the default), at each batch size:
+  * **no adapter**: every row on the base model (the graphs without LoRA's launches);
   * **1 adapter**: every row on adapter 0;
-  * **8 adapters**: row ``i`` on adapter ``i % 8``.
+  * **8 adapters**: row ``i`` on adapter ``i % 8``;
+* with ``--separate`` (the default): the LoRA engine again with ``--no-lora-stacked`` (a shrink, the sum
+  of its K splits and an expand per projection), 1 and 8 adapters.
 
 Decode at batch 1 / 32 / 128 (prompt 512 random tokens, 128 new, greedy, ignore_eos), through
 bench/gpu_harness.py's ``engine_decode``: decode tok/s counts the tokens after every request has its
@@ -66,8 +68,17 @@ from kvmesh.engine.models.random_init import random_state_dict, scaled_config  #
 R: dict = {}
 log = h.log
 RANK, N_LORAS = 16, 8
-CASES = ("base", "none", "one", "eight")  # base: LoRA disabled; the others on the LoRA engine
-CASE_NAMES = {"base": "base (LoRA off)", "none": "LoRA on, no adapter", "one": "1 adapter", "eight": "8 adapters"}
+# base: LoRA disabled; none/one/eight on the LoRA engine (A stacked under the base weights, the default);
+# sep_*: a third engine with the separate shrink and expand (--no-lora-stacked), for comparison
+CASES = ("base", "none", "one", "eight", "sep_one", "sep_eight")
+CASE_NAMES = {
+    "base": "base (LoRA off)",
+    "none": "LoRA on, no adapter",
+    "one": "1 adapter",
+    "eight": "8 adapters",
+    "sep_one": "1 adapter, separate",
+    "sep_eight": "8 adapters, separate",
+}
 SOLO_ROWS, SOLO_TOKENS = 8, 32
 # The smoke model (the harness's) with BOS and EOS inside its vocabulary.
 SMOKE = {**h.SMOKE_MODEL, "bos_token_id": 1, "eos_token_id": 2}
@@ -100,10 +111,11 @@ class Bench:
         self.batches = (1, 4, 8) if args.smoke else (1, 32, 128)
         self.hi = self.cfg.vocab_size if args.smoke else 120000
 
-    def engine(self, lora: bool) -> EngineCore:
+    def engine(self, lora: bool, stacked: bool = True) -> EngineCore:
         kw: dict = dict(max_num_seqs=max(self.batches), max_model_len=1024, async_scheduling=True)
         if lora:
             kw.update(
+                lora_stacked=stacked,
                 enable_lora=True,
                 max_loras=N_LORAS,
                 max_lora_rank=RANK,
@@ -121,7 +133,8 @@ class Bench:
         names = list(self.adapters) if lora else [None]
         warm = prompts_for(4, self.P, 99, self.hi)
         h.run_requests(eng, warm, h.sampling(8), tag="warm", loras=[names[i % len(names)] for i in range(4)])
-        R.setdefault("engines", {})["lora" if lora else "base"] = dict(build_s=build_s, warm_s=_since(t0) - build_s)
+        key = ("lora" if stacked else "lora_separate") if lora else "base"
+        R.setdefault("engines", {})[key] = dict(build_s=build_s, warm_s=_since(t0) - build_s)
         log(f"engine (LoRA {'on' if lora else 'off'}) built in {build_s:.1f}s, warm in {_since(t0) - build_s:.1f}s")
         return eng
 
@@ -132,7 +145,7 @@ class Bench:
             "none": None,
             "one": [names[0]] * B,
             "eight": [names[i % N_LORAS] for i in range(B)],
-        }[case]
+        }[case.removeprefix("sep_")]
 
     def decode(self, eng: EngineCore, case: str, B: int, rep: int, bw: float) -> dict:
         seed = 1000 * rep + B
@@ -202,6 +215,14 @@ def run(args: argparse.Namespace, folder: str, stage: h.Stages) -> None:
     measure(eng, ("none", "one", "eight"))
     R["solo"] = solo_check(b, eng, runs) if time.time() < until else None
     eng.shutdown()
+    if args.separate and time.time() < until:
+        del eng
+        gc.collect()
+        if not args.smoke:
+            torch.cuda.empty_cache()
+        eng = b.engine(lora=True, stacked=False)
+        measure(eng, ("sep_one", "sep_eight"))
+        eng.shutdown()
     R["checks"] = checks(runs)
     R["rows"] = rows(runs)
 
@@ -330,6 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="a tiny random model on the CPU (seconds), no GPU")
     ap.add_argument("--repeats", type=int, default=2, help="runs per (case, batch); the best is reported")
     ap.add_argument("--budget-s", type=float, default=480.0, help="whole-run deadline: later runs are skipped")
+    ap.add_argument(
+        "--separate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a third engine with the separate LoRA kernels (--no-lora-stacked), in the same run",
+    )
     ap.add_argument("--json", default="gpu_lora_decode.json", help="file name of the results under $OUT (or the cwd)")
     args = ap.parse_args(argv)
     R["env"] = h.env_info(args) if not args.smoke else dict(device="cpu", torch=torch.__version__, args=vars(args))

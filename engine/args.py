@@ -399,6 +399,13 @@ class EngineArgs:
         action=argparse.BooleanOptionalAction,
         section=KERNELS,
     )
+    lora_stacked: bool = _setting(
+        KernelChoices.lora_stacked,
+        "with --enable-lora: the adapters' shrink inside the base projection's GEMM (their A stacked under "
+        "its weight) and one expand launch; --no-lora-stacked: a shrink, a sum and an expand per projection",
+        action=argparse.BooleanOptionalAction,
+        section=KERNELS,
+    )
 
     # ---- command line -------------------------------------------------------
     @classmethod

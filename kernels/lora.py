@@ -144,22 +144,34 @@ def lora_expand(
 ) -> torch.Tensor:
     """Adds ``h[i, t] @ b[slots[t], i, :w_i].T`` to ``y[t, offsets[i]:offsets[i+1]]`` in place
     (``w_i`` the slice's width) and returns ``y``; rows with slot -1 are left as they are.
+
+    ``h`` is ``[n, T, R]`` (`lora_shrink`'s, each row's own slot), or ``[T, S, n, R]``: every slot's
+    shrink of every row, as a base projection with the slots' A stacked under its weight computes it
+    (engine/lora/pool.py), of which row ``t`` takes ``h[t, slots[t]]``.
     ``config`` overrides `expand_config` (tests and benchmarks)."""
     fn = "lora_expand"
     _check(fn, y, b, slots)
-    check_dim(fn, "h", h, 3)
+    stacked = isinstance(h, torch.Tensor) and h.dim() == 4
+    if not stacked:
+        check_dim(fn, "h", h, 3)
     n = b.shape[1]
     if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != y.shape[1]:
         fail(fn, f"offsets must be 0..{y.shape[1]} with {n + 1} entries (one slice per b slice), got {offsets}")
     if any(offsets[i + 1] - offsets[i] > b.shape[2] for i in range(n)):
         fail(fn, f"a slice of offsets {offsets} is wider than b's {b.shape[2]} output rows")
-    if tuple(h.shape) != (n, y.shape[0], b.shape[3]):
-        fail(fn, f"h must be [{n}, {y.shape[0]}, {b.shape[3]}] (slices, rows, rank), got {tuple(h.shape)}")
+    T, R, S = y.shape[0], b.shape[3], b.shape[0]
+    if stacked and tuple(h.shape) != (T, S, n, R):
+        fail(fn, f"a stacked h must be [{T}, {S}, {n}, {R}] (rows, slots, slices, rank), got {tuple(h.shape)}")
+    if not stacked and tuple(h.shape) != (n, T, R):
+        fail(fn, f"h must be [{n}, {T}, {R}] (slices, rows, rank), got {tuple(h.shape)}")
     check_dtype(fn, "h", h, FLOATS)
     check_device(fn, "y", y, h=h)
-    T, R, S = y.shape[0], b.shape[3], b.shape[0]
     if backend(y) == "reference" or 0 in (T, S, n, R):
+        if stacked:  # each row's own slot (a base row's is never read)
+            h = h[torch.arange(T, device=h.device), slots.clamp(0, S - 1)].permute(1, 0, 2).float()
         return _ref.lora_expand_reference(y, h, b, slots, offsets)
+    # strides of h as (slot, slice, row, rank); the slot's is 0 for an unstacked h
+    hs = (h.stride(1), h.stride(2), h.stride(0), h.stride(3)) if stacked else (0, *h.stride())
     widest = max(offsets[i + 1] - offsets[i] for i in range(n))
     if widest == 0:
         return y
@@ -167,7 +179,8 @@ def lora_expand(
     for g in range(0, n, EXPAND_MAX_SLICES):
         m = min(EXPAND_MAX_SLICES, n - g)
         offs = list(offsets[g : g + m + 1]) + [offsets[g + m]] * (EXPAND_MAX_SLICES - m)
-        hg, bg = h[g : g + m], b[:, g : g + m]
+        hg = h[:, :, g : g + m] if stacked else h[g : g + m]
+        bg = b[:, g : g + m]
         _dispatch.kernels_for(y).lora_expand_kernel[(cdiv(T, bm) * (S if grid else 1), m, cdiv(widest, bn))](
             y,
             hg,
@@ -179,9 +192,7 @@ def lora_expand(
             *offs,
             y.stride(0),
             y.stride(1),
-            hg.stride(0),
-            hg.stride(1),
-            hg.stride(2),
+            *hs,
             bg.stride(0),
             bg.stride(1),
             bg.stride(2),

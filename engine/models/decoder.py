@@ -69,13 +69,11 @@ class DenseMLP:
         return kernels.silu_mul_linear(kernels.linear(x, self.gate_up, choices=c), self.down, choices=c)
 
     def with_lora(self, x: torch.Tensor, lora: LoraPool, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """The same with each row's LoRA on gate, up and down. down's product stays fused with the
-        activation; the activation is made once more for the adapters' shrink, so a base row's result
-        is the one without LoRA, bit for bit."""
+        """The same with each row's LoRA on gate, up and down (engine/lora/pool.py); down's product
+        stays fused with the activation."""
         c = self.choices
-        gate_up = lora.add(layer, "gate_up", x, kernels.linear(x, self.gate_up, choices=c), slots)
-        y = kernels.silu_mul_linear(gate_up, self.down, choices=c)
-        return lora.add(layer, "down", kernels.silu_and_mul(gate_up, choices=c), y, slots)
+        gate_up = lora.linear(layer, "gate_up", x, self.gate_up, None, slots, c)
+        return lora.silu_mul_linear(layer, gate_up, self.down, slots, c)
 
     def weight_bytes(self, num_tokens: int) -> int:
         """Weight bytes one step over ``num_tokens`` tokens reads (all of them)."""
@@ -185,6 +183,35 @@ class DecoderForCausalLM(torch.nn.Module):
         # step's rows use them when its metadata carries their slots
         self.lora: LoraPool | None = None
 
+    def stack_lora(self) -> int:
+        """Stack the LoRA pool's A under every plain projection weight it can (engine/lora/pool.py
+        `LoraPool.stack`; FP8 weights stay separate) unless the kernel choices say otherwise; the
+        number of groups stacked."""
+        lora = self.lora
+        if lora is None or not self.kernel_choices.lora_stacked:
+            return 0
+
+        def plain(w: Any) -> bool:
+            return isinstance(w, torch.Tensor) and w.dtype == self.dtype
+
+        n = 0
+        for li, layer in enumerate(self.layers):
+            if plain(layer["qkv"]):
+                layer["qkv"] = lora.stack(li, "qkv", layer["qkv"], layer["qkv_bias"])
+                n += 1
+            if plain(layer["o"]):
+                layer["o"] = lora.stack(li, "o", layer["o"])
+                n += 1
+            mlp = layer["mlp"]
+            if isinstance(mlp, DenseMLP) and lora.has(li, "down"):
+                if plain(mlp.gate_up):
+                    mlp.gate_up = lora.stack(li, "gate_up", mlp.gate_up)
+                    n += 1
+                if plain(mlp.down):
+                    mlp.down = lora.stack(li, "down", mlp.down)
+                    n += 1
+        return n
+
     def load_mlp(self, layer: int, w: WeightFn, has: HasFn, prefix: str) -> MLP:
         """Layer ``layer``'s MLP from the weights under ``prefix`` (``model.layers.{i}.mlp.``)."""
         return DenseMLP(w, prefix, self.kernel_choices)
@@ -236,10 +263,11 @@ class DecoderForCausalLM(torch.nn.Module):
                 x = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, choices=c)
             else:
                 x, residual = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual, choices=c)
-            qkv = kernels.linear(x, layer["qkv"], layer["qkv_bias"], choices=c)
             if lora is not None:
                 assert ls is not None
-                lora.add(li, "qkv", x, qkv, ls)
+                qkv = lora.linear(li, "qkv", x, layer["qkv"], layer["qkv_bias"], ls, c)
+            else:
+                qkv = kernels.linear(x, layer["qkv"], layer["qkv_bias"], choices=c)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(T, cfg.num_heads, cfg.head_dim)
             k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
@@ -266,12 +294,13 @@ class DecoderForCausalLM(torch.nn.Module):
                 **hints,
             )
             attn = attn.reshape(T, self.q_size)
-            h = kernels.linear(attn, layer["o"], choices=c)
             if lora is not None:  # under TP, this rank's partial sum (its columns of A), reduced with o's
                 assert ls is not None
-                lora.add(li, "o", attn, h, ls)
+                h = lora.linear(li, "o", attn, layer["o"], None, ls, c)
+            else:
+                h = kernels.linear(attn, layer["o"], choices=c)
             if self.tp is not None:
-                self.tp.group.all_reduce(h)
+                h = self.tp.group.all_reduce(h)
             x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual, choices=c)
             mlp = layer["mlp"]
             if lora is not None and isinstance(mlp, DenseMLP) and lora.has(li, "down"):
@@ -280,7 +309,7 @@ class DecoderForCausalLM(torch.nn.Module):
             else:
                 h = mlp(x)
             if self.tp is not None:  # dense or experts: each rank's slice of the intermediate dimension
-                self.tp.group.all_reduce(h)
+                h = self.tp.group.all_reduce(h)
         assert residual is not None  # set by the first layer
         if logits_indices is not None:  # gather first: the add then touches only the sampled rows
             h = h.index_select(0, logits_indices)

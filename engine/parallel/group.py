@@ -44,7 +44,10 @@ class TPGroup:
 
     # ---- the model's collectives ----------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks of ``x``, in place."""
+        """The sum over ranks of ``x``: in place, or in a contiguous copy that is returned when ``x`` is a
+        strided view (a projection's base columns beside its stacked LoRA shrink, engine/lora/pool.py)."""
+        if not x.is_contiguous():
+            x = x.contiguous()
         dist.all_reduce(x)
         return x
 

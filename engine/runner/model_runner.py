@@ -137,6 +137,8 @@ class ModelRunner(DecodeRoundRunner):
         self.lora_shard = Shard(tp.rank, tp.world, whole_cfg) if tp is not None else None
         if self.lora_enabled:
             self.model.lora = LoraPool(m, config.lora.max_loras, config.lora.max_lora_rank, self.dtype, self.device)
+            if self.model.stack_lora() and self.cuda:  # the base weights moved: their old memory goes back
+                torch.cuda.empty_cache()
         self.sched_cfg = config.scheduler
         n_stage = eager_layout_size(
             config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, self.max_blocks_per_seq

@@ -159,6 +159,7 @@ def lora_expand_kernel(
     off4,
     stride_ym,
     stride_yn,
+    stride_hs,
     stride_hi,
     stride_hm,
     stride_hr,
@@ -174,6 +175,9 @@ def lora_expand_kernel(
     BLOCK_R: tl.constexpr,
 ):
     """``y[t, off_i + j] += h[i, t] @ b[slots[t], i, j].T`` for the columns ``j`` of slice ``i``.
+
+    ``h`` holds one rank-R row per (slice, row), or with ``stride_hs`` one per (slot, slice, row):
+    the stacked shrink, whose row ``t`` reads its slot's (kernels/lora.py).
 
     Grid ``(row blocks (times S with SLOT_GRID), slices, column tiles of the widest slice)``;
     slice ``i`` spans columns ``off_i .. off_{i+1}`` of ``y`` (up to four slices a launch; the
@@ -200,13 +204,15 @@ def lora_expand_kernel(
     b_slice = b_ptr + i.to(tl.int64) * stride_bi + cols.to(tl.int64)[None, :] * stride_bn + r[:, None] * stride_br
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SLOT_GRID:
-        acc = _expand_slot(acc, h_rows, b_slice + own.to(tl.int64) * stride_bs, mine, r_ok, c_ok, IEEE)
+        h_own = h_rows + own.to(tl.int64) * stride_hs
+        acc = _expand_slot(acc, h_own, b_slice + own.to(tl.int64) * stride_bs, mine, r_ok, c_ok, IEEE)
     else:
         rem = mine
         s = tl.min(tl.where(rem, slot, S), 0)
         while s < S:
             sel = rem & (slot == s)
-            acc = _expand_slot(acc, h_rows, b_slice + s.to(tl.int64) * stride_bs, sel, r_ok, c_ok, IEEE)
+            h_s = h_rows + s.to(tl.int64) * stride_hs
+            acc = _expand_slot(acc, h_s, b_slice + s.to(tl.int64) * stride_bs, sel, r_ok, c_ok, IEEE)
             rem = rem & (slot != s)
             s = tl.min(tl.where(rem, slot, S), 0)
     mask = mine[:, None] & c_ok[None, :]

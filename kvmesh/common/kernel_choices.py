@@ -51,9 +51,21 @@ class KernelChoices:
     # instead of alignment, the grouped GEMM and the sum over slots. Off: on an H100 it took 51 us at one
     # token against 46 us for alignment + the grouped GEMM (BENCHMARKS.md), kept for its sweep.
     moe_gemv: bool = False
+    # LoRA's shrink inside the base projection's GEMM (the slots' A stacked under its weight) and one
+    # expand launch, instead of a shrink, the sum of its K splits and an expand per projection
+    # (engine/lora/pool.py). Off: the separate kernels everywhere, for comparison.
+    lora_stacked: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("gemv_kernel", "tma_attention", "pdl", "fp8_gemv_w8a8", "moe_prep_kernels", "moe_gemv"):
+        for name in (
+            "gemv_kernel",
+            "tma_attention",
+            "pdl",
+            "fp8_gemv_w8a8",
+            "moe_prep_kernels",
+            "moe_gemv",
+            "lora_stacked",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.fp8_one_row_kernel is not None and self.fp8_one_row_kernel not in FP8_ONE_ROW_KERNELS:

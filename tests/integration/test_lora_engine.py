@@ -125,6 +125,18 @@ def test_a_batch_mixing_adapters_and_base_rows_gives_each_its_solo_tokens(llm, a
     _idle(llm.engine)
 
 
+def test_stacked_and_separate_lora_kernels_give_the_same_tokens(llm, make_llm, modules, adapters, base_tokens, prompts):
+    """The default engine stacks every group's A under its base weight (engine/lora/pool.py); with
+    ``--no-lora-stacked`` the separate shrink and expand run: the same mixed batch, the same tokens."""
+    pool = llm.engine.runner.model.lora
+    assert len(pool.stacked) == 4 * llm.engine.runner.model.cfg.num_layers
+    separate = make_llm(lora_modules=modules, num_kv_blocks=256, lora_stacked=False)
+    assert separate.engine.runner.model.lora.stacked == {}
+    ps, names, want = _mixed(prompts, adapters, base_tokens)
+    assert _tokens(separate.generate(ps, GREEDY, lora_name=names)) == want
+    _idle(separate.engine)
+
+
 def test_multi_step_rounds_mix_adapters_too(make_llm, modules, adapters, base_tokens, prompts):
     llm = make_llm(lora_modules=modules, num_kv_blocks=256, num_scheduler_steps=4)
     ps, names, want = _mixed(prompts, adapters, base_tokens)

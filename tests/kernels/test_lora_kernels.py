@@ -117,3 +117,26 @@ def test_expand_into_a_strided_output_of_five_slices(gen):
     assert torch.equal(wide[:, :3], before[:, :3]) and torch.equal(
         wide[:, 3 + offsets[-1] :], before[:, 3 + offsets[-1] :]
     )
+
+
+@pytest.mark.parametrize("T,dtype,econf", [(5, torch.float32, None), (7, torch.bfloat16, (16, 16, 4, False))])
+def test_expand_of_a_stacked_shrink_reads_each_rows_slot(gen, T, dtype, econf):
+    """``h`` as a base projection with the slots' A stacked under its weight computes it: every slot's
+    shrink of every row, the trailing columns of that projection's output (so strided). Each row adds
+    its own slot's product (both ways of assigning slots to programs), as the per-row ``h`` would."""
+    widths, S, R = (12, 4, 4), 3, 8
+    x, a, b, slots, offsets = make(gen, T, 16, widths, R, S, dtype, torch.int64)
+    N, n = offsets[-1], len(widths)
+    out = torch.randn(T, N + S * n * R, generator=gen).to(dtype)  # [base projection | every slot's shrink]
+    out[:, N:] = torch.einsum("tk,sirk->tsir", x.float(), a.float()).reshape(T, -1).to(dtype)
+    y0 = out[:, :N].clone()
+    y = K.lora_expand(out[:, :N], out[:, N:].view(T, S, n, R), b, slots, offsets, config=econf)
+    assert y.data_ptr() == out.data_ptr()
+    ref_slots = _base(slots, S)
+    h_rows = K.lora_shrink_reference(x.float(), a.float(), ref_slots)
+    h_rows = h_rows.to(dtype).float()  # the stacked shrink is rounded to the projection's dtype
+    ref = K.lora_expand_reference(y0.float().clone(), h_rows, b.float(), ref_slots, offsets)
+    assert rel_err(y - y0.float(), ref - y0.float()) < BOUND[dtype]
+    assert torch.equal(y[ref_slots < 0], y0[ref_slots < 0])
+    with pytest.raises(ValueError, match="stacked h must be"):
+        K.lora_expand(out[:, :N], out[:, N:].view(T, S * n, 1, R), b, slots, offsets)

@@ -142,6 +142,33 @@ def test_the_pool_gives_each_row_its_slot(tmp_path):
     assert torch.allclose(pool.add(1, "qkv", x, y0.clone(), slots)[0], y0[0] + qv_row0, atol=1e-5)
 
 
+def test_a_stacked_group_gives_the_separate_kernels_result(tmp_path):
+    """A group stacked under its base weight (one GEMM for the base and every slot's shrink, one expand)
+    gives each row what the base projection plus the separate shrink and expand give, base rows their
+    base projection; the base weight the model keeps is the stacked tensor's first rows, and an adapter
+    loaded after the stacking lands in it."""
+    full = load_adapter("full", write(tmp_path / "f", 8, 8, _weights(8)), CFG, 8)
+    qv = load_adapter("qv", write(tmp_path / "q", 2, 4, _weights(2, ("q_proj", "v_proj"), seed=3)), CFG, 8)
+    sep, st = (LoraPool(CFG, 3, 8, torch.float32, torch.device("cpu")) for _ in range(2))
+    width = CFG.num_heads * 8 + 2 * CFG.num_kv_heads * 8
+    w, bias = torch.randn(width, CFG.hidden_size), torch.randn(width)
+    sep.load(2, qv.weights)
+    st.load(2, qv.weights)  # before the stacking: it moves with it
+    kept = st.stack(1, "qkv", w, bias)
+    assert torch.equal(kept, w) and kept.data_ptr() == st.stacked[(1, "qkv")][0].data_ptr()
+    sep.load(0, full.weights)
+    st.load(0, full.weights)  # after: into the stacked rows
+    slots = torch.tensor([0, -1, 2, 0, 2])
+    x = torch.randn(5, CFG.hidden_size)
+    want = sep.linear(1, "qkv", x, w, bias, slots)
+    got = st.linear(1, "qkv", x, kept, bias, slots)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(got[1], x[1] @ w.T + bias, atol=1e-5)
+    assert not torch.allclose(got[0], x[0] @ w.T + bias, atol=1e-3)  # the adapter is there
+    with pytest.raises(ValueError, match="cannot carry A"):
+        st.stack(1, "o", torch.randn(CFG.hidden_size, CFG.hidden_size + 1))
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_rank_shares_sum_to_the_whole_adapter(tmp_path, world):
     """Column-parallel modules: each rank computes the whole product's rows its base layer computes;
