@@ -18,9 +18,9 @@ from engine_checks import OracleProposer, enforce_eager, small_config
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 # text that repeats itself: the n-gram lookup finds k drafts for every row from the first decode step on
 REPEATS = [
-    "The cat sat on the mat. " * 4 + "The cat",
-    "One, two, three, four, five. " * 4 + "One, two",
-    "A dog ran in the park. " * 4 + "A dog",
+    "The cat sat on the mat. " * 6 + "The cat",
+    "One, two, three, four, five. " * 6 + "One, two",
+    "A dog ran in the park. " * 6 + "A dog",
 ]
 
 
