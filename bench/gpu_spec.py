@@ -12,7 +12,9 @@ own: the tokens must equal the plain run's (greedy), and the measured acceptance
 drafts, the engine's counters) is reported next to ``p``. Batch 1 and 8, prompts of 512 tokens, ``--new``
 tokens each; decode tok/s counts the tokens after every request has its first token, as
 `gpu_harness.engine_decode` does. The issue's goal: at acceptance 0.7 with k = 4, batch 1 at least 2x
-plain bf16 decode. Writes ``gpu_spec.json`` under ``$OUT`` (or the cwd).
+plain bf16 decode. Each row also counts the steps with drafts that replayed a CUDA verification graph
+(every row verifying k drafts) and those that ran eagerly (rows with fewer drafts near ``max_tokens``,
+prefill beside them; all of them on the CPU). Writes ``gpu_spec.json`` under ``$OUT`` (or the cwd).
 
 The random weights are shaped so that greedy decoding does not depend on the step's shape: with plain
 random bf16 weights the top logits are so close that a verification step's 1 + k rows (a GEMM) and a
@@ -31,35 +33,28 @@ import os
 import sys
 import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_harness as h  # type: ignore[import-not-found]  # noqa: E402
+from engine_checks import OracleProposer  # type: ignore[import-not-found]  # noqa: E402  (tests/, as gpu_harness)
 
+from kvmesh.engine.models.loader import LoadedModel  # noqa: E402
 from kvmesh.engine.models.random_init import random_model, scaled_config  # noqa: E402
 
 R: dict = {}
 log = h.log
 
 
-class OracleProposer:
-    """Drafts the next k tokens of each request's known greedy continuation, each right with probability
-    ``p`` (a wrong token otherwise), from a fixed-seed generator: the engine's n-gram proposer's shape
-    (``propose(tokens, k)``), so the scheduler and verification are the engine's own."""
-
-    def __init__(self, refs: dict[tuple[int, ...], list[int]], prompt_len: int, p: float, vocab: int) -> None:
-        self.refs, self.P, self.p, self.V = refs, prompt_len, p, vocab
-        self.rng = np.random.default_rng(0)
-
-    def propose(self, tokens, k: int | None = None) -> list[int]:
-        toks = list(tokens)
-        ref = self.refs[tuple(toks[: self.P])]
-        n = len(toks) - self.P
-        out = []
-        for t in ref[n : n + (k or 0)]:
-            out.append(t if self.rng.random() < self.p else (t + 1) % self.V)
-        return out
+def shaped(lm: LoadedModel) -> LoadedModel:
+    """The random weights made to repeat the last token (module docstring), in place: attention and MLP
+    output projections scaled by 0.01, the output head a copy of the embedding."""
+    sd = lm.state_dict
+    for name, t in sd.items():
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            t.mul_(0.01)
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    return lm
 
 
 def decode(eng, prompts, N: int) -> tuple[dict, float, dict]:
@@ -86,8 +81,8 @@ def main() -> int:
     cfg = scaled_config(**h.SMOKE_MODEL) if args.smoke else scaled_config()
     if args.smoke:
         args.new, args.prompt, args.p, args.batches = 12, 32, "1.0,0.5", "1,2"
-    lm = random_model(
-        cfg, name="spec-random", dtype=torch.float32 if args.smoke else torch.bfloat16, device=dev, seed=1
+    lm = shaped(
+        random_model(cfg, name="spec-random", dtype=torch.float32 if args.smoke else torch.bfloat16, device=dev, seed=1)
     )
     kw = dict(max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=4096)
     if args.smoke:
@@ -118,27 +113,44 @@ def main() -> int:
     if not args.smoke:
         torch.cuda.empty_cache()
     spec = build(speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": args.k}))
+    R["verify_graph_sizes"] = getattr(spec.runner, "verify_graph_sizes", [])
+    log(f"verification graphs of {args.k} drafts for batch sizes {R['verify_graph_sizes']}")
     rows = []
     for B, (prompts, refs) in refs_by_b.items():
         for p in [float(x) for x in args.p.split(",")]:
             sp = spec.speculator
-            sp.ngram = OracleProposer(refs, args.prompt, p, V)
+            sp.ngram = OracleProposer(refs, p, V)
             a0, d0 = sp.num_accepted_tokens, sp.num_draft_tokens
+            s0 = spec.stats()
             got, tok_s, t = decode(spec, prompts, args.new)
+            s1 = spec.stats()
             acc = (sp.num_accepted_tokens - a0) / max(1, sp.num_draft_tokens - d0)
             same = got == refs
             rows.append(
-                dict(B=B, p=p, acceptance=acc, tok_s=tok_s, plain_tok_s=base[B], speedup=tok_s / base[B], same=same)
+                dict(
+                    B=B,
+                    p=p,
+                    acceptance=acc,
+                    tok_s=tok_s,
+                    plain_tok_s=base[B],
+                    speedup=tok_s / base[B],
+                    same=same,
+                    verify_graph_steps=s1.spec_decode_num_graph_steps - s0.spec_decode_num_graph_steps,
+                    verify_eager_steps=s1.spec_decode_num_eager_steps - s0.spec_decode_num_eager_steps,
+                )
             )
             log("spec", rows[-1])
     spec.shutdown()
     R["rows"] = rows
     print(f"\n== speculative decoding, k = {args.k}, prompt {args.prompt}, {args.new} new tokens ==")
-    print(f"{'B':>3} {'p':>5} {'acceptance':>10} {'tok/s':>9} {'plain':>9} {'x plain':>8} {'same tokens':>12}")
+    print(
+        f"{'B':>3} {'p':>5} {'acceptance':>10} {'tok/s':>9} {'plain':>9} {'x plain':>8} {'same tokens':>12} "
+        f"{'verify steps graph/eager':>25}"
+    )
     for r in rows:
         print(
             f"{r['B']:>3} {r['p']:>5.2f} {r['acceptance']:>10.3f} {r['tok_s']:>9.1f} {r['plain_tok_s']:>9.1f} "
-            f"{r['speedup']:>7.2f}x {r['same']!s:>12}"
+            f"{r['speedup']:>7.2f}x {r['same']!s:>12} {r['verify_graph_steps']:>16}/{r['verify_eager_steps']}"
         )
     h.write_results(R, args.json)
     return 0 if all(r["same"] for r in rows) else 1

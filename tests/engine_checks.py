@@ -11,6 +11,9 @@ the engine token within ``TIE_TOL`` = 0.05 of HF's max; logits have std ~1.3), a
 logit error at every sampled position (max abs, relative L2). Pass: within-tolerance match >= 99% and
 relative L2 <= 2e-2, for decode in graphs, eager decode, 8-step async rounds and batch 1 (the
 one-row GEMV kernel).
+
+`OracleProposer`: speculative decoding's drafts at a set agreement with the known greedy tokens (the
+speculation tests and ``bench/gpu_spec.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from kvmesh.common.env import env
@@ -121,6 +125,31 @@ def run_requests(
     _sync()
     t1 = time.perf_counter()
     return outs, dict(t0=t0, t_all_first=t_all_first or t1, t1=t1, steps=steps, cut=cut)
+
+
+class OracleProposer:
+    """Speculative decoding's drafts from each request's known greedy continuation (a run without
+    speculation), in the n-gram proposer's place (``propose(tokens, k)``, set as the engine's
+    ``speculator.ngram``): each of the next k tokens right with probability ``p`` (else a wrong token),
+    from a fixed-seed generator. Every row then proposes as many drafts as it has room for and the
+    acceptance is set, while the scheduler and the verification are the engine's own. ``refs``: prompt
+    (a tuple of ids) -> its greedy tokens."""
+
+    def __init__(self, refs: dict[tuple[int, ...], list[int]], p: float, vocab: int, seed: int = 0) -> None:
+        self.p, self.V = p, vocab
+        self.rng = np.random.default_rng(seed)
+        self.by_len: dict[int, dict[tuple[int, ...], list[int]]] = {}  # prompts by length: one lookup each
+        for prompt, ref in refs.items():
+            self.by_len.setdefault(len(prompt), {})[prompt] = ref
+
+    def propose(self, tokens, k: int | None = None) -> list[int]:
+        toks = list(tokens)
+        for n, refs in self.by_len.items():
+            ref = refs.get(tuple(toks[:n]))
+            if ref is not None:
+                done = len(toks) - n
+                return [t if self.rng.random() < self.p else (t + 1) % self.V for t in ref[done : done + (k or 0)]]
+        raise KeyError("a request whose prompt has no known continuation")
 
 
 def check_correctness(quick: bool, log=print) -> dict:

@@ -554,6 +554,8 @@ class EngineCore:
             spec_decode_num_draft_tokens=sp.num_draft_tokens,
             spec_decode_num_accepted_tokens=sp.num_accepted_tokens,
             spec_decode_accepted_per_pos=list(sp.accepted_per_pos),
+            spec_decode_num_graph_steps=getattr(self.runner, "num_verify_graph_steps", 0),
+            spec_decode_num_eager_steps=getattr(self.runner, "num_verify_eager_steps", 0),
         )
 
     def _host_tier_stats(self) -> dict[str, Any]:

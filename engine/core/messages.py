@@ -98,6 +98,9 @@ class EngineStats(msgspec.Struct):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    # steps that verified drafts: replayed from a CUDA verification graph, or run eagerly (engine/runner/graphs.py)
+    spec_decode_num_graph_steps: int = 0
+    spec_decode_num_eager_steps: int = 0
     # per medium ("GPU", "CPU": host, "DISK": the disk tier under it; only the tiers the pod has): slots,
     # prompt tokens admitted from the tier (GPU: the device's own prefix hits), blocks copied into the tier
     # and loaded back out of it, slots reused (LRU), bytes written "in" and read "out" (rank 0's), and

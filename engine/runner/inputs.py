@@ -71,9 +71,14 @@ class Staging:
         return self.np[self.i]
 
     def upload(self, dst: torch.Tensor | None, n: int) -> torch.Tensor:
-        """The step's inputs as a tensor on the model's device (``dst[:n]`` on a GPU)."""
+        """The step's inputs as a tensor on the model's device: ``dst[:n]`` where there is a ``dst`` (on
+        the CPU a copy too, so a static buffer that graphs read holds the inputs on either device), the
+        host buffer itself on the CPU without one."""
         if not self.cuda:
-            return self.host[self.i][:n]
+            if dst is None:
+                return self.host[self.i][:n]
+            dst[:n].copy_(self.host[self.i][:n])
+            return dst[:n]
         assert dst is not None  # a GPU step has its device buffer
         dst[:n].copy_(self.host[self.i][:n], non_blocking=True)
         ev = torch.cuda.Event()

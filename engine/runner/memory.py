@@ -10,7 +10,7 @@ import torch
 from kvmesh.common.env import env
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.models.decoder import AttentionMetadata, DecoderForCausalLM
-from kvmesh.engine.runner.graphs import GRAPH_SIZES
+from kvmesh.engine.runner.graphs import graph_sizes, verify_graph_sizes
 from kvmesh.engine.runner.inputs import cdiv
 
 _DTYPES = {
@@ -119,8 +119,14 @@ def profile_reserve(
     torch.cuda.empty_cache()
     # Graph outputs (bf16 + fp32 logits per captured size; two sets with LoRA, engine/runner/graphs.py)
     # and the sampler's copies.
-    bmax = min(GRAPH_SIZES[-1], sc.max_num_seqs)
     logits = 4 * rows * cfg.vocab_size * 4
     sets = 2 if model.lora is not None else 1
-    graphs = 2 * sets * (sum(s for s in GRAPH_SIZES if s <= bmax) * cfg.vocab_size * 6) + (256 << 20)
+    graphs = 2 * sets * (sum(graph_sizes(sc.max_num_seqs)) * cfg.vocab_size * 6) + (256 << 20)
+    # Verification graphs (speculative decoding): their one shared fp32 logits buffer, and in the graph pool
+    # the largest one's bf16 + fp32 logits and activations (a share of the profiled step's, by tokens).
+    k = spec.num_speculative_tokens if spec is not None else 0
+    vsizes = verify_graph_sizes(sc.max_num_seqs, k, sc.max_num_batched_tokens)
+    if vsizes:
+        tv = vsizes[-1] * (1 + k)
+        graphs += tv * cfg.vocab_size * (4 + 6) + peak * tv // T
     return peak + logits + graphs

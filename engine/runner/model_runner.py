@@ -10,8 +10,9 @@ GPU only:
 * the KV pool is sized from free device memory after a profiling forward pass of
   ``max_num_batched_tokens`` tokens (the activation peak), minus a reserve for the
   CUDA graphs and the sampler's logits (engine/runner/memory.py);
-* pure decode steps replay a CUDA graph (engine/runner/graphs.py); prefill and mixed steps
-  run eagerly. ``KVMESH_ENFORCE_EAGER=1`` turns graphs off (debugging, comparisons);
+* pure decode steps replay a CUDA graph (engine/runner/graphs.py), and so do speculative decoding's
+  steps in which every sequence verifies exactly k drafts; prefill, mixed steps and other verification
+  steps run eagerly. ``KVMESH_ENFORCE_EAGER=1`` turns graphs off (debugging, comparisons);
 * every Triton kernel variant is compiled at start-up (engine/runner/warmup.py).
 
 Decode rounds (several steps per host round trip) are engine/runner/rounds.py.
@@ -179,8 +180,13 @@ class ModelRunner(DecodeRoundRunner):
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
         self.num_eager_steps = 0
+        # steps verifying drafts (engine/spec/), part of the two above: replayed from a verification graph,
+        # or eager (rows with different numbers of drafts, or none, beside them; no graphs)
+        self.num_verify_graph_steps = 0
+        self.num_verify_eager_steps = 0
         # CUDA graphs hold one rank's launches; under tensor parallelism steps run eagerly for now.
         if self.cuda and not env().enforce_eager and tp is None:
+            spec = config.speculative
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv_cache,
@@ -189,6 +195,8 @@ class ModelRunner(DecodeRoundRunner):
                 self.max_blocks_per_seq,
                 self.max_model_len,
                 self.device,
+                num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+                max_num_batched_tokens=self.sched_cfg.max_num_batched_tokens,
             )
             self.graphs.capture()
         self.warm_up_s = 0.0
@@ -203,6 +211,11 @@ class ModelRunner(DecodeRoundRunner):
     def graph_sizes(self) -> list[int]:
         """Padded batch sizes with a captured decode graph (none when eager)."""
         return self.graphs.sizes if self.graphs is not None else []
+
+    @property
+    def verify_graph_sizes(self) -> list[int]:
+        """Padded batch sizes with a captured verification graph (none without speculation, or when eager)."""
+        return self.graphs.verify_sizes if self.graphs is not None else []
 
     @property
     def graph_capture_s(self) -> float:
@@ -237,20 +250,24 @@ class ModelRunner(DecodeRoundRunner):
         if p is None:
             return torch.empty(0, self.config.model.vocab_size), []
         rows = p.rows.tolist()
+        verifying = len(p.logits_idx) > len(p.rows)  # some row keeps the logits of 1 + k positions
         if gather:  # a connector saves blocks this step: after the forward, every rank's heads of them
             logits = self._run_eager(p)
             self.num_eager_steps += 1
+            self.num_verify_eager_steps += int(verifying)
             assert self.ranks is not None and isinstance(self.kv_blocks, ShardedBlocks)
             self.kv_blocks.assemble(self.ranks.group, gather)
             return logits, rows
         if self._uses_graph(p):
             assert self.graphs is not None
-            logits = self.graphs.run(p)
+            logits = self.graphs.run(p)  # every token's
             self.num_graph_steps += 1
-            if len(rows) != p.B:
-                logits = logits.index_select(0, torch.as_tensor(p.rows, device=self.device))
+            self.num_verify_graph_steps += int(verifying)
+            if len(p.logits_idx) != p.T:
+                logits = logits.index_select(0, torch.as_tensor(p.logits_idx, device=self.device))
             return logits, rows
         self.num_eager_steps += 1
+        self.num_verify_eager_steps += int(verifying)
         return self._run_eager(p), rows
 
     def move_kv(self, moves: list[tuple[int, int, int]], wait: bool = False) -> None:

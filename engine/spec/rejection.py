@@ -171,7 +171,6 @@ def verify(
 
 
 SENTINEL = -1  # a padded draft position: no token id equals it, so a row's kept prefix ends there
-_PLAIN = SamplingParams()  # what logits rows outside the device rows are adjusted with: nothing
 
 
 def verified_on_device(params: SamplingParams, grammar: Any) -> bool:
@@ -206,7 +205,8 @@ def verify_greedy_rows(
     drafts: Sequence[Sequence[int]],
 ) -> list[tuple[list[SampleResult], int]]:
     """`verify` for rows that are `verified_on_device`, all at once where ``logits`` (the step's
-    ``[N, V]``) are: row ``r``'s ``1 + len(drafts[r])`` positions are ``logits[starts[r]:]``. One copy
+    ``[N, V]``) are: row ``r``'s ``1 + len(drafts[r])`` positions are ``logits[starts[r]:]``. Only those
+    rows' positions are read (and converted to float32), ``K + 1`` per row, K the most drafts. One copy
     brings back ``B x (K + 2)`` ints (a second, of floats, when a row asked for logprobs, which are of
     the raw distribution at the emitted positions, as the one-token path reports them). Returns each
     row's emitted tokens and how many drafts it kept."""
@@ -214,21 +214,21 @@ def verify_greedy_rows(
         return []
     dev = logits.device
     K = max(len(d) for d in drafts)
-    index = [[s + min(i, len(d)) for i in range(K + 1)] for s, d in zip(starts, drafts)]
+    lens = np.fromiter((len(d) for d in drafts), np.int64, len(drafts))
+    # row r's position i as a row of ``logits`` (a row of fewer drafts repeats its last position)
+    index = np.asarray(starts, dtype=np.int64)[:, None] + np.minimum(np.arange(K + 1), lens[:, None])
     padded = [list(d) + [SENTINEL] * (K - len(d)) for d in drafts]
-    index_t = to_device(index, dev, torch.int64)
-    raw = logits.float()
+    # only the verifying rows' positions, [B * (K + 1), V], in float32
+    raw = logits.index_select(0, to_device(index.reshape(-1), dev, torch.int64)).float()
     x = raw
     if any(p.adjusts_logits for p in params):  # a logit bias, the same at each of a row's positions
-        per_row = [_PLAIN] * raw.shape[0]
-        for s, d, p in zip(starts, drafts, params):
-            per_row[s : s + len(d) + 1] = [p] * (len(d) + 1)
-        x = adjust_logits(raw, per_row, None)
-    packed_t = verify_greedy_device(x, index_t, to_device(padded, dev, torch.int64))
+        x = adjust_logits(raw, [p for p in params for _ in range(K + 1)], None)
+    positions = torch.arange(raw.shape[0], device=dev).view(-1, K + 1)
+    packed_t = verify_greedy_device(x, positions, to_device(padded, dev, torch.int64))
     width = logprob_width(params)
     arrays = None
     if width is not None:  # queued before the copy below waits for the device
-        arrays = device_logprobs(raw.index_select(0, index_t.view(-1)), packed_t[:, : K + 1].reshape(-1), width)
+        arrays = device_logprobs(raw, packed_t[:, : K + 1].reshape(-1), width)
     packed = packed_t.tolist()
     out: list[tuple[list[SampleResult], int]] = []
     if arrays is not None:
