@@ -561,9 +561,12 @@ class Router:
         key: APIKey | None = None,
         priority_header: str | None = None,
         gone: Callable[[], Awaitable[object]] | None = None,
+        body_bytes: int = 0,
     ) -> Response:
         """Route one request. ``key``: the caller's (None when no key is configured): its tenant salts
-        the cache and owns the limits. ``gone`` returns when the client disconnects (left the queue)."""
+        the cache and owns the limits. ``gone`` returns when the client disconnects (left the queue).
+        ``body_bytes``: the size of the client's body, which with the prompt ids added must still fit
+        the pods' ``--max-body-bytes``."""
         if body.get("kv_transfer_params") is not None:
             raise bad_request(CLIENT_KV_PARAMS, "kv_transfer_params")
         if body.get(PROMPT_TOKEN_IDS) is not None:
@@ -595,13 +598,20 @@ class Router:
                 gone,
             )
         try:
-            return await self._route(path, body, ids, plen, tenant, ticket.settle)
+            return await self._route(path, body, ids, plen, tenant, ticket.settle, body_bytes)
         except BaseException:
             ticket.settle()
             raise
 
     async def _route(
-        self, path: str, body: dict, ids: list[int] | None, plen: int, tenant: str, done: Callable[[int | None], None]
+        self,
+        path: str,
+        body: dict,
+        ids: list[int] | None,
+        plen: int,
+        tenant: str,
+        done: Callable[[int | None], None],
+        body_bytes: int = 0,
     ) -> Response:
         lora = self.lora_of(body)
         if lora is not None:
@@ -629,7 +639,7 @@ class Router:
         pd_path = None
         layout: str | None = None
         # the ids just computed go to every pod of this request (prefill, decode, retries): none tokenizes again
-        given = self.tok.prompt_field(path, body, ids)
+        given = self.tok.prompt_field(path, body, ids, self.cfg.max_body_bytes - body_bytes)
         pod_body = body if given is None else {**body, PROMPT_TOKEN_IDS: given}
         if self.candidates(("prefill",), lora=lora) and dd.pod.spec.role == "decode":
             # only a prefill pod whose blocks the decode pod can read (a rollout may run two layouts at once)

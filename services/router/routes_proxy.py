@@ -42,7 +42,8 @@ async def _proxy(path: str, request: Request) -> Response:
     status = 500
     try:
         try:
-            body = _json.decode(await request.body())
+            raw = await request.body()
+            body = _json.decode(raw)
         except msgspec.DecodeError:
             raise bad_request("request body is not JSON") from None
         if not isinstance(body, dict):
@@ -53,7 +54,7 @@ async def _proxy(path: str, request: Request) -> Response:
                 pass
 
         resp = await router.handle(
-            path, body, request_key(request.scope), request.headers.get("x-kvmesh-priority"), gone
+            path, body, request_key(request.scope), request.headers.get("x-kvmesh-priority"), gone, len(raw)
         )
         if not is_admin(request.scope):  # which pod answered is the topology's, not a client's business
             del resp.headers[POD_HEADER]

@@ -36,6 +36,10 @@ from .token_cache import PieceCache
 OFFLOAD_CHARS = 4096
 
 
+# Upper bounds of the ids field's JSON bytes: each id (below 10^7, any vocabulary) with its comma, and the
+# field's name, digest and brackets.
+ID_BYTES, ID_FIELD_BYTES = 8, 160
+
 class RouterTokenizer:
     def __init__(self, model: str | None) -> None:
         loaded = load_model_files(model)
@@ -97,12 +101,19 @@ class RouterTokenizer:
             return None
         return None
 
-    def prompt_field(self, path: str, body: dict[str, Any], ids: list[int] | None) -> dict[str, Any] | None:
+    def prompt_field(
+        self, path: str, body: dict[str, Any], ids: list[int] | None, room: int | None = None
+    ) -> dict[str, Any] | None:
         """The value of the pods' `PROMPT_TOKEN_IDS` field for ``ids`` (`prompt_ids` of this body), or None
         where the router's ids are not by construction the pod's: no ids, no digest, more than one
         sequence or prompt (those bodies go on unchanged), a token-id prompt (nothing to tokenize), or a
-        chat whose ``chat_template_kwargs`` pass arguments to the tokenizer itself."""
+        chat whose ``chat_template_kwargs`` pass arguments to the tokenizer itself. None too where the
+        field could take more than ``room`` bytes (what the pods' body limit leaves beside the client's
+        body): the ids cost about twice the prompt text's bytes, and a client body the router admitted must
+        not come back from a pod as a 413; the pod tokenizes that prompt itself."""
         if ids is None or self.digest is None or body.get("n", 1) not in (None, 1):
+            return None
+        if room is not None and ID_FIELD_BYTES + ID_BYTES * len(ids) > room:
             return None
         if path.endswith("chat/completions"):
             kwargs = body.get("chat_template_kwargs")

@@ -187,3 +187,29 @@ def test_a_client_setting_the_ids_gets_400_and_no_pod_sees_it(pd_router, tok, pa
         assert err["param"] == PROMPT_TOKEN_IDS and err["type"] == "BadRequestError" and err["code"] == 400
     assert (len(pre.bodies), len(dec.bodies)) == (n_pre, n_dec)
     assert router.admission.active == 0
+
+
+def test_ids_that_would_push_a_body_past_the_pods_limit_stay_behind(tok):
+    """The ids take about twice the prompt text's bytes: a client body the router admits under
+    ``--max-body-bytes`` goes on without them where they could push it past that limit (the pods' too,
+    whose 413 the client would get), and the pod tokenizes it; a short prompt keeps them."""
+    from kvmesh.services.router.config import PodSpec, RouterConfig
+
+    dec = FakePod().start()
+    dec.tokenizer_digest = tokenizer_digest(tok)
+    cfg = RouterConfig(port=free_port(), health_interval=60, max_body_bytes=4096, pods=(PodSpec(dec.url, "decode"),))
+    srv, router = start_router(cfg)
+    try:
+        assert wait_for(lambda: router.pods[dec.url].tokenizer == dec.tokenizer_digest, 10)
+        long = {"prompt": LONG, "max_tokens": 2}
+        assert len(httpx.Request("POST", "/", json=long).content) < 4096  # the client's body fits
+        r = httpx.post(srv.url + "/v1/completions", json=long, timeout=60)
+        assert r.status_code == 200, r.text
+        assert PROMPT_TOKEN_IDS not in dec.bodies[-1] and dec.bodies[-1]["prompt"] == LONG
+        short = {"prompt": PROMPT, "max_tokens": 2}
+        r = httpx.post(srv.url + "/v1/completions", json=short, timeout=60)
+        assert r.status_code == 200, r.text
+        assert dec.bodies[-1][PROMPT_TOKEN_IDS] == expected(tok, "/v1/completions", short)
+    finally:
+        srv.stop()
+        dec.stop()
