@@ -40,6 +40,7 @@ OFFLOAD_CHARS = 4096
 # field's name, digest and brackets.
 ID_BYTES, ID_FIELD_BYTES = 8, 160
 
+
 class RouterTokenizer:
     def __init__(self, model: str | None) -> None:
         loaded = load_model_files(model)
