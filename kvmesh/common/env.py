@@ -101,7 +101,7 @@ class Env:
     )
     redis_password: str | None = var(None, "Redis AUTH password without --redis-password-file", secret=True)
     cpu_threads: int | None = var(None, "torch's CPU threads in the engine (unset: torch's choice)")
-    enforce_eager: bool = var(False, "1: no CUDA graphs for decode steps (debugging, comparisons)")
+    enforce_eager: bool = var(False, "1: no CUDA graphs for decode and verification steps (debugging, comparisons)")
     uvloop: bool = var(True, "0: asyncio's own event loop instead of uvloop for the router and API server")
     log_level: str = var("INFO", "log level of the router, API server and engine processes (DEBUG, INFO, ...)")
     cache: str = var("~/.cache/kvmesh", "where converted GGUF tokenizers are kept")
