@@ -18,6 +18,11 @@ from kvmesh.topology import free_port
 
 
 class ServerProcess:
+    """One `kvmesh serve`. ``with ServerProcess(args, env=..., log_path=...) as srv:`` starts it (healthy
+    before the body runs) and stops it however the body ends; a start that fails stops what it began
+    before raising. A test module's fixture yields inside the ``with`` (its log at the integration tier's
+    ``serve_log`` fixture), so the process group goes at teardown whatever the tests did."""
+
     def __init__(self, args: list[str], env: dict[str, str] | None = None, log_path: str | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"

@@ -1,4 +1,5 @@
-"""The HF oracle as the engine's greedy runs compare with it: tokens per prompt, cut where the engine stops."""
+"""The HF oracle as the engine's greedy runs compare with it (tokens per prompt, cut where the engine stops),
+and where a module's `kvmesh serve` writes its log."""
 
 from __future__ import annotations
 
@@ -30,3 +31,14 @@ def hf_greedy(hf_model, smol):
         return out
 
     return generate
+
+
+@pytest.fixture(scope="module")
+def serve_log(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The log file of the module's `kvmesh serve`, in a folder named after the test file: a failed module's
+    server log is found by the file's name under pytest's base temp folder (it keeps the last three runs).
+
+    A module's server fixture starts it as ``with ServerProcess(args, env=ENV, log_path=serve_log) as srv:
+    yield srv``: yielding inside the ``with`` stops the server's process group at teardown, and also when
+    pytest closes the fixture without finishing it."""
+    return str(tmp_path_factory.mktemp(request.path.stem) / "server.log")

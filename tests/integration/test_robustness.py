@@ -33,9 +33,8 @@ OK = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = str(tmp_path_factory.mktemp("serve") / "server.log")
-    srv = ServerProcess(
+def server(serve_log):
+    with ServerProcess(
         [
             "--max-model-len",
             "512",
@@ -49,11 +48,9 @@ def server(tmp_path_factory):
             str(HEADER_TIMEOUT),
         ],
         env=ENV,
-        log_path=log,
-    )
-    srv.start()
-    yield srv
-    srv.stop()
+        log_path=serve_log,
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

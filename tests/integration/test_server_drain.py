@@ -26,18 +26,15 @@ ENV = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(serve_log):
     from kvmesh.testing.servers import ServerProcess
 
-    log = str(tmp_path_factory.mktemp("drain") / "server.log")
-    srv = ServerProcess(
+    with ServerProcess(
         ["--simulate", "--sim-decode-ms", "20,0", "--max-model-len", "512", "--num-kv-blocks", "64"],
         env=ENV,
-        log_path=log,
-    )
-    srv.start()
-    yield srv
-    srv.stop()
+        log_path=serve_log,
+    ) as srv:
+        yield srv
 
 
 def test_drain_lets_the_open_stream_finish_and_turns_readiness_off(server) -> None:

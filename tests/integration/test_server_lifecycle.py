@@ -26,22 +26,19 @@ LONG = {"prompt": "Tell me a long story.", "max_tokens": 300, "temperature": 0, 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(serve_log):
     from kvmesh.testing.servers import ServerProcess, alive
 
-    log = str(tmp_path_factory.mktemp("serve") / "server.log")
-    srv = ServerProcess(
+    with ServerProcess(
         [
             *("--max-model-len", "512", "--num-kv-blocks", "128", "--max-num-seqs", "1", "--max-waiting", "1"),
             *("--engine-restarts", "0"),
         ],
         env=ENV,
-        log_path=log,
-    )
-    srv.start()
-    yield srv
-    engine = srv.engine_pid()
-    srv.stop()
+        log_path=serve_log,
+    ) as srv:
+        yield srv
+        engine = srv.engine_pid()
     assert srv.proc.poll() is not None
     assert engine is None or not alive(engine)
 

@@ -26,11 +26,10 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(serve_log):
     from kvmesh.testing.servers import ServerProcess
 
-    log = str(tmp_path_factory.mktemp("serve") / "server.log")
-    srv = ServerProcess(
+    with ServerProcess(
         [
             "--api-key",
             API_KEY,
@@ -46,11 +45,9 @@ def server(tmp_path_factory):
             "0.1",
         ],
         env=ENV,
-        log_path=log,
-    )
-    srv.start()
-    yield srv
-    srv.stop()
+        log_path=serve_log,
+    ) as srv:
+        yield srv
     assert srv.proc.poll() is not None
 
 

@@ -33,11 +33,10 @@ ENV = {"KVMESH_CPU_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING", "KVMESH_API_KEY
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(serve_log):
     from kvmesh.testing.servers import ServerProcess
 
-    log = str(tmp_path_factory.mktemp("overload") / "server.log")
-    srv = ServerProcess(
+    with ServerProcess(
         [
             "--simulate",
             "--sim-decode-ms",
@@ -54,11 +53,9 @@ def server(tmp_path_factory):
             "1000",
         ],
         env=ENV,
-        log_path=log,
-    )
-    srv.start()
-    yield srv
-    srv.stop()
+        log_path=serve_log,
+    ) as srv:
+        yield srv
 
 
 async def _flood(url: str, n: int) -> list[httpx.Response]:

@@ -39,18 +39,15 @@ TEXT = mn.total(mn.PROMPT_TOKENIZATIONS) + "{source=text}"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(serve_log):
     from kvmesh.testing.servers import ServerProcess
 
-    log = str(tmp_path_factory.mktemp("serve") / "server.log")
-    srv = ServerProcess(
+    with ServerProcess(
         ["--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "128", "--stats-interval", "0.1"],
         env=ENV,
-        log_path=log,
-    )
-    srv.start()
-    yield srv
-    srv.stop()
+        log_path=serve_log,
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -53,18 +53,15 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(serve_log):
     from kvmesh.testing.servers import ServerProcess
 
-    log = str(tmp_path_factory.mktemp("serve") / "server.log")
-    srv = ServerProcess(
+    with ServerProcess(
         ["--max-model-len", "1024", "--num-kv-blocks", "512", "--served-model-name", MODEL, "--max-num-seqs", "64"],
         env=ENV,
-        log_path=log,
-    )
-    srv.start()
-    yield srv
-    srv.stop()
+        log_path=serve_log,
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
