@@ -55,7 +55,9 @@ Scaling (printed and stored under ``_setup`` in the JSON):
 * simulated cost: every synthetic token stands for hash_block/block_tokens real tokens,
   so the instances' prefill cost per token is ``0.035 ms x 512/16`` and the chunk size
   ``8192 x 16/512`` tokens: prefill time is that of the real prompt on an H200
-  (engine/runner/sim_runner.py for the calibration). Real workers pay their own prefill instead
+  (engine/runner/sim_runner.py for the calibration). A host tier's block copies (offloads, loads
+  back) cost ``--sim-kv-move-ms-per-token`` (0.0049 ms, measured on an H100) x 512/16 per synthetic
+  token, charged to the step that waits for them. Real workers pay their own prefill instead
   (and get two warm-up requests each, so the first policy does not pay for cold workers).
 * KV capacity per instance: ``--num-kv-blocks`` (default 1680 engine blocks = 1680
   Mooncake blocks = 860k real tokens: an H200 at 0.9 utilisation with Llama-3-8B
@@ -101,6 +103,7 @@ from kvmesh.topology import free_port
 
 H200_PREFILL_MS_PER_TOKEN = 0.035  # engine/runner/sim_runner.py
 H200_CHUNK_TOKENS = 8192
+KV_MOVE_MS_PER_TOKEN = 0.0049  # engine/runner/sim_runner.py: a host-tier block copy, per real token
 H200_KV_BLOCKS = 1680  # 860k tokens / 512
 
 
@@ -155,6 +158,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "POLICY+tier run on (0: no such set)",
     )
     p.add_argument("--sim-decode-ms", default=None, help="instances' BASE,PER_SEQ (default: H200 calibration)")
+    p.add_argument(
+        "--sim-kv-move-ms-per-token",
+        type=float,
+        default=KV_MOVE_MS_PER_TOKEN,
+        help="instances' cost of a KV tier's block copies per real token, scaled like the prefill's "
+        "(default: a host-tier load measured on an H100; 0: the copies are free)",
+    )
     p.add_argument("--peer-venvs", default="/tmp", help="folder holding venv-sgl/ and venv-vllm/")
     p.add_argument("--kvmesh-args", default="", help="extra `kvmesh router` flags for the kvmesh policy")
     p.add_argument(
@@ -699,6 +709,7 @@ def run_replay(args: argparse.Namespace) -> int:
 
     ratio = args.hash_block / args.block_tokens
     prefill_ms = H200_PREFILL_MS_PER_TOKEN * ratio
+    move_ms = args.sim_kv_move_ms_per_token * ratio
     chunk = max(args.block_tokens, int(H200_CHUNK_TOKENS / ratio))
     kind = "real" if args.real_workers else "simulated"
     # Instances and routers run in their own sessions, so a plain SIGTERM would leave them behind:
@@ -728,6 +739,8 @@ def run_replay(args: argparse.Namespace) -> int:
                     str(chunk),
                     "--sim-prefill-ms-per-token",
                     f"{prefill_ms:.6g}",
+                    "--sim-kv-move-ms-per-token",
+                    f"{move_ms:.6g}",
                 ]
                 if args.sim_decode_ms:
                     flags += ["--sim-decode-ms", args.sim_decode_ms]
@@ -785,6 +798,7 @@ def run_replay(args: argparse.Namespace) -> int:
         "num_kv_blocks_per_instance": args.num_kv_blocks,
         "kv_offload_blocks_per_instance": args.kv_offload_blocks if tiered else None,
         "sim_prefill_ms_per_token": prefill_ms if simulated else None,
+        "sim_kv_move_ms_per_token": move_ms if simulated else None,
         "max_num_batched_tokens": chunk if simulated else None,
         "sim_decode_ms": (args.sim_decode_ms or "4.73,0.0143") if simulated else None,
         "repeats": max(1, args.repeats),

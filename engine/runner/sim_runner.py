@@ -8,17 +8,26 @@ prefix hits and queueing rather than on this machine's matmul speed.
 Latency of one step (sleep, so an idle core is left to the other instances)::
 
     step_ms = decode_base_ms + decode_per_seq_ms * B + prefill_ms_per_token * prefill_tokens
+              + kv_move_ms_per_token * moved_tokens
 
 ``B`` = sequences in the step, ``prefill_tokens`` = tokens of sequences that run more
-than one token this step (prompt chunks; prefix-cache hits are never scheduled, so a
-hit saves exactly its tokens' cost). Defaults: the Llama-3-8B shape on one H200,
-from docs/gpu.md:
+than one token this step (prompt chunks; device prefix-cache hits are never scheduled,
+so such a hit saves exactly its tokens' cost), ``moved_tokens`` = tokens of the KV tiers'
+block copies planned since the last step (offloads to the host tier, loads back from it,
+and the disk tier's): on a GPU the step's forward waits for them (engine/runner/host_kv.py
+queues them on a copy stream the compute stream waits on), so a host-tier hit costs its
+copy, not nothing. Defaults: the Llama-3-8B shape on one H200, from docs/gpu.md:
 
 * decode: GPU ms/step 4.744 (batch 1), 5.357 (32), 6.555 (128) -> a line through
   batch 1 and 128 gives 4.73 ms + 0.0143 ms/seq (batch 32 lands at 5.19, within 3 %).
 * prefill: the offline run prefilled 1,000 x 1,024 prompt tokens (+128 decode steps per
   request) in 40.2 s: <= 0.039 ms/token if all of it were prefill; taking out ~4 s of
   decode (4 waves of 256 seqs x 128 steps at ~8.4 ms) leaves ~0.035 ms/token.
+* KV tier copies: bench/gpu_kv_offload.py (BENCHMARKS.md, host-memory tier, H100) loaded a
+  16,384-token prompt's 1,023 blocks back from the host tier with TTFT 97.7 ms against 17.4 ms
+  for the device hit: 80.3 ms for 16,368 tokens, ~0.0049 ms/token (a fifth of a token's
+  prefill). The host link is PCIe Gen5 on the H200 as on the H100. Offloads are charged the
+  same per token (one block copy each way), and so are disk moves: a lower bound for a disk.
 
 Tokens are deterministic: the next token of a sequence is a hash of its last
 ``CONTEXT`` tokens (and its length) mapped into ``[vocab_lo, vocab_lo + vocab)``, a
@@ -49,6 +58,7 @@ from kvmesh.engine.runner.memory import kv_bytes_per_block
 DEFAULT_PREFILL_MS_PER_TOKEN = 0.035
 DEFAULT_DECODE_BASE_MS = 4.73
 DEFAULT_DECODE_PER_SEQ_MS = 0.0143
+DEFAULT_KV_MOVE_MS_PER_TOKEN = 0.0049
 DEFAULT_VOCAB = 4096
 DEFAULT_VOCAB_LO = 1000  # above every special/control token of the bundled tokenizers
 DEFAULT_NUM_KV_BLOCKS = 2048  # per instance: 32k tokens at block size 16
@@ -70,6 +80,7 @@ class SimulatedRunner:
         prefill_ms_per_token: float = DEFAULT_PREFILL_MS_PER_TOKEN,
         decode_base_ms: float = DEFAULT_DECODE_BASE_MS,
         decode_per_seq_ms: float = DEFAULT_DECODE_PER_SEQ_MS,
+        kv_move_ms_per_token: float = DEFAULT_KV_MOVE_MS_PER_TOKEN,
         vocab: int = DEFAULT_VOCAB,
         vocab_lo: int = DEFAULT_VOCAB_LO,
         sleep=time.sleep,
@@ -85,6 +96,8 @@ class SimulatedRunner:
         self.prefill_ms_per_token = prefill_ms_per_token
         self.decode_base_ms = decode_base_ms
         self.decode_per_seq_ms = decode_per_seq_ms
+        self.kv_move_ms_per_token = kv_move_ms_per_token
+        self.moved_tokens = 0  # KV tier copies planned since the last step, charged to the next (`step_ms`)
         self.sleep = sleep
         self.clock = clock  # with ``sleep``, injectable so a test checks the model without timing the host
         self.num_blocks = config.cache.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS
@@ -116,7 +129,12 @@ class SimulatedRunner:
     def step_ms(self, sched: SchedulerOutput) -> float:
         b = len(sched.scheduled)
         prefill = sum(s.num_tokens for s in sched.scheduled if s.num_tokens > 1)
-        return self.decode_base_ms + self.decode_per_seq_ms * b + self.prefill_ms_per_token * prefill
+        return (
+            self.decode_base_ms
+            + self.decode_per_seq_ms * b
+            + self.prefill_ms_per_token * prefill
+            + self.kv_move_ms_per_token * self.moved_tokens
+        )
 
     # LoRA adapters are registered and given slots as with a model; the simulated tokens ignore them.
     def add_lora(self, adapter) -> None:
@@ -132,8 +150,11 @@ class SimulatedRunner:
         """One rank: loaded blocks are in place already."""
 
     def move_kv(self, moves: list[tuple[int, int, int]], wait: bool = False) -> None:
+        """Apply the copies to the placeholder pool and charge their time to the next step (the forward
+        that waits for them)."""
         if self.host_kv is not None:
             self.host_kv.apply(moves, wait)
+            self.moved_tokens += len(moves) * self.config.cache.block_size
 
     def close(self) -> None:
         """Close the disk tier's file (its name is gone already)."""
@@ -157,6 +178,7 @@ class SimulatedRunner:
         self.num_steps += 1
         self.num_eager_steps += 1
         ms = self.step_ms(sched)
+        self.moved_tokens = 0
         self.simulated_s += ms / 1000
         left = ms / 1000 - (self.clock() - t0)
         if left > 0:

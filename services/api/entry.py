@@ -51,6 +51,13 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         help="step cost = BASE + PER_SEQ x sequences (default 4.73,0.0143: Llama-3-8B on an H200)",
     )
     g.add_argument(
+        "--sim-kv-move-ms-per-token",
+        type=float,
+        default=None,
+        help="cost per token of a KV tier's block copies (host-tier offloads and loads, disk moves), charged "
+        "to the step that waits for them (default 0.0049: a host-tier load measured on an H100)",
+    )
+    g.add_argument(
         "--sim-vocab",
         type=int,
         default=None,
@@ -71,6 +78,8 @@ def simulate_kwargs(args: argparse.Namespace) -> dict | None:
         except ValueError:
             raise ValueError(f"--sim-decode-ms wants BASE,PER_SEQ in ms, got {args.sim_decode_ms!r}") from None
         kw.update(decode_base_ms=base, decode_per_seq_ms=per)
+    if args.sim_kv_move_ms_per_token is not None:
+        kw["kv_move_ms_per_token"] = args.sim_kv_move_ms_per_token
     if args.sim_vocab is not None:
         kw["vocab"] = args.sim_vocab
     return kw

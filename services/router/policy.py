@@ -19,9 +19,12 @@ Scoring (`score_pods`), per eligible pod::
       - kv * kv_usage
       - evict * (1 - top hit share) * E / (mean E + 1)
 
-with ``L`` the pod's request load, ``R`` its decayed count of routed requests
-and ``ref_len`` a typical prompt length (the hit is worth the prefill it saves
-measured against a typical request). Because the load terms are relative to
+with ``L`` the pod's request load, ``R`` its decayed count of routed requests,
+``hit_tokens`` the prompt tokens the pod holds (those of its host and disk tiers
+counted at ``host_hit`` and ``disk_hit`` of a device token, here as in the private
+follow-up's test and the top hit share: a conversation its pod pushed down to the
+host tier is still that pod's) and ``ref_len`` a typical prompt length (the hit is
+worth the prefill it saves measured against a typical request). Because the load terms are relative to
 the mean, a pod may run ahead of the others by an amount proportional to how
 much prefill it would save, no more. The share term spreads new work (equal hit
 everywhere) by recent routings: with prefix affinity a pod's future arrivals
@@ -206,9 +209,10 @@ def score_pods(
     elsewhere the adapter is copied in first, and may evict another that running requests use).
 
     ``host_hits``: blocks each pod holds in its host-memory tier right after its device hit
-    (`PrefixIndex.match_host`); they count ``w.host_hit`` of a device block in the hit term (loaded
-    back rather than recomputed, but not free), and the disk tier's blocks after them (its ``disk``)
-    ``w.disk_hit``. Empty or None: the score is the device hit's alone."""
+    (`PrefixIndex.match_host`); they count ``w.host_hit`` of a device block (loaded back rather than
+    recomputed, but not free), and the disk tier's blocks after them (its ``disk``) ``w.disk_hit``,
+    in the hit and affinity terms, the private follow-up's half-the-prompt test and the top hit
+    share. Empty or None: the device hit's alone."""
     if len(pods) == 1:
         p = pods[0]
         hb = hits.get(p.url, 0)
@@ -225,17 +229,24 @@ def score_pods(
     hot = (hot or set()) if w.hot_limit_scope == "hot" else set()
     plen = max(prompt_len, 1)
     private = private or set()
-    cached_on = {p.url: predicted_cached_tokens(hits.get(p.url, 0), prompt_len, block_size) for p in pods}
+    # host- and disk-tier blocks as tokens (only those before the last token: it is always recomputed)
+    host_on, disk_on = _host_tokens(host_hits, hits, prompt_len, block_size)
+    # what each pod holds of the prompt, a tier's token counted at its weight: every term that values
+    # the prefix a pod holds (hit, affinity, the private follow-up, the top share) values this
+    held_on = {
+        p.url: predicted_cached_tokens(hits.get(p.url, 0), prompt_len, block_size)
+        + w.host_hit * host_on.get(p.url, 0)
+        + w.disk_hit * disk_on.get(p.url, 0)
+        for p in pods
+    }
 
     def follow_up(p: Pod) -> bool:
-        return p.url in private and p.load <= w.private_guard * limit and 2 * cached_on[p.url] >= plen
+        return p.url in private and p.load <= w.private_guard * limit and 2 * held_on[p.url] >= plen
 
     eligible = [p for p in pods if p.load <= (strict if p.url in hot else limit) or follow_up(p)] or pods
     hit_base = max(plen, ref_len)
-    # host-tier blocks as tokens (only those before the last token: it is always recomputed)
-    host_on, disk_on = _host_tokens(host_hits, hits, prompt_len, block_size)
     pressure = pressure or {}
-    cached = [cached_on[p.url] for p in eligible]
+    cached = [held_on[p.url] for p in eligible]
     top = max(cached)
     evict_scale = 0.0
     if w.evict and pressure:
@@ -250,7 +261,7 @@ def score_pods(
         p, ht = eligible[j], cached[j]
         hb = hits.get(p.url, 0)
         s = (
-            w.hit * (ht + w.host_hit * host_on.get(p.url, 0) + w.disk_hit * disk_on.get(p.url, 0)) / hit_base
+            w.hit * ht / hit_base
             + w.affinity * ht / plen
             - w.load * p.load / (mean_load + 1.0)
             - w.tokens * p.inflight_tokens / (mean_tok + plen)
@@ -261,8 +272,9 @@ def score_pods(
         )
         key = (s, -p.load)
         if best is None or key > best[0]:
-            # the pod reports the tiers' tokens as cached too
-            best = (key, p, hb, ht + host_on.get(p.url, 0) + disk_on.get(p.url, 0))
+            # the pod reports the tiers' tokens as cached, in full
+            full = predicted_cached_tokens(hb, prompt_len, block_size) + host_on.get(p.url, 0)
+            best = (key, p, hb, full + disk_on.get(p.url, 0))
     assert best is not None
     _, p, hb, ht = best
     top_hit = max((hits.get(q.url, 0) for q in pods), default=0)

@@ -339,9 +339,12 @@ class Router:
             urls = [p.url for p in pods]
             hits = self.index.match(self.ns, hashes, urls) if hashes else {}
             pressure = self.index.eviction_pressure(urls) if self.cfg.weights.evict else None
-            private, hot = shared_hits(pods, hits, hashes)
-            # the pods' host tiers (medium CPU events), right after each device hit
-            host = self.index.match_host(self.ns, hashes, {u: hits.get(u, 0) for u in urls}) if hashes else {}
+            # the pods' host and disk tiers (medium CPU and DISK events), right after each device hit
+            start = {u: hits.get(u, 0) for u in urls}
+            host = self.index.match_host(self.ns, hashes, start) if hashes and self.cfg.weights.host_hit else {}
+            # a prefix a pod holds in a tier is private or hot like one on its device (the chain's deepest block)
+            held = {u: k + host.get(u, 0) + getattr(host, "disk", {}).get(u, 0) for u, k in hits.items()}
+            private, hot = shared_hits(pods, held, hashes)
             d = score_pods(
                 pods,
                 hits,
@@ -353,7 +356,7 @@ class Router:
                 private=private,
                 hot=hot,
                 resident={p.url for p in pods if lora in p.lora.active} if lora is not None else None,
-                host_hits=host if self.cfg.weights.host_hit else None,
+                host_hits=host or None,
             )
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(

@@ -324,3 +324,38 @@ def test_disk_tier_events_keep_their_own_residency_and_score_below_a_host_hit():
     on_disk.disk.update({b: 0, c: 10})
     d = score_pods([pb, pc], {b: 0, c: 0}, 200, BS, w, host_hits=on_disk)
     assert d.pod is pc and d.hit_tokens == 10 * BS  # a disk hit beats a miss, and counts as cached
+
+
+def test_a_conversation_in_its_pods_host_tier_is_a_private_follow_up():
+    """A conversation whose blocks its pod pushed down to the host tier (none left on the device) is the
+    pod's private follow-up as one on its device is: a few requests over the balance limit, it stays
+    where loading its KV back costs a fraction of recomputing it elsewhere; and its prefix shared
+    on the device by two requests in flight there (a hot system prompt) does not make the
+    conversation's deeper blocks hot. Without the tiers' view (``--weight-host-hit 0``) the guard
+    moves it."""
+    from kvmesh.services.router.router import Router
+    from kvmesh.testing.pods import IdTokenizer
+
+    def router(**weights) -> Router:
+        r = Router(RouterConfig(block_size=BS, weights=ScoringWeights(**weights)), tokenizer=IdTokenizer())
+        for x in "abc":
+            r.add_pod(PodSpec(f"http://{x}:1"))
+        a, b, c = r.pods.values()
+        a.inflight_requests, b.inflight_requests, c.inflight_requests = 6, 1, 1  # limit 1.25 * 8/3 + 2
+        r.index.stored(a.url, r.ns, hashes[19:])  # an unrelated block, so the device map knows the model
+        r.index.stored(a.url, r.ns, hashes[:19], "CPU")  # 304 of the 320-token prompt in a's host tier
+        return r
+
+    hashes = list(range(500, 520))
+    r = router()
+    assert r.cfg.weights.host_hit * 304 * 2 >= 320  # the host-held share counts as a follow-up
+    a = r.pods["http://a:1"]
+    d = r.pick(list(r.pods.values()), hashes, 320)
+    assert d.pod is a and d.reason == "private_follow_up" and d.hit_blocks == 0 and d.hit_tokens == 304
+    # the first two blocks also on a's device, held by two requests in flight there (a shared system prompt)
+    r.index.stored(a.url, r.ns, hashes[:2])
+    a.inflight_blocks.update({h: 2 for h in hashes[:2]})
+    d = r.pick(list(r.pods.values()), hashes, 320)
+    assert d.pod is a and d.reason == "private_follow_up" and d.hit_blocks == 2 and d.hit_tokens == 304
+    r = router(host_hit=0.0)
+    assert r.pick(list(r.pods.values()), hashes, 320).pod is not r.pods["http://a:1"]

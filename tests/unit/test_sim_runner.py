@@ -128,3 +128,29 @@ def test_engine_publishes_in_its_flags_form_and_hash_scheme(loaded):
     assert stored and all(isinstance(e, ArrayBlockStored) for e in stored)
     want = [external_hash(h) for h in block_hashes_for(prompt, 16, "ignored", scheme="vllm")]
     assert [h for e in stored for h in e.block_hashes][:4] == want
+
+
+def test_host_tier_copies_cost_time(loaded):
+    """A prefix served from the host tier is not free: the step that admits it waits for its blocks'
+    copies back (and, under device pressure, for the offloads of the blocks it evicts), at
+    ``kv_move_ms_per_token`` per token moved, as a GPU forward waits on the copy stream."""
+    args = EngineArgs(num_kv_blocks=12, kv_offload_blocks=48)
+    eng, _ = EngineCore.from_model(args, loaded=loaded, simulate={**SIM, "kv_move_ms_per_token": 0.01})
+    slept: list[float] = []
+    eng.runner.sleep = slept.append
+    eng.runner.clock = lambda: 0.0
+    a = list(range(1100, 1200))  # 6 full blocks
+    b = list(range(2100, 2280))  # the whole device pool: pushes A's blocks to the host tier
+    run(eng, "a", a, n=2)
+    run(eng, "b", b, n=2)
+    assert eng.kv.host_stats.offloads >= 6
+    slept.clear()
+    st = eng.kv.host_stats
+    loads, offloads = st.loads, st.offloads
+    _, cached = run(eng, "a2", a, n=2)
+    assert cached == 6 * 16  # from the host tier
+    assert st.loads - loads == 6
+    offloaded = st.offloads - offloads  # B's cached blocks that A's blocks push out
+    assert offloaded > 0
+    # the step that prefills A's last 4 tokens pays for every copy (its decode step, free here, sleeps not)
+    assert slept == pytest.approx([(6 + offloaded) * 16 * 0.01 / 1000], abs=1e-12)
