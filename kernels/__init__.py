@@ -18,7 +18,7 @@ from .elementwise import rms_norm, rope, silu_and_mul
 from .fp8 import Fp8Weight, fp8_quantize_rows, quantize_weight
 from .gemv import gemv_config
 from .kv_cache import copy_blocks, gather_blocks, rope_write_kv, write_kv
-from .lora import lora_expand, lora_shrink
+from .lora import lora_expand, lora_shrink, lora_silu_and_mul
 from .matmul import linear, silu_mul_linear
 from .moe import fused_moe, moe_config, moe_routing
 from .reference import (
@@ -66,6 +66,7 @@ __all__ = [
     "linear",
     "lora_expand",
     "lora_shrink",
+    "lora_silu_and_mul",
     "moe_config",
     "moe_routing",
     "paged_attention",

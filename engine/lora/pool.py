@@ -129,6 +129,34 @@ class LoraPool:
             return self.add(layer, "down", kernels.silu_and_mul(gate_up, choices=choices), y, slots)
         return self._expand_stacked(layer, "down", kernels.silu_mul_linear(gate_up, st[0], choices=choices), slots)
 
+    def mlp(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        gate_up: torch.Tensor | kernels.Fp8Weight,
+        down: torch.Tensor | kernels.Fp8Weight,
+        slots: torch.Tensor,
+        choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
+    ) -> torch.Tensor:
+        """A dense MLP, ``down(silu(gate(x)) * up(x))``, with each row's LoRA on gate, up and down. With
+        gate|up stacked and more than one row, gate|up's expand and the activation are one launch
+        (`kernels.lora_silu_and_mul`): the base path forms the activation in a launch of its own there,
+        while one row's GEMV forms it inside the down projection (then the expand runs before it)."""
+        st = self.stacked.get((layer, "gate_up"))
+        if st is None or (x.shape[0] == 1 and choices.gemv_kernel):
+            return self.silu_mul_linear(
+                layer, self.linear(layer, "gate_up", x, gate_up, None, slots, choices), down, slots, choices
+            )
+        out = kernels.linear(x, st[0], choices=choices)
+        a, b = self.layers[layer]["gate_up"]
+        S, n, R, _ = a.shape
+        N, T = out.shape[1] - S * n * R, out.shape[0]
+        act = kernels.lora_silu_and_mul(out[:, :N], out[:, N:].view(T, S, n, R), b, slots)
+        sd = self.stacked.get((layer, "down"))
+        if sd is None:
+            return self.add(layer, "down", act, kernels.linear(act, down, choices=choices), slots)
+        return self._expand_stacked(layer, "down", kernels.linear(act, sd[0], choices=choices), slots)
+
     def _expand_stacked(self, layer: int, group: str, out: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Add each row's slot from the stacked shrink in ``out``'s trailing columns; the base columns."""
         a, b = self.layers[layer][group]

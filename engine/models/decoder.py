@@ -69,11 +69,8 @@ class DenseMLP:
         return kernels.silu_mul_linear(kernels.linear(x, self.gate_up, choices=c), self.down, choices=c)
 
     def with_lora(self, x: torch.Tensor, lora: LoraPool, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """The same with each row's LoRA on gate, up and down (engine/lora/pool.py); down's product
-        stays fused with the activation."""
-        c = self.choices
-        gate_up = lora.linear(layer, "gate_up", x, self.gate_up, None, slots, c)
-        return lora.silu_mul_linear(layer, gate_up, self.down, slots, c)
+        """The same with each row's LoRA on gate, up and down (engine/lora/pool.py `LoraPool.mlp`)."""
+        return lora.mlp(layer, x, self.gate_up, self.down, slots, self.choices)
 
     def weight_bytes(self, num_tokens: int) -> int:
         """Weight bytes one step over ``num_tokens`` tokens reads (all of them)."""

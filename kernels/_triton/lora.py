@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ._common import jit_unspecialized
+from .elementwise import silu_mul
 
 
 @triton.jit
@@ -219,3 +220,90 @@ def lora_expand_kernel(
     y = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + (lo + cols).to(tl.int64)[None, :] * stride_yn
     old = tl.load(y, mask=mask, other=0.0)
     tl.store(y, (old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@jit_unspecialized("T")
+def lora_silu_mul_kernel(
+    x_ptr,
+    h_ptr,
+    b_ptr,
+    slots_ptr,
+    out_ptr,
+    T,
+    R,
+    S,
+    d,
+    stride_xm,
+    stride_xn,
+    stride_hs,
+    stride_hi,
+    stride_hm,
+    stride_hr,
+    stride_bs,
+    stride_bi,
+    stride_bn,
+    stride_br,
+    stride_s,
+    stride_om,
+    IEEE: tl.constexpr,
+    SLOT_GRID: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """``out[t, j] = silu(gate[t, j] + dg) * (up[t, j] + du)``: the expand of a gate|up projection's LoRA
+    and the activation after it in one launch. ``x`` holds gate in columns ``0..d`` and up in ``d..2d``;
+    ``h`` the stacked shrink (slot, slice 0 = gate / 1 = up, row, rank); each sum is rounded to ``out``'s
+    dtype before the activation, as the expand's in-place add and `silu_and_mul` after it would.
+
+    Grid ``(row blocks (times S + 1 with SLOT_GRID), column tiles of d)``: with SLOT_GRID a program per
+    (row block, slot) adds that slot's rows' deltas, and program ``S`` of each block writes the rows
+    without an adapter (no delta); otherwise a program per row block walks its distinct slots."""
+    pid_n = tl.program_id(1)
+    pid = tl.program_id(0)
+    own = 0
+    if SLOT_GRID:
+        own = pid % (S + 1)
+        pid = pid // (S + 1)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    slot = tl.load(slots_ptr + rows.to(tl.int64) * stride_s, mask=row_ok, other=-1).to(tl.int32)
+    valid = row_ok & (slot >= 0) & (slot < S)
+    sel = row_ok
+    if SLOT_GRID:
+        sel = tl.where(own == S, row_ok & ~valid, valid & (slot == own))
+    if tl.max(sel.to(tl.int32), 0) == 0:
+        return
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = cols < d
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + r[None, :] * stride_hr
+    b_cols = b_ptr + cols.to(tl.int64)[None, :] * stride_bn + r[:, None] * stride_br
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SLOT_GRID:
+        if own < S:
+            h_s = h_rows + own.to(tl.int64) * stride_hs
+            b_s = b_cols + own.to(tl.int64) * stride_bs
+            acc_g = _expand_slot(acc_g, h_s, b_s, sel, r_ok, c_ok, IEEE)
+            acc_u = _expand_slot(acc_u, h_s + stride_hi, b_s + stride_bi, sel, r_ok, c_ok, IEEE)
+    else:
+        rem = valid
+        s = tl.min(tl.where(rem, slot, S), 0)
+        while s < S:
+            m = rem & (slot == s)
+            h_s = h_rows + s.to(tl.int64) * stride_hs
+            b_s = b_cols + s.to(tl.int64) * stride_bs
+            acc_g = _expand_slot(acc_g, h_s, b_s, m, r_ok, c_ok, IEEE)
+            acc_u = _expand_slot(acc_u, h_s + stride_hi, b_s + stride_bi, m, r_ok, c_ok, IEEE)
+            rem = rem & (slot != s)
+            s = tl.min(tl.where(rem, slot, S), 0)
+    mask = sel[:, None] & c_ok[None, :]
+    xr = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols.to(tl.int64)[None, :] * stride_xn
+    g = tl.load(xr, mask=mask, other=0.0)
+    u = tl.load(xr + d * stride_xn, mask=mask, other=0.0)
+    g = (g.to(tl.float32) + acc_g).to(out_ptr.dtype.element_ty)
+    u = (u.to(tl.float32) + acc_u).to(out_ptr.dtype.element_ty)
+    o = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols.to(tl.int64)[None, :]
+    tl.store(o, silu_mul(g, u, out_ptr), mask=mask)

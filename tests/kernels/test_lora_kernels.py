@@ -140,3 +140,28 @@ def test_expand_of_a_stacked_shrink_reads_each_rows_slot(gen, T, dtype, econf):
     assert torch.equal(y[ref_slots < 0], y0[ref_slots < 0])
     with pytest.raises(ValueError, match="stacked h must be"):
         K.lora_expand(out[:, :N], out[:, N:].view(T, S * n, 1, R), b, slots, offsets)
+
+
+@pytest.mark.parametrize(
+    "T,dtype,econf", [(5, torch.float32, None), (7, torch.bfloat16, None), (7, torch.bfloat16, (16, 16, 4, False))]
+)
+def test_silu_and_mul_with_the_gate_up_lora_is_the_expand_then_the_activation(gen, T, dtype, econf):
+    """The gate|up expand fused with the activation (both ways of assigning slots to programs) gives what
+    `lora_expand` into gate|up and `silu_and_mul` after it give; base rows (slot -1, and a slot past the
+    pool) give `silu_and_mul` alone, bit for bit; the input is left as it was."""
+    d, S, R = 24, 3, 8
+    x, a, b, slots, offsets = make(gen, T, 16, (d, d), R, S, dtype, torch.int64)
+    out = torch.randn(T, 2 * d + S * 2 * R, generator=gen).to(dtype)  # [gate | up | every slot's shrink]
+    out[:, 2 * d :] = torch.einsum("tk,sirk->tsir", x.float(), a.float()).reshape(T, -1).to(dtype)
+    gu, h = out[:, : 2 * d], out[:, 2 * d :].view(T, S, 2, R)
+    before = out.clone()
+    got = K.lora_silu_and_mul(gu, h, b, slots, config=econf)
+    assert torch.equal(out, before)
+    ref_slots = _base(slots, S)
+    rows = h[torch.arange(T), ref_slots.clamp(0, S - 1)].permute(1, 0, 2).float()
+    y = K.lora_expand_reference(gu.clone(), rows, b, ref_slots, offsets)
+    want = K.silu_and_mul_reference(y)
+    assert got.shape == (T, d) and got.dtype == dtype
+    assert rel_err(got, want) < BOUND[dtype]
+    base = ref_slots < 0
+    assert torch.equal(got[base], K.silu_and_mul(gu[base]))  # the kernel `silu_and_mul` runs
