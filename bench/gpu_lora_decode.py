@@ -9,7 +9,7 @@ on an H100; no ``peft`` (the adapters are written directly, bench/lora_adapters.
 
 Llama-3-8B shape, random bf16 weights (`random_state_dict`, drawn on the GPU); 8 random PEFT adapters
 of rank 16 (alpha 32) on q, k, v, o, gate, up and down of every layer, written to a temporary folder.
-Three engines over the same weights, one after the other, CUDA graphs on (the engine's default), async
+Engines over the same weights, one after the other, CUDA graphs on (the engine's default), async
 scheduling, one step per round:
 
 * **base**: LoRA disabled;
@@ -19,7 +19,9 @@ scheduling, one step per round:
   * **1 adapter**: every row on adapter 0;
   * **8 adapters**: row ``i`` on adapter ``i % 8``;
 * with ``--separate`` (the default): the LoRA engine again with ``--no-lora-stacked`` (a shrink, the sum
-  of its K splits and an expand per projection), 1 and 8 adapters.
+  of its K splits and an expand per projection), 1 and 8 adapters;
+* with ``--fused`` (the default): the LoRA engine again with ``--lora-fused-activation`` (gate|up's expand
+  and the activation in one launch at more than one row), 1 and 8 adapters.
 
 Decode at batch 1 / 32 / 128 (prompt 512 random tokens, 128 new, greedy, ignore_eos), through
 bench/gpu_harness.py's ``engine_decode``: decode tok/s counts the tokens after every request has its
@@ -70,7 +72,7 @@ log = h.log
 RANK, N_LORAS = 16, 8
 # base: LoRA disabled; none/one/eight on the LoRA engine (A stacked under the base weights, the default);
 # sep_*: a third engine with the separate shrink and expand (--no-lora-stacked), for comparison
-CASES = ("base", "none", "one", "eight", "sep_one", "sep_eight")
+CASES = ("base", "none", "one", "eight", "sep_one", "sep_eight", "fused_one", "fused_eight")
 CASE_NAMES = {
     "base": "base (LoRA off)",
     "none": "LoRA on, no adapter",
@@ -78,6 +80,8 @@ CASE_NAMES = {
     "eight": "8 adapters",
     "sep_one": "1 adapter, separate",
     "sep_eight": "8 adapters, separate",
+    "fused_one": "1 adapter, fused act.",
+    "fused_eight": "8 adapters, fused act.",
 }
 SOLO_ROWS, SOLO_TOKENS = 8, 32
 # The smoke model (the harness's) with BOS and EOS inside its vocabulary.
@@ -111,11 +115,12 @@ class Bench:
         self.batches = (1, 4, 8) if args.smoke else (1, 32, 128)
         self.hi = self.cfg.vocab_size if args.smoke else 120000
 
-    def engine(self, lora: bool, stacked: bool = True) -> EngineCore:
+    def engine(self, lora: bool, stacked: bool = True, fused: bool = False) -> EngineCore:
         kw: dict = dict(max_num_seqs=max(self.batches), max_model_len=1024, async_scheduling=True)
         if lora:
             kw.update(
                 lora_stacked=stacked,
+                lora_fused_activation=fused,
                 enable_lora=True,
                 max_loras=N_LORAS,
                 max_lora_rank=RANK,
@@ -133,7 +138,7 @@ class Bench:
         names = list(self.adapters) if lora else [None]
         warm = prompts_for(4, self.P, 99, self.hi)
         h.run_requests(eng, warm, h.sampling(8), tag="warm", loras=[names[i % len(names)] for i in range(4)])
-        key = ("lora" if stacked else "lora_separate") if lora else "base"
+        key = ("lora_fused" if fused else "lora" if stacked else "lora_separate") if lora else "base"
         R.setdefault("engines", {})[key] = dict(build_s=build_s, warm_s=_since(t0) - build_s)
         log(f"engine (LoRA {'on' if lora else 'off'}) built in {build_s:.1f}s, warm in {_since(t0) - build_s:.1f}s")
         return eng
@@ -145,7 +150,7 @@ class Bench:
             "none": None,
             "one": [names[0]] * B,
             "eight": [names[i % N_LORAS] for i in range(B)],
-        }[case.removeprefix("sep_")]
+        }[case.removeprefix("sep_").removeprefix("fused_")]
 
     def decode(self, eng: EngineCore, case: str, B: int, rep: int, bw: float) -> dict:
         seed = 1000 * rep + B
@@ -222,6 +227,14 @@ def run(args: argparse.Namespace, folder: str, stage: h.Stages) -> None:
             torch.cuda.empty_cache()
         eng = b.engine(lora=True, stacked=False)
         measure(eng, ("sep_one", "sep_eight"))
+        eng.shutdown()
+    if args.fused and time.time() < until:
+        del eng
+        gc.collect()
+        if not args.smoke:
+            torch.cuda.empty_cache()
+        eng = b.engine(lora=True, fused=True)
+        measure(eng, ("fused_one", "fused_eight"))
         eng.shutdown()
     R["checks"] = checks(runs)
     R["rows"] = rows(runs)
@@ -356,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="a third engine with the separate LoRA kernels (--no-lora-stacked), in the same run",
+    )
+    ap.add_argument(
+        "--fused",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a fourth engine with gate|up's expand fused into the activation (--lora-fused-activation)",
     )
     ap.add_argument("--json", default="gpu_lora_decode.json", help="file name of the results under $OUT (or the cwd)")
     args = ap.parse_args(argv)

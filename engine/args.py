@@ -406,6 +406,13 @@ class EngineArgs:
         action=argparse.BooleanOptionalAction,
         section=KERNELS,
     )
+    lora_fused_activation: bool = _setting(
+        KernelChoices.lora_fused_activation,
+        "with --enable-lora and the stacked kernels: gate|up's LoRA expand and the SiLU-and-multiply in one "
+        "launch at more than one row (not yet measured on a GPU)",
+        action=argparse.BooleanOptionalAction,
+        section=KERNELS,
+    )
 
     # ---- command line -------------------------------------------------------
     @classmethod

@@ -139,11 +139,12 @@ class LoraPool:
         choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
     ) -> torch.Tensor:
         """A dense MLP, ``down(silu(gate(x)) * up(x))``, with each row's LoRA on gate, up and down. With
-        gate|up stacked and more than one row, gate|up's expand and the activation are one launch
-        (`kernels.lora_silu_and_mul`): the base path forms the activation in a launch of its own there,
-        while one row's GEMV forms it inside the down projection (then the expand runs before it)."""
+        gate|up stacked, more than one row and `KernelChoices.lora_fused_activation`, gate|up's expand and
+        the activation are one launch (`kernels.lora_silu_and_mul`): the base path forms the activation in
+        a launch of its own there, while one row's GEMV forms it inside the down projection (then the
+        expand runs before it)."""
         st = self.stacked.get((layer, "gate_up"))
-        if st is None or (x.shape[0] == 1 and choices.gemv_kernel):
+        if st is None or not choices.lora_fused_activation or (x.shape[0] == 1 and choices.gemv_kernel):
             return self.silu_mul_linear(
                 layer, self.linear(layer, "gate_up", x, gate_up, None, slots, choices), down, slots, choices
             )

@@ -284,8 +284,9 @@ def lora_silu_mul_kernel(
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SLOT_GRID:
         if own < S:
-            h_s = h_rows + own.to(tl.int64) * stride_hs
-            b_s = b_cols + own.to(tl.int64) * stride_bs
+            own64 = tl.cast(own, tl.int64)
+            h_s = h_rows + own64 * stride_hs
+            b_s = b_cols + own64 * stride_bs
             acc_g = _expand_slot(acc_g, h_s, b_s, sel, r_ok, c_ok, IEEE)
             acc_u = _expand_slot(acc_u, h_s + stride_hi, b_s + stride_bi, sel, r_ok, c_ok, IEEE)
     else:

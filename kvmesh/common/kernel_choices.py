@@ -55,6 +55,10 @@ class KernelChoices:
     # expand launch, instead of a shrink, the sum of its K splits and an expand per projection
     # (engine/lora/pool.py). Off: the separate kernels everywhere, for comparison.
     lora_stacked: bool = True
+    # With the stacked LoRA, gate|up's expand and the SiLU-and-multiply after it in one launch
+    # (kernels.lora_silu_and_mul) where the base path forms the activation on its own (more than one
+    # row). Off until measured on a GPU (bench/gpu_lora_decode.py compares it); tested on the CPU.
+    lora_fused_activation: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -65,6 +69,7 @@ class KernelChoices:
             "moe_prep_kernels",
             "moe_gemv",
             "lora_stacked",
+            "lora_fused_activation",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -127,7 +127,8 @@ def test_a_batch_mixing_adapters_and_base_rows_gives_each_its_solo_tokens(llm, a
 
 def test_stacked_and_separate_lora_kernels_give_the_same_tokens(llm, make_llm, modules, adapters, base_tokens, prompts):
     """The default engine stacks every group's A under its base weight (engine/lora/pool.py); with
-    ``--no-lora-stacked`` the separate shrink and expand run: the same mixed batch, the same tokens."""
+    ``--no-lora-stacked`` the separate shrink and expand run, with ``--lora-fused-activation`` gate|up's
+    expand and the activation are one kernel: the same mixed batch, the same tokens."""
     pool = llm.engine.runner.model.lora
     assert len(pool.stacked) == 4 * llm.engine.runner.model.cfg.num_layers
     separate = make_llm(lora_modules=modules, num_kv_blocks=256, lora_stacked=False)
@@ -135,6 +136,10 @@ def test_stacked_and_separate_lora_kernels_give_the_same_tokens(llm, make_llm, m
     ps, names, want = _mixed(prompts, adapters, base_tokens)
     assert _tokens(separate.generate(ps, GREEDY, lora_name=names)) == want
     _idle(separate.engine)
+    # gate|up's expand fused into the activation (kernels.lora_silu_and_mul): the same tokens
+    fused = make_llm(lora_modules=modules, num_kv_blocks=256, lora_fused_activation=True)
+    assert _tokens(fused.generate(ps, GREEDY, lora_name=names)) == want
+    _idle(fused.engine)
 
 
 def test_multi_step_rounds_mix_adapters_too(make_llm, modules, adapters, base_tokens, prompts):
