@@ -190,7 +190,7 @@ class IdTokenizer:
     async def prompt_ids_async(self, path, body):
         return self.prompt_ids(path, body)
 
-    def prompt_field(self, path, body, ids):
+    def prompt_field(self, path, body, ids, room=None):
         return None  # no real tokenizer: the pods get the bodies as clients sent them
 
     def block_hashes(self, ids, block_size, cache_salt, scheme="kvmesh", lora=None):
