@@ -74,6 +74,7 @@ class Pod:
     last_error: str = ""
     inflight_blocks: Counter = field(default_factory=Counter)  # block hash -> in-flight requests holding it
     lora: LoRAState = field(default_factory=LoRAState)  # its adapters, from its last /metrics scrape
+    lora_loads: int = 0  # adapters the router loaded onto it (a scrape begun before one does not undo it)
     kv_layout: str = ""  # its KV blocks' layout id (kvmesh:kv_layout_info), "" until scraped or without one
     tokenizer: str = ""  # its tokenizer's digest (kvmesh:tokenizer_info): whether it takes the router's ids
 

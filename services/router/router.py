@@ -294,12 +294,16 @@ class Router:
             pod.probe_timeouts = 0
             if ok:  # scraped before the pod counts healthy: a new pod is never routed with its layout unknown
                 before = (pod.inflight_requests, pod.routed)
+                loads = pod.lora_loads
                 mstatus, raw = await self.upstream.get(pod.url + "/metrics", t)
                 if mstatus == 200:
                     text = raw.decode("utf-8", "replace")
                     got = parse_vllm_metrics(text)
                     pod.observe_scrape(got.get("running", 0.0), got.get("waiting", 0.0), got.get("kv_usage"), *before)
-                    pod.lora = parse_lora_state(text)
+                    lora = parse_lora_state(text)
+                    if pod.lora_loads != loads:  # an adapter loaded while this scrape was out: it may predate it
+                        lora = dataclasses.replace(lora, registered=lora.registered | pod.lora.registered)
+                    pod.lora = lora
                     pod.kv_layout = parse_kv_layout(text)
                     pod.tokenizer = parse_tokenizer_digest(text)
             self.set_healthy(pod, ok, "" if ok else f"/health returned {status}")
@@ -793,8 +797,10 @@ class Router:
         if resp.status != 200 and not already:
             log.warning("loading LoRA adapter %s on %s: %d %s", name, pod.url, resp.status, content[:300])
             raise APIError(503, f"LoRA adapter {name!r} could not be loaded on a pod (status {resp.status})")
-        log.info("LoRA adapter %s loaded on %s", name, pod.url)
-        self.metrics.lora_loads.labels(pod.url).inc()
+        if not already:  # a pod that had it (the router's view was behind) loaded nothing
+            log.info("LoRA adapter %s loaded on %s", name, pod.url)
+            self.metrics.lora_loads.labels(pod.url).inc()
+        pod.lora_loads += 1
         pod.lora = dataclasses.replace(pod.lora, registered=pod.lora.registered | {name})
 
     async def relay(
