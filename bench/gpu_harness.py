@@ -40,6 +40,7 @@ __all__ = [
     "env_info",
     "log",
     "out_dir",
+    "replay_profile",
     "run_requests",
     "sampling",
     "throughput",
@@ -212,6 +213,39 @@ def replay_ms(eng: EngineCore, B: int) -> float:
         ts.append(s.elapsed_time(e))
     ts.sort()
     return ts[len(ts) // 2]
+
+
+def replay_profile(eng: EngineCore, B: int, steps: int = 10, top: int = 20) -> dict:
+    """Where one decode step's GPU time goes: batch B's graph replayed ``steps`` times under the torch
+    profiler (CUDA activity only), kernels grouped by name. ``kernel_us`` is the kernels' summed time
+    per step, ``step_us`` the replay's own time: their difference is the GPU idle between launches.
+    Empty where the graph's inputs are not a whole batch (`graph_inputs_consistent`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    r = gpu_runner(eng)
+    if r.graphs is None or B not in r.graphs.captured or not graph_inputs_consistent(r, B):
+        return {}
+    g, _ = r.graphs.captured[B]
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            g.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = float(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0) or 0.0)
+        if us > 0:
+            rows.append(dict(kernel=e.key[:90], per_step=e.count / steps, us_per_step=us / steps))
+    rows.sort(key=lambda x: -x["us_per_step"])
+    kernel_us = sum(x["us_per_step"] for x in rows)
+    res = dict(B=B, step_us=replay_ms(eng, B) * 1e3, kernel_us=kernel_us, launches=sum(x["per_step"] for x in rows))
+    res["kernels"] = rows[:top]
+    n = res["launches"]
+    log(f"profile of batch {B}: step {res['step_us']:.1f} us, kernels {kernel_us:.1f} us, {n:.0f} launches")
+    for x in rows[:top]:
+        log(f"  {x['us_per_step']:>9.1f} us {x['per_step']:>6.1f}x  {x['kernel']}")
+    return res
 
 
 def engine_decode(

@@ -56,12 +56,15 @@ CONFIGS = [
 ]
 # (gate|up, down) configurations of the matrix-vector kernels: (BLOCK_N, BLOCK_K, num_warps) each
 GEMV_CONFIGS = [
-    ((8, 256, 4), (16, 256, 4)),
-    ((16, 128, 4), (16, 256, 4)),
-    ((16, 256, 8), (32, 256, 8)),
-    ((32, 256, 4), (32, 256, 4)),
-    ((16, 512, 4), (8, 256, 4)),
-    ((8, 512, 4), (8, 512, 4)),
+    ((8, 512, 4), (8, 512, 4, False)),
+    ((8, 512, 4), (8, 128, 4, True)),
+    ((8, 512, 4), (16, 64, 4, True)),
+    ((8, 512, 4), (4, 256, 4, True)),
+    ((8, 256, 4), (8, 128, 4, True)),
+    ((16, 256, 4), (8, 128, 4, True)),
+    ((4, 512, 4), (8, 128, 4, True)),
+    ((8, 1024, 8), (8, 128, 8, True)),
+    ((16, 512, 8), (16, 64, 8, True)),
 ]
 GEMV = kernels.KernelChoices(moe_gemv=True)  # the matrix-vector path (off by default) for its rows
 log = h.log
@@ -230,7 +233,7 @@ def active_params_per_token(m) -> float:
     return n
 
 
-def bench_30b(quick: bool, bw: float) -> None:
+def bench_30b(quick: bool, bw: float, profile: bool = False, before: bool = True) -> None:
     t0 = time.time()
     lm = random_init.random_model(SHAPE, name="qwen3-30b-a3b-random", dtype=torch.bfloat16, device=DEV, seed=1)
     torch.cuda.synchronize()
@@ -243,6 +246,9 @@ def bench_30b(quick: bool, bw: float) -> None:
     )
     log("engine", R["engine"], f"{time.time() - t0:.1f}s")
     R["decode"] = [h.engine_decode(eng, B, 512, 32 if quick else 128, bw, seed=B) for B in (1, 2, 32, 128)]
+    if profile:
+        h.run_requests(eng, [[100 + i for i in range(512)]], h.sampling(8), tag="prof")  # batch 1 in the graphs
+        R["profile"] = h.replay_profile(eng, 1)
     # prefill: 8 x 1,024 tokens, one 8,192-token step (warm the shape first)
     g = torch.Generator().manual_seed(7)
     B, P = 8, 1024
@@ -258,7 +264,9 @@ def bench_30b(quick: bool, bw: float) -> None:
     eng.shutdown()
     del eng
     torch.cuda.empty_cache()
-    # the same weights without the MoE decode kernels (torch routing + alignment, the grouped GEMM at
+    if not before:
+        return
+    # the same weights without the matrix-vector MoE kernels (alignment, the grouped GEMM and the sum at
     # every batch): the engine as it was before them, for the ratio in the same run
     eng = h.build_engine(  # a pool for batch 32 only: on an H100 the first engine's leftovers leave little
         lm,
@@ -266,10 +274,9 @@ def bench_30b(quick: bool, bw: float) -> None:
         max_num_seqs=32,
         max_num_batched_tokens=8192,
         num_kv_blocks=1536,
-        moe_prep_kernels=False,
         moe_gemv=False,
     )
-    R["decode_before"] = [h.engine_decode(eng, B, 512, 32 if quick else 128, bw, seed=B) for B in (1, 2, 32)]
+    R["decode_before"] = [h.engine_decode(eng, B, 512, 32 if quick else 128, bw, seed=B) for B in (1, 2)]
     eng.shutdown()
 
 
@@ -309,7 +316,7 @@ def table() -> str:
         )
     for r, b in zip(R.get("decode_before", []), R.get("decode", [])):
         lines.append(
-            f"B={r['B']} without the MoE decode kernels: {r['decode_tok_s']:.1f} tok/s "
+            f"B={r['B']} with the grouped GEMM (--no-moe-gemv): {r['decode_tok_s']:.1f} tok/s "
             f"({100 * r['frac_roofline']:.1f}%); with them {b['decode_tok_s'] / r['decode_tok_s']:.2f}x"
         )
     if "prefill" in R:
@@ -327,6 +334,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="default kernel configuration only, 32 decode tokens")
     ap.add_argument("--skip", default="", help="comma list of: correctness,kernel,engine")
+    ap.add_argument("--profile", action="store_true", help="the kernels of a batch-1 decode step (torch profiler)")
+    ap.add_argument(
+        "--before",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine with --no-moe-gemv too, for the ratio",
+    )
     args = ap.parse_args()
     R["env"] = h.env_info(args, transformers=True)
     skip = set(filter(None, args.skip.split(",")))
@@ -339,7 +353,7 @@ def main() -> int:
     bw = stage("copy", h.copy_bandwidth) or 4.26e12
     R["copy_TBps"] = bw / 1e12
     if "engine" not in skip:
-        stage("engine", lambda: bench_30b(args.quick, bw))
+        stage("engine", lambda: bench_30b(args.quick, bw, args.profile, args.before))
     h.write_results(R, "gpu_moe.json")
     print(table(), flush=True)
     return stage.status

@@ -395,7 +395,8 @@ class EngineArgs:
     moe_gemv: bool = _setting(
         KernelChoices.moe_gemv,
         "MoE layers of up to 16 (token, expert) pairs (decode at batch 1 and 2 with top-8) by two "
-        "matrix-vector kernels instead of the grouped GEMM (measured slower at batch 1 on an H100)",
+        "matrix-vector kernels instead of alignment, the grouped GEMM and the sum over experts; "
+        "--no-moe-gemv: the grouped GEMM at every batch",
         action=argparse.BooleanOptionalAction,
         section=KERNELS,
     )

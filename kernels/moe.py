@@ -151,9 +151,14 @@ MOE_GEMV_MAX_PAIRS = 16
 def moe_gemv_config(N: int, K: int) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps)`` of a MoE matrix-vector kernel with N output rows over K:
     narrow row blocks, so that even one token's eight experts spread over every SM (a 768-wide
-    expert in 16-row blocks is 48 programs per pair), and long K chunks for many loads in flight.
-    `bench/gpu_moe.py` sweeps the alternatives."""
-    return (16 if N <= 1024 else 32), min(256, max(16, 1 << (K - 1).bit_length())), 4
+    expert in 8-row blocks is 96 programs per pair), and long K chunks for many loads in flight.
+    `bench/gpu_moe.py` sweeps the alternatives (on an H100, 8-row blocks of 512-wide chunks were the
+    fastest of six at T = 1 and 2)."""
+    return 8, min(512, max(16, 1 << (K - 1).bit_length())), 4
+
+
+# The down kernel loads all k slots' rows of a chunk as one tile (`moe_gemv_down_kernel`'s SLOTS_TOGETHER).
+MOE_GEMV_SLOTS_TOGETHER = True
 
 
 def fused_moe(
@@ -165,12 +170,13 @@ def fused_moe(
     config: tuple[int, int, int, int, int] | None = None,
     *,
     choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
-    gemv_config: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None,
+    gemv_config: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = topk_ids[t, j]``,
     for ``x [T, H]``, ``w_gate_up [E, 2I, H]`` (gate rows then up rows), ``w_down [E, H, I]``,
     ``topk_* [T, k]``. ``config`` overrides `moe_config` (and forces the grouped GEMM);
-    ``gemv_config`` the two matrix-vector kernels' `moe_gemv_config` (gate|up, down)."""
+    ``gemv_config`` the two matrix-vector kernels' `moe_gemv_config` (gate|up, down; down's optional
+    fourth entry: SLOTS_TOGETHER)."""
     fn = "fused_moe"
     check_dim(fn, "x", x, 2)
     check_dim(fn, "w_gate_up", w_gate_up, 3)
@@ -258,17 +264,22 @@ def _fused_moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, choices, cfg) 
     act = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     kern = _dispatch.kernels_for(x)
-    (bn1, bk1, w1), (bn2, bk2, w2) = cfg or (moe_gemv_config(inter, H), moe_gemv_config(H, inter))
+    up_cfg, down_cfg = cfg or (moe_gemv_config(inter, H), moe_gemv_config(H, inter))
+    bn1, bk1, w1 = up_cfg[:3]
+    bn2, bk2, w2, *more = down_cfg
+    together = bool(more[0]) if more else MOE_GEMV_SLOTS_TOGETHER
+    if together:  # the [k, BLOCK_N, BLOCK_K] tile: at most 64 fp32 accumulators a thread
+        bk2 = min(bk2, max(16, 8192 // (p2(k) * bn2)))
     kern.moe_gemv_gate_up_kernel[(T * k, cdiv(inter, bn1))](
         x,
         w_gate_up,
         act,
         ids,
         inter,
-        H,
         x.stride(0),
         w_gate_up.stride(0),
         w_gate_up.stride(1),
+        K=H,
         TOP_K=k,
         BLOCK_N=bn1,
         BLOCK_K=bk1,
@@ -282,13 +293,15 @@ def _fused_moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, choices, cfg) 
         weights,
         ids,
         H,
-        inter,
         w_down.stride(0),
         w_down.stride(1),
         out.stride(0),
+        K=inter,
         TOP_K=k,
+        TOP_K_PAD=p2(k),
         BLOCK_N=bn2,
         BLOCK_K=bk2,
+        SLOTS_TOGETHER=together,
         num_warps=w2,
         **pdl(x, T, choices.pdl),
     )

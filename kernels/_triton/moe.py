@@ -192,10 +192,10 @@ def moe_gemv_gate_up_kernel(
     act_ptr,
     ids_ptr,
     N,
-    K,
     stride_x,
     stride_we,
     stride_wn,
+    K: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -205,8 +205,10 @@ def moe_gemv_gate_up_kernel(
     BLOCK_N of its N intermediate rows, ``e = ids[p]``: the gate|up product of a few pairs (decode at
     batch 1) as matrix-vector products, with no alignment pass and no padded tiles. The grid is
     ``(pairs, cdiv(N, BLOCK_N))``: at one token and top-8 of 768-wide experts, hundreds of programs
-    streaming the eight experts' rows, where the grouped GEMM has a handful of 16-row tiles. Gate and
-    up are each rounded to the activation's dtype before ``silu * up``, as `fused_moe_kernel` rounds."""
+    streaming the eight experts' rows, where the grouped GEMM has a handful of 16-row tiles. K (the
+    model's hidden size) is a constant so the chunk loop unrolls and the compiler can issue the next
+    chunks' loads before the first is summed. Gate and up are each rounded to the activation's dtype
+    before ``silu * up``, as `fused_moe_kernel` rounds."""
     p = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -216,7 +218,7 @@ def moe_gemv_gate_up_kernel(
     xrow = x_ptr + (p // TOP_K) * stride_x
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.static_range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         m = n_ok[:, None] & k_ok[None, :]
@@ -238,37 +240,65 @@ def moe_gemv_down_kernel(
     topk_w_ptr,
     ids_ptr,
     N,
-    K,
     stride_we,
     stride_wn,
     stride_o,
+    K: tl.constexpr,
     TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SLOTS_TOGETHER: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """``out[t] = sum_j w[t, j] * down_e(act[t * TOP_K + j])`` for BLOCK_N output columns of one token:
     the down products of its k slots and their weighted sum in one program, so no ``[T, k, H]``
     buffer and no summing launch. Each slot's product is rounded to the output dtype, times its
     routing weight rounded again (the reference's order), and the k terms are summed in fp32 and
-    rounded once, as torch sums ``[T, k, H]`` over k."""
+    rounded once, as torch sums ``[T, k, H]`` over k.
+
+    At one token the grid is only ``H / BLOCK_N`` programs, each reading k experts' rows. With
+    SLOTS_TOGETHER a program loads all k slots' rows of a K chunk as one ``[k, BLOCK_N, BLOCK_K]`` tile,
+    k times the bytes in flight of a slot-by-slot loop (which waits for each slot's rows in turn)."""
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     grid_dependency(PDL)
     dt = out_ptr.dtype.element_ty
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
+    if SLOTS_TOGETHER:
+        j = tl.arange(0, TOP_K_PAD)
+        j_ok = j < TOP_K
         p = t * TOP_K + j
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        rows = w_ptr + e * stride_we + n.to(tl.int64)[:, None] * stride_wn
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        e = tl.load(ids_ptr + p, mask=j_ok, other=0).to(tl.int64)
+        rows = w_ptr + e[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
+        m_rows = j_ok[:, None, None] & n_ok[None, :, None]
+        acc3 = tl.zeros((TOP_K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
-            a = tl.load(act_ptr + p * K + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            acc += w.to(tl.float32) * a
-        wt = tl.load(topk_w_ptr + p).to(dt).to(tl.float32)
-        total += (tl.sum(acc, 1).to(dt).to(tl.float32) * wt).to(dt).to(tl.float32)
+            a = tl.load(act_ptr + p[:, None] * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(
+                rows + k[None, None, :], mask=m_rows & k_ok[None, None, :], other=0.0, eviction_policy="evict_first"
+            )
+            acc3 += w.to(tl.float32) * a.to(tl.float32)[:, None, :]
+        wt = tl.load(topk_w_ptr + p, mask=j_ok, other=0.0).to(dt).to(tl.float32)
+        terms = (tl.sum(acc3, 2).to(dt).to(tl.float32) * wt[:, None]).to(dt).to(tl.float32)
+        total = tl.sum(tl.where(j_ok[:, None], terms, 0.0), 0)
+    else:
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for jj in tl.static_range(TOP_K):
+            p = t * TOP_K + jj
+            e = tl.load(ids_ptr + p).to(tl.int64)
+            rows = w_ptr + e * stride_we + n.to(tl.int64)[:, None] * stride_wn
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < K
+                a = tl.load(act_ptr + p * K + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                w = tl.load(
+                    rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first"
+                )
+                acc += w.to(tl.float32) * a
+            wt = tl.load(topk_w_ptr + p).to(dt).to(tl.float32)
+            total += (tl.sum(acc, 1).to(dt).to(tl.float32) * wt).to(dt).to(tl.float32)
     tl.store(out_ptr + t * stride_o + n, total.to(dt), mask=n_ok)

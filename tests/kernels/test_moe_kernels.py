@@ -45,7 +45,8 @@ def make(gen, T, H, inter, E, k, dtype, skew=False):
     [
         (1, 40, 24, 6, 4, torch.float32, None),
         (2, 48, 40, 8, 8, torch.bfloat16, None),  # 16 pairs: the largest batch the path takes
-        (3, 40, 24, 4, 3, torch.float32, ((16, 16, 4), (16, 16, 4))),  # ragged row blocks and K chunks
+        (3, 40, 24, 4, 3, torch.float32, ((16, 16, 4), (16, 16, 4, False))),  # ragged row blocks and K chunks
+        (3, 40, 24, 4, 3, torch.float32, ((8, 16, 4), (8, 16, 4, True))),  # k = 3: a padded slot tile
     ],
 )
 def test_moe_gemv_path_matches_reference_and_grouped_gemm(gen, T, H, inter, E, k, dtype, gemv_config):
@@ -57,7 +58,7 @@ def test_moe_gemv_path_matches_reference_and_grouped_gemm(gen, T, H, inter, E, k
     x, w1, w2, logits = make(gen, T, H, inter, E, k, dtype)
     weights, ids = K.moe_routing(logits, k, renormalize=True)
     out = K.fused_moe(x, w1, w2, weights, ids, choices=K.KernelChoices(moe_gemv=True), gemv_config=gemv_config)
-    grouped = K.fused_moe(x, w1, w2, weights, ids)
+    grouped = K.fused_moe(x, w1, w2, weights, ids, choices=K.KernelChoices(moe_gemv=False))
     ref = K.fused_moe_reference(x.float(), w1.float(), w2.float(), weights.float(), ids)
     assert out.shape == (T, H) and out.dtype == dtype
     assert rel_err(out, ref) < BOUND[dtype]
