@@ -267,7 +267,8 @@ def bench_30b(quick: bool, bw: float, profile: bool = False, before: bool = True
     if not before:
         return
     # the same weights without the matrix-vector MoE kernels (alignment, the grouped GEMM and the sum at
-    # every batch): the engine as it was before them, for the ratio in the same run
+    # every batch) and with q_norm / k_norm in launches of their own: the engine as it was before them,
+    # for the ratio in the same run
     eng = h.build_engine(  # a pool for batch 32 only: on an H100 the first engine's leftovers leave little
         lm,
         max_model_len=2048,
@@ -275,6 +276,7 @@ def bench_30b(quick: bool, bw: float, profile: bool = False, before: bool = True
         max_num_batched_tokens=8192,
         num_kv_blocks=1536,
         moe_gemv=False,
+        fused_qk_norm=False,
     )
     R["decode_before"] = [h.engine_decode(eng, B, 512, 32 if quick else 128, bw, seed=B) for B in (1, 2)]
     eng.shutdown()
@@ -316,7 +318,7 @@ def table() -> str:
         )
     for r, b in zip(R.get("decode_before", []), R.get("decode", [])):
         lines.append(
-            f"B={r['B']} with the grouped GEMM (--no-moe-gemv): {r['decode_tok_s']:.1f} tok/s "
+            f"B={r['B']} with --no-moe-gemv --no-fused-qk-norm: {r['decode_tok_s']:.1f} tok/s "
             f"({100 * r['frac_roofline']:.1f}%); with them {b['decode_tok_s'] / r['decode_tok_s']:.2f}x"
         )
     if "prefill" in R:

@@ -400,6 +400,13 @@ class EngineArgs:
         action=argparse.BooleanOptionalAction,
         section=KERNELS,
     )
+    fused_qk_norm: bool = _setting(
+        KernelChoices.fused_qk_norm,
+        "Qwen3's q_norm and k_norm inside the RoPE + KV-write launch; --no-fused-qk-norm: two RMSNorm "
+        "launches before it",
+        action=argparse.BooleanOptionalAction,
+        section=KERNELS,
+    )
     lora_stacked: bool = _setting(
         KernelChoices.lora_stacked,
         "with --enable-lora: the adapters' shrink inside the base projection's GEMM (their A stacked under "

@@ -22,6 +22,7 @@ from . import _dispatch
 from . import reference as _ref
 from ._checks import FP8, INTS, check_dim, check_dtype, check_kv_scales, check_kv_write, check_rope, fail
 from ._dispatch import backend, cdiv, p2, pdl
+from .elementwise import rms_norm
 
 
 def _scale_args(key, k_cache, k_scale, v_scale) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -168,17 +169,35 @@ def rope_write_kv(
     k_scale=None,
     v_scale=None,
     *,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
     choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
 ) -> torch.Tensor:
     """`rope` on query and key, then `write_kv` of the rotated key and the value, in one
     launch; returns the rotated query. Same checks and semantics as the two calls (an FP8
-    cache: the rotated key, rounded to the key's dtype, is what gets quantized)."""
+    cache: the rotated key, rounded to the key's dtype, is what gets quantized).
+
+    ``q_norm`` and ``k_norm`` (``[D]``, together): each head is first `rms_norm`-ed with them
+    (Qwen3), inside the same launch when the weights share the activations' dtype."""
     fn = "rope_write_kv"
     check_rope(fn, positions, query, key, cos_sin_cache)
     check_kv_write(fn, key, value, k_cache, v_cache, slot_mapping)
     check_kv_scales(fn, k_scale, v_scale, k_cache)
     T, Hq, D = query.shape
     Hkv = key.shape[1]
+    if (q_norm is None) != (k_norm is None):
+        fail(fn, "q_norm and k_norm go together")
+    fused_norm = False
+    if q_norm is not None and k_norm is not None:
+        for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+            check_dim(fn, name, w, 1)
+            if w.shape[0] != D:
+                fail(fn, f"{name} has {w.shape[0]} entries for head size {D}")
+        fused_norm = backend(query) != "reference" and q_norm.dtype == query.dtype == k_norm.dtype == key.dtype
+        if not fused_norm:
+            query = rms_norm(query, q_norm, norm_eps, choices=choices)
+            key = rms_norm(key, k_norm, norm_eps, choices=choices)
     if backend(query) == "reference":
         return _ref.rope_write_kv_reference(
             positions, query, key, value, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale, v_scale
@@ -200,6 +219,9 @@ def rope_write_kv(
         cos_sin_cache,
         ks,
         vs,
+        q_norm if fused_norm else ks,
+        k_norm if fused_norm else ks,
+        float(norm_eps),
         *query.stride()[:2],
         *key.stride()[:2],
         *value.stride()[:2],
@@ -215,6 +237,7 @@ def rope_write_kv(
         HALF_PAD=p2(half),
         BLOCK_SIZE=k_cache.shape[1],
         **quant,
+        QK_NORM=fused_norm,
         num_warps=4 if Hq * D >= 2048 else 1,
         **pdl(query, T, choices.pdl),
     )

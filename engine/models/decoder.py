@@ -269,13 +269,28 @@ class DecoderForCausalLM(torch.nn.Module):
             q = q.view(T, cfg.num_heads, cfg.head_dim)
             k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-            if layer["q_norm"] is not None and layer["k_norm"] is not None:
-                q = kernels.rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, choices=c)
-                k = kernels.rms_norm(k, layer["k_norm"], cfg.rms_norm_eps, choices=c)
+            qn, kn = layer["q_norm"], layer["k_norm"]
+            if qn is not None and kn is not None and not c.fused_qk_norm:
+                q = kernels.rms_norm(q, qn, cfg.rms_norm_eps, choices=c)
+                k = kernels.rms_norm(k, kn, cfg.rms_norm_eps, choices=c)
+                qn = kn = None
             k_cache, v_cache = caches[li]
             ks, vs = self.kv_scales[li] if self.kv_scales is not None else (None, None)
-            q = kernels.rope_write_kv(
-                positions, q, k, v, k_cache, v_cache, meta.slot_mapping, self.cos_sin, ks, vs, choices=c
+            q = kernels.rope_write_kv(  # with Qwen3's per-head q_norm and k_norm where it has them
+                positions,
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                self.cos_sin,
+                ks,
+                vs,
+                q_norm=qn,
+                k_norm=kn,
+                norm_eps=cfg.rms_norm_eps,
+                choices=c,
             )
             attn = kernels.paged_attention(
                 q,

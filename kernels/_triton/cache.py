@@ -134,6 +134,18 @@ def block_copy_kernel(
 
 
 @triton.jit
+def _head_rms_norm(x1, x2, w_ptr, j, j_ok, eps, HALF: tl.constexpr, dtype: tl.constexpr):
+    """RMSNorm of heads held as halves ``[heads, HALF]`` each, in fp32 with the weight multiplied in
+    fp32 (`rms_norm_kernel`'s rounding for a weight of the activation's dtype), rounded to ``dtype``."""
+    rs = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
+    w1 = tl.load(w_ptr + j, mask=j_ok, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
+    y1 = (x1 * rs[:, None] * w1[None, :]).to(dtype).to(tl.float32)
+    y2 = (x2 * rs[:, None] * w2[None, :]).to(dtype).to(tl.float32)
+    return y1, y2
+
+
+@triton.jit
 def rope_write_kv_kernel(
     pos_ptr,
     q_ptr,
@@ -146,6 +158,9 @@ def rope_write_kv_kernel(
     cs_ptr,
     ks_ptr,
     vs_ptr,
+    qn_ptr,
+    kn_ptr,
+    eps,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -170,6 +185,7 @@ def rope_write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     KV_SCALED: tl.constexpr = False,
     KV_FP8: tl.constexpr = False,
+    QK_NORM: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """One program per token: rotate its query heads (written to ``qo``), rotate its key heads
@@ -177,7 +193,10 @@ def rope_write_kv_kernel(
 
     This is `rope_kernel` twice plus `write_kv_kernel` in one launch: at batch 1 each of
     those moves a few KiB, so three launches per layer cost more than their work. The
-    rotated key never goes back to memory except in the cache, where attention reads it."""
+    rotated key never goes back to memory except in the cache, where attention reads it.
+    With QK_NORM each query and key head is first RMS-normalised over its D values with the
+    weights at ``qn_ptr`` / ``kn_ptr`` (Qwen3's q_norm and k_norm) and rounded to its dtype, as
+    `rms_norm_kernel` would store it: two launches fewer per layer."""
     grid_dependency(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -191,6 +210,8 @@ def rope_write_kv_kernel(
     qb = q_ptr + t * stride_qt + hq[:, None] * stride_qh + j[None, :]
     q1 = tl.load(qb, mask=mq, other=0.0).to(tl.float32)
     q2 = tl.load(qb + HALF, mask=mq, other=0.0).to(tl.float32)
+    if QK_NORM:
+        q1, q2 = _head_rms_norm(q1, q2, qn_ptr, j, j_ok, eps, HALF, q_ptr.dtype.element_ty)
     ob = qo_ptr + t * stride_qot + hq[:, None] * stride_qoh + j[None, :]
     tl.store(ob, (q1 * cos[None, :] - q2 * sin[None, :]).to(qo_ptr.dtype.element_ty), mask=mq)
     tl.store(ob + HALF, (q2 * cos[None, :] + q1 * sin[None, :]).to(qo_ptr.dtype.element_ty), mask=mq)
@@ -204,6 +225,8 @@ def rope_write_kv_kernel(
         kb = k_ptr + t * stride_kt + hk[:, None] * stride_kh + j[None, :]
         k1 = tl.load(kb, mask=mk, other=0.0).to(tl.float32)
         k2 = tl.load(kb + HALF, mask=mk, other=0.0).to(tl.float32)
+        if QK_NORM:
+            k1, k2 = _head_rms_norm(k1, k2, kn_ptr, j, j_ok, eps, HALF, k_ptr.dtype.element_ty)
         # round to the key's dtype first: that is what the unfused path stores and then casts
         r1 = (k1 * cos[None, :] - k2 * sin[None, :]).to(k_ptr.dtype.element_ty)
         r2 = (k2 * cos[None, :] + k1 * sin[None, :]).to(k_ptr.dtype.element_ty)

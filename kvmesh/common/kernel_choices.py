@@ -50,6 +50,9 @@ class KernelChoices:
     # MoE layers of a few (token, slot) pairs (decode at batch 1 and 2) by two matrix-vector kernels
     # instead of alignment, the grouped GEMM and the sum over slots (four launches fewer per layer).
     moe_gemv: bool = True
+    # Qwen3's per-head q_norm and k_norm inside the RoPE + KV-write launch (kernels.rope_write_kv)
+    # instead of two RMSNorm launches before it. Off: the two launches, for comparison.
+    fused_qk_norm: bool = True
     # LoRA's shrink inside the base projection's GEMM (the slots' A stacked under its weight) and one
     # expand launch, instead of a shrink, the sum of its K splits and an expand per projection
     # (engine/lora/pool.py). Off: the separate kernels everywhere, for comparison.
@@ -67,6 +70,7 @@ class KernelChoices:
             "fp8_gemv_w8a8",
             "moe_prep_kernels",
             "moe_gemv",
+            "fused_qk_norm",
             "lora_stacked",
             "lora_fused_activation",
         ):

@@ -399,6 +399,40 @@ def test_rope_write_kv(gen, dtype, bs):
     assert torch.equal(kv[:, 1, 1][written], expect[:, 1, 1][written])  # values are copied, not computed
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_normalises_heads_first(gen, dtype):
+    """With Qwen3's q_norm and k_norm, the one launch equals `rms_norm` of each head, then `rope_write_kv`
+    of the normalised heads (the two launches it replaces), and the reference of both; without the norms
+    it differs (the weights are not ones)."""
+    T, D, hq, hkv, bs = 7, 32, 6, 2, 16
+    eps = 1e-6
+    pos = torch.randint(0, 64, (T,), generator=gen)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+    fr = torch.outer(torch.arange(64).float(), inv)
+    cs = torch.cat([fr.cos(), fr.sin()], -1)
+    qkv = (torch.randn(T, (hq + 2 * hkv) * D, generator=gen) * 3).to(dtype)
+    q, k, v = (t.view(T, -1, D) for t in qkv.split([hq * D, hkv * D, hkv * D], -1))
+    qn = (1 + 0.5 * torch.randn(D, generator=gen)).to(dtype)
+    kn = (1 + 0.5 * torch.randn(D, generator=gen)).to(dtype)
+    kv = torch.zeros(4, 2, bs, hkv, D, dtype=dtype)
+    two, ref = kv.clone(), kv.clone()
+    slots = torch.randperm(4 * bs, generator=gen)[:T]
+    slots[3] = -1
+    qo = K.rope_write_kv(pos, q, k, v, kv[:, 0], kv[:, 1], slots, cs, q_norm=qn, k_norm=kn, norm_eps=eps)
+    q2 = K.rope_write_kv(pos, K.rms_norm(q, qn, eps), K.rms_norm(k, kn, eps), v, two[:, 0], two[:, 1], slots, cs)
+    assert elem_err(qo, q2, dtype) <= ELEM_BOUND[dtype] and elem_err(kv, two, dtype) <= ELEM_BOUND[dtype]
+    qr = K.rope_write_kv_reference(
+        pos, K.rms_norm_reference(q, qn, eps), K.rms_norm_reference(k, kn, eps), v, ref[:, 0], ref[:, 1], slots, cs
+    )
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert torch.allclose(qo.float(), qr.float(), **tol) and torch.allclose(kv.float(), ref.float(), **tol)
+    assert bool((kv[:, 0] != 0).any()) and torch.equal(kv[:, 1], ref[:, 1])  # keys written; values copied
+    plain = K.rope_write_kv(pos, q, k, v, kv[:, 0].clone(), kv[:, 1].clone(), slots, cs)
+    assert not torch.allclose(plain.float(), qr.float(), **tol)
+    with pytest.raises(ValueError, match="go together"):
+        K.rope_write_kv(pos, q, k, v, kv[:, 0], kv[:, 1], slots, cs, q_norm=qn)
+
+
 GEMV_BOUND = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
 
 
