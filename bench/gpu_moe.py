@@ -55,18 +55,33 @@ CONFIGS = [
     (128, 128, 64, 8, 3),
 ]
 # (gate|up, down) configurations of the matrix-vector kernels: (BLOCK_N, BLOCK_K, num_warps) each
-GEMV_CONFIGS = [
+GEMV_CONFIGS = [  # (gate|up, down): the defaults of `moe_gemv_config` are swept one kernel at a time below
     ((8, 512, 4), (8, 512, 4, False)),
-    ((8, 512, 4), (8, 128, 4, True)),
-    ((8, 512, 4), (16, 64, 4, True)),
-    ((8, 512, 4), (4, 256, 4, True)),
-    ((8, 256, 4), (8, 128, 4, True)),
-    ((16, 256, 4), (8, 128, 4, True)),
-    ((4, 512, 4), (8, 128, 4, True)),
-    ((8, 1024, 8), (8, 128, 8, True)),
-    ((16, 512, 8), (16, 64, 8, True)),
 ]
-GEMV = kernels.KernelChoices(moe_gemv=True)  # the matrix-vector path (off by default) for its rows
+# gate|up's (BLOCK_N, BLOCK_K, num_warps) with down at its default, then down's (..., SLOTS_TOGETHER) with
+# gate|up at its default; each timed per call inside a graph of PARTS_REPS calls on different experts
+GATE_UP_SWEEP = [
+    (8, 512, 4),
+    (4, 512, 4),
+    (8, 256, 4),
+    (16, 256, 4),
+    (8, 1024, 8),
+    (16, 512, 8),
+    (8, 512, 2),
+    (4, 1024, 4),
+]
+DOWN_SWEEP = [
+    (8, 128, 4, True),
+    (4, 256, 4, True),
+    (16, 64, 4, True),
+    (8, 256, 8, True),
+    (4, 128, 2, True),
+    (2, 256, 2, True),
+    (8, 512, 4, False),
+]
+PARTS_REPS = 16
+GEMV = kernels.KernelChoices(moe_gemv=True)  # the matrix-vector path for its rows
+NO_GEMV = kernels.KernelChoices(moe_gemv=False)  # alignment + the grouped GEMM at every batch
 log = h.log
 
 
@@ -216,6 +231,58 @@ def bench_fused_moe(quick: bool) -> None:
     torch.cuda.empty_cache()
 
 
+def _per_call(fns) -> float:
+    """Milliseconds per call of the ``fns`` (one after another, as a decode step's layers run) replayed
+    from one CUDA graph: the in-graph cost, without the graph launch a single timed call carries."""
+
+    def run():
+        for f in fns:
+            f()
+
+    return _time(_graph(run)) / len(fns)
+
+
+def bench_moe_parts() -> None:
+    """A MoE layer's launches at T = 1 and 2, each per call inside a graph of PARTS_REPS calls whose
+    routings differ (the experts' bytes are not in L2 from the call before): the router's projection,
+    routing, and the two matrix-vector kernels with each kernel's configurations swept."""
+    H, inter, E, k = SHAPE["hidden_size"], SHAPE["moe_intermediate_size"], SHAPE["num_experts"], 8
+    g = torch.Generator(device=DEV).manual_seed(1)
+    w1 = (torch.randn(E, 2 * inter, H, generator=g, device=DEV) * 0.02).bfloat16()
+    w2 = (torch.randn(E, H, inter, generator=g, device=DEV) * 0.02).bfloat16()
+    gate = (torch.randn(E, H, generator=g, device=DEV) * 0.02).bfloat16()
+    expert_bytes = (w1.numel() + w2.numel()) * 2 / E
+    rows = []
+    for T in (1, 2):
+        xs = [torch.randn(T, H, generator=g, device=DEV).bfloat16() for _ in range(PARTS_REPS)]
+        logits = [kernels.linear(x, gate) for x in xs]
+        routed = [kernels.moe_routing(lg, k, True) for lg in logits]
+        active = sum(len(set(ids.flatten().tolist())) for _, ids in routed) / PARTS_REPS
+        r: dict = dict(T=T, active_experts=active)
+        r["router_linear_us"] = 1e3 * _per_call([lambda x=x: kernels.linear(x, gate) for x in xs])
+        r["routing_us"] = 1e3 * _per_call([lambda lg=lg: kernels.moe_routing(lg, k, True) for lg in logits])
+        base_up, base_down = kernels.moe.moe_gemv_config(inter, H), kernels.moe.moe_gemv_config(H, inter)
+
+        def moe(cfg, xs=xs, routed=routed):
+            return 1e3 * _per_call(
+                [
+                    lambda x=x, wi=wi, cfg=cfg: kernels.fused_moe(x, w1, w2, *wi, gemv_config=cfg)
+                    for x, wi in zip(xs, routed)
+                ]
+            )
+
+        r["moe_us"] = moe(None)
+        r["moe_TBps"] = active * expert_bytes / (r["moe_us"] / 1e6) / 1e12
+        r["gate_up_sweep"] = {str(c): moe((c, base_down)) for c in GATE_UP_SWEEP}
+        r["down_sweep"] = {str(c): moe((base_up, c)) for c in DOWN_SWEEP}
+        r["grouped_us"] = 1e3 * _per_call(
+            [lambda x=x, wi=wi: kernels.fused_moe(x, w1, w2, *wi, choices=NO_GEMV) for x, wi in zip(xs, routed)]
+        )
+        rows.append(r)
+        log("moe parts", r)
+    R["moe_parts"] = rows
+
+
 def active_params_per_token(m) -> float:
     """Parameters one token multiplies by (attention, router, k experts or the dense MLP; no lm_head)."""
     c = m.config
@@ -306,6 +373,18 @@ def table() -> str:
                 f"T={r['T']}: routing + align {r['route_align_ms'] * 1e3:.1f} us (torch ops "
                 f"{r['route_align_torch_ms'] * 1e3:.1f} us), same result: {r['route_align_same']}"
             )
+    for r in R.get("moe_parts", []):
+        lines.append(
+            f"T={r['T']} per call in a graph: router linear {r['router_linear_us']:.1f} us, "
+            f"routing {r['routing_us']:.1f} us, matrix-vector MoE {r['moe_us']:.1f} us ({r['moe_TBps']:.2f} TB/s), "
+            f"grouped GEMM path {r['grouped_us']:.1f} us"
+        )
+        for name in ("gate_up_sweep", "down_sweep"):
+            best = min(r[name], key=r[name].get)
+            lines.append(
+                f"  {name}: best {best} {r[name][best]:.1f} us; "
+                + ", ".join(f"{c} {v:.1f}" for c, v in r[name].items())
+            )
     lines.append(f"copy bandwidth: {R.get('copy_TBps', float('nan')):.3f} TB/s")
     lines.append("== Qwen3-30B-A3B shape, random bf16: decode (prompt 512) ==")
     lines.append(
@@ -335,7 +414,7 @@ def table() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="default kernel configuration only, 32 decode tokens")
-    ap.add_argument("--skip", default="", help="comma list of: correctness,kernel,engine")
+    ap.add_argument("--skip", default="", help="comma list of: correctness,kernel,parts,engine")
     ap.add_argument("--profile", action="store_true", help="the kernels of a batch-1 decode step (torch profiler)")
     ap.add_argument(
         "--before",
@@ -352,6 +431,8 @@ def main() -> int:
         stage("correctness", check_correctness)
     if "kernel" not in skip:
         stage("kernel", lambda: bench_fused_moe(args.quick))
+    if "parts" not in skip:
+        stage("parts", bench_moe_parts)
     bw = stage("copy", h.copy_bandwidth) or 4.26e12
     R["copy_TBps"] = bw / 1e12
     if "engine" not in skip:

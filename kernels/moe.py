@@ -269,7 +269,7 @@ def _fused_moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, choices, cfg) 
     bn2, bk2, w2, *more = down_cfg
     together = bool(more[0]) if more else MOE_GEMV_SLOTS_TOGETHER
     if together:  # the [k, BLOCK_N, BLOCK_K] tile: at most 64 fp32 accumulators a thread
-        bk2 = min(bk2, max(16, 8192 // (p2(k) * bn2)))
+        bk2 = min(bk2, max(16, 2048 * w2 // (p2(k) * bn2)))
     kern.moe_gemv_gate_up_kernel[(T * k, cdiv(inter, bn1))](
         x,
         w_gate_up,
