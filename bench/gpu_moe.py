@@ -283,6 +283,70 @@ def bench_moe_parts() -> None:
     R["moe_parts"] = rows
 
 
+def bench_attention_parts() -> None:
+    """The rest of a Qwen3-30B-A3B decode layer at one token, each launch per call inside a graph of
+    PARTS_REPS calls on different weights and pages (nothing in L2 from the call before): the RMSNorm with
+    the residual, the qkv and o GEMVs, RoPE + KV write with the q/k norms, paged attention over a 576-token
+    context (as the engine's graphs launch it, planned for a 2,048-token context, and planned for 576), and
+    the lm_head GEMV once. With the ideal time of each at the copy bandwidth, for what a step could save."""
+    from kernel_checks import make_paged  # type: ignore[import-not-found]  # tests/, on the path via gpu_harness
+
+    H, hq, hkv, D, bs, ctx, n = SHAPE["hidden_size"], 32, 4, 128, 16, 576, PARTS_REPS
+    g = torch.Generator(device=DEV).manual_seed(2)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g, device=DEV) * 0.02).bfloat16()
+
+    hs, res, norm_w = [rnd(1, H) for _ in range(n)], [rnd(1, H) for _ in range(n)], rnd(H) + 1
+    wqkv, wo = [rnd((hq + 2 * hkv) * D, H) for _ in range(n)], [rnd(H, hq * D) for _ in range(n)]
+    qkvs = [rnd(1, (hq + 2 * hkv) * D) for _ in range(n)]
+    pages = [make_paged([1], [ctx - 1], hq, hkv, D, bs, torch.bfloat16, gen=g) for _ in range(n)]
+    qn, kn = rnd(D) + 1, rnd(D) + 1
+    inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=DEV).float() / D))
+    fr = torch.outer(torch.arange(4096, device=DEV).float(), inv)
+    cs = torch.cat([fr.cos(), fr.sin()], -1)
+    pos = torch.tensor([ctx - 1], device=DEV)
+    bw = R.get("copy_TBps", 3.0) * 1e12
+    r: dict = {}
+
+    def part(name, fns, nbytes):
+        us = 1e3 * _per_call(fns)
+        r[name] = dict(us=us, ideal_us=nbytes / bw * 1e6)
+
+    part("rms_norm+residual", [lambda h=h, x=x: kernels.rms_norm(h, norm_w, 1e-6, x) for h, x in zip(hs, res)], 0)
+    part("qkv GEMV", [lambda h=h, w=w: kernels.linear(h, w) for h, w in zip(hs, wqkv)], wqkv[0].numel() * 2)
+
+    def rope(qkv, p):
+        q, k, v = (t.view(1, -1, D) for t in qkv.split([hq * D, hkv * D, hkv * D], -1))
+        slot = p["bt"][0, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs
+        return kernels.rope_write_kv(
+            pos, q, k, v, p["k"], p["v"], slot.view(1), cs, q_norm=qn, k_norm=kn, norm_eps=1e-6
+        )
+
+    part("rope+kv write+q/k norms", [lambda a=a, p=p: rope(a, p) for a, p in zip(qkvs, pages)], 0)
+    kv_bytes = 2 * ctx * hkv * D * 2
+    for plan in (2048, ctx):
+        part(
+            f"attention (planned for {plan})",
+            [
+                lambda p=p, plan=plan: kernels.paged_attention(
+                    p["q"], p["k"], p["v"], p["bt"], p["qsl"], p["sl"], D**-0.5, max_query_len=1, max_seq_len=plan
+                )
+                for p in pages
+            ],
+            kv_bytes,
+        )
+    part(
+        "o GEMV",
+        [lambda w=w: kernels.linear(torch.ones(1, hq * D, device=DEV, dtype=torch.bfloat16), w) for w in wo],
+        wo[0].numel() * 2,
+    )
+    lm = rnd(SHAPE["vocab_size"], H)
+    part("lm_head GEMV", [lambda: kernels.linear(hs[0], lm)], lm.numel() * 2)
+    R["attention_parts"] = r
+    log("attention parts", r)
+
+
 def active_params_per_token(m) -> float:
     """Parameters one token multiplies by (attention, router, k experts or the dense MLP; no lm_head)."""
     c = m.config
@@ -385,6 +449,10 @@ def table() -> str:
                 f"  {name}: best {best} {r[name][best]:.1f} us; "
                 + ", ".join(f"{c} {v:.1f}" for c, v in r[name].items())
             )
+    for name, v in R.get("attention_parts", {}).items():
+        lines.append(
+            f"T=1 {name}: {v['us']:.1f} us per call in a graph (ideal at the copy bandwidth {v['ideal_us']:.1f} us)"
+        )
     lines.append(f"copy bandwidth: {R.get('copy_TBps', float('nan')):.3f} TB/s")
     lines.append("== Qwen3-30B-A3B shape, random bf16: decode (prompt 512) ==")
     lines.append(
@@ -433,6 +501,7 @@ def main() -> int:
         stage("kernel", lambda: bench_fused_moe(args.quick))
     if "parts" not in skip:
         stage("parts", bench_moe_parts)
+        stage("attention parts", bench_attention_parts)
     bw = stage("copy", h.copy_bandwidth) or 4.26e12
     R["copy_TBps"] = bw / 1e12
     if "engine" not in skip:

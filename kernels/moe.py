@@ -151,10 +151,11 @@ MOE_GEMV_MAX_PAIRS = 16
 def moe_gemv_config(N: int, K: int) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps)`` of a MoE matrix-vector kernel with N output rows over K:
     narrow row blocks, so that even one token's eight experts spread over every SM (a 768-wide
-    expert in 8-row blocks is 96 programs per pair), and long K chunks for many loads in flight.
-    `bench/gpu_moe.py` sweeps the alternatives (on an H100, 8-row blocks of 512-wide chunks were the
-    fastest of six at T = 1 and 2)."""
-    return 8, min(512, max(16, 1 << (K - 1).bit_length())), 4
+    expert in 4-row blocks is 192 programs per pair), and long K chunks for many loads in flight.
+    `bench/gpu_moe.py` sweeps the alternatives in a graph of calls, as a decode step runs them (on an
+    H100, 4-row blocks of 1,024-wide chunks for gate|up and 4-row blocks of 256-wide chunks for down,
+    the down chunk capped by its all-slots tile, were the fastest at T = 1 and 2)."""
+    return 4, min(1024, max(16, 1 << (K - 1).bit_length())), 4
 
 
 # The down kernel loads all k slots' rows of a chunk as one tile (`moe_gemv_down_kernel`'s SLOTS_TOGETHER).
