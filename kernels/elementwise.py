@@ -13,6 +13,9 @@ from ._checks import FLOATS, check_device, check_dim, check_dtype, check_last_co
 from ._dispatch import backend, cdiv, p2, pdl
 from .lora import LoraTerm, check_lora_term, lora_expand
 
+# Columns of a tile of `rms_norm`'s LoRA pass (a [16, BLOCK_N] fp32 dot a program, B read in [R, BLOCK_N] tiles).
+LORA_NORM_BLOCK_N = 256
+
 
 def _rows(fn, name, x):
     """2-D view [rows, hidden] without copying when the rows are evenly strided."""
@@ -80,12 +83,44 @@ def rms_norm(
     if rows == 0 or H == 0:
         return (y, ro) if residual is not None else y
     block = p2(H)
-    # the LoRA term's tensors and strides (h as row, slot, rank; b as slot, output, rank), or unused
-    h, b, slots = lora if lora is not None else (x2, x2, x2)
-    S, R = (b.shape[0], b.shape[3]) if lora is not None else (0, 0)
-    hs = (h.stride(0), h.stride(1), h.stride(3)) if lora is not None else (0, 0, 0)
-    bs = (b.stride(0), b.stride(2), b.stride(3)) if lora is not None else (0, 0, 0)
-    _dispatch.kernels_for(x).rms_norm_kernel[(rows,)](
+    kern = _dispatch.kernels_for(x)
+    if lora is not None:
+        h, b, slots = lora
+        kern.lora_rms_norm_kernel[(rows,)](
+            x2,
+            r2,
+            weight,
+            y2,
+            ro2,
+            h,
+            b,
+            slots,
+            b.shape[0],
+            b.shape[3],
+            x2.stride(0),
+            r2.stride(0),
+            y2.stride(0),
+            ro2.stride(0),
+            h.stride(0),
+            h.stride(1),
+            h.stride(3),
+            b.stride(0),
+            b.stride(2),
+            b.stride(3),
+            slots.stride(0),
+            float(eps),
+            H,
+            HAS_RES=residual is not None,
+            W_SAME=weight.dtype == x.dtype,
+            IEEE=x.dtype == torch.float32,  # as lora_expand's dot
+            BLOCK=block,
+            BLOCK_N=max(16, min(block, LORA_NORM_BLOCK_N)),
+            BLOCK_R=max(16, p2(b.shape[3])),
+            num_warps=min(16, max(1, block // 512)),
+            **pdl(x, rows, choices.pdl),
+        )
+        return (y, ro) if residual is not None else y
+    kern.rms_norm_kernel[(rows,)](
         x2,
         r2,
         weight,
@@ -97,18 +132,9 @@ def rms_norm(
         ro2.stride(0),
         float(eps),
         H,
-        h,
-        b,
-        slots,
-        S,
-        R,
-        *hs,
-        *bs,
-        slots.stride(0) if lora is not None else 0,
         HAS_RES=residual is not None,
         W_SAME=weight.dtype == x.dtype,
         BLOCK=block,
-        HAS_LORA=lora is not None,
         num_warps=min(16, max(1, block // 512)),
         **pdl(x, rows, choices.pdl),
     )

@@ -9,19 +9,6 @@ from ._common import grid_dependency
 
 
 @triton.jit
-def _add_lora_row(x, h_row, b_cols, stride_hr, stride_br, R, mask):
-    """``x + sum_r h[r] * B[:, r]`` for one row: the rank-R delta in fp32 (``h`` and ``B`` widened, so a
-    bf16/fp16 product is exact), added to ``x`` in fp32 and rounded once to x's dtype, as
-    `lora_expand_kernel` adds its delta in place (where a tensor-core dot sums the R products)."""
-    acc = tl.zeros(x.shape, dtype=tl.float32)
-    for r in range(R):
-        hr = tl.load(h_row + r * stride_hr).to(tl.float32)
-        br = tl.load(b_cols + r * stride_br, mask=mask, other=0.0).to(tl.float32)
-        acc += hr * br
-    return (x.to(tl.float32) + acc).to(x.dtype)
-
-
-@triton.jit
 def rms_norm_kernel(
     x_ptr,
     r_ptr,
@@ -34,22 +21,9 @@ def rms_norm_kernel(
     stride_ro,
     eps,
     hidden,
-    h_ptr,
-    b_ptr,
-    slots_ptr,
-    S,
-    R,
-    stride_hm,
-    stride_hs,
-    stride_hr,
-    stride_bs,
-    stride_bn,
-    stride_br,
-    stride_s,
     HAS_RES: tl.constexpr,
     W_SAME: tl.constexpr,
     BLOCK: tl.constexpr,
-    HAS_LORA: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """One row per program: (x + residual) in x's dtype, then RMS in fp32.
@@ -57,27 +31,23 @@ def rms_norm_kernel(
     Rounding follows the reference exactly: the residual sum is rounded to x's
     dtype before it is normalised (that rounded sum is also what is returned), and
     the weight multiply happens in fp32 when weight and x share a dtype, else after
-    rounding, in the promoted dtype.
-
-    HAS_LORA: first ``x += h[row, slot] @ b[slot, 0].T`` for the row's LoRA slot (``slots[row]``;
-    outside ``[0, S)``: none, the row as it is), in fp32 and rounded to x's dtype, as `lora_expand`
-    adds it in place before a separate launch of this kernel (kernels/elementwise.py `rms_norm`):
-    the projection's LoRA expand and the norm after it in one launch."""
+    rounding, in the promoted dtype."""
     grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_LORA:
-        slot = tl.load(slots_ptr + row * stride_s).to(tl.int64)
-        if (slot >= 0) & (slot < S):
-            h_row = h_ptr + row * stride_hm + slot * stride_hs
-            b_cols = b_ptr + slot * stride_bs + offs.to(tl.int64) * stride_bn
-            x = _add_lora_row(x, h_row, b_cols, stride_hr, stride_br, R, mask)
     if HAS_RES:
         r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(ro_ptr + row * stride_ro + offs, x, mask=mask)
+    norm_row(x, w_ptr, y_ptr + row * stride_y, offs, mask, eps, hidden, W_SAME)
+
+
+@triton.jit
+def norm_row(x, w_ptr, y_row, offs, mask, eps, hidden, W_SAME: tl.constexpr):
+    """Store the RMSNorm of one row ``x`` (its sum with the residual, in x's dtype) times the weight
+    at ``y_row``; `rms_norm_kernel`'s and `lora_rms_norm_kernel`'s (kernels/_triton/lora.py) one tail."""
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / hidden
     y = xf * tl.math.rsqrt(var + eps)
@@ -85,8 +55,8 @@ def rms_norm_kernel(
     if W_SAME:
         y = y * w.to(tl.float32)
     else:
-        y = y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty) * w.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        y = y.to(x.dtype).to(y_row.dtype.element_ty) * w.to(y_row.dtype.element_ty)
+    tl.store(y_row + offs, y.to(y_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -174,11 +174,11 @@ def test_silu_and_mul_with_the_gate_up_lora_is_the_expand_then_the_activation(ge
 def test_rms_norm_with_a_lora_term_is_the_expand_then_the_norm(gen, T, dtype, residual):
     """A single-slice projection's expand fused into the add-residual RMSNorm after it (``rms_norm(...,
     lora=)``) gives what `lora_expand` into the projection's output and `rms_norm` after it give: rows of
-    mixed slots, base rows (slot -1, and a slot past the pool) as the norm alone, bit for bit; the
-    projection's output (a strided view beside its stacked shrink) is left as it was. The delta's
-    products are summed in another order than the expand's dot: bf16 results differ in at most a
-    last bit here and there (none measured under the interpreter at bf16, up to a third of fp32's)."""
-    H, S, R = 40, 3, 8
+    mixed slots and base rows (slot -1, and a slot past the pool), bit for bit: the kernel forms each
+    row's delta with the expand's own dot and rounds as the two launches do, and reads its whole row back
+    for the norm's sum; the projection's output (a strided view beside its stacked shrink) is left as it
+    was."""
+    H, S, R = 600, 3, 8  # three column tiles of the kernel's first pass, the last ragged
     x, a, b, slots, _ = make(gen, T, 16, (H,), R, S, dtype, torch.int64)
     if T == 1:
         slots[0] = 1
@@ -194,10 +194,6 @@ def test_rms_norm_with_a_lora_term_is_the_expand_then_the_norm(gen, T, dtype, re
     got, want = (got, want) if residual else ((got,), (want,))
     for g, e in zip(got, want, strict=True):
         assert g.shape == e.shape and g.dtype == e.dtype
-        assert rel_err(g, e) < BOUND[dtype]
-        base = _base(slots, S) < 0
-        assert torch.equal(g[base], e[base])
-        if dtype == torch.bfloat16:  # the products exact either way, only the order of their sum differs
-            assert (g != e).float().mean() <= 0.01
+        assert torch.equal(g, e)
     with pytest.raises(ValueError, match="one slice"):
         K.rms_norm(y, w, 1e-5, res, lora=K.LoraTerm(term.h, b[:, :, : H - 1], slots))
