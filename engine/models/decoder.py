@@ -295,7 +295,7 @@ class DecoderForCausalLM(torch.nn.Module):
                 **hints,
             )
             attn = attn.reshape(T, self.q_size)
-            pending = None
+            pending = None  # in_norm has added it
             if lora is not None and defer:
                 assert ls is not None
                 h, pending = lora.linear_deferred(li, "o", attn, layer["o"], None, ls, c)
@@ -307,7 +307,7 @@ class DecoderForCausalLM(torch.nn.Module):
             if self.tp is not None:
                 h = self.tp.group.all_reduce(h)
             x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual, lora=pending, choices=c)
-            pending = None
+            pending = None  # post_norm has added it
             mlp = layer["mlp"]
             if lora is not None and isinstance(mlp, DenseMLP) and lora.has(li, "down"):
                 assert ls is not None

@@ -1,5 +1,7 @@
 """Batched LoRA: the shrink (``x`` to rank R) and the expand (rank R back to the output, added in place)
-over per-row adapter slots, the two launches of a LoRA projection (kernels/lora.py).
+over per-row adapter slots, the two launches of a LoRA projection (kernels/lora.py); and the expand inside
+the launch after it: gate|up's activation (`lora_silu_mul_kernel`), a single slice's add-residual RMSNorm
+(`lora_rms_norm_kernel`).
 
 Both kernels tile the batch in BLOCK_M-row blocks whose rows may belong to different adapters, and
 multiply the block's rows of one slot (the others masked to zero) by that slot's weights with
