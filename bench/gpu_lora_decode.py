@@ -14,14 +14,17 @@ scheduling, one step per round:
 
 * **base**: LoRA disabled;
 * the same weights with ``--enable-lora --max-loras 8 --max-lora-rank 16`` and the 8 adapters as
-  ``--lora-modules`` (the adapters' A stacked under the base weights, the default), at each batch size:
+  ``--lora-modules`` (the adapters' A stacked under the base weights and o's and down's expand inside the
+  RMSNorm after each, the defaults), at each batch size:
   * **no adapter**: every row on the base model (the graphs without LoRA's launches);
   * **1 adapter**: every row on adapter 0;
   * **8 adapters**: row ``i`` on adapter ``i % 8``;
 * with ``--separate`` (the default): the LoRA engine again with ``--no-lora-stacked`` (a shrink, the sum
   of its K splits and an expand per projection), 1 and 8 adapters;
-* with ``--fused`` (the default): the LoRA engine again with ``--lora-fused-activation`` (gate|up's expand
-  and the activation in one launch at more than one row), 1 and 8 adapters.
+* with ``--unfused`` (the default): the LoRA engine again with ``--no-lora-fused-norm`` (o's and down's
+  expand in launches of their own, two more a layer), 1 and 8 adapters;
+* with ``--fused-activation`` (off: measured no gain): the LoRA engine again with ``--lora-fused-activation``
+  (gate|up's expand and the activation in one launch at more than one row), 1 and 8 adapters.
 
 Decode at batch 1 / 32 / 128 (prompt 512 random tokens, 128 new, greedy, ignore_eos), through
 bench/gpu_harness.py's ``engine_decode``: decode tok/s counts the tokens after every request has its
@@ -54,6 +57,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,9 +74,45 @@ from kvmesh.engine.models.random_init import random_state_dict, scaled_config  #
 R: dict = {}
 log = h.log
 RANK, N_LORAS = 16, 8
-# base: LoRA disabled; none/one/eight on the LoRA engine (A stacked under the base weights, the default);
-# sep_*: a third engine with the separate shrink and expand (--no-lora-stacked), for comparison
-CASES = ("base", "none", "one", "eight", "sep_one", "sep_eight", "fused_one", "fused_eight")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine of the run: its key in the results, its LoRA settings beyond the defaults, the cases it
+    decodes (``prefix_`` + one/eight: the LoRA engine's case on this engine) and the command-line switch
+    that runs it (None: always)."""
+
+    key: str
+    lora: bool
+    settings: dict = field(default_factory=dict)
+    cases: tuple[str, ...] = ()
+    switch: str | None = None
+
+
+# base: LoRA disabled; none/one/eight on the LoRA engine (the defaults: A stacked under the base weights,
+# o's and down's expand fused into the norm after each); then the others, for comparison
+ENGINES = (
+    Engine("base", lora=False, cases=("base",)),
+    Engine("lora", lora=True, cases=("none", "one", "eight")),
+    Engine(
+        "lora_separate", lora=True, settings=dict(lora_stacked=False), cases=("sep_one", "sep_eight"), switch="separate"
+    ),
+    Engine(
+        "lora_unfused",
+        lora=True,
+        settings=dict(lora_fused_norm=False),
+        cases=("unfused_one", "unfused_eight"),
+        switch="unfused",
+    ),
+    Engine(
+        "lora_fused_act",
+        lora=True,
+        settings=dict(lora_fused_activation=True),
+        cases=("act_one", "act_eight"),
+        switch="fused_activation",
+    ),
+)
+CASES = tuple(c for e in ENGINES for c in e.cases)
 CASE_NAMES = {
     "base": "base (LoRA off)",
     "none": "LoRA on, no adapter",
@@ -80,8 +120,10 @@ CASE_NAMES = {
     "eight": "8 adapters",
     "sep_one": "1 adapter, separate",
     "sep_eight": "8 adapters, separate",
-    "fused_one": "1 adapter, fused act.",
-    "fused_eight": "8 adapters, fused act.",
+    "unfused_one": "1 adapter, unfused norm",
+    "unfused_eight": "8 adapters, unfused norm",
+    "act_one": "1 adapter, fused act.",
+    "act_eight": "8 adapters, fused act.",
 }
 SOLO_ROWS, SOLO_TOKENS = 8, 32
 # The smoke model (the harness's) with BOS and EOS inside its vocabulary.
@@ -115,12 +157,12 @@ class Bench:
         self.batches = (1, 4, 8) if args.smoke else (1, 32, 128)
         self.hi = self.cfg.vocab_size if args.smoke else 120000
 
-    def engine(self, lora: bool, stacked: bool = True, fused: bool = False) -> EngineCore:
+    def engine(self, spec: Engine) -> EngineCore:
         kw: dict = dict(max_num_seqs=max(self.batches), max_model_len=1024, async_scheduling=True)
+        lora = spec.lora
         if lora:
             kw.update(
-                lora_stacked=stacked,
-                lora_fused_activation=fused,
+                spec.settings,
                 enable_lora=True,
                 max_loras=N_LORAS,
                 max_lora_rank=RANK,
@@ -138,9 +180,8 @@ class Bench:
         names = list(self.adapters) if lora else [None]
         warm = prompts_for(4, self.P, 99, self.hi)
         h.run_requests(eng, warm, h.sampling(8), tag="warm", loras=[names[i % len(names)] for i in range(4)])
-        key = ("lora_fused" if fused else "lora" if stacked else "lora_separate") if lora else "base"
-        R.setdefault("engines", {})[key] = dict(build_s=build_s, warm_s=_since(t0) - build_s)
-        log(f"engine (LoRA {'on' if lora else 'off'}) built in {build_s:.1f}s, warm in {_since(t0) - build_s:.1f}s")
+        R.setdefault("engines", {})[spec.key] = dict(build_s=build_s, warm_s=_since(t0) - build_s)
+        log(f"engine {spec.key} built in {build_s:.1f}s, warm in {_since(t0) - build_s:.1f}s")
         return eng
 
     def loras(self, case: str, B: int) -> list[str | None] | None:
@@ -150,7 +191,7 @@ class Bench:
             "none": None,
             "one": [names[0]] * B,
             "eight": [names[i % N_LORAS] for i in range(B)],
-        }[case.removeprefix("sep_").removeprefix("fused_")]
+        }[case.split("_")[-1]]
 
     def decode(self, eng: EngineCore, case: str, B: int, rep: int, bw: float) -> dict:
         seed = 1000 * rep + B
@@ -209,33 +250,18 @@ def run(args: argparse.Namespace, folder: str, stage: h.Stages) -> None:
                         continue
                     runs.append(b.decode(eng, case, B, rep, bw))
 
-    eng = b.engine(lora=False)
-    measure(eng, ("base",))
-    eng.shutdown()
-    del eng
-    gc.collect()
-    if not args.smoke:
-        torch.cuda.empty_cache()
-    eng = b.engine(lora=True)
-    measure(eng, ("none", "one", "eight"))
-    R["solo"] = solo_check(b, eng, runs) if time.time() < until else None
-    eng.shutdown()
-    if args.separate and time.time() < until:
+    for spec in ENGINES:  # one engine at a time: each takes most of the GPU's memory
+        if spec.switch is not None and (not getattr(args, spec.switch) or time.time() > until):
+            continue
+        eng = b.engine(spec)
+        measure(eng, spec.cases)
+        if spec.key == "lora":
+            R["solo"] = solo_check(b, eng, runs) if time.time() < until else None
+        eng.shutdown()
         del eng
         gc.collect()
         if not args.smoke:
             torch.cuda.empty_cache()
-        eng = b.engine(lora=True, stacked=False)
-        measure(eng, ("sep_one", "sep_eight"))
-        eng.shutdown()
-    if args.fused and time.time() < until:
-        del eng
-        gc.collect()
-        if not args.smoke:
-            torch.cuda.empty_cache()
-        eng = b.engine(lora=True, fused=True)
-        measure(eng, ("fused_one", "fused_eight"))
-        eng.shutdown()
     R["checks"] = checks(runs)
     R["rows"] = rows(runs)
 
@@ -319,12 +345,12 @@ def table() -> str:
     if "copy_TBps" in R:
         lines.append(f"copy bandwidth (D2D, read+write): {R['copy_TBps']:.3f} TB/s")
     lines.append(
-        f"{'case':<22} {'batch':>5} {'decode tok/s':>12} {'x base':>7} {'slower':>7} {'GPU ms/step':>11} "
+        f"{'case':<24} {'batch':>5} {'decode tok/s':>12} {'x base':>7} {'slower':>7} {'GPU ms/step':>11} "
         f"{'GPU slower':>10} {'e2e tok/s':>10} {'graph steps':>11}  repeats"
     )
     for r in R.get("rows", []):
         lines.append(
-            f"{CASE_NAMES[r['case']]:<22} {r['B']:>5} {r['decode_tok_s']:>12.1f} {_f(r.get('vs_base'), '.3f', 7)} "
+            f"{CASE_NAMES[r['case']]:<24} {r['B']:>5} {r['decode_tok_s']:>12.1f} {_f(r.get('vs_base'), '.3f', 7)} "
             f"{_f(r.get('overhead'), '.1%', 7)} {_f(r.get('gpu_step_ms'), '.3f', 11)} "
             f"{_f(r.get('gpu_step_overhead'), '.1%', 10)} {r['e2e_tok_s']:>10.1f} "
             f"{r.get('graph_steps', '-')!s:>11}  " + " ".join(f"{x:.0f}" for x in r["repeats_tok_s"])
@@ -371,10 +397,16 @@ def main(argv: list[str] | None = None) -> int:
         help="a third engine with the separate LoRA kernels (--no-lora-stacked), in the same run",
     )
     ap.add_argument(
-        "--fused",
+        "--unfused",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="a fourth engine with gate|up's expand fused into the activation (--lora-fused-activation)",
+        help="a fourth engine with o's and down's expand in launches of their own (--no-lora-fused-norm)",
+    )
+    ap.add_argument(
+        "--fused-activation",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="a fifth engine with gate|up's expand fused into the activation (--lora-fused-activation)",
     )
     ap.add_argument("--json", default="gpu_lora_decode.json", help="file name of the results under $OUT (or the cwd)")
     args = ap.parse_args(argv)

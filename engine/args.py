@@ -421,6 +421,13 @@ class EngineArgs:
         action=argparse.BooleanOptionalAction,
         section=KERNELS,
     )
+    lora_fused_norm: bool = _setting(
+        KernelChoices.lora_fused_norm,
+        "with --enable-lora and the stacked kernels: o's and down's LoRA expand inside the add-residual "
+        "RMSNorm launch after each (not under tensor parallelism)",
+        action=argparse.BooleanOptionalAction,
+        section=KERNELS,
+    )
 
     # ---- command line -------------------------------------------------------
     @classmethod

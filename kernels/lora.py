@@ -24,6 +24,8 @@ references skip negative slots and fail on slots ``>= S``: the engine passes ``-
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import _dispatch
@@ -72,6 +74,37 @@ def expand_config(T: int, N: int, S: int, device: torch.device) -> tuple[int, in
     wide over a pool of ``S`` slots: narrower column tiles at decode sizes, for more programs."""
     bm = min(64, max(16, p2(T)))
     return bm, 64 if T <= 16 else 128, 4, slot_grid(T, bm, S)
+
+
+class LoraTerm(NamedTuple):
+    """A single-slice projection's LoRA not yet added to its output ``y [T, N]``: the stacked shrink
+    ``h [T, S, 1, R]`` (every slot's, as the projection's GEMM computes it beside ``y``), the pool's
+    ``b [S, 1, >= N, R]`` of that group and each row's slot (``slots [T]``, -1: none). What
+    `lora_expand` would add to ``y`` in place, kept for the launch after the projection to add instead:
+    `kvmesh.kernels.rms_norm` (``lora=``), the expand and the add-residual RMSNorm in one launch."""
+
+    h: torch.Tensor
+    b: torch.Tensor
+    slots: torch.Tensor
+
+    def select(self, rows: torch.Tensor) -> LoraTerm:
+        """The term of ``y[rows]`` (an index_select of the rows, as the model's last norm gathers them)."""
+        return LoraTerm(self.h.index_select(0, rows), self.b, self.slots.index_select(0, rows))
+
+
+def check_lora_term(fn: str, y: torch.Tensor, term: LoraTerm) -> None:
+    """``term`` is one slice of LoRA for ``y [T, N]`` (`LoraTerm`'s shapes)."""
+    check_dim(fn, "y", y, 2)
+    _check(fn, y, term.b, term.slots)
+    check_dim(fn, "h", term.h, 4)
+    check_dtype(fn, "h", term.h, FLOATS)
+    check_device(fn, "y", y, h=term.h)
+    T, N = y.shape
+    S, n, width, R = term.b.shape
+    if n != 1 or width < N:
+        fail(fn, f"b {tuple(term.b.shape)} must be one slice of at least {N} outputs")
+    if tuple(term.h.shape) != (T, S, 1, R):
+        fail(fn, f"h must be [{T}, {S}, 1, {R}] (rows, slots, slice, rank), got {tuple(term.h.shape)}")
 
 
 def _check(fn: str, x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor) -> None:

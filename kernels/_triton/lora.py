@@ -1,5 +1,7 @@
 """Batched LoRA: the shrink (``x`` to rank R) and the expand (rank R back to the output, added in place)
-over per-row adapter slots, the two launches of a LoRA projection (kernels/lora.py).
+over per-row adapter slots, the two launches of a LoRA projection (kernels/lora.py); and the expand inside
+the launch after it: gate|up's activation (`lora_silu_mul_kernel`), a single slice's add-residual RMSNorm
+(`lora_rms_norm_kernel`).
 
 Both kernels tile the batch in BLOCK_M-row blocks whose rows may belong to different adapters, and
 multiply the block's rows of one slot (the others masked to zero) by that slot's weights with
@@ -23,8 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import jit_unspecialized
-from .elementwise import silu_mul
+from ._common import grid_dependency, jit_unspecialized
+from .elementwise import norm_row, silu_mul
 
 
 @triton.jit
@@ -308,3 +310,79 @@ def lora_silu_mul_kernel(
     u = (u.to(tl.float32) + acc_u).to(out_ptr.dtype.element_ty)
     o = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols.to(tl.int64)[None, :]
     tl.store(o, silu_mul(g, u, out_ptr), mask=mask)
+
+
+@triton.jit
+def lora_rms_norm_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    y_ptr,
+    ro_ptr,
+    h_ptr,
+    b_ptr,
+    slots_ptr,
+    S,
+    R,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_ro,
+    stride_hm,
+    stride_hs,
+    stride_hr,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_s,
+    eps,
+    hidden,
+    HAS_RES: tl.constexpr,
+    W_SAME: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """`rms_norm_kernel` (kernels/_triton/elementwise.py) of ``x`` with a single-slice LoRA expand added
+    first: ``x[row] += h[row, slot] @ b[slot, 0].T`` for the row's slot (``slots[row]``; outside ``[0, S)``:
+    none), ``h`` the stacked shrink (row, slot, rank). One program per row, in two passes:
+
+    1. column tiles of ``BLOCK_N``: the tile's delta by `_expand_slot`, the expand's own dot (a 16-row
+       tile of which only this row is selected, the others masked to zero), added in fp32 and rounded to
+       x's dtype as `lora_expand_kernel` rounds its in-place add, then the residual added and rounded as
+       `rms_norm_kernel` adds it; stored where the sum goes (``ro``, or ``y`` without a residual). Tiles,
+       so that B (``hidden x R``) is read coalesced without holding all of it at once.
+    2. after a barrier (pass 1's stores were made by other threads), the whole row read back and
+       normalised by `norm_row`, the tail `rms_norm_kernel` runs, so the norm is the same sum."""
+    grid_dependency(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row * stride_s).to(tl.int64)
+    has = (slot >= 0) & (slot < S)
+    if HAS_RES:
+        sum_ptr = ro_ptr + row * stride_ro
+    else:
+        sum_ptr = y_ptr + row * stride_y
+    first = tl.arange(0, 16) == 0  # the tile row that is this row
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    h_rows = h_ptr + row * stride_hm + slot * stride_hs + (tl.zeros((16, 1), tl.int64) + r[None, :] * stride_hr)
+    b_slot = b_ptr + slot * stride_bs + r[:, None] * stride_br
+    for n0 in range(0, hidden, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        c_ok = cols < hidden
+        x = tl.load(x_ptr + row * stride_x + cols, mask=c_ok, other=0.0)
+        if has:
+            acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+            acc = _expand_slot(acc, h_rows, b_slot + cols.to(tl.int64)[None, :] * stride_bn, first, r_ok, c_ok, IEEE)
+            x = (x.to(tl.float32) + tl.sum(acc, 0)).to(x_ptr.dtype.element_ty)
+        if HAS_RES:
+            res = tl.load(r_ptr + row * stride_r + cols, mask=c_ok, other=0.0)
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(sum_ptr + cols, x, mask=c_ok)
+    tl.debug_barrier()
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    x = tl.load(sum_ptr + offs, mask=mask, other=0.0).to(x_ptr.dtype.element_ty)
+    norm_row(x, w_ptr, y_ptr + row * stride_y, offs, mask, eps, hidden, W_SAME)

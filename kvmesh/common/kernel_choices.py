@@ -61,6 +61,10 @@ class KernelChoices:
     # (kernels.lora_silu_and_mul) where the base path forms the activation on its own (more than one
     # row). Off until measured on a GPU (bench/gpu_lora_decode.py compares it); tested on the CPU.
     lora_fused_activation: bool = False
+    # With the stacked LoRA, o's and down's expand (single-slice groups) added inside the add-residual
+    # RMSNorm launch after each (kernels.rms_norm's ``lora=``): two launches a layer fewer. Not under
+    # tensor parallelism (the all-reduce sits between o and its norm) nor for unstacked (FP8) groups.
+    lora_fused_norm: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -73,6 +77,7 @@ class KernelChoices:
             "fused_qk_norm",
             "lora_stacked",
             "lora_fused_activation",
+            "lora_fused_norm",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -50,7 +50,7 @@ def test_lora_decode_benchmark_runs_end_to_end_on_the_cpu(tmp_path):
     res = run.results
     assert {(r["case"], r["B"]) for r in res["rows"]} == {
         (c, b)
-        for c in ("base", "none", "one", "eight", "sep_one", "sep_eight", "fused_one", "fused_eight")
+        for c in ("base", "none", "one", "eight", "sep_one", "sep_eight", "unfused_one", "unfused_eight")
         for b in (1, 4, 8)
     }
     c = res["checks"]

@@ -103,3 +103,46 @@ def test_lora_in_a_cuda_graph_follows_new_slots(gen):
         graph.replay()
         torch.cuda.synchronize()
         _check(x, a, b, slots, offsets, y0, h, y, 1e-2)
+
+
+@pytest.mark.parametrize("T", [1, 32, 128])
+def test_rms_norm_with_a_lora_term_at_llama3_8b_shapes(gen, T):
+    """o's (or down's) expand inside the add-residual RMSNorm after it (``rms_norm(..., lora=)``, the
+    engine's default) against `lora_expand` then `rms_norm`, replayed from a CUDA graph with new slots:
+    base rows bit for bit; adapter rows within the expand's bound, and at most a last bf16 bit here and
+    there (the fused kernel's dot is the expand's on a 16-row tile; the expand's tile has up to 64 rows,
+    which may take another tensor-core instruction)."""
+    H = LLAMA3_8B["o"][1][0]
+    x, a, b, slots, _, _ = _case(gen, T, LLAMA3_8B["o"][0], (H,), torch.bfloat16)
+    out = torch.empty(T, H + S * R, device="cuda", dtype=torch.bfloat16)  # [projection | every slot's shrink]
+    term = K.LoraTerm(out[:, H:].view(T, S, 1, R), b, slots)
+    w = (1 + 0.1 * torch.randn(H, generator=gen, device="cuda")).to(torch.bfloat16)
+    res = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    got = [torch.empty(T, H, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+
+    def step():
+        for g, r in zip(got, K.rms_norm(out[:, :H], w, 1e-5, res, lora=term), strict=True):
+            g.copy_(r)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile and warm outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        out[:, :H].copy_(torch.randn(T, H, generator=gen, device="cuda"))
+        out[:, H:] = torch.einsum("tk,sirk->tsir", x.float(), a.float()).reshape(T, -1).to(torch.bfloat16)
+        slots.copy_(torch.randint(-1, S, (T,), generator=gen, device="cuda"))
+        before = out.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, before)
+        want = K.rms_norm(K.lora_expand(out[:, :H].clone(), term.h, b, slots, (0, H)), w, 1e-5, res)
+        for g, e in zip(got, want, strict=True):
+            assert _rel(g, e) < 1e-2
+            assert torch.equal(g[slots < 0], e[slots < 0])
+            assert (g != e).float().mean() <= 0.01

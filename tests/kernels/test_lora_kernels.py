@@ -165,3 +165,35 @@ def test_silu_and_mul_with_the_gate_up_lora_is_the_expand_then_the_activation(ge
     assert rel_err(got, want) < BOUND[dtype]
     base = ref_slots < 0
     assert torch.equal(got[base], K.silu_and_mul(gu[base]))  # the kernel `silu_and_mul` runs
+
+
+@pytest.mark.parametrize(
+    "T,dtype,residual",
+    [(1, torch.bfloat16, True), (1, torch.float32, False), (6, torch.bfloat16, True), (9, torch.float32, True)],
+)
+def test_rms_norm_with_a_lora_term_is_the_expand_then_the_norm(gen, T, dtype, residual):
+    """A single-slice projection's expand fused into the add-residual RMSNorm after it (``rms_norm(...,
+    lora=)``) gives what `lora_expand` into the projection's output and `rms_norm` after it give: rows of
+    mixed slots and base rows (slot -1, and a slot past the pool), bit for bit: the kernel forms each
+    row's delta with the expand's own dot and rounds as the two launches do, and reads its whole row back
+    for the norm's sum; the projection's output (a strided view beside its stacked shrink) is left as it
+    was."""
+    H, S, R = 600, 3, 8  # three column tiles of the kernel's first pass, the last ragged
+    x, a, b, slots, _ = make(gen, T, 16, (H,), R, S, dtype, torch.int64)
+    if T == 1:
+        slots[0] = 1
+    out = torch.randn(T, H + S * R, generator=gen).to(dtype)  # [projection | every slot's shrink]
+    out[:, H:] = torch.einsum("tk,sirk->tsir", x.float(), a.float()).reshape(T, -1).to(dtype)
+    y, term = out[:, :H], K.LoraTerm(out[:, H:].view(T, S, 1, R), b, slots)
+    res = torch.randn(T, H, generator=gen).to(dtype) if residual else None
+    w = (1 + 0.1 * torch.randn(H, generator=gen)).to(dtype)
+    before = out.clone()
+    got = K.rms_norm(y, w, 1e-5, res, lora=term)
+    assert torch.equal(out, before)
+    want = K.rms_norm(K.lora_expand(y.clone(), term.h, b, slots, (0, H)), w, 1e-5, res)
+    got, want = (got, want) if residual else ((got,), (want,))
+    for g, e in zip(got, want, strict=True):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        assert torch.equal(g, e)
+    with pytest.raises(ValueError, match="one slice"):
+        K.rms_norm(y, w, 1e-5, res, lora=K.LoraTerm(term.h, b[:, :, : H - 1], slots))
