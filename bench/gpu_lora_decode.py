@@ -14,17 +14,12 @@ scheduling, one step per round:
 
 * **base**: LoRA disabled;
 * the same weights with ``--enable-lora --max-loras 8 --max-lora-rank 16`` and the 8 adapters as
-  ``--lora-modules`` (the adapters' A stacked under the base weights and o's and down's expand inside the
-  RMSNorm after each, the defaults), at each batch size:
+  ``--lora-modules`` (the adapters' A stacked under the base weights, the default), at each batch size:
   * **no adapter**: every row on the base model (the graphs without LoRA's launches);
   * **1 adapter**: every row on adapter 0;
   * **8 adapters**: row ``i`` on adapter ``i % 8``;
 * with ``--separate`` (the default): the LoRA engine again with ``--no-lora-stacked`` (a shrink, the sum
-  of its K splits and an expand per projection), 1 and 8 adapters;
-* with ``--unfused`` (the default): the LoRA engine again with ``--no-lora-fused-norm`` (o's and down's
-  expand in launches of their own, two more a layer), 1 and 8 adapters;
-* with ``--fused-activation`` (off: measured no gain): the LoRA engine again with ``--lora-fused-activation``
-  (gate|up's expand and the activation in one launch at more than one row), 1 and 8 adapters.
+  of its K splits and an expand per projection), 1 and 8 adapters.
 
 Decode at batch 1 / 32 / 128 (prompt 512 random tokens, 128 new, greedy, ignore_eos), through
 bench/gpu_harness.py's ``engine_decode``: decode tok/s counts the tokens after every request has its
@@ -89,27 +84,13 @@ class Engine:
     switch: str | None = None
 
 
-# base: LoRA disabled; none/one/eight on the LoRA engine (the defaults: A stacked under the base weights,
-# o's and down's expand fused into the norm after each); then the others, for comparison
+# base: LoRA disabled; none/one/eight on the LoRA engine (the default: A stacked under the base weights);
+# then the separate kernels, for comparison
 ENGINES = (
     Engine("base", lora=False, cases=("base",)),
     Engine("lora", lora=True, cases=("none", "one", "eight")),
     Engine(
         "lora_separate", lora=True, settings=dict(lora_stacked=False), cases=("sep_one", "sep_eight"), switch="separate"
-    ),
-    Engine(
-        "lora_unfused",
-        lora=True,
-        settings=dict(lora_fused_norm=False),
-        cases=("unfused_one", "unfused_eight"),
-        switch="unfused",
-    ),
-    Engine(
-        "lora_fused_act",
-        lora=True,
-        settings=dict(lora_fused_activation=True),
-        cases=("act_one", "act_eight"),
-        switch="fused_activation",
     ),
 )
 CASES = tuple(c for e in ENGINES for c in e.cases)
@@ -120,10 +101,6 @@ CASE_NAMES = {
     "eight": "8 adapters",
     "sep_one": "1 adapter, separate",
     "sep_eight": "8 adapters, separate",
-    "unfused_one": "1 adapter, unfused norm",
-    "unfused_eight": "8 adapters, unfused norm",
-    "act_one": "1 adapter, fused act.",
-    "act_eight": "8 adapters, fused act.",
 }
 SOLO_ROWS, SOLO_TOKENS = 8, 32
 # The smoke model (the harness's) with BOS and EOS inside its vocabulary.
@@ -395,18 +372,6 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="a third engine with the separate LoRA kernels (--no-lora-stacked), in the same run",
-    )
-    ap.add_argument(
-        "--unfused",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="a fourth engine with o's and down's expand in launches of their own (--no-lora-fused-norm)",
-    )
-    ap.add_argument(
-        "--fused-activation",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="a fifth engine with gate|up's expand fused into the activation (--lora-fused-activation)",
     )
     ap.add_argument("--json", default="gpu_lora_decode.json", help="file name of the results under $OUT (or the cwd)")
     args = ap.parse_args(argv)

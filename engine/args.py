@@ -414,20 +414,6 @@ class EngineArgs:
         action=argparse.BooleanOptionalAction,
         section=KERNELS,
     )
-    lora_fused_activation: bool = _setting(
-        KernelChoices.lora_fused_activation,
-        "with --enable-lora and the stacked kernels: gate|up's LoRA expand and the SiLU-and-multiply in one "
-        "launch at more than one row (not yet measured on a GPU)",
-        action=argparse.BooleanOptionalAction,
-        section=KERNELS,
-    )
-    lora_fused_norm: bool = _setting(
-        KernelChoices.lora_fused_norm,
-        "with --enable-lora and the stacked kernels: o's and down's LoRA expand inside the add-residual "
-        "RMSNorm launch after each (not under tensor parallelism)",
-        action=argparse.BooleanOptionalAction,
-        section=KERNELS,
-    )
 
     # ---- command line -------------------------------------------------------
     @classmethod

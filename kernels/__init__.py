@@ -18,7 +18,7 @@ from .elementwise import rms_norm, rope, silu_and_mul
 from .fp8 import Fp8Weight, fp8_quantize_rows, quantize_weight
 from .gemv import gemv_config
 from .kv_cache import copy_blocks, gather_blocks, rope_write_kv, write_kv
-from .lora import LoraTerm, lora_expand, lora_shrink, lora_silu_and_mul
+from .lora import lora_expand, lora_shrink
 from .matmul import linear, silu_mul_linear
 from .moe import fused_moe, moe_config, moe_routing
 from .reference import (
@@ -51,7 +51,6 @@ from .sampling import race_argmax, race_noise, softmax_temperature, top_p_thresh
 __all__ = [
     "DEFAULT_KERNEL_CHOICES",
     "KernelChoices",
-    "LoraTerm",
     "Fp8Weight",
     "fp8_gemv_reference",
     "fp8_linear_reference",
@@ -67,7 +66,6 @@ __all__ = [
     "linear",
     "lora_expand",
     "lora_shrink",
-    "lora_silu_and_mul",
     "moe_config",
     "moe_routing",
     "paged_attention",

@@ -11,10 +11,6 @@ from . import _dispatch
 from . import reference as _ref
 from ._checks import FLOATS, check_device, check_dim, check_dtype, check_last_contig, check_rope, fail
 from ._dispatch import backend, cdiv, p2, pdl
-from .lora import LoraTerm, check_lora_term, lora_expand
-
-# Columns of a tile of `rms_norm`'s LoRA pass (a [16, BLOCK_N] fp32 dot a program, B read in [R, BLOCK_N] tiles).
-LORA_NORM_BLOCK_N = 256
 
 
 def _rows(fn, name, x):
@@ -34,17 +30,12 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     *,
-    lora: LoraTerm | None = None,
     choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
 ):
     """RMSNorm in fp32 over the last dim, optionally fused with the residual add.
 
     Returns ``normed`` or ``(normed, x + residual)`` like the reference (new
-    tensors; inputs are not modified).
-
-    ``lora``: ``x [T, N]`` is a projection's output whose LoRA (`LoraTerm`) is still to be added:
-    each row's slot's expand is added to ``x`` first, rounded to x's dtype as `lora_expand` rounds it,
-    in the same launch (engine/lora/pool.py: the launch an expand would take, saved)."""
+    tensors; inputs are not modified)."""
     fn = "rms_norm"
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         fail(fn, "x must be a tensor with at least one dim")
@@ -61,12 +52,8 @@ def rms_norm(
                 f"residual must match x ({tuple(x.shape)}, {x.dtype}); got {tuple(residual.shape)}, {residual.dtype}",
             )
     check_device(fn, "x", x, weight=weight, residual=residual)
-    if lora is not None:
-        check_lora_term(fn, x, lora)
     be = backend(x)
     if be == "reference":
-        if lora is not None:  # the expand (on a copy: x is not modified), then the norm
-            x = lora_expand(x.clone(), lora.h, lora.b, lora.slots, (0, H))
         return _ref.rms_norm_reference(x, weight, eps, residual)
     out_dtype = x.dtype if weight.dtype == x.dtype else torch.promote_types(x.dtype, weight.dtype)
     weight = weight.contiguous()
@@ -83,44 +70,7 @@ def rms_norm(
     if rows == 0 or H == 0:
         return (y, ro) if residual is not None else y
     block = p2(H)
-    kern = _dispatch.kernels_for(x)
-    if lora is not None:
-        h, b, slots = lora
-        kern.lora_rms_norm_kernel[(rows,)](
-            x2,
-            r2,
-            weight,
-            y2,
-            ro2,
-            h,
-            b,
-            slots,
-            b.shape[0],
-            b.shape[3],
-            x2.stride(0),
-            r2.stride(0),
-            y2.stride(0),
-            ro2.stride(0),
-            h.stride(0),
-            h.stride(1),
-            h.stride(3),
-            b.stride(0),
-            b.stride(2),
-            b.stride(3),
-            slots.stride(0),
-            float(eps),
-            H,
-            HAS_RES=residual is not None,
-            W_SAME=weight.dtype == x.dtype,
-            IEEE=x.dtype == torch.float32,  # as lora_expand's dot
-            BLOCK=block,
-            BLOCK_N=max(16, min(block, LORA_NORM_BLOCK_N)),
-            BLOCK_R=max(16, p2(b.shape[3])),
-            num_warps=min(16, max(1, block // 512)),
-            **pdl(x, rows, choices.pdl),
-        )
-        return (y, ro) if residual is not None else y
-    kern.rms_norm_kernel[(rows,)](
+    _dispatch.kernels_for(x).rms_norm_kernel[(rows,)](
         x2,
         r2,
         weight,

@@ -24,8 +24,6 @@ references skip negative slots and fail on slots ``>= S``: the engine passes ``-
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from . import _dispatch
@@ -74,37 +72,6 @@ def expand_config(T: int, N: int, S: int, device: torch.device) -> tuple[int, in
     wide over a pool of ``S`` slots: narrower column tiles at decode sizes, for more programs."""
     bm = min(64, max(16, p2(T)))
     return bm, 64 if T <= 16 else 128, 4, slot_grid(T, bm, S)
-
-
-class LoraTerm(NamedTuple):
-    """A single-slice projection's LoRA not yet added to its output ``y [T, N]``: the stacked shrink
-    ``h [T, S, 1, R]`` (every slot's, as the projection's GEMM computes it beside ``y``), the pool's
-    ``b [S, 1, >= N, R]`` of that group and each row's slot (``slots [T]``, -1: none). What
-    `lora_expand` would add to ``y`` in place, kept for the launch after the projection to add instead:
-    `kvmesh.kernels.rms_norm` (``lora=``), the expand and the add-residual RMSNorm in one launch."""
-
-    h: torch.Tensor
-    b: torch.Tensor
-    slots: torch.Tensor
-
-    def select(self, rows: torch.Tensor) -> LoraTerm:
-        """The term of ``y[rows]`` (an index_select of the rows, as the model's last norm gathers them)."""
-        return LoraTerm(self.h.index_select(0, rows), self.b, self.slots.index_select(0, rows))
-
-
-def check_lora_term(fn: str, y: torch.Tensor, term: LoraTerm) -> None:
-    """``term`` is one slice of LoRA for ``y [T, N]`` (`LoraTerm`'s shapes)."""
-    check_dim(fn, "y", y, 2)
-    _check(fn, y, term.b, term.slots)
-    check_dim(fn, "h", term.h, 4)
-    check_dtype(fn, "h", term.h, FLOATS)
-    check_device(fn, "y", y, h=term.h)
-    T, N = y.shape
-    S, n, width, R = term.b.shape
-    if n != 1 or width < N:
-        fail(fn, f"b {tuple(term.b.shape)} must be one slice of at least {N} outputs")
-    if tuple(term.h.shape) != (T, S, 1, R):
-        fail(fn, f"h must be [{T}, {S}, 1, {R}] (rows, slots, slice, rank), got {tuple(term.h.shape)}")
 
 
 def _check(fn: str, x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor) -> None:
@@ -239,66 +206,3 @@ def lora_expand(
             num_warps=warps,
         )
     return y
-
-
-def lora_silu_and_mul(
-    x: torch.Tensor,
-    h: torch.Tensor,
-    b: torch.Tensor,
-    slots: torch.Tensor,
-    *,
-    config: tuple[int, int, int, bool] | None = None,
-) -> torch.Tensor:
-    """``silu_and_mul`` of a gate|up projection ``x [T, 2d]`` with each row's LoRA added to gate and up
-    first: `lora_expand` of the stacked shrink ``h [T, S, 2, R]`` (slices gate, up) by ``b [S, 2, >= d, R]``
-    and the activation in one launch, a new ``[T, d]`` tensor (``x`` is not modified). Each sum is rounded
-    to ``x``'s dtype before the activation, as the two calls would; rows with slot -1 get
-    ``silu_and_mul(x)``. ``config`` overrides `expand_config` (tests and benchmarks)."""
-    fn = "lora_silu_and_mul"
-    _check(fn, x, b, slots)
-    T, S, R = x.shape[0], b.shape[0], b.shape[3]
-    d = x.shape[1] // 2
-    if x.shape[1] % 2 or b.shape[1] != 2 or b.shape[2] < d:
-        fail(fn, f"x {tuple(x.shape)} must be gate|up of two slices of b {tuple(b.shape)}")
-    if tuple(h.shape) != (T, S, 2, R):
-        fail(fn, f"h must be [{T}, {S}, 2, {R}] (rows, slots, slices, rank), got {tuple(h.shape)}")
-    check_dtype(fn, "h", h, FLOATS)
-    check_device(fn, "x", x, h=h)
-    if backend(x) == "reference" or 0 in (T, S, R, d):
-        y = x.clone()
-        if 0 not in (T, S, R, d):
-            rows = h[torch.arange(T, device=h.device), slots.clamp(0, S - 1)].permute(1, 0, 2).float()
-            _ref.lora_expand_reference(y, rows, b, slots, (0, d, 2 * d))
-        return _ref.silu_and_mul_reference(y)
-    out = torch.empty((T, d), dtype=x.dtype, device=x.device)
-    bm, bn, warps, grid = config or expand_config(T, d, S + 1, x.device)
-    _dispatch.kernels_for(x).lora_silu_mul_kernel[(cdiv(T, bm) * (S + 1 if grid else 1), cdiv(d, bn))](
-        x,
-        h,
-        b,
-        slots,
-        out,
-        T,
-        R,
-        S,
-        d,
-        x.stride(0),
-        x.stride(1),
-        h.stride(1),
-        h.stride(2),
-        h.stride(0),
-        h.stride(3),
-        b.stride(0),
-        b.stride(1),
-        b.stride(2),
-        b.stride(3),
-        slots.stride(0),
-        out.stride(0),
-        IEEE=x.dtype == torch.float32,
-        SLOT_GRID=grid,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_R=max(16, p2(R)),
-        num_warps=warps,
-    )
-    return out

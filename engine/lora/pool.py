@@ -18,12 +18,6 @@ rows' bytes (``S*n*R`` rows of ``K``: for 8 slots of rank 16, 2.3% of a Llama-3-
 and the shrink of every slot for every row, which decode, bound by reading the weights, does not
 notice. An FP8 weight cannot carry bf16 A rows, so its groups stay separate.
 
-Deferred expands (`KernelChoices.lora_fused_norm`): o and down are single-slice groups whose output goes
-straight into the add-residual RMSNorm (o's into ``post_norm``, down's into the next layer's ``in_norm`` or
-the model's last norm). `linear_deferred` and `mlp_deferred` return the base columns and the expand still
-to add (a `kernels.LoraTerm`) instead of launching it, and the decoder hands that term to the norm
-(``kernels.rms_norm(..., lora=)``), which adds it in the same launch: two expand launches a layer fewer.
-
 Under tensor parallelism the pool holds this rank's share (the sizes of ``cfg``, the rank's local
 shape) and `load` takes weights already split (engine/parallel/sharding.py `shard_lora`).
 """
@@ -112,39 +106,11 @@ class LoraPool:
         """``kernels.linear(x, weight, bias)`` with each row's LoRA of ``group`` added: through the
         stacked weight when the group has one (the result then a view of its first ``N`` columns),
         else a shrink and an expand after the base projection."""
-        return self._linear(layer, group, x, weight, bias, slots, choices, defer=False)[0]
-
-    def linear_deferred(
-        self,
-        layer: int,
-        group: str,
-        x: torch.Tensor,
-        weight: torch.Tensor | kernels.Fp8Weight,
-        bias: torch.Tensor | None,
-        slots: torch.Tensor,
-        choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
-    ) -> tuple[torch.Tensor, kernels.LoraTerm | None]:
-        """`linear` whose expand is left to the caller where the group is stacked and of one slice:
-        ``(base columns, the LoRA term to add)`` for ``kernels.rms_norm(..., lora=)``; else
-        ``(linear(...), None)``."""
-        return self._linear(layer, group, x, weight, bias, slots, choices, defer=True)
-
-    def _linear(
-        self,
-        layer: int,
-        group: str,
-        x: torch.Tensor,
-        weight: torch.Tensor | kernels.Fp8Weight,
-        bias: torch.Tensor | None,
-        slots: torch.Tensor,
-        choices: KernelChoices,
-        defer: bool,
-    ) -> tuple[torch.Tensor, kernels.LoraTerm | None]:
         st = self.stacked.get((layer, group))
         if st is None:
-            return self.add(layer, group, x, kernels.linear(x, weight, bias, choices=choices), slots), None
+            return self.add(layer, group, x, kernels.linear(x, weight, bias, choices=choices), slots)
         w, full_bias = st
-        return self._expand_stacked(layer, group, kernels.linear(x, w, full_bias, choices=choices), slots, defer)
+        return self._expand_stacked(layer, group, kernels.linear(x, w, full_bias, choices=choices), slots)
 
     def silu_mul_linear(
         self,
@@ -157,90 +123,19 @@ class LoraPool:
         """The down projection of a gate|up activation with each row's LoRA on ``down``. Separate, the
         activation is formed once more for the shrink, so a base row's result is the base path's
         (the fused GEMV forms it inside)."""
-        return self._silu_mul_linear(layer, gate_up, weight, slots, choices, defer=False)[0]
-
-    def _silu_mul_linear(
-        self,
-        layer: int,
-        gate_up: torch.Tensor,
-        weight: torch.Tensor | kernels.Fp8Weight,
-        slots: torch.Tensor,
-        choices: KernelChoices,
-        defer: bool,
-    ) -> tuple[torch.Tensor, kernels.LoraTerm | None]:
         st = self.stacked.get((layer, "down"))
         if st is None:
             y = kernels.silu_mul_linear(gate_up, weight, choices=choices)
-            return self.add(layer, "down", kernels.silu_and_mul(gate_up, choices=choices), y, slots), None
-        out = kernels.silu_mul_linear(gate_up, st[0], choices=choices)
-        return self._expand_stacked(layer, "down", out, slots, defer)
+            return self.add(layer, "down", kernels.silu_and_mul(gate_up, choices=choices), y, slots)
+        return self._expand_stacked(layer, "down", kernels.silu_mul_linear(gate_up, st[0], choices=choices), slots)
 
-    def mlp(
-        self,
-        layer: int,
-        x: torch.Tensor,
-        gate_up: torch.Tensor | kernels.Fp8Weight,
-        down: torch.Tensor | kernels.Fp8Weight,
-        slots: torch.Tensor,
-        choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
-    ) -> torch.Tensor:
-        """A dense MLP, ``down(silu(gate(x)) * up(x))``, with each row's LoRA on gate, up and down. With
-        gate|up stacked, more than one row and `KernelChoices.lora_fused_activation`, gate|up's expand and
-        the activation are one launch (`kernels.lora_silu_and_mul`): the base path forms the activation in
-        a launch of its own there, while one row's GEMV forms it inside the down projection (then the
-        expand runs before it)."""
-        return self._mlp(layer, x, gate_up, down, slots, choices, defer=False)[0]
-
-    def mlp_deferred(
-        self,
-        layer: int,
-        x: torch.Tensor,
-        gate_up: torch.Tensor | kernels.Fp8Weight,
-        down: torch.Tensor | kernels.Fp8Weight,
-        slots: torch.Tensor,
-        choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
-    ) -> tuple[torch.Tensor, kernels.LoraTerm | None]:
-        """`mlp` with down's expand left to the caller where down is stacked (`linear_deferred`)."""
-        return self._mlp(layer, x, gate_up, down, slots, choices, defer=True)
-
-    def _mlp(
-        self,
-        layer: int,
-        x: torch.Tensor,
-        gate_up: torch.Tensor | kernels.Fp8Weight,
-        down: torch.Tensor | kernels.Fp8Weight,
-        slots: torch.Tensor,
-        choices: KernelChoices,
-        defer: bool,
-    ) -> tuple[torch.Tensor, kernels.LoraTerm | None]:
-        st = self.stacked.get((layer, "gate_up"))
-        if st is None or not choices.lora_fused_activation or (x.shape[0] == 1 and choices.gemv_kernel):
-            act = self.linear(layer, "gate_up", x, gate_up, None, slots, choices)
-            return self._silu_mul_linear(layer, act, down, slots, choices, defer)
-        out = kernels.linear(x, st[0], choices=choices)
-        a, b = self.layers[layer]["gate_up"]
-        S, n, R, _ = a.shape
-        N, T = out.shape[1] - S * n * R, out.shape[0]
-        act = kernels.lora_silu_and_mul(out[:, :N], out[:, N:].view(T, S, n, R), b, slots)
-        sd = self.stacked.get((layer, "down"))
-        if sd is None:
-            return self.add(layer, "down", act, kernels.linear(act, down, choices=choices), slots), None
-        return self._expand_stacked(layer, "down", kernels.linear(act, sd[0], choices=choices), slots, defer)
-
-    def _expand_stacked(
-        self, layer: int, group: str, out: torch.Tensor, slots: torch.Tensor, defer: bool = False
-    ) -> tuple[torch.Tensor, kernels.LoraTerm | None]:
-        """Add each row's slot from the stacked shrink in ``out``'s trailing columns: ``(the base
-        columns, None)``. With ``defer`` and a group of one slice, nothing is launched: ``(the base
-        columns, the term to add)``."""
+    def _expand_stacked(self, layer: int, group: str, out: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Add each row's slot from the stacked shrink in ``out``'s trailing columns; the base columns."""
         a, b = self.layers[layer][group]
         S, n, R, _ = a.shape
         N = out.shape[1] - S * n * R
         T = out.shape[0]
-        h = out[:, N:].view(T, S, n, R)
-        if defer and n == 1:
-            return out[:, :N], kernels.LoraTerm(h, b, slots)
-        return kernels.lora_expand(out[:, :N], h, b, slots, self.offsets[group]), None
+        return kernels.lora_expand(out[:, :N], out[:, N:].view(T, S, n, R), b, slots, self.offsets[group])
 
     def has(self, layer: int, group: str) -> bool:
         return group in self.layers[layer]

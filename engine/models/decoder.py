@@ -69,8 +69,11 @@ class DenseMLP:
         return kernels.silu_mul_linear(kernels.linear(x, self.gate_up, choices=c), self.down, choices=c)
 
     def with_lora(self, x: torch.Tensor, lora: LoraPool, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """The same with each row's LoRA on gate, up and down (engine/lora/pool.py `LoraPool.mlp`)."""
-        return lora.mlp(layer, x, self.gate_up, self.down, slots, self.choices)
+        """The same with each row's LoRA on gate, up and down (engine/lora/pool.py); down's product
+        stays fused with the activation."""
+        c = self.choices
+        gate_up = lora.linear(layer, "gate_up", x, self.gate_up, None, slots, c)
+        return lora.silu_mul_linear(layer, gate_up, self.down, slots, c)
 
     def weight_bytes(self, num_tokens: int) -> int:
         """Weight bytes one step over ``num_tokens`` tokens reads (all of them)."""
@@ -254,16 +257,12 @@ class DecoderForCausalLM(torch.nn.Module):
             hints = dict(max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
         ls = meta.lora_slots
         lora = self.lora if ls is not None else None
-        # o's and down's LoRA expand left to the norm after each (engine/lora/pool.py, deferred
-        # expands): `pending` is the term ``h`` still lacks. Not under TP: o's output is all-reduced first.
-        defer = lora is not None and c.lora_fused_norm and self.tp is None
-        pending: kernels.LoraTerm | None = None
         for li, layer in enumerate(self.layers):
             if residual is None:
                 residual = h
                 x = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, choices=c)
             else:
-                x, residual = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual, lora=pending, choices=c)
+                x, residual = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual, choices=c)
             if lora is not None:
                 assert ls is not None
                 qkv = lora.linear(li, "qkv", x, layer["qkv"], layer["qkv_bias"], ls, c)
@@ -310,26 +309,18 @@ class DecoderForCausalLM(torch.nn.Module):
                 **hints,
             )
             attn = attn.reshape(T, self.q_size)
-            pending = None  # in_norm has added it
-            if lora is not None and defer:
-                assert ls is not None
-                h, pending = lora.linear_deferred(li, "o", attn, layer["o"], None, ls, c)
-            elif lora is not None:  # under TP, this rank's partial sum (its columns of A), reduced with o's
+            if lora is not None:  # under TP, this rank's partial sum (its columns of A), reduced with o's
                 assert ls is not None
                 h = lora.linear(li, "o", attn, layer["o"], None, ls, c)
             else:
                 h = kernels.linear(attn, layer["o"], choices=c)
             if self.tp is not None:
                 h = self.tp.group.all_reduce(h)
-            x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual, lora=pending, choices=c)
-            pending = None  # post_norm has added it
+            x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual, choices=c)
             mlp = layer["mlp"]
             if lora is not None and isinstance(mlp, DenseMLP) and lora.has(li, "down"):
                 assert ls is not None
-                if defer:
-                    h, pending = lora.mlp_deferred(li, x, mlp.gate_up, mlp.down, ls, mlp.choices)
-                else:
-                    h = mlp.with_lora(x, lora, li, ls)
+                h = mlp.with_lora(x, lora, li, ls)
             else:
                 h = mlp(x)
             if self.tp is not None:  # dense or experts: each rank's slice of the intermediate dimension
@@ -338,12 +329,8 @@ class DecoderForCausalLM(torch.nn.Module):
         if logits_indices is not None:  # gather first: the add then touches only the sampled rows
             h = h.index_select(0, logits_indices)
             residual = residual.index_select(0, logits_indices)
-            pending = pending.select(logits_indices) if pending is not None else None
-        if pending is None:
-            h = h + residual
-            h = kernels.rms_norm(h, self.norm, cfg.rms_norm_eps, choices=c)
-        else:  # the last down's expand, then the same sum (rounded as ``h + residual``) and norm
-            h = kernels.rms_norm(h, self.norm, cfg.rms_norm_eps, residual, lora=pending, choices=c)[0]
+        h = h + residual
+        h = kernels.rms_norm(h, self.norm, cfg.rms_norm_eps, choices=c)
         logits = kernels.linear(h, self.lm_head, choices=c).float()
         if self.tp is not None:  # this rank's vocabulary rows -> all of them
             logits = self.tp.group.all_gather_last(logits, self.tp.vocab_size)

@@ -7,7 +7,7 @@ from .cache import block_copy_kernel, rope_write_kv_kernel, write_kv_kernel
 from .elementwise import rms_norm_kernel, rope_kernel, silu_and_mul_kernel
 from .fp8 import fp8_gemm_kernel, fp8_quant_rows_kernel, fp8_swapab_kernel
 from .gemv import gemv_kernel
-from .lora import lora_expand_kernel, lora_rms_norm_kernel, lora_shrink_kernel, lora_silu_mul_kernel
+from .lora import lora_expand_kernel, lora_shrink_kernel
 from .moe import (
     fused_moe_kernel,
     moe_align_kernel,
@@ -36,9 +36,7 @@ __all__ = [
     "fp8_swapab_kernel",
     "gemv_kernel",
     "lora_expand_kernel",
-    "lora_rms_norm_kernel",
     "lora_shrink_kernel",
-    "lora_silu_mul_kernel",
     "paged_attention_kernel",
     "paged_decode_tma_kernel",
     "race_argmax_kernel",

@@ -41,13 +41,6 @@ def rms_norm_kernel(
         r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(ro_ptr + row * stride_ro + offs, x, mask=mask)
-    norm_row(x, w_ptr, y_ptr + row * stride_y, offs, mask, eps, hidden, W_SAME)
-
-
-@triton.jit
-def norm_row(x, w_ptr, y_row, offs, mask, eps, hidden, W_SAME: tl.constexpr):
-    """Store the RMSNorm of one row ``x`` (its sum with the residual, in x's dtype) times the weight
-    at ``y_row``; `rms_norm_kernel`'s and `lora_rms_norm_kernel`'s (kernels/_triton/lora.py) one tail."""
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / hidden
     y = xf * tl.math.rsqrt(var + eps)
@@ -55,8 +48,8 @@ def norm_row(x, w_ptr, y_row, offs, mask, eps, hidden, W_SAME: tl.constexpr):
     if W_SAME:
         y = y * w.to(tl.float32)
     else:
-        y = y.to(x.dtype).to(y_row.dtype.element_ty) * w.to(y_row.dtype.element_ty)
-    tl.store(y_row + offs, y.to(y_row.dtype.element_ty), mask=mask)
+        y = y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty) * w.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

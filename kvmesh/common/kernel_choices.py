@@ -57,14 +57,6 @@ class KernelChoices:
     # expand launch, instead of a shrink, the sum of its K splits and an expand per projection
     # (engine/lora/pool.py). Off: the separate kernels everywhere, for comparison.
     lora_stacked: bool = True
-    # With the stacked LoRA, gate|up's expand and the SiLU-and-multiply after it in one launch
-    # (kernels.lora_silu_and_mul) where the base path forms the activation on its own (more than one
-    # row). Off until measured on a GPU (bench/gpu_lora_decode.py compares it); tested on the CPU.
-    lora_fused_activation: bool = False
-    # With the stacked LoRA, o's and down's expand (single-slice groups) added inside the add-residual
-    # RMSNorm launch after each (kernels.rms_norm's ``lora=``): two launches a layer fewer. Not under
-    # tensor parallelism (the all-reduce sits between o and its norm) nor for unstacked (FP8) groups.
-    lora_fused_norm: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -76,8 +68,6 @@ class KernelChoices:
             "moe_gemv",
             "fused_qk_norm",
             "lora_stacked",
-            "lora_fused_activation",
-            "lora_fused_norm",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

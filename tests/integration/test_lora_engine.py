@@ -127,8 +127,7 @@ def test_a_batch_mixing_adapters_and_base_rows_gives_each_its_solo_tokens(llm, a
 
 def test_stacked_and_separate_lora_kernels_give_the_same_tokens(llm, make_llm, modules, adapters, base_tokens, prompts):
     """The default engine stacks every group's A under its base weight (engine/lora/pool.py); with
-    ``--no-lora-stacked`` the separate shrink and expand run, with ``--lora-fused-activation`` gate|up's
-    expand and the activation are one kernel: the same mixed batch, the same tokens."""
+    ``--no-lora-stacked`` the separate shrink and expand run: the same mixed batch, the same tokens."""
     pool = llm.engine.runner.model.lora
     assert len(pool.stacked) == 4 * llm.engine.runner.model.cfg.num_layers
     separate = make_llm(lora_modules=modules, num_kv_blocks=256, lora_stacked=False)
@@ -136,45 +135,6 @@ def test_stacked_and_separate_lora_kernels_give_the_same_tokens(llm, make_llm, m
     ps, names, want = _mixed(prompts, adapters, base_tokens)
     assert _tokens(separate.generate(ps, GREEDY, lora_name=names)) == want
     _idle(separate.engine)
-    # gate|up's expand fused into the activation (kernels.lora_silu_and_mul): the same tokens
-    fused = make_llm(lora_modules=modules, num_kv_blocks=256, lora_fused_activation=True)
-    assert _tokens(fused.generate(ps, GREEDY, lora_name=names)) == want
-    _idle(fused.engine)
-
-
-def test_fused_and_unfused_norm_give_the_same_tokens(
-    llm, make_llm, modules, adapters, base_tokens, prompts, monkeypatch
-):
-    """By default o's and down's expand run inside the RMSNorm after each (``kernels.rms_norm(...,
-    lora=)``, engine/lora/pool.py deferred expands); with ``--no-lora-fused-norm`` each is an expand
-    launch of its own: the same mixed batch, the same tokens, and two expands a layer fewer."""
-    from kvmesh import kernels
-
-    calls = {"expand": 0, "norm_with_lora": 0}
-    expand, rms_norm = kernels.lora_expand, kernels.rms_norm
-
-    def count_expand(*a, **kw):
-        calls["expand"] += 1
-        return expand(*a, **kw)
-
-    def count_norm(*a, **kw):
-        calls["norm_with_lora"] += kw.get("lora") is not None
-        return rms_norm(*a, **kw)
-
-    monkeypatch.setattr(kernels, "lora_expand", count_expand)
-    monkeypatch.setattr(kernels, "rms_norm", count_norm)
-    ps, names, want = _mixed(prompts, adapters, base_tokens)
-    assert _tokens(llm.generate(ps, GREEDY, lora_name=names)) == want
-    fused = dict(calls)
-    _idle(llm.engine)
-    unfused = make_llm(lora_modules=modules, num_kv_blocks=256, lora_fused_norm=False)
-    calls.update(expand=0, norm_with_lora=0)
-    assert _tokens(unfused.generate(ps, GREEDY, lora_name=names)) == want
-    _idle(unfused.engine)
-    # per forward with adapter rows: 2 expands a layer fused (qkv, gate|up), 4 unfused; 2 norms a layer take o's
-    # and down's term instead (the last down's: the model's last norm)
-    assert calls["norm_with_lora"] == 0 and fused["norm_with_lora"] > 0
-    assert fused["expand"] == calls["expand"] // 2 == fused["norm_with_lora"]
 
 
 def test_multi_step_rounds_mix_adapters_too(make_llm, modules, adapters, base_tokens, prompts):
