@@ -80,6 +80,17 @@ DOWN_SWEEP = [
     (8, 512, 4, False),
 ]
 PARTS_REPS = 16
+# one-row GEMV (BLOCK_N, BLOCK_K, num_warps, num_stages) swept at the o projection's shapes
+GEMV_SWEEP = [
+    (4, 512, 4, 1),
+    (2, 2048, 8, 1),
+    (2, 1024, 4, 1),
+    (4, 1024, 8, 1),
+    (2, 512, 4, 1),
+    (1, 2048, 4, 1),
+    (4, 2048, 8, 1),
+    (8, 512, 8, 1),
+]
 GEMV = kernels.KernelChoices(moe_gemv=True)  # the matrix-vector path for its rows
 NO_GEMV = kernels.KernelChoices(moe_gemv=False)  # alignment + the grouped GEMM at every batch
 log = h.log
@@ -336,11 +347,14 @@ def bench_attention_parts() -> None:
             ],
             kv_bytes,
         )
-    part(
-        "o GEMV",
-        [lambda w=w: kernels.linear(torch.ones(1, hq * D, device=DEV, dtype=torch.bfloat16), w) for w in wo],
-        wo[0].numel() * 2,
-    )
+    ones = torch.ones(1, hq * D, device=DEV, dtype=torch.bfloat16)
+    part("o GEMV", [lambda w=w: kernels.linear(ones, w) for w in wo], wo[0].numel() * 2)
+    # the one-row GEMV's configurations at this o shape (2,048 x 4,096) and Llama-3-8B's (4,096 x 4,096)
+    wo8 = [rnd(2 * H, hq * D) for _ in range(n)]
+    for shape, ws in (("2048x4096", wo), ("4096x4096", wo8)):
+        for cfg in GEMV_SWEEP:
+            fns = [lambda w=w, cfg=cfg: kernels.linear(ones, w, config=cfg) for w in ws]
+            part(f"o GEMV {shape} {cfg}", fns, ws[0].numel() * 2)
     lm = rnd(SHAPE["vocab_size"], H)
     part("lm_head GEMV", [lambda: kernels.linear(hs[0], lm)], lm.numel() * 2)
     R["attention_parts"] = r

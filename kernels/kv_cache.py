@@ -157,6 +157,11 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tens
     return out
 
 
+# Query heads per program of `rope_write_kv_kernel` (one more program per token takes the keys and
+# values): at batch 1 a program for all of a token's heads is serial work.
+ROPE_Q_HEADS_PER_PROGRAM = 4
+
+
 def rope_write_kv(
     positions,
     query,
@@ -207,7 +212,9 @@ def rope_write_kv(
         return qo
     ks, vs, quant = _scale_args(key, k_cache, k_scale, v_scale)
     half = D // 2
-    _dispatch.kernels_for(query).rope_write_kv_kernel[(T,)](
+    qh = min(p2(Hq), ROPE_Q_HEADS_PER_PROGRAM)
+    q_progs = cdiv(Hq, qh)
+    _dispatch.kernels_for(query).rope_write_kv_kernel[(T, q_progs + 1)](
         positions,
         query,
         key,
@@ -230,7 +237,8 @@ def rope_write_kv(
         *k_cache.stride()[:3],
         *v_cache.stride()[:3],
         HQ=Hq,
-        HQ_PAD=p2(Hq),
+        QH=qh,
+        Q_PROGS=q_progs,
         HKV=Hkv,
         HKV_PAD=p2(Hkv),
         HALF=half,
@@ -238,7 +246,7 @@ def rope_write_kv(
         BLOCK_SIZE=k_cache.shape[1],
         **quant,
         QK_NORM=fused_norm,
-        num_warps=4 if Hq * D >= 2048 else 1,
+        num_warps=4 if max(qh, p2(Hkv)) * D >= 2048 else 1,
         **pdl(query, T, choices.pdl),
     )
     return qo
