@@ -57,6 +57,14 @@ def build_engine(loaded, **kw) -> EngineCore:
     return eng
 
 
+def float32_engine(loaded, **kw) -> EngineCore:
+    """An engine on the GPU in float32, so token comparisons are exact, sized for a few short requests;
+    ``kw``: other `EngineArgs` fields."""
+    args = dict(num_kv_blocks=512, max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512)
+    eng, _ = EngineCore.from_model(EngineArgs(device=DEV, dtype="float32", **{**args, **kw}), loaded=loaded)
+    return eng
+
+
 @contextmanager
 def enforce_eager(on: bool) -> Iterator[None]:
     """``KVMESH_ENFORCE_EAGER`` for the engines built inside (no CUDA graphs when ``on``), back to

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_checks import build_engine, check_correctness, enforce_eager, small_config
+from engine_checks import build_engine, check_correctness, enforce_eager, float32_engine, small_config
 
 
 def test_no_triton_compiles_while_serving():
@@ -130,26 +130,6 @@ def _compiled_variants() -> dict[str, int]:
     }
 
 
-def _float32_engine(loaded, **args):
-    """An engine on the GPU in float32, so token comparisons are exact, sized for a few short requests."""
-    from kvmesh.engine.args import EngineArgs
-    from kvmesh.engine.core.engine_core import EngineCore
-
-    eng, _ = EngineCore.from_model(
-        EngineArgs(
-            device="cuda",
-            dtype="float32",
-            num_kv_blocks=512,
-            max_num_batched_tokens=512,
-            max_num_seqs=8,
-            max_model_len=512,
-            **args,
-        ),
-        loaded=loaded,
-    )
-    return eng
-
-
 def test_sampled_requests_run_multi_step_on_the_gpu():
     """Unseeded sampled requests decode in multi-step rounds, drawn on the device; with top_k=1
     the draw is deterministic and must give the greedy one-step tokens. In float32: bf16 logits
@@ -164,7 +144,7 @@ def test_sampled_requests_run_multi_step_on_the_gpu():
     prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (20, 77, 150, 33)]
 
     def run(steps, params):
-        eng = _float32_engine(loaded, num_scheduler_steps=steps)
+        eng = float32_engine(loaded, num_scheduler_steps=steps)
         out = {}
         for i, p in enumerate(prompts):
             eng.add_request(EngineCoreRequest(request_id=f"s{i}", prompt_token_ids=p, params=params[i]))
@@ -204,7 +184,7 @@ def test_async_scheduling_matches_waiting_rounds_on_the_gpu():
     prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in (20, 77, 150, 33, 64, 9)]
 
     def run(lazy, params, abort_at=None):
-        eng = _float32_engine(loaded, num_scheduler_steps=8, async_scheduling=lazy)
+        eng = float32_engine(loaded, num_scheduler_steps=8, async_scheduling=lazy)
         out = {}
         for i, p in enumerate(prompts[:5]):
             eng.add_request(EngineCoreRequest(request_id=f"s{i}", prompt_token_ids=p, params=params[i]))
@@ -311,7 +291,7 @@ def test_penalties_match_hf_on_the_gpu():
         return o[0, len(prompt) :].tolist()
 
     def run(per_row):
-        eng = _float32_engine(loaded, num_scheduler_steps=4)
+        eng = float32_engine(loaded, num_scheduler_steps=4)
         out = {}
         for i, (p, s) in enumerate(zip(prompts, per_row)):
             eng.add_request(
@@ -374,7 +354,7 @@ def test_logprobs_and_seeds_in_rounds_match_one_step_on_the_gpu():
     ]
 
     def run(steps, lazy, rows=5):
-        eng = _float32_engine(loaded, num_scheduler_steps=steps, async_scheduling=lazy)
+        eng = float32_engine(loaded, num_scheduler_steps=steps, async_scheduling=lazy)
         toks, lps = {}, {}
         for i, (p, s) in list(enumerate(zip(prompts, params)))[-rows:]:
             eng.add_request(EngineCoreRequest(request_id=f"l{i}", prompt_token_ids=p, params=s))
@@ -430,8 +410,8 @@ def test_lora_engine_runs_base_steps_on_graphs_without_lora_launches(tmp_path):
         eng.check_integrity()
         return out
 
-    plain = run(_float32_engine(loaded), [None, None, None])
-    eng = _float32_engine(loaded, lora_modules=(f"a={tmp_path / 'a'}",))
+    plain = run(float32_engine(loaded), [None, None, None])
+    eng = float32_engine(loaded, lora_modules=(f"a={tmp_path / 'a'}",))
     gr = eng.runner.graphs
     assert gr is not None and gr.captured_base and set(gr.captured_base) == set(gr.captured)
     steps0 = eng.runner.num_graph_steps
@@ -441,6 +421,6 @@ def test_lora_engine_runs_base_steps_on_graphs_without_lora_launches(tmp_path):
     assert gr.current is gr.captured
     assert mixed["r1"] == plain["r1"] and mixed["r0"] != plain["r0"]
     with enforce_eager(True):
-        eager = _float32_engine(loaded, lora_modules=(f"a={tmp_path / 'a'}",))
+        eager = float32_engine(loaded, lora_modules=(f"a={tmp_path / 'a'}",))
         assert eager.runner.graphs is None or not eager.runner.graphs.captured
         assert run(eager, ["a", None, "a"]) == mixed

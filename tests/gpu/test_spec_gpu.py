@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import torch
-from engine_checks import OracleProposer, enforce_eager, small_config
+from engine_checks import OracleProposer, enforce_eager, float32_engine, small_config
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 # text that repeats itself: the n-gram lookup finds k drafts for every row from the first decode step on
@@ -22,26 +22,6 @@ REPEATS = [
     "One, two, three, four, five. " * 6 + "One, two",
     "A dog ran in the park. " * 6 + "A dog",
 ]
-
-
-def _engine(loaded, **args):
-    """An engine on the GPU in float32, sized for a few short requests (as tests/gpu/test_engine_gpu.py's)."""
-    from kvmesh.engine.args import EngineArgs
-    from kvmesh.engine.core.engine_core import EngineCore
-
-    eng, _ = EngineCore.from_model(
-        EngineArgs(
-            device="cuda",
-            dtype="float32",
-            num_kv_blocks=512,
-            max_num_batched_tokens=512,
-            max_num_seqs=8,
-            max_model_len=512,
-            **args,
-        ),
-        loaded=loaded,
-    )
-    return eng
 
 
 def _run(eng, prompts, params, loras=None) -> list[list[int]]:
@@ -67,8 +47,8 @@ def test_ngram_verification_replays_cuda_graphs_with_the_tokens_of_plain_decodin
 
     ids = [smol.tokenizer(p).input_ids for p in REPEATS]
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    want = _run(_engine(smol), ids, greedy)
-    eng = _engine(smol, speculative_config=json.dumps(NGRAM))
+    want = _run(float32_engine(smol), ids, greedy)
+    eng = float32_engine(smol, speculative_config=json.dumps(NGRAM))
     gr = eng.runner.graphs
     assert gr is not None and gr.verify is not None
     assert gr.verify_sizes == [1, 2, 4, 8] and set(gr.verify.captured) == {1, 2, 4, 8}
@@ -81,7 +61,7 @@ def test_ngram_verification_replays_cuda_graphs_with_the_tokens_of_plain_decodin
     assert st.spec_decode_num_eager_steps == eng.runner.num_verify_eager_steps
     assert 0 < st.spec_decode_num_accepted_tokens <= st.spec_decode_num_draft_tokens
     with enforce_eager(True):
-        eager = _engine(smol, speculative_config=json.dumps(NGRAM))
+        eager = float32_engine(smol, speculative_config=json.dumps(NGRAM))
         assert eager.runner.graphs is None
         assert _run(eager, ids, greedy) == want
     assert eager.runner.num_verify_graph_steps == 0 and eager.runner.num_verify_eager_steps > 0
@@ -106,10 +86,10 @@ def test_lora_verification_replays_graphs_for_adapter_and_base_rows(tmp_path):
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     modules = (f"a={tmp_path / 'a'}",)
     mixed = ["a", None, "a"]
-    want = _run(_engine(loaded, lora_modules=modules), prompts, greedy, mixed)
-    base = _run(_engine(loaded), prompts, greedy)
+    want = _run(float32_engine(loaded, lora_modules=modules), prompts, greedy, mixed)
+    base = _run(float32_engine(loaded), prompts, greedy)
     assert want[1] == base[1] and want[0] != base[0]  # the adapter changes its rows' tokens
-    eng = _engine(loaded, lora_modules=modules, speculative_config=json.dumps(NGRAM))
+    eng = float32_engine(loaded, lora_modules=modules, speculative_config=json.dumps(NGRAM))
     gr = eng.runner.graphs
     assert gr is not None and gr.verify is not None
     assert set(gr.verify.captured) == set(gr.verify.captured_base) == {1, 2, 4, 8}
