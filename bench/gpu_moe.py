@@ -55,10 +55,7 @@ CONFIGS = [
     (128, 128, 64, 8, 3),
 ]
 # (gate|up, down) configurations of the matrix-vector kernels: (BLOCK_N, BLOCK_K, num_warps) each
-GEMV_CONFIGS = [  # (gate|up, down): the defaults of `moe_gemv_config` are swept one kernel at a time below
-    ((8, 512, 4), (8, 512, 4, False)),
-]
-# gate|up's (BLOCK_N, BLOCK_K, num_warps) with down at its default, then down's (..., SLOTS_TOGETHER) with
+# gate|up's (BLOCK_N, BLOCK_K, num_warps) with down at its default, then down's with
 # gate|up at its default; each timed per call inside a graph of PARTS_REPS calls on different experts
 GATE_UP_SWEEP = [
     (8, 512, 4),
@@ -71,13 +68,12 @@ GATE_UP_SWEEP = [
     (4, 1024, 4),
 ]
 DOWN_SWEEP = [
-    (8, 128, 4, True),
-    (4, 256, 4, True),
-    (16, 64, 4, True),
-    (8, 256, 8, True),
-    (4, 128, 2, True),
-    (2, 256, 2, True),
-    (8, 512, 4, False),
+    (8, 128, 4),
+    (4, 256, 4),
+    (16, 64, 4),
+    (8, 256, 8),
+    (4, 128, 2),
+    (2, 256, 2),
 ]
 PARTS_REPS = 16
 # one-row GEMV (BLOCK_N, BLOCK_K, num_warps, num_stages) swept at the o projection's shapes
@@ -204,21 +200,13 @@ def bench_fused_moe(quick: bool) -> None:
             prep = dict(
                 route_align_ms=_time(_graph(ours)), route_align_torch_ms=_time(_graph(torch_ops)), route_align_same=same
             )
-        if T * k <= MOE_GEMV_MAX_PAIRS:  # the two matrix-vector kernels (--moe-gemv) and their sweep
-            gemv = {}
-            for cfg in [None] + ([] if quick else GEMV_CONFIGS):
-                out = kernels.fused_moe(*args, choices=GEMV, gemv_config=cfg)
-                err = ((out.float() - ref32).norm() / ref32.norm()).item()
-                replay = _graph(lambda cfg=cfg, args=args: kernels.fused_moe(*args, choices=GEMV, gemv_config=cfg))
-                gemv[str(cfg or "default")] = (_time(replay), err)
-            best_g = min(gemv, key=lambda c: gemv[c][0])
+        if T * k <= MOE_GEMV_MAX_PAIRS:  # the two matrix-vector kernels (--moe-gemv; swept in bench_moe_parts)
+            out = kernels.fused_moe(*args, choices=GEMV)
+            ms_g = _time(_graph(lambda args=args: kernels.fused_moe(*args, choices=GEMV)))
             prep.update(
-                gemv_ms=gemv["default"][0],
-                gemv_rel_err=gemv["default"][1],
-                gemv_best=best_g,
-                gemv_best_ms=gemv[best_g][0],
-                gemv_TBps=active * expert_bytes / (gemv["default"][0] / 1e3) / 1e12,
-                gemv_sweep={c: v[0] for c, v in gemv.items()},
+                gemv_ms=ms_g,
+                gemv_rel_err=((out.float() - ref32).norm() / ref32.norm()).item(),
+                gemv_TBps=active * expert_bytes / (ms_g / 1e3) / 1e12,
             )
         r = dict(
             T=T,
@@ -443,7 +431,7 @@ def table() -> str:
         if "gemv_ms" in r:
             lines.append(
                 f"T={r['T']}: matrix-vector kernels {r['gemv_ms'] * 1e3:.1f} us ({r['gemv_TBps']:.2f} TB/s, rel err "
-                f"{r['gemv_rel_err']:.1e}; best {r['gemv_best']} {r['gemv_best_ms'] * 1e3:.1f} us) against the "
+                f"{r['gemv_rel_err']:.1e}) against the "
                 f"grouped GEMM {r['kernel_ms'] * 1e3:.1f} us"
             )
         if "route_align_ms" in r:

@@ -158,10 +158,6 @@ def moe_gemv_config(N: int, K: int) -> tuple[int, int, int]:
     return 4, min(1024, max(16, 1 << (K - 1).bit_length())), 4
 
 
-# The down kernel loads all k slots' rows of a chunk as one tile (`moe_gemv_down_kernel`'s SLOTS_TOGETHER).
-MOE_GEMV_SLOTS_TOGETHER = True
-
-
 def fused_moe(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -171,13 +167,12 @@ def fused_moe(
     config: tuple[int, int, int, int, int] | None = None,
     *,
     choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
-    gemv_config: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    gemv_config: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = topk_ids[t, j]``,
     for ``x [T, H]``, ``w_gate_up [E, 2I, H]`` (gate rows then up rows), ``w_down [E, H, I]``,
     ``topk_* [T, k]``. ``config`` overrides `moe_config` (and forces the grouped GEMM);
-    ``gemv_config`` the two matrix-vector kernels' `moe_gemv_config` (gate|up, down; down's optional
-    fourth entry: SLOTS_TOGETHER)."""
+    ``gemv_config`` the two matrix-vector kernels' `moe_gemv_config` (gate|up, down)."""
     fn = "fused_moe"
     check_dim(fn, "x", x, 2)
     check_dim(fn, "w_gate_up", w_gate_up, 3)
@@ -266,11 +261,9 @@ def _fused_moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, choices, cfg) 
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     kern = _dispatch.kernels_for(x)
     up_cfg, down_cfg = cfg or (moe_gemv_config(inter, H), moe_gemv_config(H, inter))
-    bn1, bk1, w1 = up_cfg[:3]
-    bn2, bk2, w2, *more = down_cfg
-    together = bool(more[0]) if more else MOE_GEMV_SLOTS_TOGETHER
-    if together:  # the [k, BLOCK_N, BLOCK_K] tile: at most 64 fp32 accumulators a thread
-        bk2 = min(bk2, max(16, 2048 * w2 // (p2(k) * bn2)))
+    bn1, bk1, w1 = up_cfg
+    bn2, bk2, w2 = down_cfg
+    bk2 = min(bk2, max(16, 2048 * w2 // (p2(k) * bn2)))  # the [k, BLOCK_N, BLOCK_K] tile: <= 64 fp32 a thread
     kern.moe_gemv_gate_up_kernel[(T * k, cdiv(inter, bn1))](
         x,
         w_gate_up,
@@ -302,7 +295,6 @@ def _fused_moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, choices, cfg) 
         TOP_K_PAD=p2(k),
         BLOCK_N=bn2,
         BLOCK_K=bk2,
-        SLOTS_TOGETHER=together,
         num_warps=w2,
         **pdl(x, T, choices.pdl),
     )

@@ -146,6 +146,17 @@ def _head_rms_norm(x1, x2, w_ptr, j, j_ok, eps, HALF: tl.constexpr, dtype: tl.co
 
 
 @triton.jit
+def _norm_rotate(base, mask, cos, sin, w_ptr, j, j_ok, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+    """Heads ``[heads, 2 * HALF]`` at ``base`` loaded as their two halves, RMS-normalised first when NORM
+    (`_head_rms_norm`, rounded to their dtype), then rotated (rotate-half RoPE): the two halves in fp32."""
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        x1, x2 = _head_rms_norm(x1, x2, w_ptr, j, j_ok, eps, HALF, base.dtype.element_ty)
+    return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
+
+
+@triton.jit
 def rope_write_kv_kernel(
     pos_ptr,
     q_ptr,
@@ -213,13 +224,10 @@ def rope_write_kv_kernel(
         hq = b * QH + tl.arange(0, QH)
         mq = (hq[:, None] < HQ) & j_ok[None, :]
         qb = q_ptr + t * stride_qt + hq[:, None] * stride_qh + j[None, :]
-        q1 = tl.load(qb, mask=mq, other=0.0).to(tl.float32)
-        q2 = tl.load(qb + HALF, mask=mq, other=0.0).to(tl.float32)
-        if QK_NORM:
-            q1, q2 = _head_rms_norm(q1, q2, qn_ptr, j, j_ok, eps, HALF, q_ptr.dtype.element_ty)
+        r1, r2 = _norm_rotate(qb, mq, cos, sin, qn_ptr, j, j_ok, eps, HALF, QK_NORM)
         ob = qo_ptr + t * stride_qot + hq[:, None] * stride_qoh + j[None, :]
-        tl.store(ob, (q1 * cos[None, :] - q2 * sin[None, :]).to(qo_ptr.dtype.element_ty), mask=mq)
-        tl.store(ob + HALF, (q2 * cos[None, :] + q1 * sin[None, :]).to(qo_ptr.dtype.element_ty), mask=mq)
+        tl.store(ob, r1.to(qo_ptr.dtype.element_ty), mask=mq)
+        tl.store(ob + HALF, r2.to(qo_ptr.dtype.element_ty), mask=mq)
     else:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
@@ -228,13 +236,10 @@ def rope_write_kv_kernel(
             hk = tl.arange(0, HKV_PAD)
             mk = (hk[:, None] < HKV) & j_ok[None, :]
             kb = k_ptr + t * stride_kt + hk[:, None] * stride_kh + j[None, :]
-            k1 = tl.load(kb, mask=mk, other=0.0).to(tl.float32)
-            k2 = tl.load(kb + HALF, mask=mk, other=0.0).to(tl.float32)
-            if QK_NORM:
-                k1, k2 = _head_rms_norm(k1, k2, kn_ptr, j, j_ok, eps, HALF, k_ptr.dtype.element_ty)
+            r1, r2 = _norm_rotate(kb, mk, cos, sin, kn_ptr, j, j_ok, eps, HALF, QK_NORM)
             # round to the key's dtype first: that is what the unfused path stores and then casts
-            r1 = (k1 * cos[None, :] - k2 * sin[None, :]).to(k_ptr.dtype.element_ty)
-            r2 = (k2 * cos[None, :] + k1 * sin[None, :]).to(k_ptr.dtype.element_ty)
+            r1 = r1.to(k_ptr.dtype.element_ty)
+            r2 = r2.to(k_ptr.dtype.element_ty)
             hk_ok = hk < HKV
             r1 = _quantize(r1, ks_ptr, hk, hk_ok, KV_SCALED, KV_FP8)
             r2 = _quantize(r2, ks_ptr, hk, hk_ok, KV_SCALED, KV_FP8)

@@ -30,3 +30,21 @@ def triton_interpret(monkeypatch):
 def gen(request):
     """A generator seeded with the test's fixed seed (tests/seeds.py; KVMESH_TEST_SEED=random for sweeps)."""
     return torch.Generator().manual_seed(seed_for(request.node.nodeid))
+
+
+@pytest.fixture
+def rope_case(gen):
+    """``make(T, D, hq, hkv, dtype, scale=1.0) -> (positions, cos_sin_cache, q, k, v)``: random positions
+    under 64, the rotate-half cache of 64 positions, and q / k / v as the model's split views of one qkv
+    row block (random, times ``scale``), drawn from ``gen`` in that order."""
+
+    def make(T, D, hq, hkv, dtype, scale=1.0):
+        pos = torch.randint(0, 64, (T,), generator=gen)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+        fr = torch.outer(torch.arange(64).float(), inv)
+        cs = torch.cat([fr.cos(), fr.sin()], -1)
+        qkv = (torch.randn(T, (hq + 2 * hkv) * D, generator=gen) * scale).to(dtype)
+        q, k, v = (t.view(T, -1, D) for t in qkv.split([hq * D, hkv * D, hkv * D], -1))
+        return pos, cs, q, k, v
+
+    return make

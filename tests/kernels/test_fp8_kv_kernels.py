@@ -59,14 +59,9 @@ def test_write_kv_fp8(gen, per_head, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_write_kv_fp8(gen, dtype):
+def test_rope_write_kv_fp8(gen, rope_case, dtype):
     T, D, hq, hkv, bs = 9, 32, 6, 2, 16
-    pos = torch.randint(0, 64, (T,), generator=gen)
-    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
-    fr = torch.outer(torch.arange(64).float(), inv)
-    cs = torch.cat([fr.cos(), fr.sin()], -1)
-    qkv = (torch.randn(T, (hq + 2 * hkv) * D, generator=gen) * 4).to(dtype)
-    q, k, v = (t.view(T, -1, D) for t in qkv.split([hq * D, hkv * D, hkv * D], -1))
+    pos, cs, q, k, v = rope_case(T, D, hq, hkv, dtype, scale=4)  # the model's split views
     kv = _fp8_pool(gen, 5, 2, bs, hkv, D)
     expect = kv.clone()
     slots = torch.randperm(5 * bs, generator=gen)[:T]

@@ -45,8 +45,15 @@ def make(gen, T, H, inter, E, k, dtype, skew=False):
     [
         (1, 40, 24, 6, 4, torch.float32, None),
         (2, 48, 40, 8, 8, torch.bfloat16, None),  # 16 pairs: the largest batch the path takes
-        (3, 40, 24, 4, 3, torch.float32, ((16, 16, 4), (16, 16, 4, False))),  # ragged row blocks and K chunks
-        (3, 40, 24, 4, 3, torch.float32, ((8, 16, 4), (8, 16, 4, True))),  # k = 3: a padded slot tile
+        (
+            3,
+            40,
+            24,
+            4,
+            3,
+            torch.float32,
+            ((16, 16, 4), (16, 16, 4)),
+        ),  # ragged blocks and K chunks, k = 3: a padded slot tile
     ],
 )
 def test_moe_gemv_path_matches_reference_and_grouped_gemm(gen, T, H, inter, E, k, dtype, gemv_config):

@@ -372,16 +372,11 @@ def test_silu_and_mul(gen, dtype):
 
 
 @pytest.mark.parametrize("dtype,bs", [(torch.float32, 16), (torch.bfloat16, 32)])
-def test_rope_write_kv(gen, dtype, bs):
+def test_rope_write_kv(gen, rope_case, dtype, bs):
     """The fused launch equals `rope` then `write_kv`: rotated query returned, rotated key
     and value in their slots, padding slots (-1) and every other slot untouched."""
     T, D, hq, hkv = 9, 32, 6, 2
-    pos = torch.randint(0, 64, (T,), generator=gen)
-    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
-    fr = torch.outer(torch.arange(64).float(), inv)
-    cs = torch.cat([fr.cos(), fr.sin()], -1)
-    qkv = torch.randn(T, (hq + 2 * hkv) * D, generator=gen).to(dtype)  # the model's split views
-    q, k, v = (t.view(T, -1, D) for t in qkv.split([hq * D, hkv * D, hkv * D], -1))
+    pos, cs, q, k, v = rope_case(T, D, hq, hkv, dtype)  # the model's split views
     kv = torch.randn(5, 2, 2, bs, hkv, D, generator=gen).to(dtype)
     expect = kv.clone()
     slots = torch.randperm(5 * bs, generator=gen)[:T]
@@ -400,18 +395,13 @@ def test_rope_write_kv(gen, dtype, bs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_write_kv_normalises_heads_first(gen, dtype):
+def test_rope_write_kv_normalises_heads_first(gen, rope_case, dtype):
     """With Qwen3's q_norm and k_norm, the one launch equals `rms_norm` of each head, then `rope_write_kv`
     of the normalised heads (the two launches it replaces), and the reference of both; without the norms
     it differs (the weights are not ones)."""
     T, D, hq, hkv, bs = 7, 32, 6, 2, 16
     eps = 1e-6
-    pos = torch.randint(0, 64, (T,), generator=gen)
-    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
-    fr = torch.outer(torch.arange(64).float(), inv)
-    cs = torch.cat([fr.cos(), fr.sin()], -1)
-    qkv = (torch.randn(T, (hq + 2 * hkv) * D, generator=gen) * 3).to(dtype)
-    q, k, v = (t.view(T, -1, D) for t in qkv.split([hq * D, hkv * D, hkv * D], -1))
+    pos, cs, q, k, v = rope_case(T, D, hq, hkv, dtype, scale=3)  # the model's split views
     qn = (1 + 0.5 * torch.randn(D, generator=gen)).to(dtype)
     kn = (1 + 0.5 * torch.randn(D, generator=gen)).to(dtype)
     kv = torch.zeros(4, 2, bs, hkv, D, dtype=dtype)
