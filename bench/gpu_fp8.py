@@ -321,6 +321,10 @@ def decode_rows(eng, config: str, bw: float, args) -> None:
         r = h.engine_decode(eng, B, 512, 128, bw, seed=B)
         r["config"] = config
         R["decode"].append(r)
+    if args.profile:
+        h.run_requests(eng, [[100 + i for i in range(512)]], h.sampling(8), tag=f"prof{config}")
+        R.setdefault("profile", {})[config] = h.replay_profile(eng, 1)
+        R.setdefault("wall_profile", {})[config] = h.wall_profile(eng, 1, config)
     if args.prompts and time.time() < h.deadline(args.budget_s) - 20:
         R["throughput"][config] = h.throughput(
             eng, args.prompts, min(h.deadline(args.budget_s), time.time() + args.throughput_s)
@@ -464,6 +468,9 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=230.0, help="whole-run deadline")
     ap.add_argument("--skip", default="", help="comma list of: checks,kernels,gemv,engine")
     ap.add_argument("--json", default="gpu_fp8.json")
+    ap.add_argument(
+        "--profile", action="store_true", help="each configuration's batch-1 step, replayed and in the engine's loop"
+    )
     args = ap.parse_args()
     R["env"] = h.env_info(args)
     skip = set(filter(None, args.skip.split(",")))

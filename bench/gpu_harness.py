@@ -248,6 +248,33 @@ def replay_profile(eng: EngineCore, B: int, steps: int = 10, top: int = 20) -> d
     return res
 
 
+def wall_profile(eng: EngineCore, B: int, name: str, P: int = 512, N: int = 32, top: int = 25) -> dict:
+    """Where a decode step's wall time goes beyond its graph replay: B requests of P random tokens
+    decoding N under the torch profiler, host and device. The Chrome trace (gzipped) goes to
+    `out_dir` as ``{name}_B{B}.json.gz`` for a look afterwards; the summary holds the device's busy
+    time against the span of the decode steps and the launches by name (graph kernels and the
+    eager ones around them alike), so the eager launches and host calls per step stand out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(4242)
+    prompts = torch.randint(100, 120000, (B, P), generator=g).tolist()
+    run_requests(eng, prompts, sampling(4), tag=f"{name}w")  # every shape of the run compiled first
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_requests(eng, prompts, sampling(N), tag=f"{name}p")
+    path = os.path.join(out_dir(), f"{name}_B{B}.json.gz")
+    prof.export_chrome_trace(path)
+    rows = []
+    for e in prof.key_averages():
+        dev_us = float(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0) or 0.0)
+        rows.append(dict(name=e.key[:90], per_step=e.count / N, device_us_per_step=dev_us / N))
+    rows.sort(key=lambda x: -x["per_step"])
+    res = dict(B=B, N=N, trace=os.path.basename(path), by_count=rows[:top])
+    log(f"wall profile of batch {B} ({N} steps incl. prefill), trace {path}:")
+    for x in rows[:top]:
+        log(f"  {x['per_step']:>8.1f}/step {x['device_us_per_step']:>9.1f} us  {x['name']}")
+    return res
+
+
 def engine_decode(
     eng: EngineCore,
     B: int,

@@ -382,6 +382,7 @@ def bench_30b(quick: bool, bw: float, profile: bool = False, before: bool = True
     if profile:
         h.run_requests(eng, [[100 + i for i in range(512)]], h.sampling(8), tag="prof")  # batch 1 in the graphs
         R["profile"] = h.replay_profile(eng, 1)
+        R["wall_profile"] = h.wall_profile(eng, 1, "moe")
     # prefill: 8 x 1,024 tokens, one 8,192-token step (warm the shape first)
     g = torch.Generator().manual_seed(7)
     B, P = 8, 1024
@@ -485,7 +486,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="default kernel configuration only, 32 decode tokens")
     ap.add_argument("--skip", default="", help="comma list of: correctness,kernel,parts,engine")
-    ap.add_argument("--profile", action="store_true", help="the kernels of a batch-1 decode step (torch profiler)")
+    ap.add_argument("--profile", action="store_true", help="a batch-1 step: replayed, and in the engine loop")
     ap.add_argument(
         "--before",
         action=argparse.BooleanOptionalAction,
