@@ -89,6 +89,9 @@ GEMV_SWEEP = [
 ]
 GEMV = kernels.KernelChoices(moe_gemv=True)  # the matrix-vector path for its rows
 NO_GEMV = kernels.KernelChoices(moe_gemv=False)  # alignment + the grouped GEMM at every batch
+# the second engine of the engine stage (``--before``): the latest change off, for the ratio in the same run
+BEFORE = dict(fused_router=False)
+BEFORE_FLAGS = " ".join(f"--no-{k.replace('_', '-')}" for k in BEFORE)
 log = h.log
 
 
@@ -260,6 +263,9 @@ def bench_moe_parts() -> None:
         r: dict = dict(T=T, active_experts=active)
         r["router_linear_us"] = 1e3 * _per_call([lambda x=x: kernels.linear(x, gate) for x in xs])
         r["routing_us"] = 1e3 * _per_call([lambda lg=lg: kernels.moe_routing(lg, k, True) for lg in logits])
+        r["router_fused_us"] = 1e3 * _per_call([lambda x=x: kernels.moe_route(x, gate, k, True) for x in xs])
+        fused = [kernels.moe_route(x, gate, k, True) for x in xs]
+        r["router_fused_same"] = all(torch.equal(a[1], b[1]) and torch.equal(a[0], b[0]) for a, b in zip(fused, routed))
         base_up, base_down = kernels.moe.moe_gemv_config(inter, H), kernels.moe.moe_gemv_config(H, inter)
 
         def moe(cfg, xs=xs, routed=routed):
@@ -400,17 +406,15 @@ def bench_30b(quick: bool, bw: float, profile: bool = False, before: bool = True
     torch.cuda.empty_cache()
     if not before:
         return
-    # the same weights without the matrix-vector MoE kernels (alignment, the grouped GEMM and the sum at
-    # every batch) and with q_norm / k_norm in launches of their own: the engine as it was before them,
-    # for the ratio in the same run
+    # the same weights with the newest choice turned off (BEFORE: the router's projection and routing in
+    # two launches), for the ratio in the same run
     eng = h.build_engine(  # a pool for batch 32 only: on an H100 the first engine's leftovers leave little
         lm,
         max_model_len=2048,
         max_num_seqs=32,
         max_num_batched_tokens=8192,
         num_kv_blocks=1536,
-        moe_gemv=False,
-        fused_qk_norm=False,
+        **BEFORE,
     )
     R["decode_before"] = [h.engine_decode(eng, B, 512, 32 if quick else 128, bw, seed=B) for B in (1, 2)]
     eng.shutdown()
@@ -443,7 +447,8 @@ def table() -> str:
     for r in R.get("moe_parts", []):
         lines.append(
             f"T={r['T']} per call in a graph: router linear {r['router_linear_us']:.1f} us, "
-            f"routing {r['routing_us']:.1f} us, matrix-vector MoE {r['moe_us']:.1f} us ({r['moe_TBps']:.2f} TB/s), "
+            f"routing {r['routing_us']:.1f} us, both in one launch {r['router_fused_us']:.1f} us (same result: "
+            f"{r['router_fused_same']}), matrix-vector MoE {r['moe_us']:.1f} us ({r['moe_TBps']:.2f} TB/s), "
             f"grouped GEMM path {r['grouped_us']:.1f} us"
         )
         for name in ("gate_up_sweep", "down_sweep"):
@@ -468,7 +473,7 @@ def table() -> str:
         )
     for r, b in zip(R.get("decode_before", []), R.get("decode", [])):
         lines.append(
-            f"B={r['B']} with --no-moe-gemv --no-fused-qk-norm: {r['decode_tok_s']:.1f} tok/s "
+            f"B={r['B']} with {BEFORE_FLAGS}: {r['decode_tok_s']:.1f} tok/s "
             f"({100 * r['frac_roofline']:.1f}%); with them {b['decode_tok_s'] / r['decode_tok_s']:.2f}x"
         )
     if "prefill" in R:
@@ -491,7 +496,7 @@ def main() -> int:
         "--before",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="the engine with --no-moe-gemv too, for the ratio",
+        help="a second engine with the latest kernel choice off (BEFORE), for the ratio",
     )
     args = ap.parse_args()
     R["env"] = h.env_info(args, transformers=True)

@@ -171,3 +171,44 @@ def test_routing_and_argument_errors():
             torch.ones(2, 1),
             torch.zeros(2, 1, dtype=torch.long),
         )
+
+
+@pytest.mark.parametrize(
+    "T,E,H,k,renorm,dtype",
+    [
+        (1, 128, 96, 8, True, torch.bfloat16),  # Qwen3-MoE's router at one token; a ragged K chunk
+        (2, 60, 64, 8, False, torch.float32),  # 16 pairs: the most the launch takes
+        (3, 6, 40, 2, True, torch.bfloat16),
+    ],
+)
+def test_router_launch_is_the_projection_then_the_routing(gen, T, E, H, k, renorm, dtype):
+    """`moe_route` in one `moe_router_kernel` launch gives the experts and weights of the GEMV launch and
+    the routing launch, bit for bit, ties included (two equal router rows tie in every token), and
+    leaves its per-token counters at zero for the next launch (a second call gives the same)."""
+    from kvmesh.common.kernel_choices import KernelChoices
+    from kvmesh.kernels.moe import _router_counts, _router_kernel_applies
+
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    gate = (torch.randn(E, H, generator=gen) * H**-0.5).to(dtype)
+    gate[1] = gate[E - 1] = x.float().mean(0).to(dtype)  # experts 1 and E - 1 tie, well ahead of the rest
+    fused, apart = KernelChoices(), KernelChoices(fused_router=False)
+    assert _router_kernel_applies(x, gate, k, fused) and not _router_kernel_applies(x, gate, k, apart)
+    w, ids = K.moe_route(x, gate, k, renorm, choices=fused)
+    rw, rids = K.moe_route(x, gate, k, renorm, choices=apart)
+    assert ids.tolist() == rids.tolist() and torch.equal(w, rw) and w.dtype == dtype
+    assert all(row.index(1) < row.index(E - 1) for row in ids.tolist())  # the tie: the lower id first
+    assert _router_counts(x.device).eq(0).all()
+    w2, ids2 = K.moe_route(x, gate, k, renorm, choices=fused)
+    assert ids2.tolist() == ids.tolist() and torch.equal(w2, w)
+
+
+def test_router_launch_takes_only_a_few_tokens(gen):
+    """Past MOE_GEMV_MAX_PAIRS pairs, or with an FP8 router, `moe_route` keeps the two launches."""
+    from kvmesh.common.kernel_choices import KernelChoices
+    from kvmesh.kernels.moe import MOE_GEMV_MAX_PAIRS, _router_kernel_applies
+
+    gate = torch.randn(16, 32, generator=gen)
+    c = KernelChoices()
+    assert _router_kernel_applies(torch.randn(MOE_GEMV_MAX_PAIRS // 4, 32), gate, 4, c)
+    assert not _router_kernel_applies(torch.randn(MOE_GEMV_MAX_PAIRS // 4 + 1, 32), gate, 4, c)
+    assert not _router_kernel_applies(torch.randn(1, 32).half(), gate, 4, c)
