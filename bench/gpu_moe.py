@@ -91,6 +91,7 @@ GEMV = kernels.KernelChoices(moe_gemv=True)  # the matrix-vector path for its ro
 NO_GEMV = kernels.KernelChoices(moe_gemv=False)  # alignment + the grouped GEMM at every batch
 # the second engine of the engine stage (``--before``): the latest change off, for the ratio in the same run
 BEFORE = dict(fused_router=False)
+ROUTER_SWEEP = [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (4, 8)]  # moe_router_kernel's (BLOCK_N, num_warps)
 BEFORE_FLAGS = " ".join(f"--no-{k.replace('_', '-')}" for k in BEFORE)
 log = h.log
 
@@ -263,7 +264,14 @@ def bench_moe_parts() -> None:
         r: dict = dict(T=T, active_experts=active)
         r["router_linear_us"] = 1e3 * _per_call([lambda x=x: kernels.linear(x, gate) for x in xs])
         r["routing_us"] = 1e3 * _per_call([lambda lg=lg: kernels.moe_routing(lg, k, True) for lg in logits])
-        r["router_fused_us"] = 1e3 * _per_call([lambda x=x: kernels.moe_route(x, gate, k, True) for x in xs])
+        r["router_sweep"] = {}
+        for cfg in ROUTER_SWEEP:
+            kernels.moe.ROUTER_CONFIG = cfg
+            r["router_sweep"][str(cfg)] = 1e3 * _per_call([lambda x=x: kernels.moe_route(x, gate, k, True) for x in xs])
+        best = min(ROUTER_SWEEP, key=lambda c: r["router_sweep"][str(c)])
+        if T == 1:  # what the engine stage then takes
+            kernels.moe.ROUTER_CONFIG = best
+        r["router_fused_us"], r["router_fused_config"] = r["router_sweep"][str(best)], str(best)
         fused = [kernels.moe_route(x, gate, k, True) for x in xs]
         r["router_fused_same"] = all(torch.equal(a[1], b[1]) and torch.equal(a[0], b[0]) for a, b in zip(fused, routed))
         base_up, base_down = kernels.moe.moe_gemv_config(inter, H), kernels.moe.moe_gemv_config(H, inter)
@@ -372,6 +380,14 @@ def active_params_per_token(m) -> float:
     return n
 
 
+def warm(eng) -> None:
+    """A short decode at batch 1 before the timed rows. The first decode steps of a process load the CUDA
+    modules of the eager ops around the graphs (argmax, the input advance: lazy loading), tens of ms once,
+    which the first timed row would otherwise spread over its steps (measured: a first row of 300 tok/s
+    against 328 for the same engine's steps later)."""
+    h.run_requests(eng, [[100 + i for i in range(64)]], h.sampling(16), tag="warm")
+
+
 def bench_30b(quick: bool, bw: float, profile: bool = False, before: bool = True) -> None:
     t0 = time.time()
     lm = random_init.random_model(SHAPE, name="qwen3-30b-a3b-random", dtype=torch.bfloat16, device=DEV, seed=1)
@@ -384,6 +400,7 @@ def bench_30b(quick: bool, bw: float, profile: bool = False, before: bool = True
         weights_GB=sum(t.numel() * t.element_size() for t in lm.state_dict.values()) / 1e9,
     )
     log("engine", R["engine"], f"{time.time() - t0:.1f}s")
+    warm(eng)
     R["decode"] = [h.engine_decode(eng, B, 512, 32 if quick else 128, bw, seed=B) for B in (1, 2, 32, 128)]
     if profile:
         h.run_requests(eng, [[100 + i for i in range(512)]], h.sampling(8), tag="prof")  # batch 1 in the graphs
@@ -416,6 +433,7 @@ def bench_30b(quick: bool, bw: float, profile: bool = False, before: bool = True
         num_kv_blocks=1536,
         **BEFORE,
     )
+    warm(eng)
     R["decode_before"] = [h.engine_decode(eng, B, 512, 32 if quick else 128, bw, seed=B) for B in (1, 2)]
     eng.shutdown()
 
@@ -447,11 +465,12 @@ def table() -> str:
     for r in R.get("moe_parts", []):
         lines.append(
             f"T={r['T']} per call in a graph: router linear {r['router_linear_us']:.1f} us, "
-            f"routing {r['routing_us']:.1f} us, both in one launch {r['router_fused_us']:.1f} us (same result: "
-            f"{r['router_fused_same']}), matrix-vector MoE {r['moe_us']:.1f} us ({r['moe_TBps']:.2f} TB/s), "
+            f"routing {r['routing_us']:.1f} us, both in one launch {r['router_fused_us']:.1f} us "
+            f"{r['router_fused_config']} (same result: {r['router_fused_same']}), "
+            f"matrix-vector MoE {r['moe_us']:.1f} us ({r['moe_TBps']:.2f} TB/s), "
             f"grouped GEMM path {r['grouped_us']:.1f} us"
         )
-        for name in ("gate_up_sweep", "down_sweep"):
+        for name in ("router_sweep", "gate_up_sweep", "down_sweep"):
             best = min(r[name], key=r[name].get)
             lines.append(
                 f"  {name}: best {best} {r[name][best]:.1f} us; "

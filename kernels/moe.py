@@ -16,7 +16,6 @@ from . import _dispatch
 from . import reference as _ref
 from ._checks import FLOATS, INTS, check_device, check_dim, check_dtype, fail
 from ._dispatch import backend, cdiv, p2, pdl
-from .gemv import gemv_config
 from .matmul import linear
 
 
@@ -95,7 +94,8 @@ def _moe_router(x, gate, top_k: int, renormalize: bool, choices: KernelChoices):
     logits = torch.empty((T, E), dtype=x.dtype, device=x.device)
     weights = torch.empty((T, top_k), dtype=x.dtype, device=x.device)
     ids = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
-    bn, bk, warps, _ = gemv_config(E, H, x.device)
+    bn, warps = ROUTER_CONFIG
+    bk = min(2048, p2(H))
     _dispatch.kernels_for(x).moe_router_kernel[(T, cdiv(E, bn))](
         x,
         gate,
@@ -110,13 +110,18 @@ def _moe_router(x, gate, top_k: int, renormalize: bool, choices: KernelChoices):
         TOP_K=top_k,
         RENORM=renormalize,
         BLOCK_N=bn,
-        BLOCK_K=min(bk, p2(H)),
+        BLOCK_K=bk,
         BLOCK_E=p2(E),
         num_warps=warps,
         **pdl(x, T, choices.pdl),
     )
     return weights, ids
 
+
+# (BLOCK_N, num_warps) of `moe_router_kernel`: rows of the router per program and the warps that also run
+# the routing tail of a token's last program (one warp routes with no cross-warp reductions).
+# bench/gpu_moe.py's parts stage sweeps it.
+ROUTER_CONFIG: tuple[int, int] = (1, 1)
 
 _ROUTER_COUNTS: dict[torch.device, torch.Tensor] = {}
 
