@@ -89,9 +89,8 @@ GEMV_SWEEP = [
 ]
 GEMV = kernels.KernelChoices(moe_gemv=True)  # the matrix-vector path for its rows
 NO_GEMV = kernels.KernelChoices(moe_gemv=False)  # alignment + the grouped GEMM at every batch
-# the second engine of the engine stage (``--before``): the latest change off, for the ratio in the same run
-BEFORE = dict(fused_router=False)
-ROUTER_SWEEP = [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (4, 8)]  # moe_router_kernel's (BLOCK_N, num_warps)
+# the second engine of the engine stage (``--before``): kernel choices turned off, for the ratio in the same run
+BEFORE = dict(moe_gemv=False, fused_qk_norm=False)
 BEFORE_FLAGS = " ".join(f"--no-{k.replace('_', '-')}" for k in BEFORE)
 log = h.log
 
@@ -264,16 +263,6 @@ def bench_moe_parts() -> None:
         r: dict = dict(T=T, active_experts=active)
         r["router_linear_us"] = 1e3 * _per_call([lambda x=x: kernels.linear(x, gate) for x in xs])
         r["routing_us"] = 1e3 * _per_call([lambda lg=lg: kernels.moe_routing(lg, k, True) for lg in logits])
-        r["router_sweep"] = {}
-        for cfg in ROUTER_SWEEP:
-            kernels.moe.ROUTER_CONFIG = cfg
-            r["router_sweep"][str(cfg)] = 1e3 * _per_call([lambda x=x: kernels.moe_route(x, gate, k, True) for x in xs])
-        best = min(ROUTER_SWEEP, key=lambda c: r["router_sweep"][str(c)])
-        if T == 1:  # what the engine stage then takes
-            kernels.moe.ROUTER_CONFIG = best
-        r["router_fused_us"], r["router_fused_config"] = r["router_sweep"][str(best)], str(best)
-        fused = [kernels.moe_route(x, gate, k, True) for x in xs]
-        r["router_fused_same"] = all(torch.equal(a[1], b[1]) and torch.equal(a[0], b[0]) for a, b in zip(fused, routed))
         base_up, base_down = kernels.moe.moe_gemv_config(inter, H), kernels.moe.moe_gemv_config(H, inter)
 
         def moe(cfg, xs=xs, routed=routed):
@@ -423,8 +412,8 @@ def bench_30b(quick: bool, bw: float, profile: bool = False, before: bool = True
     torch.cuda.empty_cache()
     if not before:
         return
-    # the same weights with the newest choice turned off (BEFORE: the router's projection and routing in
-    # two launches), for the ratio in the same run
+    # the same weights with BEFORE's kernel choices (the engine before the matrix-vector MoE kernels and the
+    # fused q/k norms), for the ratio in the same run
     eng = h.build_engine(  # a pool for batch 32 only: on an H100 the first engine's leftovers leave little
         lm,
         max_model_len=2048,
@@ -465,12 +454,11 @@ def table() -> str:
     for r in R.get("moe_parts", []):
         lines.append(
             f"T={r['T']} per call in a graph: router linear {r['router_linear_us']:.1f} us, "
-            f"routing {r['routing_us']:.1f} us, both in one launch {r['router_fused_us']:.1f} us "
-            f"{r['router_fused_config']} (same result: {r['router_fused_same']}), "
+            f"routing {r['routing_us']:.1f} us, "
             f"matrix-vector MoE {r['moe_us']:.1f} us ({r['moe_TBps']:.2f} TB/s), "
             f"grouped GEMM path {r['grouped_us']:.1f} us"
         )
-        for name in ("router_sweep", "gate_up_sweep", "down_sweep"):
+        for name in ("gate_up_sweep", "down_sweep"):
             best = min(r[name], key=r[name].get)
             lines.append(
                 f"  {name}: best {best} {r[name][best]:.1f} us; "
@@ -515,7 +503,7 @@ def main() -> int:
         "--before",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="a second engine with the latest kernel choice off (BEFORE), for the ratio",
+        help="a second engine with the kernel choices of BEFORE, for the ratio",
     )
     args = ap.parse_args()
     R["env"] = h.env_info(args, transformers=True)

@@ -400,13 +400,6 @@ class EngineArgs:
         action=argparse.BooleanOptionalAction,
         section=KERNELS,
     )
-    fused_router: bool = _setting(
-        KernelChoices.fused_router,
-        "MoE layers of up to 16 (token, expert) pairs: the router's projection and the top-k routing in one "
-        "launch; --no-fused-router: a GEMV launch and a routing launch",
-        action=argparse.BooleanOptionalAction,
-        section=KERNELS,
-    )
     fused_qk_norm: bool = _setting(
         KernelChoices.fused_qk_norm,
         "Qwen3's q_norm and k_norm inside the RoPE + KV-write launch; --no-fused-qk-norm: two RMSNorm "

@@ -20,7 +20,7 @@ from .gemv import gemv_config
 from .kv_cache import copy_blocks, gather_blocks, rope_write_kv, write_kv
 from .lora import lora_expand, lora_shrink
 from .matmul import linear, silu_mul_linear
-from .moe import fused_moe, moe_config, moe_route, moe_routing
+from .moe import fused_moe, moe_config, moe_routing
 from .reference import (
     copy_blocks_reference,
     dequantize_kv_reference,
@@ -67,7 +67,6 @@ __all__ = [
     "lora_expand",
     "lora_shrink",
     "moe_config",
-    "moe_route",
     "moe_routing",
     "paged_attention",
     "race_argmax",

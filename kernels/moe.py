@@ -16,7 +16,6 @@ from . import _dispatch
 from . import reference as _ref
 from ._checks import FLOATS, INTS, check_device, check_dim, check_dtype, fail
 from ._dispatch import backend, cdiv, p2, pdl
-from .matmul import linear
 
 
 def moe_routing(
@@ -50,90 +49,6 @@ def moe_routing(
         **pdl(router_logits, T, choices.pdl),
     )
     return weights, ids
-
-
-def moe_route(
-    x: torch.Tensor,
-    gate: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    *,
-    choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router's logits ``x @ gate.T`` (``x [T, H]``, ``gate [E, H]``) and their top-k routing:
-    `moe_routing` of `linear`'s result. Where the matrix-vector MoE path runs (at most
-    ``MOE_GEMV_MAX_PAIRS`` (token, slot) pairs: decode at batch 1 and 2) both are one
-    `moe_router_kernel` launch (``choices.fused_router``); the logits are computed and rounded as
-    `linear`'s one-row GEMV computes them, so the routing is the same."""
-    if _router_kernel_applies(x, gate, top_k, choices):
-        return _moe_router(x, gate, top_k, renormalize, choices)
-    return moe_routing(linear(x, gate, choices=choices), top_k, renormalize, choices=choices)
-
-
-def _router_kernel_applies(x: torch.Tensor, gate: torch.Tensor, top_k: int, choices: KernelChoices) -> bool:
-    T, E = x.shape[0], gate.shape[0]
-    return (
-        choices.fused_router
-        and _prep_kernels(x, choices)
-        and isinstance(gate, torch.Tensor)
-        and x.dim() == 2
-        and gate.dim() == 2
-        and x.dtype == gate.dtype
-        and x.shape[1] == gate.shape[1]
-        and 0 < T * top_k <= MOE_GEMV_MAX_PAIRS
-        and 0 < top_k <= E <= ROUTING_KERNEL_MAX_EXPERTS
-        and x.stride(1) == 1
-        and gate.stride(1) == 1
-        and x.device == gate.device
-    )
-
-
-def _moe_router(x, gate, top_k: int, renormalize: bool, choices: KernelChoices):
-    T, H = x.shape
-    E = gate.shape[0]
-    logits = torch.empty((T, E), dtype=x.dtype, device=x.device)
-    weights = torch.empty((T, top_k), dtype=x.dtype, device=x.device)
-    ids = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
-    bn, warps = ROUTER_CONFIG
-    bk = min(2048, p2(H))
-    _dispatch.kernels_for(x).moe_router_kernel[(T, cdiv(E, bn))](
-        x,
-        gate,
-        logits,
-        weights,
-        ids,
-        _router_counts(x.device),
-        E,
-        x.stride(0),
-        gate.stride(0),
-        K=H,
-        TOP_K=top_k,
-        RENORM=renormalize,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        BLOCK_E=p2(E),
-        num_warps=warps,
-        **pdl(x, T, choices.pdl),
-    )
-    return weights, ids
-
-
-# (BLOCK_N, num_warps) of `moe_router_kernel`: rows of the router per program and the warps that also run
-# the routing tail of a token's last program (one warp routes with no cross-warp reductions).
-# bench/gpu_moe.py's parts stage sweeps it.
-ROUTER_CONFIG: tuple[int, int] = (1, 1)
-
-_ROUTER_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _router_counts(device: torch.device) -> torch.Tensor:
-    """`moe_router_kernel`'s finished-program counter per token: zero, and left zero by every launch.
-    One per device, of ``MOE_GEMV_MAX_PAIRS`` entries (the most tokens a launch takes), made once, so
-    a captured graph never holds a buffer that was later replaced."""
-    c = _ROUTER_COUNTS.get(device)
-    if c is None:
-        c = _ROUTER_COUNTS[device] = torch.zeros(MOE_GEMV_MAX_PAIRS, dtype=torch.int32, device=device)
-    return c
 
 
 def _prep_kernels(t: torch.Tensor, choices: KernelChoices) -> bool:

@@ -67,7 +67,8 @@ class SparseMoeMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         c = self.choices
-        weights, ids = kernels.moe_route(x, self.gate, self.top_k, self.renormalize, choices=c)
+        logits = kernels.linear(x, self.gate, choices=c)
+        weights, ids = kernels.moe_routing(logits, self.top_k, self.renormalize, choices=c)
         return kernels.fused_moe(x, self.w_gate_up, self.w_down, weights, ids, choices=c)
 
     def weight_bytes(self, num_tokens: int) -> int:

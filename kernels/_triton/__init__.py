@@ -13,7 +13,6 @@ from .moe import (
     moe_align_kernel,
     moe_gemv_down_kernel,
     moe_gemv_gate_up_kernel,
-    moe_router_kernel,
     moe_routing_kernel,
 )
 from .sampling import (
@@ -31,7 +30,6 @@ __all__ = [
     "moe_align_kernel",
     "moe_gemv_down_kernel",
     "moe_gemv_gate_up_kernel",
-    "moe_router_kernel",
     "moe_routing_kernel",
     "fp8_gemm_kernel",
     "fp8_quant_rows_kernel",

@@ -147,30 +147,6 @@ def moe_align_kernel(
 
 
 @triton.jit
-def _route_token(x, t, w_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Top-k routing of token ``t`` from its logits ``x`` (fp32, BLOCK_E wide, -inf past E):
-    `moe_routing_reference`'s rule, its weights and expert ids stored at row ``t``."""
-    e = tl.arange(0, BLOCK_E)
-    p = tl.exp(x - tl.max(x, 0))
-    p = p / tl.sum(p, 0)
-    p = tl.where(e < E, p, -1.0)
-    vals = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    ids = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    total = 0.0
-    for j in tl.static_range(TOP_K):
-        m = tl.max(p, 0)
-        i = tl.min(tl.where(p == m, e, BLOCK_E), 0)
-        total += m
-        p = tl.where(e == i, -1.0, p)
-        vals = tl.where(e == j, m, vals)
-        ids = tl.where(e == j, i, ids)
-    if RENORM:
-        vals = vals / total
-    tl.store(ids_ptr + t * TOP_K + e, ids.to(ids_ptr.dtype.element_ty), mask=e < TOP_K)
-    tl.store(w_ptr + t * TOP_K + e, vals.to(w_ptr.dtype.element_ty), mask=e < TOP_K)
-
-
-@triton.jit
 def moe_routing_kernel(
     logits_ptr,
     w_ptr,
@@ -190,58 +166,23 @@ def moe_routing_kernel(
     grid_dependency(PDL)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
-    _route_token(x, t, w_ptr, ids_ptr, E, TOP_K, RENORM, BLOCK_E)
-
-
-@triton.jit
-def moe_router_kernel(
-    x_ptr,
-    g_ptr,
-    logits_ptr,
-    w_ptr,
-    ids_ptr,
-    count_ptr,
-    E,
-    stride_x,
-    stride_g,
-    K: tl.constexpr,
-    TOP_K: tl.constexpr,
-    RENORM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """The router's projection and the top-k routing of a few tokens in one launch: program
-    ``(t, b)`` computes BLOCK_N of token t's E logits as the one-row GEMV does (``[BLOCK_N,
-    BLOCK_K]`` fp32 partials summed once, rounded to the logits' dtype) and stores them; the last
-    of token t's programs to finish (a counter per token, taken with acquire-release semantics, so
-    it sees every other program's logits) routes the token like `moe_routing_kernel` and sets the
-    counter back to zero for the next launch. At batch 1 the routing launch cost as much as the
-    projection's (2.1 us each per MoE layer on an H100, BENCHMARKS.md); here it is a short tail
-    of the one launch."""
-    t = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < E
-    rows = g_ptr + n.to(tl.int64)[:, None] * stride_g
-    xrow = x_ptr + t * stride_x
-    k = tl.arange(0, BLOCK_K)
-    w = tl.load(rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0, eviction_policy="evict_first")
-    grid_dependency(PDL)  # the router's weights do not depend on the kernel before: their load starts first
-    acc = w.to(tl.float32) * tl.load(xrow + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-    for k0 in tl.static_range(BLOCK_K, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * tl.load(xrow + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    y = tl.sum(acc, 1).to(logits_ptr.dtype.element_ty)
-    tl.store(logits_ptr + t * E + n, y, mask=n_ok)
-    done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
-    if done == tl.num_programs(1) - 1:
-        e = tl.arange(0, BLOCK_E)
-        logits = tl.load(logits_ptr + t * E + e, mask=e < E, other=-float("inf"), cache_modifier=".cg")
-        _route_token(logits.to(tl.float32), t, w_ptr, ids_ptr, E, TOP_K, RENORM, BLOCK_E)
-        tl.atomic_xchg(count_ptr + t, 0)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(e < E, p, -1.0)
+    vals = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        m = tl.max(p, 0)
+        i = tl.min(tl.where(p == m, e, BLOCK_E), 0)
+        total += m
+        p = tl.where(e == i, -1.0, p)
+        vals = tl.where(e == j, m, vals)
+        ids = tl.where(e == j, i, ids)
+    if RENORM:
+        vals = vals / total
+    tl.store(ids_ptr + t * TOP_K + e, ids.to(ids_ptr.dtype.element_ty), mask=e < TOP_K)
+    tl.store(w_ptr + t * TOP_K + e, vals.to(w_ptr.dtype.element_ty), mask=e < TOP_K)
 
 
 @triton.jit

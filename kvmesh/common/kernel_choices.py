@@ -50,9 +50,6 @@ class KernelChoices:
     # MoE layers of a few (token, slot) pairs (decode at batch 1 and 2) by two matrix-vector kernels
     # instead of alignment, the grouped GEMM and the sum over slots (four launches fewer per layer).
     moe_gemv: bool = True
-    # The MoE router's projection and the top-k routing of a few tokens (where `moe_gemv` applies) in
-    # one launch instead of the one-row GEMV and the routing launch.
-    fused_router: bool = True
     # Qwen3's per-head q_norm and k_norm inside the RoPE + KV-write launch (kernels.rope_write_kv)
     # instead of two RMSNorm launches before it. Off: the two launches, for comparison.
     fused_qk_norm: bool = True
@@ -69,7 +66,6 @@ class KernelChoices:
             "fp8_gemv_w8a8",
             "moe_prep_kernels",
             "moe_gemv",
-            "fused_router",
             "fused_qk_norm",
             "lora_stacked",
         ):
