@@ -287,6 +287,7 @@ class EngineProcess:
             waiting=len(sched.waiting),
             running=len(sched.running),
             max_num_seqs=sched.config.max_num_seqs,
+            max_num_batched_tokens=sched.config.max_num_batched_tokens,
             prompt_tokens_pending=sched.num_prompt_tokens_pending(),
             free_blocks=kv.pool.num_free_blocks,
             total_blocks=kv.pool.num_blocks,

@@ -86,6 +86,7 @@ class PodLoad:
     waiting: int  # requests queued ahead (not scheduled yet)
     running: int
     max_num_seqs: int
+    max_num_batched_tokens: int  # a step's token budget (--max-num-batched-tokens)
     prompt_tokens_pending: int  # prompt tokens still to compute over waiting and running requests
     free_blocks: int
     total_blocks: int
@@ -97,18 +98,25 @@ def estimate_pod_wait(load: PodLoad, token_rate: float | None, finish_rate: floa
 
     Three things hold it back, and it waits for the slowest (they drain at the same time):
 
-    - the prefill backlog ahead of it: ``prompt_tokens_pending / token_rate`` (tokens computed per
-      second, prefill and decode: a step's budget is shared);
+    - the prefill backlog ahead of it: the scheduler fills each step's token budget with the running
+      requests, then the waiting ones in order, so a request arriving now starts in the first step the
+      backlog leaves room in. The prompt tokens of the full steps before that one, over ``token_rate``
+      (tokens computed per second, prefill and decode: a step's budget is shared); a backlog that the
+      next step takes delays it by no step. (The whole backlog over the rate made a prompt that a
+      decode pod took over from a dead peer read as tens of seconds, its rate measured over one-token
+      decode steps, and it shed new work at two requests in flight.)
     - a sequence slot: past ``max_num_seqs`` running, each request ahead needs one request to
       finish, ``(waiting + 1 - free slots) / finish_rate``;
     - KV capacity: blocks the queue needs beyond the free ones come back as running requests
       finish, each freeing its share of the used blocks (``used / running``).
     """
     waits = [0.0]
-    if load.prompt_tokens_pending > 0:
+    room = max(1, load.max_num_batched_tokens - load.running)  # prompt tokens a step takes (1 per running seq)
+    ahead = load.prompt_tokens_pending // room * room  # in the full steps before the one it starts in
+    if ahead > 0:
         if not token_rate:
             return None
-        waits.append(load.prompt_tokens_pending / token_rate)
+        waits.append(ahead / token_rate)
     slots_short = load.waiting + 1 - max(0, load.max_num_seqs - load.running)
     blocks_short = load.blocks_needed - load.free_blocks
     if slots_short > 0 or blocks_short > 0:

@@ -60,6 +60,7 @@ def load(**kw) -> PodLoad:
         waiting=0,
         running=0,
         max_num_seqs=4,
+        max_num_batched_tokens=256,
         prompt_tokens_pending=0,
         free_blocks=64,
         total_blocks=64,
@@ -71,8 +72,10 @@ def load(**kw) -> PodLoad:
 
 def test_pod_wait_is_the_slowest_of_backlog_slots_and_kv() -> None:
     assert estimate_pod_wait(load(), None, None) == 0.0  # idle: starts now, rates or not
-    # prefill backlog: 1000 tokens at 500 tokens/s
-    assert estimate_pod_wait(load(prompt_tokens_pending=1000), 500.0, None) == pytest.approx(2.0)
+    # prefill backlog: 1000 tokens, 256 a step: it starts in the 4th step, after 768 tokens at 500 tokens/s
+    assert estimate_pod_wait(load(prompt_tokens_pending=1000), 500.0, None) == pytest.approx(768 / 500)
+    # each running sequence takes a token of a step: 6 steps of 250 before it, 1500 tokens
+    assert estimate_pod_wait(load(prompt_tokens_pending=1500, running=6), 500.0, 2.0) == pytest.approx(3.0)
     # slots: 4 running, 5 waiting -> 6 must finish first, at 2/s
     assert estimate_pod_wait(load(running=4, waiting=5), 500.0, 2.0) == pytest.approx(3.0)
     # KV: 40 blocks short, 4 running hold 60 (15 each) -> ~2.67 requests to finish, at 2/s
@@ -80,6 +83,22 @@ def test_pod_wait_is_the_slowest_of_backlog_slots_and_kv() -> None:
     assert estimate_pod_wait(kv, 500.0, 2.0) == pytest.approx(40 / 15 / 2)
     # something is queued but its rate is not known yet
     assert estimate_pod_wait(load(running=4, waiting=1), 500.0, None) is None
+
+
+def test_a_backlog_the_next_step_takes_delays_nothing_whatever_the_rate() -> None:
+    """A decode pod measures its token rate over one-token decode steps (a few tokens/s on a busy CPU). A
+    prompt it takes over from a dead peer (a migration, computed whole there) is computed in its next step,
+    and so is the prompt of a request arriving now: neither waits on the other's tokens at that rate."""
+    migrated = load(running=1, waiting=1, max_num_seqs=32, max_num_batched_tokens=2048, prompt_tokens_pending=427)
+    assert estimate_pod_wait(migrated, 5.0, 1.0) == 0.0
+    assert estimate_pod_wait(migrated, None, None) == 0.0  # no rate needed for no step
+    adm = PodAdmission(30.0)
+    adm.tokens.rate, adm.finishes.rate = 5.0, 1.0
+    assert adm.check(migrated) is None
+    # past the step's budget the full steps before it count: 9 of 2047 tokens, at 5 tokens/s
+    flood = load(running=1, waiting=40, max_num_seqs=64, max_num_batched_tokens=2048, prompt_tokens_pending=20000)
+    shed = adm.check(flood)
+    assert shed is not None and shed.wait_s == pytest.approx(9 * 2047 / 5.0)
 
 
 def test_pod_admission_sheds_past_the_deadline_with_a_computed_retry_after() -> None:
