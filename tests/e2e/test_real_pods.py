@@ -634,14 +634,16 @@ def test_repeated_long_prefix_goes_to_the_pod_that_holds_it(faulted: Service, sm
 
 def checked_sender(svc: Service, prompts, reference, stream: bool = False, also: dict[str, str] | None = None):
     """Requests over ``prompts`` (every other one streamed), each answer checked against ``reference``
-    (or ``also``'s: another engine setting's tokens, while a rollout runs both)."""
+    (or ``also``'s: another engine setting's tokens, while a rollout runs both). A wrong answer names
+    whether it was streamed and the pod that answered (the first one, for a stream that migrated)."""
     names = sorted(prompts)
 
     def send(i: int) -> str | None:
         name = names[i % len(names)]
-        text, _, _ = complete(svc, prompts[name], stream=stream or bool(i % 2))
+        streamed = stream or bool(i % 2)
+        text, pod, _ = complete(svc, prompts[name], stream=streamed)
         ok = text == reference[name] or (also is not None and text == also[name])
-        return None if ok else f"wrong tokens for {name}: {text!r}"
+        return None if ok else f"wrong tokens for {name} (stream {streamed}, from {pod}): {text!r}"
 
     return send
 
@@ -876,6 +878,11 @@ def test_dtype_rolled_out_under_load_loses_nothing(faulted: Service, make_llm, p
     llm = make_llm(dtype="bfloat16")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     bf16 = {k: llm.generate([v], params)[0].outputs[0].text for k, v in prompts.items()}
+    # A stream moved mid-answer from a float32 pod to a bfloat16 one (a migration) would answer the float32
+    # tokens so far and the bfloat16 engine's continuation of them; offline, for these prompts and a move
+    # after any token, either way, that is one of the two engines' own answers. A failure says whether
+    # any stream moved.
+    migrations = metric(faulted.router_metrics(), "kvmesh:router_migrations_total")
     with Load(checked_sender(faulted, prompts, reference, also=bf16), threads=2) as load:
         load.wait_ok(2)
         faulted.patch_spec({"engine": {"dtype": "bfloat16", "gpuMemoryUtilization": 0.5, "maxNumBatchedTokens": 1024}})
@@ -883,7 +890,8 @@ def test_dtype_rolled_out_under_load_loses_nothing(faulted: Service, make_llm, p
         faulted.routed()
         ok = load.ok
         load.wait_ok(ok + 2)
-    assert load.failures == [], load.failures[:5]
+    migrated = metric(faulted.router_metrics(), "kvmesh:router_migrations_total") - migrations
+    assert load.failures == [], (load.failures[:5], f"{migrated:.0f} migrated", bf16)
     for role in ("prefill", "decode"):
         for url in faulted.pod_urls(role).values():
             m = faulted.pod_metrics(url)
