@@ -196,7 +196,10 @@ def test_a_host_that_never_comes_fails_the_leader_naming_it(llama_path):
         model=llama_path, tensor_parallel_size=WORLD, tp_nodes=NODES, tp_leader_address="127.0.0.1", tp_port=port
     )
     config = args.create_engine_config(loaded.config, llama_path)
-    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank_timeout_s=5.0))
+    # long enough for this host's own rank process to start and join on a loaded box (a fresh clone's
+    # `make test` builds the cluster in the background: 5 s once missed it, and the error then named this
+    # host too); the other host never comes
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank_timeout_s=20.0))
     t0 = time.monotonic()
     with pytest.raises(RendezvousError, match=r"did not join .* --tp-node-rank \[1\] \(ranks \[2, 3\] missing"):
         ModelRunner(config, loaded.state_dict)
