@@ -95,7 +95,7 @@ class EngineBuilds:
         t0 = time.perf_counter()
         eng = h.build_engine(self.loaded, **self.kw, **s)
         build_s = time.perf_counter() - t0
-        h.run_requests(eng, torch.randint(100, 120000, (4, 512)).tolist(), h.sampling(8), tag="warm")  # prefill
+        h.warm_decode(eng)  # prefill
         r = eng.runner
         self.builds.append(dict(settings=s, s=build_s, graph_capture_s=r.graph_capture_s))
         log(

@@ -315,7 +315,7 @@ def gemv_times() -> None:
 
 # --------------------------------------------------------------------------- 4. engine
 def decode_rows(eng, config: str, bw: float, args) -> None:
-    h.run_requests(eng, torch.randint(100, 120000, (4, 512)).tolist(), h.sampling(8), tag=f"warm{config}")
+    h.warm_decode(eng, tag=f"warm{config}")
     for B in (1, 32, 128):
         r = h.engine_decode(eng, B, 512, 128, bw, seed=B)
         r["config"] = config

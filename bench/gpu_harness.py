@@ -248,6 +248,23 @@ def replay_profile(eng: EngineCore, B: int, steps: int = 10, top: int = 20) -> d
     return res
 
 
+def warm_decode(eng: EngineCore, B: int = 4, P: int = 512, N: int = 8, tag: str = "warm") -> None:
+    """A short decode before timed rows: B random prompts of P tokens, N new each. A process's first decode
+    steps load the CUDA modules of the eager ops around the graphs (argmax, the input advance: lazy
+    loading), tens of ms once, which a first timed row would otherwise spread over its steps (on an H100:
+    300 against 329 tok/s for the same MoE engine at batch 1, BENCHMARKS.md)."""
+    g = torch.Generator().manual_seed(4243)
+    run_requests(eng, torch.randint(100, 120000, (B, P), generator=g).tolist(), sampling(N), tag=tag)
+
+
+def agreement(a: list[int], b: list[int]) -> float:
+    """The fraction of ``a``'s tokens before its first difference from ``b`` (greedy outputs that are not
+    expected to be equal token for token: how far they go together)."""
+    n = min(len(a), len(b))
+    same = next((i for i in range(n) if a[i] != b[i]), n)
+    return same / max(len(a), 1)
+
+
 def wall_profile(eng: EngineCore, B: int, name: str, P: int = 512, N: int = 32, top: int = 25) -> dict:
     """Where a decode step's wall time goes beyond its graph replay: B requests of P random tokens
     decoding N under the torch profiler, host and device. The Chrome trace (gzipped) goes to

@@ -201,13 +201,6 @@ def _du(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
 
 
-def _agree(a: list[int], b: list[int]) -> float:
-    """The fraction of ``a``'s tokens before its first difference from ``b``."""
-    n = min(len(a), len(b))
-    same = next((i for i in range(n) if a[i] != b[i]), n)
-    return same / max(len(a), 1)
-
-
 def run(args: argparse.Namespace, folder: str, stage: h.Stages) -> None:
     until = h.deadline(args.budget_s)
     bw = 0.0
@@ -255,7 +248,7 @@ def solo_check(b: Bench, eng: EngineCore, runs: list[dict]) -> dict | None:
     n, agree = min(SOLO_TOKENS, b.N), []
     for i in range(min(SOLO_ROWS, B)):
         outs, _ = h.run_requests(eng, [prompts[i]], h.sampling(n), tag=f"solo{i}_", loras=[loras[i]])
-        agree.append(_agree(outs[f"solo{i}_0"], mixed["tokens"][i][:n]))
+        agree.append(h.agreement(outs[f"solo{i}_0"], mixed["tokens"][i][:n]))
     r = dict(B=B, rows=len(agree), tokens=n, exact_rows=sum(a == 1.0 for a in agree), agreement=agree)
     log("alone vs in the mixed batch", r)
     return r

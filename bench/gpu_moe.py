@@ -369,14 +369,6 @@ def active_params_per_token(m) -> float:
     return n
 
 
-def warm(eng) -> None:
-    """A short decode at batch 1 before the timed rows. The first decode steps of a process load the CUDA
-    modules of the eager ops around the graphs (argmax, the input advance: lazy loading), tens of ms once,
-    which the first timed row would otherwise spread over its steps (measured: a first row of 300 tok/s
-    against 328 for the same engine's steps later)."""
-    h.run_requests(eng, [[100 + i for i in range(64)]], h.sampling(16), tag="warm")
-
-
 def bench_30b(quick: bool, bw: float, profile: bool = False, before: bool = True) -> None:
     t0 = time.time()
     lm = random_init.random_model(SHAPE, name="qwen3-30b-a3b-random", dtype=torch.bfloat16, device=DEV, seed=1)
@@ -389,7 +381,7 @@ def bench_30b(quick: bool, bw: float, profile: bool = False, before: bool = True
         weights_GB=sum(t.numel() * t.element_size() for t in lm.state_dict.values()) / 1e9,
     )
     log("engine", R["engine"], f"{time.time() - t0:.1f}s")
-    warm(eng)
+    h.warm_decode(eng, 1, 64, 16)
     R["decode"] = [h.engine_decode(eng, B, 512, 32 if quick else 128, bw, seed=B) for B in (1, 2, 32, 128)]
     if profile:
         h.run_requests(eng, [[100 + i for i in range(512)]], h.sampling(8), tag="prof")  # batch 1 in the graphs
@@ -422,7 +414,7 @@ def bench_30b(quick: bool, bw: float, profile: bool = False, before: bool = True
         num_kv_blocks=1536,
         **BEFORE,
     )
-    warm(eng)
+    h.warm_decode(eng, 1, 64, 16)
     R["decode_before"] = [h.engine_decode(eng, B, 512, 32 if quick else 128, bw, seed=B) for B in (1, 2)]
     eng.shutdown()
 

@@ -320,7 +320,7 @@ def token_check(base_url: str, model: str, reqs: list[bench_serve.BenchRequest],
     """The server's greedy tokens for ``reqs`` (cache reset first) against the offline ones, row by row."""
     reset_prefix_cache(base_url)
     got = asyncio.run(_completion_ids(base_url, model, reqs))
-    agree = [_agree(a, b) for a, b in zip(got, offline_tokens)]
+    agree = [h.agreement(a, b) for a, b in zip(got, offline_tokens)]
     r = dict(
         rows=len(got),
         exact_rows=sum(a == b for a, b in zip(got, offline_tokens)),
@@ -330,13 +330,6 @@ def token_check(base_url: str, model: str, reqs: list[bench_serve.BenchRequest],
     )
     log("serve tokens vs offline", r)
     return r
-
-
-def _agree(a: list[int], b: list[int]) -> float:
-    """The fraction of ``a``'s tokens before its first difference from ``b``."""
-    n = min(len(a), len(b))
-    same = next((i for i in range(n) if a[i] != b[i]), n)
-    return same / max(len(a), 1)
 
 
 def serve(plan: Plan, folder: str, reqs: list, warm: list, offline_tokens: list, until: float) -> None:
