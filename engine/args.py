@@ -407,6 +407,13 @@ class EngineArgs:
         action=argparse.BooleanOptionalAction,
         section=KERNELS,
     )
+    fused_norm_gemv: bool = _setting(
+        KernelChoices.fused_norm_gemv,
+        "at batch 1, the RMSNorm before q|k|v and before the MLP (or the MoE router) inside that "
+        "projection's GEMV; --no-fused-norm-gemv: an RMSNorm launch before each",
+        action=argparse.BooleanOptionalAction,
+        section=KERNELS,
+    )
     lora_stacked: bool = _setting(
         KernelChoices.lora_stacked,
         "with --enable-lora: the adapters' shrink inside the base projection's GEMM (their A stacked under "

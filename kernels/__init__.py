@@ -19,7 +19,7 @@ from .fp8 import Fp8Weight, fp8_quantize_rows, quantize_weight
 from .gemv import gemv_config
 from .kv_cache import copy_blocks, gather_blocks, rope_write_kv, write_kv
 from .lora import lora_expand, lora_shrink
-from .matmul import linear, silu_mul_linear
+from .matmul import linear, rms_norm_linear, silu_mul_linear
 from .moe import fused_moe, moe_config, moe_routing
 from .reference import (
     copy_blocks_reference,
@@ -76,6 +76,7 @@ __all__ = [
     "rope",
     "rope_write_kv",
     "silu_and_mul",
+    "rms_norm_linear",
     "silu_mul_linear",
     "top_p_threshold",
     "write_kv",

@@ -5,10 +5,25 @@ with SiLU-and-multiply for the down projection) beats cuBLAS's."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import _dispatch
 from ._dispatch import cdiv, num_sms, p2, pdl
+
+
+@dataclass(frozen=True)
+class GemvNorm:
+    """The RMSNorm the GEMV forms its input row with (`gemv_kernel`'s NORM): weight and eps, the
+    residual added first (None: none), and where program 0 writes the residual sum and the
+    normalised row (None: not wanted; ``residual_out`` is needed exactly when ``residual`` is given)."""
+
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
+    x_out: torch.Tensor | None = None
 
 
 def gemv_config(N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
@@ -41,12 +56,14 @@ def gemv(
     x_scale=None,
     out_dtype=None,
     w_bits=False,
+    norm: GemvNorm | None = None,
     *,
     pdl_on: bool,
 ) -> torch.Tensor:
     """One-row GEMV; ``w_scale`` (per output channel) for an e4m3 weight, ``x_scale`` (one
     value) for an e4m3 input row (then ``out_dtype`` is the output's); ``w_bits``: widen the e4m3
-    weight by integer ops (the kernel's W_BITS); ``pdl_on``: the caller's `KernelChoices.pdl`."""
+    weight by integer ops (the kernel's W_BITS); ``norm``: the input is the RMSNorm of ``x`` (the
+    kernel's NORM); ``pdl_on``: the caller's `KernelChoices.pdl`."""
     N, K = weight.shape
     y = torch.empty((1, N), dtype=out_dtype or x.dtype, device=x.device)
     if N == 0:
@@ -55,6 +72,18 @@ def gemv(
         return y.zero_() if bias is None else y.copy_(bias.view(1, N))
     bn, bk, warps, stages = config or gemv_config(N, K, x.device)
     bk = min(bk, p2(K))
+    nk = {}
+    if norm is not None:
+        nk = dict(
+            r_ptr=norm.residual if norm.residual is not None else x,
+            nw_ptr=norm.weight,
+            ro_ptr=norm.residual_out if norm.residual_out is not None else y,
+            xo_ptr=norm.x_out if norm.x_out is not None else y,
+            eps=float(norm.eps),
+            NORM=True,
+            HAS_RES=norm.residual is not None,
+            STORE_X=norm.x_out is not None,
+        )
     _dispatch.kernels_for(x).gemv_kernel[(cdiv(N, bn),)](
         x,
         weight.view(torch.uint8) if w_bits else weight,
@@ -76,6 +105,7 @@ def gemv(
         W_SCALE=w_scale is not None,
         X_SCALE=x_scale is not None,
         W_BITS=w_bits,
+        **nk,
         **pdl(x, 1, pdl_on),
     )
     return y

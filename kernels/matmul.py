@@ -14,7 +14,7 @@ from . import fp8 as _fp8
 from . import reference as _ref
 from ._checks import FLOATS, check_device, check_dim, check_dtype, fail
 from ._dispatch import backend
-from .elementwise import silu_and_mul
+from .elementwise import rms_norm, silu_and_mul
 from .fp8 import (
     Fp8Weight,
     check_fp8_linear,
@@ -25,6 +25,7 @@ from .fp8 import (
     fp8_swapab,
     one_row_path,
 )
+from .gemv import GemvNorm
 from .gemv import gemv as _gemv
 
 
@@ -69,6 +70,55 @@ def linear(
     if backend(x) == "reference" or not _gemv_applies(x, weight, bias, choices):
         return F.linear(x, weight, bias)
     return _gemv(x, weight, bias, False, config, pdl_on=choices.pdl)
+
+
+def rms_norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | Fp8Weight,
+    bias: torch.Tensor | None = None,
+    *,
+    want_normed: bool = False,
+    choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``linear(rms_norm(x (+ residual)), weight, bias)``: a pre-norm decoder's norm and the projection
+    after it. Returns ``(y, normed, residual_out)``: ``normed`` the norm's output when
+    ``want_normed`` (else None), ``residual_out`` the residual stream after the add (``x`` itself
+    when ``residual`` is None), as `rms_norm` returns them.
+
+    At one row (decode at batch 1) with ``choices.fused_norm_gemv`` the GEMV forms the norm itself
+    (`gemv_kernel`'s NORM): one launch instead of two, the norm's few KiB re-read from L2 by every
+    program. Otherwise, and for FP8 weights, `rms_norm` then `linear`."""
+    fn = "rms_norm_linear"
+    fused = (
+        not isinstance(weight, Fp8Weight)
+        and choices.fused_norm_gemv
+        and x.dim() == 2
+        and backend(x) != "reference"
+        and norm_weight.dtype == x.dtype
+        and norm_weight.dim() == 1
+        and norm_weight.shape[0] == x.shape[1]
+        and norm_weight.is_contiguous()
+        and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()))
+    )
+    if fused:
+        _linear_checks(fn, x, weight, bias, 1)
+        fused = _gemv_applies(x, weight, bias, choices)
+    if not fused:
+        if residual is None:
+            normed = rms_norm(x, norm_weight, eps, choices=choices)
+            residual_out = x
+        else:
+            normed, residual_out = rms_norm(x, norm_weight, eps, residual, choices=choices)
+        return linear(normed, weight, bias, choices=choices), normed if want_normed else None, residual_out
+    check_device(fn, "x", x, norm_weight=norm_weight, residual=residual)
+    residual_out = torch.empty_like(x) if residual is not None else x
+    normed = torch.empty_like(x) if want_normed else None
+    spec = GemvNorm(norm_weight, eps, residual, residual_out if residual is not None else None, normed)
+    y = _gemv(x, weight, bias, False, norm=spec, pdl_on=choices.pdl)
+    return y, normed, residual_out
 
 
 def silu_mul_linear(

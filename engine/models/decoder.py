@@ -68,6 +68,14 @@ class DenseMLP:
         c = self.choices
         return kernels.silu_mul_linear(kernels.linear(x, self.gate_up, choices=c), self.down, choices=c)
 
+    def after_norm(
+        self, h: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self(rms_norm(h + residual))`` and the new residual; gate|up forms the norm at one row."""
+        c = self.choices
+        gate_up, _, residual = kernels.rms_norm_linear(h, norm, eps, residual, self.gate_up, choices=c)
+        return kernels.silu_mul_linear(gate_up, self.down, choices=c), residual
+
     def with_lora(self, x: torch.Tensor, lora: LoraPool, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """The same with each row's LoRA on gate, up and down (engine/lora/pool.py); down's product
         stays fused with the activation."""
@@ -84,6 +92,13 @@ class MLP(Protocol):
     """A layer's MLP: what it computes, and the weight bytes a step over some tokens reads."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def after_norm(
+        self, h: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self(rms_norm(h + residual, norm))`` and ``h + residual``: the MLP with the norm before it,
+        which its first projection may form itself (`kernels.rms_norm_linear`)."""
+        ...
 
     def weight_bytes(self, num_tokens: int) -> int: ...
 
@@ -258,16 +273,18 @@ class DecoderForCausalLM(torch.nn.Module):
         ls = meta.lora_slots
         lora = self.lora if ls is not None else None
         for li, layer in enumerate(self.layers):
-            if residual is None:
-                residual = h
-                x = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, choices=c)
-            else:
-                x, residual = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual, choices=c)
             if lora is not None:
                 assert ls is not None
+                if residual is None:
+                    residual = h
+                    x = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, choices=c)
+                else:
+                    x, residual = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual, choices=c)
                 qkv = lora.linear(li, "qkv", x, layer["qkv"], layer["qkv_bias"], ls, c)
-            else:
-                qkv = kernels.linear(x, layer["qkv"], layer["qkv_bias"], choices=c)
+            else:  # at one row the GEMV forms the norm itself (`kernels.rms_norm_linear`)
+                qkv, _, residual = kernels.rms_norm_linear(
+                    h, layer["in_norm"], cfg.rms_norm_eps, residual, layer["qkv"], layer["qkv_bias"], choices=c
+                )
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(T, cfg.num_heads, cfg.head_dim)
             k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
@@ -316,13 +333,13 @@ class DecoderForCausalLM(torch.nn.Module):
                 h = kernels.linear(attn, layer["o"], choices=c)
             if self.tp is not None:
                 h = self.tp.group.all_reduce(h)
-            x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual, choices=c)
             mlp = layer["mlp"]
             if lora is not None and isinstance(mlp, DenseMLP) and lora.has(li, "down"):
                 assert ls is not None
+                x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual, choices=c)
                 h = mlp.with_lora(x, lora, li, ls)
             else:
-                h = mlp(x)
+                h, residual = mlp.after_norm(h, residual, layer["post_norm"], cfg.rms_norm_eps)
             if self.tp is not None:  # dense or experts: each rank's slice of the intermediate dimension
                 h = self.tp.group.all_reduce(h)
         assert residual is not None  # set by the first layer

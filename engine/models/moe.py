@@ -71,6 +71,17 @@ class SparseMoeMLP:
         weights, ids = kernels.moe_routing(logits, self.top_k, self.renormalize, choices=c)
         return kernels.fused_moe(x, self.w_gate_up, self.w_down, weights, ids, choices=c)
 
+    def after_norm(
+        self, h: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self(rms_norm(h + residual))`` and the new residual; the router's projection forms the norm
+        at one row and hands the normalised row on to the experts."""
+        c = self.choices
+        logits, x, residual = kernels.rms_norm_linear(h, norm, eps, residual, self.gate, want_normed=True, choices=c)
+        assert x is not None
+        weights, ids = kernels.moe_routing(logits, self.top_k, self.renormalize, choices=c)
+        return kernels.fused_moe(x, self.w_gate_up, self.w_down, weights, ids, choices=c), residual
+
     def weight_bytes(self, num_tokens: int) -> int:
         """The router and the experts ``num_tokens`` tokens are expected to reach under uniform routing
         (``E * (1 - (1 - k/E) ** tokens)`` distinct experts: 8 of 128 at one token, ~112 at 32)."""

@@ -1,4 +1,5 @@
-"""The one-row GEMV of decode at batch 1 (optionally fused with SiLU-and-multiply)."""
+"""The one-row GEMV of decode at batch 1 (optionally fused with SiLU-and-multiply, or with the
+RMSNorm before it)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,87 @@ def _gemv_x(x_ptr, k, k_ok, K, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _norm_in(x_ptr, r_ptr, k, k_ok, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr):
+    """The RMSNorm's input chunk at ``k``: ``x + residual`` rounded to x's dtype, as `rms_norm_kernel` forms it."""
+    if EVEN_K:
+        x = tl.load(x_ptr + k)
+    else:
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+    if HAS_RES:
+        if EVEN_K:
+            r = tl.load(r_ptr + k)
+        else:
+            r = tl.load(r_ptr + k, mask=k_ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _norm_rstd(x_ptr, r_ptr, K, eps, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``1 / sqrt(mean((x + residual)^2) + eps)`` over the whole row (it is a few KiB, read from L2)."""
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xf = _norm_in(x_ptr, r_ptr, k, k < K, HAS_RES, EVEN_K).to(tl.float32)
+        acc += xf * xf
+    return tl.math.rsqrt(tl.sum(acc, 0) / K + eps)
+
+
+@triton.jit
+def _normed_x(
+    x_ptr,
+    r_ptr,
+    nw_ptr,
+    ro_ptr,
+    xo_ptr,
+    k,
+    k_ok,
+    rstd,
+    first,
+    HAS_RES: tl.constexpr,
+    STORE_X: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """The normalised input chunk at ``k`` in fp32, rounded to x's dtype first as `rms_norm` returns it
+    (its weight in x's dtype, multiplied in fp32). The ``first`` program also stores the chunk's
+    residual sum (HAS_RES) and normalised row (STORE_X) for the layers after this projection."""
+    x = _norm_in(x_ptr, r_ptr, k, k_ok, HAS_RES, EVEN_K)
+    if EVEN_K:
+        nw = tl.load(nw_ptr + k)
+    else:
+        nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0)
+    y = (x.to(tl.float32) * rstd * nw.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    if HAS_RES:
+        tl.store(ro_ptr + k, x, mask=k_ok & first)
+    if STORE_X:
+        tl.store(xo_ptr + k, y, mask=k_ok & first)
+    return y.to(tl.float32)
+
+
+@triton.jit
+def _gemv_in(
+    x_ptr,
+    r_ptr,
+    nw_ptr,
+    ro_ptr,
+    xo_ptr,
+    k,
+    k_ok,
+    K,
+    rstd,
+    first,
+    SILU_MUL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    STORE_X: tl.constexpr,
+):
+    if NORM:
+        return _normed_x(x_ptr, r_ptr, nw_ptr, ro_ptr, xo_ptr, k, k_ok, rstd, first, HAS_RES, STORE_X, EVEN_K)
+    return _gemv_x(x_ptr, k, k_ok, K, SILU_MUL, EVEN_K)
+
+
+@triton.jit
 def gemv_kernel(
     x_ptr,
     w_ptr,
@@ -74,6 +156,14 @@ def gemv_kernel(
     W_SCALE: tl.constexpr = False,
     X_SCALE: tl.constexpr = False,
     W_BITS: tl.constexpr = False,
+    r_ptr=None,
+    nw_ptr=None,
+    ro_ptr=None,
+    xo_ptr=None,
+    eps=0.0,
+    NORM: tl.constexpr = False,
+    HAS_RES: tl.constexpr = False,
+    STORE_X: tl.constexpr = False,
 ):
     """``y = w @ x (+ b)`` for ONE input row: the decode step at batch 1, where every
     projection is a matrix-vector product bound by reading the weights once.
@@ -93,7 +183,13 @@ def gemv_kernel(
     the end. X_SCALE takes an e4m3 input row with its per-token scale ``xs[0]`` (W8A8); without it
     the input stays in its own dtype (W8A16: no quantization error on the activation side, and
     no extra launch to quantize it). W_BITS: the e4m3 weight comes as its bytes and is widened by
-    integer ops (`_widen`), not by the conversion instructions that bound the e4m3 stream."""
+    integer ops (`_widen`), not by the conversion instructions that bound the e4m3 stream.
+
+    NORM: the input is the RMSNorm of ``x (+ residual)`` with weight ``nw`` (x's dtype), formed by
+    every program on the fly instead of by a launch before this one: each program first sums the
+    squares of the whole row (read again per chunk from L2), then normalises each chunk it
+    streams, rounded as `rms_norm` rounds its output. Program 0 stores the residual sum (HAS_RES)
+    and the normalised row (STORE_X) for the kernels after this one."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -105,12 +201,22 @@ def gemv_kernel(
     xb = 1.0
     if W_BITS:
         xb = 18446744073709551616.0  # 2^64: see _widen
-    acc = _widen(w, W_BITS) * (_gemv_x(x_ptr, k, k_ok, K, SILU_MUL, EVEN_K) * xb)[None, :]
+    rstd = 1.0
+    if NORM:
+        rstd = _norm_rstd(x_ptr, r_ptr, K, eps, HAS_RES, EVEN_K, BLOCK_K)
+    first = pid == 0
+    xk = _gemv_in(
+        x_ptr, r_ptr, nw_ptr, ro_ptr, xo_ptr, k, k_ok, K, rstd, first, SILU_MUL, EVEN_K, NORM, HAS_RES, STORE_X
+    )
+    acc = _widen(w, W_BITS) * (xk * xb)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         w = _gemv_w(rows, n_ok, k, k_ok, EVEN_N, EVEN_K)
-        acc += _widen(w, W_BITS) * (_gemv_x(x_ptr, k, k_ok, K, SILU_MUL, EVEN_K) * xb)[None, :]
+        xk = _gemv_in(
+            x_ptr, r_ptr, nw_ptr, ro_ptr, xo_ptr, k, k_ok, K, rstd, first, SILU_MUL, EVEN_K, NORM, HAS_RES, STORE_X
+        )
+        acc += _widen(w, W_BITS) * (xk * xb)[None, :]
     y = tl.sum(acc, 1)
     if W_BITS:
         y = y * 72057594037927936.0  # 2^56: with the input's 2^64, undoes _widen's 2^-120

@@ -53,6 +53,9 @@ class KernelChoices:
     # Qwen3's per-head q_norm and k_norm inside the RoPE + KV-write launch (kernels.rope_write_kv)
     # instead of two RMSNorm launches before it. Off: the two launches, for comparison.
     fused_qk_norm: bool = True
+    # A one-row projection after an RMSNorm (q|k|v after the input norm, the MoE router or gate|up after
+    # the post-attention norm) forms the norm inside its GEMV instead of a launch before it.
+    fused_norm_gemv: bool = True
     # LoRA's shrink inside the base projection's GEMM (the slots' A stacked under its weight) and one
     # expand launch, instead of a shrink, the sum of its K splits and an expand per projection
     # (engine/lora/pool.py). Off: the separate kernels everywhere, for comparison.
@@ -67,6 +70,7 @@ class KernelChoices:
             "moe_prep_kernels",
             "moe_gemv",
             "fused_qk_norm",
+            "fused_norm_gemv",
             "lora_stacked",
         ):
             if not isinstance(getattr(self, name), bool):

@@ -83,11 +83,7 @@ def test_fused_moe_in_a_cuda_graph_follows_new_routing(gen, gemv):
         assert _err(out, x, w1, w2, weights, ids) < BOUND[torch.bfloat16]
 
 
-def test_small_qwen3_moe_engine_matches_hf():
-    from kvmesh.engine.args import EngineArgs
-    from kvmesh.engine.core.engine_core import EngineCore
-    from kvmesh.engine.core.messages import EngineCoreRequest
-    from kvmesh.engine.frontend.sampling_params import SamplingParams
+def _small_moe():
     from kvmesh.engine.models.random_init import QWEN3_30B_A3B, hf_model_from_state_dict, random_model, scaled_config
 
     cfg = scaled_config(
@@ -108,23 +104,56 @@ def test_small_qwen3_moe_engine_matches_hf():
         eos_token_id=2,
     )
     loaded = random_model(cfg, name="small-moe", dtype=torch.float32, device="cuda", seed=5)
-    hf = hf_model_from_state_dict(cfg, loaded.state_dict, "cuda", torch.float32)
+    return loaded, hf_model_from_state_dict(cfg, loaded.state_dict, "cuda", torch.float32)
+
+
+def _greedy(loaded, prompts, max_tokens=16, **choices):
+    from kvmesh.engine.args import EngineArgs
+    from kvmesh.engine.core.engine_core import EngineCore
+    from kvmesh.engine.core.messages import EngineCoreRequest
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
+
     eng, _ = EngineCore.from_model(
-        EngineArgs(device="cuda", dtype="float32", max_model_len=512, num_kv_blocks=256, max_num_seqs=16),
+        EngineArgs(device="cuda", dtype="float32", max_model_len=512, num_kv_blocks=256, max_num_seqs=16, **choices),
         loaded=loaded,
     )
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (9, 40, 120, 17, 64, 33)]
     for i, p in enumerate(prompts):
-        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         eng.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=p, params=params))
     outs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while eng.has_unfinished():
         for o in eng.step():
             outs[o.request_id] += o.new_token_ids
-    assert eng.runner.num_graph_steps > 0  # decode ran in CUDA graphs, the fused kernel inside them
-    for i, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False, pad_token_id=0)
-        assert outs[str(i)] == ref[0, len(p) :].tolist(), f"prompt {i}"
+    graph_steps = eng.runner.num_graph_steps
     eng.shutdown()
+    return [outs[str(i)] for i in range(len(prompts))], graph_steps
+
+
+def _hf_greedy(hf, p, max_tokens=16):
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    return ref[0, len(p) :].tolist()
+
+
+def test_small_qwen3_moe_engine_matches_hf():
+    loaded, hf = _small_moe()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (9, 40, 120, 17, 64, 33)]
+    outs, graph_steps = _greedy(loaded, prompts)
+    assert graph_steps > 0  # decode ran in CUDA graphs, the fused kernel inside them
+    for i, p in enumerate(prompts):
+        assert outs[i] == _hf_greedy(hf, p), f"prompt {i}"
+
+
+def test_batch_one_decode_with_the_norms_inside_the_gemvs_matches_hf():
+    """Batch 1: the input norm formed inside q|k|v's GEMV and the post-attention norm inside the router's
+    (``fused_norm_gemv``, the default) give HF's tokens, as the separate norm launches do."""
+    loaded, hf = _small_moe()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (23, 77)]
+    for p in prompts:
+        ref = _hf_greedy(hf, p, 24)
+        fused, graph_steps = _greedy(loaded, [p], 24)
+        plain, _ = _greedy(loaded, [p], 24, fused_norm_gemv=False)
+        assert graph_steps > 0
+        assert fused == [ref] and plain == [ref]

@@ -455,6 +455,56 @@ def test_silu_mul_linear(gen, dtype):
     assert rel_err(y, ref) < GEMV_BOUND[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,res,want", [(24, 96, True, True), (37, 64, False, False), (9, 3000, True, False)])
+def test_rms_norm_linear_forms_the_norm_inside_the_gemv(gen, dtype, n, k, res, want, monkeypatch):
+    """One row: the GEMV normalises its input itself (K not a multiple of the chunk, and K over two
+    chunks, included). The residual sum equals `rms_norm`'s exactly, the normalised row it hands on
+    is `rms_norm`'s within rounding, and the product is the float64 one of that row; one launch."""
+    calls = []
+    real = matmul._gemv
+    monkeypatch.setattr(matmul, "_gemv", lambda *a, **kw: calls.append(kw.get("norm")) or real(*a, **kw))
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    r = torch.randn(1, k, generator=gen).to(dtype) if res else None
+    nw = (1 + 0.3 * torch.randn(k, generator=gen)).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    y, normed, r_out = K.rms_norm_linear(x, nw, 1e-6, r, w, b, want_normed=want)
+    assert len(calls) == 1 and calls[0] is not None
+    if res:
+        ref_x, ref_r = K.rms_norm(x, nw, 1e-6, r)
+        assert torch.equal(r_out, ref_r)
+    else:
+        ref_x, ref_r = K.rms_norm(x, nw, 1e-6), x
+        assert r_out is x
+    if want:
+        assert normed is not None and elem_err(normed, ref_x, dtype) <= ELEM_BOUND[dtype]
+    else:
+        assert normed is None
+    ref = torch.nn.functional.linear(ref_x.double(), w.double(), b.double())
+    assert y.dtype == dtype and y.shape == (1, n)
+    assert rel_err(y, ref) < GEMV_BOUND[dtype]
+
+
+def test_rms_norm_linear_takes_two_launches_where_the_gemv_does_not_apply(gen, monkeypatch):
+    """More than one row, or ``fused_norm_gemv=False``: `rms_norm` then `linear`, the same results."""
+    calls = []
+    real = matmul._gemv
+    monkeypatch.setattr(matmul, "_gemv", lambda *a, **kw: calls.append(kw.get("norm")) or real(*a, **kw))
+    w = torch.randn(16, 32, generator=gen)
+    nw = torch.rand(32, generator=gen) + 0.5
+    x, r = torch.randn(3, 32, generator=gen), torch.randn(3, 32, generator=gen)
+    y, normed, r_out = K.rms_norm_linear(x, nw, 1e-5, r, w, want_normed=True)
+    ref_x, ref_r = K.rms_norm(x, nw, 1e-5, r)
+    assert calls == [] and torch.equal(normed, ref_x) and torch.equal(r_out, ref_r)
+    assert torch.equal(y, torch.nn.functional.linear(ref_x, w))
+    y1, _, _ = K.rms_norm_linear(x[:1], nw, 1e-5, r[:1], w, choices=K.KernelChoices(fused_norm_gemv=False))
+    assert calls == [None]  # the plain GEMV after a separate norm
+    assert rel_err(y1, torch.nn.functional.linear(ref_x[:1].double(), w.double())) < GEMV_BOUND[torch.float32]
+    with pytest.raises(ValueError, match="does not match weight"):
+        K.rms_norm_linear(torch.randn(1, 31), torch.ones(31), 1e-5, None, w)
+
+
 def test_gemv_dispatch(gen, monkeypatch):
     """Only single rows take the GEMV kernel; ``KernelChoices(gemv_kernel=False)`` turns it off; bad
     shapes are errors."""
