@@ -17,11 +17,12 @@ from .attention import attention_config, paged_attention
 from .elementwise import rms_norm, rope, silu_and_mul
 from .fp8 import Fp8Weight, fp8_quantize_rows, quantize_weight
 from .gemv import gemv_config
-from .kv_cache import copy_blocks, gather_blocks, rope_write_kv, write_kv
+from .kv_cache import advance_decode_inputs, copy_blocks, gather_blocks, rope_write_kv, write_kv
 from .lora import lora_expand, lora_shrink
 from .matmul import linear, rms_norm_linear, silu_mul_linear
 from .moe import fused_moe, moe_config, moe_routing
 from .reference import (
+    advance_decode_inputs_reference,
     copy_blocks_reference,
     dequantize_kv_reference,
     fp8_gemv_reference,
@@ -52,6 +53,8 @@ __all__ = [
     "DEFAULT_KERNEL_CHOICES",
     "KernelChoices",
     "Fp8Weight",
+    "advance_decode_inputs",
+    "advance_decode_inputs_reference",
     "fp8_gemv_reference",
     "fp8_linear_reference",
     "fp8_quantize_rows",

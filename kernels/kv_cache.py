@@ -250,3 +250,49 @@ def rope_write_kv(
         **pdl(query, T, choices.pdl),
     )
     return qo
+
+
+def advance_decode_inputs(
+    tok: torch.Tensor,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    *,
+    choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
+) -> None:
+    """A decode round's next step inputs, in place, from the tokens ``tok [B]`` just drawn: ``ids = tok``,
+    ``positions`` and ``seq_lens`` + 1, ``slots`` the new positions' slots in ``block_tables [B, W]``
+    (whose blocks must already cover them). One launch on a device (`advance_decode_kernel`) instead of
+    the dozen torch ops of the reference."""
+    fn = "advance_decode_inputs"
+    check_dim(fn, "tok", tok, 1)
+    B = tok.shape[0]
+    for name, t in (("ids", ids), ("positions", positions), ("slots", slots), ("seq_lens", seq_lens)):
+        check_dim(fn, name, t, 1)
+        check_dtype(fn, name, t, INTS)
+        if t.shape[0] != B or not t.is_contiguous():
+            fail(fn, f"{name} must be contiguous [{B}], got {tuple(t.shape)}")
+    check_dim(fn, "block_tables", block_tables, 2)
+    if block_tables.shape[0] != B or block_tables.stride(1) != 1:
+        fail(fn, f"block_tables must be [{B}, W] with contiguous rows, got {tuple(block_tables.shape)}")
+    if backend(tok) == "reference":
+        _ref.advance_decode_inputs_reference(tok, ids, positions, slots, seq_lens, block_tables, block_size)
+        return
+    if B == 0:
+        return
+    _dispatch.kernels_for(tok).advance_decode_kernel[(1,)](
+        tok,
+        ids,
+        positions,
+        slots,
+        seq_lens,
+        block_tables,
+        block_tables.stride(0),
+        B,
+        block_size,
+        BLOCK=p2(B),
+        **pdl(tok, B, choices.pdl),
+    )

@@ -474,3 +474,21 @@ def lora_expand_reference(
             delta = h[i, rows] @ b[s, i, : hi - lo].float().T
             y[rows, lo:hi] = (y[rows, lo:hi].float() + delta).to(y.dtype)
     return y
+
+
+def advance_decode_inputs_reference(
+    tok: torch.Tensor,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+) -> None:
+    """One decode step's inputs turned into the next one's, in place: ``ids = tok``, positions and
+    sequence lengths + 1, each slot the new position's in its row of ``block_tables``."""
+    ids.copy_(tok)
+    positions.add_(1)
+    seq_lens.add_(1)
+    blk = block_tables.gather(1, torch.div(positions, block_size, rounding_mode="floor").long()[:, None])[:, 0]
+    slots.copy_(blk * block_size + positions % block_size)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvmesh import kernels
 from kvmesh.engine.core.sched_output import SchedulerOutput
 from kvmesh.engine.models.decoder import AttentionMetadata
 from kvmesh.engine.runner.device_draw import draw_on_device
@@ -229,9 +230,7 @@ class DecodeRoundRunner:
         return self.model(ids, pos, self.kv_cache, meta, None)
 
     def _advance(self, tok, ids, pos, slots, seq_lens, bt) -> None:
-        """Turn one decode step's inputs into the next one's, on the device, in place."""
-        ids.copy_(tok)
-        pos.add_(1)
-        seq_lens.add_(1)
-        blk = bt.gather(1, torch.div(pos, self.block_size, rounding_mode="floor").long()[:, None])[:, 0]
-        slots.copy_(blk * self.block_size + pos % self.block_size)
+        """Turn one decode step's inputs into the next one's, on the device, in place (one launch)."""
+        kernels.advance_decode_inputs(
+            tok, ids, pos, slots, seq_lens, bt, self.block_size, choices=self.model.kernel_choices
+        )

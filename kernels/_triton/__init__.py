@@ -3,7 +3,7 @@ arguments and choose the launch configuration). One module per family; the wrapp
 kernel through this package."""
 
 from .attention import paged_attention_kernel, paged_decode_tma_kernel, reduce_segments_kernel
-from .cache import block_copy_kernel, rope_write_kv_kernel, write_kv_kernel
+from .cache import advance_decode_kernel, block_copy_kernel, rope_write_kv_kernel, write_kv_kernel
 from .elementwise import rms_norm_kernel, rope_kernel, silu_and_mul_kernel
 from .fp8 import fp8_gemm_kernel, fp8_quant_rows_kernel, fp8_swapab_kernel
 from .gemv import gemv_kernel
@@ -25,6 +25,7 @@ from .sampling import (
 )
 
 __all__ = [
+    "advance_decode_kernel",
     "block_copy_kernel",
     "fused_moe_kernel",
     "moe_align_kernel",

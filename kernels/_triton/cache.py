@@ -1,11 +1,11 @@
-"""Writes into the paged KV cache and whole-block moves."""
+"""Writes into the paged KV cache and whole-block moves; the decode inputs' advance to their next slots."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ._common import grid_dependency
+from ._common import grid_dependency, jit_unspecialized
 
 
 @triton.jit
@@ -252,3 +252,34 @@ def rope_write_kv_kernel(
             v2 = _quantize(tl.load(vb + HALF, mask=mk), vs_ptr, hk, hk_ok, KV_SCALED, KV_FP8)
             tl.store(vc, v1.to(v_cache_ptr.dtype.element_ty), mask=mk)
             tl.store(vc + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mk)
+
+
+@jit_unspecialized("B", "stride_bt")
+def advance_decode_kernel(
+    tok_ptr,
+    ids_ptr,
+    pos_ptr,
+    slots_ptr,
+    lens_ptr,
+    bt_ptr,
+    stride_bt,
+    B,
+    block_size,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """One decode step's inputs turned into the next one's, in place, for all ``B`` rows in one program:
+    the ids become the drawn tokens, positions and sequence lengths grow by one, and each slot is the
+    new position's in the row's block table. Replaces a dozen tiny torch launches between two steps of
+    a decode round."""
+    grid_dependency(PDL)
+    r = tl.arange(0, BLOCK)
+    ok = r < B
+    tok = tl.load(tok_ptr + r, mask=ok, other=0)
+    tl.store(ids_ptr + r, tok.to(ids_ptr.dtype.element_ty), mask=ok)
+    p = tl.load(pos_ptr + r, mask=ok, other=0) + 1
+    tl.store(pos_ptr + r, p, mask=ok)
+    n = tl.load(lens_ptr + r, mask=ok, other=0)
+    tl.store(lens_ptr + r, n + 1, mask=ok)
+    blk = tl.load(bt_ptr + r.to(tl.int64) * stride_bt + p // block_size, mask=ok, other=0)
+    tl.store(slots_ptr + r, (blk * block_size + p % block_size).to(slots_ptr.dtype.element_ty), mask=ok)

@@ -505,6 +505,31 @@ def test_rms_norm_linear_takes_two_launches_where_the_gemv_does_not_apply(gen, m
         K.rms_norm_linear(torch.randn(1, 31), torch.ones(31), 1e-5, None, w)
 
 
+@pytest.mark.parametrize("B", [1, 5, 33])
+def test_advance_decode_inputs_equals_the_reference(gen, B):
+    """The decode inputs' advance in one launch, on int32 views of a larger buffer (as the CUDA graphs'
+    static buffer holds them) and a block table wider than used: the reference's result exactly,
+    positions crossing a block boundary included."""
+    bs, W = 16, 8
+    tok = torch.randint(0, 50000, (B,), generator=gen)
+    pos0 = torch.randint(0, W * bs - 1, (B,), generator=gen).to(torch.int32)
+    pos0[0] = bs - 1  # the next position starts a new block
+    bt_full = torch.randperm(4 * W * B, generator=gen)[: B * (W + 3)].to(torch.int32).view(B, W + 3)
+    buf = torch.full((5 * B + 2,), -7, dtype=torch.int32)
+    mine = [buf[i * B : (i + 1) * B] for i in range(4)]  # ids, positions, slots, seq_lens
+    mine[1].copy_(pos0)
+    mine[3].copy_(pos0 + 1)
+    ref = [t.clone() for t in mine]
+    K.advance_decode_inputs(tok, *mine, bt_full[:, :W], bs)
+    K.advance_decode_inputs_reference(tok, *ref, bt_full[:, :W], bs)
+    for a, b in zip(mine, ref):
+        assert torch.equal(a, b)
+    assert torch.equal(mine[0], tok.to(torch.int32)) and torch.equal(mine[1], pos0 + 1)
+    assert torch.equal(buf[4 * B :], torch.full((B + 2,), -7, dtype=torch.int32))  # nothing past the rows
+    with pytest.raises(ValueError, match="must be contiguous"):
+        K.advance_decode_inputs(tok, mine[0][:-1] if B > 1 else buf[:2], *mine[1:], bt_full[:, :W], bs)
+
+
 def test_gemv_dispatch(gen, monkeypatch):
     """Only single rows take the GEMV kernel; ``KernelChoices(gemv_kernel=False)`` turns it off; bad
     shapes are errors."""
