@@ -23,7 +23,7 @@ from . import _dispatch
 from . import reference as _ref
 from ._checks import FLOATS, check_dim, check_dtype, fail
 from ._dispatch import backend, num_sms, p2, pdl
-from .gemv import gemv_config
+from .gemv import RowNorm, gemv_config
 from .reference import FP8, FP8_MAX, FP8_MIN_SCALE
 
 
@@ -87,18 +87,25 @@ def fp8_quantize_rows(
     x: torch.Tensor,
     static_scale: torch.Tensor | None = None,
     silu_mul: bool = False,
+    norm: RowNorm | None = None,
     *,
     choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token e4m3 quantization of ``x [M, K]``: ``(q [M, K], scale [M] float32)``; one
     program per row (see `fp8_quantize_rows_reference` for the rule). With ``silu_mul`` ``x`` is a
-    gate|up ``[M, 2K]`` and ``silu_and_mul(x)`` is what gets quantized, formed in the same pass."""
+    gate|up ``[M, 2K]`` and ``silu_and_mul(x)`` is what gets quantized, formed in the same pass.
+    With ``norm`` (rows up to `ONE_PASS_MAX` wide, contiguous, not with ``silu_mul``; `norm_fuses`)
+    the RMSNorm of ``x`` is what gets quantized, and the residual sum goes to ``norm.residual_out``."""
     fn = "fp8_quantize_rows"
     check_dim(fn, "x", x, 2)
     check_dtype(fn, "x", x, FLOATS)
     if silu_mul and x.shape[1] % 2:
         fail(fn, f"a gate|up row must have an even width, got {x.shape[1]}")
+    if norm is not None and (silu_mul or not norm_fuses(x, norm)):
+        fail(fn, "a norm is formed only for contiguous rows up to ONE_PASS_MAX wide, without silu_mul")
     if backend(x) == "reference":
+        if norm is not None:
+            x = _ref_norm(x, norm)
         return _ref.fp8_quantize_rows_reference(_ref.silu_and_mul_reference(x) if silu_mul else x, static_scale)
     M, K = x.shape[0], x.shape[1] // (2 if silu_mul else 1)
     if x.stride(1) != 1 and K > 1:
@@ -109,6 +116,16 @@ def fp8_quantize_rows(
         return q, s
     if K == 0:
         return q, s.fill_(FP8_MIN_SCALE) if static_scale is None else s.copy_(static_scale.float().expand(M))
+    nk = {}
+    if norm is not None:
+        nk = dict(
+            r_ptr=norm.residual if norm.residual is not None else x,
+            nw_ptr=norm.weight,
+            ro_ptr=norm.residual_out if norm.residual_out is not None else x,
+            eps=float(norm.eps),
+            NORM=True,
+            HAS_RES=norm.residual is not None,
+        )
     _dispatch.kernels_for(x).fp8_quant_rows_kernel[(M,)](
         x,
         q,
@@ -124,9 +141,38 @@ def fp8_quantize_rows(
         ONE_PASS=p2(K) <= ONE_PASS_MAX,
         BLOCK_K=p2(K) if p2(K) <= ONE_PASS_MAX else 2048,
         num_warps=4 if p2(K) <= 4096 else (8 if p2(K) <= 8192 else 16),
+        **nk,
         **pdl(x, M, choices.pdl),
     )
     return q, s
+
+
+def norm_fuses(x: torch.Tensor, norm: RowNorm) -> bool:
+    """Whether `fp8_quantize_rows` forms ``norm`` of ``x`` itself: contiguous rows of one pass, the
+    norm's weight and residual in x's dtype and shape."""
+    r = norm.residual
+    return (
+        x.dim() == 2
+        and x.is_contiguous()
+        and p2(x.shape[1]) <= ONE_PASS_MAX
+        and norm.weight.dtype == x.dtype
+        and norm.weight.is_contiguous()
+        and norm.weight.shape == (x.shape[1],)
+        and (r is None or (r.shape == x.shape and r.dtype == x.dtype and r.is_contiguous()))
+        and (r is None) == (norm.residual_out is None)
+    )
+
+
+def _ref_norm(x: torch.Tensor, norm: RowNorm) -> torch.Tensor:
+    """The reference of a `RowNorm`: `rms_norm_reference`, its residual sum written out."""
+    if norm.residual is None:
+        out = _ref.rms_norm_reference(x, norm.weight, norm.eps)
+        assert isinstance(out, torch.Tensor)
+        return out
+    y, ro = _ref.rms_norm_reference(x, norm.weight, norm.eps, norm.residual)
+    assert norm.residual_out is not None
+    norm.residual_out.copy_(ro)
+    return y
 
 
 # Rows up to this width are quantized from registers in one pass (a Llama-3-70B down projection's
@@ -359,14 +405,15 @@ def fp8_matmul(
     w: Fp8Weight,
     bias: torch.Tensor | None,
     silu_mul: bool = False,
+    norm: RowNorm | None = None,
     *,
     choices: KernelChoices = DEFAULT_KERNEL_CHOICES,
 ) -> torch.Tensor:
     """W8A8 for any number of rows on a device: per-token quantization (of ``silu_and_mul(x)`` with
-    ``silu_mul``, fused), then the scaled GEMM (``torch._scaled_mm`` where it applies, else the
-    upcasting reference on the quantized rows; `fp8_gemm` with ``choices.fp8_gemm`` "triton", for
-    measurements until the Triton GEMM is tuned)."""
-    xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul, choices=choices)
+    ``silu_mul``, or of ``norm``'s RMSNorm of ``x``, fused), then the scaled GEMM
+    (``torch._scaled_mm`` where it applies, else the upcasting reference on the quantized rows;
+    `fp8_gemm` with ``choices.fp8_gemm`` "triton", for measurements until the Triton GEMM is tuned)."""
+    xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul, norm, choices=choices)
     if choices.fp8_gemm == "triton":
         return fp8_gemm(xq, xs, w, bias, x.dtype)
     if _scaled_mm_applies(x, w):

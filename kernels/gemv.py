@@ -14,10 +14,11 @@ from ._dispatch import cdiv, num_sms, p2, pdl
 
 
 @dataclass(frozen=True)
-class GemvNorm:
-    """The RMSNorm the GEMV forms its input row with (`gemv_kernel`'s NORM): weight and eps, the
-    residual added first (None: none), and where program 0 writes the residual sum and the
-    normalised row (None: not wanted; ``residual_out`` is needed exactly when ``residual`` is given)."""
+class RowNorm:
+    """The RMSNorm a kernel forms its input rows with (`gemv_kernel`'s NORM, `fp8_quant_rows_kernel`'s):
+    weight and eps, the residual added first (None: none), and where the residual sum and the
+    normalised rows are written (None: not wanted; ``residual_out`` is needed exactly when
+    ``residual`` is given; ``x_out`` only by the GEMV)."""
 
     weight: torch.Tensor
     eps: float
@@ -56,7 +57,7 @@ def gemv(
     x_scale=None,
     out_dtype=None,
     w_bits=False,
-    norm: GemvNorm | None = None,
+    norm: RowNorm | None = None,
     *,
     pdl_on: bool,
 ) -> torch.Tensor:

@@ -5,6 +5,8 @@ SiLU-and-multiply for the down projection) beats cuBLAS's. Which one runs is the
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -23,9 +25,10 @@ from .fp8 import (
     fp8_matmul,
     fp8_quantize_rows,
     fp8_swapab,
+    norm_fuses,
     one_row_path,
 )
-from .gemv import GemvNorm
+from .gemv import RowNorm
 from .gemv import gemv as _gemv
 
 
@@ -88,37 +91,33 @@ def rms_norm_linear(
     ``want_normed`` (else None), ``residual_out`` the residual stream after the add (``x`` itself
     when ``residual`` is None), as `rms_norm` returns them.
 
-    At one row (decode at batch 1) with ``choices.fused_norm_gemv`` the GEMV forms the norm itself
-    (`gemv_kernel`'s NORM): one launch instead of two, the norm's few KiB re-read from L2 by every
-    program. Otherwise, and for FP8 weights, `rms_norm` then `linear`."""
+    With ``choices.fused_norm_gemv`` the kernel that reads the projection's input forms the norm
+    itself, one launch instead of two: at one row the GEMV (`gemv_kernel`'s NORM: every program sums
+    the row's squares, a few KiB from L2, and normalises each chunk it streams); for an FP8 weight
+    whose path quantizes its input (the W8A8 one-row kernels, and the scaled GEMM at any number of
+    rows) the per-token quantization (`fp8_quantize_rows`). Otherwise `rms_norm`, then `linear`."""
     fn = "rms_norm_linear"
-    fused = (
-        not isinstance(weight, Fp8Weight)
-        and choices.fused_norm_gemv
-        and x.dim() == 2
-        and backend(x) != "reference"
-        and norm_weight.dtype == x.dtype
-        and norm_weight.dim() == 1
-        and norm_weight.shape[0] == x.shape[1]
-        and norm_weight.is_contiguous()
-        and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()))
-    )
-    if fused:
-        _linear_checks(fn, x, weight, bias, 1)
-        fused = _gemv_applies(x, weight, bias, choices)
-    if not fused:
-        if residual is None:
-            normed = rms_norm(x, norm_weight, eps, choices=choices)
-            residual_out = x
-        else:
-            normed, residual_out = rms_norm(x, norm_weight, eps, residual, choices=choices)
-        return linear(normed, weight, bias, choices=choices), normed if want_normed else None, residual_out
     check_device(fn, "x", x, norm_weight=norm_weight, residual=residual)
-    residual_out = torch.empty_like(x) if residual is not None else x
-    normed = torch.empty_like(x) if want_normed else None
-    spec = GemvNorm(norm_weight, eps, residual, residual_out if residual is not None else None, normed)
-    y = _gemv(x, weight, bias, False, norm=spec, pdl_on=choices.pdl)
-    return y, normed, residual_out
+    spec = RowNorm(norm_weight, eps, residual, torch.empty_like(x) if residual is not None else None)
+    y: torch.Tensor | None = None
+    normed: torch.Tensor | None = None
+    if choices.fused_norm_gemv and backend(x) != "reference" and norm_fuses(x, spec):
+        if isinstance(weight, Fp8Weight):
+            check_fp8_linear(fn, x, weight, bias, 1)
+            if not want_normed and _fp8_path(x, weight, bias, choices) in NORM_PATHS:
+                y = _fp8_linear(fn, x, weight, bias, False, None, choices, spec)
+        else:
+            _linear_checks(fn, x, weight, bias, 1)
+            if _gemv_applies(x, weight, bias, choices):
+                normed = torch.empty_like(x) if want_normed else None
+                y = _gemv(x, weight, bias, False, norm=replace(spec, x_out=normed), pdl_on=choices.pdl)
+    if y is not None:
+        return y, normed, spec.residual_out if spec.residual_out is not None else x
+    if residual is None:
+        normed, residual_out = rms_norm(x, norm_weight, eps, choices=choices), x
+    else:
+        normed, residual_out = rms_norm(x, norm_weight, eps, residual, choices=choices)
+    return linear(normed, weight, bias, choices=choices), normed if want_normed else None, residual_out
 
 
 def silu_mul_linear(
@@ -141,30 +140,55 @@ def silu_mul_linear(
     return _gemv(x, weight, None, True, config, pdl_on=choices.pdl)
 
 
-def _fp8_linear(fn: str, x, w: Fp8Weight, bias, silu_mul: bool, config, choices: KernelChoices) -> torch.Tensor:
+# The FP8 paths (`_fp8_path`) whose kernel reads the input row(s) through a quantization or the GEMV, which
+# can form the RMSNorm before them (`rms_norm_linear`); the swapped-operand product on bf16 rows cannot.
+NORM_PATHS = ("swapab_q", "gemv", "gemv_q", "matmul")
+
+
+def _fp8_path(x, w: Fp8Weight, bias, choices: KernelChoices) -> str:
+    """Which FP8 kernel path rows ``x`` take on a device: at one row the shape's one-row kernel
+    (`one_row_path`: ``swapab`` on the bf16 row, ``swapab_q`` on its quantization, or the GEMV,
+    ``gemv`` W8A16 or ``gemv_q`` with ``choices.fp8_gemv_w8a8``); ``swapab_rows`` up to
+    ``SWAPAB_MAX_ROWS`` rows; ``matmul`` (per-token quantization + the scaled GEMM) otherwise."""
+    if fp8_gemv_applies(x, bias, choices):
+        path = one_row_path(w.shape[0], w.shape[1], choices)
+        if path in ("swapab", "swapab_q"):
+            return path
+        return "gemv_q" if choices.fp8_gemv_w8a8 else "gemv"
+    if 1 < x.shape[0] <= _fp8.SWAPAB_MAX_ROWS and (bias is None or bias.is_contiguous()):
+        return "swapab_rows"
+    return "matmul"
+
+
+def _fp8_linear(
+    fn: str, x, w: Fp8Weight, bias, silu_mul: bool, config, choices: KernelChoices, norm: RowNorm | None = None
+) -> torch.Tensor:
     """An e4m3 weight: the upcasting W8A8 reference on the CPU; on a device at M = 1 the shape's
     one-row kernel (`one_row_path`: the swapped-operand W8A8 product on the tensor cores, or the
     GEMV W8A16 with conversions or integer widening; ``choices.fp8_gemv_w8a8`` quantizes the
     GEMV's row), per-token quantization and the scaled GEMM otherwise (or the swapped product up
-    to ``SWAPAB_MAX_ROWS`` rows). ``config`` is the chosen kernel's."""
+    to ``SWAPAB_MAX_ROWS`` rows). ``config`` is the chosen kernel's. ``norm``: the input is that
+    RMSNorm of ``x``, formed by the path's kernel (only for `NORM_PATHS`, see `rms_norm_linear`)."""
     check_fp8_linear(fn, x, w, bias, 2 if silu_mul else 1)
     if backend(x) == "reference":
         return _ref.fp8_linear_reference(
             _ref.silu_and_mul_reference(x) if silu_mul else x, w.weight, w.scale, bias, w.input_scale
         )
+    path = _fp8_path(x, w, bias, choices)
+    if norm is not None and path not in NORM_PATHS:
+        raise ValueError(f"{fn}: the FP8 path {path} cannot form the norm")
     N, K = w.shape
-    if fp8_gemv_applies(x, bias, choices):
-        path = one_row_path(N, K, choices)
-        if path == "swapab":
-            return fp8_swapab(x, w, bias, silu_mul, config, choices=choices)
-        if path == "swapab_q":
-            xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul, choices=choices)
-            return fp8_swapab(xq, w, bias, False, config, x_scale=xs, out_dtype=x.dtype, choices=choices)
+    if path == "swapab":
+        return fp8_swapab(x, w, bias, silu_mul, config, choices=choices)
+    if path == "swapab_q":
+        xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul, norm, choices=choices)
+        return fp8_swapab(xq, w, bias, False, config, x_scale=xs, out_dtype=x.dtype, choices=choices)
+    if path in ("gemv", "gemv_q"):
         cfg = config or fp8_gemv_config(N, K, x.device)
-        bits = path == "bits"
-        if not choices.fp8_gemv_w8a8:
-            return _gemv(x, w.weight, bias, silu_mul, cfg, w_scale=w.scale, w_bits=bits, pdl_on=choices.pdl)
-        xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul, choices=choices)
+        bits = one_row_path(N, K, choices) == "bits"
+        if path == "gemv":
+            return _gemv(x, w.weight, bias, silu_mul, cfg, w_scale=w.scale, w_bits=bits, norm=norm, pdl_on=choices.pdl)
+        xq, xs = fp8_quantize_rows(x, w.input_scale, silu_mul, norm, choices=choices)
         return _gemv(
             xq,
             w.weight,
@@ -177,6 +201,6 @@ def _fp8_linear(fn: str, x, w: Fp8Weight, bias, silu_mul: bool, config, choices:
             w_bits=bits,
             pdl_on=choices.pdl,
         )
-    if 1 < x.shape[0] <= _fp8.SWAPAB_MAX_ROWS and (bias is None or bias.is_contiguous()):
+    if path == "swapab_rows":
         return fp8_swapab(x, w, bias, silu_mul, config, choices=choices)
-    return fp8_matmul(x, w, bias, silu_mul, choices=choices)
+    return fp8_matmul(x, w, bias, silu_mul, norm, choices=choices)

@@ -36,6 +36,12 @@ def fp8_quant_rows_kernel(
     ONE_PASS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
+    r_ptr=None,
+    nw_ptr=None,
+    ro_ptr=None,
+    eps=0.0,
+    NORM: tl.constexpr = False,
+    HAS_RES: tl.constexpr = False,
 ):
     """Row ``m`` of ``x`` to e4m3 with its own scale: ``s = max(amax(|x[m]|) / FP8_MAX, MIN_SCALE)``
     (or the one STATIC scale), ``q = clamp(x / s)`` rounded to nearest. With SILU_MUL the row is a
@@ -45,13 +51,28 @@ def fp8_quant_rows_kernel(
     One program per row. When the row fits one BLOCK_K chunk (ONE_PASS) it is read once and kept in registers
     (one load, the amax, the write); otherwise two passes (the amax, then the quantized write, the
     row read again from L2). The divisions are IEEE-rounded (``div_rn``), as torch's are, so the
-    result equals `fp8_quantize_rows_reference` bit for bit."""
+    result equals `fp8_quantize_rows_reference` bit for bit.
+
+    NORM (ONE_PASS only, not with SILU_MUL): what is quantized is the RMSNorm of ``x (+ residual)``
+    with weight ``nw``, rounded to x's dtype as `rms_norm` returns it, so the norm before an FP8
+    projection is not a launch of its own; the residual sum goes to ``ro`` (HAS_RES)."""
     m = tl.program_id(0).to(tl.int64)
     grid_dependency(PDL)
     row = x_ptr + m * stride_x
     if ONE_PASS:
         k = tl.arange(0, BLOCK_K)
-        x = _row_chunk(row, k, K, SILU_MUL)
+        if NORM:
+            xr = tl.load(row + k, mask=k < K, other=0.0)
+            if HAS_RES:
+                r = tl.load(r_ptr + m * K + k, mask=k < K, other=0.0)
+                xr = (xr.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                tl.store(ro_ptr + m * K + k, xr, mask=k < K)
+            xf = xr.to(tl.float32)
+            rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / K + eps)
+            nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            x = (xf * rstd * nw).to(x_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            x = _row_chunk(row, k, K, SILU_MUL)
         if STATIC:
             s = tl.load(static_ptr).to(tl.float32)
         else:

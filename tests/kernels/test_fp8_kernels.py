@@ -236,3 +236,46 @@ def test_fp8_one_row_paths(gen, path):
             assert rel_err(y, ref64(xq, w) * xs.double()[:, None]) < 1e-5
     with pytest.raises(ValueError, match="fp8_one_row_kernel"):
         K.KernelChoices(fp8_one_row_kernel="nope")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("res", [True, False])
+def test_quantize_rows_forms_the_rms_norm(gen, dtype, res):
+    """A norm in the quantization pass: codes and scales equal `rms_norm` followed by the quantization,
+    and the residual sum equals `rms_norm`'s; rows too wide for one pass are refused."""
+    x = (torch.randn(3, 96, generator=gen) * 3).to(dtype)
+    r = torch.randn(3, 96, generator=gen).to(dtype) if res else None
+    nw = (1 + 0.3 * torch.randn(96, generator=gen)).to(dtype)
+    ro = torch.empty_like(x) if res else None
+    q, s = fp8.fp8_quantize_rows(x, norm=fp8.RowNorm(nw, 1e-6, r, ro))
+    if res:
+        normed, ref_ro = K.rms_norm(x, nw, 1e-6, r)
+        assert torch.equal(ro, ref_ro)
+    else:
+        normed = K.rms_norm(x, nw, 1e-6)
+    rq, rs = K.fp8_quantize_rows(normed)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    wide = torch.randn(1, 16500, generator=gen)
+    with pytest.raises(ValueError, match="ONE_PASS_MAX"):
+        fp8.fp8_quantize_rows(wide, norm=fp8.RowNorm(torch.ones(16500), 1e-6))
+
+
+@pytest.mark.parametrize("path", ["convert", "swapab_q", "swapab", "rows"])
+def test_rms_norm_linear_on_fp8_weights(gen, path, monkeypatch):
+    """The norm before an FP8 projection: formed by the GEMV or the quantization where the path reads
+    the row through one (one launch fewer; `rms_norm` is not called), by `rms_norm` first on the
+    swapped product of bf16 rows; the result is the two-launch one's either way."""
+    norms = []
+    real = matmul.rms_norm
+    monkeypatch.setattr(matmul, "rms_norm", lambda *a, **kw: norms.append(1) or real(*a, **kw))
+    m = 4 if path == "rows" else 1
+    w = weight(gen, 40, 96)
+    x, r = torch.randn(m, 96, generator=gen), torch.randn(m, 96, generator=gen)
+    nw = torch.rand(96, generator=gen) + 0.5
+    c = K.KernelChoices(fp8_one_row_kernel=None if path == "rows" else path)
+    y, normed, ro = K.rms_norm_linear(x, nw, 1e-6, r, w, choices=c)
+    assert normed is None
+    assert len(norms) == (1 if path == "swapab" else 0)
+    ref_x, ref_r = real(x, nw, 1e-6, r)
+    assert torch.equal(ro, ref_r)
+    assert rel_err(y, K.linear(ref_x, w, choices=c)) < 1e-5
