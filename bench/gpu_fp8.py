@@ -340,6 +340,19 @@ def loaded_8b():
     return LoadedModel(config=cfg, state_dict=sd, tokenizer=None, source="random:llama3-8b")
 
 
+# each configuration a fresh engine over the same random bf16 weights (as the flags build it: graphs captured
+# once, on clean inputs; recapturing the bf16 engine's graphs in place after its decode rows faulted in
+# rope_write_kv_kernel on an H100, on the stale contents of the static input buffers)
+CONFIGS: dict[str, dict] = {
+    "bf16": {},
+    "fp8_w": dict(quantization="fp8"),
+    "fp8_w_fp8_kv": dict(quantization="fp8", kv_cache_dtype="fp8"),
+    # the RMSNorms as launches of their own (--no-fused-norm-gemv), for the ratio in the same run
+    "bf16_unfused": dict(fused_norm_gemv=False),
+    "fp8_w_unfused": dict(quantization="fp8", fused_norm_gemv=False),
+}
+
+
 def engines(args, bw: float) -> None:
     R["decode"], R["throughput"] = [], {}
     # one step per round, async scheduling: the rows' settings, fixed when each engine is built
@@ -351,43 +364,26 @@ def engines(args, bw: float) -> None:
         num_scheduler_steps=1,
         async_scheduling=True,
     )
-    loaded = loaded_8b()
-    t0 = time.perf_counter()
-    eng = h.build_engine(loaded, **kw)
-    del loaded
-    torch.cuda.empty_cache()
-    log(f"bf16 engine built in {time.perf_counter() - t0:.1f}s, {eng.runner.num_blocks} KV blocks")
-    decode_rows(eng, "bf16", bw, args)
-    # the same weights in FP8 in a fresh engine, as `--quantization fp8` builds it (graphs captured once,
-    # on clean inputs: recapturing the bf16 engine's graphs in place after its decode rows faulted in
-    # rope_write_kv_kernel on an H100, on the stale contents of the static input buffers)
-    eng.shutdown()
-    del eng
-    gc.collect()
-    torch.cuda.empty_cache()
-    if time.time() > h.deadline(args.budget_s) - 60:
-        log("budget: no FP8 rows")
-        return
-    loaded = loaded_8b()
-    eng = h.build_engine(loaded, quantization="fp8", **kw)
-    del loaded
-    torch.cuda.empty_cache()
-    decode_rows(eng, "fp8_w", bw, args)
-    eng.shutdown()
-    del eng
-    gc.collect()
-    torch.cuda.empty_cache()
-    if "kv_cache_dtype" not in {f.name for f in dataclasses.fields(EngineArgs)}:
-        log("the engine takes no kv_cache_dtype: no FP8 W + FP8 KV rows")
-        return
-    if time.time() > h.deadline(args.budget_s) - 60:
-        log("budget: no FP8 W + FP8 KV rows")
-        return
-    loaded = loaded_8b()
-    eng = h.build_engine(loaded, quantization="fp8", kv_cache_dtype="fp8", **kw)
-    del loaded
-    torch.cuda.empty_cache()
-    decode_rows(eng, "fp8_w_fp8_kv", bw, args)
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    for config in args.configs.split(","):
+        extra = CONFIGS[config]
+        if not set(extra) <= fields:
+            log(f"the engine takes no {sorted(set(extra) - fields)}: no {config} rows")
+            continue
+        if time.time() > h.deadline(args.budget_s) - 60:
+            log(f"budget: no {config} rows")
+            return
+        loaded = loaded_8b()
+        t0 = time.perf_counter()
+        eng = h.build_engine(loaded, **extra, **kw)
+        del loaded
+        torch.cuda.empty_cache()
+        log(f"{config} engine built in {time.perf_counter() - t0:.1f}s, {eng.runner.num_blocks} KV blocks")
+        decode_rows(eng, config, bw, args)
+        eng.shutdown()
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 # --------------------------------------------------------------------------- table
@@ -474,6 +470,11 @@ def main() -> int:
     ap.add_argument("--throughput-s", type=float, default=40.0, help="longest offline run per configuration")
     ap.add_argument("--budget-s", type=float, default=230.0, help="whole-run deadline")
     ap.add_argument("--skip", default="", help="comma list of: checks,kernels,gemv,engine")
+    ap.add_argument(
+        "--configs",
+        default="bf16,fp8_w,fp8_w_fp8_kv",
+        help=f"comma list of the engines' configurations, in order: {', '.join(CONFIGS)}",
+    )
     ap.add_argument("--json", default="gpu_fp8.json")
     ap.add_argument(
         "--profile", action="store_true", help="each configuration's batch-1 step, replayed and in the engine's loop"
