@@ -123,14 +123,22 @@ class Leader:
             time.sleep(POLL_S)
 
     def _missing(self, missing: list[int]) -> str:
-        hosts = sorted({self.host_of(r) for r in missing})
+        own = [r for r in missing if self.host_of(r) == 0]  # this host's own rank processes, started here
+        hosts = sorted({self.host_of(r) for r in missing} - {0})
         joined = sorted(
             {self._store().get(_ready(r)).decode() for r in range(1, self.p.tensor_parallel_size) if r not in missing}
         )
+        local = f"this host's rank(s) {own} did not join either; " if own else ""
+        if not hosts:
+            return (
+                f"this host's rank(s) {own} did not join the tensor-parallel group at {self.join.init_method} "
+                f"within {self.p.rank_timeout_s:g} s (joined from: {joined or 'none'}); their log says why"
+            )
         return (
             f"{len(hosts)} of {self.p.tp_nodes - 1} other host(s) did not join the tensor-parallel group at "
             f"{self.join.init_method} within {self.p.rank_timeout_s:g} s: --tp-node-rank {hosts} (ranks "
-            f"{missing} missing; joined from: {joined or 'none'}). Each must run `kvmesh rank "
+            f"{[r for r in missing if r not in own]} missing; {local}joined from: {joined or 'none'}). "
+            "Each must run `kvmesh rank "
             f"--tensor-parallel-size {self.p.tensor_parallel_size} --tp-nodes {self.p.tp_nodes} --tp-node-rank I "
             f"--tp-leader-address {self.join.address} --tp-port {self.p.tp_port}`"
         )

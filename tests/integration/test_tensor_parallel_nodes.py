@@ -205,3 +205,30 @@ def test_a_host_that_never_comes_fails_the_leader_naming_it(llama_path):
         ModelRunner(config, loaded.state_dict)
     assert time.monotonic() - t0 < 60
     assert _rank_children() == []
+
+
+def test_the_leaders_timeout_names_missing_hosts_apart_from_its_own_ranks() -> None:
+    """Rank 0's message when the group does not form in time (a real store on a free port): the other hosts
+    that never came are named by --tp-node-rank; this host's own late ranks are said apart, not counted
+    among the other hosts; with only its own ranks missing, no other host is blamed."""
+    from kvmesh.engine.config import ParallelConfig
+    from kvmesh.engine.parallel import rendezvous
+    from kvmesh.engine.parallel.messages import WorkerSpec
+
+    p = ParallelConfig(
+        tensor_parallel_size=4, tp_nodes=2, tp_leader_address="127.0.0.1", tp_port=free_port(), rank_timeout_s=1.0
+    )
+    leader = rendezvous.Leader(p, WorkerSpec(config={}, init_method="tcp://127.0.0.1:1", world=4, timeout_s=1.0))
+    try:
+        with pytest.raises(rendezvous.RendezvousError) as e:
+            leader.wait_ready(lambda: [])
+        msg = str(e.value)
+        assert msg.startswith("1 of 1 other host(s) did not join") and "--tp-node-rank [1] (ranks [2, 3] missing" in msg
+        assert "this host's rank(s) [1] did not join either" in msg
+        assert leader.store is not None
+        leader.store.set(rendezvous._ready(2), "host-b")
+        leader.store.set(rendezvous._ready(3), "host-b")
+        with pytest.raises(rendezvous.RendezvousError, match=r"^this host's rank\(s\) \[1\] did not join .*host-b"):
+            leader.wait_ready(lambda: [])
+    finally:
+        leader.close()
