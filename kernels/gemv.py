@@ -27,6 +27,14 @@ class RowNorm:
     x_out: torch.Tensor | None = None
 
 
+def norm_fits(K: int, config: tuple[int, int, int, int]) -> bool:
+    """Whether a one-row GEMV of width ``K`` under ``config`` forms the RMSNorm of its row itself
+    (`RowNorm`): the row must be one chunk, and each program must hold at least 4 output rows. Every
+    program reads the row, its residual and the norm's weight from L2; at 2 rows a program (the wide
+    outputs: lm_head, a dense gate|up) that is more L2 traffic than the weights it streams."""
+    return K <= config[1] and config[0] >= 4
+
+
 def gemv_config(N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for an ``N x K`` one-row GEMV.
 
@@ -75,6 +83,8 @@ def gemv(
     bk = min(bk, p2(K))
     nk = {}
     if norm is not None:
+        if not norm_fits(K, (bn, bk, warps, stages)):
+            raise ValueError(f"gemv: a norm needs the row in one chunk and >= 4 rows a program, not {bn} x {bk}")
         nk = dict(
             r_ptr=norm.residual if norm.residual is not None else x,
             nw_ptr=norm.weight,

@@ -28,7 +28,7 @@ from .fp8 import (
     norm_fuses,
     one_row_path,
 )
-from .gemv import RowNorm
+from .gemv import RowNorm, gemv_config, norm_fits
 from .gemv import gemv as _gemv
 
 
@@ -92,8 +92,9 @@ def rms_norm_linear(
     when ``residual`` is None), as `rms_norm` returns them.
 
     With ``choices.fused_norm_gemv`` the kernel that reads the projection's input forms the norm
-    itself, one launch instead of two: at one row the GEMV (`gemv_kernel`'s NORM: every program sums
-    the row's squares, a few KiB from L2, and normalises each chunk it streams); for an FP8 weight
+    itself, one launch instead of two: at one row the GEMV where its row is one chunk and its programs
+    hold several output rows (`norm_fits`: q|k|v and the MoE router of Qwen3-30B-A3B's shape, not a
+    wide lm_head or dense gate|up, whose many 2-row programs would each re-read the row); for an FP8 weight
     whose path quantizes its input (the W8A8 one-row kernels, and the scaled GEMM at any number of
     rows) the per-token quantization (`fp8_quantize_rows`). Otherwise `rms_norm`, then `linear`."""
     fn = "rms_norm_linear"
@@ -102,13 +103,19 @@ def rms_norm_linear(
     y: torch.Tensor | None = None
     normed: torch.Tensor | None = None
     if choices.fused_norm_gemv and backend(x) != "reference" and norm_fuses(x, spec):
+        N, K = weight.shape
         if isinstance(weight, Fp8Weight):
             check_fp8_linear(fn, x, weight, bias, 1)
-            if not want_normed and _fp8_path(x, weight, bias, choices) in NORM_PATHS:
+            path = _fp8_path(x, weight, bias, choices)
+            if (
+                not want_normed
+                and path in NORM_PATHS
+                and (path != "gemv" or norm_fits(K, fp8_gemv_config(N, K, x.device)))
+            ):
                 y = _fp8_linear(fn, x, weight, bias, False, None, choices, spec)
         else:
             _linear_checks(fn, x, weight, bias, 1)
-            if _gemv_applies(x, weight, bias, choices):
+            if _gemv_applies(x, weight, bias, choices) and norm_fits(K, gemv_config(N, K, x.device)):
                 normed = torch.empty_like(x) if want_normed else None
                 y = _gemv(x, weight, bias, False, norm=replace(spec, x_out=normed), pdl_on=choices.pdl)
     if y is not None:

@@ -346,9 +346,8 @@ class DecoderForCausalLM(torch.nn.Module):
         if logits_indices is not None:  # gather first: the add then touches only the sampled rows
             h = h.index_select(0, logits_indices)
             residual = residual.index_select(0, logits_indices)
-        h = h + residual
-        h = kernels.rms_norm(h, self.norm, cfg.rms_norm_eps, choices=c)
-        logits = kernels.linear(h, self.lm_head, choices=c).float()
+        logits, _, _ = kernels.rms_norm_linear(h, self.norm, cfg.rms_norm_eps, residual, self.lm_head, choices=c)
+        logits = logits.float()
         if self.tp is not None:  # this rank's vocabulary rows -> all of them
             logits = self.tp.group.all_gather_last(logits, self.tp.vocab_size)
         return logits

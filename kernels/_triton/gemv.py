@@ -71,49 +71,7 @@ def _norm_in(x_ptr, r_ptr, k, k_ok, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr)
 
 
 @triton.jit
-def _norm_rstd(x_ptr, r_ptr, K, eps, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``1 / sqrt(mean((x + residual)^2) + eps)`` over the whole row (it is a few KiB, read from L2)."""
-    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xf = _norm_in(x_ptr, r_ptr, k, k < K, HAS_RES, EVEN_K).to(tl.float32)
-        acc += xf * xf
-    return tl.math.rsqrt(tl.sum(acc, 0) / K + eps)
-
-
-@triton.jit
-def _normed_x(
-    x_ptr,
-    r_ptr,
-    nw_ptr,
-    ro_ptr,
-    xo_ptr,
-    k,
-    k_ok,
-    rstd,
-    first,
-    HAS_RES: tl.constexpr,
-    STORE_X: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    """The normalised input chunk at ``k`` in fp32, rounded to x's dtype first as `rms_norm` returns it
-    (its weight in x's dtype, multiplied in fp32). The ``first`` program also stores the chunk's
-    residual sum (HAS_RES) and normalised row (STORE_X) for the layers after this projection."""
-    x = _norm_in(x_ptr, r_ptr, k, k_ok, HAS_RES, EVEN_K)
-    if EVEN_K:
-        nw = tl.load(nw_ptr + k)
-    else:
-        nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0)
-    y = (x.to(tl.float32) * rstd * nw.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    if HAS_RES:
-        tl.store(ro_ptr + k, x, mask=k_ok & first)
-    if STORE_X:
-        tl.store(xo_ptr + k, y, mask=k_ok & first)
-    return y.to(tl.float32)
-
-
-@triton.jit
-def _gemv_in(
+def _normed_row(
     x_ptr,
     r_ptr,
     nw_ptr,
@@ -122,17 +80,28 @@ def _gemv_in(
     k,
     k_ok,
     K,
-    rstd,
+    eps,
     first,
-    SILU_MUL: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    NORM: tl.constexpr,
     HAS_RES: tl.constexpr,
     STORE_X: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
-    if NORM:
-        return _normed_x(x_ptr, r_ptr, nw_ptr, ro_ptr, xo_ptr, k, k_ok, rstd, first, HAS_RES, STORE_X, EVEN_K)
-    return _gemv_x(x_ptr, k, k_ok, K, SILU_MUL, EVEN_K)
+    """The whole input row (one chunk), normalised, in fp32: rounded to x's dtype first as `rms_norm`
+    returns it (its weight in x's dtype, multiplied in fp32). The ``first`` program also stores the
+    residual sum (HAS_RES) and the normalised row (STORE_X) for the kernels after this one."""
+    x = _norm_in(x_ptr, r_ptr, k, k_ok, HAS_RES, EVEN_K)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / K + eps)
+    if EVEN_K:
+        nw = tl.load(nw_ptr + k)
+    else:
+        nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0)
+    y = (xf * rstd * nw.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    if HAS_RES:
+        tl.store(ro_ptr + k, x, mask=k_ok & first)
+    if STORE_X:
+        tl.store(xo_ptr + k, y, mask=k_ok & first)
+    return y.to(tl.float32)
 
 
 @triton.jit
@@ -185,11 +154,12 @@ def gemv_kernel(
     no extra launch to quantize it). W_BITS: the e4m3 weight comes as its bytes and is widened by
     integer ops (`_widen`), not by the conversion instructions that bound the e4m3 stream.
 
-    NORM: the input is the RMSNorm of ``x (+ residual)`` with weight ``nw`` (x's dtype), formed by
-    every program on the fly instead of by a launch before this one: each program first sums the
-    squares of the whole row (read again per chunk from L2), then normalises each chunk it
-    streams, rounded as `rms_norm` rounds its output. Program 0 stores the residual sum (HAS_RES)
-    and the normalised row (STORE_X) for the kernels after this one."""
+    NORM (a row of one BLOCK_K chunk only): the input is the RMSNorm of ``x (+ residual)`` with weight
+    ``nw`` (x's dtype), formed by every program from the row it loads anyway instead of by a launch
+    before this one, rounded as `rms_norm` rounds its output. What that costs is each program also
+    reading the residual and the norm's weight (from L2), twice the input bytes of the plain GEMV;
+    the wrapper keeps it to projections whose programs hold several rows each. Program 0 stores the
+    residual sum (HAS_RES) and the normalised row (STORE_X) for the kernels after this one."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -201,21 +171,16 @@ def gemv_kernel(
     xb = 1.0
     if W_BITS:
         xb = 18446744073709551616.0  # 2^64: see _widen
-    rstd = 1.0
-    if NORM:
-        rstd = _norm_rstd(x_ptr, r_ptr, K, eps, HAS_RES, EVEN_K, BLOCK_K)
-    first = pid == 0
-    xk = _gemv_in(
-        x_ptr, r_ptr, nw_ptr, ro_ptr, xo_ptr, k, k_ok, K, rstd, first, SILU_MUL, EVEN_K, NORM, HAS_RES, STORE_X
-    )
+    if NORM:  # the whole row is one chunk (the wrapper's rule): normalised once, from registers
+        xk = _normed_row(x_ptr, r_ptr, nw_ptr, ro_ptr, xo_ptr, k, k_ok, K, eps, pid == 0, HAS_RES, STORE_X, EVEN_K)
+    else:
+        xk = _gemv_x(x_ptr, k, k_ok, K, SILU_MUL, EVEN_K)
     acc = _widen(w, W_BITS) * (xk * xb)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         w = _gemv_w(rows, n_ok, k, k_ok, EVEN_N, EVEN_K)
-        xk = _gemv_in(
-            x_ptr, r_ptr, nw_ptr, ro_ptr, xo_ptr, k, k_ok, K, rstd, first, SILU_MUL, EVEN_K, NORM, HAS_RES, STORE_X
-        )
+        xk = _gemv_x(x_ptr, k, k_ok, K, SILU_MUL, EVEN_K)
         acc += _widen(w, W_BITS) * (xk * xb)[None, :]
     y = tl.sum(acc, 1)
     if W_BITS:

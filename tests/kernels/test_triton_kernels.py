@@ -456,10 +456,9 @@ def test_silu_mul_linear(gen, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k,res,want", [(24, 96, True, True), (37, 64, False, False), (9, 3000, True, False)])
+@pytest.mark.parametrize("n,k,res,want", [(24, 96, True, True), (37, 64, False, False), (9, 2000, True, False)])
 def test_rms_norm_linear_forms_the_norm_inside_the_gemv(gen, dtype, n, k, res, want, monkeypatch):
-    """One row: the GEMV normalises its input itself (K not a multiple of the chunk, and K over two
-    chunks, included). The residual sum equals `rms_norm`'s exactly, the normalised row it hands on
+    """One row: the GEMV normalises its input itself (K not a power of two included). The residual sum equals `rms_norm`'s exactly, the normalised row it hands on
     is `rms_norm`'s within rounding, and the product is the float64 one of that row; one launch."""
     calls = []
     real = matmul._gemv
@@ -503,6 +502,14 @@ def test_rms_norm_linear_takes_two_launches_where_the_gemv_does_not_apply(gen, m
     assert rel_err(y1, torch.nn.functional.linear(ref_x[:1].double(), w.double())) < GEMV_BOUND[torch.float32]
     with pytest.raises(ValueError, match="does not match weight"):
         K.rms_norm_linear(torch.randn(1, 31), torch.ones(31), 1e-5, None, w)
+    # a row over two chunks, or outputs so wide that programs hold 2 rows (40 per SM and more, as an
+    # lm_head): the norm's own launch first
+    calls.clear()
+    for n, k in ((8, 3000), (40 * 132, 64)):
+        x1, w1, nw1 = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen), torch.rand(k) + 0.5
+        y1, _, _ = K.rms_norm_linear(x1, nw1, 1e-5, None, w1)
+        assert rel_err(y1, torch.nn.functional.linear(K.rms_norm(x1, nw1, 1e-5).double(), w1.double())) < 1e-5
+    assert calls == [None, None]
 
 
 @pytest.mark.parametrize("B", [1, 5, 33])
