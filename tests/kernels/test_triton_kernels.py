@@ -458,8 +458,9 @@ def test_silu_mul_linear(gen, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k,res,want", [(24, 96, True, True), (37, 64, False, False), (9, 2000, True, False)])
 def test_rms_norm_linear_forms_the_norm_inside_the_gemv(gen, dtype, n, k, res, want, monkeypatch):
-    """One row: the GEMV normalises its input itself (K not a power of two included). The residual sum equals `rms_norm`'s exactly, the normalised row it hands on
-    is `rms_norm`'s within rounding, and the product is the float64 one of that row; one launch."""
+    """One row: the GEMV normalises its input itself (K not a power of two included). The residual
+    sum equals `rms_norm`'s exactly, the normalised row it hands on is `rms_norm`'s within rounding,
+    and the product is the float64 one of that row; one launch."""
     calls = []
     real = matmul._gemv
     monkeypatch.setattr(matmul, "_gemv", lambda *a, **kw: calls.append(kw.get("norm")) or real(*a, **kw))
