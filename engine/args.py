@@ -409,8 +409,16 @@ class EngineArgs:
     )
     fused_norm_gemv: bool = _setting(
         KernelChoices.fused_norm_gemv,
-        "at batch 1, the RMSNorm before q|k|v and before the MLP (or the MoE router) inside that "
-        "projection's GEMV; --no-fused-norm-gemv: an RMSNorm launch before each",
+        "the RMSNorm before q|k|v and before the MLP (or the MoE router) formed by the kernel reading "
+        "that projection's input (the one-row GEMV, or an FP8 weight's input quantization) instead of "
+        "a launch of its own; off until measured on a GPU",
+        action=argparse.BooleanOptionalAction,
+        section=KERNELS,
+    )
+    advance_kernel: bool = _setting(
+        KernelChoices.advance_kernel,
+        "a decode round's next-step inputs advanced by one Triton launch between steps instead of a dozen "
+        "torch ops; off until measured on a GPU",
         action=argparse.BooleanOptionalAction,
         section=KERNELS,
     )

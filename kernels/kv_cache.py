@@ -265,8 +265,8 @@ def advance_decode_inputs(
 ) -> None:
     """A decode round's next step inputs, in place, from the tokens ``tok [B]`` just drawn: ``ids = tok``,
     ``positions`` and ``seq_lens`` + 1, ``slots`` the new positions' slots in ``block_tables [B, W]``
-    (whose blocks must already cover them). One launch on a device (`advance_decode_kernel`) instead of
-    the dozen torch ops of the reference."""
+    (whose blocks must already cover them). With ``choices.advance_kernel``, one launch on a device
+    (`advance_decode_kernel`) instead of the dozen torch ops of the reference."""
     fn = "advance_decode_inputs"
     check_dim(fn, "tok", tok, 1)
     B = tok.shape[0]
@@ -278,7 +278,7 @@ def advance_decode_inputs(
     check_dim(fn, "block_tables", block_tables, 2)
     if block_tables.shape[0] != B or block_tables.stride(1) != 1:
         fail(fn, f"block_tables must be [{B}, W] with contiguous rows, got {tuple(block_tables.shape)}")
-    if backend(tok) == "reference":
+    if backend(tok) == "reference" or not choices.advance_kernel:
         _ref.advance_decode_inputs_reference(tok, ids, positions, slots, seq_lens, block_tables, block_size)
         return
     if B == 0:

@@ -53,9 +53,13 @@ class KernelChoices:
     # Qwen3's per-head q_norm and k_norm inside the RoPE + KV-write launch (kernels.rope_write_kv)
     # instead of two RMSNorm launches before it. Off: the two launches, for comparison.
     fused_qk_norm: bool = True
-    # A one-row projection after an RMSNorm (q|k|v after the input norm, the MoE router or gate|up after
-    # the post-attention norm) forms the norm inside its GEMV instead of a launch before it.
-    fused_norm_gemv: bool = True
+    # The RMSNorm before a projection formed by the kernel that reads its input (a one-row GEMV whose row
+    # is one chunk: q|k|v, the MoE router; an FP8 weight's input quantization) instead of a launch
+    # before it. Off until measured on a GPU (bench/gpu_moe.py, bench/gpu_fp8.py --configs).
+    fused_norm_gemv: bool = False
+    # A decode round's next-step inputs (ids, positions, lengths, slots) advanced by one launch between
+    # two steps instead of a dozen torch ops. Off until measured on a GPU.
+    advance_kernel: bool = False
     # LoRA's shrink inside the base projection's GEMM (the slots' A stacked under its weight) and one
     # expand launch, instead of a shrink, the sum of its K splits and an expand per projection
     # (engine/lora/pool.py). Off: the separate kernels everywhere, for comparison.
@@ -71,6 +75,7 @@ class KernelChoices:
             "moe_gemv",
             "fused_qk_norm",
             "fused_norm_gemv",
+            "advance_kernel",
             "lora_stacked",
         ):
             if not isinstance(getattr(self, name), bool):

@@ -147,13 +147,14 @@ def test_small_qwen3_moe_engine_matches_hf():
 
 def test_batch_one_decode_with_the_norms_inside_the_gemvs_matches_hf():
     """Batch 1: the input norm formed inside q|k|v's GEMV and the post-attention norm inside the router's
-    (``fused_norm_gemv``, the default) give HF's tokens, as the separate norm launches do."""
+    (``fused_norm_gemv``), with the decode inputs advanced by one launch (``advance_kernel``), give HF's
+    tokens, as the separate launches do."""
     loaded, hf = _small_moe()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (23, 77)]
     for p in prompts:
         ref = _hf_greedy(hf, p, 24)
-        fused, graph_steps = _greedy(loaded, [p], 24)
+        fused, graph_steps = _greedy(loaded, [p], 24, fused_norm_gemv=True, advance_kernel=True)
         plain, _ = _greedy(loaded, [p], 24, fused_norm_gemv=False)
         assert graph_steps > 0
         assert fused == [ref] and plain == [ref]

@@ -272,7 +272,7 @@ def test_rms_norm_linear_on_fp8_weights(gen, path, monkeypatch):
     w = weight(gen, 40, 96)
     x, r = torch.randn(m, 96, generator=gen), torch.randn(m, 96, generator=gen)
     nw = torch.rand(96, generator=gen) + 0.5
-    c = K.KernelChoices(fp8_one_row_kernel=None if path == "rows" else path)
+    c = K.KernelChoices(fp8_one_row_kernel=None if path == "rows" else path, fused_norm_gemv=True)
     y, normed, ro = K.rms_norm_linear(x, nw, 1e-6, r, w, choices=c)
     assert normed is None
     assert len(norms) == (1 if path == "swapab" else 0)

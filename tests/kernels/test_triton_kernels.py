@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvmesh.kernels as K
-from kvmesh.kernels import _dispatch, attention, matmul
+from kvmesh.kernels import _dispatch, attention, kv_cache, matmul
 
 pytestmark = pytest.mark.unit
 
@@ -424,6 +424,7 @@ def test_rope_write_kv_normalises_heads_first(gen, rope_case, dtype):
 
 
 GEMV_BOUND = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
+FUSED_NORM = K.KernelChoices(fused_norm_gemv=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -469,7 +470,7 @@ def test_rms_norm_linear_forms_the_norm_inside_the_gemv(gen, dtype, n, k, res, w
     nw = (1 + 0.3 * torch.randn(k, generator=gen)).to(dtype)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype)
-    y, normed, r_out = K.rms_norm_linear(x, nw, 1e-6, r, w, b, want_normed=want)
+    y, normed, r_out = K.rms_norm_linear(x, nw, 1e-6, r, w, b, want_normed=want, choices=FUSED_NORM)
     assert len(calls) == 1 and calls[0] is not None
     if res:
         ref_x, ref_r = K.rms_norm(x, nw, 1e-6, r)
@@ -494,7 +495,7 @@ def test_rms_norm_linear_takes_two_launches_where_the_gemv_does_not_apply(gen, m
     w = torch.randn(16, 32, generator=gen)
     nw = torch.rand(32, generator=gen) + 0.5
     x, r = torch.randn(3, 32, generator=gen), torch.randn(3, 32, generator=gen)
-    y, normed, r_out = K.rms_norm_linear(x, nw, 1e-5, r, w, want_normed=True)
+    y, normed, r_out = K.rms_norm_linear(x, nw, 1e-5, r, w, want_normed=True, choices=FUSED_NORM)
     ref_x, ref_r = K.rms_norm(x, nw, 1e-5, r)
     assert calls == [] and torch.equal(normed, ref_x) and torch.equal(r_out, ref_r)
     assert torch.equal(y, torch.nn.functional.linear(ref_x, w))
@@ -508,13 +509,13 @@ def test_rms_norm_linear_takes_two_launches_where_the_gemv_does_not_apply(gen, m
     calls.clear()
     for n, k in ((8, 3000), (40 * 132, 64)):
         x1, w1, nw1 = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen), torch.rand(k) + 0.5
-        y1, _, _ = K.rms_norm_linear(x1, nw1, 1e-5, None, w1)
+        y1, _, _ = K.rms_norm_linear(x1, nw1, 1e-5, None, w1, choices=FUSED_NORM)
         assert rel_err(y1, torch.nn.functional.linear(K.rms_norm(x1, nw1, 1e-5).double(), w1.double())) < 1e-5
     assert calls == [None, None]
 
 
 @pytest.mark.parametrize("B", [1, 5, 33])
-def test_advance_decode_inputs_equals_the_reference(gen, B):
+def test_advance_decode_inputs_equals_the_reference(gen, B, monkeypatch):
     """The decode inputs' advance in one launch, on int32 views of a larger buffer (as the CUDA graphs'
     static buffer holds them) and a block table wider than used: the reference's result exactly,
     positions crossing a block boundary included."""
@@ -528,14 +529,20 @@ def test_advance_decode_inputs_equals_the_reference(gen, B):
     mine[1].copy_(pos0)
     mine[3].copy_(pos0 + 1)
     ref = [t.clone() for t in mine]
-    K.advance_decode_inputs(tok, *mine, bt_full[:, :W], bs)
     K.advance_decode_inputs_reference(tok, *ref, bt_full[:, :W], bs)
+    monkeypatch.setattr(kv_cache._ref, "advance_decode_inputs_reference", None)  # the kernel, not the torch ops
+    K.advance_decode_inputs(tok, *mine, bt_full[:, :W], bs, choices=K.KernelChoices(advance_kernel=True))
     for a, b in zip(mine, ref):
         assert torch.equal(a, b)
     assert torch.equal(mine[0], tok.to(torch.int32)) and torch.equal(mine[1], pos0 + 1)
     assert torch.equal(buf[4 * B :], torch.full((B + 2,), -7, dtype=torch.int32))  # nothing past the rows
     with pytest.raises(ValueError, match="must be contiguous"):
         K.advance_decode_inputs(tok, mine[0][:-1] if B > 1 else buf[:2], *mine[1:], bt_full[:, :W], bs)
+    monkeypatch.undo()
+    K.advance_decode_inputs(tok, *mine, bt_full[:, :W], bs)  # the default: the torch ops
+    K.advance_decode_inputs_reference(tok, *ref, bt_full[:, :W], bs)
+    for a, b in zip(mine, ref):
+        assert torch.equal(a, b)
 
 
 def test_gemv_dispatch(gen, monkeypatch):
