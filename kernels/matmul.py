@@ -99,32 +99,45 @@ def rms_norm_linear(
     rows) the per-token quantization (`fp8_quantize_rows`). Otherwise `rms_norm`, then `linear`."""
     fn = "rms_norm_linear"
     check_device(fn, "x", x, norm_weight=norm_weight, residual=residual)
-    spec = RowNorm(norm_weight, eps, residual, torch.empty_like(x) if residual is not None else None)
-    y: torch.Tensor | None = None
-    normed: torch.Tensor | None = None
-    if choices.fused_norm_gemv and backend(x) != "reference" and norm_fuses(x, spec):
-        N, K = weight.shape
-        if isinstance(weight, Fp8Weight):
-            check_fp8_linear(fn, x, weight, bias, 1)
-            path = _fp8_path(x, weight, bias, choices)
-            if (
-                not want_normed
-                and path in NORM_PATHS
-                and (path != "gemv" or norm_fits(K, fp8_gemv_config(N, K, x.device)))
-            ):
-                y = _fp8_linear(fn, x, weight, bias, False, None, choices, spec)
-        else:
-            _linear_checks(fn, x, weight, bias, 1)
-            if _gemv_applies(x, weight, bias, choices) and norm_fits(K, gemv_config(N, K, x.device)):
-                normed = torch.empty_like(x) if want_normed else None
-                y = _gemv(x, weight, bias, False, norm=replace(spec, x_out=normed), pdl_on=choices.pdl)
-    if y is not None:
-        return y, normed, spec.residual_out if spec.residual_out is not None else x
+    if choices.fused_norm_gemv and backend(x) != "reference":
+        fused = _fused_rms_norm_linear(fn, x, norm_weight, eps, residual, weight, bias, want_normed, choices)
+        if fused is not None:
+            return fused
     if residual is None:
         normed, residual_out = rms_norm(x, norm_weight, eps, choices=choices), x
     else:
         normed, residual_out = rms_norm(x, norm_weight, eps, residual, choices=choices)
     return linear(normed, weight, bias, choices=choices), normed if want_normed else None, residual_out
+
+
+def _fused_rms_norm_linear(fn, x, norm_weight, eps, residual, weight, bias, want_normed, choices):
+    """`rms_norm_linear` in one launch where a kernel can form the norm; None where none can. The
+    buffers the kernel writes are made only once it is chosen, so a fallback allocates nothing extra."""
+    # whether the row fits; the residual sum's buffer, made below, has the residual's shape and dtype
+    if not norm_fuses(x, RowNorm(norm_weight, eps, residual, residual)):
+        return None
+    N, K = weight.shape
+    if isinstance(weight, Fp8Weight):
+        check_fp8_linear(fn, x, weight, bias, 1)
+        path = _fp8_path(x, weight, bias, choices)
+        if (
+            want_normed
+            or path not in NORM_PATHS
+            or (path == "gemv" and not norm_fits(K, fp8_gemv_config(N, K, x.device)))
+        ):
+            return None
+    else:
+        _linear_checks(fn, x, weight, bias, 1)
+        if not (_gemv_applies(x, weight, bias, choices) and norm_fits(K, gemv_config(N, K, x.device))):
+            return None
+    residual_out = torch.empty_like(x) if residual is not None else None
+    spec = RowNorm(norm_weight, eps, residual, residual_out)
+    if isinstance(weight, Fp8Weight):
+        y, normed = _fp8_linear(fn, x, weight, bias, False, None, choices, spec), None
+    else:
+        normed = torch.empty_like(x) if want_normed else None
+        y = _gemv(x, weight, bias, False, norm=replace(spec, x_out=normed), pdl_on=choices.pdl)
+    return y, normed, residual_out if residual_out is not None else x
 
 
 def silu_mul_linear(

@@ -14,6 +14,7 @@ unhealthy, so the kubelet's liveness probe restarts the pod.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import subprocess
@@ -126,10 +127,9 @@ class EngineClient:
                 raise EngineDeadError(self.dead_reason)
             if time.monotonic() > deadline:
                 raise EngineDeadError("engine did not become ready in time")
-            try:
-                await asyncio.wait_for(self._ready_event.wait(), 0.2)
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.2):  # not wait_for: on 3.11 it can swallow a cancellation
+                    await self._ready_event.wait()
         assert self.ready is not None
         return self.ready
 
@@ -214,7 +214,8 @@ class EngineClient:
         self._calls[token] = fut
         try:
             self._send(make(token))
-            return await asyncio.wait_for(fut, timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it can swallow a cancellation
+                return await fut
         finally:
             self._calls.pop(token, None)
 

@@ -50,6 +50,7 @@ from .protocol import (
 from .tools import PARSERS, ChatTools, parser_for_template
 
 log = logging.getLogger("kvmesh.api.serving")
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming generation asks whether its client is still there
 FOREIGN_DIGESTS_LOGGED = 8  # other tokenizers' digests warned about (once each), so no client can flood the log
 
 
@@ -156,16 +157,24 @@ class Generation:
     async def events(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[Event]:
         """Yield events until every sequence finished; raise `APIError` on engine failure."""
         q = self.stream.queue
+        next_check = time.monotonic() + DISCONNECT_POLL_S
         while self.unfinished:
             if is_disconnected is None:
                 item = await q.get()
             else:
-                try:
-                    item = await asyncio.wait_for(q.get(), 0.5)
-                except TimeoutError:
+                # Checked by the clock, not only when no token came for a while: a generation whose tokens
+                # keep coming must still see its client leave. (The request guard also cancels this task
+                # then, but asyncio.wait_for on Python 3.11 can swallow a cancellation that races the
+                # result it waits for, and a lost one let a long answer run to its end.)
+                if time.monotonic() >= next_check:
                     if await is_disconnected():
                         self.close()
                         return
+                    next_check = time.monotonic() + DISCONNECT_POLL_S
+                try:
+                    async with asyncio.timeout(max(0.0, next_check - time.monotonic())):
+                        item = await q.get()
+                except TimeoutError:
                     continue
             if isinstance(item, Exception):
                 self.close()

@@ -388,3 +388,45 @@ def test_tier_metrics_by_medium():
     assert 'kvmesh:kv_tier_evictions_total{medium="DISK",model_name="m"} 0.0' in text
     assert 'kvmesh:kv_tier_bytes_total{direction="out",medium="DISK",model_name="m"} 200.0' in text
     assert 'kvmesh:kv_tier_load_seconds_total{medium="CPU",model_name="m"} 0.75' in text
+
+
+def test_a_client_gone_mid_answer_is_noticed_while_tokens_keep_coming():
+    """A non-streaming generation asks whether its client is still there by the clock, not only when
+    no token came for a while: tokens every 20 ms (never a 0.5 s gap) still let it see the client
+    leave, abort the request and count the abort, well before the 400 tokens are out."""
+    import asyncio
+
+    from kvmesh.engine.frontend.sampling_params import SamplingParams
+    from kvmesh.services.api.serving import Generation, _Prompt
+
+    fake, metrics = FakeClient(), ServerMetrics("fake")
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    gen = Generation(fake, metrics, FakeTokenizer(), "r1", [_Prompt("abc", [1, 2, 3])], params, None, None)
+    gone: list[bool] = []
+
+    async def is_disconnected() -> bool:
+        return bool(gone)
+
+    async def run() -> int:
+        async def engine():  # one token every 20 ms, the client leaves after the 5th
+            for k in range(400):
+                gen.stream.queue.put_nowait(EngineCoreOutput("r1", 0, [2], None, "length" if k == 399 else None))
+                if k == 5:
+                    gone.append(True)
+                await asyncio.sleep(0.02)
+
+        feeder = asyncio.create_task(engine())
+        n = 0
+        async for _ in gen.events(is_disconnected):
+            n += 1
+        feeder.cancel()
+        return n
+
+    n = asyncio.run(run())
+    assert (
+        n < 200 and fake.aborted
+    )  # ~30: the 5 before it left, then at most 0.5 s of tokens == ["r1"] and not gen.unfinished
+    flat = {
+        s.name + str(s.labels.get("finished_reason")): s.value for f in metrics.registry.collect() for s in f.samples
+    }
+    assert flat["vllm:request_success_total" + "abort"] == 1
