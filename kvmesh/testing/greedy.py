@@ -27,7 +27,7 @@ def near_tie_difference(text: str, out, decode: Callable[[list[int]], str], near
     for i, entry in enumerate(out.logprobs):
         if text.startswith(decode(ids[: i + 1])):
             continue
-        chosen = dict(entry["top"]).get(ids[i], entry["logprob"])
+        chosen = entry["logprob"]
         for alt, lp in entry["top"]:
             if alt != ids[i] and chosen - lp <= near_tie and text.startswith(decode(ids[:i] + [alt])):
                 return None

@@ -171,11 +171,14 @@ class Generation:
                         self.close()
                         return
                     next_check = time.monotonic() + DISCONNECT_POLL_S
-                try:
-                    async with asyncio.timeout(max(0.0, next_check - time.monotonic())):
-                        item = await q.get()
-                except TimeoutError:
-                    continue
+                if not q.empty():  # the usual case while tokens come: no timer per token
+                    item = q.get_nowait()
+                else:
+                    try:
+                        async with asyncio.timeout(max(0.0, next_check - time.monotonic())):
+                            item = await q.get()
+                    except TimeoutError:
+                        continue
             if isinstance(item, Exception):
                 self.close()
                 raise engine_error(item)
