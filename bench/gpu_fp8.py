@@ -351,6 +351,8 @@ CONFIGS: dict[str, dict] = {
     # one-launch input advance: --fused-norm-gemv --advance-kernel), for the ratio in the same run
     "bf16_new": dict(fused_norm_gemv=True, advance_kernel=True),
     "fp8_w_new": dict(quantization="fp8", fused_norm_gemv=True, advance_kernel=True),
+    "fp8_w_norm": dict(quantization="fp8", fused_norm_gemv=True),
+    "fp8_w_advance": dict(quantization="fp8", advance_kernel=True),
 }
 
 

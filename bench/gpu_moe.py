@@ -89,9 +89,15 @@ GEMV_SWEEP = [
 ]
 GEMV = kernels.KernelChoices(moe_gemv=True)  # the matrix-vector path for its rows
 NO_GEMV = kernels.KernelChoices(moe_gemv=False)  # alignment + the grouped GEMM at every batch
-# the second engine of the engine stage (``--before``): kernel choices turned off, for the ratio in the same run
-BEFORE = dict(fused_norm_gemv=True, advance_kernel=True)
-BEFORE_FLAGS = " ".join(f"--{'' if v else 'no-'}{k.replace('_', '-')}" for k, v in BEFORE.items())
+# the later engines of the engine stage (``--candidates``): kernel choices off by default until measured, each
+# candidate a '+'-joined set of EngineArgs fields turned on, for the ratio to the default in the same run
+CANDIDATES = "fused_norm_gemv+advance_kernel"
+
+
+def candidate_flags(candidate: str) -> str:
+    return " ".join(f"--{k.replace('_', '-')}" for k in candidate.split("+"))
+
+
 log = h.log
 
 
@@ -369,7 +375,7 @@ def active_params_per_token(m) -> float:
     return n
 
 
-def bench_30b(quick: bool, bw: float, profile: bool = False, before: bool = True) -> None:
+def bench_30b(quick: bool, bw: float, profile: bool = False, candidates: str = CANDIDATES) -> None:
     t0 = time.time()
     lm = random_init.random_model(SHAPE, name="qwen3-30b-a3b-random", dtype=torch.bfloat16, device=DEV, seed=1)
     torch.cuda.synchronize()
@@ -402,21 +408,24 @@ def bench_30b(quick: bool, bw: float, profile: bool = False, before: bool = True
     eng.shutdown()
     del eng
     torch.cuda.empty_cache()
-    if not before:
-        return
-    # the same weights with BEFORE's kernel choices (today: the kernels off by default until measured, the
-    # RMSNorms formed inside the GEMVs after them and the one-launch input advance), for the ratio in one run
-    eng = h.build_engine(  # a pool for batch 32 only: on an H100 the first engine's leftovers leave little
-        lm,
-        max_model_len=2048,
-        max_num_seqs=32,
-        max_num_batched_tokens=8192,
-        num_kv_blocks=1536,
-        **BEFORE,
-    )
-    h.warm_decode(eng, 1, 64, 16)
-    R["decode_before"] = [h.engine_decode(eng, B, 512, 32 if quick else 128, bw, seed=B) for B in (1, 2)]
-    eng.shutdown()
+    # the same weights with each candidate's kernel choices (today: the RMSNorms formed inside the GEMVs after
+    # them, the one-launch input advance), for the ratio in one run
+    R["decode_candidates"] = {}
+    for candidate in filter(None, candidates.split(",")):
+        eng = h.build_engine(  # a pool for batch 32 only: on an H100 the first engine's leftovers leave little
+            lm,
+            max_model_len=2048,
+            max_num_seqs=32,
+            max_num_batched_tokens=8192,
+            num_kv_blocks=1536,
+            **{k: True for k in candidate.split("+")},
+        )
+        h.warm_decode(eng, 1, 64, 16)
+        rows = [h.engine_decode(eng, B, 512, 32 if quick else 128, bw, seed=B) for B in (1, 2)]
+        R["decode_candidates"][candidate] = rows
+        eng.shutdown()
+        del eng
+        torch.cuda.empty_cache()
 
 
 def table() -> str:
@@ -470,11 +479,13 @@ def table() -> str:
             f"{r['B']:>4} {r['decode_tok_s']:>9.1f} {r['gpu_only_tok_s']:>15.1f} {r['step_GB']:>8.2f} "
             f"{r['roofline_tok_s']:>9.1f} {100 * r['frac_roofline']:>5.1f}% {100 * r['gpu_only_frac_roofline']:>9.1f}%"
         )
-    for r, b in zip(R.get("decode_before", []), R.get("decode", [])):
-        lines.append(
-            f"B={r['B']} with {BEFORE_FLAGS}: {r['decode_tok_s']:.1f} tok/s "
-            f"({100 * r['frac_roofline']:.1f}%); the default engine {b['decode_tok_s'] / r['decode_tok_s']:.2f}x of it"
-        )
+    for candidate, rows in R.get("decode_candidates", {}).items():
+        for r, b in zip(rows, R.get("decode", [])):
+            lines.append(
+                f"B={r['B']} with {candidate_flags(candidate)}: {r['decode_tok_s']:.1f} tok/s "
+                f"({100 * r['frac_roofline']:.1f}%, GPU-only {100 * r['gpu_only_frac_roofline']:.1f}%); "
+                f"{r['decode_tok_s'] / b['decode_tok_s']:.2f}x the default engine"
+            )
     if "prefill" in R:
         p = R["prefill"]
         lines.append(f"prefill {p['B']} x {p['prompt']}: {p['tok_s']:.0f} tok/s, {p['TFLOPs']:.1f} TFLOP/s")
@@ -492,10 +503,10 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of: correctness,kernel,parts,engine")
     ap.add_argument("--profile", action="store_true", help="a batch-1 step: replayed, and in the engine loop")
     ap.add_argument(
-        "--before",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="a second engine with the kernel choices of BEFORE, for the ratio",
+        "--candidates",
+        default=CANDIDATES,
+        help="comma list of candidates, each a '+'-joined set of EngineArgs kernel fields turned on: one more "
+        "engine each, batch 1 and 2, for the ratio to the default ('' for none)",
     )
     args = ap.parse_args()
     R["env"] = h.env_info(args, transformers=True)
@@ -512,7 +523,7 @@ def main() -> int:
     bw = stage("copy", h.copy_bandwidth) or 4.26e12
     R["copy_TBps"] = bw / 1e12
     if "engine" not in skip:
-        stage("engine", lambda: bench_30b(args.quick, bw, args.profile, args.before))
+        stage("engine", lambda: bench_30b(args.quick, bw, args.profile, args.candidates))
     h.write_results(R, "gpu_moe.json")
     print(table(), flush=True)
     return stage.status
